@@ -1,0 +1,3 @@
+from cafa_cli.cli import main
+
+main()

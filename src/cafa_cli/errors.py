@@ -1,0 +1,21 @@
+"""Errors a user can cause, each mapped to one exit code.
+
+Messages are one line that names the problem and the fix; the CLI prints them
+without a traceback.
+"""
+
+EXIT_RUNTIME = 1  # the tool failed (non-finite results, out of memory, interrupted)
+EXIT_USAGE = 2  # an option value is wrong
+EXIT_INPUT = 3  # a file or folder given to the tool is missing or unreadable
+
+
+class CafaError(Exception):
+    exit_code = EXIT_RUNTIME
+
+
+class UsageError(CafaError):
+    exit_code = EXIT_USAGE
+
+
+class InputError(CafaError):
+    exit_code = EXIT_INPUT
