@@ -1,0 +1,205 @@
+"""Which parameters adapt, how normalisation layers see the test batch, and one
+online step of each method (predict with the forward pass, then update)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from cafa_cli import losses
+from cafa_cli.distances import ClassDistances
+from cafa_cli.errors import UsageError
+from cafa_cli.models import FeatureClassifier
+from cafa_cli.statistics import ClassGaussians
+
+METHODS = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean")
+NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean")
+PARAM_SETS = ("norm", "all")
+OPTIMIZERS = ("adam", "sgd")
+NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
+class TestBatchNorm(nn.Module):
+    """BatchNorm that normalises with the test batch's statistics.
+
+    With `prior` = N > 0 the source running statistics count as N samples and are
+    mixed with the batch's n (Schneider et al. 2020): μ = (N·μ_s + n·μ_t)/(N + n),
+    likewise the variance — which makes batch size 1 usable.
+    """
+
+    def __init__(self, bn: _BatchNorm, prior: float = 0.0):
+        super().__init__()
+        self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
+        self.prior = prior if bn.running_mean is not None else 0.0
+        if bn.running_mean is not None:
+            self.register_buffer("source_mean", bn.running_mean.detach().clone())
+            self.register_buffer("source_var", bn.running_var.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = [0] + list(range(2, x.dim()))
+        mean = x.mean(dims)
+        var = x.var(dims, unbiased=False)
+        if self.prior > 0:
+            n = x.shape[0]
+            mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
+            var = (self.prior * self.source_var + n * var) / (self.prior + n)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        out = (x - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
+        if self.weight is not None:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def use_test_batch_norm(model: nn.Module, prior: float = 0.0) -> int:
+    """Swap every BatchNorm (found by type, so those inside ResNet `downsample` too)
+    for a TestBatchNorm sharing its affine parameters. Returns how many were swapped."""
+    swaps = [(name, module) for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, TestBatchNorm(module, prior))
+    return len(swaps)
+
+
+def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+    """Freeze everything, then unfreeze the normalisation affines (`norm`) or the
+    whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed."""
+    if which not in PARAM_SETS:
+        raise UsageError(f"--params must be one of {', '.join(PARAM_SETS)}, not {which}")
+    model.requires_grad_(False)
+    if which == "all":
+        classifier = {id(p) for p in model.classifier.parameters()}
+        chosen = [p for p in model.parameters() if id(p) not in classifier]
+    else:
+        chosen = []
+        for module in model.modules():
+            if isinstance(module, (TestBatchNorm, *NORM_LAYERS)):
+                chosen += [p for p in (module.weight, module.bias) if isinstance(p, nn.Parameter)]
+    unique = list({id(p): p for p in chosen}.values())
+    for p in unique:
+        p.requires_grad_(True)
+    return unique
+
+
+def make_objective(
+    method: str, gaussians: ClassGaussians | None, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """(logits, features) -> loss for a gradient method; None for source and bn."""
+    if method not in METHODS:
+        raise UsageError(f"--method must be one of {', '.join(METHODS)}, not {method}")
+    if method in ("source", "bn"):
+        return None
+    if method == "tent":
+        return lambda logits, features: losses.entropy(logits)
+    if method == "pl":
+        return lambda logits, features: losses.pseudo_label(logits)
+    if gaussians is None:
+        raise UsageError(f"--method {method} needs class statistics: pass --stats ARTIFACT (made by cafa stats)")
+    if method == "global-fa":
+        mean, covariance = gaussians.global_mean.to(device), gaussians.global_covariance.to(device)
+        return lambda logits, features: losses.global_alignment(features, mean, covariance)
+    distances = ClassDistances(gaussians, device, metric="euclidean" if method == "euclidean" else "mahalanobis")
+    loss = losses.intra if method == "intra" else losses.cafa
+    return lambda logits, features: loss(distances(features), logits.detach().argmax(1))
+
+
+class Adapter:
+    """A model adapting online: `step(images)` returns the logits of the forward pass
+    that also computed the loss (the prediction is made before the update)."""
+
+    def __init__(
+        self,
+        model: FeatureClassifier,
+        method: str = "cafa",
+        gaussians: ClassGaussians | None = None,
+        device: torch.device = torch.device("cpu"),
+        params: str = "norm",
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        steps: int = 1,
+        bn_prior: float = 0.0,
+        precision: str = "fp32",
+    ):
+        if steps < 1:
+            raise UsageError(f"--steps must be at least 1, not {steps}")
+        if lr <= 0:
+            raise UsageError(f"--lr must be positive, not {lr}")
+        if bn_prior < 0:
+            raise UsageError(f"--bn-prior must be 0 or more, not {bn_prior}")
+        if optimizer not in OPTIMIZERS:
+            raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer}")
+        self.objective = make_objective(method, gaussians, device)
+        self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
+        # Eval mode throughout: TestBatchNorm uses the batch statistics regardless, and
+        # dropout / stochastic depth would only add noise to the predictions.
+        self.model.eval()
+        if method != "source":
+            use_test_batch_norm(self.model, bn_prior)
+        self.params = select_parameters(self.model, params) if self.objective else []
+        if self.objective is None:
+            self.model.requires_grad_(False)
+        self._optimizer_kind, self._lr, self._momentum = optimizer, lr, momentum
+        self.optimizer = self._new_optimizer()
+        self.source_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.skipped_steps = 0
+        self.autocast = _autocast(device, precision)
+
+    def _new_optimizer(self) -> torch.optim.Optimizer | None:
+        if not self.params:
+            return None
+        if self._optimizer_kind == "sgd":
+            return torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum)
+        return torch.optim.Adam(self.params, lr=self._lr)
+
+    def reset(self) -> None:
+        """Back to the source weights, bit for bit, with a fresh optimiser state."""
+        self.model.load_state_dict(self.source_state)
+        self.optimizer = self._new_optimizer()
+
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, non_blocking=True)
+        if self.objective is None:
+            with torch.inference_mode(), self.autocast:
+                logits, _ = self.model(images)
+            return logits.float()
+        prediction = None
+        for _ in range(self.steps):
+            with self.autocast:
+                logits, features = self.model(images)
+            if prediction is None:
+                prediction = logits.detach().float()
+            loss = self.objective(logits.float(), features.float())
+            if not self._apply(loss):
+                break
+        return prediction
+
+    def _apply(self, loss: torch.Tensor) -> bool:
+        """One optimiser step; a non-finite loss or gradient skips it (and is counted)
+        so that NaN never reaches the weights."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            self.skipped_steps += 1
+            return False
+        loss.backward()
+        if not all(torch.isfinite(p.grad).all() for p in self.params if p.grad is not None):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            return False
+        self.optimizer.step()
+        return True
+
+
+def _autocast(device: torch.device, precision: str):
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in dtypes:
+        raise UsageError(f"--precision must be one of {', '.join(dtypes)}, not {precision}")
+    if dtypes[precision] is None:
+        return nullcontext()
+    if device.type != "cuda":
+        raise UsageError(f"--precision {precision} is for CUDA; on the CPU use fp32")
+    return torch.autocast("cuda", dtype=dtypes[precision])

@@ -1,0 +1,248 @@
+"""The class-statistics artifact: a self-describing safetensors file.
+
+The format is specified in docs/artifact-format.md. Reading validates every field
+and checks the tensors a slice at a time, so a multi-gigabyte artifact is never
+copied whole into memory just to be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from cafa_cli import __version__
+from cafa_cli.errors import InputError
+from cafa_cli.models import ModelSpec
+from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
+
+FORMAT = "cafa-stats"
+FORMAT_VERSION = 1
+DEFAULT_PATH = "cafa-stats.safetensors"
+_SLICE_BYTES = 256 << 20  # validate factors in pieces of about this size
+
+
+@dataclass
+class Artifact:
+    path: str
+    class_names: list[str]
+    model: ModelSpec
+    preprocessing: Preprocessing
+    sampling: dict
+    metadata: dict[str, str]
+    gaussians: ClassGaussians | None  # None when read with load_tensors=False
+
+    @property
+    def covariance(self) -> str:
+        return self.metadata["covariance"]
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.metadata["feature_dim"])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+def write_artifact(
+    path: str | Path,
+    gaussians: ClassGaussians,
+    class_names: list[str],
+    model: ModelSpec,
+    preprocessing: Preprocessing,
+    sampling: dict,
+) -> None:
+    """Write atomically: a temporary file in the same folder, then rename over `path`."""
+    C, d = gaussians.means.shape
+    lambdas = gaussians.shrinkage
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "covariance": gaussians.covariance,
+        "feature_dim": str(d),
+        "num_classes": str(C),
+        "class_names": json.dumps(class_names),
+        "shrinkage": json.dumps(
+            {
+                "method": gaussians.shrinkage_method,
+                "target": "tr(S)/d * I",
+                "min": float(lambdas.min()),
+                "max": float(lambdas.max()),
+                "mean": float(lambdas.mean()),
+            }
+        ),
+        "model": json.dumps(asdict(model)),
+        "preprocessing": preprocessing.to_json(),
+        "sampling": json.dumps(sampling),
+        "num_images": str(int(gaussians.counts.sum())),
+        "cafa_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    tensors = {
+        "means": gaussians.means,
+        "precision_cholesky": gaussians.factors,
+        "counts": gaussians.counts,
+        "shrinkage": gaussians.shrinkage,
+        "global_mean": gaussians.global_mean,
+        "global_covariance": gaussians.global_covariance,
+    }
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata))
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """Call write(temp_path), then move the result over `path`; on any failure
+    (including KeyboardInterrupt) remove the temporary file and keep the old `path`."""
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{target} is a folder; give a file name to write to")
+    if not target.parent.exists():
+        raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --- reading ---------------------------------------------------------------------
+
+
+def _bad(path, why: str) -> InputError:
+    return InputError(f"{path}: {why}")
+
+
+def _json(metadata: dict, key: str, path):
+    try:
+        return json.loads(metadata[key])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise _bad(path, f"metadata field '{key}' is missing or not valid JSON; re-create the artifact with cafa stats") from None
+
+
+def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such artifact; create one with `cafa stats` (or pass --stats FILE)")
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip().lower()
+    if head.startswith((b"<!doctype", b"<html", b"<?xml")):
+        raise _bad(path, "this is a web page saved as a file, not a cafa artifact; download the file itself")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _read_open(f, path, load_tensors)
+    except SafetensorError as error:
+        raise _bad(path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats") from None
+    except (OSError, ValueError, RuntimeError, OverflowError) as error:
+        raise _bad(path, f"unreadable artifact ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); re-create it with cafa stats") from None
+
+
+def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
+    metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise _bad(path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')")
+    version = metadata.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (reads version {FORMAT_VERSION}); re-create it or upgrade cafa")
+    covariance = metadata.get("covariance")
+    if covariance not in COVARIANCE_MODES:
+        raise _bad(path, f"unknown covariance mode {covariance!r}")
+    try:
+        d = int(metadata["feature_dim"])
+        C = int(metadata["num_classes"])
+    except (KeyError, ValueError):
+        raise _bad(path, "metadata 'feature_dim' / 'num_classes' missing or not integers") from None
+    if d < 1 or C < 1:
+        raise _bad(path, f"metadata says {C} classes of dimension {d}")
+    class_names = _json(metadata, "class_names", path)
+    if not isinstance(class_names, list) or len(class_names) != C or not all(isinstance(n, str) for n in class_names):
+        raise _bad(path, f"metadata 'class_names' must be a list of {C} strings")
+    if len(set(class_names)) != C:
+        raise _bad(path, "metadata 'class_names' repeats a name")
+    model_fields = _json(metadata, "model", path)
+    prep_fields = _json(metadata, "preprocessing", path)
+    sampling = _json(metadata, "sampling", path)
+    try:
+        model = ModelSpec(**model_fields)
+        preprocessing = Preprocessing.from_dict(prep_fields)
+    except (TypeError, KeyError, ValueError, AttributeError) as error:
+        raise _bad(path, f"metadata 'model' or 'preprocessing' is malformed ({error})") from None
+    except Exception as error:  # UsageError from Preprocessing's own checks
+        raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
+
+    factor_shape = {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
+    expected = {
+        "means": ((C, d), torch.float32),
+        "precision_cholesky": (factor_shape, torch.float32),
+        "counts": ((C,), torch.int64),
+        "shrinkage": ((1 if covariance == "tied" else C,), torch.float64),
+        "global_mean": ((d,), torch.float32),
+        "global_covariance": ((d, d), torch.float32),
+    }
+    keys = set(f.keys())
+    missing = sorted(set(expected) - keys)
+    if missing:
+        raise _bad(path, f"tensors missing: {', '.join(missing)}")
+    for name, (shape, dtype) in expected.items():
+        piece = f.get_slice(name)
+        actual_shape = tuple(piece.get_shape())
+        actual_dtype = piece.get_dtype()
+        if actual_shape != shape:
+            raise _bad(path, f"tensor '{name}' has shape {actual_shape}, metadata implies {shape}")
+        if actual_dtype != {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]:
+            raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {dtype}")
+
+    small = {name: f.get_tensor(name) for name in expected if name != "precision_cholesky"}
+    for name, tensor in small.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise _bad(path, f"tensor '{name}' holds NaN or inf values")
+    if (small["counts"] < 2).any():
+        raise _bad(path, "tensor 'counts' has classes with fewer than 2 samples")
+    if ((small["shrinkage"] < 0) | (small["shrinkage"] > 1)).any():
+        raise _bad(path, "tensor 'shrinkage' has values outside [0, 1]")
+    factors = _checked_factors(f, path, covariance, factor_shape, keep=load_tensors)
+
+    gaussians = None
+    if load_tensors:
+        shrink_info = _json(metadata, "shrinkage", path)
+        gaussians = ClassGaussians(
+            means=small["means"],
+            factors=factors,
+            counts=small["counts"],
+            shrinkage=small["shrinkage"],
+            covariance=covariance,
+            global_mean=small["global_mean"],
+            global_covariance=small["global_covariance"],
+            shrinkage_method=str(shrink_info.get("method", "unknown")) if isinstance(shrink_info, dict) else "unknown",
+        )
+    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians)
+
+
+def _checked_factors(f, path, covariance: str, shape: tuple, keep: bool) -> torch.Tensor | None:
+    """Check the factors slice by slice: finite, lower-triangular, positive diagonal."""
+    piece = f.get_slice("precision_cholesky")
+    per_class_bytes = 4 * int(torch.tensor(shape[1:]).prod())
+    step = max(1, _SLICE_BYTES // per_class_bytes)
+    kept = []
+    for start in range(0, shape[0], step):
+        block = piece[start : start + step]
+        if not torch.isfinite(block).all():
+            raise _bad(path, "precision factors hold NaN or inf values")
+        diagonal = block if covariance == "diag" else block.diagonal(dim1=-2, dim2=-1)
+        if (diagonal <= 0).any():
+            raise _bad(path, "precision factors have a non-positive diagonal; not a valid Cholesky factor")
+        if covariance != "diag" and torch.triu(block, diagonal=1).any():
+            raise _bad(path, "precision factors are not lower-triangular")
+        if keep:
+            kept.append(block)
+    return torch.cat(kept) if keep else None

@@ -1,0 +1,259 @@
+"""The `cafa` command: parses options, calls one pipeline function per command,
+and turns errors into one line on stderr and an exit code."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from cafa_cli import __version__
+from cafa_cli.artifact import DEFAULT_PATH, read_artifact
+from cafa_cli.errors import EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.inspect import describe, render
+from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
+from cafa_cli.preprocessing import parse_floats, parse_size
+from cafa_cli.report import Monitor, RecordWriter, metrics, open_output, stderr_console, summary_table, write_json
+
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    name="cafa",
+    help="Test-time adaptation of image classifiers with Class-Aware Feature Alignment (CAFA, ICCV 2023).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+_debug = {"on": False}
+
+
+def _version(value: bool):
+    if value:
+        print(f"cafa {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+):
+    _debug["on"] = debug
+
+
+def reports_errors(command):
+    """Turn CafaError into one line on stderr and its exit code; Ctrl-C into exit 130."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except CafaError as error:
+            if _debug["on"]:
+                raise
+            typer.echo(f"cafa: error: {error}", err=True)
+            raise typer.Exit(code=error.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("cafa: interrupted", err=True)
+            raise typer.Exit(code=EXIT_INTERRUPTED) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except MemoryError:
+            typer.echo("cafa: error: out of memory; lower --batch-size (or use --covariance tied/diag)", err=True)
+            raise typer.Exit(code=EXIT_RUNTIME) from None
+        except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
+            if _debug["on"]:
+                raise
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            typer.echo(f"cafa: error: {type(error).__name__}: {first} (run with --debug for the traceback)", err=True)
+            raise typer.Exit(code=EXIT_RUNTIME) from None
+
+    return wrapper
+
+
+# --- shared options --------------------------------------------------------------
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a factory 'file.py:function' / 'package.module:function'.")]
+WeightsOpt = Annotated[Optional[str], typer.Option("--weights", "-w", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True).")]
+NumClassesOpt = Annotated[Optional[int], typer.Option("--num-classes", help="Outputs of a torchvision architecture or factory.")]
+ClassifierOpt = Annotated[Optional[str], typer.Option("--classifier", help="Name of the final nn.Linear (default: the last one).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-checkpoint", help="Allow .pt/.pth files that hold Python objects. Unpickling them can run arbitrary code: only for files you trust.")]
+LabelsOpt = Annotated[Optional[str], typer.Option("--labels", help="Labels .npy for a --data .npy array.")]
+SeverityOpt = Annotated[Optional[int], typer.Option("--severity", help="Pick severity 1-5 from an array stacking five (CIFAR-10-C layout).")]
+ResizeOpt = Annotated[Optional[str], typer.Option("--resize", help="Resize the shorter side to this (int or 'none'). Default: 256, or the bundled model's.")]
+CropOpt = Annotated[Optional[str], typer.Option("--crop", help="Centre crop (int or 'none'). Default 224. ImageNet-C is already 224x224: use --resize none --crop none.")]
+MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Normalisation mean, one value or one per channel (default ImageNet's).")]
+StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std, one value or one per channel.")]
+ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey) or 3 (RGB).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+WorkersOpt = Annotated[int, typer.Option("--num-workers", help="Data loading processes.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
+StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
+
+
+def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
+    changes = {}
+    if resize is not None:
+        changes["resize"] = parse_size(resize)
+    if crop is not None:
+        changes["crop"] = parse_size(crop)
+    if mean is not None:
+        changes["mean"] = parse_floats(mean, "--mean")
+    if std is not None:
+        changes["std"] = parse_floats(std, "--std")
+    if channels is not None:
+        changes["channels"] = channels
+    return changes
+
+
+# --- commands --------------------------------------------------------------------
+
+
+@app.command()
+@reports_errors
+def stats(
+    data: Annotated[str, typer.Option("--data", "-d", help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT / fashion-mnist:ROOT.")],
+    model: ModelOpt = "resnet50",
+    weights: WeightsOpt = None,
+    num_classes: NumClassesOpt = None,
+    classifier: ClassifierOpt = None,
+    trust_checkpoint: TrustOpt = False,
+    classes: Annotated[Optional[str], typer.Option("--classes", help="File with one class name per line, in the model's output order (default: sorted folder names).")] = None,
+    labels: LabelsOpt = None,
+    severity: SeverityOpt = None,
+    fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of each class to use, in (0, 1].")] = 0.05,
+    per_class: Annotated[Optional[int], typer.Option("--per-class", help="Use this many images per class instead of --fraction.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the stratified subset.")] = 0,
+    covariance: Annotated[str, typer.Option("--covariance", help="full (per class), tied (one pooled), or diag.")] = "full",
+    shrinkage: Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I.")] = "auto",
+    resize: ResizeOpt = None,
+    crop: CropOpt = None,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    channels: ChannelsOpt = None,
+    device: DeviceOpt = "auto",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Images per forward pass.")] = 128,
+    num_workers: WorkersOpt = 0,
+    out: Annotated[str, typer.Option("--out", "-o", help="Artifact to write (atomically).")] = DEFAULT_PATH,
+    strict: StrictOpt = False,
+    quiet: QuietOpt = False,
+):
+    """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
+    shrink = shrinkage if shrinkage == "auto" else _parse_shrinkage(shrinkage)
+    console = stderr_console(quiet)
+    with Monitor(console, quiet) as monitor:
+        artifact = compute_statistics(
+            data,
+            out,
+            ModelChoice(model, weights, num_classes, classifier, trust_checkpoint),
+            DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels)),
+            fraction=fraction,
+            per_class=per_class,
+            seed=seed,
+            covariance=covariance,
+            shrinkage=shrink,
+            device=device,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            strict=strict,
+            monitor=monitor,
+        )
+    monitor.info(
+        f"wrote {out}: {artifact.num_classes} classes, d={artifact.feature_dim}, "
+        f"{artifact.metadata['num_images']} images, covariance {artifact.covariance}"
+    )
+
+
+def _parse_shrinkage(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {text!r}") from None
+
+
+@app.command()
+@reports_errors
+def adapt(
+    data: Annotated[list[str], typer.Option("--data", "-d", help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for image paths on stdin.")],
+    stats: Annotated[Optional[str], typer.Option("--stats", "-s", help=f"Artifact from cafa stats [default: {DEFAULT_PATH}].")] = None,
+    method: Annotated[str, typer.Option("--method", help="cafa, source, bn, pl, tent, global-fa, intra, euclidean.")] = "cafa",
+    model: ModelOpt = None,
+    weights: WeightsOpt = None,
+    num_classes: NumClassesOpt = None,
+    classifier: ClassifierOpt = None,
+    trust_checkpoint: TrustOpt = False,
+    allow_weights_mismatch: Annotated[bool, typer.Option("--allow-weights-mismatch", help="Use the artifact even if its weights file changed.")] = False,
+    classes: Annotated[Optional[str], typer.Option("--classes", help="Class list file, when no artifact gives one.")] = None,
+    labels: LabelsOpt = None,
+    severity: SeverityOpt = None,
+    resize: ResizeOpt = None,
+    crop: CropOpt = None,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    channels: ChannelsOpt = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")] = 200,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="adam or sgd.")] = "adam",
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 1e-3,
+    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum.")] = 0.9,
+    steps: Annotated[int, typer.Option("--steps", help="Gradient steps per batch.")] = 1,
+    params: Annotated[str, typer.Option("--params", help="norm (normalisation affines) or all (the whole feature extractor).")] = "norm",
+    bn_prior: Annotated[float, typer.Option("--bn-prior", help="Source BN statistics count as this many samples (0: test batch only).")] = 0.0,
+    reset: Annotated[str, typer.Option("--reset", help="domain (each --data from the source weights), episodic (every batch), never (continual).")] = "domain",
+    shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle each domain's stream (seeded).")] = True,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the stream order.")] = 0,
+    device: DeviceOpt = "auto",
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")] = "fp32",
+    num_workers: WorkersOpt = 0,
+    fmt: Annotated[str, typer.Option("--format", help="csv or jsonl.")] = "csv",
+    predictions: Annotated[Optional[str], typer.Option("--predictions", help="Write the records to this file instead of stdout.")] = None,
+    metrics_json: Annotated[Optional[str], typer.Option("--metrics-json", help="Write errors and settings as JSON.")] = None,
+    strict: StrictOpt = False,
+    quiet: QuietOpt = False,
+):
+    """Adapt a model online over test domains; print one prediction per image."""
+    settings = AdaptSettings(
+        method, batch_size, optimizer, lr, momentum, steps, params, bn_prior, reset, shuffle, seed, device, precision, num_workers, strict
+    )
+    job = prepare_adaptation(
+        data,
+        stats,
+        ModelChoice(model, weights, num_classes, classifier, trust_checkpoint),
+        DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels)),
+        settings,
+        allow_weights_mismatch,
+    )
+    console = stderr_console(quiet)
+    output = open_output(predictions)
+    writer = RecordWriter(output, fmt, job.class_names)
+    try:
+        with Monitor(console, quiet) as monitor:
+            results = job.run(writer.write, monitor)
+    finally:
+        output.flush()
+        if output is not sys.stdout:
+            output.close()
+    console.print(summary_table(method, results))
+    if metrics_json:
+        write_json(metrics_json, metrics(method, results, job.used))
+
+
+@app.command("inspect")
+@reports_errors
+def inspect_command(
+    artifact: Annotated[str, typer.Argument(help="A cafa statistics artifact.")] = DEFAULT_PATH,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+):
+    """Summarise and validate an artifact: classes, counts, dimensions, shrinkage, model, conditioning."""
+    summary = describe(read_artifact(artifact))
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        Console(highlight=False).print(render(summary))
+
+
+def main() -> None:
+    app()

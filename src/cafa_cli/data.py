@@ -1,0 +1,386 @@
+"""Where images come from: image folders, CIFAR-style arrays, training sets, stdin.
+
+Every source becomes a `Domain`: a list of references (paths), integer labels that
+index `class_names` (-1 when unknown), and a function that reads one image. Labels
+are always resolved through class *names*, never by re-enumerating the folders a
+test set happens to have.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset
+
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.preprocessing import Preprocessing
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+UNLABELLED = -1
+
+
+@dataclass
+class Domain:
+    name: str
+    refs: list[str]
+    labels: np.ndarray  # int64, indexes class_names; UNLABELLED where unknown
+    class_names: list[str]
+    read: Callable[[int], Image.Image]
+    indexed_labels: bool = False  # labels are output indices (arrays), not names
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(len(self.labels)) and bool((self.labels != UNLABELLED).all())
+
+
+def open_domain(
+    spec: str,
+    class_names: Sequence[str] | None = None,
+    labels: str | None = None,
+    severity: int | None = None,
+    stdin=None,
+) -> Domain:
+    """Open one `--data` value.
+
+    `class_names`, when given, is the model's output order (from `--classes` or the
+    artifact); labels are mapped into it by name. Without it, an image folder's
+    sorted folder names become the class list.
+    """
+    if labels is not None and not spec.endswith(".npy"):
+        raise UsageError("--labels is only for .npy arrays; image folders take labels from class folders")
+    kind, _, root = spec.partition(":")
+    if kind in TRAINING_SETS and root:
+        domain = TRAINING_SETS[kind](Path(root))
+    elif spec == "-":
+        domain = _stdin_domain(stdin if stdin is not None else sys.stdin)
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise InputError(f"--data {spec}: no such file or folder")
+        if path.is_dir():
+            domain = _folder_domain(path)
+        elif path.suffix.lower() == ".npy":
+            domain = _array_domain(path, labels, severity)
+        else:
+            raise InputError(
+                f"--data {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
+                f"or one of {', '.join(k + ':ROOT' for k in TRAINING_SETS)}"
+            )
+    if class_names is not None:
+        domain = relabel(domain, list(class_names))
+    return domain
+
+
+def relabel(domain: Domain, class_names: list[str]) -> Domain:
+    """Map the domain's labels into `class_names` by name.
+
+    Arrays carry label indices, not names: those are checked against the class count.
+    """
+    if domain.class_names == class_names or not domain.class_names:
+        return Domain(domain.name, domain.refs, domain.labels, class_names, domain.read)
+    if domain.indexed_labels:
+        if int(domain.labels.max(initial=-1)) >= len(class_names):
+            raise InputError(
+                f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(class_names)} classes"
+            )
+        return Domain(domain.name, domain.refs, domain.labels, class_names, domain.read)
+    index = {name: i for i, name in enumerate(class_names)}
+    unknown = sorted(set(domain.class_names) - set(index))
+    used = set(domain.labels[domain.labels != UNLABELLED].tolist())
+    unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
+    if unknown_used:
+        shown = ", ".join(unknown_used[:5]) + (" ..." if len(unknown_used) > 5 else "")
+        raise InputError(
+            f"{domain.name}: class folder(s) {shown} not in the model's class list "
+            f"({len(class_names)} classes); rename them or give the right --classes file"
+        )
+    lookup = np.array([index.get(n, UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
+    return Domain(domain.name, domain.refs, lookup[domain.labels], class_names, domain.read)
+
+
+def read_class_list(path: str) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
+    names = [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not names:
+        raise InputError(f"--classes {path}: the file lists no class names")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InputError(f"--classes {path}: class names repeat: {', '.join(duplicates[:5])}")
+    return names
+
+
+# --- image folders ---------------------------------------------------------------
+
+
+def is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
+
+
+def _images_below(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if is_image(p))
+
+
+def read_image(path: str) -> Image.Image:
+    with Image.open(path) as image:
+        image.load()  # decode now so that truncated files fail here, not later
+        return image
+
+
+def _folder_domain(root: Path) -> Domain:
+    """root/<class>/<images> is labelled; root/<images> is an unlabelled stream."""
+    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    refs: list[str] = []
+    labels: list[int] = []
+    class_names = [d.name for d in class_dirs]
+    for label, folder in enumerate(class_dirs):
+        images = _images_below(folder)
+        refs += [str(p) for p in images]
+        labels += [label] * len(images)
+    if not refs:
+        top = sorted(p for p in root.iterdir() if is_image(p))
+        if not top:
+            raise InputError(
+                f"--data {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
+                f"in class sub-folders and at the top level)"
+            )
+        refs = [str(p) for p in top]
+        labels = [UNLABELLED] * len(refs)
+        class_names = []
+    return Domain(str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]))
+
+
+def _stdin_domain(stream) -> Domain:
+    refs = [line.strip() for line in stream if line.strip()]
+    if not refs:
+        raise InputError("--data -: stdin held no image paths (give one path per line)")
+    return Domain("-", refs, np.full(len(refs), UNLABELLED, dtype=np.int64), [], lambda i: read_image(refs[i]))
+
+
+# --- arrays ----------------------------------------------------------------------
+
+
+def _load_npy(path: Path, what: str) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise InputError(f"{what} {path}: not a readable .npy array ({error})") from None
+
+
+def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> Domain:
+    images = _load_npy(path, "--data")
+    if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
+        raise InputError(
+            f"--data {path}: expected uint8 images shaped N×H×W or N×H×W×C (C = 1 or 3), "
+            f"got {images.dtype} {tuple(images.shape)}"
+        )
+    if labels_path is None:
+        labels = np.full(len(images), UNLABELLED, dtype=np.int64)
+    else:
+        raw = _load_npy(Path(labels_path), "--labels")
+        if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
+            raise InputError(f"--labels {labels_path}: expected a 1-D integer array, got {raw.dtype} {raw.shape}")
+        labels = np.asarray(raw, dtype=np.int64)
+    rows = np.arange(len(images))
+    if severity is not None:
+        if not 1 <= severity <= 5:
+            raise UsageError(f"--severity must be 1..5, not {severity}")
+        if len(images) % 5:
+            raise InputError(f"--data {path}: {len(images)} rows do not split into 5 severities")
+        per = len(images) // 5
+        rows = rows[(severity - 1) * per : severity * per]
+    if len(labels) == len(images):
+        labels = labels[rows]
+    elif len(labels) != len(rows):
+        raise InputError(f"--labels {labels_path}: {len(labels)} labels for {len(rows)} images")
+    if labels.min(initial=0) < UNLABELLED:
+        raise InputError(f"--labels {labels_path}: labels must be class indices >= 0")
+    count = int(labels.max(initial=-1)) + 1
+    refs = [f"{path}#{int(r)}" for r in rows]
+
+    def read(i: int) -> Image.Image:
+        pixels = np.asarray(images[rows[i]])
+        return Image.fromarray(pixels[..., 0] if pixels.ndim == 3 and pixels.shape[-1] == 1 else pixels)
+
+    return Domain(str(path), refs, labels, [str(c) for c in range(count)], read, indexed_labels=True)
+
+
+# --- standard training sets (never downloaded) -----------------------------------
+
+
+class _ArrayOnlyUnpickler(pickle.Unpickler):
+    """CIFAR's python batches are pickles: allow numpy arrays and plain data only,
+    so that a tampered file cannot run code."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _read_cifar_batch(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
+        raise InputError(f"{path}: not a readable CIFAR batch ({error})") from None
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def _cifar(root: Path, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
+    base = root / folder if (root / folder).is_dir() else root
+    missing = [f for f in files + [meta] if not (base / f).is_file()]
+    if missing:
+        raise InputError(
+            f"CIFAR files missing in {base}: {', '.join(missing)}; unpack the python version "
+            f"of the dataset so that {root}/{folder}/{files[0]} exists (cafa never downloads)"
+        )
+    batches = [_read_cifar_batch(base / f) for f in files]
+    pixels = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches])
+    images = pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    labels = np.concatenate([np.asarray(b[label_key], dtype=np.int64) for b in batches])
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in _read_cifar_batch(base / meta)[names_key]]
+    refs = [f"{folder}#{i}" for i in range(len(images))]
+    return Domain(f"{folder}", refs, labels, names, lambda i: Image.fromarray(images[i]))
+
+
+def _cifar10(root: Path) -> Domain:
+    files = [f"data_batch_{i}" for i in range(1, 6)]
+    return _cifar(root, "cifar-10-batches-py", files, "batches.meta", "labels", "label_names")
+
+
+def _cifar100(root: Path) -> Domain:
+    return _cifar(root, "cifar-100-python", ["train"], "meta", "fine_labels", "fine_label_names")
+
+
+def _fashion_mnist(root: Path, split: str) -> Domain:
+    from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+
+    images, labels = load_fashion_mnist(root, split)
+    refs = [f"fashion-mnist-{split}#{i}" for i in range(len(images))]
+    return Domain(f"fashion-mnist-{split}", refs, labels.astype(np.int64), list(FASHION_MNIST_CLASSES),
+                  lambda i: Image.fromarray(images[i]))
+
+
+TRAINING_SETS: dict[str, Callable[[Path], Domain]] = {
+    "cifar10": _cifar10,
+    "cifar100": _cifar100,
+    "fashion-mnist": lambda root: _fashion_mnist(root, "train"),
+    "fashion-mnist-test": lambda root: _fashion_mnist(root, "test"),
+}
+
+
+# --- sampling and loading ---------------------------------------------------------
+
+
+def stratified_subset(
+    labels: np.ndarray,
+    class_names: Sequence[str],
+    fraction: float | None = None,
+    per_class: int | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Indices of a per-class random subset: round(fraction·N_c) or min(per_class, N_c).
+
+    Reproducible: the same seed gives the same subset, whatever else the folder holds.
+    """
+    generator = np.random.default_rng(seed)
+    chosen: list[np.ndarray] = []
+    too_few: list[str] = []
+    for c, name in enumerate(class_names):
+        members = np.flatnonzero(labels == c)
+        take = min(per_class, len(members)) if per_class is not None else int(round(fraction * len(members)))
+        if take < 2:
+            too_few.append(f"{name} ({take} of {len(members)})")
+            continue
+        chosen.append(np.sort(generator.choice(members, size=take, replace=False)))
+    if too_few:
+        shown = ", ".join(too_few[:5]) + (f" and {len(too_few) - 5} more" if len(too_few) > 5 else "")
+        raise InputError(
+            f"classes with fewer than 2 selected images: {shown}; "
+            f"raise --fraction/--per-class or add images"
+        )
+    return np.sort(np.concatenate(chosen))
+
+
+class _DomainImages(Dataset):
+    def __init__(self, domain: Domain, indices: np.ndarray, preprocess: Preprocessing):
+        self.domain, self.indices, self.preprocess = domain, indices, preprocess
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int):
+        i = int(self.indices[position])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                image = self.preprocess(self.domain.read(i))
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+            return None, i, f"{type(error).__name__}: {error}"
+        return image, i, None
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor | None  # None when every image of the batch failed to read
+    indices: list[int]  # positions in the domain of the images that were read
+    failures: list[tuple[int, str]]  # (position, why) of the images that were not
+
+
+def _collate(items) -> Batch:
+    good = [(image, i) for image, i, error in items if error is None]
+    failures = [(i, error) for _, i, error in items if error is not None]
+    shapes = sorted({tuple(image.shape) for image, _ in good})
+    if len(shapes) > 1:
+        raise InputError(
+            f"images of different sizes in one batch ({' and '.join('x'.join(map(str, s[1:])) for s in shapes[:2])}); "
+            f"set --resize and --crop so that every image ends the same size"
+        )
+    images = torch.stack([image for image, _ in good]) if good else None
+    return Batch(images, [i for _, i in good], failures)
+
+
+def batches(
+    domain: Domain,
+    preprocess: Preprocessing,
+    batch_size: int,
+    indices: np.ndarray | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Batches of preprocessed images in the order of `indices` (default: all, in order)."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
+    if num_workers < 0:
+        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+    if indices is None:
+        indices = np.arange(len(domain))
+    return DataLoader(
+        _DomainImages(domain, indices, preprocess),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+    )

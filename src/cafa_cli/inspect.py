@@ -1,0 +1,83 @@
+"""`cafa inspect`: what an artifact holds, and how well conditioned its Gaussians are."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from cafa_cli.artifact import Artifact
+
+_CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
+
+
+def condition_numbers(artifact: Artifact) -> list[float]:
+    """cond(Σ_c) = cond(L_c)² for up to 64 evenly spread classes (an SVD per class)."""
+    g = artifact.gaussians
+    if g.covariance == "diag":
+        return (g.factors.double().amax(1) / g.factors.double().amin(1)).square().tolist()
+    picks = torch.linspace(0, len(g.factors) - 1, min(len(g.factors), _CONDITIONING_SAMPLE)).round().long().unique()
+    return [float(torch.linalg.cond(g.factors[i].double()) ** 2) for i in picks]
+
+
+def describe(artifact: Artifact) -> dict:
+    g = artifact.gaussians
+    conds = sorted(condition_numbers(artifact))
+    shrinkage = g.shrinkage.tolist()
+    return {
+        "path": artifact.path,
+        "format": f"{artifact.metadata['format']} v{artifact.metadata['format_version']}",
+        "cafa_version": artifact.metadata.get("cafa_version"),
+        "created": artifact.metadata.get("created"),
+        "covariance": artifact.covariance,
+        "feature_dim": artifact.feature_dim,
+        "num_classes": artifact.num_classes,
+        "num_images": int(g.counts.sum()),
+        "shrinkage": json.loads(artifact.metadata["shrinkage"]),
+        "model": vars(artifact.model),
+        "preprocessing": json.loads(artifact.preprocessing.to_json()),
+        "sampling": artifact.sampling,
+        "conditioning": {
+            "classes_measured": len(conds),
+            "min": conds[0],
+            "median": conds[len(conds) // 2],
+            "max": conds[-1],
+        },
+        "classes": [
+            {"name": name, "count": int(count), "shrinkage": shrinkage[i] if len(shrinkage) > 1 else shrinkage[0]}
+            for i, (name, count) in enumerate(zip(artifact.class_names, g.counts.tolist()))
+        ],
+    }
+
+
+def render(summary: dict) -> Group:
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    model = summary["model"]
+    cond = summary["conditioning"]
+    shrink = summary["shrinkage"]
+    rows = [
+        ("artifact", summary["path"]),
+        ("format", f"{summary['format']} (cafa {summary['cafa_version']}, {summary['created']})"),
+        ("model", f"{model['model']}, classifier {model['classifier']}"),
+        ("weights", f"{model['weights'] or '(none: random or bundled)'}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
+        ("classes", f"{summary['num_classes']}, feature dim {summary['feature_dim']}, {summary['num_images']} images"),
+        ("covariance", summary["covariance"]),
+        ("shrinkage", f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}"),
+        ("conditioning", f"cond(Σ) over {cond['classes_measured']} classes: min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g}"),
+        ("preprocessing", json.dumps(summary["preprocessing"])),
+        ("sampling", json.dumps(summary["sampling"])),
+    ]
+    for key, value in rows:
+        facts.add_row(key, Text(str(value)))
+    classes = Table("class", "count", "λ", title="per class", title_justify="left")
+    shown = summary["classes"]
+    for c in shown[:20]:
+        classes.add_row(c["name"], str(c["count"]), f"{c['shrinkage']:.4f}")
+    if len(shown) > 20:
+        classes.add_row(f"… {len(shown) - 20} more", "", "")
+    return Group(facts, classes)

@@ -1,0 +1,260 @@
+"""Resolve `--model` / `--weights` into a module, and split it into features + classifier.
+
+The features CAFA aligns are the input of the final linear layer. A forward pre-hook
+captures them, so any architecture works without rewriting its forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cafa_cli.errors import InputError, UsageError
+
+HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the artifact records so that `adapt` can rebuild the exact model."""
+
+    model: str
+    weights: str | None = None  # absolute path
+    weights_sha256: str | None = None
+    num_classes: int | None = None
+    classifier: str | None = None
+
+
+def build_model(model: str, num_classes: int | None = None) -> nn.Module:
+    """A torchvision architecture name, a bundled model name, or `file.py:fn` / `pkg.mod:fn`."""
+    from cafa_cli.zoo import BUNDLED, load_bundled
+
+    if model in BUNDLED:
+        return load_bundled(model)
+    if ":" in model:
+        return _from_factory(model, num_classes)
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if model not in names:
+        close = [n for n in names if model.lower().replace("-", "_") in n][:5]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UsageError(
+            f"--model {model}: unknown architecture{hint}; give a torchvision classification model, "
+            f"one of {', '.join(sorted(BUNDLED))}, or a factory 'file.py:function'"
+        )
+    kwargs = {"num_classes": num_classes} if num_classes is not None else {}
+    return torchvision.models.get_model(model, weights=None, **kwargs)
+
+
+def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
+    location, _, function = spec.rpartition(":")
+    if not function.isidentifier():
+        raise UsageError(f"--model {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
+    try:
+        if location.endswith(".py"):
+            path = Path(location)
+            if not path.is_file():
+                raise InputError(f"--model {spec}: no such file {location}")
+            module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(location)
+    except InputError:
+        raise
+    except Exception as error:  # a user's file can fail in any way; report it on one line
+        raise InputError(f"--model {spec}: could not import {location} ({type(error).__name__}: {error})") from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise InputError(f"--model {spec}: {location} has no function {function}")
+    try:
+        model = factory(num_classes=num_classes) if num_classes is not None else factory()
+    except Exception as error:
+        raise InputError(f"--model {spec}: {function}() failed ({type(error).__name__}: {error})") from None
+    if not isinstance(model, nn.Module):
+        raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
+    return model
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--weights {path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(512).lstrip().lower()
+    if head.startswith(HTML_MARKERS):
+        raise InputError(f"--weights {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None
+    else:
+        state = _torch_load(path, trust_checkpoint)
+    return _unwrap(state, path)
+
+
+def _torch_load(path: Path, trust_checkpoint: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
+    except pickle.UnpicklingError as error:
+        if "weights_only" in str(error):
+            raise InputError(
+                f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
+                f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
+            ) from None
+        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({error})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
+
+
+def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    for key in ("state_dict", "model", "model_state_dict", "net"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InputError(f"--weights {path}: expected a state_dict (names -> tensors), found {type(state).__name__}")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:6])}" + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else ""))
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:6])}" + (f" (+{len(unexpected) - 6} more)" if len(unexpected) > 6 else ""))
+        raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
+    if wrong:
+        raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
+    model.load_state_dict(state)
+
+
+def find_classifier(model: nn.Module, name: str | None = None) -> tuple[str, nn.Linear]:
+    """The final nn.Linear: `fc` in ResNets, `classifier.N` in EfficientNet/MobileNet,
+    `heads.head` in ViT — the last Linear in registration order, or `name`."""
+    modules = dict(model.named_modules())
+    if name is not None:
+        layer = modules.get(name)
+        if not isinstance(layer, nn.Linear):
+            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise UsageError(
+                f"--classifier {name}: no nn.Linear of that name"
+                + (f" (linear layers: {', '.join(linears[-5:])})" if linears else "")
+            )
+        return name, layer
+    linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise InputError("the model has no nn.Linear classifier layer; CAFA needs the features that enter one (see --classifier)")
+    return linears[-1]
+
+
+class FeatureClassifier(nn.Module):
+    """Wraps a classifier so that forward returns (logits, features)."""
+
+    def __init__(self, model: nn.Module, classifier_name: str | None = None):
+        super().__init__()
+        self.model = model
+        self.classifier_name, self.classifier = find_classifier(model, classifier_name)
+        self._features: torch.Tensor | None = None
+        self.classifier.register_forward_pre_hook(self._keep_features)
+
+    def _keep_features(self, module, inputs):
+        self._features = inputs[0]
+
+    @property
+    def feature_dim(self) -> int:
+        return self.classifier.in_features
+
+    @property
+    def num_classes(self) -> int:
+        return self.classifier.out_features
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(x)
+        features, self._features = self._features, None
+        if features is None:
+            raise InputError(f"the classifier layer {self.classifier_name} was not called in the forward pass; name the right one with --classifier")
+        if features.dim() != 2:
+            raise InputError(
+                f"the features entering {self.classifier_name} have shape {tuple(features.shape)}, not [batch, dim]; "
+                f"name a classifier that takes pooled features with --classifier"
+            )
+        return logits, features
+
+
+def resolve(
+    model: str,
+    weights: str | None = None,
+    num_classes: int | None = None,
+    classifier: str | None = None,
+    trust_checkpoint: bool = False,
+) -> tuple[FeatureClassifier, ModelSpec]:
+    """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec."""
+    net = build_model(model, num_classes)
+    sha = None
+    if weights is not None:
+        load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
+        sha = sha256_of(weights)
+        weights = str(Path(weights).resolve())
+    wrapped = FeatureClassifier(net, classifier).eval()
+    if num_classes is not None and wrapped.num_classes != num_classes:
+        raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
+    spec = ModelSpec(model, weights, sha, num_classes, wrapped.classifier_name)
+    return wrapped, spec
+
+
+def pick_device(device: str) -> torch.device:
+    """`auto` → cuda when present; `cuda[:N]` without CUDA is a usage error, not a crash."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device}: expected auto, cpu, cuda or cuda:N") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif chosen.type != "cpu":
+        raise UsageError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    return chosen
+
+
+def bundled_defaults(model: str):
+    """The class names and preprocessing a bundled model was trained with, else None."""
+    from cafa_cli.zoo import BUNDLED
+
+    return BUNDLED.get(model)
+

@@ -1,0 +1,270 @@
+"""The two jobs, `stats` and `adapt`, as functions of plain arguments.
+
+The CLI, the demo and the benchmark all call these, so they run the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cafa_cli import statistics
+from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact, write_artifact
+from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, pick_device, resolve, sha256_of
+from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.report import Monitor
+from cafa_cli.stream import DomainResult, adapt_domains
+
+
+@dataclass
+class ModelChoice:
+    """What `--model`, `--weights` and friends say; None means "from the artifact"."""
+
+    model: str | None = None
+    weights: str | None = None
+    num_classes: int | None = None
+    classifier: str | None = None
+    trust_checkpoint: bool = False
+
+
+@dataclass
+class DataChoice:
+    labels: str | None = None
+    severity: int | None = None
+    classes_file: str | None = None
+    preprocessing: dict = field(default_factory=dict)  # only the options given
+
+
+def default_preprocessing(model: str | None) -> Preprocessing:
+    bundled = bundled_defaults(model) if model else None
+    return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
+
+
+def default_class_names(model: str | None, data: DataChoice) -> list[str] | None:
+    if data.classes_file:
+        return read_class_list(data.classes_file)
+    bundled = bundled_defaults(model) if model else None
+    return list(bundled.class_names) if bundled else None
+
+
+def _check_classes(model: FeatureClassifier, class_names: list[str], where: str) -> None:
+    if model.num_classes != len(class_names):
+        raise InputError(
+            f"{where} has {len(class_names)} classes but the model's classifier has {model.num_classes} outputs; "
+            f"check --num-classes, or give the class list in output order with --classes"
+        )
+
+
+# --- stats -----------------------------------------------------------------------
+
+
+def compute_statistics(
+    data: str,
+    out: str | Path = DEFAULT_PATH,
+    model: ModelChoice = ModelChoice(model="resnet50"),
+    data_choice: DataChoice = DataChoice(),
+    fraction: float | None = 0.05,
+    per_class: int | None = None,
+    seed: int = 0,
+    covariance: str = "full",
+    shrinkage: float | str = "auto",
+    device: str = "auto",
+    batch_size: int = 128,
+    num_workers: int = 0,
+    strict: bool = False,
+    monitor: Monitor | None = None,
+) -> Artifact:
+    """Stream a stratified subset of `data` through the model; write the artifact."""
+    monitor = monitor or Monitor()
+    if per_class is None and (fraction is None or not 0 < fraction <= 1):
+        raise UsageError(f"--fraction must be in (0, 1], not {fraction}")
+    if per_class is not None and per_class < 2:
+        raise UsageError(f"--per-class must be at least 2, not {per_class}")
+    if covariance not in statistics.COVARIANCE_MODES:
+        raise UsageError(f"--covariance must be one of {', '.join(statistics.COVARIANCE_MODES)}, not {covariance}")
+    target = pick_device(device)
+    preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
+    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    class_names = default_class_names(model.model, data_choice)
+    domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
+    if class_names is None:
+        class_names = domain.class_names
+    if not class_names:
+        raise InputError(f"--data {data}: no class folders, so no labels to compute class statistics from")
+    _check_classes(net, class_names, f"--data {data}")
+    indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
+    net = net.to(target)
+    labels = torch.as_tensor(domain.labels)
+    monitor.start("stats", len(indices))
+
+    def on_batch(batch):
+        for i, why in batch.failures:
+            if strict:
+                raise InputError(f"{domain.refs[i]}: unreadable image ({why}); remove it, or drop --strict to skip such files")
+            monitor.warn(f"skipped unreadable image {domain.refs[i]} ({why})")
+        monitor.advance(len(batch.indices) + len(batch.failures))
+
+    loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
+    moments = statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
+    gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
+    sampling = {"data": data, "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
+    return read_artifact(out, load_tensors=False)
+
+
+# --- adapt -----------------------------------------------------------------------
+
+
+@dataclass
+class AdaptSettings:
+    method: str = "cafa"
+    batch_size: int = 200
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    steps: int = 1
+    params: str = "norm"
+    bn_prior: float = 0.0
+    reset: str = "domain"
+    shuffle: bool = True
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    num_workers: int = 0
+    strict: bool = False
+
+
+def load_for_adaptation(
+    stats: str | None,
+    model: ModelChoice,
+    method: str,
+    allow_weights_mismatch: bool = False,
+) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
+    """The model (from the artifact unless overridden) and the artifact, checked against each other."""
+    artifact = None
+    stats_path = stats or DEFAULT_PATH
+    if stats is not None or method in NEEDS_STATISTICS or model.model is None or Path(stats_path).is_file():
+        artifact = read_artifact(stats_path)
+    if model.model is None:
+        if artifact is None:
+            raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
+        recorded = artifact.model
+        weights = model.weights or recorded.weights
+        if weights and model.weights is None:
+            if not Path(weights).is_file():
+                raise InputError(
+                    f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
+                    f"or --model/--weights to use another model"
+                )
+            if recorded.weights_sha256 and sha256_of(weights) != recorded.weights_sha256 and not allow_weights_mismatch:
+                raise InputError(
+                    f"{weights} has changed since the statistics were computed (sha256 differs); "
+                    f"recompute them with cafa stats, or pass --allow-weights-mismatch"
+                )
+        model = ModelChoice(recorded.model, weights, recorded.num_classes, model.classifier or recorded.classifier, model.trust_checkpoint)
+    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    if artifact is not None:
+        if net.feature_dim != artifact.feature_dim:
+            raise InputError(
+                f"the model's features have {net.feature_dim} dimensions but {artifact.path} was made for "
+                f"{artifact.feature_dim}; recompute the statistics for this model"
+            )
+        _check_classes(net, artifact.class_names, artifact.path)
+    return net, artifact, spec
+
+
+@dataclass
+class Adaptation:
+    """A prepared `adapt` job: the model, its domains and class names, ready to run."""
+
+    adapter: Adapter
+    domains: list[Domain]
+    preprocess: Preprocessing
+    class_names: list[str]
+    settings: AdaptSettings
+    used: dict  # every setting, for the metrics JSON
+
+    def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
+        monitor = monitor or Monitor()
+        running = {"errors": 0, "labelled": 0}
+
+        def records(batch_records):
+            for r in batch_records:
+                if r.label >= 0:
+                    running["labelled"] += 1
+                    running["errors"] += r.prediction != r.label
+            error = f"err {100 * running['errors'] / running['labelled']:.1f}%" if running["labelled"] else ""
+            monitor.advance(len(batch_records), error)
+            on_records(batch_records)
+
+        s = self.settings
+        return adapt_domains(
+            self.adapter,
+            self.domains,
+            self.preprocess,
+            s.batch_size,
+            s.reset,
+            s.shuffle,
+            s.seed,
+            s.num_workers,
+            s.strict,
+            on_records=records,
+            on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
+            on_domain=lambda domain: monitor.start(Path(domain.name).name or domain.name, len(domain)),
+        )
+
+
+def prepare_adaptation(
+    data: list[str],
+    stats: str | None = None,
+    model: ModelChoice = ModelChoice(),
+    data_choice: DataChoice = DataChoice(),
+    settings: AdaptSettings = AdaptSettings(),
+    allow_weights_mismatch: bool = False,
+    stdin=None,
+) -> Adaptation:
+    if not data:
+        raise UsageError("give at least one --data PATH")
+    net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
+    if artifact and data_choice.classes_file:
+        raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
+    base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
+    preprocess = base.with_changes(data_choice.preprocessing)
+    class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
+    domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity, stdin) for d in data]
+    if class_names is None:
+        class_names = domains[0].class_names
+        if any(d.class_names and d.class_names != class_names for d in domains):
+            raise InputError("the --data folders have different class folders; give the class list with --classes")
+        if not class_names:
+            class_names = [str(i) for i in range(net.num_classes)]
+        _check_classes(net, class_names, "the data")
+    device = pick_device(settings.device)
+    adapter = Adapter(
+        net,
+        settings.method,
+        artifact.gaussians if artifact else None,
+        device,
+        params=settings.params,
+        optimizer=settings.optimizer,
+        lr=settings.lr,
+        momentum=settings.momentum,
+        steps=settings.steps,
+        bn_prior=settings.bn_prior,
+        precision=settings.precision,
+    )
+    used = {
+        **asdict(settings),
+        "device": str(device),
+        "stats": artifact.path if artifact else None,
+        "covariance": artifact.covariance if artifact else None,
+        "model": spec.model,
+        "weights": spec.weights,
+        "preprocessing": asdict(preprocess),
+    }
+    return Adaptation(adapter, domains, preprocess, class_names, settings, used)

@@ -1,0 +1,110 @@
+"""Image preprocessing: one explicit, serialisable recipe shared by `stats` and `adapt`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from PIL import Image
+from torchvision.transforms import functional as TF
+
+from cafa_cli.errors import UsageError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """PIL image -> normalised float tensor.
+
+    `resize` scales the shorter side, `crop` takes the centre square; either may be
+    None. ImageNet-C images are already 224x224 (made by resize 256 + crop 224), so
+    for them resize and crop must both be None (or 224) — resizing them again costs
+    accuracy.
+    """
+
+    resize: int | None = 256
+    crop: int | None = 224
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    channels: int = 3
+
+    def __post_init__(self):
+        if self.channels not in (1, 3):
+            raise UsageError(f"--channels must be 1 or 3, not {self.channels}")
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if len(values) not in (1, self.channels):
+                raise UsageError(
+                    f"--{name} needs 1 or {self.channels} comma-separated values, got {len(values)}"
+                )
+        if any(s <= 0 for s in self.std):
+            raise UsageError("--std values must be positive")
+        for name in ("resize", "crop"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name} must be a positive integer or 'none', not {value}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Preprocessing:
+        return cls(
+            resize=d.get("resize"),
+            crop=d.get("crop"),
+            mean=tuple(float(v) for v in d["mean"]),
+            std=tuple(float(v) for v in d["std"]),
+            channels=int(d["channels"]),
+        )
+
+    def with_changes(self, changes: dict) -> Preprocessing:
+        """A copy with the options a user gave (None is a value here: "no resize")."""
+        return replace(self, **changes)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        image = to_mode(image, "L" if self.channels == 1 else "RGB")
+        if self.resize is not None:
+            image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode.BILINEAR)
+        if self.crop is not None:
+            image = TF.center_crop(image, self.crop)
+        tensor = TF.to_tensor(image)
+        mean = list(self.mean) * (self.channels // len(self.mean))
+        std = list(self.std) * (self.channels // len(self.std))
+        return TF.normalize(tensor, mean, std)
+
+
+def to_mode(image: Image.Image, mode: str) -> Image.Image:
+    """Convert any PIL image to 8-bit grey or RGB.
+
+    16-bit and 32-bit integer images are rescaled to 8 bits (PIL's own conversion
+    clips them), and transparency is composited on white rather than dropped to black.
+    """
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        image = image.point(lambda v: v / 256).convert("L")
+    elif image.mode == "F":
+        image = image.convert("L")
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert(mode)
+
+
+def parse_size(text: str) -> int | None:
+    """'224' -> 224, 'none' -> None."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def parse_floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None

@@ -1,0 +1,179 @@
+"""What people and pipelines see: prediction records, progress, summaries, metrics JSON."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cafa_cli.artifact import atomic_write
+from cafa_cli.errors import UsageError
+from cafa_cli.stream import DomainResult, Record
+
+FORMATS = ("csv", "jsonl")
+FIELDS = ("path", "prediction", "label", "confidence")
+
+
+def stderr_console(quiet: bool = False) -> Console:
+    return Console(stderr=True, quiet=quiet, highlight=False)
+
+
+def progress_bar(console: Console, quiet: bool = False) -> Progress:
+    """A progress bar on stderr, silent when stderr is not a terminal or with --quiet."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:>8} img/s"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+        transient=False,
+    )
+
+
+class RecordWriter:
+    """One line per image, in stream order, flushed after every batch so that a
+    pipeline (or an interrupted run) sees every line already promised."""
+
+    def __init__(self, stream: IO[str], fmt: str, class_names: Sequence[str]):
+        if fmt not in FORMATS:
+            raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt}")
+        self.stream, self.fmt, self.class_names = stream, fmt, list(class_names)
+        self.count = 0
+        if fmt == "csv":
+            self._csv = csv.writer(stream, lineterminator="\n")
+            self._csv.writerow(FIELDS)
+
+    def _name(self, index: int) -> str:
+        return self.class_names[index] if 0 <= index < len(self.class_names) else ""
+
+    def write(self, records: list[Record]) -> None:
+        for r in records:
+            row = (r.ref, self._name(r.prediction), self._name(r.label), f"{r.confidence:.6f}")
+            if self.fmt == "csv":
+                self._csv.writerow(row)
+            else:
+                self.stream.write(json.dumps(dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))) + "\n")
+        self.count += len(records)
+        self.stream.flush()
+
+
+def open_output(path: str | None) -> IO[str]:
+    if path is None or path == "-":
+        return sys.stdout
+    target = Path(path)
+    if target.is_dir() or not target.parent.exists():
+        raise UsageError(f"--predictions {path}: cannot write there (is it a folder, or is its folder missing?)")
+    return open(target, "w", encoding="utf-8", newline="")
+
+
+def overall(results: Sequence[DomainResult]) -> dict:
+    n = sum(r.n for r in results)
+    labelled = sum(r.labelled for r in results)
+    errors = sum(r.errors for r in results)
+    return {
+        "n": n,
+        "labelled": labelled,
+        "error": errors / labelled if labelled else None,
+        "skipped_images": sum(len(r.skipped_images) for r in results),
+        "skipped_steps": sum(r.skipped_steps for r in results),
+        "seconds": round(sum(r.seconds for r in results), 3),
+    }
+
+
+def metrics(method: str, results: Sequence[DomainResult], settings: dict) -> dict:
+    return {
+        "method": method,
+        **overall(results),
+        "domains": [
+            {
+                "data": r.data,
+                "n": r.n,
+                "labelled": r.labelled,
+                "error": r.error,
+                "skipped_images": len(r.skipped_images),
+                "skipped_steps": r.skipped_steps,
+                "seconds": round(r.seconds, 3),
+                "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
+            }
+            for r in results
+        ],
+        "settings": settings,
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+    atomic_write(path, write)
+
+
+def percent(error: float | None) -> str:
+    return "n/a" if error is None else f"{100 * error:.2f}"
+
+
+def summary_table(method: str, results: Sequence[DomainResult]) -> Table:
+    table = Table(title=f"cafa adapt --method {method}", title_justify="left")
+    for column in ("data", "images", "error %", "skipped", "img/s"):
+        table.add_column(column, justify="left" if column == "data" else "right")
+    for r in results:
+        rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
+        table.add_row(r.data, str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
+    if len(results) > 1:
+        total = overall(results)
+        rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
+        table.add_row("all", str(total["n"]), percent(total["error"]), str(total["skipped_images"]), rate, style="bold")
+    return table
+
+
+class Monitor:
+    """Progress and warnings for a long job, on stderr; silent when `console` is quiet."""
+
+    def __init__(self, console: Console | None = None, quiet: bool = True):
+        self.console = console or stderr_console(quiet=True)
+        self.quiet = quiet
+        self._progress = progress_bar(self.console, quiet)
+        self._task = None
+        self._started = 0.0
+        self._done = 0
+
+    def __enter__(self) -> Monitor:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.__exit__(*exc)
+
+    def start(self, description: str, total: int) -> None:
+        import time
+
+        if self._task is not None:
+            self._progress.update(self._task, visible=True)
+        self._task = self._progress.add_task(description, total=total, rate="-", status="")
+        self._started, self._done = time.perf_counter(), 0
+
+    def advance(self, images: int, status: str = "") -> None:
+        import time
+
+        self._done += images
+        elapsed = time.perf_counter() - self._started
+        rate = f"{self._done / elapsed:.0f}" if elapsed > 0 else "-"
+        self._progress.update(self._task, advance=images, rate=rate, status=status)
+
+    def warn(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)

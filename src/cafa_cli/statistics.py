@@ -1,0 +1,235 @@
+"""Class-conditional Gaussians of the features: streaming moments, shrinkage, factors.
+
+Numerics (DESIGN.md §2): moments are accumulated and covariances formed and factored
+in float64; only the final factors are stored in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from cafa_cli.errors import InputError, UsageError
+
+COVARIANCE_MODES = ("full", "tied", "diag")
+
+
+class ClassMoments:
+    """Per-class count, mean and scatter matrix (M2 = Σ (x-μ)(x-μ)ᵀ), streamed.
+
+    Rows wait in a float32 buffer until a class has as many rows as dimensions; only
+    then is a d×d float64 scatter allocated and the buffer folded in with Chan's
+    parallel update. A class with fewer samples than dimensions — every class of a
+    5% ImageNet subset — never holds more than its own rows, so memory stays at
+    min(N_c, d)·d per class instead of d² per class.
+    """
+
+    def __init__(self, num_classes: int, dim: int):
+        self.num_classes, self.dim = num_classes, dim
+        self.count = torch.zeros(num_classes, dtype=torch.int64)
+        self.mean = torch.zeros(num_classes, dim, dtype=torch.float64)
+        self.scatter: dict[int, torch.Tensor] = {}
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(num_classes)]
+        self.pending_rows = [0] * num_classes
+
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        features = features.detach().to("cpu", torch.float32)
+        labels = labels.to("cpu")
+        for c in labels.unique().tolist():
+            rows = features[labels == c]
+            self.pending[c].append(rows)
+            self.pending_rows[c] += len(rows)
+            if self.pending_rows[c] >= self.dim:
+                self._fold(c)
+
+    def _fold(self, c: int) -> None:
+        if not self.pending_rows[c]:
+            return
+        rows = torch.cat(self.pending[c]).double()
+        self.pending[c], self.pending_rows[c] = [], 0
+        n_b = len(rows)
+        mean_b = rows.mean(0)
+        centred = rows - mean_b
+        scatter_b = centred.T @ centred
+        n_a = int(self.count[c])
+        n = n_a + n_b
+        delta = mean_b - self.mean[c]
+        self.mean[c] += delta * (n_b / n)
+        if c in self.scatter:
+            self.scatter[c] += scatter_b + torch.outer(delta, delta) * (n_a * n_b / n)
+        else:
+            self.scatter[c] = scatter_b
+        self.count[c] = n
+
+    def moments(self, c: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(N_c, μ_c, M2_c) in float64; folds what is pending."""
+        self._fold(c)
+        scatter = self.scatter.get(c)
+        if scatter is None:
+            scatter = torch.zeros(self.dim, self.dim, dtype=torch.float64)
+        return int(self.count[c]), self.mean[c].clone(), scatter
+
+    def release(self, c: int) -> None:
+        """Forget a class's scatter once its factor is made."""
+        self.scatter.pop(c, None)
+
+
+def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:
+    """Oracle Approximating Shrinkage toward tr(S)/d·I (Chen et al. 2010), the formula
+    scikit-learn's `OAS` uses; needs only S and n, so it works on streamed moments."""
+    d = covariance.shape[0]
+    mu = torch.trace(covariance) / d
+    alpha = (covariance**2).mean()
+    numerator = alpha + mu**2
+    denominator = (n + 1) * (alpha - mu**2 / d)
+    if denominator <= 0:
+        return 1.0
+    return float(min(numerator / denominator, 1.0))
+
+
+def shrink(covariance: torch.Tensor, shrinkage: float) -> torch.Tensor:
+    """scikit-learn's ShrunkCovariance: (1 − λ)·S + λ·(tr(S)/d)·I."""
+    d = covariance.shape[0]
+    target = torch.trace(covariance) / d
+    shrunk = (1 - shrinkage) * covariance
+    shrunk.diagonal().add_(shrinkage * target)
+    return shrunk
+
+
+def precision_cholesky(covariance: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Lower-triangular L with Σ⁻¹ = L Lᵀ, without forming Σ⁻¹.
+
+    With J the order-reversing permutation, chol(JΣJ) = K gives
+    Σ⁻¹ = (J K⁻ᵀ J)(J K⁻¹ J), and J K⁻ᵀ J is lower triangular.
+    Returns (L, ok); ok is False when Σ is not positive definite.
+    """
+    flipped = covariance.flip(0, 1)
+    k, info = torch.linalg.cholesky_ex(flipped)
+    if int(info) != 0:
+        return torch.full_like(covariance, float("nan")), False
+    eye = torch.eye(covariance.shape[0], dtype=covariance.dtype)
+    k_inv = torch.linalg.solve_triangular(k, eye, upper=False)
+    factor = k_inv.T.flip(0, 1)
+    return factor, bool(torch.isfinite(factor).all())
+
+
+@dataclass
+class ClassGaussians:
+    """What the artifact stores: everything the distances and losses need."""
+
+    means: torch.Tensor  # [C, d] float32
+    factors: torch.Tensor  # full [C, d, d], tied [1, d, d], diag [C, d]; float32
+    counts: torch.Tensor  # [C] int64
+    shrinkage: torch.Tensor  # [C] (or [1] when tied) float64, the λ used
+    covariance: str  # full | tied | diag
+    global_mean: torch.Tensor  # [d] float32, for Global FA
+    global_covariance: torch.Tensor  # [d, d] float32, for Global FA
+    shrinkage_method: str = "oas"
+    extra: dict = field(default_factory=dict)
+
+
+def estimate(
+    moments: ClassMoments,
+    covariance: str = "full",
+    shrinkage: float | str = "auto",
+    class_names: list[str] | None = None,
+) -> ClassGaussians:
+    """Shrunk class covariances from streamed moments, factored as precision Cholesky factors."""
+    if covariance not in COVARIANCE_MODES:
+        raise UsageError(f"--covariance must be one of {', '.join(COVARIANCE_MODES)}, not {covariance}")
+    if shrinkage != "auto" and not (0.0 <= float(shrinkage) <= 1.0):
+        raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {shrinkage}")
+    C, d = moments.num_classes, moments.dim
+    names = class_names or [str(c) for c in range(C)]
+    means = torch.zeros(C, d, dtype=torch.float32)
+    counts = torch.zeros(C, dtype=torch.int64)
+    pooled = torch.zeros(d, d, dtype=torch.float64)
+    class_mean64 = torch.zeros(C, d, dtype=torch.float64)
+    per_class_factors = torch.zeros((C, d, d) if covariance == "full" else (C, d), dtype=torch.float32)
+    lambdas = torch.zeros(C if covariance != "tied" else 1, dtype=torch.float64)
+    failed: list[str] = []
+
+    for c in range(C):
+        n, mean, scatter = moments.moments(c)
+        if n < 2:
+            raise InputError(f"class {names[c]} has {n} feature vector(s); at least 2 are needed for a covariance")
+        means[c], counts[c], class_mean64[c] = mean.float(), n, mean
+        pooled += scatter
+        if covariance != "tied":
+            sample_cov = scatter / n
+            lam = oas_shrinkage(sample_cov, n) if shrinkage == "auto" else float(shrinkage)
+            lambdas[c] = lam
+            factor, ok = _factor(shrink(sample_cov, lam), covariance)
+            # with no shrinkage, N ≤ d samples give a rank-deficient S even when
+            # rounding lets the Cholesky through
+            if not ok or (lam == 0 and covariance == "full" and n <= d):
+                failed.append(f"{names[c]} (N={n}, d={d})")
+            per_class_factors[c] = factor.float()
+        moments.release(c)
+
+    total = int(counts.sum())
+    if covariance == "tied":
+        sample_cov = pooled / total
+        lam = oas_shrinkage(sample_cov, total) if shrinkage == "auto" else float(shrinkage)
+        lambdas[0] = lam
+        factor, ok = _factor(shrink(sample_cov, lam), "full")
+        if not ok or (lam == 0 and total - C < d):
+            failed.append(f"pooled (N={total}, d={d})")
+        per_class_factors = factor.float().unsqueeze(0)
+    if failed:
+        shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        raise InputError(
+            f"covariance is singular for {shown}: some feature units never vary within a class "
+            f"or there are fewer samples than dimensions; use --shrinkage auto (or a value > 0)"
+        )
+    if not torch.isfinite(per_class_factors).all():
+        raise InputError("precision factors overflow float32 (near-zero feature variance); raise --shrinkage")
+
+    weights = counts.double() / total
+    global_mean = weights @ class_mean64
+    between = (class_mean64 - global_mean).T @ ((class_mean64 - global_mean) * counts.double()[:, None])
+    global_covariance = (pooled + between) / total
+    return ClassGaussians(
+        means=means,
+        factors=per_class_factors,
+        counts=counts,
+        shrinkage=lambdas,
+        covariance=covariance,
+        global_mean=global_mean.float(),
+        global_covariance=global_covariance.float(),
+        shrinkage_method="oas" if shrinkage == "auto" else "fixed",
+    )
+
+
+def _factor(covariance: torch.Tensor, mode: str) -> tuple[torch.Tensor, bool]:
+    if mode == "diag":
+        variances = covariance.diagonal()
+        ok = bool((variances > 0).all())
+        return variances.clamp_min(torch.finfo(torch.float64).tiny).rsqrt(), ok
+    return precision_cholesky(covariance)
+
+
+def accumulate_features(
+    model: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable,
+    labels: torch.Tensor,
+    num_classes: int,
+    dim: int,
+    device: torch.device,
+    on_batch: Callable[[int], None] | None = None,
+) -> ClassMoments:
+    """Stream batches through the model (eval mode, no gradients) into ClassMoments.
+
+    `labels` is indexed by each batch's domain positions.
+    """
+    moments = ClassMoments(num_classes, dim)
+    with torch.inference_mode():
+        for batch in batches:
+            if batch.images is not None:
+                _, features = model(batch.images.to(device, non_blocking=True))
+                moments.update(features, labels[batch.indices])
+            if on_batch is not None:
+                on_batch(batch)
+    return moments

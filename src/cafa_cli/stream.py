@@ -1,0 +1,113 @@
+"""The online loop: domains in, one record per image and per-domain results out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cafa_cli.adaptation import Adapter
+from cafa_cli.data import UNLABELLED, Batch, Domain, batches
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.preprocessing import Preprocessing
+
+RESET_POLICIES = ("domain", "episodic", "never")
+
+
+@dataclass
+class Record:
+    ref: str
+    prediction: int
+    label: int  # UNLABELLED when unknown
+    confidence: float
+
+
+@dataclass
+class DomainResult:
+    data: str
+    n: int = 0
+    labelled: int = 0
+    errors: int = 0
+    skipped_images: list[str] = field(default_factory=list)
+    skipped_steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def error(self) -> float | None:
+        return self.errors / self.labelled if self.labelled else None
+
+
+def stream_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+
+
+def adapt_domains(
+    adapter: Adapter,
+    domains: list[Domain],
+    preprocess: Preprocessing,
+    batch_size: int = 200,
+    reset: str = "domain",
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    strict: bool = False,
+    on_records: Callable[[list[Record]], None] = lambda records: None,
+    on_skip: Callable[[str, str], None] = lambda ref, why: None,
+    on_domain: Callable[[Domain], None] = lambda domain: None,
+) -> list[DomainResult]:
+    """Adapt over the domains in order, predicting each batch before updating on it.
+
+    reset: `domain` starts each domain from the source weights, `episodic` restores
+    them after every batch, `never` adapts continually across domains.
+    """
+    if reset not in RESET_POLICIES:
+        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {reset}")
+    torch.manual_seed(seed)
+    results = []
+    for k, domain in enumerate(domains):
+        if reset == "domain" and k > 0:
+            adapter.reset()
+        on_domain(domain)
+        result = DomainResult(domain.name)
+        start = time.perf_counter()
+        order = stream_order(len(domain), shuffle, seed)
+        pin = adapter.device.type == "cuda"
+        for batch in batches(domain, preprocess, batch_size, order, num_workers, pin_memory=pin):
+            _count_failures(domain, batch, result, strict, on_skip)
+            records = _step(adapter, domain, batch)
+            for record in records:
+                result.n += 1
+                if record.label != UNLABELLED:
+                    result.labelled += 1
+                    result.errors += record.prediction != record.label
+            on_records(records)
+            if reset == "episodic":
+                adapter.reset()
+        result.skipped_steps = adapter.skipped_steps - sum(r.skipped_steps for r in results)
+        result.seconds = time.perf_counter() - start
+        results.append(result)
+    return results
+
+
+def _step(adapter: Adapter, domain: Domain, batch: Batch) -> list[Record]:
+    if batch.images is None:
+        return []
+    logits = adapter.step(batch.images)
+    probabilities = logits.softmax(1)
+    confidence, prediction = probabilities.max(1)
+    return [
+        Record(domain.refs[i], int(p), int(domain.labels[i]), float(c))
+        for i, p, c in zip(batch.indices, prediction.tolist(), confidence.tolist())
+    ]
+
+
+def _count_failures(domain: Domain, batch: Batch, result: DomainResult, strict: bool, on_skip) -> None:
+    for i, why in batch.failures:
+        ref = domain.refs[i]
+        if strict:
+            raise InputError(f"{ref}: unreadable image ({why}); remove it, or drop --strict to skip such files")
+        result.skipped_images.append(ref)
+        on_skip(ref, why)
