@@ -1,0 +1,31 @@
+# Two entry points for a fresh Debian/Ubuntu machine: `make demo` and `make test`.
+# Each creates the virtual environment and installs what it needs, once.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: setup demo test bench clean
+
+$(FASHION_MNIST):
+	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.14.1 / torchvision 0.29.1 are the tested pins (any torch >= 2.2 works)
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[demo,test]'
+	touch $@
+
+setup: $(VENV)/.installed $(FASHION_MNIST)
+
+demo: setup
+	$(VENV)/bin/cafa demo
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) cafa-demo
