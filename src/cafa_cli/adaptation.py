@@ -23,7 +23,7 @@ OPTIMIZERS = ("adam", "sgd")
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
 
-class TestBatchNorm(nn.Module):
+class BatchStatisticsNorm(nn.Module):
     """BatchNorm that normalises with the test batch's statistics.
 
     With `prior` = N > 0 the source running statistics count as N samples and are
@@ -56,12 +56,12 @@ class TestBatchNorm(nn.Module):
 
 def use_test_batch_norm(model: nn.Module, prior: float = 0.0) -> int:
     """Swap every BatchNorm (found by type, so those inside ResNet `downsample` too)
-    for a TestBatchNorm sharing its affine parameters. Returns how many were swapped."""
+    for a BatchStatisticsNorm sharing its affine parameters. Returns how many were swapped."""
     swaps = [(name, module) for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, TestBatchNorm(module, prior))
+        setattr(parent, child, BatchStatisticsNorm(module, prior))
     return len(swaps)
 
 
@@ -77,7 +77,7 @@ def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.
     else:
         chosen = []
         for module in model.modules():
-            if isinstance(module, (TestBatchNorm, *NORM_LAYERS)):
+            if isinstance(module, (BatchStatisticsNorm, *NORM_LAYERS)):
                 chosen += [p for p in (module.weight, module.bias) if isinstance(p, nn.Parameter)]
     unique = list({id(p): p for p in chosen}.values())
     for p in unique:
@@ -135,7 +135,7 @@ class Adapter:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer}")
         self.objective = make_objective(method, gaussians, device)
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
-        # Eval mode throughout: TestBatchNorm uses the batch statistics regardless, and
+        # Eval mode throughout: BatchStatisticsNorm uses the batch statistics regardless, and
         # dropout / stochastic depth would only add noise to the predictions.
         self.model.eval()
         if method != "source":

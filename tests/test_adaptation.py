@@ -1,0 +1,213 @@
+"""Losses, parameter selection, the online protocol, reset, and a synthetic shift."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import tiny_net
+from cafa_cli import losses
+from cafa_cli.adaptation import METHODS, Adapter, BatchStatisticsNorm, select_parameters, use_test_batch_norm
+from cafa_cli.errors import UsageError
+from cafa_cli.models import FeatureClassifier
+from cafa_cli.statistics import ClassMoments, estimate
+from conftest import class_images
+
+
+def reference_cafa(distances: np.ndarray, labels: np.ndarray) -> float:
+    d = distances.astype(np.float64)
+    return float(np.mean(np.log(d[np.arange(len(d)), labels] / d.sum(1))))
+
+
+def test_cafa_loss_matches_float64_reference():
+    rng = np.random.default_rng(0)
+    distances = rng.gamma(2.0, 50.0, size=(32, 10))
+    labels = rng.integers(0, 10, size=32)
+    got = losses.cafa(torch.tensor(distances, dtype=torch.float32), torch.tensor(labels))
+    assert got.item() == pytest.approx(reference_cafa(distances, labels), rel=1e-5)
+
+
+def test_cafa_loss_gradient_matches_finite_differences():
+    torch.manual_seed(0)
+    distances = (torch.rand(6, 4, dtype=torch.float64) * 10 + 0.5).requires_grad_()
+    labels = torch.tensor([0, 1, 2, 3, 0, 1])
+    assert torch.autograd.gradcheck(lambda d: losses.cafa(d, labels), (distances,))
+
+
+def test_cafa_loss_is_finite_at_zero_and_huge_distances():
+    distances = torch.tensor([[0.0, 1.0, 2.0], [1e38, 3.0, float("inf")], [0.0, 0.0, 0.0]], requires_grad=True)
+    loss = losses.cafa(distances, torch.tensor([0, 0, 1]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(distances.grad).all()
+
+
+def test_pseudo_labels_carry_no_gradient():
+    logits = torch.randn(5, 3, requires_grad=True)
+    distances = (torch.rand(5, 3) + 0.1).requires_grad_()
+    losses.cafa(distances, logits.argmax(1)).backward()
+    assert logits.grad is None
+    assert distances.grad is not None and distances.grad.abs().sum() > 0
+
+
+def test_global_alignment_is_zero_when_batch_matches_source():
+    z = torch.randn(64, 5, dtype=torch.float64)
+    mean = z.mean(0)
+    covariance = (z - mean).T @ (z - mean) / len(z)
+    assert losses.global_alignment(z, mean.float(), covariance.float()).item() == pytest.approx(0.0, abs=1e-5)
+    assert losses.global_alignment(z + 1, mean.float(), covariance.float()).item() == pytest.approx(5.0, rel=1e-4)
+
+
+def test_entropy_of_uniform_prediction_is_log_classes():
+    assert losses.entropy(torch.zeros(4, 10)).item() == pytest.approx(np.log(10), rel=1e-6)
+
+
+def test_trainable_set_is_exactly_the_norm_affines_including_downsample():
+    net = FeatureClassifier(torchvision.models.resnet18(num_classes=4))
+    swapped = use_test_batch_norm(net)
+    params = select_parameters(net, "norm")
+    batch_norms = [m for m in net.modules() if isinstance(m, BatchStatisticsNorm)]
+    assert swapped == len(batch_norms) == 20  # 17 in the blocks + 3 in downsample branches
+    assert {id(p) for p in params} == {id(p) for m in batch_norms for p in (m.weight, m.bias)}
+    assert all(p.requires_grad == (id(p) in {id(q) for q in params}) for p in net.parameters())
+    downsample_bn = net.model.layer2[0].downsample[1]
+    assert isinstance(downsample_bn, BatchStatisticsNorm) and downsample_bn.weight.requires_grad
+
+
+def test_params_all_frees_the_feature_extractor_but_not_the_classifier():
+    net = FeatureClassifier(tiny_net.build())
+    params = select_parameters(net, "all")
+    assert not any(p.requires_grad for p in net.classifier.parameters())
+    assert len(params) == len(list(net.parameters())) - 2
+
+
+def test_layer_norm_affines_are_adapted():
+    net = FeatureClassifier(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3)))
+    params = select_parameters(net, "norm")
+    assert [tuple(p.shape) for p in params] == [(8,), (8,)]
+
+
+def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
+    bn = torch.nn.BatchNorm2d(3).eval()
+    bn.running_mean.fill_(5.0)
+    bn.running_var.fill_(4.0)
+    x = torch.randn(8, 3, 4, 4) * 2 + 1
+    out = BatchStatisticsNorm(bn)(x)
+    assert out.mean((0, 2, 3)).abs().max() < 1e-5  # normalised by the batch, not by the source stats
+    mixed = BatchStatisticsNorm(bn, prior=8.0)(x)
+    mean = (8 * 5.0 + 8 * x.mean((0, 2, 3))) / 16
+    var = (8 * 4.0 + 8 * x.var((0, 2, 3), unbiased=False)) / 16
+    expected = (x - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt()
+    torch.testing.assert_close(mixed, expected)
+
+
+def test_batch_size_one_works_with_a_prior():
+    net = FeatureClassifier(tiny_net.build()).eval()
+    adapter = Adapter(net, "tent", bn_prior=16)
+    logits = adapter.step(torch.randn(1, 1, 16, 16))
+    assert logits.shape == (1, 3) and torch.isfinite(logits).all()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny CNN trained here on generated images, its class statistics, and a shifted test set."""
+    torch.manual_seed(0)
+
+    def make(n, seed):
+        rng = np.random.default_rng(seed)
+        x = np.concatenate([class_images(rng, c, n) for c in range(3)]).astype(np.float32) / 255
+        return torch.tensor(x)[:, None], torch.arange(3).repeat_interleave(n)
+
+    x, y = make(100, 0)
+    net = tiny_net.build()
+    optimizer = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(15):
+        for idx in torch.randperm(len(x)).split(50):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            optimizer.step()
+    model = FeatureClassifier(net).eval()
+    with torch.no_grad():
+        _, features = model(x)
+    moments = ClassMoments(3, model.feature_dim)
+    moments.update(features, y)
+    gaussians = estimate(moments, "full", "auto")
+    xt, yt = make(100, 5)
+    # a contrast and brightness shift with noise: the kind of shift BN statistics correct
+    xt = xt * 0.35 + 0.45 + torch.from_numpy(np.random.default_rng(7).normal(0, 0.08, xt.shape).astype(np.float32))
+    order = torch.randperm(len(xt), generator=torch.Generator().manual_seed(1))
+    return model, gaussians, xt[order], yt[order]
+
+
+def stream_error(adapter: Adapter, x, y, batch=50) -> float:
+    wrong = sum((adapter.step(x[i : i + batch]).argmax(1) != y[i : i + batch]).sum().item() for i in range(0, len(x), batch))
+    return wrong / len(x)
+
+
+def test_bn_tent_and_cafa_each_beat_source_on_a_synthetic_shift(trained):
+    model, gaussians, x, y = trained
+    errors = {m: stream_error(Adapter(copy.deepcopy(model), m, gaussians, lr=1e-2), x, y) for m in ("source", "bn", "tent", "cafa")}
+    assert errors["source"] > 0.4, errors
+    for method in ("bn", "tent", "cafa"):
+        assert errors[method] < errors["source"] - 0.2, errors
+
+
+def test_prediction_comes_from_the_forward_pass_before_the_update(trained):
+    model, gaussians, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
+    frozen = copy.deepcopy(adapter.model)
+    with torch.no_grad():
+        before, _ = frozen(x[:50])
+    logits = adapter.step(x[:50])
+    torch.testing.assert_close(logits, before)
+    with torch.no_grad():
+        after, _ = adapter.model(x[:50])
+    assert not torch.allclose(after, before)  # the update did happen, after the prediction
+
+
+def test_reset_restores_the_source_weights_bit_for_bit(trained):
+    model, gaussians, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
+    source = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    for i in range(0, 150, 50):
+        adapter.step(x[i : i + 50])
+    assert any(not torch.equal(v, adapter.model.state_dict()[k]) for k, v in source.items())
+    adapter.reset()
+    assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in source.items())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_runs_and_keeps_weights_finite(trained, method):
+    model, gaussians, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), method, gaussians, lr=1e-2, steps=2)
+    logits = adapter.step(x[:50])
+    assert logits.shape == (50, 3) and torch.isfinite(logits).all()
+    assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
+
+
+def test_non_finite_loss_skips_the_step_and_is_counted(trained):
+    model, gaussians, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), "tent", gaussians)
+    adapter.objective = lambda logits, features: logits.sum() * float("nan")
+    before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    adapter.step(x[:10])
+    assert adapter.skipped_steps == 1
+    assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_cafa_without_statistics_is_a_usage_error():
+    with pytest.raises(UsageError, match="--stats"):
+        Adapter(FeatureClassifier(tiny_net.build()), "cafa")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params")],
+)
+def test_bad_settings_are_usage_errors(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        Adapter(FeatureClassifier(tiny_net.build()), **{"method": "tent", **kwargs})
