@@ -1,0 +1,163 @@
+"""`cafa adapt` through the CLI: output records, metrics JSON, determinism, inputs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tiny_net
+from cafa_cli.cli import app
+from conftest import PLAIN, TINY_NET, write_folder
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny net trained briefly on generated images, its artifact, and a shifted test folder."""
+    root = tmp_path_factory.mktemp("adapt")
+    train = write_folder(root / "train", per_class=40)
+    test = write_folder(root / "test", per_class=30, seed=3, shift=0.35)
+    torch.manual_seed(0)
+    net = tiny_net.build()
+    from cafa_cli.data import batches, open_domain
+    from cafa_cli.preprocessing import Preprocessing
+
+    prep = Preprocessing(None, None, (0.0,), (255.0 / 255,), 1)
+    domain = open_domain(str(train))
+    optimizer = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(8):
+        for batch in batches(domain, prep, 30, np.random.default_rng(_).permutation(len(domain))):
+            optimizer.zero_grad()
+            labels = torch.as_tensor(domain.labels[batch.indices])
+            torch.nn.functional.cross_entropy(net(batch.images), labels).backward()
+            optimizer.step()
+    weights = root / "net.pt"
+    torch.save(net.state_dict(), weights)
+    artifact = root / "s.safetensors"
+    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--data", str(train), *PLAIN, "--fraction", "1", "--out", str(artifact)])
+    assert result.exit_code == 0, result.stderr
+    return {"root": root, "train": train, "test": test, "weights": weights, "artifact": artifact}
+
+
+def adapt(setup, *args):
+    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--batch-size", "30", *args])
+
+
+def test_csv_has_a_header_and_one_line_per_image_with_class_names(setup):
+    result = adapt(setup, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert len(rows) == 90
+    assert list(rows[0]) == ["path", "prediction", "label", "confidence"]
+    assert {r["label"] for r in rows} == {"a", "b", "c"}
+    assert {r["prediction"] for r in rows} <= {"a", "b", "c"}
+    assert all(0 < float(r["confidence"]) <= 1 for r in rows)
+    assert len({r["path"] for r in rows}) == 90
+
+
+def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
+    metrics = tmp_path / "m.json"
+    result = adapt(setup, "--quiet", "--metrics-json", str(metrics))
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    report = json.loads(metrics.read_text())
+    wrong = sum(r["prediction"] != r["label"] for r in rows)
+    assert report["method"] == "cafa" and report["n"] == 90
+    assert report["error"] == pytest.approx(wrong / 90)
+    assert report["domains"][0]["data"] == str(setup["test"]) and report["domains"][0]["n"] == 90
+    assert 0 <= report["domains"][0]["error"] <= 1
+    assert report["settings"]["batch_size"] == 30 and report["settings"]["covariance"] == "full"
+
+
+def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):
+    errors = {}
+    for method in ("source", "cafa"):
+        result = adapt(setup, "--quiet", "--method", method, "--lr", "0.01", "--metrics-json", str(tmp_path / f"{method}.json"))
+        assert result.exit_code == 0, result.stderr
+        errors[method] = json.loads((tmp_path / f"{method}.json").read_text())["error"]
+    assert errors["cafa"] < errors["source"], errors
+
+
+@pytest.mark.parametrize("method", ["bn", "pl", "tent", "global-fa", "intra", "euclidean"])
+def test_every_method_runs_on_the_same_data(setup, method):
+    result = adapt(setup, "--quiet", "--method", method)
+    assert result.exit_code == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 91
+
+
+def test_same_seed_gives_byte_identical_predictions(setup):
+    first, second = adapt(setup, "--quiet", "--seed", "3"), adapt(setup, "--quiet", "--seed", "3")
+    assert first.stdout == second.stdout
+    other = adapt(setup, "--quiet", "--seed", "4")
+    assert other.stdout != first.stdout  # the seed does change the stream order
+
+
+def test_jsonl_format_and_predictions_file(setup, tmp_path):
+    out = tmp_path / "p.jsonl"
+    result = adapt(setup, "--quiet", "--format", "jsonl", "--predictions", str(out))
+    assert result.exit_code == 0 and result.stdout == ""
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 90 and set(records[0]) == {"path", "prediction", "label", "confidence"}
+
+
+def test_no_shuffle_keeps_folder_order(setup):
+    rows = list(csv.DictReader(io.StringIO(adapt(setup, "--quiet", "--no-shuffle").stdout)))
+    assert [r["path"] for r in rows] == sorted(r["path"] for r in rows)
+
+
+def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    paths = sorted((setup["test"] / "a").glob("*.png"))[:7]
+    for p in paths:
+        (flat / p.name).write_bytes(p.read_bytes())
+    metrics = tmp_path / "m.json"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(flat), "--quiet", "--metrics-json", str(metrics)])
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert len(rows) == 7 and all(r["label"] == "" for r in rows)
+    assert json.loads(metrics.read_text())["error"] is None
+    stdin = "\n".join(str(p) for p in paths) + "\n"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", "-", "--quiet", "--no-shuffle"], input=stdin)
+    assert result.exit_code == 0, result.stderr
+    assert [r["path"] for r in csv.DictReader(io.StringIO(result.stdout))] == [str(p) for p in paths]
+
+
+def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
+    metrics = tmp_path / "m.json"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--data", str(setup["train"]), "--batch-size", "30", "--metrics-json", str(metrics)])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(metrics.read_text())
+    assert [d["n"] for d in report["domains"]] == [90, 120] and report["n"] == 210
+    assert "error %" in result.stderr  # the summary table goes to stderr, never stdout
+    assert "error %" not in result.stdout
+
+
+def test_a_test_class_the_artifact_does_not_know_is_an_error(setup, tmp_path):
+    odd = write_folder(tmp_path / "odd", per_class=2, classes=("a", "zebra"))
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(odd)])
+    assert result.exit_code == 3
+    assert "zebra" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
+    import shutil
+
+    moved = dict(setup)
+    weights = tmp_path / "net.pt"
+    shutil.copy(setup["weights"], weights)
+    artifact = tmp_path / "s.safetensors"
+    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--data", str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    torch.manual_seed(1)
+    torch.save(tiny_net.build().state_dict(), weights)
+    moved["artifact"] = artifact
+    result = adapt(moved, "--quiet")
+    assert result.exit_code == 3 and "sha256" in result.stderr
+    assert adapt(moved, "--quiet", "--allow-weights-mismatch").exit_code == 0
