@@ -9,11 +9,14 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from dataclasses import asdict
+from pathlib import Path
 from rich.console import Console
 
 from cafa_cli import __version__
 from cafa_cli.artifact import DEFAULT_PATH, read_artifact
 from cafa_cli.errors import EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.inspect import describe, render
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
 from cafa_cli.preprocessing import parse_floats, parse_size
@@ -253,6 +256,101 @@ def inspect_command(
         print(json.dumps(summary, indent=2))
     else:
         Console(highlight=False).print(render(summary))
+
+
+@app.command()
+@reports_errors
+def demo(
+    workdir: Annotated[str, typer.Option("--workdir", help="Where the data and artifacts go (re-used on a second run).")] = "cafa-demo",
+    corruptions: Annotated[str, typer.Option("--corruptions", help="Comma-separated corrupt-tta corruptions, or 'all' (the 15 of ImageNet-C).")] = ",".join(DemoPlan.corruptions),
+    severity: Annotated[int, typer.Option("--severity", help="Corruption severity 1-5.")] = DemoPlan.severity,
+    test_per_class: Annotated[int, typer.Option("--test-per-class", help="Test images per class and domain (0: all 1,000).")] = DemoPlan.test_per_class,
+    methods: Annotated[str, typer.Option("--methods", help="Methods to compare.")] = DemoPlan.methods,
+    data_only: Annotated[bool, typer.Option("--data-only", help="Only build the image folders (e.g. the full set for cafa bench).")] = False,
+    fashion_mnist: Annotated[Optional[str], typer.Option("--fashion-mnist", help="Folder with the Fashion-MNIST idx files [default: /usr/share/datasets/fashion-mnist].")] = None,
+    quiet: QuietOpt = False,
+):
+    """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
+    from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS
+
+    names = BENCHMARK_CORRUPTIONS if corruptions == "all" else tuple(c.strip() for c in corruptions.split(",") if c.strip())
+    plan = DemoPlan(names, severity, DemoPlan.train_per_class, test_per_class or None, methods)
+    console = stderr_console(quiet)
+    with Monitor(console, quiet) as monitor:
+        if data_only:
+            from cafa_cli.fmnist_c import build_corrupted
+
+            for folder in build_corrupted(Path(workdir), list(names), severity, plan.test_per_class, plan.seed, fashion_mnist,
+                                          on_domain=lambda name: monitor.info(f"corrupting: {name}")):
+                print(folder)
+            return
+        table = run_demo(workdir, plan, fashion_mnist, monitor, echo=lambda line: monitor.info(f"$ {line}"))
+    print(table)
+
+
+@app.command()
+@reports_errors
+def bench(
+    data: Annotated[list[str], typer.Option("--data", "-d", help="Labelled test domains (repeatable; e.g. ImageNet-C/*/5 expanded by the shell).")],
+    train: Annotated[Optional[str], typer.Option("--train", help="Training data for the statistics (as cafa stats --data). Default for fmnist-resnet: fashion-mnist.")] = None,
+    model: ModelOpt = "fmnist-resnet",
+    weights: WeightsOpt = None,
+    num_classes: NumClassesOpt = None,
+    classifier: ClassifierOpt = None,
+    classes: Annotated[Optional[str], typer.Option("--classes", help="Class list file (as cafa stats).")] = None,
+    labels: LabelsOpt = None,
+    severity: SeverityOpt = None,
+    resize: ResizeOpt = None,
+    crop: CropOpt = None,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
+    channels: ChannelsOpt = None,
+    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag.")] = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag",
+    seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
+    fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
+    per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
+    workdir: Annotated[str, typer.Option("--workdir", help="Where artifacts are kept and re-used.")] = "cafa-bench",
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 200,
+    optimizer: Annotated[str, typer.Option("--optimizer")] = "adam",
+    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    steps: Annotated[int, typer.Option("--steps")] = 1,
+    device: DeviceOpt = "auto",
+    num_workers: WorkersOpt = 0,
+    csv_out: Annotated[Optional[str], typer.Option("--csv", help="Write the table as CSV.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the table and every run as JSON.")] = None,
+    plot_out: Annotated[Optional[str], typer.Option("--plot", help="Write a grouped-bar PNG (needs matplotlib).")] = None,
+    quiet: QuietOpt = False,
+):
+    """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
+    from cafa_cli import bench as grid
+
+    rows = grid.parse_methods(methods)
+    seed_list = grid.parse_seeds(seeds)
+    model_choice = ModelChoice(model, weights, num_classes, classifier)
+    data_choice = DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels))
+    if train is None:
+        if model != "fmnist-resnet":
+            raise UsageError("--train is needed: the training data to compute class statistics from")
+        train = "fashion-mnist"
+    settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, steps=steps, device=device, num_workers=num_workers)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    console = stderr_console(quiet)
+    with Monitor(console, quiet) as monitor:
+        artifacts = {
+            cov: grid.ensure_statistics(Path(workdir), cov, train, model_choice, DataChoice(None, None, classes, data_choice.preprocessing),
+                                        per_class, None if per_class else fraction, 0, monitor)
+            for cov in sorted({r.covariance for r in rows if r.covariance})
+        }
+        errors = grid.run_grid(rows, data, seed_list, settings, artifacts, model_choice, data_choice, monitor)
+    table = grid.summarise(errors, rows, data, seed_list)
+    print(grid.markdown(table, data, seed_list))
+    if csv_out:
+        grid.write_csv(csv_out, table, data)
+    if json_out:
+        grid.write_json(json_out, table, errors, data, seed_list, {**asdict(settings), "methods": methods, "train": train,
+                                                                     "fraction": None if per_class else fraction, "per_class": per_class})
+    if plot_out:
+        grid.plot(plot_out, table, data)
 
 
 def main() -> None:

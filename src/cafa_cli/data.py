@@ -60,8 +60,8 @@ def open_domain(
     if labels is not None and not spec.endswith(".npy"):
         raise UsageError("--labels is only for .npy arrays; image folders take labels from class folders")
     kind, _, root = spec.partition(":")
-    if kind in TRAINING_SETS and root:
-        domain = TRAINING_SETS[kind](Path(root))
+    if kind in TRAINING_SETS and (root or not Path(spec).exists()):
+        domain = TRAINING_SETS[kind](Path(root) if root else None)
     elif spec == "-":
         domain = _stdin_domain(stdin if stdin is not None else sys.stdin)
     else:
@@ -246,7 +246,9 @@ def _read_cifar_batch(path: Path) -> dict:
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
 
 
-def _cifar(root: Path, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
+def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
+    if root is None:
+        raise UsageError(f"give the folder that holds {folder}: e.g. --data {'cifar10' if '10' in folder else 'cifar100'}:/data")
     base = root / folder if (root / folder).is_dir() else root
     missing = [f for f in files + [meta] if not (base / f).is_file()]
     if missing:
@@ -272,7 +274,7 @@ def _cifar100(root: Path) -> Domain:
     return _cifar(root, "cifar-100-python", ["train"], "meta", "fine_labels", "fine_label_names")
 
 
-def _fashion_mnist(root: Path, split: str) -> Domain:
+def _fashion_mnist(root: Path | None, split: str) -> Domain:
     from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
 
     images, labels = load_fashion_mnist(root, split)
@@ -281,7 +283,7 @@ def _fashion_mnist(root: Path, split: str) -> Domain:
                   lambda i: Image.fromarray(images[i]))
 
 
-TRAINING_SETS: dict[str, Callable[[Path], Domain]] = {
+TRAINING_SETS: dict[str, Callable[[Path | None], Domain]] = {
     "cifar10": _cifar10,
     "cifar100": _cifar100,
     "fashion-mnist": lambda root: _fashion_mnist(root, "train"),

@@ -148,7 +148,7 @@ def load_for_adaptation(
     """The model (from the artifact unless overridden) and the artifact, checked against each other."""
     artifact = None
     stats_path = stats or DEFAULT_PATH
-    if stats is not None or method in NEEDS_STATISTICS or model.model is None or Path(stats_path).is_file():
+    if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path)
     if model.model is None:
         if artifact is None:

@@ -1,0 +1,180 @@
+"""`cafa bench`: methods × domains × seeds → a paper-style error table.
+
+Every cell is a `cafa adapt` run through the same functions as the CLI. Statistics
+are computed once per covariance mode and re-used.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics as stats_lib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
+from cafa_cli.artifact import read_artifact
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
+from cafa_cli.report import Monitor, atomic_write
+
+# Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
+VARIANTS = {"cafa-tied": ("cafa", "tied"), "cafa-diag": ("cafa", "diag"), "cafa-full": ("cafa", "full")}
+DEFAULT_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str  # as shown in the table
+    method: str  # passed to cafa adapt --method
+    covariance: str | None  # artifact needed, or None
+
+
+def parse_methods(text: str) -> list[Row]:
+    rows = []
+    for label in (m.strip() for m in text.split(",") if m.strip()):
+        if label in VARIANTS:
+            method, covariance = VARIANTS[label]
+        elif label in METHODS:
+            method, covariance = label, "full" if label in NEEDS_STATISTICS else None
+        else:
+            raise UsageError(f"--methods: unknown method {label!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
+        rows.append(Row(label, method, covariance))
+    if not rows:
+        raise UsageError("--methods names no method")
+    return rows
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds takes comma-separated integers, not {text!r}") from None
+    if not seeds:
+        raise UsageError("--seeds names no seed")
+    return seeds
+
+
+def domain_label(path: str) -> str:
+    """`.../fog/3` → `fog` (ImageNet-C layout), else the folder or file name."""
+    p = Path(path)
+    return p.parent.name if p.name.isdigit() and p.parent.name else (p.stem or path)
+
+
+def ensure_statistics(
+    workdir: Path, covariance: str, train: str, model: ModelChoice, data_choice: DataChoice,
+    per_class: int | None, fraction: float | None, seed: int, monitor: Monitor,
+) -> Path:
+    """The artifact for one covariance mode, re-used when it was made for the same model and data."""
+    path = workdir / f"stats-{covariance}.safetensors"
+    if path.is_file():
+        try:
+            existing = read_artifact(path, load_tensors=False)
+            same = (existing.model.model == model.model and existing.sampling.get("data") == train
+                    and existing.sampling.get("per_class") == per_class and existing.sampling.get("seed") == seed)
+            if same:
+                return path
+        except InputError:
+            pass
+    monitor.info(f"computing {covariance} statistics → {path}")
+    compute_statistics(train, path, model, data_choice, fraction=fraction, per_class=per_class, seed=seed,
+                       covariance=covariance, device="auto", monitor=monitor)
+    return path
+
+
+def run_grid(
+    rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, artifacts: dict[str, Path],
+    model: ModelChoice, data_choice: DataChoice, monitor: Monitor,
+) -> dict[tuple[str, str, int], float]:
+    """Error (a fraction) of every (row label, domain, seed)."""
+    errors = {}
+    for row in rows:
+        for seed in seeds:
+            stats = str(artifacts[row.covariance]) if row.covariance else None
+            job = prepare_adaptation(domains, stats, model, data_choice, replace(settings, method=row.method, seed=seed))
+            monitor.info(f"{row.label} seed {seed}")
+            for domain, result in zip(domains, job.run(monitor=monitor)):
+                if result.error is None:
+                    raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
+                errors[(row.label, domain, seed)] = result.error
+    return errors
+
+
+def summarise(errors: dict, rows: list[Row], domains: list[str], seeds: list[int]) -> list[dict]:
+    """Per row: mean and std (over seeds) of the error in % per domain, and of the mean over domains."""
+    table = []
+    for row in rows:
+        cells = {}
+        for domain in domains:
+            values = [100 * errors[(row.label, domain, s)] for s in seeds]
+            cells[domain] = (stats_lib.mean(values), stats_lib.stdev(values) if len(values) > 1 else 0.0)
+        per_seed_means = [stats_lib.mean(100 * errors[(row.label, d, s)] for d in domains) for s in seeds]
+        cells["mean"] = (stats_lib.mean(per_seed_means), stats_lib.stdev(per_seed_means) if len(seeds) > 1 else 0.0)
+        table.append({"method": row.label, "cells": cells})
+    return table
+
+
+def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
+    names = [domain_label(d) for d in domains] + ["mean"]
+    keys = domains + ["mean"]
+    best = min(row["cells"]["mean"][0] for row in table)
+    lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for row in table:
+        cells = []
+        for key in keys:
+            mean, std = row["cells"][key]
+            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            cells.append(f"**{text}**" if key == "mean" and mean == best else text)
+        lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
+    def write(tmp):
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            out = csv.writer(f)
+            out.writerow(["method", "domain", "error_mean_percent", "error_std_percent"])
+            for row in table:
+                for key in domains + ["mean"]:
+                    mean, std = row["cells"][key]
+                    out.writerow([row["method"], domain_label(key) if key != "mean" else "mean", f"{mean:.4f}", f"{std:.4f}"])
+
+    atomic_write(path, write)
+
+
+def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], settings: dict) -> None:
+    payload = {
+        "unit": "error %",
+        "seeds": seeds,
+        "domains": [{"data": d, "label": domain_label(d)} for d in domains],
+        "table": [{"method": r["method"], **{(domain_label(k) if k != "mean" else "mean"): {"mean": m, "std": s}
+                                             for k, (m, s) in r["cells"].items()}} for r in table],
+        "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
+        "settings": settings,
+    }
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8"))
+
+
+def plot(path: str, table: list[dict], domains: list[str]) -> None:
+    """Grouped bars: one group per domain (and the mean), one bar per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'cafa-cli[demo]'") from None
+    keys = domains + ["mean"]
+    width = 0.8 / len(table)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(keys) * max(1, len(table) / 4)), 4))
+    for k, row in enumerate(table):
+        means = [row["cells"][key][0] for key in keys]
+        stds = [row["cells"][key][1] for key in keys]
+        ax.bar([i + k * width for i in range(len(keys))], means, width, yerr=stds, label=row["method"])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+    ax.set_xticklabels([domain_label(k) if k != "mean" else "mean" for k in keys], rotation=45, ha="right")
+    ax.set_ylabel("error %")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)

@@ -1,0 +1,61 @@
+"""`cafa demo`: CAFA on real images with nothing but this package and Debian's
+Fashion-MNIST — build the data, compute statistics, adapt, print a table.
+
+It runs `cafa stats` and `cafa adapt` through the same functions as the CLI and
+prints their command lines, so every number can be reproduced by hand.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from cafa_cli.bench import ensure_statistics, markdown, parse_methods, run_grid, summarise
+from cafa_cli.fmnist_c import build_corrupted, build_training_subset
+from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
+from cafa_cli.report import Monitor
+
+MODEL = "fmnist-resnet"
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    corruptions: tuple[str, ...] = ("gaussian_noise", "defocus_blur", "fog", "contrast")
+    severity: int = 3
+    train_per_class: int = 300
+    test_per_class: int | None = 300
+    methods: str = "source,bn,tent,cafa"
+    batch_size: int = 200
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def command_line(*words) -> str:
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None = None, monitor: Monitor | None = None, echo=print) -> str:
+    """Returns the results table (markdown); `echo` receives the command lines run."""
+    monitor = monitor or Monitor()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    monitor.info(f"building data in {workdir} (re-used when already there)")
+    train = build_training_subset(workdir, plan.train_per_class, plan.seed, root)
+    domains = [
+        str(p)
+        for p in build_corrupted(workdir, list(plan.corruptions), plan.severity, plan.test_per_class, plan.seed, root,
+                                 on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
+    ]
+    model = ModelChoice(MODEL)
+    rows = parse_methods(plan.methods)
+    artifact = ensure_statistics(workdir, "full", str(train), model, DataChoice(), None, 1.0, plan.seed, monitor)
+    echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed, "--out", artifact))
+    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
+    for row in rows:
+        data_args = [w for d in domains for w in ("--data", d)]
+        stats_args = ["--stats", artifact] if row.covariance else ["--model", MODEL]
+        echo(command_line("cafa", "adapt", *stats_args, "--method", row.method, *data_args,
+                          "--batch-size", plan.batch_size, "--lr", plan.lr, "--seed", plan.seed))
+    errors = run_grid(rows, domains, [plan.seed], settings, {"full": artifact}, model, DataChoice(), monitor)
+    return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])
