@@ -1,0 +1,105 @@
+"""The Fashion-MNIST reader and the bundled model."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from cafa_cli.errors import InputError
+from cafa_cli.fashion_mnist import (
+    DEFAULT_ROOT,
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    load_fashion_mnist,
+)
+from cafa_cli.zoo import BUNDLED, load_bundled
+
+DEBIAN_FILES_PRESENT = (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file()
+needs_fashion_mnist = pytest.mark.skipif(
+    not DEBIAN_FILES_PRESENT, reason="Fashion-MNIST absent: apt-get install dataset-fashion-mnist"
+)
+
+
+def write_idx(path, magic: int, dims: tuple[int, ...], payload: bytes, compress: bool) -> None:
+    data = struct.pack(f">I{len(dims)}I", magic, *dims) + payload
+    if compress:
+        path.write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+
+
+@needs_fashion_mnist
+def test_reads_test_split_shapes_and_dtypes():
+    images, labels = load_fashion_mnist(DEFAULT_ROOT, "test")
+    assert images.shape == (10_000, 28, 28) and images.dtype == np.uint8
+    assert labels.shape == (10_000,) and labels.dtype == np.int64
+    assert set(np.unique(labels)) == set(range(len(FASHION_MNIST_CLASSES)))
+
+
+def test_reads_uncompressed_files_and_env_root(tmp_path, monkeypatch):
+    pixels = np.arange(2 * 28 * 28, dtype=np.uint8)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", 0x803, (2, 28, 28), pixels.tobytes(), False)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 0x801, (2,), bytes([3, 9]), True)
+    monkeypatch.setenv("CAFA_FASHION_MNIST", str(tmp_path))
+    images, labels = load_fashion_mnist(split="test")
+    assert np.array_equal(images.reshape(-1), pixels)
+    assert labels.tolist() == [3, 9]
+
+
+def test_missing_root_names_the_debian_package(tmp_path):
+    with pytest.raises(InputError) as caught:
+        load_fashion_mnist(tmp_path / "nowhere", "train")
+    message = str(caught.value)
+    assert "dataset-fashion-mnist" in message and "\n" not in message
+    assert "CAFA_FASHION_MNIST" in message
+
+
+@pytest.mark.parametrize(
+    "magic, dims, payload",
+    [
+        (0x801, (1, 28, 28), bytes(28 * 28)),  # label magic on an image file
+        (0x803, (2, 28, 28), bytes(28 * 28)),  # header announces more images than present
+        (0x803, (1, 14, 14), bytes(14 * 14)),  # wrong image size
+    ],
+)
+def test_malformed_image_file_raises_input_error(tmp_path, magic, dims, payload):
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", magic, dims, payload, True)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x801, (1,), bytes([0]), True)
+    with pytest.raises(InputError, match="malformed"):
+        load_fashion_mnist(tmp_path, "train")
+
+
+def test_truncated_gzip_raises_input_error(tmp_path):
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(bytes(100))[:20])
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x801, (1,), bytes([0]), True)
+    with pytest.raises(InputError):
+        load_fashion_mnist(tmp_path, "train")
+
+
+def test_bundled_model_loads_and_has_the_feature_layer():
+    entry = BUNDLED["fmnist-resnet"]
+    assert entry.weights.stat().st_size < 2_000_000
+    assert entry.class_names == tuple(FASHION_MNIST_CLASSES)
+    assert entry.preprocessing["channels"] == 1
+    model = load_bundled("fmnist-resnet")
+    assert not model.training
+    assert isinstance(model.fc, torch.nn.Linear) and model.fc.out_features == 10
+    with torch.no_grad():
+        assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+@needs_fashion_mnist
+def test_bundled_model_classifies_real_test_images():
+    images, labels = load_fashion_mnist(DEFAULT_ROOT, "test")
+    # Same arithmetic as ToTensor + Normalize at use time.
+    inputs = torch.from_numpy(images[:500]).unsqueeze(1).float() / 255.0
+    inputs = (inputs - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
+    model = load_bundled("fmnist-resnet")
+    with torch.no_grad():
+        predictions = model(inputs).argmax(1).numpy()
+    assert (predictions == labels[:500]).mean() > 0.8
