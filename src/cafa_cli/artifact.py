@@ -215,6 +215,8 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     gaussians = None
     if load_tensors:
         shrink_info = _json(metadata, "shrinkage", path)
+        if not isinstance(shrink_info, dict) or not all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max")):
+            raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ; re-create the artifact with cafa stats")
         gaussians = ClassGaussians(
             means=small["means"],
             factors=factors,

@@ -119,12 +119,13 @@ def _torch_load(path: Path, trust_checkpoint: bool):
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as error:
-        if "weights_only" in str(error):
+        # "Unsupported operand": the bytes are not a pickle at all, so trusting them cannot help
+        if "weights_only" in str(error) and "Unsupported operand" not in str(error):
             raise InputError(
                 f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
                 f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
             ) from None
-        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({error})") from None
+        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
         raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
 
@@ -230,6 +231,9 @@ def resolve(
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
+    location, _, function = model.rpartition(":")
+    if location.endswith(".py"):  # record the factory file absolutely, as the weights, so adapt works from any folder
+        model = f"{Path(location).resolve()}:{function}"
     spec = ModelSpec(model, weights, sha, num_classes, wrapped.classifier_name)
     return wrapped, spec
 

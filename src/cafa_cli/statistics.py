@@ -139,7 +139,11 @@ def estimate(
     """Shrunk class covariances from streamed moments, factored as precision Cholesky factors."""
     if covariance not in COVARIANCE_MODES:
         raise UsageError(f"--covariance must be one of {', '.join(COVARIANCE_MODES)}, not {covariance}")
-    if shrinkage != "auto" and not (0.0 <= float(shrinkage) <= 1.0):
+    try:
+        in_range = shrinkage == "auto" or 0.0 <= float(shrinkage) <= 1.0
+    except (TypeError, ValueError):
+        in_range = False
+    if not in_range:
         raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {shrinkage}")
     C, d = moments.num_classes, moments.dim
     names = class_names or [str(c) for c in range(C)]
@@ -225,7 +229,8 @@ def accumulate_features(
     `labels` is indexed by each batch's domain positions.
     """
     moments = ClassMoments(num_classes, dim)
-    with torch.inference_mode():
+    # no_grad rather than inference_mode: the moments are updated in place later
+    with torch.no_grad():
         for batch in batches:
             if batch.images is not None:
                 _, features = model(batch.images.to(device, non_blocking=True))

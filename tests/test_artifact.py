@@ -1,0 +1,314 @@
+"""artifact.py: round trip, atomic writes, and a one-line InputError for each kind of bad file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import cafa_cli.artifact as artifact_module
+from cafa_cli.artifact import atomic_write, read_artifact, write_artifact
+from cafa_cli.errors import InputError
+from cafa_cli.models import ModelSpec
+from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.statistics import ClassMoments, estimate
+
+NAMES = ["cat", "dog", "émeu"]
+D = 4
+SPEC = ModelSpec("resnet18", "/models/net.pt", "ab" * 32, 3, "fc")
+PREP = Preprocessing(resize=None, crop=32, mean=(0.5,), std=(0.25,), channels=1)
+SAMPLING = {"data": "/data/train", "fraction": 0.5, "per_class": None, "seed": 7}
+
+
+def gaussians(covariance: str = "full", shrinkage="auto"):
+    gen = torch.Generator().manual_seed(0)
+    counts = [20, 15, 30]
+    x = torch.cat([torch.randn(n, D, generator=gen) + c for c, n in enumerate(counts)])
+    y = torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
+    moments = ClassMoments(3, D)
+    moments.update(x, y)
+    return estimate(moments, covariance, shrinkage, NAMES)
+
+
+def write(path: Path, covariance: str = "full", shrinkage="auto"):
+    g = gaussians(covariance, shrinkage)
+    write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING)
+    return g
+
+
+# --- round trip ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("covariance", ["full", "tied", "diag"])
+def test_round_trip_keeps_every_tensor_and_field(tmp_path, covariance):
+    path = tmp_path / "s.safetensors"
+    g = write(path, covariance, "auto" if covariance != "diag" else 0.3)
+    a = read_artifact(path)
+    assert a.path == str(path)
+    assert a.class_names == NAMES
+    assert a.model == SPEC
+    assert a.preprocessing == PREP
+    assert a.sampling == SAMPLING
+    assert a.covariance == covariance and a.feature_dim == D and a.num_classes == 3
+    r = a.gaussians
+    for name in ("means", "factors", "counts", "shrinkage", "global_mean", "global_covariance"):
+        original, back = getattr(g, name), getattr(r, name)
+        assert back.dtype == original.dtype, name
+        assert torch.equal(back, original), name
+    assert r.covariance == covariance
+    assert r.shrinkage_method == g.shrinkage_method == ("oas" if covariance != "diag" else "fixed")
+    assert a.metadata["format"] == "cafa-stats" and a.metadata["format_version"] == "1"
+    assert a.metadata["num_images"] == "65"
+    shrink = json.loads(a.metadata["shrinkage"])
+    assert shrink["min"] == pytest.approx(float(g.shrinkage.min()))
+    assert shrink["max"] == pytest.approx(float(g.shrinkage.max()))
+
+
+def test_read_without_tensors_still_validates(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    a = read_artifact(path, load_tensors=False)
+    assert a.gaussians is None and a.class_names == NAMES and a.feature_dim == D
+    corrupt(path, path, factors=lambda f: f.fill_(float("nan")))
+    with pytest.raises(InputError, match="NaN"):
+        read_artifact(path, load_tensors=False)
+
+
+def test_factors_are_validated_in_slices(tmp_path, monkeypatch):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    per_class = 4 * D * D
+    monkeypatch.setattr(artifact_module, "_SLICE_BYTES", per_class)  # one class per slice
+    assert torch.equal(read_artifact(path).gaussians.factors, gaussians().factors)
+    bad = tmp_path / "bad.safetensors"
+    corrupt(path, bad, factors=lambda f: f[2, 0].__setitem__(1, 0.5))  # only the last class is wrong
+    with pytest.raises(InputError, match="lower-triangular"):
+        read_artifact(bad)
+
+
+# --- atomic writes ---------------------------------------------------------------
+
+
+def test_failing_writer_keeps_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    before = path.read_bytes()
+
+    def half_then_fail(tmp):
+        Path(tmp).write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, half_then_fail)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+def test_interrupted_write_artifact_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    before = path.read_bytes()
+
+    def interrupted(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact_module, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write(path, "diag", 0.1)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
+    assert read_artifact(path).covariance == "full"
+
+
+def test_write_replaces_an_existing_artifact(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write(path, "full")
+    write(path, "tied")
+    assert read_artifact(path).covariance == "tied"
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
+
+
+def test_write_into_a_folder_or_missing_folder_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="is a folder"):
+        write(tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        write(tmp_path / "nowhere" / "s.safetensors")
+
+
+# --- validation ------------------------------------------------------------------
+
+
+def corrupt(source: Path, target: Path, metadata: dict | None = None, drop=(), factors=None, **tensors):
+    """Rewrite a valid artifact with save_file, changing metadata fields and tensors."""
+    with safe_open(str(source), framework="pt") as f:
+        meta = dict(f.metadata())
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    meta.update(metadata or {})
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if factors is not None:
+        factors(stored["precision_cholesky"])
+    stored.update(tensors)
+    for key in drop:
+        stored.pop(key)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(target), metadata=meta)
+    return target
+
+
+@pytest.fixture
+def valid(tmp_path) -> Path:
+    path = tmp_path / "valid.safetensors"
+    write(path)
+    return path
+
+
+def fails(path: Path, pattern: str) -> str:
+    with pytest.raises(InputError, match=pattern) as info:
+        read_artifact(path)
+    message = str(info.value)
+    assert "\n" not in message, "messages must be one line"
+    assert "Traceback" not in message
+    return message
+
+
+def test_missing_file(tmp_path):
+    message = fails(tmp_path / "absent.safetensors", "no such artifact")
+    assert "cafa stats" in message
+
+
+def test_folder_instead_of_file(tmp_path):
+    fails(tmp_path, "no such artifact")
+
+
+@pytest.mark.parametrize("keep", [0, 5, 40, 0.6, -1])  # bytes kept, a fraction, or all but the last byte
+def test_truncated_file(valid, keep):
+    data = valid.read_bytes()
+    valid.write_bytes(data[: int(keep * len(data)) if isinstance(keep, float) else keep])
+    fails(valid, "not a readable safetensors file .*re-create it")
+
+
+def test_garbage_bytes(tmp_path):
+    path = tmp_path / "g.safetensors"
+    path.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).tolist()))
+    fails(path, "not a readable safetensors|unreadable")
+
+
+def test_garbage_with_small_header_length(tmp_path):
+    path = tmp_path / "g.safetensors"
+    path.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + b"\0" * 50)
+    fails(path, "not a readable safetensors|unreadable")
+
+
+@pytest.mark.parametrize("page", [b"<!DOCTYPE html><html><body>Sign in</body></html>", b"\n  <html><head></head></html>"])
+def test_html_page(tmp_path, page):
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(page)
+    fails(path, "web page")
+
+
+def test_safetensors_file_that_is_not_an_artifact(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    save_file({"fc.weight": torch.zeros(3, 4)}, str(path))
+    fails(path, "not a cafa statistics artifact")
+    save_file({"fc.weight": torch.zeros(3, 4)}, str(path), metadata={"format": "pt"})
+    fails(path, "not a cafa statistics artifact")
+
+
+@pytest.mark.parametrize("version", ["2", "0", "one"])
+def test_unknown_format_version(valid, tmp_path, version):
+    message = fails(corrupt(valid, tmp_path / "v.safetensors", {"format_version": version}), "format version")
+    assert repr(version) in message and "reads version 1" in message
+
+
+def test_missing_format_version(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "v.safetensors", {"format_version": None}), "format version None")
+
+
+def test_unknown_covariance_mode(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "c.safetensors", {"covariance": "spherical"}), "covariance mode 'spherical'")
+
+
+def test_nan_in_means(valid, tmp_path):
+    means = read_artifact(valid).gaussians.means.clone()
+    means[1, 2] = float("nan")
+    fails(corrupt(valid, tmp_path / "m.safetensors", means=means), "'means' holds NaN")
+
+
+def test_inf_in_global_covariance(valid, tmp_path):
+    cov = read_artifact(valid).gaussians.global_covariance.clone()
+    cov[0, 0] = float("inf")
+    fails(corrupt(valid, tmp_path / "m.safetensors", global_covariance=cov), "'global_covariance' holds NaN or inf")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_factors(valid, tmp_path, value):
+    fails(corrupt(valid, tmp_path / "f.safetensors", factors=lambda f: f[0, 3].__setitem__(0, value)), "precision factors hold NaN")
+
+
+def test_shapes_disagree_with_metadata(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "a.safetensors", {"num_classes": "4", "class_names": json.dumps(NAMES + ["x"])}), r"'means' has shape \(3, 4\), metadata implies \(4, 4\)")
+    fails(corrupt(valid, tmp_path / "b.safetensors", {"feature_dim": "5"}), "has shape")
+    g = read_artifact(valid).gaussians
+    fails(corrupt(valid, tmp_path / "c.safetensors", precision_cholesky=g.factors[:2].clone()), r"'precision_cholesky' has shape \(2, 4, 4\)")
+    fails(corrupt(valid, tmp_path / "d.safetensors", {"covariance": "diag"}), r"'precision_cholesky' has shape \(3, 4, 4\), metadata implies \(3, 4\)")
+
+
+def test_wrong_dtype(valid, tmp_path):
+    g = read_artifact(valid).gaussians
+    fails(corrupt(valid, tmp_path / "d.safetensors", means=g.means.double()), "'means' has dtype F64")
+
+
+def test_missing_tensor(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "m.safetensors", drop=["global_mean"]), "tensors missing: global_mean")
+
+
+def test_class_names_disagree_with_num_classes(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "n.safetensors", {"class_names": json.dumps(NAMES[:2])}), "list of 3 strings")
+    fails(corrupt(valid, tmp_path / "r.safetensors", {"class_names": json.dumps(["a", "a", "b"])}), "repeats")
+
+
+def test_factor_not_lower_triangular(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "u.safetensors", factors=lambda f: f[1, 0].__setitem__(3, 1e-3)), "not lower-triangular")
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_factor_with_non_positive_diagonal(valid, tmp_path, value):
+    fails(corrupt(valid, tmp_path / "p.safetensors", factors=lambda f: f[2, 1].__setitem__(1, value)), "non-positive diagonal")
+
+
+def test_diag_factor_with_non_positive_entry(tmp_path):
+    path = tmp_path / "diag.safetensors"
+    write(path, "diag", 0.2)
+    fails(corrupt(path, tmp_path / "p.safetensors", factors=lambda f: f[0].__setitem__(2, 0.0)), "non-positive diagonal")
+
+
+def test_counts_and_shrinkage_out_of_range(valid, tmp_path):
+    g = read_artifact(valid).gaussians
+    fails(corrupt(valid, tmp_path / "c.safetensors", counts=torch.tensor([20, 1, 30])), "fewer than 2 samples")
+    fails(corrupt(valid, tmp_path / "s.safetensors", shrinkage=g.shrinkage + 2), "outside")
+
+
+@pytest.mark.parametrize("field", ["class_names", "model", "preprocessing", "sampling", "shrinkage"])
+def test_malformed_json_metadata(valid, tmp_path, field):
+    message = fails(corrupt(valid, tmp_path / "j.safetensors", {field: "{not json"}), f"'{field}' is missing or not valid JSON")
+    assert "cafa stats" in message
+
+
+@pytest.mark.parametrize("value", ["{}", "3", json.dumps({"method": "oas", "min": "low", "mean": 0.1, "max": 0.2})])
+def test_shrinkage_metadata_without_its_fields(valid, tmp_path, value):
+    fails(corrupt(valid, tmp_path / "s.safetensors", {"shrinkage": value}), "metadata 'shrinkage' must hold")
+
+
+def test_metadata_with_wrong_fields(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"architecture": "x"})}), "malformed")
+    bad_prep = json.dumps({"resize": None, "crop": None, "mean": [0], "std": [0], "channels": 1})
+    fails(corrupt(valid, tmp_path / "p.safetensors", {"preprocessing": bad_prep}), "preprocessing")
+
+
+def test_non_integer_dimensions(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "d.safetensors", {"feature_dim": "four"}), "not integers")
+    fails(corrupt(valid, tmp_path / "z.safetensors", {"num_classes": "0"}), "0 classes")

@@ -1,0 +1,303 @@
+"""`cafa stats` and `cafa inspect` end to end through the typer app, against a float64 reference."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_net
+import torch
+from conftest import PLAIN, TINY_NET, write_folder
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from cafa_cli.artifact import read_artifact
+from cafa_cli.cli import app
+
+CLASSES = ["a", "b", "c"]
+PER_CLASS = 12
+D = 6  # the tiny net's feature dimension
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """One training folder, weights, and reference float64 features for the whole module."""
+    root = tmp_path_factory.mktemp("stats")
+    data = write_folder(root / "train", per_class=PER_CLASS)
+    torch.manual_seed(0)
+    net = tiny_net.build()
+    weights = root / "net.pt"
+    torch.save(net.state_dict(), weights)
+    features, labels = reference_features(net.eval(), data)
+    return root, data, weights, features, labels
+
+
+def reference_features(net, data: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The input of the last Linear, computed directly from the PNGs (pixels / 255)."""
+    rows, labels = [], []
+    for label, name in enumerate(CLASSES):
+        for path in sorted((data / name).glob("*.png")):
+            rows.append(np.asarray(Image.open(path), dtype=np.float32) / 255)
+            labels.append(label)
+    x = torch.from_numpy(np.stack(rows))[:, None]
+    with torch.no_grad():
+        features = net.head[:3](net.pool(net.block(net.stem(x))))
+    return features.double().numpy(), np.array(labels)
+
+
+def shrunk(rows: np.ndarray, lam: float) -> np.ndarray:
+    s = np.cov(rows, rowvar=False, bias=True)
+    return (1 - lam) * s + lam * np.trace(s) / s.shape[0] * np.eye(s.shape[0])
+
+
+def stats(setup, out: Path, *extra):
+    root, data, weights, _, _ = setup
+    return invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", data, *PLAIN, "--seed", "0", "--out", out, *extra)
+
+
+def squared_distances(z, mean32, factor32):
+    diff = z - mean32.double().numpy()
+    return ((diff @ factor32.double().numpy()) ** 2).sum(-1)
+
+
+def test_acceptance_command_matches_float64_reference(setup, tmp_path):
+    root, data, weights, features, labels = setup
+    out = tmp_path / "s.safetensors"
+    result = invoke(
+        "stats", "--model", TINY_NET, "--weights", weights, "--data", data,
+        "--resize", "none", "--crop", "none", "--mean", "0", "--std", "1", "--channels", "1",
+        "--fraction", "1", "--seed", "0", "--shrinkage", "0.1", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "", "stats prints nothing on stdout"
+    assert f"wrote {out}" in result.stderr
+    artifact = read_artifact(out)
+    g = artifact.gaussians
+    assert artifact.class_names == CLASSES
+    assert g.counts.tolist() == [PER_CLASS] * 3
+    assert g.covariance == "full" and g.factors.shape == (3, D, D)
+    assert g.shrinkage.tolist() == [0.1] * 3 and g.shrinkage_method == "fixed"
+    probe = np.concatenate([features, features.mean(0) + np.random.default_rng(0).normal(size=(10, D)) * features.std(0)])
+    for c in range(3):
+        rows = features[labels == c]
+        np.testing.assert_allclose(g.means[c].numpy(), rows.mean(0), rtol=1e-5, atol=1e-6 * np.abs(rows).max())
+        cov = shrunk(rows, 0.1)
+        diff = probe - rows.mean(0)
+        expected = np.einsum("nd,de,ne->n", diff, np.linalg.inv(cov), diff)
+        np.testing.assert_allclose(squared_distances(probe, g.means[c], g.factors[c]), expected, rtol=1e-4)
+    np.testing.assert_allclose(g.global_mean.numpy(), features.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
+    root, data, weights, _, _ = setup
+    out = tmp_path / "s.safetensors"
+    assert stats(setup, out, "--fraction", "1", "--shrinkage", "0.1").exit_code == 0
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["class_names"]) == CLASSES
+    model = json.loads(meta["model"])
+    assert model["model"] == TINY_NET
+    assert model["weights"] == str(weights.resolve())
+    assert model["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert model["classifier"] == "head.3"
+    assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1}
+    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0}
+    assert json.loads(meta["shrinkage"])["method"] == "fixed"
+    assert meta["num_images"] == str(3 * PER_CLASS) and meta["feature_dim"] == str(D)
+
+
+def test_default_shrinkage_is_oas(setup, tmp_path):
+    _, _, _, features, labels = setup
+    from sklearn.covariance import OAS
+
+    out = tmp_path / "s.safetensors"
+    assert stats(setup, out, "--fraction", "1").exit_code == 0
+    g = read_artifact(out).gaussians
+    assert g.shrinkage_method == "oas"
+    expected = [OAS().fit(features[labels == c]).shrinkage_ for c in range(3)]
+    np.testing.assert_allclose(g.shrinkage.numpy(), expected, rtol=1e-4)
+
+
+def test_tied_covariance(setup, tmp_path):
+    _, _, _, features, labels = setup
+    out = tmp_path / "t.safetensors"
+    result = stats(setup, out, "--fraction", "1", "--shrinkage", "0.2", "--covariance", "tied")
+    assert result.exit_code == 0, result.stderr
+    g = read_artifact(out).gaussians
+    assert g.covariance == "tied" and g.factors.shape == (1, D, D) and g.shrinkage.tolist() == [0.2]
+    centred = np.concatenate([features[labels == c] - features[labels == c].mean(0) for c in range(3)])
+    pooled = centred.T @ centred / len(centred)
+    cov = 0.8 * pooled + 0.2 * np.trace(pooled) / D * np.eye(D)
+    for c in range(3):
+        diff = features - features[labels == c].mean(0)
+        expected = np.einsum("nd,de,ne->n", diff, np.linalg.inv(cov), diff)
+        np.testing.assert_allclose(squared_distances(features, g.means[c], g.factors[0]), expected, rtol=1e-4)
+
+
+def test_diag_covariance(setup, tmp_path):
+    _, _, _, features, labels = setup
+    out = tmp_path / "d.safetensors"
+    result = stats(setup, out, "--fraction", "1", "--shrinkage", "0.3", "--covariance", "diag")
+    assert result.exit_code == 0, result.stderr
+    g = read_artifact(out).gaussians
+    assert g.covariance == "diag" and g.factors.shape == (3, D)
+    for c in range(3):
+        variances = np.diag(shrunk(features[labels == c], 0.3))
+        np.testing.assert_allclose(g.factors[c].double().numpy(), 1 / np.sqrt(variances), rtol=1e-4)
+
+
+def test_per_class_selects_that_many_and_is_seeded(setup, tmp_path):
+    outs = {}
+    for name, seed in [("one", 0), ("again", 0), ("other", 1)]:
+        outs[name] = tmp_path / f"{name}.safetensors"
+        result = invoke("stats", "--model", TINY_NET, "--weights", setup[2], "--data", setup[1], *PLAIN,
+                        "--per-class", "5", "--seed", seed, "--out", outs[name])  # fmt: skip
+        assert result.exit_code == 0, result.stderr
+    a = read_artifact(outs["one"])
+    assert a.gaussians.counts.tolist() == [5, 5, 5]
+    assert a.sampling == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0}
+    assert torch.equal(a.gaussians.means, read_artifact(outs["again"]).gaussians.means)
+    assert not torch.equal(a.gaussians.means, read_artifact(outs["other"]).gaussians.means)
+
+
+def test_fraction_selects_round_fraction_per_class(setup, tmp_path):
+    out = tmp_path / "f.safetensors"
+    assert stats(setup, out, "--fraction", "0.5").exit_code == 0
+    assert read_artifact(out).gaussians.counts.tolist() == [6, 6, 6]
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-0.2"])
+def test_fraction_out_of_range_is_a_usage_error(setup, tmp_path, fraction):
+    out = tmp_path / "s.safetensors"
+    result = stats(setup, out, "--fraction", fraction)
+    assert result.exit_code == 2
+    assert "--fraction" in result.stderr and "Traceback" not in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        (["--covariance", "spherical"], "--covariance"),
+        (["--shrinkage", "lots"], "--shrinkage"),
+        (["--shrinkage", "1.5", "--fraction", "1"], "--shrinkage"),
+        (["--per-class", "1"], "--per-class"),
+        (["--channels", "2"], "--channels"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_options_exit_2(setup, tmp_path, extra, pattern):
+    result = stats(setup, tmp_path / "s.safetensors", *extra)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("cafa: error:") and pattern in result.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="bug: --shrinkage's range is only checked after every image has been read (pipeline.compute_statistics)")
+def test_shrinkage_out_of_range_fails_before_reading_data(setup, tmp_path):
+    result = invoke("stats", "--model", TINY_NET, "--data", tmp_path / "absent", *PLAIN, "--shrinkage", "1.5", "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 2 and "--shrinkage" in result.stderr
+
+
+def test_unshrunk_singular_covariance_exits_3_naming_classes(setup, tmp_path):
+    result = stats(setup, tmp_path / "s.safetensors", "--per-class", "5", "--shrinkage", "0")  # N_c = 5 < d = 6
+    assert result.exit_code == 3
+    assert "covariance is singular for a (N=5, d=6)" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_relative_model_file_is_recorded_absolutely(setup, tmp_path, monkeypatch):
+    _, data, weights, _, _ = setup
+    (tmp_path / "net.py").write_text(Path(tiny_net.__file__).read_text())
+    monkeypatch.chdir(tmp_path)
+    result = invoke("stats", "--model", "net.py:build", "--weights", weights, "--data", data, *PLAIN, "--fraction", "1", "--out", "s.safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert read_artifact(tmp_path / "s.safetensors").model.model == f"{tmp_path.resolve() / 'net.py'}:build"
+
+
+def test_missing_data_and_weights_exit_3(setup, tmp_path):
+    root, data, weights, _, _ = setup
+    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", tmp_path / "absent", *PLAIN, "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 3 and "no such file or folder" in result.stderr
+    result = invoke("stats", "--model", TINY_NET, "--weights", tmp_path / "absent.pt", "--data", data, *PLAIN, "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 3 and "--weights" in result.stderr
+
+
+def test_class_count_mismatch_exits_3(tmp_path, tiny_weights):
+    data = write_folder(tmp_path / "four", per_class=4, classes=("a", "b", "c", "d"), size=16)
+    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", data, *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 3 and "4 classes but the model's classifier has 3 outputs" in result.stderr
+
+
+# --- inspect -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifact_path(setup):
+    out = setup[0] / "inspect.safetensors"
+    result = stats(setup, out, "--fraction", "1", "--shrinkage", "0.1")
+    assert result.exit_code == 0, result.stderr
+    return out
+
+
+def test_inspect_text(artifact_path, setup):
+    result = invoke("inspect", artifact_path)
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    for needle in ["covariance", "full", "feature dim 6", "36 images", "fixed", "0.1000", "head.3", str(setup[1])]:
+        assert needle in text, needle
+    sha = hashlib.sha256(setup[2].read_bytes()).hexdigest()
+    assert sha[:16] in text
+    rows = [line for line in text.splitlines() if line.strip(" │").startswith(("a ", "b ", "c "))]
+    assert len(rows) == 3 and all(f"{PER_CLASS}" in row for row in rows)
+
+
+def test_inspect_json(artifact_path, setup):
+    result = invoke("inspect", artifact_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["num_classes"] == 3 and summary["feature_dim"] == D and summary["num_images"] == 36
+    assert summary["covariance"] == "full"
+    assert [c["name"] for c in summary["classes"]] == CLASSES
+    assert [c["count"] for c in summary["classes"]] == [PER_CLASS] * 3
+    assert all(c["shrinkage"] == pytest.approx(0.1) for c in summary["classes"])
+    assert summary["shrinkage"]["method"] == "fixed" and summary["shrinkage"]["min"] == pytest.approx(0.1)
+    assert summary["model"]["classifier"] == "head.3"
+    assert summary["sampling"]["fraction"] == 1.0
+    cond = summary["conditioning"]
+    assert cond["classes_measured"] == 3 and 1 <= cond["min"] <= cond["median"] <= cond["max"]
+    # cond(Σ_c) from the factors must agree with the reference shrunk covariance
+    _, _, _, features, labels = setup
+    expected = sorted(np.linalg.cond(shrunk(features[labels == c], 0.1)) for c in range(3))
+    np.testing.assert_allclose([cond["min"], cond["median"], cond["max"]], expected, rtol=1e-3)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "html", "missing", "not-an-artifact", "metadata"])
+def test_inspect_bad_artifact_is_one_line_exit_3(artifact_path, tmp_path, damage):
+    path = tmp_path / "bad.safetensors"
+    if damage in ("not-an-artifact", "metadata"):
+        with safe_open(str(artifact_path), framework="pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        meta = {} if damage == "not-an-artifact" else {**meta, "shrinkage": "{}"}
+        save_file(tensors, str(path), metadata=meta)
+    elif damage == "truncate":
+        path.write_bytes(artifact_path.read_bytes()[:200])
+    elif damage == "garbage":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 2048, dtype=np.uint8).tobytes())
+    elif damage == "html":
+        path.write_text("<!doctype html><html><body>404</body></html>")
+    result = invoke("inspect", path)
+    assert result.exit_code == 3
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cafa: error:") and str(path) in lines[0]
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

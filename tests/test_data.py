@@ -1,0 +1,542 @@
+"""data.py and preprocessing.py: image sources, labels by name, sampling, CIFAR, preprocessing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_folder
+from PIL import Image
+
+from cafa_cli.data import UNLABELLED, batches, open_domain, read_class_list, stratified_subset
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.preprocessing import Preprocessing, parse_floats, parse_size, to_mode
+
+GREY = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
+
+
+def save(path: Path, pixels: np.ndarray, fmt: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path, format=fmt)
+    return path
+
+
+def solid(value: int, size: int = 8) -> np.ndarray:
+    return np.full((size, size), value, dtype=np.uint8)
+
+
+# --- image folders -------------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_folder(tmp_path) -> Path:
+    root = tmp_path / "data"
+    save(root / "zebra" / "one.PNG", solid(10), "PNG")
+    save(root / "zebra" / "two.JpG", solid(20), "JPEG")
+    save(root / "zebra" / "nested" / "three.png", solid(30))
+    save(root / "apple" / "four.jpeg", solid(40), "JPEG")
+    save(root / "apple" / "five.bmp", solid(50), "BMP")
+    (root / "apple" / "notes.txt").write_text("not an image")
+    (root / "apple" / "README").write_text("no extension")
+    save(root / ".cache" / "hidden.png", solid(60))
+    save(root / "top-level.png", solid(70))  # ignored: the folder has class folders
+    return root
+
+
+def test_image_folder_extensions_and_class_names(mixed_folder):
+    domain = open_domain(str(mixed_folder))
+    assert domain.class_names == ["apple", "zebra"]
+    names = [Path(r).name for r in domain.refs]
+    assert sorted(names) == sorted(["one.PNG", "two.JpG", "three.png", "four.jpeg", "five.bmp"])
+    by_name = dict(zip(names, domain.labels.tolist()))
+    assert by_name == {"four.jpeg": 0, "five.bmp": 0, "one.PNG": 1, "two.JpG": 1, "three.png": 1}
+    assert domain.labelled and len(domain) == 5
+    values = {Path(domain.refs[i]).name: int(np.asarray(domain.read(i)).mean().round()) for i in range(len(domain))}
+    assert values["one.PNG"] == 10 and values["three.png"] == 30 and values["five.bmp"] == 50
+    assert abs(values["two.JpG"] - 20) <= 2  # JPEG
+
+
+def test_relabel_by_name_into_the_model_order(mixed_folder):
+    domain = open_domain(str(mixed_folder), class_names=["zebra", "mango", "apple"])
+    assert domain.class_names == ["zebra", "mango", "apple"]
+    by_name = {Path(r).name: int(label) for r, label in zip(domain.refs, domain.labels)}
+    assert by_name["one.PNG"] == 0 and by_name["four.jpeg"] == 2
+
+
+def test_folder_missing_from_class_list_is_named(mixed_folder):
+    with pytest.raises(InputError, match=r"class folder\(s\) zebra not in the model's class list \(2 classes\)"):
+        open_domain(str(mixed_folder), class_names=["apple", "pear"])
+
+
+def test_empty_folder_missing_from_class_list_is_fine(mixed_folder):
+    (mixed_folder / "empty").mkdir()
+    domain = open_domain(str(mixed_folder), class_names=["zebra", "apple"])
+    assert domain.class_names == ["zebra", "apple"] and set(domain.labels.tolist()) == {0, 1}
+
+
+def test_unlabelled_folder(tmp_path):
+    for i in range(3):
+        save(tmp_path / "stream" / f"{i}.png", solid(i))
+    (tmp_path / "stream" / "log.txt").write_text("x")
+    domain = open_domain(str(tmp_path / "stream"))
+    assert len(domain) == 3 and domain.class_names == []
+    assert (domain.labels == UNLABELLED).all() and not domain.labelled
+    relabelled = open_domain(str(tmp_path / "stream"), class_names=["a", "b"])
+    assert relabelled.class_names == ["a", "b"] and (relabelled.labels == UNLABELLED).all()
+
+
+def test_folder_without_images(tmp_path):
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    (tmp_path / "empty" / "cls" / "a.txt").write_text("x")
+    with pytest.raises(InputError, match="no images found"):
+        open_domain(str(tmp_path / "empty"))
+
+
+def test_missing_path_and_unknown_file_type(tmp_path):
+    with pytest.raises(InputError, match="no such file or folder"):
+        open_domain(str(tmp_path / "absent"))
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(InputError, match="expected an image folder"):
+        open_domain(str(tmp_path / "x.csv"))
+
+
+def test_read_class_list(tmp_path):
+    path = tmp_path / "classes.txt"
+    path.write_text("cat\n\n dog \nemu\n")
+    assert read_class_list(str(path)) == ["cat", "dog", "emu"]
+    path.write_text("cat\ndog\ncat\n")
+    with pytest.raises(InputError, match="repeat: cat"):
+        read_class_list(str(path))
+    path.write_text("\n\n")
+    with pytest.raises(InputError, match="no class names"):
+        read_class_list(str(path))
+    with pytest.raises(InputError, match="no such file"):
+        read_class_list(str(tmp_path / "absent.txt"))
+
+
+# --- arrays --------------------------------------------------------------------------
+
+
+def test_grey_array_with_labels(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (6, 5, 7), dtype=np.uint8)
+    labels = np.array([0, 2, 1, 2, 0, 1])
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", labels)
+    domain = open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "y.npy"))
+    assert len(domain) == 6 and domain.labels.tolist() == labels.tolist()
+    assert domain.class_names == ["0", "1", "2"]
+    image = domain.read(3)
+    assert image.mode == "L" and image.size == (7, 5)
+    assert np.array_equal(np.asarray(image), images[3])
+
+
+def test_rgb_array_unlabelled(tmp_path):
+    images = np.random.default_rng(1).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    domain = open_domain(str(tmp_path / "x.npy"))
+    assert (domain.labels == UNLABELLED).all()
+    image = domain.read(2)
+    assert image.mode == "RGB" and np.array_equal(np.asarray(image), images[2])
+
+
+@pytest.mark.parametrize("labels_per_block", [False, True])
+def test_severity_picks_one_of_five_blocks(tmp_path, labels_per_block):
+    per = 4
+    images = np.stack([np.full((3, 3, 3), 10 * s + i, dtype=np.uint8) for s in range(5) for i in range(per)])
+    labels = np.tile(np.array([3, 1, 0, 2]), 5)
+    np.save(tmp_path / "c.npy", images)
+    np.save(tmp_path / "l.npy", labels[:per] if labels_per_block else labels)
+    domain = open_domain(str(tmp_path / "c.npy"), labels=str(tmp_path / "l.npy"), severity=3)
+    assert len(domain) == per
+    assert [int(np.asarray(domain.read(i))[0, 0, 0]) for i in range(per)] == [20, 21, 22, 23]
+    assert domain.labels.tolist() == [3, 1, 0, 2]
+    assert domain.refs[0].endswith("c.npy#8")
+
+
+def test_array_errors(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros((5, 4, 4), dtype=np.float32))
+    with pytest.raises(InputError, match="expected uint8 images"):
+        open_domain(str(tmp_path / "f.npy"))
+    np.save(tmp_path / "x.npy", np.zeros((7, 4, 4), dtype=np.uint8))
+    with pytest.raises(InputError, match="do not split into 5 severities"):
+        open_domain(str(tmp_path / "x.npy"), severity=2)
+    np.save(tmp_path / "y.npy", np.zeros((10, 4, 4), dtype=np.uint8))
+    with pytest.raises(UsageError, match="--severity must be 1..5"):
+        open_domain(str(tmp_path / "y.npy"), severity=6)
+    np.save(tmp_path / "l.npy", np.zeros(3, dtype=np.int64))
+    with pytest.raises(InputError, match="3 labels for 7 images"):
+        open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "l.npy"))
+    with pytest.raises(UsageError, match="--labels is only for .npy"):
+        open_domain(str(tmp_path), labels=str(tmp_path / "l.npy"))
+    (tmp_path / "bad.npy").write_bytes(b"not numpy")
+    with pytest.raises(InputError, match="not a readable .npy"):
+        open_domain(str(tmp_path / "bad.npy"))
+
+
+def test_array_labels_out_of_range_for_class_list(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((3, 4, 4), dtype=np.uint8))
+    np.save(tmp_path / "l.npy", np.array([0, 1, 4]))
+    with pytest.raises(InputError, match="label 4 is out of range for 3 classes"):
+        open_domain(str(tmp_path / "x.npy"), class_names=["a", "b", "c"], labels=str(tmp_path / "l.npy"))
+
+
+# --- stdin ---------------------------------------------------------------------------
+
+
+def test_stdin_list(tmp_path):
+    a = save(tmp_path / "a.png", solid(5))
+    b = save(tmp_path / "b.png", solid(9))
+    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  {b}  \n"))
+    assert domain.refs == [str(a), str(b)]
+    assert (domain.labels == UNLABELLED).all()
+    assert np.asarray(domain.read(1)).max() == 9
+
+
+def test_empty_stdin():
+    with pytest.raises(InputError, match="stdin held no image paths"):
+        open_domain("-", stdin=io.StringIO("\n  \n"))
+
+
+# --- stratified subsets --------------------------------------------------------------
+
+
+def labels_with(counts):
+    return np.concatenate([np.full(n, c) for c, n in enumerate(counts)])[np.random.default_rng(0).permutation(sum(counts))]
+
+
+def test_stratified_subset_takes_round_fraction_per_class():
+    counts = [10, 30, 7, 100]
+    labels = labels_with(counts)
+    chosen = stratified_subset(labels, ["a", "b", "c", "d"], fraction=0.3, seed=0)
+    assert np.bincount(labels[chosen], minlength=4).tolist() == [3, 9, 2, 30]
+    assert np.all(np.diff(chosen) > 0), "sorted, no repeats"
+
+
+def test_stratified_subset_per_class_caps_at_class_size():
+    labels = labels_with([10, 3, 50])
+    chosen = stratified_subset(labels, ["a", "b", "c"], per_class=5, seed=0)
+    assert np.bincount(labels[chosen]).tolist() == [5, 3, 5]
+
+
+def test_stratified_subset_seed():
+    labels = labels_with([100, 100])
+    first = stratified_subset(labels, ["a", "b"], fraction=0.3, seed=1)
+    again = stratified_subset(labels, ["a", "b"], fraction=0.3, seed=1)
+    other = stratified_subset(labels, ["a", "b"], fraction=0.3, seed=2)
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+    assert np.bincount(labels[other]).tolist() == [30, 30]
+
+
+def test_stratified_subset_names_classes_with_too_few():
+    labels = labels_with([40, 7, 40, 0])
+    with pytest.raises(InputError, match=r"rare \(1 of 7\), empty \(0 of 0\)"):
+        stratified_subset(labels, ["common", "rare", "other", "empty"], fraction=0.1, seed=0)
+
+
+# --- CIFAR ---------------------------------------------------------------------------
+
+
+def _py2_string(b) -> bytes:
+    b = b.encode("latin1") if isinstance(b, str) else b
+    return b"U" + bytes([len(b)]) + b if len(b) < 256 else b"T" + struct.pack("<i", len(b)) + b
+
+
+def dumps_py2(obj) -> bytes:
+    """A pickle byte for byte in the style of Python 2's cPickle protocol 2, as CIFAR's
+    batches were written: str as BINSTRING, arrays via numpy.core.multiarray._reconstruct."""
+
+    def enc(o) -> bytes:
+        if o is None:
+            return b"N"
+        if isinstance(o, bool):
+            return b"\x88" if o else b"\x89"
+        if isinstance(o, int):
+            return b"K" + bytes([o]) if 0 <= o < 256 else b"J" + struct.pack("<i", o)
+        if isinstance(o, (str, bytes)):
+            return _py2_string(o)
+        if isinstance(o, tuple):
+            return b"(" + b"".join(map(enc, o)) + b"t"
+        if isinstance(o, list):
+            return b"](" + b"".join(map(enc, o)) + b"e"
+        if isinstance(o, dict):
+            return b"}(" + b"".join(enc(k) + enc(v) for k, v in o.items()) + b"u"
+        assert isinstance(o, np.ndarray) and o.dtype == np.uint8
+        dtype = b"cnumpy\ndtype\n" + enc(("u1", 0, 1)) + b"R" + enc((3, "|", None, None, None, -1, -1, 0)) + b"b"
+        head = b"cnumpy.core.multiarray\n_reconstruct\n" + b"cnumpy\nndarray\n" + enc((0,)) + enc("b") + b"\x87R"
+        return head + b"(" + enc(1) + enc(tuple(o.shape)) + dtype + b"\x89" + _py2_string(o.tobytes()) + b"tb"
+
+    return b"\x80\x02" + enc(obj) + b"."
+
+
+CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def make_cifar10(root: Path, per_batch: int = 3, style: str = "py2") -> tuple[np.ndarray, np.ndarray]:
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    dump = dumps_py2 if style == "py2" else lambda o: pickle.dumps(_bytes_keys(o), protocol=4)
+    all_data, all_labels = [], []
+    for b in range(1, 6):
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        labels = [int(v) for v in rng.integers(0, 10, per_batch)]
+        batch = {"batch_label": f"training batch {b} of 5", "labels": labels, "data": data, "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)]}
+        (folder / f"data_batch_{b}").write_bytes(dump(batch))
+        all_data.append(data)
+        all_labels += labels
+    meta = {"num_cases_per_batch": per_batch, "label_names": CIFAR_NAMES, "num_vis": 3072}
+    (folder / "batches.meta").write_bytes(dump(meta))
+    return np.concatenate(all_data), np.array(all_labels)
+
+
+def _bytes_keys(o):
+    """What a Python 3 re-save of the python batches holds (bytes keys and names)."""
+    if isinstance(o, dict):
+        return {k.encode(): _bytes_keys(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [x.encode() if isinstance(x, str) else x for x in o]
+    return o
+
+
+@pytest.mark.parametrize("style", ["py2", "py3"])
+def test_cifar10_python_batches(tmp_path, style):
+    data, labels = make_cifar10(tmp_path, style=style)
+    domain = open_domain(f"cifar10:{tmp_path}")
+    assert len(domain) == 15
+    assert domain.class_names == CIFAR_NAMES
+    assert domain.labels.tolist() == labels.tolist()
+    for i in (0, 7, 14):
+        image = domain.read(i)
+        assert image.mode == "RGB" and image.size == (32, 32)
+        assert np.array_equal(np.asarray(image), data[i].reshape(3, 32, 32).transpose(1, 2, 0))
+
+
+def test_cifar10_root_may_be_the_batches_folder(tmp_path):
+    make_cifar10(tmp_path)
+    assert len(open_domain(f"cifar10:{tmp_path / 'cifar-10-batches-py'}")) == 15
+
+
+def test_cifar10_relabels_through_names(tmp_path):
+    _, labels = make_cifar10(tmp_path)
+    order = list(reversed(CIFAR_NAMES))
+    domain = open_domain(f"cifar10:{tmp_path}", class_names=order)
+    assert domain.labels.tolist() == (9 - labels).tolist()
+
+
+class Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.parametrize("target", ["data_batch_3", "batches.meta"])
+def test_cifar_pickle_with_code_is_refused(tmp_path, target):
+    make_cifar10(tmp_path)
+    marker = tmp_path / "pwned"
+    payload = {b"data": Evil(marker), b"labels": [0]} if target != "batches.meta" else {b"label_names": Evil(marker)}
+    (tmp_path / "cifar-10-batches-py" / target).write_bytes(pickle.dumps(payload, protocol=4))
+    with pytest.raises(InputError, match=rf"{target}: not a readable CIFAR batch \(refusing to load posix\.mkdir\)"):
+        open_domain(f"cifar10:{tmp_path}")
+    assert not marker.exists()
+
+
+def test_cifar_os_system_reduce_is_refused(tmp_path):
+    make_cifar10(tmp_path)
+
+    class System:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(pickle.dumps({b"data": System()}))
+    with pytest.raises(InputError, match=r"refusing to load (posix|os)\.system"):
+        open_domain(f"cifar10:{tmp_path}")
+
+
+def test_cifar_truncated_batch(tmp_path):
+    make_cifar10(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(InputError, match="data_batch_2: not a readable CIFAR batch"):
+        open_domain(f"cifar10:{tmp_path}")
+
+
+def test_missing_cifar_files_say_where(tmp_path):
+    with pytest.raises(InputError) as info:
+        open_domain(f"cifar10:{tmp_path}")
+    message = str(info.value)
+    assert str(tmp_path / "cifar-10-batches-py" / "data_batch_1") in message
+    assert "data_batch_5" in message and "batches.meta" in message and "never downloads" in message
+    make_cifar10(tmp_path / "partial")
+    (tmp_path / "partial" / "cifar-10-batches-py" / "data_batch_4").unlink()
+    with pytest.raises(InputError, match=r"missing in .*cifar-10-batches-py: data_batch_4;"):
+        open_domain(f"cifar10:{tmp_path / 'partial'}")
+
+
+def test_cifar100_train_file(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    data = np.random.default_rng(2).integers(0, 256, (4, 3072), dtype=np.uint8)
+    names = [f"class{i:03d}" for i in range(100)]
+    (folder / "train").write_bytes(dumps_py2({"data": data, "fine_labels": [5, 99, 0, 5], "coarse_labels": [1, 2, 3, 1]}))
+    (folder / "meta").write_bytes(dumps_py2({"fine_label_names": names, "coarse_label_names": ["x"] * 20}))
+    domain = open_domain(f"cifar100:{tmp_path}")
+    assert domain.labels.tolist() == [5, 99, 0, 5] and domain.class_names == names
+    assert np.array_equal(np.asarray(domain.read(1)), data[1].reshape(3, 32, 32).transpose(1, 2, 0))
+
+
+# --- batches -------------------------------------------------------------------------
+
+
+def test_batches_skip_unreadable_images(tmp_path):
+    root = write_folder(tmp_path / "d", per_class=3, classes=("a", "b"), size=8)
+    (root / "b" / "0001.png").write_bytes(b"\x89PNG broken")
+    domain = open_domain(str(root))
+    seen, failures = [], []
+    for batch in batches(domain, GREY, batch_size=4):
+        assert batch.images.shape == (len(batch.indices), 1, 8, 8)
+        seen += batch.indices
+        failures += batch.failures
+    broken = domain.refs.index(str(root / "b" / "0001.png"))
+    assert seen == [i for i in range(6) if i != broken]
+    assert [i for i, _ in failures] == [broken]
+
+
+def test_batches_follow_given_indices(tmp_path):
+    images = np.stack([solid(i, 4) for i in range(10)])
+    np.save(tmp_path / "x.npy", images)
+    domain = open_domain(str(tmp_path / "x.npy"))
+    order = np.array([7, 2, 9])
+    got = [b for b in batches(domain, GREY, batch_size=2, indices=order)]
+    assert [b.indices for b in got] == [[7, 2], [9]]
+    torch.testing.assert_close(got[0].images[:, 0, 0, 0], torch.tensor([7, 2]) / 255.0)
+
+
+def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
+    save(tmp_path / "m" / "a.png", solid(1, 4))
+    save(tmp_path / "m" / "b.png", solid(1, 6))
+    with pytest.raises(InputError, match="different sizes.*--resize"):
+        list(batches(open_domain(str(tmp_path / "m")), GREY, batch_size=2))
+
+
+def test_batches_reject_bad_sizes(tmp_path):
+    domain = open_domain("-", stdin=io.StringIO("x.png\n"))
+    with pytest.raises(UsageError, match="--batch-size"):
+        batches(domain, GREY, batch_size=0)
+    with pytest.raises(UsageError, match="--num-workers"):
+        batches(domain, GREY, batch_size=1, num_workers=-1)
+
+
+# --- preprocessing -------------------------------------------------------------------
+
+
+def test_resize_shorter_side_then_centre_crop():
+    image = Image.fromarray(np.zeros((20, 40, 3), dtype=np.uint8))  # H 20, W 40
+    assert Preprocessing(resize=10, crop=None)(image).shape == (3, 10, 20)
+    assert Preprocessing(resize=10, crop=8)(image).shape == (3, 8, 8)
+    assert Preprocessing(resize=None, crop=6, channels=1, mean=(0.5,), std=(0.5,))(image).shape == (1, 6, 6)
+    assert Preprocessing(resize=None, crop=None)(image).shape == (3, 20, 40)
+
+
+def test_centre_crop_takes_the_middle():
+    pixels = np.arange(36, dtype=np.uint8).reshape(6, 6)
+    out = Preprocessing(resize=None, crop=2, mean=(0,), std=(1,), channels=1)(Image.fromarray(pixels))
+    torch.testing.assert_close(out[0], torch.tensor([[14.0, 15.0], [20.0, 21.0]]) / 255)
+
+
+def test_normalisation_values():
+    grey = Image.fromarray(solid(128, 4))
+    out = Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.25,), channels=1)(grey)
+    torch.testing.assert_close(out, torch.full((1, 4, 4), (128 / 255 - 0.5) / 0.25))
+    rgb = Image.fromarray(np.tile(np.array([255, 0, 51], dtype=np.uint8), (2, 2, 1)))
+    out = Preprocessing(resize=None, crop=None, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 0.2))(rgb)
+    expected = torch.tensor([(1 - 0.1) / 0.5, (0 - 0.2) / 0.25, (0.2 - 0.3) / 0.2])
+    torch.testing.assert_close(out[:, 1, 1], expected)
+    shared = Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.5,))(rgb)
+    torch.testing.assert_close(shared[:, 0, 0], torch.tensor([1.0, -1.0, 0.2 * 2 - 1]))
+
+
+def test_grey_image_to_rgb_and_rgb_to_grey():
+    grey = Image.fromarray(solid(77, 2))
+    out = Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3)(grey)
+    assert out.shape == (3, 2, 2)
+    torch.testing.assert_close(out, torch.full((3, 2, 2), 77 / 255))
+    red = Image.fromarray(np.tile(np.array([255, 0, 0], dtype=np.uint8), (2, 2, 1)))
+    assert to_mode(red, "L").getpixel((0, 0)) == 76  # ITU-R 601-2 luma: 0.299 · 255
+
+
+def test_rgba_is_composited_on_white():
+    pixels = np.zeros((1, 3, 4), dtype=np.uint8)
+    pixels[0, 0] = (255, 0, 0, 255)  # opaque red
+    pixels[0, 1] = (0, 0, 0, 0)  # fully transparent black
+    pixels[0, 2] = (0, 0, 0, 128)  # half-transparent black
+    image = Image.fromarray(pixels, "RGBA")
+    rgb = np.asarray(to_mode(image, "RGB"))
+    assert rgb[0, 0].tolist() == [255, 0, 0]
+    assert rgb[0, 1].tolist() == [255, 255, 255]
+    assert all(abs(v - 127) <= 1 for v in rgb[0, 2])
+    grey = np.asarray(to_mode(image, "L"))
+    assert grey[0, 1] == 255 and abs(int(grey[0, 2]) - 127) <= 1
+
+
+def test_palette_images(tmp_path):
+    image = Image.new("P", (3, 1))
+    image.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 759)
+    image.putdata([0, 1, 2])
+    path = tmp_path / "p.png"
+    image.save(path)
+    loaded = Image.open(path)
+    assert loaded.mode == "P"
+    assert np.asarray(to_mode(loaded, "RGB")).tolist() == [[[255, 0, 0], [0, 255, 0], [0, 0, 255]]]
+    image.info["transparency"] = 1  # index 1 is transparent: white, not green
+    image.save(path, transparency=1)
+    loaded = Image.open(path)
+    assert np.asarray(to_mode(loaded, "RGB")).tolist() == [[[255, 0, 0], [255, 255, 255], [0, 0, 255]]]
+
+
+def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
+    path = tmp_path / "deep.png"
+    Image.fromarray(np.array([[0, 256, 32768, 65535]], dtype=np.uint16)).save(path)
+    loaded = Image.open(path)
+    assert loaded.mode.startswith("I")
+    assert np.asarray(to_mode(loaded, "L")).tolist() == [[0, 1, 128, 255]]
+    out = Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3)(loaded)
+    torch.testing.assert_close(out[:, 0, 2], torch.full((3,), 128 / 255))
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"channels": 2}, "--channels"),
+        ({"mean": (0.1, 0.2)}, "--mean needs 1 or 3"),
+        ({"std": (1.0, 0.0, 1.0)}, "--std values must be positive"),
+        ({"resize": 0}, "--resize"),
+        ({"crop": -3}, "--crop"),
+        ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, "--mean needs 1 or 1"),
+    ],
+)
+def test_preprocessing_validation(kwargs, pattern):
+    with pytest.raises(UsageError, match=pattern):
+        Preprocessing(**kwargs)
+
+
+def test_preprocessing_round_trip_and_parsers():
+    prep = Preprocessing(resize=None, crop=28, mean=(0.3,), std=(0.2,), channels=1)
+    assert Preprocessing.from_dict(json.loads(prep.to_json())) == prep
+    assert prep.with_changes({"crop": None}).crop is None
+    assert parse_size("none") is None and parse_size(" NONE ") is None and parse_size("224") == 224
+    with pytest.raises(UsageError, match="integer or 'none'"):
+        parse_size("big")
+    assert parse_floats("0.5,0.25", "--std") == (0.5, 0.25)
+    with pytest.raises(UsageError, match="--mean takes comma-separated numbers"):
+        parse_floats("0.5;0.2", "--mean")

@@ -1,0 +1,198 @@
+"""distances.py: squared Mahalanobis distances from stored factors, against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cafa_cli.distances as distances
+from cafa_cli.distances import ClassDistances
+from cafa_cli.statistics import ClassGaussians, ClassMoments, estimate
+
+C, D, N = 7, 6, 8
+
+
+def make_gaussians(covariance: str, seed: int = 0) -> ClassGaussians:
+    """Random means and random valid factors (lower-triangular, positive diagonal)."""
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(C, D, generator=g, dtype=torch.float64)
+    if covariance == "diag":
+        factors = torch.rand(C, D, generator=g, dtype=torch.float64) + 0.5
+    else:
+        k = 1 if covariance == "tied" else C
+        factors = torch.randn(k, D, D, generator=g, dtype=torch.float64).tril(-1) * 0.3
+        factors += torch.diag_embed(torch.rand(k, D, generator=g, dtype=torch.float64) + 0.5)
+    return ClassGaussians(
+        means=means.float(),
+        factors=factors.float(),
+        counts=torch.full((C,), 10),
+        shrinkage=torch.zeros(1 if covariance == "tied" else C, dtype=torch.float64),
+        covariance=covariance,
+        global_mean=torch.zeros(D),
+        global_covariance=torch.eye(D),
+    )
+
+
+def reference(z: torch.Tensor, gaussians: ClassGaussians, metric: str = "mahalanobis") -> torch.Tensor:
+    """D[n, c] = ‖L_cᵀ(z_n − μ_c)‖² in float64, straight from the definition."""
+    z = z.double()
+    means = gaussians.means.double()
+    diff = z[:, None, :] - means[None, :, :]  # [N, C, d]
+    if metric == "euclidean":
+        return diff.square().sum(-1)
+    factors = gaussians.factors.double()
+    if gaussians.covariance == "diag":
+        return (diff * factors[None]).square().sum(-1)
+    if gaussians.covariance == "tied":
+        factors = factors.expand(C, D, D)
+    whitened = torch.einsum("ncd,cde->nce", diff, factors)
+    return whitened.square().sum(-1)
+
+
+def probes(seed: int = 1, n: int = N, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+CASES = [("full", "mahalanobis"), ("tied", "mahalanobis"), ("diag", "mahalanobis"), ("full", "euclidean")]
+
+
+@pytest.mark.parametrize("covariance, metric", CASES)
+def test_distances_match_float64_reference(covariance, metric):
+    g = make_gaussians(covariance)
+    dist = ClassDistances(g, metric=metric)
+    assert dist.num_classes == C
+    z = probes()
+    got = dist(z)
+    assert got.shape == (N, C) and got.dtype == torch.float32
+    expected = reference(z, g, metric)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.max()))
+    assert (got >= 0).all()
+
+
+@pytest.mark.parametrize("covariance, metric", CASES)
+def test_distance_to_own_mean_is_zero(covariance, metric):
+    g = make_gaussians(covariance)
+    got = ClassDistances(g, metric=metric)(g.means)
+    expected = reference(g.means, g, metric)
+    assert got.diagonal().abs().max() < 1e-4
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_euclidean_ignores_the_factors():
+    a, b = make_gaussians("full", seed=0), make_gaussians("full", seed=5)
+    b.means = a.means.clone()
+    z = probes()
+    torch.testing.assert_close(ClassDistances(a, metric="euclidean")(z), ClassDistances(b, metric="euclidean")(z))
+    assert not torch.allclose(ClassDistances(a)(z), ClassDistances(b)(z))
+
+
+def test_float64_input_is_accepted():
+    g = make_gaussians("full")
+    z = probes(dtype=torch.float64)
+    torch.testing.assert_close(ClassDistances(g)(z).double(), reference(z, g), rtol=1e-4, atol=1e-5)
+
+
+def counting_chunks(monkeypatch) -> list[int]:
+    """Patch _full_chunk so that each call records how many classes it covered."""
+    calls: list[int] = []
+    original = distances._full_chunk
+
+    def spy(z, means, factors):
+        calls.append(len(means))
+        return original(z, means, factors)
+
+    monkeypatch.setattr(distances, "_full_chunk", spy)
+    return calls
+
+
+def test_chunked_full_path_matches_reference(monkeypatch):
+    g = make_gaussians("full")
+    z = probes()
+    whole = ClassDistances(g)(z)
+    calls = counting_chunks(monkeypatch)
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 2 * 4 * N * D)  # two classes per chunk
+    chunked = ClassDistances(g)(z)
+    assert calls == [2, 2, 2, 1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked.double(), reference(z, g), rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_budget_below_one_class_still_works(monkeypatch):
+    g = make_gaussians("full")
+    calls = counting_chunks(monkeypatch)
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 1)
+    z = probes()
+    torch.testing.assert_close(ClassDistances(g)(z).double(), reference(z, g), rtol=1e-4, atol=1e-5)
+    assert calls == [1] * C
+
+
+# --- gradients -------------------------------------------------------------------
+
+
+def grad_check(g: ClassGaussians, metric: str = "mahalanobis"):
+    weights = torch.rand(N, C, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    z = probes().double().requires_grad_(True)
+    (ClassDistances(g, metric=metric)(z).double() * weights).sum().backward()
+    got = z.grad.clone()
+    z_ref = z.detach().clone().requires_grad_(True)
+    (reference(z_ref, g, metric) * weights).sum().backward()
+    expected = z_ref.grad
+    assert got.abs().max() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("covariance, metric", CASES)
+def test_gradient_matches_float64_reference(covariance, metric):
+    grad_check(make_gaussians(covariance), metric)
+
+
+def test_gradient_through_chunked_checkpointed_path(monkeypatch):
+    calls = counting_chunks(monkeypatch)
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 3 * 4 * N * D)  # three classes per chunk
+    grad_check(make_gaussians("full"))
+    # forward 3 chunks; the non-reentrant checkpoint recomputes each one in backward
+    assert calls[:3] == [3, 3, 1] and len(calls) == 6
+
+
+def test_gradient_closed_form_for_full():
+    """∂/∂z Σ_c D_c(z) = 2 Σ_c L_c L_cᵀ (z − μ_c)."""
+    g = make_gaussians("full")
+    z = probes(n=1).requires_grad_(True)
+    ClassDistances(g)(z).sum().backward()
+    L, mu = g.factors.double(), g.means.double()
+    expected = 2 * torch.einsum("cde,cfe,cf->d", L, L, z.detach().double()[0] - mu)
+    torch.testing.assert_close(z.grad[0].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+# --- from estimated statistics ---------------------------------------------------
+
+
+@pytest.mark.parametrize("covariance", ["full", "tied", "diag"])
+def test_distances_from_estimate_match_direct_inverse(covariance):
+    gen = torch.Generator().manual_seed(4)
+    counts = [50, 40, 60]
+    x = torch.cat([torch.randn(n, D, generator=gen, dtype=torch.float64) * (c + 1) + 3 * c for c, n in enumerate(counts)])
+    y = torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
+    moments = ClassMoments(3, D)
+    moments.update(x.float(), y)
+    lam = 0.2
+    g = estimate(moments, covariance, lam)
+    xs = x.float().double()
+    covs = []
+    for c in range(3):
+        rows = xs[y == c]
+        centred = rows - rows.mean(0)
+        covs.append(centred.T @ centred / len(rows))
+    if covariance == "tied":
+        pooled = sum(cov * n for cov, n in zip(covs, counts)) / sum(counts)
+        covs = [pooled] * 3
+    z = xs[::7]
+    got = ClassDistances(g)(z).double()
+    for c in range(3):
+        s = covs[c]
+        shrunk = (1 - lam) * s + lam * torch.trace(s) / D * torch.eye(D, dtype=torch.float64)
+        if covariance == "diag":
+            shrunk = torch.diag(shrunk.diagonal())
+        diff = z - xs[y == c].mean(0)
+        expected = torch.einsum("nd,de,ne->n", diff, torch.linalg.inv(shrunk), diff)
+        torch.testing.assert_close(got[:, c], expected, rtol=1e-4, atol=1e-4)

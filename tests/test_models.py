@@ -1,0 +1,330 @@
+"""models.py: building models, finding the classifier, loading weights safely, devices."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import pytest
+import tiny_net
+import torch
+from conftest import TINY_NET
+from safetensors.torch import save_file
+from torch import nn
+
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.models import FeatureClassifier, build_model, find_classifier, pick_device, read_state_dict, resolve
+
+
+def small_images(n=2, channels=3, size=32):
+    return torch.randn(n, channels, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def assert_features_feed_classifier(wrapped: FeatureClassifier, x: torch.Tensor):
+    """forward returns the logits and exactly the tensor the classifier consumed."""
+    with torch.no_grad():
+        logits, features = wrapped(x)
+        assert features.shape == (len(x), wrapped.feature_dim)
+        assert logits.shape == (len(x), wrapped.num_classes)
+        torch.testing.assert_close(wrapped.classifier(features), logits)
+        torch.testing.assert_close(logits, wrapped.model(x))
+
+
+# --- finding the classifier ------------------------------------------------------
+
+
+def test_resnet18_classifier_is_fc():
+    net = build_model("resnet18", num_classes=5)
+    wrapped = FeatureClassifier(net).eval()
+    assert wrapped.classifier_name == "fc" and wrapped.classifier is net.fc
+    assert wrapped.feature_dim == 512 and wrapped.num_classes == 5
+    assert_features_feed_classifier(wrapped, small_images())
+
+
+def test_mobilenet_v3_small_classifier_is_classifier_3():
+    net = build_model("mobilenet_v3_small", num_classes=5)
+    wrapped = FeatureClassifier(net).eval()
+    assert wrapped.classifier_name == "classifier.3"
+    assert wrapped.feature_dim == 1024 and wrapped.num_classes == 5
+    assert_features_feed_classifier(wrapped, small_images())
+
+
+def test_linear_relu_linear_head_uses_the_last_linear():
+    net = tiny_net.build()
+    wrapped = FeatureClassifier(net).eval()
+    assert wrapped.classifier_name == "head.3"
+    assert wrapped.feature_dim == 6 and wrapped.num_classes == 3
+    assert_features_feed_classifier(wrapped, small_images(channels=1, size=16))
+    _, features = wrapped(small_images(channels=1, size=16))
+    assert (features >= 0).all(), "head.3's input is the output of the ReLU"
+
+
+def test_classifier_override():
+    wrapped = FeatureClassifier(tiny_net.build(), "head.1").eval()
+    assert wrapped.classifier_name == "head.1" and wrapped.feature_dim == 16 and wrapped.num_classes == 6
+    logits, features = wrapped(small_images(channels=1, size=16))
+    assert features.shape == (2, 16)
+    assert logits.shape == (2, 3), "logits are still the model's output"
+
+
+def test_classifier_override_that_is_not_a_linear():
+    with pytest.raises(UsageError, match=r"--classifier head\.2: no nn\.Linear.*head\.1, head\.3"):
+        find_classifier(tiny_net.build(), "head.2")
+    with pytest.raises(UsageError, match="--classifier nope"):
+        find_classifier(tiny_net.build(), "nope")
+
+
+def test_model_without_linear_is_an_input_error():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    with pytest.raises(InputError, match="no nn.Linear"):
+        FeatureClassifier(net)
+
+
+def test_classifier_not_called_in_forward():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    with pytest.raises(InputError, match="was not called"):
+        FeatureClassifier(Skips())(torch.zeros(2, 4))
+
+
+def test_features_that_are_not_pooled():
+    net = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(InputError, match=r"shape \(2, 5, 4\)"):
+        FeatureClassifier(net)(torch.zeros(2, 5, 4))
+
+
+# --- building ----------------------------------------------------------------------
+
+
+def test_factory_from_file_path():
+    net = build_model(TINY_NET)
+    assert type(net).__name__ == "TinyNet"
+    assert build_model(TINY_NET, num_classes=4).head[3].out_features == 4
+
+
+def test_factory_from_module_path():
+    net = build_model("tiny_net:build", num_classes=7)
+    assert isinstance(net, tiny_net.TinyNet) and net.head[3].out_features == 7
+    assert build_model("tiny_net:build_rgb").stem[0].in_channels == 3
+
+
+def test_factory_returning_a_non_module():
+    with pytest.raises(InputError, match="returned int, not a torch nn.Module"):
+        build_model("tiny_net:not_a_module")
+
+
+@pytest.mark.parametrize(
+    "spec, pattern",
+    [
+        ("tiny_net:missing_function", "has no function missing_function"),
+        ("no_such_module_xyz:build", "could not import no_such_module_xyz"),
+        ("/nowhere/net.py:build", "no such file"),
+    ],
+)
+def test_bad_factories(spec, pattern):
+    with pytest.raises(InputError, match=pattern):
+        build_model(spec)
+
+
+def test_factory_that_raises(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("def build():\n    raise ValueError('bad width')\n")
+    with pytest.raises(InputError, match=r"build\(\) failed \(ValueError: bad width\)"):
+        build_model(f"{path}:build")
+    path.write_text("this is not python\n")
+    with pytest.raises(InputError, match="could not import"):
+        build_model(f"{path}:build")
+
+
+def test_malformed_factory_spec():
+    with pytest.raises(UsageError):
+        build_model("tiny_net:not-an-identifier")
+
+
+def test_unknown_architecture():
+    with pytest.raises(UsageError, match="unknown architecture.*did you mean.*resnet1"):
+        build_model("ResNet")
+    with pytest.raises(UsageError, match="unknown architecture"):
+        build_model("definitely_not_a_model")
+
+
+# --- weights -----------------------------------------------------------------------
+
+
+def reference_state(seed=1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return tiny_net.build().state_dict()
+
+
+def assert_loaded(wrapped: FeatureClassifier, state: dict[str, torch.Tensor]):
+    loaded = wrapped.model.state_dict()
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    ["safetensors", "pt", "state_dict", "model", "module_prefix", "wrapped_module_prefix", "pth"],
+)
+def test_weights_formats(tmp_path, fmt):
+    state = reference_state()
+    path = tmp_path / ("w.safetensors" if fmt == "safetensors" else "w.pth" if fmt == "pth" else "w.pt")
+    prefixed = {f"module.{k}": v for k, v in state.items()}
+    if fmt == "safetensors":
+        save_file(state, str(path))
+    else:
+        payload = {
+            "pt": state,
+            "pth": state,
+            "state_dict": {"state_dict": state, "epoch": 3},
+            "model": {"model": state, "optimizer": {"lr": 0.1}},
+            "module_prefix": prefixed,
+            "wrapped_module_prefix": {"state_dict": prefixed},
+        }[fmt]
+        torch.save(payload, path)
+    wrapped, spec = resolve(TINY_NET, str(path))
+    assert_loaded(wrapped, state)
+    assert not wrapped.training
+    assert spec.weights == str(path.resolve())
+    assert spec.weights_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert spec.classifier == "head.3" and spec.model == TINY_NET
+
+
+def test_relative_factory_path_is_recorded_absolutely(tmp_path, monkeypatch):
+    (tmp_path / "net.py").write_text(Path(tiny_net.__file__).read_text())
+    monkeypatch.chdir(tmp_path)
+    _, spec = resolve("net.py:build")
+    assert spec.model == f"{tmp_path.resolve() / 'net.py'}:build"
+    monkeypatch.chdir(tmp_path.parent)
+    assert type(build_model(spec.model)).__name__ == "TinyNet", "the recorded spec rebuilds from another folder"
+    _, spec = resolve("tiny_net:build")
+    assert spec.model == "tiny_net:build", "module paths stay as given"
+
+
+def test_random_init_differs_from_loaded_weights(tmp_path):
+    """Guards the loading tests: a fresh build is not accidentally equal to the saved state."""
+    state = reference_state(seed=1)
+    torch.manual_seed(2)
+    wrapped, spec = resolve(TINY_NET)
+    assert spec.weights is None and spec.weights_sha256 is None
+    assert not torch.equal(wrapped.model.state_dict()["head.3.weight"], state["head.3.weight"])
+
+
+def test_mismatched_keys_name_missing_and_unexpected(tmp_path):
+    state = reference_state()
+    state["head.9.weight"] = state.pop("head.3.weight")
+    path = tmp_path / "w.pt"
+    torch.save(state, path)
+    with pytest.raises(InputError, match="keys do not match") as info:
+        resolve(TINY_NET, str(path))
+    message = str(info.value)
+    assert "missing head.3.weight" in message
+    assert "unexpected head.9.weight" in message
+
+
+def test_mismatched_shapes(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(reference_state(), path)
+    with pytest.raises(InputError, match=r"shapes do not match.*head\.3\.weight \(3, 6\) vs \(5, 6\)"):
+        resolve(TINY_NET, str(path), num_classes=5)
+
+
+def test_pickled_objects_are_refused_unless_trusted(tmp_path):
+    state = reference_state()
+    path = tmp_path / "w.pt"
+    torch.save({"state_dict": state, "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(InputError, match="--trust-checkpoint"):
+        resolve(TINY_NET, str(path))
+    wrapped, _ = resolve(TINY_NET, str(path), trust_checkpoint=True)
+    assert_loaded(wrapped, state)
+
+
+def test_whole_pickled_module_needs_trust(tmp_path):
+    torch.manual_seed(1)
+    module = tiny_net.build()
+    path = tmp_path / "whole.pt"
+    torch.save(module, path)
+    with pytest.raises(InputError, match="--trust-checkpoint"):
+        read_state_dict(path)
+    state = read_state_dict(path, trust_checkpoint=True)
+    assert torch.equal(state["head.3.weight"], module.head[3].weight)
+
+
+@pytest.mark.parametrize("name", ["w.pt", "w.safetensors", "w.pth"])
+def test_html_page_as_weights(tmp_path, name):
+    path = tmp_path / name
+    path.write_text("<!DOCTYPE html>\n<html><head><title>Download</title></head></html>")
+    with pytest.raises(InputError, match="web page"):
+        read_state_dict(path)
+
+
+@pytest.mark.parametrize("name", ["w.pt", "w.safetensors"])
+@pytest.mark.parametrize("data", [bytes(range(256)) * 4, b"404 Not Found\n", b""], ids=["binary", "text", "empty"])
+def test_garbage_weights_are_not_a_checkpoint(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(InputError, match=r"--weights .*not a (checkpoint torch can read|readable safetensors)") as info:
+        read_state_dict(path)
+    assert "--trust-checkpoint" not in str(info.value), "trusting garbage cannot help"
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_checkpoint(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(reference_state(), path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(InputError, match="not a checkpoint torch can read"):
+        read_state_dict(path)
+
+
+def test_legacy_format_pickle_with_objects_needs_trust(tmp_path):
+    state = reference_state()
+    path = tmp_path / "legacy.pt"
+    torch.save({"model": state, "args": argparse.Namespace(lr=0.1)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(InputError, match="--trust-checkpoint") as info:
+        read_state_dict(path)
+    assert "\n" not in str(info.value)
+    loaded = read_state_dict(path, trust_checkpoint=True)
+    assert torch.equal(loaded["head.3.weight"], state["head.3.weight"])
+
+
+def test_weights_that_are_not_a_state_dict(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save([torch.zeros(2)], path)
+    with pytest.raises(InputError, match="expected a state_dict"):
+        read_state_dict(path)
+
+
+def test_missing_weights_file(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        read_state_dict(tmp_path / "absent.pt")
+
+
+# --- devices -----------------------------------------------------------------------
+
+
+def test_pick_device_cpu_and_auto():
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_without_cuda_is_a_usage_error(device):
+    with pytest.raises(UsageError, match="CUDA is not available"):
+        pick_device(device)
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "mps"])
+def test_unknown_device_is_a_usage_error(device):
+    with pytest.raises(UsageError, match="--device"):
+        pick_device(device)
