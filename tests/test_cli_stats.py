@@ -201,7 +201,6 @@ def test_bad_options_exit_2(setup, tmp_path, extra, pattern):
     assert result.stderr.startswith("cafa: error:") and pattern in result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bug: --shrinkage's range is only checked after every image has been read (pipeline.compute_statistics)")
 def test_shrinkage_out_of_range_fails_before_reading_data(setup, tmp_path):
     result = invoke("stats", "--model", TINY_NET, "--data", tmp_path / "absent", *PLAIN, "--shrinkage", "1.5", "--out", tmp_path / "s.safetensors")
     assert result.exit_code == 2 and "--shrinkage" in result.stderr

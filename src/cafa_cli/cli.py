@@ -146,7 +146,7 @@ def stats(
     quiet: QuietOpt = False,
 ):
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
-    shrink = shrinkage if shrinkage == "auto" else _parse_shrinkage(shrinkage)
+    shrink = shrinkage if shrinkage == "auto" else _parse_number(shrinkage, "--shrinkage must be 'auto' or a number in [0, 1]")
     console = stderr_console(quiet)
     with Monitor(console, quiet) as monitor:
         artifact = compute_statistics(
@@ -171,11 +171,11 @@ def stats(
     )
 
 
-def _parse_shrinkage(text: str) -> float:
+def _parse_number(text: str, what: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {text!r}") from None
+        raise UsageError(f"{what}, not {text!r}") from None
 
 
 @app.command()

@@ -24,7 +24,10 @@ class ClassDistances:
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu", metric: str = "mahalanobis"):
         self.mode = "euclidean" if metric == "euclidean" else gaussians.covariance
-        self.means = gaussians.means.to(device)
+        # Distances are invariant to a common shift; centring on the global mean keeps
+        # the expanded forms below (‖a‖² − 2a·b + ‖b‖²) from cancelling in float32.
+        self.centre = gaussians.global_mean.to(device)
+        self.means = gaussians.means.to(device) - self.centre
         factors = gaussians.factors.to(device)
         if self.mode == "tied":
             self.factor = factors[0]
@@ -39,7 +42,7 @@ class ClassDistances:
         return self.means.shape[0]
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        z = z.float()
+        z = z.float() - self.centre
         if self.mode == "full":
             return self._full(z)
         if self.mode == "tied":

@@ -85,8 +85,7 @@ def compute_statistics(
         raise UsageError(f"--fraction must be in (0, 1], not {fraction}")
     if per_class is not None and per_class < 2:
         raise UsageError(f"--per-class must be at least 2, not {per_class}")
-    if covariance not in statistics.COVARIANCE_MODES:
-        raise UsageError(f"--covariance must be one of {', '.join(statistics.COVARIANCE_MODES)}, not {covariance}")
+    statistics.check_options(covariance, shrinkage)
     target = pick_device(device)
     preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
@@ -112,9 +111,14 @@ def compute_statistics(
     loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
     moments = statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": data, "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
     write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
     return read_artifact(out, load_tensors=False)
+
+
+def _absolute_if_path(data: str) -> str:
+    """Record a folder or file as an absolute path, so the artifact can be followed from anywhere."""
+    return str(Path(data).resolve()) if Path(data).exists() else data
 
 
 # --- adapt -----------------------------------------------------------------------

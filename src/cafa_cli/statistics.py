@@ -130,13 +130,8 @@ class ClassGaussians:
     extra: dict = field(default_factory=dict)
 
 
-def estimate(
-    moments: ClassMoments,
-    covariance: str = "full",
-    shrinkage: float | str = "auto",
-    class_names: list[str] | None = None,
-) -> ClassGaussians:
-    """Shrunk class covariances from streamed moments, factored as precision Cholesky factors."""
+def check_options(covariance: str, shrinkage: float | str) -> None:
+    """Reject bad --covariance / --shrinkage before any image is read."""
     if covariance not in COVARIANCE_MODES:
         raise UsageError(f"--covariance must be one of {', '.join(COVARIANCE_MODES)}, not {covariance}")
     try:
@@ -145,6 +140,16 @@ def estimate(
         in_range = False
     if not in_range:
         raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {shrinkage}")
+
+
+def estimate(
+    moments: ClassMoments,
+    covariance: str = "full",
+    shrinkage: float | str = "auto",
+    class_names: list[str] | None = None,
+) -> ClassGaussians:
+    """Shrunk class covariances from streamed moments, factored as precision Cholesky factors."""
+    check_options(covariance, shrinkage)
     C, d = moments.num_classes, moments.dim
     names = class_names or [str(c) for c in range(C)]
     means = torch.zeros(C, d, dtype=torch.float32)
