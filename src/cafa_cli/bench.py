@@ -28,18 +28,25 @@ class Row:
     label: str  # as shown in the table
     method: str  # passed to cafa adapt --method
     covariance: str | None  # artifact needed, or None
+    lr: float | None = None  # this row's learning rate, when it differs from --lr
 
 
 def parse_methods(text: str) -> list[Row]:
+    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`."""
     rows = []
     for label in (m.strip() for m in text.split(",") if m.strip()):
-        if label in VARIANTS:
-            method, covariance = VARIANTS[label]
-        elif label in METHODS:
-            method, covariance = label, "full" if label in NEEDS_STATISTICS else None
+        name, _, lr_text = label.partition("@")
+        if name in VARIANTS:
+            method, covariance = VARIANTS[name]
+        elif name in METHODS:
+            method, covariance = name, "full" if name in NEEDS_STATISTICS else None
         else:
-            raise UsageError(f"--methods: unknown method {label!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
-        rows.append(Row(label, method, covariance))
+            raise UsageError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
+        try:
+            lr = float(lr_text) if lr_text else None
+        except ValueError:
+            raise UsageError(f"--methods: {label!r}: the learning rate after @ is not a number") from None
+        rows.append(Row(label, method, covariance, lr))
     if not rows:
         raise UsageError("--methods names no method")
     return rows
@@ -91,7 +98,8 @@ def run_grid(
     for row in rows:
         for seed in seeds:
             stats = str(artifacts[row.covariance]) if row.covariance else None
-            job = prepare_adaptation(domains, stats, model, data_choice, replace(settings, method=row.method, seed=seed))
+            row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
+            job = prepare_adaptation(domains, stats, model, data_choice, row_settings)
             monitor.info(f"{row.label} seed {seed}")
             for domain, result in zip(domains, job.run(monitor=monitor)):
                 if result.error is None:

@@ -305,7 +305,7 @@ def bench(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
-    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag.")] = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag",
+    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag; NAME@LR gives a row its own learning rate.")] = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag",
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,

@@ -1,0 +1,108 @@
+"""cafa bench and cafa demo: method parsing, tables, and a small real run on Fashion-MNIST-C."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cafa_cli.bench import Row, domain_label, markdown, parse_methods, parse_seeds, summarise
+from cafa_cli.cli import app
+from cafa_cli.errors import UsageError
+from cafa_cli.fashion_mnist import DEFAULT_ROOT
+
+runner = CliRunner()
+needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+
+
+def test_parse_methods_knows_variants_and_per_row_learning_rates():
+    rows = parse_methods("source, tent@0.01, cafa-tied,cafa-diag@1e-3")
+    assert rows == [
+        Row("source", "source", None),
+        Row("tent@0.01", "tent", None, 0.01),
+        Row("cafa-tied", "cafa", "tied"),
+        Row("cafa-diag@1e-3", "cafa", "diag", 1e-3),
+    ]
+    with pytest.raises(UsageError, match="unknown method 'sgd'"):
+        parse_methods("tent,sgd")
+    with pytest.raises(UsageError, match="not a number"):
+        parse_methods("tent@fast")
+    assert parse_seeds("0, 1,2") == [0, 1, 2]
+
+
+def test_domain_labels_follow_the_imagenet_c_layout():
+    assert domain_label("ImageNet-C/fog/5") == "fog"
+    assert domain_label("data/CIFAR-10-C/fog.npy") == "fog"
+    assert domain_label("test-folder") == "test-folder"
+
+
+def test_summary_is_mean_and_std_over_seeds_and_the_mean_column_averages_domains():
+    rows = parse_methods("bn,cafa")
+    errors = {("bn", "a/1", 0): 0.2, ("bn", "a/1", 1): 0.4, ("bn", "b/1", 0): 0.1, ("bn", "b/1", 1): 0.1,
+              ("cafa", "a/1", 0): 0.1, ("cafa", "a/1", 1): 0.1, ("cafa", "b/1", 0): 0.1, ("cafa", "b/1", 1): 0.1}
+    table = summarise(errors, rows, ["a/1", "b/1"], [0, 1])
+    bn = table[0]["cells"]
+    assert bn["a/1"] == pytest.approx((30.0, np.std([20, 40], ddof=1)))
+    assert bn["mean"][0] == pytest.approx(20.0)  # mean over seeds of (mean over domains)
+    text = markdown(table, ["a/1", "b/1"], [0, 1])
+    assert text.splitlines()[0] == "| method | a | b | mean |"
+    assert "| cafa | 10.00 ± 0.00 | 10.00 ± 0.00 | **10.00 ± 0.00** |" in text
+
+
+def test_corruption_is_reproducible_and_changes_the_images():
+    pytest.importorskip("corrupt_tta")
+    from cafa_cli.fmnist_c import corrupt_grey
+
+    images = np.random.default_rng(0).integers(0, 255, size=(4, 28, 28), dtype=np.uint8)
+    first = corrupt_grey(images, "gaussian_noise", 3, seed=5)
+    assert first.dtype == np.uint8 and first.shape == images.shape
+    assert np.array_equal(first, corrupt_grey(images, "gaussian_noise", 3, seed=5))
+    assert not np.array_equal(first, images)
+    with pytest.raises(UsageError, match="unknown corruption"):
+        corrupt_grey(images, "rain", 3, seed=0)
+
+
+@needs_fashion_mnist
+def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path):
+    pytest.importorskip("corrupt_tta")
+    args = ["demo", "--workdir", str(tmp_path), "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "| method | contrast | fog | mean |"
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa"]
+    assert "$ cafa stats --model fmnist-resnet" in result.stderr and "$ cafa adapt --stats" in result.stderr
+    pngs = list((tmp_path / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
+    assert len(pngs) == 200
+    stamp = pngs[0].stat().st_mtime_ns
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and again.stdout == result.stdout  # same numbers, data not rebuilt
+    assert pngs[0].stat().st_mtime_ns == stamp
+    assert "corrupting" not in again.stderr
+
+
+@needs_fashion_mnist
+def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
+    pytest.importorskip("corrupt_tta")
+    pytest.importorskip("matplotlib")
+    built = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"])
+    assert built.exit_code == 0, built.stderr
+    domain = built.stdout.strip()
+    out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
+    result = runner.invoke(app, ["bench", "--data", domain, "--methods", "source,cafa-diag", "--seeds", "0,1", "--per-class", "20",
+                                 "--workdir", str(tmp_path / "art"), "--csv", str(out["csv"]), "--json", str(out["json"]), "--plot", str(out["png"])])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out["json"].read_text())
+    runs = {(r["method"], r["seed"]): r["error"] for r in report["runs"]}
+    assert set(runs) == {("source", 0), ("source", 1), ("cafa-diag", 0), ("cafa-diag", 1)}
+    assert runs[("source", 0)] == runs[("source", 1)]  # no adaptation: the order does not matter
+    rows = list(csv.DictReader(out["csv"].open()))
+    source_mean = next(r for r in rows if r["method"] == "source" and r["domain"] == "mean")
+    assert float(source_mean["error_mean_percent"]) == pytest.approx(100 * runs[("source", 0)], abs=1e-3)
+    assert f"{100 * runs[('source', 0)]:.2f} ± 0.00" in result.stdout
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-full.safetensors").exists()
