@@ -1,0 +1,179 @@
+"""Step time, throughput and memory of stats and adapt, measured side by side.
+
+For one model, batch, class count C and device, in one process:
+  - ms per adaptation step and images/s for source, bn, tent and cafa (each
+    covariance mode asked for), and the CAFA / TENT step-time ratio;
+  - `cafa stats` feature accumulation images/s next to forward-only images/s;
+  - peak memory of each (CPU: peak RSS, reset between runs through
+    /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated);
+  - artifact size; on CUDA, the step time next to the memory-bandwidth floor of
+    reading the precision factors twice (forward and backward).
+Synthetic images and class statistics, real model code paths.
+
+    python benchmarks/perf.py --model resnet50 --classes 10 --batch 8 --json perf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cafa_cli.adaptation import Adapter
+from cafa_cli.artifact import read_artifact, write_artifact
+from cafa_cli.models import ModelSpec, pick_device, resolve
+from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.statistics import ClassGaussians, ClassMoments
+
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def synthetic_gaussians(C: int, d: int, covariance: str) -> ClassGaussians:
+    """Random but valid statistics (well-conditioned lower-triangular factors)."""
+    g = torch.Generator().manual_seed(0)
+    shape = {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
+    if covariance == "diag":
+        factors = torch.rand(shape, generator=g) + 0.5
+    else:
+        factors = torch.tril(torch.randn(shape, generator=g) * 0.01) + torch.eye(d)
+    return ClassGaussians(
+        means=torch.randn(C, d, generator=g),
+        factors=factors,
+        counts=torch.full((C,), 64, dtype=torch.int64),
+        shrinkage=torch.full((C if covariance != "tied" else 1,), 0.1, dtype=torch.float64),
+        covariance=covariance,
+        global_mean=torch.zeros(d),
+        global_covariance=torch.eye(d),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--classes", type=int, default=10, help="C (the model's outputs)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224, help="input height = width")
+    parser.add_argument("--channels", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--covariances", default="full,tied,diag")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    device = pick_device(args.device)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, args.channels, args.size, args.size)
+    num_classes = None if args.model == "fmnist-resnet" else args.classes
+    probe, _ = resolve(args.model, num_classes=num_classes)
+    C, d = probe.num_classes, probe.feature_dim
+    result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "size": args.size, "device": str(device),
+              "precision": args.precision, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {}}
+
+    def measure_step(method: str, gaussians=None) -> dict:
+        model, _ = resolve(args.model, num_classes=num_classes)
+        adapter = Adapter(model, method, gaussians, device, precision=args.precision)
+        images = x.to(device)
+        reset_peak(device)
+        seconds = timed(lambda: adapter.step(images), device, args.repeats)
+        return {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device)}
+
+    for method in ("source", "bn", "tent"):
+        result["steps"][method] = measure_step(method)
+        print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
+    for covariance in args.covariances.split(","):
+        gaussians = synthetic_gaussians(C, d, covariance)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "a.safetensors"
+            write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {})
+            size = path.stat().st_size
+            gaussians = read_artifact(path).gaussians
+        key = f"cafa-{covariance}"
+        result["steps"][key] = {**measure_step("cafa", gaussians), "artifact_bytes": size}
+        step = result["steps"][key]
+        step["ratio_to_tent"] = step["ms"] / result["steps"]["tent"]["ms"]
+        factor_bytes = gaussians.factors.numel() * 4
+        if device.type == "cuda":
+            card = next((k for k in HBM_BYTES_PER_S if k in result["gpu"]), None)
+            if card:
+                # the step reads every factor at least twice: forward, and again in the backward pass
+                step["bandwidth_floor_ms"] = 1000 * 2 * factor_bytes / HBM_BYTES_PER_S[card]
+        print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB", flush=True)
+        del gaussians
+
+    model, _ = resolve(args.model, num_classes=num_classes)
+    model = model.to(device).eval()
+    images = x.to(device)
+    labels = torch.arange(args.batch) % C
+
+    def forward():
+        with torch.no_grad():
+            model(images)
+
+    def accumulate():
+        with torch.no_grad():
+            _, features = model(images)
+            moments.update(features, labels)
+
+    moments = ClassMoments(C, d)
+    reset_peak(device)
+    forward_s = timed(forward, device, args.repeats)
+    forward_peak = peak_bytes(device)
+    reset_peak(device)
+    stats_s = timed(accumulate, device, args.repeats)
+    result["stats"] = {
+        "forward_images_per_s": args.batch / forward_s,
+        "stats_images_per_s": args.batch / stats_s,
+        "stats_over_forward": forward_s / stats_s,
+        "forward_peak_bytes": forward_peak,
+        "stats_peak_bytes": peak_bytes(device),
+    }
+    print(f"stats {result['stats']['stats_images_per_s']:.1f} img/s vs forward {result['stats']['forward_images_per_s']:.1f} img/s "
+          f"(×{result['stats']['stats_over_forward']:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
