@@ -61,7 +61,7 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path, covariance):
         assert torch.equal(back, original), name
     assert r.covariance == covariance
     assert r.shrinkage_method == g.shrinkage_method == ("oas" if covariance != "diag" else "fixed")
-    assert a.metadata["format"] == "cafa-stats" and a.metadata["format_version"] == "1"
+    assert a.metadata["format"] == "cafa-stats" and a.metadata["format_version"] == "2"
     assert a.metadata["num_images"] == "65"
     shrink = json.loads(a.metadata["shrinkage"])
     assert shrink["min"] == pytest.approx(float(g.shrinkage.min()))
@@ -218,10 +218,10 @@ def test_safetensors_file_that_is_not_an_artifact(tmp_path):
     fails(path, "not a cafa statistics artifact")
 
 
-@pytest.mark.parametrize("version", ["2", "0", "one"])
+@pytest.mark.parametrize("version", ["3", "0", "one"])
 def test_unknown_format_version(valid, tmp_path, version):
     message = fails(corrupt(valid, tmp_path / "v.safetensors", {"format_version": version}), "format version")
-    assert repr(version) in message and "reads version 1" in message
+    assert repr(version) in message and "reads versions 1 and 2" in message
 
 
 def test_missing_format_version(valid, tmp_path):

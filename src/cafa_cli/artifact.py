@@ -25,7 +25,8 @@ from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
 
 FORMAT = "cafa-stats"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the writer writes
+READ_VERSIONS = ("1", "2")  # 1: full, tied, diag; 2 adds lowrank
 DEFAULT_PATH = "cafa-stats.safetensors"
 _SLICE_BYTES = 256 << 20  # validate factors in pieces of about this size
 
@@ -64,10 +65,12 @@ def write_artifact(
     """Write atomically: a temporary file in the same folder, then rename over `path`."""
     C, d = gaussians.means.shape
     lambdas = gaussians.shrinkage
+    lowrank = gaussians.covariance == "lowrank"
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "covariance": gaussians.covariance,
+        **({"rank": str(gaussians.factors.shape[1])} if lowrank else {}),
         "feature_dim": str(d),
         "num_classes": str(C),
         "class_names": json.dumps(class_names),
@@ -87,9 +90,14 @@ def write_artifact(
         "cafa_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    factors = (
+        {"lowrank_basis": gaussians.factors, "lowrank_isotropic": gaussians.isotropic, "lowrank_spectrum": gaussians.spectrum}
+        if lowrank
+        else {"precision_cholesky": gaussians.factors}
+    )
     tensors = {
         "means": gaussians.means,
-        "precision_cholesky": gaussians.factors,
+        **factors,
         "counts": gaussians.counts,
         "shrinkage": gaussians.shrinkage,
         "global_mean": gaussians.global_mean,
@@ -152,11 +160,11 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     if metadata.get("format") != FORMAT:
         raise _bad(path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')")
     version = metadata.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (reads version {FORMAT_VERSION}); re-create it or upgrade cafa")
+    if version not in READ_VERSIONS:
+        raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (reads versions {' and '.join(READ_VERSIONS)}); re-create it or upgrade cafa")
     covariance = metadata.get("covariance")
-    if covariance not in COVARIANCE_MODES:
-        raise _bad(path, f"unknown covariance mode {covariance!r}")
+    if covariance not in COVARIANCE_MODES or (version == "1" and covariance == "lowrank"):
+        raise _bad(path, f"unknown covariance mode {covariance!r}" + (" in a version 1 artifact" if covariance == "lowrank" else ""))
     try:
         d = int(metadata["feature_dim"])
         C = int(metadata["num_classes"])
@@ -180,10 +188,25 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     except Exception as error:  # UsageError from Preprocessing's own checks
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
 
-    factor_shape = {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
+    if covariance == "lowrank":
+        try:
+            k = int(metadata["rank"])
+        except (KeyError, ValueError):
+            raise _bad(path, "metadata 'rank' (the low-rank basis size k) missing or not an integer") from None
+        if not 0 < k <= d:
+            raise _bad(path, f"metadata 'rank' is {k}; it must be in [1, feature_dim = {d}]")
+        factor_name, factor_shape = "lowrank_basis", (C, k, d)
+        factors = {
+            "lowrank_basis": ((C, k, d), torch.float32),
+            "lowrank_isotropic": ((C,), torch.float32),
+            "lowrank_spectrum": ((C, k), torch.float32),
+        }
+    else:
+        factor_name, factor_shape = "precision_cholesky", {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
+        factors = {"precision_cholesky": (factor_shape, torch.float32)}
     expected = {
         "means": ((C, d), torch.float32),
-        "precision_cholesky": (factor_shape, torch.float32),
+        **factors,
         "counts": ((C,), torch.int64),
         "shrinkage": ((1 if covariance == "tied" else C,), torch.float64),
         "global_mean": ((d,), torch.float32),
@@ -202,7 +225,7 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         if actual_dtype != {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]:
             raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {dtype}")
 
-    small = {name: f.get_tensor(name) for name in expected if name != "precision_cholesky"}
+    small = {name: f.get_tensor(name) for name in expected if name != factor_name}
     for name, tensor in small.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise _bad(path, f"tensor '{name}' holds NaN or inf values")
@@ -210,7 +233,12 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         raise _bad(path, "tensor 'counts' has classes with fewer than 2 samples")
     if ((small["shrinkage"] < 0) | (small["shrinkage"] > 1)).any():
         raise _bad(path, "tensor 'shrinkage' has values outside [0, 1]")
-    factors = _checked_factors(f, path, covariance, factor_shape, keep=load_tensors)
+    if covariance == "lowrank":
+        if (small["lowrank_isotropic"] <= 0).any():
+            raise _bad(path, "tensor 'lowrank_isotropic' has values ≤ 0; the covariance a·I + QᵀdiagQ(e) would be singular")
+        if (small["lowrank_spectrum"] < 0).any():
+            raise _bad(path, "tensor 'lowrank_spectrum' has negative values")
+    factors = _checked_factors(f, path, covariance, factor_name, factor_shape, keep=load_tensors)
 
     gaussians = None
     if load_tensors:
@@ -226,25 +254,44 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             global_mean=small["global_mean"],
             global_covariance=small["global_covariance"],
             shrinkage_method=str(shrink_info.get("method", "unknown")) if isinstance(shrink_info, dict) else "unknown",
+            isotropic=small.get("lowrank_isotropic"),
+            spectrum=small.get("lowrank_spectrum"),
         )
     return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians)
 
 
-def _checked_factors(f, path, covariance: str, shape: tuple, keep: bool) -> torch.Tensor | None:
-    """Check the factors slice by slice: finite, lower-triangular, positive diagonal."""
-    piece = f.get_slice("precision_cholesky")
-    per_class_bytes = 4 * int(torch.tensor(shape[1:]).prod())
+_ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank basis
+
+
+def _checked_factors(f, path, covariance: str, name: str, shape: tuple, keep: bool) -> torch.Tensor | None:
+    """Check the factors slice by slice: finite, lower-triangular, positive diagonal;
+    a low-rank basis: finite, each row unit-length and orthogonal to the others or all zero.
+    Kept slices are copied into one preallocated tensor (no second full-size copy)."""
+    piece = f.get_slice(name)
+    per_class_bytes = 4 * max(1, int(torch.tensor(shape[1:]).prod()))
     step = max(1, _SLICE_BYTES // per_class_bytes)
-    kept = []
+    kept = torch.empty(shape, dtype=torch.float32) if keep else None
     for start in range(0, shape[0], step):
         block = piece[start : start + step]
-        if not torch.isfinite(block).all():
-            raise _bad(path, "precision factors hold NaN or inf values")
-        diagonal = block if covariance == "diag" else block.diagonal(dim1=-2, dim2=-1)
-        if (diagonal <= 0).any():
-            raise _bad(path, "precision factors have a non-positive diagonal; not a valid Cholesky factor")
-        if covariance != "diag" and torch.triu(block, diagonal=1).any():
-            raise _bad(path, "precision factors are not lower-triangular")
+        if covariance == "lowrank":
+            _check_basis(path, block)
+        else:
+            if not torch.isfinite(block).all():
+                raise _bad(path, "precision factors hold NaN or inf values")
+            diagonal = block if covariance == "diag" else block.diagonal(dim1=-2, dim2=-1)
+            if (diagonal <= 0).any():
+                raise _bad(path, "precision factors have a non-positive diagonal; not a valid Cholesky factor")
+            if covariance != "diag" and torch.triu(block, diagonal=1).any():
+                raise _bad(path, "precision factors are not lower-triangular")
         if keep:
-            kept.append(block)
-    return torch.cat(kept) if keep else None
+            kept[start : start + len(block)] = block
+    return kept
+
+
+def _check_basis(path, block: torch.Tensor) -> None:
+    if not torch.isfinite(block).all():
+        raise _bad(path, "tensor 'lowrank_basis' holds NaN or inf values")
+    gram = torch.bmm(block, block.transpose(1, 2))  # [c, k, k]: identity on the used rows
+    used = (gram.diagonal(dim1=1, dim2=2) > 0.5).float()
+    if (gram - torch.diag_embed(used)).abs().amax() > _ORTHONORMAL_TOLERANCE:
+        raise _bad(path, "tensor 'lowrank_basis' is not orthonormal (each row must be a unit vector orthogonal to the others, or zero)")

@@ -131,7 +131,7 @@ def stats(
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of each class to use, in (0, 1].")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Use this many images per class instead of --fraction.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stratified subset.")] = 0,
-    covariance: Annotated[str, typer.Option("--covariance", help="full (per class), tied (one pooled), or diag.")] = "full",
+    covariance: Annotated[str, typer.Option("--covariance", help="auto (lowrank when every class has fewer images than feature dimensions, else full), full (per class), lowrank (exact, a·I + low rank per class), tied (one pooled), or diag.")] = "auto",
     shrinkage: Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I.")] = "auto",
     resize: ResizeOpt = None,
     crop: CropOpt = None,

@@ -15,8 +15,13 @@ _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
 
 
 def condition_numbers(artifact: Artifact) -> list[float]:
-    """cond(Σ_c) = cond(L_c)² for up to 64 evenly spread classes (an SVD per class)."""
+    """cond(Σ_c) = cond(L_c)² for up to 64 evenly spread classes (an SVD per class);
+    diag and lowrank: exact for every class from the stored eigenvalues."""
     g = artifact.gaussians
+    if g.covariance == "lowrank":
+        # eigenvalues of Σ_c are a_c (outside span Q_c) and a_c + e_cj: exact for every class
+        a = g.isotropic.double()
+        return ((a + g.spectrum.double().amax(1).clamp_min(0)) / a).tolist()
     if g.covariance == "diag":
         return (g.factors.double().amax(1) / g.factors.double().amin(1)).square().tolist()
     picks = torch.linspace(0, len(g.factors) - 1, min(len(g.factors), _CONDITIONING_SAMPLE)).round().long().unique()

@@ -71,7 +71,7 @@ def compute_statistics(
     fraction: float | None = 0.05,
     per_class: int | None = None,
     seed: int = 0,
-    covariance: str = "full",
+    covariance: str = "auto",
     shrinkage: float | str = "auto",
     device: str = "auto",
     batch_size: int = 128,

@@ -2,6 +2,11 @@
 
 Numerics (DESIGN.md §2): moments are accumulated and covariances formed and factored
 in float64; only the final factors are stored in float32.
+
+Covariance modes: `full` (a precision Cholesky factor per class), `tied`, `diag`, and
+`lowrank` — the exact structured form of the same shrunk covariance when a class has
+fewer samples than dimensions: Σ_c = a_c·I + Q_cᵀ diag(e_c) Q_c with Q_c the k×d
+orthonormal basis of the class's centred rows (docs/artifact-format.md).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 
 from cafa_cli.errors import InputError, UsageError
 
-COVARIANCE_MODES = ("full", "tied", "diag")
+COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
+COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what --covariance accepts
 
 
 class ClassMoments:
@@ -63,6 +69,19 @@ class ClassMoments:
             self.scatter[c] = scatter_b
         self.count[c] = n
 
+    def total(self, c: int) -> int:
+        """N_c, counting rows still in the buffer."""
+        return int(self.count[c]) + self.pending_rows[c]
+
+    def rows(self, c: int) -> torch.Tensor | None:
+        """The rows of a class that was never folded into a scatter (N_c < d), float64;
+        None once the class has a scatter. Reads the buffer without allocating d×d."""
+        if c in self.scatter or int(self.count[c]):
+            return None
+        if not self.pending_rows[c]:
+            return torch.zeros(0, self.dim, dtype=torch.float64)
+        return torch.cat(self.pending[c]).double()
+
     def moments(self, c: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(N_c, μ_c, M2_c) in float64; folds what is pending."""
         self._fold(c)
@@ -72,16 +91,22 @@ class ClassMoments:
         return int(self.count[c]), self.mean[c].clone(), scatter
 
     def release(self, c: int) -> None:
-        """Forget a class's scatter once its factor is made."""
+        """Forget a class's scatter (and buffered rows) once its factor is made."""
         self.scatter.pop(c, None)
+        self.pending[c] = []
 
 
 def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:
     """Oracle Approximating Shrinkage toward tr(S)/d·I (Chen et al. 2010), the formula
     scikit-learn's `OAS` uses; needs only S and n, so it works on streamed moments."""
-    d = covariance.shape[0]
-    mu = torch.trace(covariance) / d
-    alpha = (covariance**2).mean()
+    return oas_from_spectrum(float(torch.trace(covariance)), float((covariance**2).sum()), covariance.shape[0], n)
+
+
+def oas_from_spectrum(trace: float, frobenius_sq: float, d: int, n: int) -> float:
+    """OAS from tr(S) and ‖S‖_F² alone: for S = XᵀX/n both come from the eigenvalues
+    of the small n×n Gram matrix XXᵀ, so no d×d matrix is needed."""
+    mu = trace / d
+    alpha = frobenius_sq / d**2
     numerator = alpha + mu**2
     denominator = (n + 1) * (alpha - mu**2 / d)
     if denominator <= 0:
@@ -120,26 +145,50 @@ class ClassGaussians:
     """What the artifact stores: everything the distances and losses need."""
 
     means: torch.Tensor  # [C, d] float32
-    factors: torch.Tensor  # full [C, d, d], tied [1, d, d], diag [C, d]; float32
+    # full [C, d, d], tied [1, d, d], diag [C, d]; lowrank: the basis Q_c, orthonormal
+    # rows, zero rows as padding [C, k, d]; float32
+    factors: torch.Tensor
     counts: torch.Tensor  # [C] int64
     shrinkage: torch.Tensor  # [C] (or [1] when tied) float64, the λ used
-    covariance: str  # full | tied | diag
+    covariance: str  # full | tied | diag | lowrank
     global_mean: torch.Tensor  # [d] float32, for Global FA
     global_covariance: torch.Tensor  # [d, d] float32, for Global FA
     shrinkage_method: str = "oas"
     extra: dict = field(default_factory=dict)
+    isotropic: torch.Tensor | None = None  # lowrank: a_c = λ_c·tr(S_c)/d [C] float32
+    spectrum: torch.Tensor | None = None  # lowrank: e_cj = (1 − λ_c)·eig_j(S_c) [C, k] float32, 0 as padding
 
 
 def check_options(covariance: str, shrinkage: float | str) -> None:
     """Reject bad --covariance / --shrinkage before any image is read."""
-    if covariance not in COVARIANCE_MODES:
-        raise UsageError(f"--covariance must be one of {', '.join(COVARIANCE_MODES)}, not {covariance}")
+    if covariance not in COVARIANCE_CHOICES:
+        raise UsageError(f"--covariance must be one of {', '.join(COVARIANCE_CHOICES)}, not {covariance}")
     try:
         in_range = shrinkage == "auto" or 0.0 <= float(shrinkage) <= 1.0
     except (TypeError, ValueError):
         in_range = False
     if not in_range:
         raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {shrinkage}")
+    if covariance == "lowrank" and shrinkage != "auto" and float(shrinkage) == 0:
+        raise UsageError(
+            "--covariance lowrank needs shrinkage: with --shrinkage 0 the isotropic part a = λ·tr(S)/d is 0 "
+            "and the covariance is singular; use --shrinkage auto (or a value > 0), or --covariance full"
+        )
+
+
+def choose_covariance(moments: ClassMoments, shrinkage: float | str) -> str:
+    """What `--covariance auto` means: `lowrank` when every class has fewer samples than
+    dimensions (its shrunk covariance is then a_c·I plus a rank < d part) and that form
+    is smaller than the dense one; otherwise `full`. Never lowrank without shrinkage."""
+    C, d = moments.num_classes, moments.dim
+    if shrinkage != "auto" and float(shrinkage) == 0:
+        return "full"
+    totals = [moments.total(c) for c in range(C)]
+    if any(n >= d or moments.rows(c) is None for c, n in enumerate(totals)):
+        return "full"
+    k_max = max(max(totals) - 1, 1)  # centred rows have rank ≤ N_c − 1
+    lowrank_numbers = k_max * d + k_max + 1  # basis, spectrum, a_c (per class)
+    return "lowrank" if lowrank_numbers < d * d else "full"
 
 
 def estimate(
@@ -148,8 +197,14 @@ def estimate(
     shrinkage: float | str = "auto",
     class_names: list[str] | None = None,
 ) -> ClassGaussians:
-    """Shrunk class covariances from streamed moments, factored as precision Cholesky factors."""
+    """Shrunk class covariances from streamed moments, factored as precision Cholesky
+    factors (or, for `lowrank`, as a_c, Q_c, e_c). `covariance="auto"` picks the mode
+    with `choose_covariance`; the result records the mode used."""
     check_options(covariance, shrinkage)
+    if covariance == "auto":
+        covariance = choose_covariance(moments, shrinkage)
+    if covariance == "lowrank":
+        return _estimate_lowrank(moments, shrinkage, class_names)
     C, d = moments.num_classes, moments.dim
     names = class_names or [str(c) for c in range(C)]
     means = torch.zeros(C, d, dtype=torch.float32)
@@ -196,10 +251,7 @@ def estimate(
     if not torch.isfinite(per_class_factors).all():
         raise InputError("precision factors overflow float32 (near-zero feature variance); raise --shrinkage")
 
-    weights = counts.double() / total
-    global_mean = weights @ class_mean64
-    between = (class_mean64 - global_mean).T @ ((class_mean64 - global_mean) * counts.double()[:, None])
-    global_covariance = (pooled + between) / total
+    global_mean, global_covariance = _global_moments(counts, class_mean64, pooled)
     return ClassGaussians(
         means=means,
         factors=per_class_factors,
@@ -209,6 +261,108 @@ def estimate(
         global_mean=global_mean.float(),
         global_covariance=global_covariance.float(),
         shrinkage_method="oas" if shrinkage == "auto" else "fixed",
+    )
+
+
+def _global_moments(counts: torch.Tensor, class_mean64: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and total covariance of all features (for Global FA) from the class means
+    and the pooled within-class scatter."""
+    total = int(counts.sum())
+    weights = counts.double() / total
+    global_mean = weights @ class_mean64
+    between = (class_mean64 - global_mean).T @ ((class_mean64 - global_mean) * counts.double()[:, None])
+    return global_mean, (pooled + between) / total
+
+
+_POOL_ROWS = 1024  # centred rows gathered before one rank-k update of the pooled scatter
+
+
+def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names: list[str] | None) -> ClassGaussians:
+    """Σ_c = (1 − λ_c)·S_c + a_c·I = a_c·I + Q_cᵀ diag(e_c) Q_c, a_c = λ_c·tr(S_c)/d.
+
+    A class never folded (N_c < d) goes through the thin SVD of its N_c×d centred rows:
+    S_c = Vᵀ diag(s²/N_c) V, so Q_c = V, e_c = (1 − λ_c)·s²/N_c, and OAS needs only
+    tr(S_c) = Σ s²/N_c and ‖S_c‖_F² = Σ s⁴/N_c² — no d×d matrix for that class. A class
+    that was folded (N_c ≥ d, only when lowrank is forced) uses the eigenvectors of its
+    scatter. All in float64; a_c, Q_c (rows, zero-padded to k) and e_c stored as float32.
+    """
+    C, d = moments.num_classes, moments.dim
+    names = class_names or [str(c) for c in range(C)]
+    counts = torch.tensor([moments.total(c) for c in range(C)], dtype=torch.int64)
+    for c in range(C):
+        if counts[c] < 2:
+            raise InputError(f"class {names[c]} has {int(counts[c])} feature vector(s); at least 2 are needed for a covariance")
+    k = min(int(counts.max()) - 1, d)  # centred rows have rank ≤ N_c − 1
+    means = torch.zeros(C, d, dtype=torch.float32)
+    class_mean64 = torch.zeros(C, d, dtype=torch.float64)
+    basis = torch.zeros(C, k, d, dtype=torch.float32)
+    spectrum = torch.zeros(C, k, dtype=torch.float32)
+    isotropic = torch.zeros(C, dtype=torch.float64)
+    lambdas = torch.zeros(C, dtype=torch.float64)
+    pooled = torch.zeros(d, d, dtype=torch.float64)
+    blocks: list[torch.Tensor] = []
+    eps = torch.finfo(torch.float64).eps
+    rank_used, failed = 0, []
+
+    def pool(flush: bool = False) -> None:
+        if blocks and (flush or sum(len(b) for b in blocks) >= _POOL_ROWS):
+            stacked = torch.cat(blocks)
+            pooled.addmm_(stacked.T, stacked)  # in place: no d×d temporary per class
+            blocks.clear()
+
+    for c in range(C):
+        n = int(counts[c])
+        rows = moments.rows(c)
+        if rows is not None:
+            mean = rows.mean(0)
+            centred = rows - mean
+            _, s, vh = torch.linalg.svd(centred, full_matrices=False)
+            keep = s > s[0] * max(centred.shape) * eps
+            eigenvalues, vectors = s[keep].square() / n, vh[keep]
+            blocks.append(centred)
+            pool()
+        else:
+            n, mean, scatter = moments.moments(c)
+            pooled += scatter
+            w, v = torch.linalg.eigh(scatter / n)
+            w, v = w.flip(0), v.flip(1)
+            keep = w > w[0] * d * eps
+            eigenvalues, vectors = w[keep], v[:, keep].T
+            del scatter, v
+        eigenvalues, vectors = eigenvalues[:k], vectors[:k]
+        trace = float(eigenvalues.sum())
+        lam = oas_from_spectrum(trace, float(eigenvalues.square().sum()), d, n) if shrinkage == "auto" else float(shrinkage)
+        a = lam * trace / d
+        if not (a > 0 and torch.isfinite(torch.tensor(1 / a, dtype=torch.float32))):
+            failed.append(f"{names[c]} (N={n}, d={d})")
+        r = len(eigenvalues)
+        rank_used = max(rank_used, r)
+        means[c], class_mean64[c] = mean.float(), mean
+        lambdas[c], isotropic[c] = lam, a
+        basis[c, :r] = vectors.float()
+        spectrum[c, :r] = ((1 - lam) * eigenvalues).float()
+        moments.release(c)
+    pool(flush=True)
+    if failed:
+        shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        raise InputError(
+            f"covariance is singular for {shown}: its features do not vary (tr(S) = 0), so the isotropic "
+            f"part of the low-rank form is 0; use --shrinkage auto (or a value > 0), or check the features"
+        )
+    if rank_used < k:  # duplicate rows everywhere: drop padding no class uses
+        basis, spectrum = basis[:, :rank_used].clone(), spectrum[:, :rank_used].clone()
+    global_mean, global_covariance = _global_moments(counts, class_mean64, pooled)
+    return ClassGaussians(
+        means=means,
+        factors=basis,
+        counts=counts,
+        shrinkage=lambdas,
+        covariance="lowrank",
+        global_mean=global_mean.float(),
+        global_covariance=global_covariance.float(),
+        shrinkage_method="oas" if shrinkage == "auto" else "fixed",
+        isotropic=isotropic.float(),
+        spectrum=spectrum,
     )
 
 
