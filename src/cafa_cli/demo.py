@@ -21,7 +21,8 @@ MODEL = "fmnist-resnet"
 
 @dataclass(frozen=True)
 class DemoPlan:
-    corruptions: tuple[str, ...] = ("gaussian_noise", "defocus_blur", "fog", "contrast")
+    # one corruption of each ImageNet-C family: noise, blur, weather, digital
+    corruptions: tuple[str, ...] = ("gaussian_noise", "defocus_blur", "frost", "contrast")
     severity: int = 3
     train_per_class: int = 300
     test_per_class: int | None = 300
