@@ -106,15 +106,24 @@ def write_artifact(
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata))
 
 
-def atomic_write(path: str | Path, write) -> None:
-    """Call write(temp_path), then move the result over `path`; on any failure
-    (including KeyboardInterrupt) remove the temporary file and keep the old `path`."""
+def check_writable(path: str | Path) -> Path:
+    """A file name in an existing folder; checked before a long job as well as at the write."""
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{target} is a folder; give a file name to write to")
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    return target
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """Call write(temp_path), then move the result over `path`; on any failure
+    (including KeyboardInterrupt) remove the temporary file and keep the old `path`."""
+    target = check_writable(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise InputError(f"cannot write {target}: {error.strerror or error} in folder {target.parent}") from None
     os.close(fd)
     try:
         write(tmp)

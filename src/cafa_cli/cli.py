@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cafa_cli import __version__
-from cafa_cli.artifact import DEFAULT_PATH, read_artifact
+from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
 from cafa_cli.errors import EXIT_RUNTIME, CafaError, UsageError
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.inspect import describe, render
@@ -218,6 +218,8 @@ def adapt(
     quiet: QuietOpt = False,
 ):
     """Adapt a model online over test domains; print one prediction per image."""
+    if metrics_json:
+        check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
         method, batch_size, optimizer, lr, momentum, steps, params, bn_prior, reset, shuffle, seed, device, precision, num_workers, strict
     )

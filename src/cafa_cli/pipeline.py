@@ -12,13 +12,13 @@ import torch
 
 from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
-from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact, write_artifact
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
-from cafa_cli.stream import DomainResult, adapt_domains
+from cafa_cli.stream import RESET_POLICIES, DomainResult, adapt_domains
 
 
 @dataclass
@@ -86,6 +86,8 @@ def compute_statistics(
     if per_class is not None and per_class < 2:
         raise UsageError(f"--per-class must be at least 2, not {per_class}")
     statistics.check_options(covariance, shrinkage)
+    _check_loading(batch_size, num_workers)
+    check_writable(out)
     target = pick_device(device)
     preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
@@ -119,6 +121,14 @@ def compute_statistics(
 def _absolute_if_path(data: str) -> str:
     """Record a folder or file as an absolute path, so the artifact can be followed from anywhere."""
     return str(Path(data).resolve()) if Path(data).exists() else data
+
+
+def _check_loading(batch_size: int, num_workers: int) -> None:
+    """Checked before any model or data is read, and before any output is written."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
+    if num_workers < 0:
+        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
 
 
 # --- adapt -----------------------------------------------------------------------
@@ -234,6 +244,9 @@ def prepare_adaptation(
 ) -> Adaptation:
     if not data:
         raise UsageError("give at least one --data PATH")
+    _check_loading(settings.batch_size, settings.num_workers)
+    if settings.reset not in RESET_POLICIES:
+        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {settings.reset}")
     net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
