@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -355,5 +356,12 @@ def bench(
         grid.plot(plot_out, table, data)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> None:
+    # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: `finally` blocks run, so an
+    # atomic write removes its temporary file and the predictions made so far are flushed.
+    signal.signal(signal.SIGTERM, _interrupt)
     app()
