@@ -7,16 +7,18 @@ import functools
 import json
 import signal
 import sys
+from contextlib import contextmanager
 from typing import Annotated, Optional
 
 import typer
 from dataclasses import asdict
 from pathlib import Path
 from rich.console import Console
+from typer.core import TyperGroup
 
 from cafa_cli import __version__
 from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
-from cafa_cli.errors import EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.inspect import describe, render
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
@@ -25,7 +27,35 @@ from cafa_cli.report import Monitor, RecordWriter, metrics, open_output, stderr_
 
 EXIT_INTERRUPTED = 130
 
+
+@contextmanager
+def _one_line_usage_errors():
+    """Click's own usage errors (a missing option, a value of the wrong type, an unknown
+    command) as one `cafa: error:` line and exit 2, like every other error of the tool."""
+    try:
+        yield
+    except Exception as error:
+        usage = any(k.__name__ == "UsageError" for k in type(error).__mro__)
+        if not usage or type(error).__name__ == "NoArgsIsHelpError":
+            raise
+        ctx = getattr(error, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        typer.echo(f"cafa: error: {error.format_message()}{hint}", err=True)
+        raise typer.Exit(code=error.exit_code) from None
+
+
+class _Group(TyperGroup):
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="cafa",
     help="Test-time adaptation of image classifiers with Class-Aware Feature Alignment (CAFA, ICCV 2023).",
     no_args_is_help=True,
@@ -72,6 +102,11 @@ def reports_errors(command):
         except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
             if _debug["on"]:
                 raise
+            if isinstance(error, OSError) and error.filename:
+                # a path the tool was given: missing, unreadable, not writable, or the disk is full
+                given = isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+                typer.echo(f"cafa: error: {error.filename}: {error.strerror or error}", err=True)
+                raise typer.Exit(code=EXIT_INPUT if given else EXIT_RUNTIME) from None
             first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             typer.echo(f"cafa: error: {type(error).__name__}: {first} (run with --debug for the traceback)", err=True)
             raise typer.Exit(code=EXIT_RUNTIME) from None
