@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import importlib.util
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,14 +118,22 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
 
 def _torch_load(path: Path, trust_checkpoint: bool):
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error below says it all
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as error:
-        # "Unsupported operand": the bytes are not a pickle at all, so trusting them cannot help
+        # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help
         if "weights_only" in str(error) and "Unsupported operand" not in str(error):
             raise InputError(
                 f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
                 f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
             ) from None
+        with open(path, "rb") as f:
+            if f.read(2) in (b"\x80\x04", b"\x80\x05"):  # pickle protocol 4/5, not torch.save's format
+                raise InputError(
+                    f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
+                    f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+                ) from None
         raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
         raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
