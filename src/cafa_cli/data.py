@@ -134,9 +134,13 @@ def _images_below(folder: Path) -> list[Path]:
 
 
 def read_image(path: str) -> Image.Image:
-    with Image.open(path) as image:
-        image.load()  # decode now so that truncated files fail here, not later
-        return image
+    try:
+        with Image.open(path) as image:
+            image.load()  # decode now so that truncated files fail here, not later
+            return image
+    except UnidentifiedImageError:
+        empty = Path(path).stat().st_size == 0
+        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image format PIL can read") from None
 
 
 def _folder_domain(root: Path) -> Domain:
@@ -151,6 +155,12 @@ def _folder_domain(root: Path) -> Domain:
         labels += [label] * len(images)
     if not refs:
         top = sorted(p for p in root.iterdir() if is_image(p))
+        if not top and class_dirs:
+            shown = ", ".join(d.name for d in class_dirs[:5]) + (" ..." if len(class_dirs) > 5 else "")
+            raise InputError(
+                f"--data {root}: no images found in the class folders {shown} "
+                f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
+            )
         if not top:
             raise InputError(
                 f"--data {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
