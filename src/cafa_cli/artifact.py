@@ -196,6 +196,8 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         raise _bad(path, f"metadata 'model' or 'preprocessing' is malformed ({error})") from None
     except Exception as error:  # UsageError from Preprocessing's own checks
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
+    if not _valid_spec(model):
+        raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")
 
     if covariance == "lowrank":
         try:
@@ -252,7 +254,8 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     gaussians = None
     if load_tensors:
         shrink_info = _json(metadata, "shrinkage", path)
-        if not isinstance(shrink_info, dict) or not all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max")):
+        numbers = isinstance(shrink_info, dict) and all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max"))
+        if not numbers or not isinstance(shrink_info.get("method"), str):
             raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ; re-create the artifact with cafa stats")
         gaussians = ClassGaussians(
             means=small["means"],
@@ -270,6 +273,13 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
 
 
 _ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank basis
+
+
+def _valid_spec(m: ModelSpec) -> bool:
+    """A model name, optional strings, and an optional positive class count (JSON can hold anything)."""
+    strings = all(v is None or isinstance(v, str) for v in (m.weights, m.weights_sha256, m.classifier))
+    count = m.num_classes is None or (type(m.num_classes) is int and m.num_classes >= 1)
+    return isinstance(m.model, str) and bool(m.model) and strings and count
 
 
 def _checked_factors(f, path, covariance: str, name: str, shape: tuple, keep: bool) -> torch.Tensor | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -40,11 +41,13 @@ class Preprocessing:
                 raise UsageError(
                     f"--{name} needs 1 or {self.channels} comma-separated values, got {len(values)}"
                 )
+        if not all(math.isfinite(v) for v in self.mean + self.std):
+            raise UsageError("--mean and --std values must be finite numbers")
         if any(s <= 0 for s in self.std):
             raise UsageError("--std values must be positive")
         for name in ("resize", "crop"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and (type(value) is not int or value < 1):
                 raise UsageError(f"--{name} must be a positive integer or 'none', not {value}")
 
     def to_json(self) -> str:
