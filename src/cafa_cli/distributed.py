@@ -1,0 +1,55 @@
+"""`torchrun` support for `cafa stats`: each rank streams its share of the subset,
+then rank 0 merges the class moments and writes the artifact.
+
+    torchrun --nproc-per-node 4 -m cafa_cli stats --data ... --out stats.safetensors
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from cafa_cli.statistics import ClassMoments
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@contextmanager
+def process_group(device: torch.device):
+    """(rank, world size): (0, 1) when not launched by torchrun."""
+    if not launched_by_torchrun():
+        yield 0, 1
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """Under torchrun each rank takes the GPU of its LOCAL_RANK."""
+    if launched_by_torchrun() and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def merge_on_root(moments: ClassMoments, rank: int, world: int) -> ClassMoments | None:
+    """All ranks' moments merged on rank 0 (Chan's update); None on the other ranks."""
+    if world == 1:
+        return moments
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(moments, gathered, dst=0)
+    if rank != 0:
+        return None
+    merged = gathered[0]
+    for other in gathered[1:]:
+        merged.absorb(other)
+    return merged

@@ -1,0 +1,42 @@
+"""`torchrun -m cafa_cli stats` on 2 CPU processes (gloo) gives the one-process artifact."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import torch
+from safetensors import safe_open
+
+from conftest import PLAIN, TINY_NET, write_folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_weights):
+    data = write_folder(tmp_path / "train", per_class=15)
+    args = ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(data), *PLAIN,
+            "--fraction", "1", "--covariance", "full", "--shrinkage", "0.2", "--batch-size", "4", "--quiet"]
+    single, multi = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--out", str(single)], check=True, timeout=120)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    done = subprocess.run([*launcher, "-m", "cafa_cli", *args, "--out", str(multi)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (one, meta_one), (two, meta_two) = read(single), read(multi)
+    assert torch.equal(one["counts"], two["counts"]) and int(two["counts"].sum()) == 45
+    for name in ("means", "precision_cholesky", "global_mean", "global_covariance"):
+        torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-6)
+    assert json.loads(meta_one["class_names"]) == json.loads(meta_two["class_names"])
+    assert not list(tmp_path.glob(".two.safetensors.*"))  # only rank 0 wrote, and atomically
