@@ -19,6 +19,7 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.inspect import describe, render
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
@@ -401,4 +402,19 @@ def main() -> None:
     # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: `finally` blocks run, so an
     # atomic write removes its temporary file and the predictions made so far are flushed.
     signal.signal(signal.SIGTERM, _interrupt)
-    app()
+    try:
+        defaults = read_defaults(Path.cwd(), _command_options())
+    except CafaError as error:
+        typer.echo(f"cafa: error: {error}", err=True)
+        raise SystemExit(error.exit_code) from None
+    app(default_map=defaults)
+
+
+def _command_options() -> dict[str, set[str]]:
+    """Each command's parameter names, for checking cafa.toml's keys."""
+    import inspect as pyinspect
+
+    return {
+        (command.name or command.callback.__name__): set(pyinspect.signature(command.callback).parameters)
+        for command in app.registered_commands
+    }

@@ -1,0 +1,53 @@
+"""Defaults from `cafa.toml` (or `[tool.cafa]` in pyproject.toml) in the working directory.
+
+A CI pipeline sets once what it would otherwise repeat on every line:
+
+    [adapt]
+    batch-size = 64
+    optimizer = "sgd"
+    lr = 0.0025
+
+Tables are commands, keys are their long options without the dashes. Options on the
+command line win over the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from cafa_cli.errors import UsageError
+
+CONFIG_FILE = "cafa.toml"
+
+
+def read_defaults(folder: str | Path, options: dict[str, set[str]]) -> dict[str, dict]:
+    """{command: {parameter: value}} for typer's default_map; `options` lists each
+    command's parameter names, so a misspelt key is an error rather than ignored."""
+    folder = Path(folder)
+    path, table = folder / CONFIG_FILE, None
+    if path.is_file():
+        table = _load(path)
+    elif (folder / "pyproject.toml").is_file():
+        path = folder / "pyproject.toml"
+        table = _load(path).get("tool", {}).get("cafa")
+    if not table:
+        return {}
+    defaults: dict[str, dict] = {}
+    for command, values in table.items():
+        if command not in options or not isinstance(values, dict):
+            raise UsageError(f"{path}: [{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
+        defaults[command] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in options[command]:
+                raise UsageError(f"{path}: [{command}] has no option {key!r}")
+            defaults[command][name] = value
+    return defaults
+
+
+def _load(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path}: not valid TOML ({error})") from None

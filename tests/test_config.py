@@ -1,0 +1,62 @@
+"""cafa.toml / [tool.cafa] defaults: read, checked, and overridden by flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cafa_cli.cli import _command_options, app
+from cafa_cli.config import read_defaults
+from cafa_cli.errors import UsageError
+from conftest import PLAIN, TINY_NET, write_folder
+
+
+def test_cafa_toml_maps_option_names_to_parameters(tmp_path):
+    (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = 64\noptimizer = "sgd"\n[stats]\nfraction = 0.1\n')
+    assert read_defaults(tmp_path, _command_options()) == {"adapt": {"batch_size": 64, "optimizer": "sgd"}, "stats": {"fraction": 0.1}}
+
+
+def test_pyproject_tool_cafa_is_read_when_there_is_no_cafa_toml(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.cafa.adapt]\nlr = 0.0025\n')
+    assert read_defaults(tmp_path, _command_options()) == {"adapt": {"lr": 0.0025}}
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert read_defaults(tmp_path, _command_options()) == {}
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [("[adapt]\nbatchsize = 3\n", "no option 'batchsize'"), ("[train]\nlr = 1\n", r"\[train\] is not a cafa command"), ("[adapt\n", "not valid TOML")],
+)
+def test_mistakes_in_the_file_are_usage_errors(tmp_path, text, match):
+    (tmp_path / "cafa.toml").write_text(text)
+    with pytest.raises(UsageError, match=match):
+        read_defaults(tmp_path, _command_options())
+
+
+def test_file_defaults_apply_and_flags_win(tmp_path, tiny_weights):
+    train = write_folder(tmp_path / "train", per_class=6)
+    artifact = tmp_path / "s.safetensors"
+    runner = CliRunner()
+    made = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(train), *PLAIN,
+                               "--fraction", "1", "--out", str(artifact), "--quiet"])
+    assert made.exit_code == 0, made.stderr
+    (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = 5\nmethod = "tent"\n')
+    defaults = read_defaults(tmp_path, _command_options())
+    metrics = tmp_path / "m.json"
+    base = ["adapt", "--stats", str(artifact), "--data", str(train), "--quiet", "--metrics-json", str(metrics)]
+    assert runner.invoke(app, base, default_map=defaults).exit_code == 0
+    settings = json.loads(metrics.read_text())["settings"]
+    assert (settings["batch_size"], settings["method"]) == (5, "tent")
+    assert runner.invoke(app, [*base, "--batch-size", "9"], default_map=defaults).exit_code == 0
+    assert json.loads(metrics.read_text())["settings"]["batch_size"] == 9
+
+
+def test_the_real_entry_point_reports_a_bad_config_in_one_line(tmp_path):
+    (tmp_path / "cafa.toml").write_text("[adapt]\nspeed = 3\n")
+    done = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--data", "x"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed'"
