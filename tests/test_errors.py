@@ -1,0 +1,461 @@
+"""Every bad input of docs/errors.md through the CLI: one `cafa: error:` line (or one
+`warning:` line for a skipped image), the documented exit code, and no traceback.
+
+Cases already checked through the CLI elsewhere are referenced in docs/errors.md, not
+repeated here.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import tiny_net
+from cafa_cli.cli import app
+from conftest import ASSETS, PLAIN, TINY_NET, write_folder
+from test_artifact import corrupt
+
+runner = CliRunner()
+ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
+
+
+def run(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def no_traceback(result):
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+
+
+def fails(result, code: int, *needles: str) -> str:
+    """Exit `code`, stderr exactly one `cafa: error:` line holding every needle."""
+    assert result.exit_code == code, (result.exit_code, result.stdout[-500:], result.stderr)
+    no_traceback(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cafa: error:"), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    train = write_folder(root / "train", per_class=6)
+    torch.manual_seed(0)
+    weights = root / "net.pt"
+    torch.save(tiny_net.build().state_dict(), weights)
+    artifact = root / "s.safetensors"
+    result = run("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    return {"root": root, "train": train, "weights": weights, "artifact": artifact}
+
+
+def adapt(setup, data, *args, input=None):
+    return run("adapt", "--stats", setup["artifact"], "--data", data, "--batch-size", "4", *args, input=input)
+
+
+def stats(setup, data, *args):
+    return run("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args)
+
+
+def rows(result) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(result.stdout)))
+
+
+def factory(tmp_path: Path, body: str, name: str = "net.py") -> str:
+    """A model factory file `build()` that can use tiny_net."""
+    path = tmp_path / name
+    path.write_text(f"import sys\nsys.path.insert(0, {str(ASSETS)!r})\nimport torch\nfrom torch import nn\nimport tiny_net\n\n{body}\n")
+    return f"{path}:build"
+
+
+# --- paths -------------------------------------------------------------------------
+
+
+def test_data_that_is_a_file_not_a_folder(setup, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    fails(adapt(setup, notes), 3, str(notes), "expected an image folder")
+
+
+def test_empty_data_folder(setup, tmp_path):
+    (tmp_path / "empty").mkdir()
+    fails(stats(setup, tmp_path / "empty", "--out", tmp_path / "s.safetensors"), 3, "no images found")
+
+
+def test_class_folders_without_images(setup, tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / "d" / name).mkdir(parents=True)
+    (tmp_path / "d" / "a" / "readme.txt").write_text("x")
+    fails(adapt(setup, tmp_path / "d"), 3, "no images found in the class folders a, b")
+
+
+def test_empty_stdin(setup):
+    fails(adapt(setup, "-", input=""), 3, "--data -: stdin held no image paths")
+
+
+def test_stdin_path_that_does_not_exist_is_skipped(setup, tmp_path):
+    good = sorted((setup["train"] / "a").glob("*.png"))[:3]
+    missing = tmp_path / "gone.png"
+    result = adapt(setup, "-", "--no-shuffle", input="\n".join(map(str, [good[0], missing, *good[1:]])) + "\n")
+    assert result.exit_code == 0, result.stderr
+    no_traceback(result)
+    assert [r["path"] for r in rows(result)] == [str(p) for p in good]
+    assert f"warning: skipped unreadable image {missing}" in result.stderr
+
+
+@pytest.mark.skipif(ROOT, reason="root can read a chmod 000 file")
+def test_unreadable_image_is_skipped(setup, tmp_path):
+    data = write_folder(tmp_path / "d", per_class=2)
+    locked = data / "b" / "0001.png"
+    locked.chmod(0)
+    try:
+        result = adapt(setup, data)
+    finally:
+        locked.chmod(0o644)
+    assert result.exit_code == 0, result.stderr
+    assert f"warning: skipped unreadable image {locked}" in result.stderr and len(rows(result)) == 5
+
+
+@pytest.mark.skipif(ROOT, reason="root can read a chmod 000 file")
+def test_unreadable_artifact(setup, tmp_path):
+    locked = tmp_path / "s.safetensors"
+    shutil.copy(setup["artifact"], locked)
+    locked.chmod(0)
+    try:
+        fails(run("inspect", locked), 3, str(locked), "Permission denied")
+    finally:
+        locked.chmod(0o644)
+
+
+def test_output_folder_missing_fails_before_the_run(setup, tmp_path):
+    out = tmp_path / "nowhere" / "s.safetensors"
+    fails(stats(setup, setup["train"], "--out", out), 3, "folder", "does not exist")
+    result = adapt(setup, setup["train"], "--metrics-json", tmp_path / "nowhere" / "m.json")
+    fails(result, 3, "does not exist")
+    assert result.stdout == "", "no predictions before the output paths are checked"
+
+
+def test_output_that_is_a_folder(setup, tmp_path):
+    fails(stats(setup, setup["train"], "--out", tmp_path), 3, "is a folder")
+
+
+# --- images ------------------------------------------------------------------------
+
+
+def _jpeg(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _bad_image(folder: Path, kind: str) -> Path:
+    png = (folder / "a" / "0000.png").read_bytes()
+    pixels = np.asarray(Image.open(folder / "a" / "0000.png"))
+    if kind == "truncated-png":
+        path, data = folder / "b" / "cut.png", png[: len(png) // 2]
+    elif kind == "truncated-jpeg":
+        jpeg = _jpeg(pixels)
+        path, data = folder / "b" / "cut.jpg", jpeg[: len(jpeg) // 2]
+    elif kind == "zero-byte":
+        path, data = folder / "b" / "empty.png", b""
+    elif kind == "not-an-image":
+        path, data = folder / "b" / "notes.png", b"these are my notes, not a picture\n"
+    else:
+        raise ValueError(kind)
+    path.write_bytes(data)
+    return path
+
+
+BAD_IMAGES = {"truncated-png": "truncated", "truncated-jpeg": "Truncated", "zero-byte": "empty file (0 bytes)", "not-an-image": "not an image format"}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_IMAGES))
+def test_bad_image_is_skipped_with_one_warning_and_counted(setup, tmp_path, kind):
+    data = write_folder(tmp_path / "d", per_class=4, seed=2)
+    bad = _bad_image(data, kind)
+    metrics = tmp_path / "m.json"
+    result = adapt(setup, data, "--batch-size", "2", "--metrics-json", metrics)
+    assert result.exit_code == 0, result.stderr
+    no_traceback(result)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and BAD_IMAGES[kind] in warnings[0], result.stderr
+    assert len(rows(result)) == 12 and str(bad) not in result.stdout  # the stream went on
+    report = json.loads(metrics.read_text())
+    assert report["skipped_images"] == 1 and report["domains"][0]["skipped_images"] == 1 and report["n"] == 12
+
+
+def test_stats_skips_bad_images_too(setup, tmp_path):
+    data = write_folder(tmp_path / "d", per_class=4, seed=2)
+    bad = _bad_image(data, "zero-byte")
+    out = tmp_path / "s.safetensors"
+    result = stats(setup, data, "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert f"warning: skipped unreadable image {bad}" in result.stderr and "12 images" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["adapt", "stats"])
+def test_strict_makes_the_first_bad_image_fatal(setup, tmp_path, command):
+    data = write_folder(tmp_path / "d", per_class=4, seed=2)
+    bad = _bad_image(data, "truncated-png")
+    out = tmp_path / "s.safetensors"
+    result = adapt(setup, data, "--strict") if command == "adapt" else stats(setup, data, "--strict", "--out", out)
+    fails(result, 3, str(bad), "unreadable image", "--strict")
+    assert not out.exists()
+
+
+def _odd_image(folder: Path, kind: str) -> Path:
+    pixels = np.asarray(Image.open(folder / "a" / "0000.png"))
+    path = folder / "c" / f"{kind}.png"
+    if kind == "jpeg-named-png":
+        path.write_bytes(_jpeg(pixels))
+    elif kind == "rgb":
+        Image.fromarray(np.stack([pixels] * 3, -1)).save(path)
+    elif kind == "rgba":
+        Image.fromarray(np.stack([pixels] * 3 + [np.full_like(pixels, 128)], -1)).save(path)
+    elif kind == "palette":
+        Image.fromarray(pixels).convert("P").save(path)
+    elif kind == "16-bit":
+        Image.fromarray(pixels.astype(np.uint16) * 257).save(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jpeg-named-png", "rgb", "rgba", "palette", "16-bit"])
+def test_other_formats_and_modes_just_work(setup, tmp_path, kind):
+    data = write_folder(tmp_path / "d", per_class=2, seed=2)
+    odd = _odd_image(data, kind)
+    result = adapt(setup, data, "--metrics-json", tmp_path / "m.json")
+    assert result.exit_code == 0, result.stderr
+    no_traceback(result)
+    assert "warning" not in result.stderr
+    assert str(odd) in [r["path"] for r in rows(result)] and len(rows(result)) == 7
+    assert json.loads((tmp_path / "m.json").read_text())["skipped_images"] == 0
+
+
+def test_mixed_sizes_in_one_batch(setup, tmp_path):
+    data = write_folder(tmp_path / "d", per_class=2, seed=2)
+    Image.fromarray(np.zeros((20, 24), np.uint8)).save(data / "a" / "big.png")
+    fails(adapt(setup, data, "--batch-size", "100"), 3, "different sizes", "16x16", "20x24", "--resize", "--crop")
+
+
+# --- artifacts (the rest are in test_cli_stats.py::test_inspect_bad_artifact_is_one_line_exit_3) ---
+
+
+def _damaged(setup, tmp_path, damage: str) -> Path:
+    source, target = setup["artifact"], tmp_path / f"{damage}.safetensors"
+    if damage == "format-version":
+        return corrupt(source, target, {"format_version": "7"})
+    from cafa_cli.artifact import read_artifact
+
+    g = read_artifact(source).gaussians
+    if damage == "nan":
+        means = g.means.clone()
+        means[0, 0] = float("nan")
+        return corrupt(source, target, means=means)
+    if damage == "inf":
+        return corrupt(source, target, factors=lambda f: f[1, 2].__setitem__(0, float("inf")))
+    if damage == "shape":
+        return corrupt(source, target, {"feature_dim": "8"})
+    if damage == "upper-triangle":
+        return corrupt(source, target, factors=lambda f: f[0, 0].__setitem__(5, 0.5))
+    if damage == "diagonal":
+        return corrupt(source, target, factors=lambda f: f[2, 3].__setitem__(3, -0.1))
+    raise ValueError(damage)
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("format-version", "format version '7' is not supported"),
+        ("nan", "'means' holds NaN or inf"),
+        ("inf", "precision factors hold NaN or inf"),
+        ("shape", "has shape (3, 6), metadata implies (3, 8)"),
+        ("upper-triangle", "not lower-triangular"),
+        ("diagonal", "non-positive diagonal"),
+    ],
+)
+def test_bad_artifact(setup, tmp_path, damage, needle):
+    path = _damaged(setup, tmp_path, damage)
+    fails(run("inspect", path), 3, str(path), needle)
+
+
+def test_bad_artifact_given_to_adapt(setup, tmp_path):
+    path = _damaged(setup, tmp_path, "diagonal")
+    result = run("adapt", "--stats", path, "--data", setup["train"])
+    fails(result, 3, str(path), "non-positive diagonal")
+    assert result.stdout == ""
+
+
+# --- models ------------------------------------------------------------------------
+
+
+def test_unknown_architecture(setup, tmp_path):
+    fails(run("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"), 2, "--model resnet5000: unknown architecture")
+
+
+def test_factory_file_missing(setup, tmp_path):
+    fails(stats_with_model(setup, tmp_path, f"{tmp_path / 'absent.py'}:build"), 3, "no such file")
+
+
+def stats_with_model(setup, tmp_path, model, *extra):
+    return run("stats", "--model", model, *extra, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+
+
+def test_factory_that_does_not_import(setup, tmp_path):
+    spec = factory(tmp_path, "import a_package_that_is_not_installed\n\ndef build():\n    return tiny_net.build()")
+    fails(stats_with_model(setup, tmp_path, spec), 3, "could not import", "ModuleNotFoundError", "a_package_that_is_not_installed")
+
+
+def test_factory_that_does_not_return_a_module(setup, tmp_path):
+    fails(stats_with_model(setup, tmp_path, f"{ASSETS / 'tiny_net.py'}:not_a_module"), 3, "returned int, not a torch nn.Module")
+
+
+def test_weights_whose_keys_do_not_match(setup, tmp_path):
+    state = torch.load(setup["weights"])
+    state["head.9.weight"] = state.pop("head.3.weight")
+    weights = tmp_path / "renamed.pt"
+    torch.save(state, weights)
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "keys do not match", "missing head.3.weight", "unexpected head.9.weight")
+
+
+def test_model_without_a_linear_classifier(setup, tmp_path):
+    spec = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())")
+    fails(stats_with_model(setup, tmp_path, spec), 3, "no nn.Linear classifier")
+
+
+def test_feature_dimension_disagrees_with_the_artifact(setup, tmp_path):
+    spec = factory(tmp_path, "def build():\n    return tiny_net.TinyNet(feature_dim=5)")
+    fails(run("adapt", "--stats", setup["artifact"], "--model", spec, "--data", setup["train"]), 3, "features have 5 dimensions", "made for 6")
+
+
+def test_class_count_disagrees_with_the_artifact(setup, tmp_path):
+    result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"])
+    fails(result, 3, "has 3 classes but the model's classifier has 4 outputs")
+
+
+# --- checkpoints -------------------------------------------------------------------
+
+
+class Payload:
+    """Creates a marker file when unpickled: the test fails if that file ever appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle.dump"])
+def test_checkpoint_carrying_code_is_refused_and_never_runs(setup, tmp_path, how):
+    marker = tmp_path / "payload-ran"
+    state = {**torch.load(setup["weights"]), "extra": Payload(marker)}
+    weights = tmp_path / "evil.pt"
+    if how == "torch.save":
+        torch.save(state, weights)
+        needles = ("--trust-checkpoint", "arbitrary code")
+    else:
+        with open(weights, "wb") as f:
+            pickle.dump(state, f, protocol=5)
+        needles = ("plain Python pickle, not a torch checkpoint", "arbitrary code")
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, str(weights), *needles)
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+@pytest.mark.parametrize("name", ["net.pt", "net.safetensors"])
+def test_html_page_saved_as_a_checkpoint(setup, tmp_path, name):
+    weights = tmp_path / name
+    weights.write_text("<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body></body></html>\n")
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "this is a web page, not a checkpoint")
+
+
+@pytest.mark.parametrize("data", [b"404 Not Found\n", bytes(range(256)) * 8], ids=["text", "binary"])
+def test_other_non_checkpoint(setup, tmp_path, data):
+    weights = tmp_path / "net.pt"
+    weights.write_bytes(data)
+    message = fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "not a checkpoint torch can read")
+    assert "--trust-checkpoint" not in message, "trusting garbage cannot help"
+
+
+# --- option values (fraction and more in test_cli_stats.py::test_bad_options_exit_2 and
+# --- test_fraction_out_of_range_is_a_usage_error) ---------------------------------
+
+
+@pytest.mark.parametrize("command", ["stats", "adapt"])
+def test_batch_size_below_one(setup, tmp_path, command):
+    if command == "stats":
+        result = stats(setup, setup["train"], "--batch-size", "0", "--out", tmp_path / "s.safetensors")
+    else:
+        result = adapt(setup, setup["train"], "--batch-size", "0")
+    fails(result, 2, "--batch-size must be at least 1, not 0")
+    assert result.stdout == "", "no CSV header before the options are checked"
+
+
+def test_unknown_method(setup):
+    fails(adapt(setup, setup["train"], "--method", "magic"), 2, "--method must be one of", "not magic")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda(setup, device):
+    fails(adapt(setup, setup["train"], "--device", device), 2, f"--device {device}: CUDA is not available", "--device cpu")
+
+
+def test_unknown_format(setup):
+    fails(adapt(setup, setup["train"], "--format", "xml"), 2, "--format must be one of csv, jsonl, not xml")
+
+
+def test_unknown_reset_policy(setup):
+    result = adapt(setup, setup["train"], "--reset", "sometimes")
+    fails(result, 2, "--reset must be one of domain, episodic, never")
+    assert result.stdout == ""
+
+
+def test_missing_required_option(setup):
+    fails(run("adapt", "--stats", setup["artifact"]), 2, "Missing option '--data'", "cafa adapt --help")
+
+
+def test_option_value_of_the_wrong_type(setup):
+    fails(adapt(setup, setup["train"], "--lr", "fast"), 2, "Invalid value for '--lr'")
+
+
+def test_unknown_option_suggests_the_right_one(setup):
+    fails(run("stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin", "--fraction")
+
+
+# --- security: --data - only reads, and writes go only where the options point -------
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_stdin_paths_are_only_read_and_outputs_go_where_asked(setup, tmp_path, monkeypatch):
+    inputs = write_folder(tmp_path / "inputs", per_class=3, seed=5)
+    before = _snapshot(inputs)
+    cwd, out = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    out.mkdir()
+    monkeypatch.chdir(cwd)
+    paths = "\n".join(str(p) for p in sorted(inputs.rglob("*.png"))) + "\n"
+    result = adapt(setup, "-", "--predictions", out / "p.csv", "--metrics-json", out / "m.json", input=paths)
+    assert result.exit_code == 0, result.stderr
+    assert _snapshot(inputs) == before, "an input file changed"
+    assert sorted(os.listdir(cwd)) == [], "a file appeared in the working folder"
+    assert sorted(os.listdir(out)) == ["m.json", "p.csv"]
+    assert len((out / "p.csv").read_text().splitlines()) == 10
