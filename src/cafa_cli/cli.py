@@ -19,6 +19,7 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.bench import DEFAULT_METHODS
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.inspect import describe, render
@@ -346,7 +347,7 @@ def bench(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
-    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag; NAME@LR gives a row its own learning rate.")] = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag",
+    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag; NAME@LR gives a row its own learning rate.")] = DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,

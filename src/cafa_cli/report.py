@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -155,16 +156,12 @@ class Monitor:
         self._progress.__exit__(*exc)
 
     def start(self, description: str, total: int) -> None:
-        import time
-
         if self._task is not None:
             self._progress.update(self._task, visible=True)
         self._task = self._progress.add_task(description, total=total, rate="-", status="")
         self._started, self._done = time.perf_counter(), 0
 
     def advance(self, images: int, status: str = "") -> None:
-        import time
-
         self._done += images
         elapsed = time.perf_counter() - self._started
         rate = f"{self._done / elapsed:.0f}" if elapsed > 0 else "-"
