@@ -350,3 +350,14 @@ def test_cli_lowrank_with_zero_shrinkage_is_a_usage_error(tmp_path, tiny_weights
     assert result.exit_code == 2
     assert "lowrank needs shrinkage" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_read_artifact_does_not_keep_the_file_mapped(tmp_path):
+    """Tensors that shared safetensors' mmap would keep every validated page of a
+    multi-gigabyte file resident for as long as the artifact lives."""
+    path = tmp_path / "mapped.safetensors"
+    write_lowrank(path)
+    artifact = read_artifact(path)
+    assert artifact.gaussians is not None
+    assert str(path) not in Path("/proc/self/maps").read_text()

@@ -236,7 +236,9 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         if actual_dtype != {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]:
             raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {dtype}")
 
-    small = {name: f.get_tensor(name) for name in expected if name != factor_name}
+    # copies: a tensor from get_tensor can share the file mapping, which would keep every
+    # page of the (large) factors that validation touched resident for the artifact's life
+    small = {name: f.get_tensor(name).clone() for name in expected if name != factor_name}
     for name, tensor in small.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise _bad(path, f"tensor '{name}' holds NaN or inf values")

@@ -12,6 +12,7 @@ orthonormal basis of the class's centred rows (docs/artifact-format.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -290,6 +291,21 @@ def _global_moments(counts: torch.Tensor, class_mean64: torch.Tensor, pooled: to
 _POOL_ROWS = 1024  # centred rows gathered before one rank-k update of the pooled scatter
 
 
+@contextmanager
+def _one_thread():
+    """Small LAPACK calls (the SVD of a 2048×64 matrix) run about 3x slower with a team
+    of threads than on one, and tens of times slower when the cores are shared; the
+    GEMMs around them keep every thread."""
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
 def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names: list[str] | None) -> ClassGaussians:
     """Σ_c = (1 − λ_c)·S_c + a_c·I = a_c·I + Q_cᵀ diag(e_c) Q_c, a_c = λ_c·tr(S_c)/d.
 
@@ -330,7 +346,8 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
             mean = rows.mean(0)
             centred = rows - mean
             # SVD of the tall d×N transpose: same factors, ~10x faster in LAPACK than N×d
-            u, s, _ = torch.linalg.svd(centred.T, full_matrices=False)
+            with _one_thread():
+                u, s, _ = torch.linalg.svd(centred.T, full_matrices=False)
             keep = s > s[0] * max(centred.shape) * eps
             eigenvalues, vectors = s[keep].square() / n, u[:, keep].T
             blocks.append(centred)
@@ -338,7 +355,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
         else:
             n, mean, scatter = moments.moments(c)
             pooled += scatter
-            w, v = torch.linalg.eigh(scatter / n)
+            w, v = torch.linalg.eigh(scatter / n)  # d×d: worth the threads
             w, v = w.flip(0), v.flip(1)
             keep = w > w[0] * d * eps
             eigenvalues, vectors = w[keep], v[:, keep].T
