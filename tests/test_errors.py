@@ -148,6 +148,7 @@ def test_output_folder_missing_fails_before_the_run(setup, tmp_path):
     result = adapt(setup, setup["train"], "--metrics-json", tmp_path / "nowhere" / "m.json")
     fails(result, 3, "does not exist")
     assert result.stdout == "", "no predictions before the output paths are checked"
+    fails(adapt(setup, setup["train"], "--predictions", tmp_path / "nowhere" / "p.csv"), 3, "--predictions", "cannot write there")
 
 
 def test_output_that_is_a_folder(setup, tmp_path):

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cafa_cli.artifact import atomic_write
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import InputError, UsageError
 from cafa_cli.stream import DomainResult, Record
 
 FORMATS = ("csv", "jsonl")
@@ -73,7 +73,7 @@ def open_output(path: str | None) -> IO[str]:
         return sys.stdout
     target = Path(path)
     if target.is_dir() or not target.parent.exists():
-        raise UsageError(f"--predictions {path}: cannot write there (is it a folder, or is its folder missing?)")
+        raise InputError(f"--predictions {path}: cannot write there (is it a folder, or is its folder missing?)")
     return open(target, "w", encoding="utf-8", newline="")
 
 
