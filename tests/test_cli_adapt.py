@@ -47,7 +47,7 @@ def setup(tmp_path_factory):
 
 
 def adapt(setup, *args):
-    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--batch-size", "30", *args])
+    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), "--batch-size", "30", *args])
 
 
 def test_csv_has_a_header_and_one_line_per_image_with_class_names(setup):
@@ -118,20 +118,20 @@ def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
     for p in paths:
         (flat / p.name).write_bytes(p.read_bytes())
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(flat), "--quiet", "--metrics-json", str(metrics)])
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--quiet", "--metrics-json", str(metrics)])
     assert result.exit_code == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert len(rows) == 7 and all(r["label"] == "" for r in rows)
     assert json.loads(metrics.read_text())["error"] is None
     stdin = "\n".join(str(p) for p in paths) + "\n"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", "-", "--quiet", "--no-shuffle"], input=stdin)
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", "-", "--quiet", "--no-shuffle"], input=stdin)
     assert result.exit_code == 0, result.stderr
     assert [r["path"] for r in csv.DictReader(io.StringIO(result.stdout))] == [str(p) for p in paths]
 
 
 def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--data", str(setup["train"]), "--batch-size", "30", "--metrics-json", str(metrics)])
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), "--data", str(setup["train"]), "--batch-size", "30", "--metrics-json", str(metrics)])
     assert result.exit_code == 0, result.stderr
     report = json.loads(metrics.read_text())
     assert [d["n"] for d in report["domains"]] == [90, 120] and report["n"] == 210
@@ -141,7 +141,7 @@ def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
 
 def test_a_test_class_the_artifact_does_not_know_is_an_error(setup, tmp_path):
     odd = write_folder(tmp_path / "odd", per_class=2, classes=("a", "zebra"))
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(odd)])
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
     assert result.exit_code == 3
     assert "zebra" in result.stderr and "Traceback" not in result.stderr
 
@@ -161,3 +161,12 @@ def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
     result = adapt(moved, "--quiet")
     assert result.exit_code == 3 and "sha256" in result.stderr
     assert adapt(moved, "--quiet", "--allow-weights-mismatch").exit_code == 0
+
+
+def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup):
+    """An artifact points at model code; it must not run on the artifact's word alone."""
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--quiet"])
+    assert result.exit_code == 3 and result.stdout == ""
+    assert "names the model factory" in result.stderr and f"--model {TINY_NET}" in result.stderr
+    trusted = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--batch-size", "30", "--quiet", "--trust-checkpoint"])
+    assert trusted.exit_code == 0 and trusted.stdout == adapt(setup, "--quiet").stdout  # same weights as with --model

@@ -47,7 +47,7 @@ def test_file_defaults_apply_and_flags_win(tmp_path, tiny_weights):
     (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = 5\nmethod = "tent"\n')
     defaults = read_defaults(tmp_path, _command_options())
     metrics = tmp_path / "m.json"
-    base = ["adapt", "--stats", str(artifact), "--data", str(train), "--quiet", "--metrics-json", str(metrics)]
+    base = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(train), "--quiet", "--metrics-json", str(metrics)]
     assert runner.invoke(app, base, default_map=defaults).exit_code == 0
     settings = json.loads(metrics.read_text())["settings"]
     assert (settings["batch_size"], settings["method"]) == (5, "tent")

@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 from typer.testing import CliRunner
+from safetensors.torch import save_file
 
 import tiny_net
 from cafa_cli.cli import app
@@ -65,7 +66,7 @@ def setup(tmp_path_factory):
 
 
 def adapt(setup, data, *args, input=None):
-    return run("adapt", "--stats", setup["artifact"], "--data", data, "--batch-size", "4", *args, input=input)
+    return run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, "--batch-size", "4", *args, input=input)
 
 
 def stats(setup, data, *args):
@@ -296,7 +297,7 @@ def test_bad_artifact(setup, tmp_path, damage, needle):
 
 def test_bad_artifact_given_to_adapt(setup, tmp_path):
     path = _damaged(setup, tmp_path, "diagonal")
-    result = run("adapt", "--stats", path, "--data", setup["train"])
+    result = run("adapt", "--stats", path, "--model", TINY_NET, "--data", setup["train"])
     fails(result, 3, str(path), "non-positive diagonal")
     assert result.stdout == ""
 
@@ -344,7 +345,13 @@ def test_feature_dimension_disagrees_with_the_artifact(setup, tmp_path):
 
 
 def test_class_count_disagrees_with_the_artifact(setup, tmp_path):
+    # the artifact's own weights (3 classes) are refused by a 4-class model...
     result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"])
+    fails(result, 3, "shapes do not match the model", "head.3.weight (3, 6) vs (4, 6)")
+    # ...and a 4-class model with its own weights is refused by the 3-class artifact
+    net = tmp_path / "four.safetensors"
+    save_file(tiny_net.build(num_classes=4).state_dict(), str(net))
+    result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--weights", net, "--data", setup["train"])
     fails(result, 3, "has 3 classes but the model's classifier has 4 outputs")
 
 

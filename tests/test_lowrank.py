@@ -330,7 +330,7 @@ def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
     artifact = read_artifact(out)
     assert artifact.metadata["covariance"] == "lowrank" and artifact.metadata["format_version"] == "2"
     assert artifact.gaussians.factors.shape == (3, 3, 6)
-    result = invoke("adapt", "--stats", out, "--data", test, "--batch-size", "6", "--quiet", "--metrics-json", tmp_path / "m.json")
+    result = invoke("adapt", "--stats", out, "--model", TINY_NET, "--data", test, "--batch-size", "6", "--quiet", "--metrics-json", tmp_path / "m.json")
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.strip().splitlines()) == 1 + 18
     assert json.loads((tmp_path / "m.json").read_text())["settings"]["covariance"] == "lowrank"

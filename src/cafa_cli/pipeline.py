@@ -178,23 +178,10 @@ def load_for_adaptation(
     stats_path = stats or DEFAULT_PATH
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path)
-    if model.model is None:
-        if artifact is None:
-            raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
-        recorded = artifact.model
-        weights = model.weights or recorded.weights
-        if weights and model.weights is None:
-            if not Path(weights).is_file():
-                raise InputError(
-                    f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
-                    f"or --model/--weights to use another model"
-                )
-            if recorded.weights_sha256 and sha256_of(weights) != recorded.weights_sha256 and not allow_weights_mismatch:
-                raise InputError(
-                    f"{weights} has changed since the statistics were computed (sha256 differs); "
-                    f"recompute them with cafa stats, or pass --allow-weights-mismatch"
-                )
-        model = ModelChoice(recorded.model, weights, recorded.num_classes, model.classifier or recorded.classifier, model.trust_checkpoint)
+    if model.model is None and artifact is None:
+        raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
+    if artifact is not None and model.model in (None, artifact.model.model):
+        model = _recorded_model(artifact, model, allow_weights_mismatch)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
@@ -204,6 +191,35 @@ def load_for_adaptation(
             )
         _check_classes(net, artifact.class_names, artifact.path)
     return net, artifact, spec
+
+
+def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismatch: bool) -> ModelChoice:
+    """The artifact's model, with its weights file checked by sha256 unless --weights overrides it.
+
+    A factory (`file.py:fn`) named by an artifact would run code from a file the
+    artifact merely points to: it runs only when the user names it with --model too
+    (or passes --trust-checkpoint).
+    """
+    recorded = artifact.model
+    if ":" in recorded.model and given.model is None and not given.trust_checkpoint:
+        raise InputError(
+            f"{artifact.path} names the model factory {recorded.model}, whose code would run; "
+            f"pass --model {recorded.model} to run it (or --trust-checkpoint)"
+        )
+    weights = given.weights or recorded.weights
+    if weights and given.weights is None:
+        if not Path(weights).is_file():
+            raise InputError(
+                f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
+                f"or --model/--weights to use another model"
+            )
+        if recorded.weights_sha256 and sha256_of(weights) != recorded.weights_sha256 and not allow_weights_mismatch:
+            raise InputError(
+                f"{weights} has changed since the statistics were computed (sha256 differs); "
+                f"recompute them with cafa stats, or pass --allow-weights-mismatch"
+            )
+    num_classes = given.num_classes or recorded.num_classes
+    return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
 
 
 @dataclass
