@@ -110,7 +110,7 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
     assert model["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert model["classifier"] == "head.3"
     assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1}
-    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0}
+    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "skipped_images": 0}
     assert json.loads(meta["shrinkage"])["method"] == "fixed"
     assert meta["num_images"] == str(3 * PER_CLASS) and meta["feature_dim"] == str(D)
 
@@ -164,7 +164,7 @@ def test_per_class_selects_that_many_and_is_seeded(setup, tmp_path):
         assert result.exit_code == 0, result.stderr
     a = read_artifact(outs["one"])
     assert a.gaussians.counts.tolist() == [5, 5, 5]
-    assert a.sampling == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0}
+    assert a.sampling == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0, "skipped_images": 0}
     assert torch.equal(a.gaussians.means, read_artifact(outs["again"]).gaussians.means)
     assert not torch.equal(a.gaussians.means, read_artifact(outs["other"]).gaussians.means)
 

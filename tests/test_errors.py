@@ -467,3 +467,31 @@ def test_stdin_paths_are_only_read_and_outputs_go_where_asked(setup, tmp_path, m
     assert sorted(os.listdir(cwd)) == [], "a file appeared in the working folder"
     assert sorted(os.listdir(out)) == ["m.json", "p.csv"]
     assert len((out / "p.csv").read_text().splitlines()) == 10
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(setup, tmp_path):
+    """`cafa adapt ... | head -1`: no traceback, no error line, exit 141 like SIGPIPE."""
+    import subprocess
+    import sys
+
+    data = write_folder(tmp_path / "many", per_class=300)
+    command = [sys.executable, "-m", "cafa_cli", "adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET,
+               "--data", str(data), "--batch-size", "2", "--method", "source", "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"path,")
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141, stderr
+    assert stderr == b""
+
+
+def test_stats_counts_skipped_images_in_the_artifact(setup, tmp_path):
+    data = write_folder(tmp_path / "train", per_class=6)
+    (data / "a" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    out = tmp_path / "s.safetensors"
+    result = stats(setup, data, "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "broken.png" in result.stderr and "1 unreadable images skipped" in result.stderr
+    from cafa_cli.artifact import read_artifact
+
+    assert read_artifact(out, load_tensors=False).sampling["skipped_images"] == 1

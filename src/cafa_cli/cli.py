@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from cafa_cli.preprocessing import parse_floats, parse_size
 from cafa_cli.report import Monitor, RecordWriter, metrics, open_output, stderr_console, summary_table, write_json
 
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 @contextmanager
@@ -96,6 +98,11 @@ def reports_errors(command):
         except KeyboardInterrupt:
             typer.echo("cafa: interrupted", err=True)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
+        except BrokenPipeError:
+            # the reader of stdout went away (`cafa adapt ... | head`): stop quietly, as
+            # a tool killed by SIGPIPE would, and keep Python from failing on the final flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(code=EXIT_BROKEN_PIPE) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except MemoryError:
@@ -208,6 +215,7 @@ def stats(
     monitor.info(
         f"wrote {out}: {artifact.num_classes} classes, d={artifact.feature_dim}, "
         f"{artifact.metadata['num_images']} images, covariance {artifact.covariance}"
+        + (f", {artifact.sampling['skipped_images']} unreadable images skipped" if artifact.sampling.get("skipped_images") else "")
     )
 
 

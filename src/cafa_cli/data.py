@@ -359,6 +359,16 @@ class Batch:
     failures: list[tuple[int, str]]  # (position, why) of the images that were not
 
 
+def unreadable(domain: Domain, batch: Batch, strict: bool) -> list[tuple[str, str]]:
+    """(path, why) of the batch's images that could not be read; with `strict`, the
+    first one is an error instead."""
+    skipped = [(domain.refs[i], why) for i, why in batch.failures]
+    if strict and skipped:
+        ref, why = skipped[0]
+        raise InputError(f"{ref}: unreadable image ({why}); remove it, or drop --strict to skip such files")
+    return skipped
+
+
 def _collate(items) -> Batch:
     good = [(image, i) for image, i, error in items if error is None]
     failures = [(i, error) for _, i, error in items if error is not None]

@@ -14,7 +14,7 @@ from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
-from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset
+from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset, unreadable
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
@@ -112,7 +112,8 @@ def compute_statistics(
     if moments is None:  # not rank 0: rank 0 writes the artifact
         return None
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class,
+                "seed": seed, "skipped_images": moments.skipped_images}
     write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
     return read_artifact(out, load_tensors=False)
 
@@ -121,15 +122,19 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
     labels = torch.as_tensor(domain.labels)
     monitor.start("stats", len(indices))
 
+    skipped = 0
+
     def on_batch(batch):
-        for i, why in batch.failures:
-            if strict:
-                raise InputError(f"{domain.refs[i]}: unreadable image ({why}); remove it, or drop --strict to skip such files")
-            monitor.warn(f"skipped unreadable image {domain.refs[i]} ({why})")
+        nonlocal skipped
+        for ref, why in unreadable(domain, batch, strict):
+            skipped += 1
+            monitor.warn(f"skipped unreadable image {ref} ({why})")
         monitor.advance(len(batch.indices) + len(batch.failures))
 
     loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
-    return statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
+    moments = statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
+    moments.skipped_images = skipped
+    return moments
 
 
 def _absolute_if_path(data: str) -> str:

@@ -40,6 +40,7 @@ class ClassMoments:
         self.scatter: dict[int, torch.Tensor] = {}
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(num_classes)]
         self.pending_rows = [0] * num_classes
+        self.skipped_images = 0  # unreadable images passed over while streaming
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         features = features.detach().to("cpu", torch.float32)
@@ -74,6 +75,7 @@ class ClassMoments:
 
     def absorb(self, other: ClassMoments) -> None:
         """Add another shard's moments (e.g. another rank's under torchrun)."""
+        self.skipped_images += other.skipped_images
         for c in range(self.num_classes):
             if int(other.count[c]):
                 self._merge(c, int(other.count[c]), other.mean[c], other.scatter[c])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cafa_cli.adaptation import Adapter
-from cafa_cli.data import UNLABELLED, Batch, Domain, batches
+from cafa_cli.data import UNLABELLED, Batch, Domain, batches, unreadable
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.preprocessing import Preprocessing
 
@@ -76,7 +76,9 @@ def adapt_domains(
         order = stream_order(len(domain), shuffle, seed)
         pin = adapter.device.type == "cuda"
         for batch in batches(domain, preprocess, batch_size, order, num_workers, pin_memory=pin):
-            _count_failures(domain, batch, result, strict, on_skip)
+            for ref, why in unreadable(domain, batch, strict):
+                result.skipped_images.append(ref)
+                on_skip(ref, why)
             records = _step(adapter, domain, batch)
             for record in records:
                 result.n += 1
@@ -102,12 +104,3 @@ def _step(adapter: Adapter, domain: Domain, batch: Batch) -> list[Record]:
         Record(domain.refs[i], int(p), int(domain.labels[i]), float(c))
         for i, p, c in zip(batch.indices, prediction.tolist(), confidence.tolist())
     ]
-
-
-def _count_failures(domain: Domain, batch: Batch, result: DomainResult, strict: bool, on_skip) -> None:
-    for i, why in batch.failures:
-        ref = domain.refs[i]
-        if strict:
-            raise InputError(f"{ref}: unreadable image ({why}); remove it, or drop --strict to skip such files")
-        result.skipped_images.append(ref)
-        on_skip(ref, why)
