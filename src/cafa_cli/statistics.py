@@ -421,12 +421,31 @@ def accumulate_features(
     `labels` is indexed by each batch's domain positions.
     """
     moments = ClassMoments(num_classes, dim)
+    waiting = None  # on CUDA: the previous batch's features, copying to the host
     # no_grad rather than inference_mode: the moments are updated in place later
     with torch.no_grad():
         for batch in batches:
             if batch.images is not None:
                 _, features = model(batch.images.to(device, non_blocking=True))
-                moments.update(features, labels[batch.indices])
+                if device.type == "cuda":
+                    # queue this batch's copy, then fold the previous one in while the GPU
+                    # runs ahead, so that the host work does not stall the forward passes
+                    copied = torch.empty(features.shape, dtype=torch.float32, pin_memory=True)
+                    copied.copy_(features, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    if waiting is not None:
+                        _fold_when_copied(moments, *waiting)
+                    waiting = (copied, done, labels[batch.indices])
+                else:
+                    moments.update(features, labels[batch.indices])
             if on_batch is not None:
                 on_batch(batch)
+    if waiting is not None:
+        _fold_when_copied(moments, *waiting)
     return moments
+
+
+def _fold_when_copied(moments: ClassMoments, features: torch.Tensor, done, labels: torch.Tensor) -> None:
+    done.synchronize()
+    moments.update(features, labels)
