@@ -337,6 +337,9 @@ def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
     result = invoke("inspect", out, "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["conditioning"]["classes_measured"] == 3
+    assert json.loads(result.stdout)["rank"] == 3
+    result = invoke("inspect", out)
+    assert result.exit_code == 0 and "lowrank, 3 basis rows per class" in result.stdout
     forced = tmp_path / "full.safetensors"
     result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", train, *PLAIN, "--fraction", "1", "--covariance", "full", "--out", forced)
     assert result.exit_code == 0, result.stderr
