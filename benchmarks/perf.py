@@ -67,9 +67,16 @@ def timed(fn, device, repeats: int, warmup: int = 2) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def synthetic_gaussians(C: int, d: int, covariance: str) -> ClassGaussians:
-    """Random but valid statistics (well-conditioned lower-triangular factors)."""
+def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> ClassGaussians:
+    """Random but valid statistics (well-conditioned lower-triangular factors; for
+    lowrank, orthonormal bases of `rank` directions, as 64 samples per class give)."""
     g = torch.Generator().manual_seed(0)
+    extra = {}
+    if covariance == "lowrank":
+        basis = torch.linalg.qr(torch.randn(C, d, rank, generator=g)).Q.transpose(1, 2).contiguous()
+        extra = {"isotropic": torch.rand(C, generator=g) + 0.1, "spectrum": torch.rand(C, rank, generator=g) * 10}
+        return ClassGaussians(torch.randn(C, d, generator=g), basis, torch.full((C,), rank + 1, dtype=torch.int64),
+                              torch.full((C,), 0.1, dtype=torch.float64), "lowrank", torch.zeros(d), torch.eye(d), **extra)
     shape = {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
     if covariance == "diag":
         factors = torch.rand(shape, generator=g) + 0.5
@@ -95,7 +102,7 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--covariances", default="full,tied,diag")
+    parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -132,7 +139,7 @@ def main() -> None:
         result["steps"][key] = {**measure_step("cafa", gaussians), "artifact_bytes": size}
         step = result["steps"][key]
         step["ratio_to_tent"] = step["ms"] / result["steps"]["tent"]["ms"]
-        factor_bytes = gaussians.factors.numel() * 4
+        factor_bytes = gaussians.factors.numel() * 4  # the basis, for lowrank
         if device.type == "cuda":
             card = next((k for k in HBM_BYTES_PER_S if k in result["gpu"]), None)
             if card:
