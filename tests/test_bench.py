@@ -19,12 +19,13 @@ needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debi
 
 
 def test_parse_methods_knows_variants_and_per_row_learning_rates():
-    rows = parse_methods("source, tent@0.01, cafa-tied,cafa-diag@1e-3")
+    rows = parse_methods("source, tent@0.01, cafa-tied,cafa-diag@1e-3,cafa-lowrank")
     assert rows == [
         Row("source", "source", None),
         Row("tent@0.01", "tent", None, 0.01),
         Row("cafa-tied", "cafa", "tied"),
         Row("cafa-diag@1e-3", "cafa", "diag", 1e-3),
+        Row("cafa-lowrank", "cafa", "lowrank"),
     ]
     with pytest.raises(UsageError, match="unknown method 'sgd'"):
         parse_methods("tent,sgd")

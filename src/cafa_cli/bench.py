@@ -19,7 +19,8 @@ from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_st
 from cafa_cli.report import Monitor, atomic_write
 
 # Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
-VARIANTS = {"cafa-tied": ("cafa", "tied"), "cafa-diag": ("cafa", "diag"), "cafa-full": ("cafa", "full")}
+VARIANTS = {"cafa-tied": ("cafa", "tied"), "cafa-diag": ("cafa", "diag"), "cafa-full": ("cafa", "full"),
+            "cafa-lowrank": ("cafa", "lowrank")}
 DEFAULT_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 
 

@@ -106,7 +106,7 @@ def reports_errors(command):
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except MemoryError:
-            typer.echo("cafa: error: out of memory; lower --batch-size (or use --covariance tied/diag)", err=True)
+            typer.echo("cafa: error: out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)", err=True)
             raise typer.Exit(code=EXIT_RUNTIME) from None
         except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
             if _debug["on"]:
@@ -355,7 +355,7 @@ def bench(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
-    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag; NAME@LR gives a row its own learning rate.")] = DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-lowrank; NAME@LR gives a row its own learning rate.")] = DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
