@@ -20,7 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.preprocessing import Preprocessing
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -100,7 +100,7 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
     used = set(domain.labels[domain.labels != UNLABELLED].tolist())
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
-        shown = ", ".join(unknown_used[:5]) + (" ..." if len(unknown_used) > 5 else "")
+        shown = listing(unknown_used)
         raise InputError(
             f"{domain.name}: class folder(s) {shown} not in the model's class list "
             f"({len(class_names)} classes); rename them or give the right --classes file"
@@ -156,7 +156,7 @@ def _folder_domain(root: Path) -> Domain:
     if not refs:
         top = sorted(p for p in root.iterdir() if is_image(p))
         if not top and class_dirs:
-            shown = ", ".join(d.name for d in class_dirs[:5]) + (" ..." if len(class_dirs) > 5 else "")
+            shown = listing(d.name for d in class_dirs)
             raise InputError(
                 f"--data {root}: no images found in the class folders {shown} "
                 f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
@@ -326,7 +326,7 @@ def stratified_subset(
             continue
         chosen.append(np.sort(generator.choice(members, size=take, replace=False)))
     if too_few:
-        shown = ", ".join(too_few[:5]) + (f" and {len(too_few) - 5} more" if len(too_few) > 5 else "")
+        shown = listing(too_few)
         raise InputError(
             f"classes with fewer than 2 selected images: {shown}; "
             f"raise --fraction/--per-class or add images"

@@ -19,3 +19,10 @@ class UsageError(CafaError):
 
 class InputError(CafaError):
     exit_code = EXIT_INPUT
+
+
+def listing(items, limit: int = 5) -> str:
+    """'a, b, c' or 'a, b, c, d, e and 7 more': names in a one-line message."""
+    items = [str(item) for item in items]
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, listing
 
 HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
 
@@ -160,9 +160,9 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing {', '.join(missing[:6])}" + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else ""))
+            parts.append(f"missing {listing(missing, 6)}")
         if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:6])}" + (f" (+{len(unexpected) - 6} more)" if len(unexpected) > 6 else ""))
+            parts.append(f"unexpected {listing(unexpected, 6)}")
         raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
     if wrong:

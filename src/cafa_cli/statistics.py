@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, listing
 
 COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
 COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what --covariance accepts
@@ -259,7 +259,7 @@ def estimate(
             failed.append(f"pooled (N={total}, d={d})")
         per_class_factors = factor.float().unsqueeze(0)
     if failed:
-        shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        shown = listing(failed)
         raise InputError(
             f"covariance is singular for {shown}: some feature units never vary within a class "
             f"or there are fewer samples than dimensions; use --shrinkage auto (or a value > 0)"
@@ -377,7 +377,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
         moments.release(c)
     pool(flush=True)
     if failed:
-        shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        shown = listing(failed)
         raise InputError(
             f"covariance is singular for {shown}: its features do not vary (tr(S) = 0), so the isotropic "
             f"part of the low-rank form is 0; use --shrinkage auto (or a value > 0), or check the features"
