@@ -106,3 +106,26 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     assert f"{100 * runs[('source', 0)]:.2f} ± 0.00" in result.stdout
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-full.safetensors").exists()
+
+
+def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from cafa_cli import bench
+    from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
+    from cafa_cli.report import Monitor
+
+    calls = []
+
+    def fake_prepare(domains, stats, model, data_choice, settings):
+        calls.append((settings.method, settings.seed))
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains])
+
+    monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
+    rows = parse_methods("source,bn,tent")
+    args = (rows, ["d"], [0, 1], AdaptSettings(), {}, ModelChoice("m"), DataChoice(), Monitor())
+    mine = bench.run_grid(*args, rank=1, world=2)
+    assert calls == [("source", 1), ("bn", 1), ("tent", 1)]  # runs 1, 3, 5 of (row, seed) in order
+    assert set(mine) == {("source", "d", 1), ("bn", "d", 1), ("tent", "d", 1)}
+    calls.clear()
+    assert len(bench.run_grid(*args)) == 6 and len(calls) == 6

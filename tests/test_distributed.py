@@ -40,3 +40,20 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_weights):
         torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-6)
     assert json.loads(meta_one["class_names"]) == json.loads(meta_two["class_names"])
     assert not list(tmp_path.glob(".two.safetensors.*"))  # only rank 0 wrote, and atomically
+
+
+def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, tiny_weights):
+    train = write_folder(tmp_path / "train", per_class=12)
+    test = write_folder(tmp_path / "test", per_class=10, seed=4, shift=0.3)
+    args = ["bench", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), "--data", str(test), *PLAIN,
+            "--methods", "source,bn,tent,cafa-diag", "--seeds", "0,1", "--per-class", "10", "--batch-size", "10", "--quiet"]
+    single = subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "one")],
+                            capture_output=True, text=True, timeout=180)
+    assert single.returncode == 0, single.stderr[-2000:]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    multi = subprocess.run([*launcher, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "two")],
+                           capture_output=True, text=True, timeout=300)
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    assert single.stdout.count("| cafa-diag |") == 1
+    assert multi.stdout == single.stdout  # the same table, printed once (by rank 0)

@@ -92,20 +92,21 @@ def ensure_statistics(
 
 def run_grid(
     rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, artifacts: dict[str, Path],
-    model: ModelChoice, data_choice: DataChoice, monitor: Monitor,
+    model: ModelChoice, data_choice: DataChoice, monitor: Monitor, rank: int = 0, world: int = 1,
 ) -> dict[tuple[str, str, int], float]:
-    """Error (a fraction) of every (row label, domain, seed)."""
+    """Error (a fraction) of every (row label, domain, seed) this rank runs: the
+    (row, seed) runs are independent, so under torchrun each rank takes every world-th."""
     errors = {}
-    for row in rows:
-        for seed in seeds:
-            stats = str(artifacts[row.covariance]) if row.covariance else None
-            row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
-            job = prepare_adaptation(domains, stats, model, data_choice, row_settings)
-            monitor.info(f"{row.label} seed {seed}")
-            for domain, result in zip(domains, job.run(monitor=monitor)):
-                if result.error is None:
-                    raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
-                errors[(row.label, domain, seed)] = result.error
+    runs = [(row, seed) for row in rows for seed in seeds]
+    for row, seed in runs[rank::world]:
+        stats = str(artifacts[row.covariance]) if row.covariance else None
+        row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
+        job = prepare_adaptation(domains, stats, model, data_choice, row_settings)
+        monitor.info(f"{row.label} seed {seed}")
+        for domain, result in zip(domains, job.run(monitor=monitor)):
+            if result.error is None:
+                raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
+            errors[(row.label, domain, seed)] = result.error
     return errors
 
 

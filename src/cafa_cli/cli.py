@@ -9,24 +9,45 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from dataclasses import asdict
-from pathlib import Path
 from rich.console import Console
 from typer.core import TyperGroup
 
 from cafa_cli import __version__
 from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
 from cafa_cli.bench import DEFAULT_METHODS
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
+from cafa_cli.distributed import (
+    gather_on_root,
+    process_group,
+    rank_device,
+    wait_for_all,
+)
+from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
 from cafa_cli.inspect import describe, render
-from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
+from cafa_cli.models import pick_device
+from cafa_cli.pipeline import (
+    AdaptSettings,
+    DataChoice,
+    ModelChoice,
+    compute_statistics,
+    prepare_adaptation,
+)
 from cafa_cli.preprocessing import parse_floats, parse_size
-from cafa_cli.report import Monitor, RecordWriter, metrics, open_output, stderr_console, summary_table, write_json
+from cafa_cli.report import (
+    Monitor,
+    RecordWriter,
+    metrics,
+    open_output,
+    stderr_console,
+    summary_table,
+    write_json,
+)
 
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
@@ -384,14 +405,21 @@ def bench(
         train = "fashion-mnist"
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, steps=steps, device=device, num_workers=num_workers)
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    console = stderr_console(quiet)
-    with Monitor(console, quiet) as monitor:
+    target = rank_device(pick_device(device))
+    with process_group(target) as (rank, world), Monitor(stderr_console(quiet), quiet or rank > 0) as monitor:
+        # every rank joins the statistics (sharded under torchrun); rank 0 writes them
         artifacts = {
             cov: grid.ensure_statistics(Path(workdir), cov, train, model_choice, DataChoice(None, None, classes, data_choice.preprocessing),
                                         per_class, None if per_class else fraction, 0, monitor)
             for cov in sorted({r.covariance for r in rows if r.covariance})
         }
-        errors = grid.run_grid(rows, data, seed_list, settings, artifacts, model_choice, data_choice, monitor)
+        wait_for_all(world)
+        mine = grid.run_grid(rows, data, seed_list, replace(settings, device=str(target)), artifacts, model_choice,
+                             data_choice, monitor, rank, world)
+        parts = gather_on_root(mine, rank, world)
+    if parts is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    errors = {key: error for part in parts for key, error in part.items()}
     table = grid.summarise(errors, rows, data, seed_list)
     print(grid.markdown(table, data, seed_list))
     if csv_out:

@@ -1,5 +1,6 @@
-"""`torchrun` support for `cafa stats`: each rank streams its share of the subset,
-then rank 0 merges the class moments and writes the artifact.
+"""`torchrun` support. `cafa stats`: each rank streams its share of the subset, then
+rank 0 merges the class moments and writes the artifact. `cafa bench`: the
+(method, seed) runs are spread over the ranks and rank 0 prints the table.
 
     torchrun --nproc-per-node 4 -m cafa_cli stats --data ... --out stats.safetensors
 """
@@ -25,6 +26,9 @@ def process_group(device: torch.device):
     if not launched_by_torchrun():
         yield 0, 1
         return
+    if dist.is_initialized():  # inside a command that already joined the group
+        yield dist.get_rank(), dist.get_world_size()
+        return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -41,15 +45,26 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
+def gather_on_root(value, rank: int, world: int) -> list | None:
+    """Every rank's `value`, in rank order, on rank 0; None on the other ranks."""
+    if world == 1:
+        return [value]
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
 def merge_on_root(moments: ClassMoments, rank: int, world: int) -> ClassMoments | None:
     """All ranks' moments merged on rank 0 (Chan's update); None on the other ranks."""
-    if world == 1:
-        return moments
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(moments, gathered, dst=0)
-    if rank != 0:
+    parts = gather_on_root(moments, rank, world)
+    if parts is None:
         return None
-    merged = gathered[0]
-    for other in gathered[1:]:
+    merged = parts[0]
+    for other in parts[1:]:
         merged.absorb(other)
     return merged
+
+
+def wait_for_all(world: int) -> None:
+    if world > 1:
+        dist.barrier()
