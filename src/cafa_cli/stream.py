@@ -11,7 +11,7 @@ import torch
 
 from cafa_cli.adaptation import Adapter
 from cafa_cli.data import UNLABELLED, Batch, Domain, batches, unreadable
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import UsageError
 from cafa_cli.preprocessing import Preprocessing
 
 RESET_POLICIES = ("domain", "episodic", "never")
