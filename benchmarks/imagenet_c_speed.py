@@ -1,0 +1,138 @@
+"""End-to-end speed of `cafa adapt` on an ImageNet-C-shaped domain, and JPEG decoding
+on the CPU (loader workers, PIL) against batched GPU decoding (nvjpeg).
+
+Builds a synthetic domain in the ImageNet-C layout — 1000 class folders of 224x224
+JPEGs at quality 85 (random smooth images; the real data is not available here) —
+and a synthetic low-rank artifact for a ResNet-50 with 1000 classes, then times the
+real command, `python -m cafa_cli adapt ...`, as a subprocess (start-up included).
+
+    python benchmarks/imagenet_c_speed.py --images 50000 --workers 14 --json speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from perf import synthetic_gaussians  # noqa: E402
+
+from cafa_cli.artifact import write_artifact  # noqa: E402
+from cafa_cli.models import ModelSpec  # noqa: E402
+from cafa_cli.preprocessing import Preprocessing  # noqa: E402
+
+CLASSES = 1000
+
+
+def _write_class(args) -> int:
+    root, c, per_class = args
+    rng = np.random.default_rng(c)
+    folder = Path(root) / f"n{c:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(per_class):
+        small = rng.integers(0, 255, size=(14, 14, 3), dtype=np.uint8)  # upsampled: JPEG-like content
+        Image.fromarray(small).resize((224, 224), Image.BILINEAR).save(folder / f"{i:03d}.JPEG", quality=85)
+    return per_class
+
+
+def build_domain(root: Path, images: int, workers: int) -> float:
+    start = time.perf_counter()
+    per_class = max(1, images // CLASSES)
+    with ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_write_class, [(str(root), c, per_class) for c in range(CLASSES)]))
+    return time.perf_counter() - start
+
+
+def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batch: int) -> dict:
+    command = [sys.executable, "-m", "cafa_cli", "adapt", "--stats", str(artifact), "--data", str(domain),
+               "--batch-size", str(batch), "--optimizer", "sgd", "--lr", "0.0025", "--num-workers", str(workers),
+               "--precision", precision, "--quiet", "--metrics-json", str(domain.parent / f"m-{precision}.json")]
+    start = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(done.stderr)
+    metrics = json.loads((domain.parent / f"m-{precision}.json").read_text())
+    return {"precision": precision, "wall_s": wall, "images": metrics["n"], "loop_s": metrics["seconds"],
+            "images_per_s_wall": metrics["n"] / wall}
+
+
+def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64) -> dict:
+    """Images/s: PIL in DataLoader workers (decode + to tensor) vs nvjpeg on the GPU."""
+    from torch.utils.data import DataLoader
+    from torchvision.io import decode_jpeg, read_file
+    from torchvision.transforms.functional import pil_to_tensor
+
+    paths = sorted(domain.rglob("*.JPEG"))[:limit]
+
+    class PilImages(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(paths)
+
+        def __getitem__(self, i):
+            with Image.open(paths[i]) as image:
+                return pil_to_tensor(image.convert("RGB"))
+
+    class RawBytes(PilImages):
+        def __getitem__(self, i):
+            return read_file(str(paths[i]))
+
+    def run(dataset, decode):
+        loader = DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=list)
+        start = time.perf_counter()
+        count = 0
+        for items in loader:
+            decode(items)
+            count += len(items)
+        torch.cuda.synchronize()
+        return count / (time.perf_counter() - start)
+
+    cpu = run(PilImages(), lambda items: torch.stack(items).cuda(non_blocking=True))
+    gpu = run(RawBytes(), lambda items: torch.stack(decode_jpeg(items, device="cuda")))
+    return {"cpu_pil_workers_images_per_s": cpu, "gpu_nvjpeg_images_per_s": gpu, "workers": workers, "images": len(paths)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=50000)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    root = Path(args.root)
+    domain = root / "fog" / "5"
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+    if not domain.is_dir():
+        result["build_s"] = build_domain(domain, args.images, args.workers)
+        print(f"built {args.images} JPEGs in {result['build_s']:.1f} s", flush=True)
+    artifact = root / "stats.safetensors"
+    if not artifact.is_file():
+        names = sorted(p.name for p in domain.iterdir())
+        write_artifact(artifact, synthetic_gaussians(CLASSES, 2048, "lowrank"), names, ModelSpec("resnet50", num_classes=CLASSES),
+                       Preprocessing(None, None), {"synthetic": True})
+    result["adapt"] = [timed_adapt(artifact, domain, args.workers, p, args.batch) for p in args.precisions.split(",")]
+    for row in result["adapt"]:
+        print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
+              f"({row['loop_s']:.1f} s in the loop, {row['images_per_s_wall']:.0f} img/s)", flush=True)
+    if torch.cuda.is_available():
+        result["decode"] = decode_speed(domain, args.workers)
+        print(f"decode: PIL in {args.workers} workers {result['decode']['cpu_pil_workers_images_per_s']:.0f} img/s, "
+              f"nvjpeg {result['decode']['gpu_nvjpeg_images_per_s']:.0f} img/s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
