@@ -211,3 +211,13 @@ def test_cafa_without_statistics_is_a_usage_error():
 def test_bad_settings_are_usage_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):
         Adapter(FeatureClassifier(tiny_net.build()), **{"method": "tent", **kwargs})
+
+
+def test_compiled_model_predicts_and_adapts_like_the_eager_one(trained):
+    model, gaussians, x, _ = trained
+    eager = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
+    compiled = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2, compile=True)
+    for i in range(0, 100, 50):  # the second batch shows the update went through the compiled graph
+        torch.testing.assert_close(compiled.step(x[i : i + 50]), eager.step(x[i : i + 50]), rtol=1e-4, atol=1e-5)
+    compiled.reset()
+    torch.testing.assert_close(compiled.step(x[:50]), Adapter(copy.deepcopy(model), "cafa", gaussians).step(x[:50]), rtol=1e-4, atol=1e-5)

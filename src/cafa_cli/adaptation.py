@@ -125,6 +125,7 @@ class Adapter:
         steps: int = 1,
         bn_prior: float = 0.0,
         precision: str = "fp32",
+        compile: bool = False,
     ):
         if steps < 1:
             raise UsageError(f"--steps must be at least 1, not {steps}")
@@ -152,6 +153,9 @@ class Adapter:
         self.source_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.skipped_steps = 0
         self.autocast = _autocast(device, precision)
+        # torch.compile shares the module's parameters, so reset() and the optimiser
+        # act on it unchanged; the first batches pay for the compilation
+        self.forward = torch.compile(self.model) if compile else self.model
 
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
@@ -171,12 +175,12 @@ class Adapter:
             images = images.contiguous(memory_format=self.memory_format)
         if self.objective is None:
             with torch.inference_mode(), self.autocast:
-                logits, _ = self.model(images)
+                logits, _ = self.forward(images)
             return logits.float()
         prediction = None
         for _ in range(self.steps):
             with self.autocast:
-                logits, features = self.model(images)
+                logits, features = self.forward(images)
             if prediction is None:
                 prediction = logits.detach().float()
             loss = self.objective(logits.float(), features.float())

@@ -279,6 +279,7 @@ def adapt(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stream order.")] = 0,
     device: DeviceOpt = "auto",
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")] = "fp32",
+    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")] = False,
     num_workers: WorkersOpt = 0,
     fmt: Annotated[str, typer.Option("--format", help="csv or jsonl.")] = "csv",
     predictions: Annotated[Optional[str], typer.Option("--predictions", help="Write the records to this file instead of stdout.")] = None,
@@ -290,7 +291,8 @@ def adapt(
     if metrics_json:
         check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
-        method, batch_size, optimizer, lr, momentum, steps, params, bn_prior, reset, shuffle, seed, device, precision, num_workers, strict
+        method, batch_size, optimizer, lr, momentum, steps, params, bn_prior, reset, shuffle, seed, device, precision, num_workers, strict,
+        compile_model,
     )
     job = prepare_adaptation(
         data,

@@ -170,6 +170,7 @@ class AdaptSettings:
     precision: str = "fp32"
     num_workers: int = 0
     strict: bool = False
+    compile: bool = False
 
 
 def load_for_adaptation(
@@ -309,6 +310,7 @@ def prepare_adaptation(
         steps=settings.steps,
         bn_prior=settings.bn_prior,
         precision=settings.precision,
+        compile=settings.compile,
     )
     used = {
         **asdict(settings),
