@@ -93,7 +93,7 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     assert built.exit_code == 0, built.stderr
     domain = built.stdout.strip()
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
-    result = runner.invoke(app, ["bench", "--data", domain, "--methods", "source,cafa-diag", "--seeds", "0,1", "--per-class", "20",
+    result = runner.invoke(app, ["bench", domain, "--methods", "source,cafa-diag", "--seeds", "0,1", "--per-class", "20",
                                  "--workdir", str(tmp_path / "art"), "--csv", str(out["csv"]), "--json", str(out["json"]), "--plot", str(out["png"])])
     assert result.exit_code == 0, result.stderr
     report = json.loads(out["json"].read_text())

@@ -364,7 +364,8 @@ def demo(
 @app.command()
 @reports_errors
 def bench(
-    data: Annotated[list[str], typer.Option("--data", "-d", help="Labelled test domains (repeatable; e.g. ImageNet-C/*/5 expanded by the shell).")],
+    domains: Annotated[Optional[list[str]], typer.Argument(help="Labelled test domains, e.g. fashion-mnist-c/*/3 as the shell expands it.", show_default=False)] = None,
+    data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="A labelled test domain (repeatable), as well as or instead of the arguments.")] = None,
     train: Annotated[Optional[str], typer.Option("--train", help="Training data for the statistics (as cafa stats --data). Default for fmnist-resnet: fashion-mnist.")] = None,
     model: ModelOpt = "fmnist-resnet",
     weights: WeightsOpt = None,
@@ -397,6 +398,9 @@ def bench(
     """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
     from cafa_cli import bench as grid
 
+    data = [*(data or []), *(domains or [])]
+    if not data:
+        raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
     model_choice = ModelChoice(model, weights, num_classes, classifier)
