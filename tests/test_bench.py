@@ -129,3 +129,9 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     assert set(mine) == {("source", "d", 1), ("bn", "d", 1), ("tent", "d", 1)}
     calls.clear()
     assert len(bench.run_grid(*args)) == 6 and len(calls) == 6
+
+
+def test_bench_without_domains_is_a_usage_error():
+    result = runner.invoke(app, ["bench", "--methods", "source"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
