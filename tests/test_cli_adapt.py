@@ -170,3 +170,15 @@ def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup)
     assert "names the model factory" in result.stderr and f"--model {TINY_NET}" in result.stderr
     trusted = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--batch-size", "30", "--quiet", "--trust-checkpoint"])
     assert trusted.exit_code == 0 and trusted.stdout == adapt(setup, "--quiet").stdout  # same weights as with --model
+
+
+def test_a_relative_factory_path_names_the_artifacts_model_and_weights(setup, monkeypatch):
+    """`cafa adapt --model assets/tiny_net.py:build` from another folder is the artifact's
+    model: it gets the artifact's verified weights, not a random initialisation."""
+    from conftest import ASSETS
+
+    monkeypatch.chdir(ASSETS.parent)
+    relative = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", "assets/tiny_net.py:build",
+                                   "--data", str(setup["test"]), "--batch-size", "30", "--quiet"])
+    assert relative.exit_code == 0, relative.stderr
+    assert relative.stdout == adapt(setup, "--quiet").stdout

@@ -223,6 +223,15 @@ class FeatureClassifier(nn.Module):
         return logits, features
 
 
+def canonical_model(model: str) -> str:
+    """`--model` as an artifact records it: a factory file by its absolute path (as the
+    weights), so that adapt works from any folder and `net.py:build` names the same model."""
+    location, _, function = model.rpartition(":")
+    if location.endswith(".py"):
+        return f"{Path(location).resolve()}:{function}"
+    return model
+
+
 def resolve(
     model: str,
     weights: str | None = None,
@@ -240,10 +249,7 @@ def resolve(
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
-    location, _, function = model.rpartition(":")
-    if location.endswith(".py"):  # record the factory file absolutely, as the weights, so adapt works from any folder
-        model = f"{Path(location).resolve()}:{function}"
-    spec = ModelSpec(model, weights, sha, num_classes, wrapped.classifier_name)
+    spec = ModelSpec(canonical_model(model), weights, sha, num_classes, wrapped.classifier_name)
     return wrapped, spec
 
 

@@ -16,7 +16,7 @@ from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artif
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset, unreadable
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, pick_device, resolve, sha256_of
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import RESET_POLICIES, DomainResult, adapt_domains
@@ -186,7 +186,7 @@ def load_for_adaptation(
         artifact = read_artifact(stats_path)
     if model.model is None and artifact is None:
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
-    if artifact is not None and model.model in (None, artifact.model.model):
+    if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
         model = _recorded_model(artifact, model, allow_weights_mismatch)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     if artifact is not None:
