@@ -67,22 +67,24 @@ def test_corruption_is_reproducible_and_changes_the_images():
 
 
 @needs_fashion_mnist
-def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path):
+def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     pytest.importorskip("corrupt_tta")
-    args = ["demo", "--workdir", str(tmp_path), "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa"]
+    monkeypatch.chdir(tmp_path)  # the default workdir is relative: re-use must see through that
+    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "| method | contrast | fog | mean |"
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa"]
     assert "$ cafa stats --model fmnist-resnet" in result.stderr and "$ cafa adapt --stats" in result.stderr
-    pngs = list((tmp_path / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
+    pngs = list((tmp_path / "demo" / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
     assert len(pngs) == 200
     stamp = pngs[0].stat().st_mtime_ns
     again = runner.invoke(app, args)
     assert again.exit_code == 0 and again.stdout == result.stdout  # same numbers, data not rebuilt
     assert pngs[0].stat().st_mtime_ns == stamp
     assert "corrupting" not in again.stderr
+    assert "computing full statistics" in result.stderr and "computing" not in again.stderr
 
 
 @needs_fashion_mnist

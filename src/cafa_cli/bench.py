@@ -15,7 +15,8 @@ from pathlib import Path
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation
+from cafa_cli.models import canonical_model
+from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
 from cafa_cli.report import Monitor, atomic_write
 
 # Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
@@ -77,10 +78,7 @@ def ensure_statistics(
     path = workdir / f"stats-{covariance}.safetensors"
     if path.is_file():
         try:
-            existing = read_artifact(path, load_tensors=False)
-            same = (existing.model.model == model.model and existing.sampling.get("data") == train
-                    and existing.sampling.get("per_class") == per_class and existing.sampling.get("seed") == seed)
-            if same:
+            if _made_for(read_artifact(path, load_tensors=False), train, model, per_class, fraction, seed):
                 return path
         except InputError:
             pass
@@ -88,6 +86,16 @@ def ensure_statistics(
     compute_statistics(train, path, model, data_choice, fraction=fraction, per_class=per_class, seed=seed,
                        covariance=covariance, device="auto", monitor=monitor)
     return path
+
+
+def _made_for(artifact, train: str, model: ModelChoice, per_class: int | None, fraction: float | None, seed: int) -> bool:
+    """Whether an artifact holds these statistics, compared as compute_statistics records
+    them (absolute paths): a relative --train or --workdir must match on a second run."""
+    weights = str(Path(model.weights).resolve()) if model.weights else None
+    wanted = {"data": recorded_data(train), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    return (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights) and all(
+        artifact.sampling.get(key) == value for key, value in wanted.items()
+    )
 
 
 def run_grid(

@@ -112,7 +112,7 @@ def compute_statistics(
     if moments is None:  # not rank 0: rank 0 writes the artifact
         return None
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": _absolute_if_path(data), "fraction": None if per_class else fraction, "per_class": per_class,
+    sampling = {"data": recorded_data(data), "fraction": None if per_class else fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
     write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
     return read_artifact(out, load_tensors=False)
@@ -137,7 +137,7 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
     return moments
 
 
-def _absolute_if_path(data: str) -> str:
+def recorded_data(data: str) -> str:
     """Record a folder or file as an absolute path, so the artifact can be followed from anywhere."""
     return str(Path(data).resolve()) if Path(data).exists() else data
 
