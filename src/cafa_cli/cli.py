@@ -10,6 +10,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from inspect import signature
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,8 +19,8 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from cafa_cli import __version__
+from cafa_cli import bench as grid
 from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
-from cafa_cli.bench import DEFAULT_METHODS
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
@@ -29,6 +30,7 @@ from cafa_cli.distributed import (
     wait_for_all,
 )
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
 from cafa_cli.inspect import describe, render
 from cafa_cli.models import pick_device
 from cafa_cli.pipeline import (
@@ -53,6 +55,12 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
+def _fail(message: str, code: int) -> typer.Exit:
+    """Print the tool's one-line error and return the Exit to raise."""
+    typer.echo(f"cafa: error: {message}", err=True)
+    return typer.Exit(code=code)
+
+
 @contextmanager
 def _one_line_usage_errors():
     """Click's own usage errors (a missing option, a value of the wrong type, an unknown
@@ -65,8 +73,7 @@ def _one_line_usage_errors():
             raise
         ctx = getattr(error, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        typer.echo(f"cafa: error: {error.format_message()}{hint}", err=True)
-        raise typer.Exit(code=error.exit_code) from None
+        raise _fail(f"{error.format_message()}{hint}", error.exit_code) from None
 
 
 class _Group(TyperGroup):
@@ -114,8 +121,7 @@ def reports_errors(command):
         except CafaError as error:
             if _debug["on"]:
                 raise
-            typer.echo(f"cafa: error: {error}", err=True)
-            raise typer.Exit(code=error.exit_code) from None
+            raise _fail(str(error), error.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("cafa: interrupted", err=True)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
@@ -127,19 +133,16 @@ def reports_errors(command):
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except MemoryError:
-            typer.echo("cafa: error: out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)", err=True)
-            raise typer.Exit(code=EXIT_RUNTIME) from None
+            raise _fail("out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)", EXIT_RUNTIME) from None
         except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
             if _debug["on"]:
                 raise
             if isinstance(error, OSError) and error.filename:
                 # a path the tool was given: missing, unreadable, not writable, or the disk is full
                 given = isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
-                typer.echo(f"cafa: error: {error.filename}: {error.strerror or error}", err=True)
-                raise typer.Exit(code=EXIT_INPUT if given else EXIT_RUNTIME) from None
+                raise _fail(f"{error.filename}: {error.strerror or error}", EXIT_INPUT if given else EXIT_RUNTIME) from None
             first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-            typer.echo(f"cafa: error: {type(error).__name__}: {first} (run with --debug for the traceback)", err=True)
-            raise typer.Exit(code=EXIT_RUNTIME) from None
+            raise _fail(f"{type(error).__name__}: {first} (run with --debug for the traceback)", EXIT_RUNTIME) from None
 
     return wrapper
 
@@ -344,15 +347,11 @@ def demo(
     quiet: QuietOpt = False,
 ):
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
-    from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS
-
     names = BENCHMARK_CORRUPTIONS if corruptions == "all" else tuple(c.strip() for c in corruptions.split(",") if c.strip())
     plan = DemoPlan(names, severity, DemoPlan.train_per_class, test_per_class or None, methods)
     console = stderr_console(quiet)
     with Monitor(console, quiet) as monitor:
         if data_only:
-            from cafa_cli.fmnist_c import build_corrupted
-
             for folder in build_corrupted(Path(workdir), list(names), severity, plan.test_per_class, plan.seed, fashion_mnist,
                                           on_domain=lambda name: monitor.info(f"corrupting: {name}")):
                 print(folder)
@@ -379,7 +378,7 @@ def bench(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
-    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-lowrank; NAME@LR gives a row its own learning rate.")] = DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-lowrank; NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
@@ -396,8 +395,6 @@ def bench(
     quiet: QuietOpt = False,
 ):
     """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
-    from cafa_cli import bench as grid
-
     data = [*(data or []), *(domains or [])]
     if not data:
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
@@ -448,16 +445,14 @@ def main() -> None:
     try:
         defaults = read_defaults(Path.cwd(), _command_options())
     except CafaError as error:
-        typer.echo(f"cafa: error: {error}", err=True)
+        _fail(str(error), error.exit_code)
         raise SystemExit(error.exit_code) from None
     app(default_map=defaults)
 
 
 def _command_options() -> dict[str, set[str]]:
     """Each command's parameter names, for checking cafa.toml's keys."""
-    import inspect as pyinspect
-
     return {
-        (command.name or command.callback.__name__): set(pyinspect.signature(command.callback).parameters)
+        (command.name or command.callback.__name__): set(signature(command.callback).parameters)
         for command in app.registered_commands
     }

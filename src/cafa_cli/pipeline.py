@@ -19,7 +19,7 @@ from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
-from cafa_cli.stream import RESET_POLICIES, DomainResult, adapt_domains
+from cafa_cli.stream import DomainResult, adapt_domains, check_reset
 
 
 @dataclass
@@ -281,8 +281,7 @@ def prepare_adaptation(
     if not data:
         raise UsageError("give at least one --data PATH")
     _check_loading(settings.batch_size, settings.num_workers)
-    if settings.reset not in RESET_POLICIES:
-        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {settings.reset}")
+    check_reset(settings.reset)
     net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")

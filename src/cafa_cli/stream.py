@@ -40,6 +40,11 @@ class DomainResult:
         return self.errors / self.labelled if self.labelled else None
 
 
+def check_reset(reset: str) -> None:
+    if reset not in RESET_POLICIES:
+        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {reset}")
+
+
 def stream_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
 
@@ -63,8 +68,7 @@ def adapt_domains(
     reset: `domain` starts each domain from the source weights, `episodic` restores
     them after every batch, `never` adapts continually across domains.
     """
-    if reset not in RESET_POLICIES:
-        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {reset}")
+    check_reset(reset)
     torch.manual_seed(seed)
     results = []
     for k, domain in enumerate(domains):
