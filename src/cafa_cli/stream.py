@@ -76,7 +76,7 @@ def adapt_domains(
             adapter.reset()
         on_domain(domain)
         result = DomainResult(domain.name)
-        start = time.perf_counter()
+        start, skipped_before = time.perf_counter(), adapter.skipped_steps
         order = stream_order(len(domain), shuffle, seed)
         pin = adapter.device.type == "cuda"
         for batch in batches(domain, preprocess, batch_size, order, num_workers, pin_memory=pin):
@@ -92,7 +92,7 @@ def adapt_domains(
             on_records(records)
             if reset == "episodic":
                 adapter.reset()
-        result.skipped_steps = adapter.skipped_steps - sum(r.skipped_steps for r in results)
+        result.skipped_steps = adapter.skipped_steps - skipped_before
         result.seconds = time.perf_counter() - start
         results.append(result)
     return results
