@@ -149,9 +149,18 @@ def test_gradient_matches_float64_reference(covariance, metric):
 def test_gradient_through_chunked_checkpointed_path(monkeypatch):
     calls = counting_chunks(monkeypatch)
     monkeypatch.setattr(distances, "CHUNK_BYTES", 3 * 4 * N * D)  # three classes per chunk
+    monkeypatch.setattr(distances, "KEEP_BYTES", 6 * 4 * N * D)  # all seven classes do not fit
     grad_check(make_gaussians("full"))
     # forward 3 chunks; the non-reentrant checkpoint recomputes each one in backward
     assert calls[:3] == [3, 3, 1] and len(calls) == 6
+
+
+def test_gradient_through_kept_chunks_reads_each_chunk_once(monkeypatch):
+    calls = counting_chunks(monkeypatch)
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 3 * 4 * N * D)
+    monkeypatch.setattr(distances, "KEEP_BYTES", C * 4 * N * D)  # exactly fits: keep, no recompute
+    grad_check(make_gaussians("full"))
+    assert calls == [3, 3, 1]
 
 
 def test_gradient_closed_form_for_full():

@@ -117,6 +117,7 @@ def test_chunked_checkpointed_lowrank_path_matches(monkeypatch):
     whole = ClassDistances(g)(z)
     k = g.factors.shape[1]
     monkeypatch.setattr(distances, "CHUNK_BYTES", 2 * 4 * len(z) * k)  # two classes per chunk
+    monkeypatch.setattr(distances, "KEEP_BYTES", 0)  # recompute in backward rather than keep
     calls = []
     original = distances._lowrank_chunk
     monkeypatch.setattr(distances, "_lowrank_chunk", lambda *a: calls.append(len(a[1])) or original(*a))

@@ -2,8 +2,10 @@
 
 Never forms a precision or an inverse. The per-class (full) form works through the
 classes in chunks whose intermediate [N, chunk, d] tensor stays under a byte
-budget, and recomputes each chunk in the backward pass instead of keeping it, so
-C = 1000, d = 2048 costs memory for one chunk, not for all classes.
+budget. The backward pass needs every chunk's intermediate: they are kept while all
+of them together fit KEEP_BYTES (0.5 GB at C = 1000, d = 2048, N = 64), so the
+factors are read twice per step (forward, backward); past that budget each chunk is
+recomputed in the backward pass instead (a third read), so memory stays at one chunk.
 
 The low-rank form (Σ_c = a_c·I + Q_cᵀ diag(e_c) Q_c, Q_c orthonormal k×d rows) gives
 the same distances through the Woodbury identity, with t = Q_c(z − μ_c):
@@ -27,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 
 from cafa_cli.statistics import ClassGaussians
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 64 << 20  # one chunk's intermediate
+KEEP_BYTES = 1 << 30  # all chunks' intermediates kept for backward; above it, recompute
 REFINE_TOLERANCE = 1e-5  # lowrank: relative rounding bound above which a class is recomputed exactly
 _EPS32 = torch.finfo(torch.float32).eps
 
@@ -81,35 +84,15 @@ class ClassDistances:
 
     def _full(self, z: torch.Tensor) -> torch.Tensor:
         n, d = z.shape
-        chunk = max(1, CHUNK_BYTES // max(1, 4 * n * d))
-        pieces = []
-        for start in range(0, self.num_classes, chunk):
-            means = self.means[start : start + chunk]
-            factors = self.factors[start : start + chunk]
-            if z.requires_grad:
-                pieces.append(checkpoint(_full_chunk, z, means, factors, use_reentrant=False))
-            else:
-                pieces.append(_full_chunk(z, means, factors))
-        return torch.cat(pieces, dim=1)
+        return _by_class_chunks(_full_chunk, z, self.num_classes, 4 * n * d, lambda part: (self.means[part], self.factors[part]))
 
     def _lowrank(self, z: torch.Tensor) -> torch.Tensor:
-        n = len(z)
-        C, k, _ = self.basis.shape
-        # [N, chunk, k] intermediates: at C = 1000, k = 63, N = 64 one chunk (16 MB) holds
-        # every class; larger k or N fall back to checkpointed chunks like the full form
-        chunk = max(1, CHUNK_BYTES // max(1, 4 * n * k))
-        if chunk >= C:
-            dist = _lowrank_chunk(z, self.means, self.basis, self.projected_means, self.inv_isotropic, self.inv_eigen)
-        else:
-            pieces = []
-            for start in range(0, C, chunk):
-                part = slice(start, start + chunk)
-                args = (z, self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part])
-                if z.requires_grad:
-                    pieces.append(checkpoint(_lowrank_chunk, *args, use_reentrant=False))
-                else:
-                    pieces.append(_lowrank_chunk(*args))
-            dist = torch.cat(pieces, dim=1)
+        n, k = len(z), self.basis.shape[1]
+        # [N, chunk, k] intermediates: at C = 1000, k = 63, N = 64 one chunk (16 MB) holds every class
+        dist = _by_class_chunks(
+            _lowrank_chunk, z, self.num_classes, 4 * n * k,
+            lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
+        )
         with torch.no_grad():
             bound = 4 * _EPS32 * (z.square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
             risky = (bound > REFINE_TOLERANCE * dist).any(0).nonzero().flatten()
@@ -120,16 +103,25 @@ class ClassDistances:
     def _lowrank_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
         n, d = z.shape
-        chunk = max(1, CHUNK_BYTES // max(1, 4 * n * d))
-        pieces = []
-        for start in range(0, len(classes), chunk):
-            idx = classes[start : start + chunk]
-            args = (z, self.means[idx], self.basis[idx], self.inv_isotropic[idx], self.inv_eigen[idx])
-            if z.requires_grad:
-                pieces.append(checkpoint(_lowrank_exact_chunk, *args, use_reentrant=False))
-            else:
-                pieces.append(_lowrank_exact_chunk(*args))
-        return torch.cat(pieces, dim=1)
+        return _by_class_chunks(
+            _lowrank_exact_chunk, z, len(classes), 4 * n * d,
+            lambda part: (self.means[classes[part]], self.basis[classes[part]], self.inv_isotropic[classes[part]], self.inv_eigen[classes[part]]),
+        )
+
+
+def _by_class_chunks(fn, z: torch.Tensor, num_classes: int, bytes_per_class: int, class_args) -> torch.Tensor:
+    """fn(z, *class_args(part)) over slices of the classes, concatenated into [N, C].
+
+    Chunks keep each intermediate under CHUNK_BYTES; when all of them would not fit
+    KEEP_BYTES, they are checkpointed (recomputed in backward) instead of kept.
+    """
+    chunk = max(1, CHUNK_BYTES // max(1, bytes_per_class))
+    recompute = z.requires_grad and num_classes * bytes_per_class > KEEP_BYTES
+    pieces = []
+    for start in range(0, num_classes, chunk):
+        args = class_args(slice(start, start + chunk))
+        pieces.append(checkpoint(fn, z, *args, use_reentrant=False) if recompute else fn(z, *args))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 def _lowrank_chunk(
