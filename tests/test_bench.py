@@ -110,6 +110,39 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-full.safetensors").exists()
 
 
+@needs_fashion_mnist
+def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_training_geometry(tmp_path):
+    """ImageNet-C's case: statistics from resized + cropped training images, test images
+    stored already cropped, so the test side must not be resized again."""
+    pytest.importorskip("corrupt_tta")
+    from cafa_cli.artifact import read_artifact
+
+    built = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"])
+    assert built.exit_code == 0, built.stderr
+    domain = built.stdout.strip()
+    report = tmp_path / "r.json"
+    common = [domain, "--methods", "source,cafa-diag", "--per-class", "20", "--workdir", str(tmp_path / "art"), "--json", str(report)]
+    result = runner.invoke(app, ["bench", *common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none"])
+    assert result.exit_code == 0, result.stderr
+    used = json.loads(report.read_text())["settings"]["preprocessing"]
+    assert (used["train"]["resize"], used["train"]["crop"]) == (32, 28)
+    assert (used["test"]["resize"], used["test"]["crop"]) == (None, None)
+    assert used["test"]["mean"] == used["train"]["mean"]  # only the geometry was split
+    artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
+    assert (artifact.preprocessing.resize, artifact.preprocessing.crop) == (32, 28)
+    source_error = json.loads(report.read_text())["runs"][0]["error"]
+    alone = runner.invoke(app, ["adapt", "--data", domain, "--method", "source", "--model", "fmnist-resnet", "--quiet",
+                                "--metrics-json", str(tmp_path / "m.json")])
+    assert alone.exit_code == 0, alone.stderr
+    assert json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"] == pytest.approx(source_error)
+
+    again = runner.invoke(app, ["bench", *common])  # the bundled model's own geometry: new statistics
+    assert again.exit_code == 0, again.stderr
+    assert "computing diag statistics" in again.stderr
+    artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
+    assert (artifact.preprocessing.resize, artifact.preprocessing.crop) == (None, None)
+
+
 def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     from types import SimpleNamespace
 

@@ -16,7 +16,9 @@ from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import canonical_model
-from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
+from cafa_cli.pipeline import (
+    AdaptSettings, DataChoice, ModelChoice, compute_statistics, default_preprocessing, prepare_adaptation, recorded_data,
+)
 from cafa_cli.report import Monitor, atomic_write
 
 # Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
@@ -78,7 +80,7 @@ def ensure_statistics(
     path = workdir / f"stats-{covariance}.safetensors"
     if path.is_file():
         try:
-            if _made_for(read_artifact(path, load_tensors=False), train, model, per_class, fraction, seed):
+            if _made_for(read_artifact(path, load_tensors=False), train, model, data_choice, per_class, fraction, seed):
                 return path
         except InputError:
             pass
@@ -88,13 +90,18 @@ def ensure_statistics(
     return path
 
 
-def _made_for(artifact, train: str, model: ModelChoice, per_class: int | None, fraction: float | None, seed: int) -> bool:
+def _made_for(
+    artifact, train: str, model: ModelChoice, data_choice: DataChoice, per_class: int | None, fraction: float | None, seed: int,
+) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths): a relative --train or --workdir must match on a second run."""
     weights = str(Path(model.weights).resolve()) if model.weights else None
     wanted = {"data": recorded_data(train), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
-    return (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights) and all(
-        artifact.sampling.get(key) == value for key, value in wanted.items()
+    preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
+    return (
+        (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
+        and artifact.preprocessing == preprocess
+        and all(artifact.sampling.get(key) == value for key, value in wanted.items())
     )
 
 

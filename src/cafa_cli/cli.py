@@ -38,6 +38,7 @@ from cafa_cli.pipeline import (
     DataChoice,
     ModelChoice,
     compute_statistics,
+    default_preprocessing,
     prepare_adaptation,
 )
 from cafa_cli.preprocessing import parse_floats, parse_size
@@ -378,6 +379,8 @@ def bench(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
+    test_resize: Annotated[Optional[str], typer.Option("--test-resize", help="--resize for the test domains only (default: --resize). ImageNet-C: none.")] = None,
+    test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-lowrank; NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
@@ -401,7 +404,12 @@ def bench(
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
     model_choice = ModelChoice(model, weights, num_classes, classifier)
-    data_choice = DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels))
+    train_choice = DataChoice(None, None, classes, _preprocessing_changes(resize, crop, mean, std, channels))
+    # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
+    test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
+    data_choice = DataChoice(labels, severity, classes, test_changes)
+    train_preprocessing = default_preprocessing(model).with_changes(train_choice.preprocessing)
+    test_preprocessing = train_preprocessing.with_changes(test_changes)
     if train is None:
         if model != "fmnist-resnet":
             raise UsageError("--train is needed: the training data to compute class statistics from")
@@ -412,8 +420,8 @@ def bench(
     with process_group(target) as (rank, world), Monitor(stderr_console(quiet), quiet or rank > 0) as monitor:
         # every rank joins the statistics (sharded under torchrun); rank 0 writes them
         artifacts = {
-            cov: grid.ensure_statistics(Path(workdir), cov, train, model_choice, DataChoice(None, None, classes, data_choice.preprocessing),
-                                        per_class, None if per_class else fraction, 0, monitor)
+            cov: grid.ensure_statistics(Path(workdir), cov, train, model_choice, train_choice, per_class,
+                                        None if per_class else fraction, 0, monitor)
             for cov in sorted({r.covariance for r in rows if r.covariance})
         }
         wait_for_all(world)
@@ -429,7 +437,8 @@ def bench(
         grid.write_csv(csv_out, table, data)
     if json_out:
         grid.write_json(json_out, table, errors, data, seed_list, {**asdict(settings), "methods": methods, "train": train,
-                                                                     "fraction": None if per_class else fraction, "per_class": per_class})
+                                                                     "fraction": None if per_class else fraction, "per_class": per_class,
+                                                                     "preprocessing": {"train": asdict(train_preprocessing), "test": asdict(test_preprocessing)}})
     if plot_out:
         grid.plot(plot_out, table, data)
 
