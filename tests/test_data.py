@@ -284,7 +284,8 @@ def make_cifar10(root: Path, per_batch: int = 3, style: str = "py2") -> tuple[np
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    dump = dumps_py2 if style == "py2" else lambda o: pickle.dumps(_bytes_keys(o), protocol=4)
+    protocol = {"py2": None, "py3": 4, "py3-protocol2": 2, "py3-protocol5": 5}[style]
+    dump = dumps_py2 if style == "py2" else lambda o: pickle.dumps(_bytes_keys(o), protocol=protocol)
     all_data, all_labels = [], []
     for b in range(1, 6):
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
@@ -307,7 +308,7 @@ def _bytes_keys(o):
     return o
 
 
-@pytest.mark.parametrize("style", ["py2", "py3"])
+@pytest.mark.parametrize("style", ["py2", "py3", "py3-protocol2", "py3-protocol5"])
 def test_cifar10_python_batches(tmp_path, style):
     data, labels = make_cifar10(tmp_path, style=style)
     domain = open_domain(f"cifar10:{tmp_path}")
@@ -349,6 +350,20 @@ def test_cifar_pickle_with_code_is_refused(tmp_path, target):
     with pytest.raises(InputError, match=rf"{target}: not a readable CIFAR batch \(refusing to load posix\.mkdir\)"):
         open_domain(f"cifar10:{tmp_path}")
     assert not marker.exists()
+
+
+def test_cifar_codecs_encode_only_rebuilds_latin1_bytes(tmp_path):
+    make_cifar10(tmp_path)
+
+    class Rot13:
+        def __reduce__(self):
+            import codecs
+
+            return (codecs.encode, ("payload", "rot13"))
+
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(pickle.dumps({b"data": Rot13()}, protocol=2))
+    with pytest.raises(InputError, match=r"refusing to load _codecs\.encode with encoding 'rot13'"):
+        open_domain(f"cifar10:{tmp_path}")
 
 
 def test_cifar_os_system_reduce_is_refused(tmp_path):

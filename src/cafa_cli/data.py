@@ -230,18 +230,31 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
 # --- standard training sets (never downloaded) -----------------------------------
 
 
+def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
+    """What a protocol-2 pickle written by Python 3 calls to rebuild bytes (as `_codecs.encode`)."""
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"refusing to load _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
 class _ArrayOnlyUnpickler(pickle.Unpickler):
     """CIFAR's python batches are pickles: allow numpy arrays and plain data only,
-    so that a tampered file cannot run code."""
+    so that a tampered file cannot run code. Besides the original Python 2 files,
+    re-saves by Python 3 load: protocol 2 (bytes via `_codecs.encode`) up to 5
+    (arrays via `_frombuffer`)."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
     }
 
     def find_class(self, module, name):
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
