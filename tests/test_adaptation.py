@@ -199,6 +199,29 @@ def test_non_finite_loss_skips_the_step_and_is_counted(trained):
     assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in before.items())
 
 
+def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_scale(trained):
+    """fp16 is CUDA-only, so the scaler's logic is checked here with a CPU GradScaler."""
+    model, gaussians, x, _ = trained
+    plain = Adapter(copy.deepcopy(model), "cafa", gaussians, optimizer="sgd", lr=1e-2)
+    scaled = Adapter(copy.deepcopy(model), "cafa", gaussians, optimizer="sgd", lr=1e-2)
+    assert plain.scaler is None
+    scaled.scaler = torch.amp.GradScaler("cpu")
+    for i in range(0, 100, 50):
+        plain.step(x[i : i + 50])
+        scaled.step(x[i : i + 50])
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(scaled.model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert scaled.skipped_steps == 0
+
+    before = {k: v.clone() for k, v in scaled.model.state_dict().items()}
+    objective = scaled.objective
+    scaled.objective = lambda logits, features: objective(logits, features) * 1e30  # finite, until scaled
+    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    scaled.step(x[:50])
+    assert scaled.skipped_steps == 1 and scaled.scaler.get_scale() == 2.0**126
+    assert all(torch.equal(v, scaled.model.state_dict()[k]) for k, v in before.items())
+
+
 def test_cafa_without_statistics_is_a_usage_error():
     with pytest.raises(UsageError, match="--stats"):
         Adapter(FeatureClassifier(tiny_net.build()), "cafa")

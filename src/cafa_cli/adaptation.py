@@ -153,6 +153,9 @@ class Adapter:
         self.source_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.skipped_steps = 0
         self.autocast = _autocast(device, precision)
+        # fp16 gradients underflow without loss scaling; bf16 has float32's range
+        self._scaled = precision == "fp16"
+        self.scaler = self._new_scaler()
         # torch.compile shares the module's parameters, so reset() and the optimiser
         # act on it unchanged; the first batches pay for the compilation
         self.forward = torch.compile(self.model) if compile else self.model
@@ -164,10 +167,14 @@ class Adapter:
             return torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum)
         return torch.optim.Adam(self.params, lr=self._lr)
 
+    def _new_scaler(self) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(self.device.type) if self._scaled and self.params else None
+
     def reset(self) -> None:
         """Back to the source weights, bit for bit, with a fresh optimiser state."""
         self.model.load_state_dict(self.source_state)
         self.optimizer = self._new_optimizer()
+        self.scaler = self._new_scaler()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
@@ -190,18 +197,29 @@ class Adapter:
 
     def _apply(self, loss: torch.Tensor) -> bool:
         """One optimiser step; a non-finite loss or gradient skips it (and is counted)
-        so that NaN never reaches the weights."""
+        so that NaN never reaches the weights. With fp16 the loss is scaled for the
+        backward pass and the gradients unscaled before the check; an overflow also
+        halves the scale for the next step."""
         self.optimizer.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
             self.skipped_steps += 1
             return False
-        loss.backward()
-        if not all(torch.isfinite(p.grad).all() for p in self.params if p.grad is not None):
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        finite = all(torch.isfinite(p.grad).all() for p in self.params if p.grad is not None)
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
-            return False
-        self.optimizer.step()
-        return True
+        elif self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+        if self.scaler is not None:
+            self.scaler.update()
+        return finite
 
 
 def _autocast(device: torch.device, precision: str):
