@@ -69,20 +69,25 @@ runpy.run_module("cafa_cli", run_name="__main__")
 class Run:
     """One `cafa` process, signalled with `sig` once `ready(run)` holds."""
 
-    def __init__(self, folder: Path, args: list, ready, sig: signal.Signals, slow_write: bool = False):
-        self.folder, self.ready, self.sig = folder, ready, sig
+    def __init__(self, folder: Path, args: list, ready, sig: signal.Signals, slow_write: bool = False, group: bool = False):
+        self.folder, self.ready, self.sig, self.group = folder, ready, sig, group
         self.marker = folder / "marker"
         self.stdout, self.stderr = folder / "stdout", folder / "stderr"
         env = {**os.environ, "CAFA_TEST_MARKER": str(self.marker), "CAFA_TEST_SLEEP": "0.4", "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-c", textwrap.dedent(SLOW_WRITE)] if slow_write else [sys.executable, "-m", "cafa_cli"]
         with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
-            self.process = subprocess.Popen(command + [str(a) for a in args], stdout=out, stderr=err, env=env, cwd=folder)
+            # a session of its own: `group` signals reach the loader workers too, as Ctrl-C does
+            self.process = subprocess.Popen(command + [str(a) for a in args], stdout=out, stderr=err, env=env, cwd=folder,
+                                            start_new_session=True)
         self.signalled = False
         self.before = None  # the artifact's bytes before the run
 
     def poll(self) -> None:
         if not self.signalled and self.process.poll() is None and self.ready(self):
-            self.process.send_signal(self.sig)
+            if self.group:
+                os.killpg(self.process.pid, self.sig)
+            else:
+                self.process.send_signal(self.sig)
             self.signalled = True
 
 
@@ -122,6 +127,12 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         args = ["adapt", "--model", f"{slow}:build", "--weights", weights, *PLAIN, "--method", "tent",
                 "--data", train, "--batch-size", "2", "--no-shuffle"]  # fmt: skip
         started[folder.name] = Run(folder, args, _some_records_out, sig)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # to the whole process group, loader workers included
+        folder = root / f"adapt-workers-{sig.name}"
+        folder.mkdir()
+        args = ["adapt", "--model", f"{slow}:build", "--weights", weights, *PLAIN, "--method", "tent",
+                "--data", train, "--batch-size", "2", "--no-shuffle", "--num-workers", "2"]  # fmt: skip
+        started[folder.name] = Run(folder, args, _some_records_out, sig, group=True)
 
     deadline = time.monotonic() + 120
     while any(r.process.poll() is None for r in started.values()) and time.monotonic() < deadline:
@@ -146,7 +157,19 @@ def test_killed_stats_keeps_the_old_artifact_and_leaves_no_temporary_file(runs, 
     assert stderr.strip().endswith("cafa: interrupted") and "Traceback" not in stderr
 
 
-@pytest.mark.parametrize("name", ["adapt-SIGINT", "adapt-SIGTERM"])
+def _processes_in(folder: Path) -> list[int]:
+    """Live processes whose working directory is `folder` (a run and its loader workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == folder:
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("name", ["adapt-SIGINT", "adapt-SIGTERM", "adapt-workers-SIGINT", "adapt-workers-SIGTERM"])
 def test_interrupted_adapt_flushes_complete_records_and_exits_130(runs, name):
     run = runs[name]
     stderr = run.stderr.read_text()
@@ -161,3 +184,7 @@ def test_interrupted_adapt_flushes_complete_records_and_exits_130(runs, name):
     assert 3 <= len(records) < 18, len(records)  # some, but not all: it was stopped mid-stream
     for path, prediction, label, confidence in records:
         assert Path(path).is_file() and prediction in "abc" and label in "abc" and 0 < float(confidence) <= 1
+    deadline = time.monotonic() + 10
+    while _processes_in(run.folder) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_in(run.folder), "a loader worker outlived the run"

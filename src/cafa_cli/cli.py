@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from inspect import signature
@@ -444,6 +445,10 @@ def bench(
 
 
 def _interrupt(signum, frame):
+    if not _debug["on"]:
+        # Unwinding stops the loader workers mid-transfer: the errors that background
+        # threads and finalisers then raise are noise once the run is being interrupted.
+        threading.excepthook = sys.unraisablehook = lambda *args: None
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -451,6 +456,7 @@ def main() -> None:
     # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: `finally` blocks run, so an
     # atomic write removes its temporary file and the predictions made so far are flushed.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         defaults = read_defaults(Path.cwd(), _command_options())
     except CafaError as error:

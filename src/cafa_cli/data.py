@@ -9,6 +9,7 @@ test set happens to have.
 from __future__ import annotations
 
 import pickle
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -418,4 +419,14 @@ def batches(
         collate_fn=_collate,
         pin_memory=pin_memory,
         persistent_workers=False,
+        worker_init_fn=_leave_signals_to_the_main_process if num_workers else None,
     )
+
+
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    """A SIGTERM or Ctrl-C sent to the whole process group would kill the workers first,
+    and the main process would then report a dead worker (with a traceback) instead of
+    an interruption. The main process stops them when it unwinds; if it is killed
+    outright, each worker's parent watchdog ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
