@@ -267,15 +267,75 @@ def test_html_page_as_weights(tmp_path, name):
         read_state_dict(path)
 
 
+# read as pickle opcodes, each first byte fails its own way inside torch.load: UnpicklingError,
+# KeyError (b"hello"), IndexError (b"}", b"\\x80"), struct.error (b"G"), ValueError (b"F"),
+# MemoryError (b"\\x8d": a garbage length), and b"c" reads as an unsupported "global"
+GARBAGE = {
+    "binary": bytes(range(256)) * 4,
+    "text": b"404 Not Found\n",
+    "empty": b"",
+    "hello": b"hello\n",
+    "brace": b"}hello\n",
+    "proto": b"\x80hello\n",
+    "mark": b"(ababab",
+    "double": b"G",
+    "float": b"Fhello\n",
+    "length": b"\x8d" + bytes(range(256)),
+    "cat": b"cat: weights.pt: No such file or directory\n",
+}
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["safe", "trusted"])
 @pytest.mark.parametrize("name", ["w.pt", "w.safetensors"])
-@pytest.mark.parametrize("data", [bytes(range(256)) * 4, b"404 Not Found\n", b""], ids=["binary", "text", "empty"])
-def test_garbage_weights_are_not_a_checkpoint(tmp_path, name, data):
+@pytest.mark.parametrize("data", GARBAGE.values(), ids=GARBAGE.keys())
+def test_garbage_weights_are_not_a_checkpoint(tmp_path, name, data, trust):
     path = tmp_path / name
     path.write_bytes(data)
-    with pytest.raises(InputError, match=r"--weights .*not a (checkpoint torch can read|readable safetensors)") as info:
-        read_state_dict(path)
+    with pytest.raises(InputError, match=r"--weights .*: (this is not a checkpoint torch can read \(|not a readable safetensors)") as info:
+        read_state_dict(path, trust_checkpoint=trust)
     assert "--trust-checkpoint" not in str(info.value), "trusting garbage cannot help"
     assert "\n" not in str(info.value)
+
+
+def test_struct_error_is_named_with_its_module(tmp_path):
+    path = tmp_path / "w.pt"
+    path.write_bytes(b"G")
+    with pytest.raises(InputError, match=r"not a checkpoint torch can read \(struct\.error\)$"):
+        read_state_dict(path)
+
+
+@pytest.mark.parametrize("name", ["w.pt", "w.safetensors", "w.pth"])
+def test_git_lfs_pointer_as_weights(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(
+        "version https://git-lfs.github.com/spec/v1\n"
+        "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+        "size 44605184\n"
+    )
+    with pytest.raises(InputError) as info:
+        read_state_dict(path)
+    assert str(info.value) == (
+        f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
+        f"run git lfs pull in that repository, or download the file itself"
+    )
+
+
+def test_pickled_module_whose_code_is_gone(tmp_path, monkeypatch):
+    """A trusted whole-model pickle names the module it needs, not 'not a checkpoint'."""
+    (tmp_path / "gone_net.py").write_text("import torch\nclass Net(torch.nn.Linear):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gone_net
+
+    path = tmp_path / "whole.pt"
+    torch.save(gone_net.Net(2, 2), path)
+    (tmp_path / "gone_net.py").unlink()
+    monkeypatch.delitem(__import__("sys").modules, "gone_net")
+    with pytest.raises(InputError) as info:
+        read_state_dict(path, trust_checkpoint=True)
+    assert str(info.value) == (
+        f"--weights {path}: the checkpoint pickles objects whose code is not importable here (No module named 'gone_net'); "
+        f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
+    )
 
 
 def test_truncated_checkpoint(tmp_path):

@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import pickle
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,12 @@ from torch import nn
 from cafa_cli.errors import InputError, UsageError, listing
 
 HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
+# what a clone without git-lfs leaves in place of a large file: a few lines of text
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+# torch.save writes a zip archive, or (legacy format) a pickle of protocol 2 or later
+TORCH_SAVE_MARKERS = (b"PK", b"\x80")
+# a MemoryError reading a file this small comes from a garbage length field, not from the weights
+SMALL_FILE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,11 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
         head = f.read(512).lstrip().lower()
     if head.startswith(HTML_MARKERS):
         raise InputError(f"--weights {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
+    if head.startswith(LFS_POINTER):
+        raise InputError(
+            f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
+            f"run git lfs pull in that repository, or download the file itself"
+        )
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -122,21 +132,43 @@ def _torch_load(path: Path, trust_checkpoint: bool):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as error:
-        # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help
-        if "weights_only" in str(error) and "Unsupported operand" not in str(error):
+        with open(path, "rb") as f:
+            start = f.read(2)
+        # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
+        # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
+        if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
             raise InputError(
                 f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
                 f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
             ) from None
-        with open(path, "rb") as f:
-            if f.read(2) in (b"\x80\x04", b"\x80\x05"):  # pickle protocol 4/5, not torch.save's format
-                raise InputError(
-                    f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
-                    f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
-                ) from None
-        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
-        raise InputError(f"--weights {path}: this is not a checkpoint torch can read ({type(error).__name__})") from None
+        if start in (b"\x80\x04", b"\x80\x05"):  # pickle protocol 4/5, not torch.save's format
+            raise InputError(
+                f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
+                f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+            ) from None
+        raise _not_a_checkpoint(path, error) from None
+    except (ImportError, AttributeError) as error:
+        # only a trusted load imports: a whole pickled model whose code is not on this machine
+        detail = str(error).splitlines()[0][:200] if str(error) else ""
+        if trust_checkpoint and detail and detail.isprintable():
+            raise InputError(
+                f"--weights {path}: the checkpoint pickles objects whose code is not importable here ({detail}); "
+                f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
+            ) from None
+        raise _not_a_checkpoint(path, error) from None
+    except MemoryError as error:
+        if path.stat().st_size >= SMALL_FILE:
+            raise  # a real shortage: the CLI reports it as out of memory
+        raise _not_a_checkpoint(path, error) from None
+    except Exception as error:  # bytes read as pickle opcodes fail in any way: KeyError, IndexError, struct.error...
+        raise _not_a_checkpoint(path, error) from None
+
+
+def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
+    name = type(error).__name__
+    if name == "error":  # struct.error: a bare "(error)" would read as a typo
+        name = f"{type(error).__module__}.error"
+    return InputError(f"--weights {path}: this is not a checkpoint torch can read ({name})")
 
 
 def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
