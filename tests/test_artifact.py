@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,31 @@ def test_failing_writer_keeps_old_file_and_leaves_no_temp(tmp_path):
         atomic_write(path, half_then_fail)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)], ids=["022", "002", "077"])
+def test_atomic_write_gives_the_mode_open_would(tmp_path, umask, mode):
+    """mkstemp's 0o600 must not leak into the result: artifacts are shared like any file."""
+    path = tmp_path / "s.json"
+    old = os.umask(umask)
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text("{}"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    path.chmod(0o640)
+    old = os.umask(0o022)
+    try:
+        write(path, "diag", 0.1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert read_artifact(path).covariance == "diag"
 
 
 def test_interrupted_write_artifact_keeps_old_file(tmp_path, monkeypatch):

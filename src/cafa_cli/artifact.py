@@ -7,8 +7,10 @@ copied whole into memory just to be checked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -127,10 +129,26 @@ def atomic_write(path: str | Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        with contextlib.suppress(OSError):  # a file system without modes (FAT, some mounts) keeps its own
+            os.chmod(tmp, _new_file_mode(target))
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _new_file_mode(target: Path) -> int:
+    """The mode open(target, 'w') would give: the replaced file's, else 0o666 less the umask
+    (mkstemp makes its file 0o600, which would hide artifacts from the group for good)."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        pass
+    # the umask can only be read by setting it; set a strict one for that instant, so that
+    # a file another thread creates meanwhile gets fewer permissions, never more
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 # --- reading ---------------------------------------------------------------------
