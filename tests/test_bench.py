@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cafa_cli.bench import Row, domain_label, markdown, parse_methods, parse_seeds, summarise
+from cafa_cli.bench import Row, domain_label, domain_labels, markdown, parse_methods, parse_seeds, summarise
 from cafa_cli.cli import app
 from cafa_cli.errors import UsageError
 from cafa_cli.fashion_mnist import DEFAULT_ROOT
+from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
 needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
@@ -38,6 +39,58 @@ def test_domain_labels_follow_the_imagenet_c_layout():
     assert domain_label("ImageNet-C/fog/5") == "fog"
     assert domain_label("data/CIFAR-10-C/fog.npy") == "fog"
     assert domain_label("test-folder") == "test-folder"
+
+
+def test_domain_labels_grow_until_they_differ():
+    assert domain_labels(["x/fog/3", "x/snow/3"]) == {"x/fog/3": "fog", "x/snow/3": "snow", "mean": "mean"}
+    assert domain_labels(["x/fog/3", "x/fog/5", "x/snow/3"]) == {"x/fog/3": "fog/3", "x/fog/5": "fog/5", "x/snow/3": "snow", "mean": "mean"}
+    assert domain_labels(["a/fog/3", "b/fog/3"])["b/fog/3"] == "b/fog/3"
+
+
+def test_bad_seeds_are_usage_errors():
+    with pytest.raises(UsageError, match="--seeds must be 0 or more, not -1"):
+        parse_seeds("0,-1")
+    with pytest.raises(UsageError, match="names a seed twice"):
+        parse_seeds("1,1")
+    with pytest.raises(UsageError, match="must be a positive number"):
+        parse_methods("tent@nan")
+
+
+def one_error_line(result, code: int, needle: str) -> None:
+    assert result.exit_code == code, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and needle in result.stderr, result.stderr
+    assert result.stdout == ""
+
+
+def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
+    domain = write_folder(tmp_path / "test", per_class=4)
+    base = ["bench", str(domain), "--methods", "source", "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")]
+    for flag in ("--csv", "--json", "--plot"):
+        one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
+    one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
+    (tmp_path / "file").write_text("")
+    one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
+    # source and bn need no statistics, so no --train either
+    ok = runner.invoke(app, [*base, "--methods", "source,bn"])
+    assert ok.exit_code == 0, ok.stderr
+    assert ok.stdout.startswith("| method | test | mean |")
+
+
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["--severity", "6"], 2, "--severity must be 1-5, not 6"),
+        (["--test-per-class", "-1", "--data-only"], 2, "--test-per-class must be 0 (all) or more"),
+        (["--methods", "cafa,magic"], 2, "unknown method 'magic'"),
+        (["--corruptions", "fog,rain"], 2, "unknown corruption 'rain'"),
+        (["--fashion-mnist", "/nonexistent"], 3, "Fashion-MNIST not found"),
+    ],
+)
+def test_demo_rejects_bad_options_before_building_anything(tmp_path, args, code, needle):
+    pytest.importorskip("corrupt_tta")
+    result = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "demo"), *args])
+    one_error_line(result, code, needle)
+    assert not (tmp_path / "demo").exists()
 
 
 def test_summary_is_mean_and_std_over_seeds_and_the_mean_column_averages_domains():

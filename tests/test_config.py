@@ -23,8 +23,17 @@ def test_cafa_toml_maps_option_names_to_parameters(tmp_path):
 def test_pyproject_tool_cafa_is_read_when_there_is_no_cafa_toml(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.cafa.adapt]\nlr = 0.0025\n')
     assert read_defaults(tmp_path, _command_options()) == {"adapt": {"lr": 0.0025}}
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.cafa.adapt]\nspeed = 3\n')
+    with pytest.raises(UsageError, match=r"\[tool\.cafa\.adapt\] has no option 'speed'"):  # the section as written there
+        read_defaults(tmp_path, _command_options())
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
     assert read_defaults(tmp_path, _command_options()) == {}
+
+
+def test_one_string_for_a_repeatable_option_is_a_list_of_one(tmp_path):
+    (tmp_path / "cafa.toml").write_text('[adapt]\ndata = "ImageNet-C/fog/5"\n[bench]\ndata = ["a", "b"]\nseeds = "0,1"\n')
+    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    assert defaults == {"adapt": {"data": ["ImageNet-C/fog/5"]}, "bench": {"data": ["a", "b"], "seeds": "0,1"}}
 
 
 @pytest.mark.parametrize(
@@ -60,3 +69,11 @@ def test_the_real_entry_point_reports_a_bad_config_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--data", "x"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip() == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed'"
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_still_work_with_a_bad_config(tmp_path, flag):
+    (tmp_path / "cafa.toml").write_text("[adapt]\nspeed = 3\n")
+    done = subprocess.run([sys.executable, "-m", "cafa_cli", flag], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert ("Usage" in done.stdout) if flag == "--help" else done.stdout.strip().startswith("cafa")

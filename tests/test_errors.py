@@ -413,6 +413,27 @@ def test_batch_size_below_one(setup, tmp_path, command):
     assert result.stdout == "", "no CSV header before the options are checked"
 
 
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--seed", "-1"], "--seed must be 0 or more, not -1"),
+        (["--lr", "nan"], "--lr must be a positive number, not nan"),
+        (["--lr", "inf"], "--lr must be a positive number, not inf"),
+        (["--bn-prior", "nan"], "--bn-prior must be a number, 0 or more, not nan"),
+        (["--momentum", "5"], "--momentum must be in [0, 1), not 5.0"),
+    ],
+    ids=["seed", "lr-nan", "lr-inf", "bn-prior-nan", "momentum"],
+)
+def test_adapt_option_values_checked_before_any_output(setup, args, needle):
+    result = adapt(setup, setup["train"], *args)
+    fails(result, 2, needle)
+    assert result.stdout == "", "no CSV header before the options are checked"
+
+
+def test_stats_negative_seed(setup, tmp_path):
+    fails(stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"), 2, "--seed must be 0 or more, not -1")
+
+
 def test_unknown_method(setup):
     fails(adapt(setup, setup["train"], "--method", "magic"), 2, "--method must be one of", "not magic")
 

@@ -3,6 +3,7 @@ online step of each method (predict with the forward pass, then update)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -129,10 +130,12 @@ class Adapter:
     ):
         if steps < 1:
             raise UsageError(f"--steps must be at least 1, not {steps}")
-        if lr <= 0:
-            raise UsageError(f"--lr must be positive, not {lr}")
-        if bn_prior < 0:
-            raise UsageError(f"--bn-prior must be 0 or more, not {bn_prior}")
+        if not 0 < lr < math.inf:
+            raise UsageError(f"--lr must be a positive number, not {lr}")
+        if not 0 <= bn_prior < math.inf:
+            raise UsageError(f"--bn-prior must be a number, 0 or more, not {bn_prior}")
+        if not 0 <= momentum < 1:
+            raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
         if optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer}")
         self.objective = make_objective(method, gaussians, device)

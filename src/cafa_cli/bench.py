@@ -50,6 +50,8 @@ def parse_methods(text: str) -> list[Row]:
             lr = float(lr_text) if lr_text else None
         except ValueError:
             raise UsageError(f"--methods: {label!r}: the learning rate after @ is not a number") from None
+        if lr is not None and not 0 < lr < float("inf"):
+            raise UsageError(f"--methods: {label!r}: the learning rate after @ must be a positive number")
         rows.append(Row(label, method, covariance, lr))
     if not rows:
         raise UsageError("--methods names no method")
@@ -63,13 +65,47 @@ def parse_seeds(text: str) -> list[int]:
         raise UsageError(f"--seeds takes comma-separated integers, not {text!r}") from None
     if not seeds:
         raise UsageError("--seeds names no seed")
+    if min(seeds) < 0:
+        raise UsageError(f"--seeds must be 0 or more, not {min(seeds)}")
+    if len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds names a seed twice: {text}")
     return seeds
+
+
+def check_domains(domains: list[str]) -> None:
+    repeated = sorted({d for d in domains if domains.count(d) > 1})
+    if repeated:
+        raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
+
+
+def make_workdir(workdir: str | Path) -> Path:
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--workdir {path} is a file; give a folder for the artifacts")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"--workdir {path}: cannot create it ({error.strerror or error})") from None
+    return path
 
 
 def domain_label(path: str) -> str:
     """`.../fog/3` → `fog` (ImageNet-C layout), else the folder or file name."""
     p = Path(path)
     return p.parent.name if p.name.isdigit() and p.parent.name else (p.stem or path)
+
+
+def domain_labels(domains: list[str]) -> dict[str, str]:
+    """Column labels, one per domain (and `mean`): `fog`, or `fog/3` and `fog/5` when
+    the short ones would collide, up to the whole path."""
+    labels = {d: domain_label(d) for d in domains}
+    for depth in range(2, max((len(Path(d).parts) for d in domains), default=0) + 1):
+        shown = list(labels.values())
+        clashing = {d for d in domains if shown.count(labels[d]) > 1}
+        if not clashing:
+            break
+        labels.update({d: "/".join(Path(d).parts[-depth:]) for d in clashing})
+    return {**labels, "mean": "mean"}
 
 
 def ensure_statistics(
@@ -140,8 +176,9 @@ def summarise(errors: dict, rows: list[Row], domains: list[str], seeds: list[int
 
 
 def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
-    names = [domain_label(d) for d in domains] + ["mean"]
     keys = domains + ["mean"]
+    labels = domain_labels(domains)
+    names = [labels[k] for k in keys]
     best = min(row["cells"]["mean"][0] for row in table)
     lines = ["| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for row in table:
@@ -155,6 +192,8 @@ def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
 
 
 def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
+    labels = domain_labels(domains)
+
     def write(tmp):
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
@@ -162,17 +201,18 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
             for row in table:
                 for key in domains + ["mean"]:
                     mean, std = row["cells"][key]
-                    out.writerow([row["method"], domain_label(key) if key != "mean" else "mean", f"{mean:.4f}", f"{std:.4f}"])
+                    out.writerow([row["method"], labels[key], f"{mean:.4f}", f"{std:.4f}"])
 
     atomic_write(path, write)
 
 
 def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], settings: dict) -> None:
+    labels = domain_labels(domains)
     payload = {
         "unit": "error %",
         "seeds": seeds,
-        "domains": [{"data": d, "label": domain_label(d)} for d in domains],
-        "table": [{"method": r["method"], **{(domain_label(k) if k != "mean" else "mean"): {"mean": m, "std": s}
+        "domains": [{"data": d, "label": labels[d]} for d in domains],
+        "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
                                              for k, (m, s) in r["cells"].items()}} for r in table],
         "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
         "settings": settings,
@@ -197,7 +237,8 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
         stds = [row["cells"][key][1] for key in keys]
         ax.bar([i + k * width for i in range(len(keys))], means, width, yerr=stds, label=row["method"])
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
-    ax.set_xticklabels([domain_label(k) if k != "mean" else "mean" for k in keys], rotation=45, ha="right")
+    labels = domain_labels(domains)
+    ax.set_xticklabels([labels[k] for k in keys], rotation=45, ha="right")
     ax.set_ylabel("error %")
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()

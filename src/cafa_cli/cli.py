@@ -402,8 +402,12 @@ def bench(
     data = [*(data or []), *(domains or [])]
     if not data:
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
+    grid.check_domains(data)
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
+    for out in (csv_out, json_out, plot_out):
+        if out:
+            check_writable(out)  # fail now, not after the whole grid has run
     model_choice = ModelChoice(model, weights, num_classes, classifier)
     train_choice = DataChoice(None, None, classes, _preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
@@ -411,12 +415,13 @@ def bench(
     data_choice = DataChoice(labels, severity, classes, test_changes)
     train_preprocessing = default_preprocessing(model).with_changes(train_choice.preprocessing)
     test_preprocessing = train_preprocessing.with_changes(test_changes)
-    if train is None:
+    if train is None and any(row.covariance for row in rows):
         if model != "fmnist-resnet":
-            raise UsageError("--train is needed: the training data to compute class statistics from")
+            raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
+                             f"the training data to compute class statistics from")
         train = "fashion-mnist"
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, steps=steps, device=device, num_workers=num_workers)
-    Path(workdir).mkdir(parents=True, exist_ok=True)
+    grid.make_workdir(workdir)
     target = rank_device(pick_device(device))
     with process_group(target) as (rank, world), Monitor(stderr_console(quiet), quiet or rank > 0) as monitor:
         # every rank joins the statistics (sharded under torchrun); rank 0 writes them
@@ -458,16 +463,21 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        defaults = read_defaults(Path.cwd(), _command_options())
+        defaults = read_defaults(Path.cwd(), _command_options(), _command_options(repeatable=True))
     except CafaError as error:
-        _fail(str(error), error.exit_code)
-        raise SystemExit(error.exit_code) from None
+        if not {"--help", "--version"} & set(sys.argv[1:]):
+            _fail(str(error), error.exit_code)
+            raise SystemExit(error.exit_code) from None
+        defaults = {}  # the help that would show how to fix the file stays readable
     app(default_map=defaults)
 
 
-def _command_options() -> dict[str, set[str]]:
-    """Each command's parameter names, for checking cafa.toml's keys."""
+def _command_options(repeatable: bool = False) -> dict[str, set[str]]:
+    """Each command's parameter names (or those that take a list), for checking cafa.toml's keys."""
     return {
-        (command.name or command.callback.__name__): set(signature(command.callback).parameters)
+        (command.name or command.callback.__name__): {
+            name for name, parameter in signature(command.callback).parameters.items()
+            if not repeatable or "list[" in str(parameter.annotation)
+        }
         for command in app.registered_commands
     }

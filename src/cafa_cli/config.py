@@ -21,27 +21,30 @@ from cafa_cli.errors import UsageError
 CONFIG_FILE = "cafa.toml"
 
 
-def read_defaults(folder: str | Path, options: dict[str, set[str]]) -> dict[str, dict]:
+def read_defaults(folder: str | Path, options: dict[str, set[str]], repeatable: dict[str, set[str]] | None = None) -> dict[str, dict]:
     """{command: {parameter: value}} for typer's default_map; `options` lists each
-    command's parameter names, so a misspelt key is an error rather than ignored."""
+    command's parameter names, so a misspelt key is an error rather than ignored, and
+    `repeatable` those that take a list (where one string means a list of one)."""
     folder = Path(folder)
-    path, table = folder / CONFIG_FILE, None
+    path, table, prefix = folder / CONFIG_FILE, None, ""
     if path.is_file():
         table = _load(path)
     elif (folder / "pyproject.toml").is_file():
-        path = folder / "pyproject.toml"
+        path, prefix = folder / "pyproject.toml", "tool.cafa."
         table = _load(path).get("tool", {}).get("cafa")
     if not table:
         return {}
     defaults: dict[str, dict] = {}
     for command, values in table.items():
         if command not in options or not isinstance(values, dict):
-            raise UsageError(f"{path}: [{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
+            raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
         defaults[command] = {}
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in options[command]:
-                raise UsageError(f"{path}: [{command}] has no option {key!r}")
+                raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
+            if isinstance(value, str) and name in (repeatable or {}).get(command, set()):
+                value = [value]
             defaults[command][name] = value
     return defaults
 

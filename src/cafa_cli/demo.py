@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cafa_cli.bench import ensure_statistics, markdown, parse_methods, run_grid, summarise
-from cafa_cli.fmnist_c import build_corrupted, build_training_subset
+from cafa_cli.fashion_mnist import check_installed
+from cafa_cli.fmnist_c import build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
 from cafa_cli.report import Monitor
 
@@ -39,8 +40,10 @@ def command_line(*words) -> str:
 def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None = None, monitor: Monitor | None = None, echo=print) -> str:
     """Returns the results table (markdown); `echo` receives the command lines run."""
     monitor = monitor or Monitor()
+    rows = parse_methods(plan.methods)
+    check_corruptions(list(plan.corruptions), plan.severity)
+    check_installed(root)
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     monitor.info(f"building data in {workdir} (re-used when already there)")
     train = build_training_subset(workdir, plan.train_per_class, plan.seed, root)
     domains = [
@@ -49,7 +52,6 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
                                  on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
     ]
     model = ModelChoice(MODEL)
-    rows = parse_methods(plan.methods)
     artifact = ensure_statistics(workdir, "full", str(train), model, DataChoice(), None, 1.0, plan.seed, monitor)
     echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed, "--out", artifact))
     settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)

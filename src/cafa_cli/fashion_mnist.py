@@ -72,6 +72,14 @@ def load_fashion_mnist(
     return images, labels
 
 
+def check_installed(root: str | Path | None = None) -> None:
+    """Fail now, before any work, when a split's files are missing."""
+    folder = resolve_root(root)
+    for prefix in SPLIT_PREFIXES.values():
+        for kind, dims in (("images", 3), ("labels", 1)):
+            find_idx_file(folder, f"{prefix}-{kind}-idx{dims}-ubyte")
+
+
 def resolve_root(root: str | Path | None) -> Path:
     if root is not None:
         return Path(root).expanduser()

@@ -39,11 +39,22 @@ def _corruptions():
     return corrupt_tta
 
 
+def check_corruptions(corruptions: list[str], severity: int) -> None:
+    """Names and severity checked before any image is built."""
+    library = _corruptions()
+    unknown = [c for c in corruptions if c not in library.corruption_dict]
+    if unknown:
+        raise UsageError(f"unknown corruption {unknown[0]!r}; choose from {', '.join(library.corruption_dict)}")
+    if not corruptions:
+        raise UsageError("--corruptions names no corruption")
+    if severity not in range(1, 6):
+        raise UsageError(f"--severity must be 1-5, not {severity}")
+
+
 def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) -> np.ndarray:
     """Corrupt 28x28 grey uint8 images (as grey RGB, the library's input) back to grey uint8."""
+    check_corruptions([corruption], severity)
     library = _corruptions()
-    if corruption not in library.corruption_dict:
-        raise UsageError(f"unknown corruption {corruption!r}; choose from {', '.join(library.corruption_dict)}")
     # corrupt-tta draws from NumPy's global generator: seed it so that a domain is reproducible
     np.random.seed(seed)
     out = np.empty_like(images)
@@ -94,6 +105,9 @@ def build_corrupted(
     workdir: Path, corruptions: list[str], severity: int, per_class: int | None = None, seed: int = 0, root=None, on_domain=None
 ) -> list[Path]:
     """One ImageFolder per corruption at `severity`; re-uses folders already complete."""
+    check_corruptions(corruptions, severity)
+    if per_class is not None and per_class < 1:
+        raise UsageError(f"--test-per-class must be 0 (all) or more, not {per_class}")
     base = workdir / ("fashion-mnist-c" if per_class is None else f"fashion-mnist-c-{per_class}")
     folders = []
     images = labels = None

@@ -91,7 +91,7 @@ def compute_statistics(
     if per_class is not None and per_class < 2:
         raise UsageError(f"--per-class must be at least 2, not {per_class}")
     statistics.check_options(covariance, shrinkage)
-    _check_loading(batch_size, num_workers)
+    _check_loading(batch_size, num_workers, seed)
     check_writable(out)
     target = pick_device(device)
     preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
@@ -142,8 +142,10 @@ def recorded_data(data: str) -> str:
     return str(Path(data).resolve()) if Path(data).exists() else data
 
 
-def _check_loading(batch_size: int, num_workers: int) -> None:
+def _check_loading(batch_size: int, num_workers: int, seed: int) -> None:
     """Checked before any model or data is read, and before any output is written."""
+    if seed < 0:
+        raise UsageError(f"--seed must be 0 or more, not {seed}")
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
     if num_workers < 0:
@@ -280,7 +282,7 @@ def prepare_adaptation(
 ) -> Adaptation:
     if not data:
         raise UsageError("give at least one --data PATH")
-    _check_loading(settings.batch_size, settings.num_workers)
+    _check_loading(settings.batch_size, settings.num_workers, settings.seed)
     check_reset(settings.reset)
     net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
