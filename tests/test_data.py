@@ -46,7 +46,7 @@ def mixed_folder(tmp_path) -> Path:
     (root / "apple" / "notes.txt").write_text("not an image")
     (root / "apple" / "README").write_text("no extension")
     save(root / ".cache" / "hidden.png", solid(60))
-    save(root / "top-level.png", solid(70))  # ignored: the folder has class folders
+    save(root / "top-level.png", solid(70))  # ignored, with a note: the folder has class folders
     return root
 
 
@@ -61,6 +61,25 @@ def test_image_folder_extensions_and_class_names(mixed_folder):
     values = {Path(domain.refs[i]).name: int(np.asarray(domain.read(i)).mean().round()) for i in range(len(domain))}
     assert values["one.PNG"] == 10 and values["three.png"] == 30 and values["five.bmp"] == 50
     assert abs(values["two.JpG"] - 20) <= 2  # JPEG
+
+
+def test_top_level_images_beside_class_folders_are_noted(mixed_folder):
+    """Ignored, as they have no class, but never silently: the note reaches the user as a warning."""
+    for i in range(3):
+        save(mixed_folder / f"loose{i}.png", solid(80))
+    domain = open_domain(str(mixed_folder), class_names=["zebra", "apple"])
+    assert len(domain) == 5
+    assert domain.notes == [
+        f"--data {mixed_folder}: ignoring 4 image(s) at the top level, outside the class folders "
+        f"(loose0.png, loose1.png, loose2.png, top-level.png); move them into their class folders"
+    ]
+
+
+def test_class_folders_alone_or_a_flat_folder_have_no_notes(tmp_path, mixed_folder):
+    (mixed_folder / "top-level.png").unlink()
+    assert open_domain(str(mixed_folder)).notes == []
+    save(tmp_path / "stream" / "a.png", solid(1))
+    assert open_domain(str(tmp_path / "stream")).notes == []
 
 
 def test_relabel_by_name_into_the_model_order(mixed_folder):

@@ -13,7 +13,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,8 @@ class Domain:
     class_names: list[str]
     read: Callable[[int], Image.Image]
     indexed_labels: bool = False  # labels are output indices (arrays), not names
+    # what opening it noticed but let pass (one line each); the caller shows them as warnings
+    notes: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -89,13 +91,13 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
     Arrays carry label indices, not names: those are checked against the class count.
     """
     if domain.class_names == class_names or not domain.class_names:
-        return Domain(domain.name, domain.refs, domain.labels, class_names, domain.read)
+        return replace(domain, class_names=class_names)
     if domain.indexed_labels:
         if int(domain.labels.max(initial=-1)) >= len(class_names):
             raise InputError(
                 f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(class_names)} classes"
             )
-        return Domain(domain.name, domain.refs, domain.labels, class_names, domain.read)
+        return replace(domain, class_names=class_names)
     index = {name: i for i, name in enumerate(class_names)}
     unknown = sorted(set(domain.class_names) - set(index))
     used = set(domain.labels[domain.labels != UNLABELLED].tolist())
@@ -107,7 +109,7 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
             f"({len(class_names)} classes); rename them or give the right --classes file"
         )
     lookup = np.array([index.get(n, UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
-    return Domain(domain.name, domain.refs, lookup[domain.labels], class_names, domain.read)
+    return replace(domain, labels=lookup[domain.labels], class_names=class_names)
 
 
 def read_class_list(path: str) -> list[str]:
@@ -154,8 +156,15 @@ def _folder_domain(root: Path) -> Domain:
         images = _images_below(folder)
         refs += [str(p) for p in images]
         labels += [label] * len(images)
+    top = sorted(p for p in root.iterdir() if is_image(p))
+    notes = []
+    if refs and top:
+        # they have no label, and a labelled run cannot mix in unlabelled images: say so, not drop them unseen
+        notes.append(
+            f"--data {root}: ignoring {len(top)} image(s) at the top level, outside the class folders "
+            f"({listing(p.name for p in top)}); move them into their class folders"
+        )
     if not refs:
-        top = sorted(p for p in root.iterdir() if is_image(p))
         if not top and class_dirs:
             shown = listing(d.name for d in class_dirs)
             raise InputError(
@@ -170,7 +179,7 @@ def _folder_domain(root: Path) -> Domain:
         refs = [str(p) for p in top]
         labels = [UNLABELLED] * len(refs)
         class_names = []
-    return Domain(str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]))
+    return Domain(str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]), notes=notes)
 
 
 def _stdin_domain(stream) -> Domain:
