@@ -195,9 +195,45 @@ def test_array_errors(tmp_path):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "l.npy"))
     with pytest.raises(UsageError, match="--labels is only for .npy"):
         open_domain(str(tmp_path), labels=str(tmp_path / "l.npy"))
-    (tmp_path / "bad.npy").write_bytes(b"not numpy")
-    with pytest.raises(InputError, match="not a readable .npy"):
+    np.save(tmp_path / "cut.npy", np.zeros((10, 10), dtype=np.uint8))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:100])
+    with pytest.raises(InputError, match=r"--data .*cut\.npy: not a readable \.npy array \(EOF"):
+        open_domain(str(tmp_path / "cut.npy"))
+
+
+def _object_array(path):
+    np.save(path, np.array([1, "a", None], dtype=object), allow_pickle=True)
+
+
+def _npz(path):
+    with open(path, "wb") as f:
+        np.savez(f, a=np.zeros(3))
+
+
+NOT_NPY = {
+    "text": (lambda p: p.write_text("0\n1\n2\n"), "not a NumPy .npy array (no .npy header)"),
+    "pickle": (lambda p: p.write_bytes(pickle.dumps([0, 1, 2])), "not a NumPy .npy array (no .npy header)"),
+    "empty": (lambda p: p.write_bytes(b""), "not a NumPy .npy array (the file is empty)"),
+    "npz": (_npz, "not a NumPy .npy array (a .npz archive)"),
+    "objects": (_object_array, "the array holds Python objects, which cafa does not load"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_NPY, ids=NOT_NPY.keys())
+def test_npy_that_is_not_a_plain_array_never_suggests_allow_pickle(tmp_path, case):
+    """numpy's own message advises allow_pickle=, and loading a pickle can run code."""
+    make, why = NOT_NPY[case]
+    np.save(tmp_path / "x.npy", np.zeros((3, 4, 4), dtype=np.uint8))
+    make(tmp_path / "bad.npy")
+    with pytest.raises(InputError) as info:
         open_domain(str(tmp_path / "bad.npy"))
+    assert str(info.value) == (
+        f"--data {tmp_path / 'bad.npy'}: {why}; save the images with numpy.save as a uint8 array, or give an image folder"
+    )
+    with pytest.raises(InputError) as info:
+        open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "bad.npy"))
+    assert str(info.value) == f"--labels {tmp_path / 'bad.npy'}: {why}; save the labels with numpy.save as a 1-D integer array"
+    assert "allow_pickle" not in str(info.value)
 
 
 def test_array_labels_out_of_range_for_class_list(tmp_path):

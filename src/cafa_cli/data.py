@@ -192,10 +192,26 @@ def _stdin_domain(stream) -> Domain:
 # --- arrays ----------------------------------------------------------------------
 
 
+NPY_MAGIC = b"\x93NUMPY"
+NPY_INSTEAD = {
+    "--data": "save the images with numpy.save as a uint8 array, or give an image folder",
+    "--labels": "save the labels with numpy.save as a 1-D integer array",
+}
+
+
 def _load_npy(path: Path, what: str) -> np.ndarray:
+    # numpy's own errors for these advise allow_pickle=, which would let the file run code
+    instead = NPY_INSTEAD[what]
     try:
+        with open(path, "rb") as f:
+            magic = f.read(len(NPY_MAGIC))
+        if magic != NPY_MAGIC:
+            why = "the file is empty" if not magic else "a .npz archive" if magic.startswith(b"PK") else "no .npy header"
+            raise InputError(f"{what} {path}: not a NumPy .npy array ({why}); {instead}")
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, EOFError) as error:
+        if "Python objects" in str(error) or "pickle" in str(error):
+            raise InputError(f"{what} {path}: the array holds Python objects, which cafa does not load; {instead}") from None
         raise InputError(f"{what} {path}: not a readable .npy array ({error})") from None
 
 
