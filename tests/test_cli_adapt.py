@@ -182,3 +182,15 @@ def test_a_relative_factory_path_names_the_artifacts_model_and_weights(setup, mo
                                    "--data", str(setup["test"]), "--batch-size", "30", "--quiet"])
     assert relative.exit_code == 0, relative.stderr
     assert relative.stdout == adapt(setup, "--quiet").stdout
+
+
+def test_settings_that_quietly_hurt_get_one_warning_each(setup):
+    plain = adapt(setup, "--method", "bn")
+    assert plain.exit_code == 0 and "warning:" not in plain.stderr
+    result = adapt(setup, "--method", "bn", "--batch-size", "1", "--resize", "20", "--crop", "16")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, result.stderr
+    assert "--batch-size 1" in warnings[0] and "--bn-prior" in warnings[0]
+    assert "resize 20, crop 16 differ from the statistics' (resize None, crop None)" in warnings[1]
+    assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--bn-prior", "16").stderr

@@ -312,6 +312,8 @@ def adapt(
     writer = RecordWriter(output, fmt, job.class_names)
     try:
         with Monitor(console, quiet) as monitor:
+            for caution in job.cautions():
+                monitor.warn(caution)
             results = job.run(writer.write, monitor)
     finally:
         output.flush()

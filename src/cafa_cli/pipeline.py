@@ -240,6 +240,21 @@ class Adaptation:
     class_names: list[str]
     settings: AdaptSettings
     used: dict  # every setting, for the metrics JSON
+    statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+
+    def cautions(self) -> list[str]:
+        """Settings that run but quietly hurt the results, worth a warning."""
+        notes = []
+        s = self.settings
+        if s.batch_size == 1 and s.bn_prior == 0 and s.method != "source":
+            notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
+                         "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
+        made = self.statistics_preprocess
+        if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
+            notes.append(f"resize {self.preprocess.resize}, crop {self.preprocess.crop} differ from the statistics' "
+                         f"(resize {made.resize}, crop {made.crop}): right for test images stored already cropped "
+                         f"(ImageNet-C); otherwise the features will not match the statistics")
+        return notes
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
         monitor = monitor or Monitor()
@@ -322,4 +337,4 @@ def prepare_adaptation(
         "weights": spec.weights,
         "preprocessing": asdict(preprocess),
     }
-    return Adaptation(adapter, domains, preprocess, class_names, settings, used)
+    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None)
