@@ -588,11 +588,12 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
     "kwargs, pattern",
     [
         ({"channels": 2}, "--channels"),
-        ({"mean": (0.1, 0.2)}, "--mean needs 1 or 3"),
+        ({"mean": (0.1, 0.2)}, r"^--mean needs 1 or 3 values for 3 channels, got 2$"),
         ({"std": (1.0, 0.0, 1.0)}, "--std values must be positive"),
         ({"resize": 0}, "--resize"),
         ({"crop": -3}, "--crop"),
-        ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, "--mean needs 1 or 1"),
+        ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^--mean needs 1 value for 1 channel, got 3$"),
+        ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^--std needs 1 value for 1 channel, got 2$"),
     ],
 )
 def test_preprocessing_validation(kwargs, pattern):

@@ -38,9 +38,8 @@ class Preprocessing:
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) not in (1, self.channels):
-                raise UsageError(
-                    f"--{name} needs 1 or {self.channels} comma-separated values, got {len(values)}"
-                )
+                counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
+                raise UsageError(f"--{name} needs {counts}, got {len(values)}")
         if not all(math.isfinite(v) for v in self.mean + self.std):
             raise UsageError("--mean and --std values must be finite numbers")
         if any(s <= 0 for s in self.std):
