@@ -516,3 +516,16 @@ def test_stats_counts_skipped_images_in_the_artifact(setup, tmp_path):
     from cafa_cli.artifact import read_artifact
 
     assert read_artifact(out, load_tensors=False).sampling["skipped_images"] == 1
+
+
+@pytest.mark.parametrize("command", ["adapt", "stats"])
+def test_images_outside_the_class_folders_get_one_warning(setup, tmp_path, command):
+    data = write_folder(tmp_path / "mixed", per_class=6)
+    shutil.copy(next((data / "a").glob("*.png")), data / "loose.png")
+    result = adapt(setup, data) if command == "adapt" else stats(setup, data, "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: --data {data}: ignoring 1 image(s) at the top level, outside the class folders "
+                        f"(loose.png); move them into their class folders"]
+    if command == "adapt":
+        assert len(rows(result)) == 18

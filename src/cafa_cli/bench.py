@@ -153,6 +153,9 @@ def run_grid(
         stats = str(artifacts[row.covariance]) if row.covariance else None
         row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
         job = prepare_adaptation(domains, stats, model, data_choice, row_settings)
+        if not errors:  # once, not for every run
+            for caution in job.cautions():
+                monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
         for domain, result in zip(domains, job.run(monitor=monitor)):
             if result.error is None:

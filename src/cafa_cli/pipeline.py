@@ -98,6 +98,8 @@ def compute_statistics(
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
+    for note in domain.notes:
+        monitor.warn(note)
     if class_names is None:
         class_names = domain.class_names
     if not class_names:
@@ -243,8 +245,8 @@ class Adaptation:
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
 
     def cautions(self) -> list[str]:
-        """Settings that run but quietly hurt the results, worth a warning."""
-        notes = []
+        """What the data or settings do that runs but quietly hurts the results, worth a warning."""
+        notes = [note for domain in self.domains for note in domain.notes]
         s = self.settings
         if s.batch_size == 1 and s.bn_prior == 0 and s.method != "source":
             notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
@@ -282,8 +284,14 @@ class Adaptation:
             s.strict,
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
-            on_domain=lambda domain: monitor.start(Path(domain.name).name or domain.name, len(domain)),
+            on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
+
+
+def _short_name(name: str) -> str:
+    """`…/fog/5` → `fog/5` (the ImageNet-C layout), else the folder or file name."""
+    path = Path(name)
+    return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)
 
 
 def prepare_adaptation(
