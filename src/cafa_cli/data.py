@@ -354,6 +354,15 @@ def stratified_subset(
 
     Reproducible: the same seed gives the same subset, whatever else the folder holds.
     """
+    counts = np.bincount(labels[labels >= 0], minlength=len(class_names))
+    empty = [name for c, name in enumerate(class_names) if counts[c] == 0]
+    if empty:
+        # a larger fraction of nothing is nothing: the images themselves are missing
+        noun = "class" if len(empty) == 1 else "classes"
+        raise InputError(
+            f"no images of {noun} {listing(empty)} in the data, and statistics need every class; "
+            f"give each its folder of images (e.g. {empty[0]}/ in the --data folder)"
+        )
     generator = np.random.default_rng(seed)
     chosen: list[np.ndarray] = []
     too_few: list[str] = []
