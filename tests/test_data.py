@@ -140,6 +140,22 @@ def test_read_class_list(tmp_path):
         read_class_list(str(tmp_path / "absent.txt"))
 
 
+@pytest.mark.parametrize("kind", ["safetensors", "latin-1", "nul"])
+def test_binary_class_list_is_an_input_error(tmp_path, kind):
+    path = tmp_path / "classes.txt"
+    if kind == "safetensors":  # the weights given by mistake
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.randn(4, 4)}, str(path))
+    else:
+        path.write_bytes("café\nthé\n".encode("latin-1") if kind == "latin-1" else b"cat\x00\ndog\n")
+    with pytest.raises(InputError) as info:
+        read_class_list(str(path))
+    assert str(info.value) == (
+        f"--classes {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line"
+    )
+
+
 # --- arrays --------------------------------------------------------------------------
 
 

@@ -116,7 +116,14 @@ def read_class_list(path: str) -> list[str]:
     file = Path(path)
     if not file.is_file():
         raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
-    names = [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = file.read_text(encoding="utf-8")
+        binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise InputError(f"--classes {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
+    names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise InputError(f"--classes {path}: the file lists no class names")
     duplicates = sorted({n for n in names if names.count(n) > 1})
