@@ -211,6 +211,18 @@ def test_array_errors(tmp_path):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "l.npy"))
     with pytest.raises(UsageError, match="--labels is only for .npy"):
         open_domain(str(tmp_path), labels=str(tmp_path / "l.npy"))
+
+
+@pytest.mark.parametrize("spec", ["folder", "fashion-mnist", "-"])
+def test_severity_without_a_stacked_array_is_a_usage_error(tmp_path, spec):
+    """Ignoring it would adapt on every severity while the user believes in one."""
+    write_folder(tmp_path / "folder", per_class=2)
+    with pytest.raises(UsageError) as info:
+        open_domain(str(tmp_path / spec) if spec == "folder" else spec, severity=3, stdin=io.StringIO("a.png\n"))
+    assert str(info.value) == (
+        "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
+        "for an image folder, give the folder of one severity as --data"
+    )
     np.save(tmp_path / "cut.npy", np.zeros((10, 10), dtype=np.uint8))
     (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:100])
     with pytest.raises(InputError, match=r"--data .*cut\.npy: not a readable \.npy array \(EOF"):

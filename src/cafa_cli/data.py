@@ -62,6 +62,11 @@ def open_domain(
     """
     if labels is not None and not spec.endswith(".npy"):
         raise UsageError("--labels is only for .npy arrays; image folders take labels from class folders")
+    if severity is not None and not spec.endswith(".npy"):
+        raise UsageError(
+            "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
+            "for an image folder, give the folder of one severity as --data"
+        )
     kind, _, root = spec.partition(":")
     if kind in TRAINING_SETS and (root or not Path(spec).exists()):
         domain = TRAINING_SETS[kind](Path(root) if root else None)
