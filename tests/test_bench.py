@@ -207,7 +207,7 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
     def fake_prepare(domains, stats, model, data_choice, settings):
         calls.append((settings.method, settings.seed))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains])
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains], cautions=lambda: [])
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     rows = parse_methods("source,bn,tent")
@@ -223,3 +223,22 @@ def test_bench_without_domains_is_a_usage_error():
     result = runner.invoke(app, ["bench", "--methods", "source"])
     assert result.exit_code == 2
     assert result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
+
+
+def test_bench_recomputes_statistics_for_another_class_list(tmp_path):
+    train = write_folder(tmp_path / "train", per_class=6)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    orders = {}
+    for name, order in (("abc", "a\nb\nc\n"), ("cab", "c\na\nb\n")):
+        orders[name] = tmp_path / f"{name}.txt"
+        orders[name].write_text(order)
+    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--train", str(train), *PLAIN,
+            "--per-class", "6", "--workdir", str(tmp_path / "w")]
+
+    def computed(classes: str) -> bool:
+        result = runner.invoke(app, [*base, "--classes", str(orders[classes])])
+        assert result.exit_code == 0, result.stderr
+        return "computing diag statistics" in result.stderr
+
+    assert computed("abc") and not computed("abc")
+    assert computed("cab") and not computed("cab")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
+from cafa_cli.data import read_class_list
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import canonical_model
 from cafa_cli.pipeline import (
@@ -136,6 +137,8 @@ def _made_for(
     preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
     return (
         (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
+        and model.classifier in (None, artifact.model.classifier)
+        and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
         and artifact.preprocessing == preprocess
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
     )
@@ -152,7 +155,8 @@ def run_grid(
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
         row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
-        job = prepare_adaptation(domains, stats, model, data_choice, row_settings)
+        # with statistics the class list comes from the artifact (made from --classes)
+        job = prepare_adaptation(domains, stats, model, replace(data_choice, classes_file=None) if stats else data_choice, row_settings)
         if not errors:  # once, not for every run
             for caution in job.cautions():
                 monitor.warn(caution)
