@@ -149,7 +149,7 @@ def test_output_folder_missing_fails_before_the_run(setup, tmp_path):
     result = adapt(setup, setup["train"], "--metrics-json", tmp_path / "nowhere" / "m.json")
     fails(result, 3, "does not exist")
     assert result.stdout == "", "no predictions before the output paths are checked"
-    fails(adapt(setup, setup["train"], "--predictions", tmp_path / "nowhere" / "p.csv"), 3, "--predictions", "cannot write there")
+    fails(adapt(setup, setup["train"], "--predictions", tmp_path / "nowhere" / "p.csv"), 3, "cannot write", "does not exist")
 
 
 def test_output_that_is_a_folder(setup, tmp_path):
@@ -529,3 +529,24 @@ def test_images_outside_the_class_folders_get_one_warning(setup, tmp_path, comma
                         f"(loose.png); move them into their class folders"]
     if command == "adapt":
         assert len(rows(result)) == 18
+
+
+@pytest.mark.parametrize("command", ["adapt", "stats"])
+def test_images_the_model_cannot_take(setup, tmp_path, command):
+    """Three channels into a one-channel network: named, not a torch traceback."""
+    if command == "adapt":
+        result = adapt(setup, setup["train"], "--channels", "3", "--mean", "0", "--std", "1")
+    else:
+        result = stats(setup, setup["train"], "--channels", "3", "--mean", "0", "--std", "1", "--out", tmp_path / "s.safetensors")
+    fails(result, 3, "the model cannot take these images (a batch of shape [", ", 3, 16, 16])", "check --channels, --resize and --crop")
+    assert not (tmp_path / "s.safetensors").exists()
+    assert result.stdout == "", "not even a CSV header before the first prediction"
+
+
+def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_file(setup, tmp_path):
+    previous = tmp_path / "p.csv"
+    previous.write_text("path,prediction,label,confidence\nold,a,a,1.0\n")
+    fails(adapt(setup, setup["train"], "--channels", "3", "--predictions", previous), 3, "the model cannot take these images")
+    assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
+    assert adapt(setup, setup["train"], "--predictions", previous, "--quiet").exit_code == 0
+    assert previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19

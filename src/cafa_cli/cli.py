@@ -315,6 +315,7 @@ def adapt(
             for caution in job.cautions():
                 monitor.warn(caution)
             results = job.run(writer.write, monitor)
+        writer.finish()
     finally:
         output.flush()
         if output is not sys.stdout:

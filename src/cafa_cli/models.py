@@ -243,7 +243,17 @@ class FeatureClassifier(nn.Module):
         return self.classifier.out_features
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(x)
+        try:
+            logits = self.model(x)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            # a shape or channel mismatch surfaces deep inside a layer; say which input it was
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(
+                f"the model cannot take these images (a batch of shape {list(x.shape)}): {first_line}; "
+                f"check --channels, --resize and --crop against the input the model expects"
+            ) from error
         features, self._features = self._features, None
         if features is None:
             raise InputError(f"the classifier layer {self.classifier_name} was not called in the forward pass; name the right one with --classifier")

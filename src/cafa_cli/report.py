@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cafa_cli.artifact import atomic_write
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.artifact import atomic_write, check_writable
+from cafa_cli.errors import UsageError
 from cafa_cli.stream import DomainResult, Record
 
 FORMATS = ("csv", "jsonl")
@@ -50,17 +50,27 @@ class RecordWriter:
             raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt}")
         self.stream, self.fmt, self.class_names = stream, fmt, list(class_names)
         self.count = 0
-        if fmt == "csv":
-            self._csv = csv.writer(stream, lineterminator="\n")
+        self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None
+        self._started = False  # the CSV header waits for the first records: a run that fails first writes nothing
+
+    def _start(self) -> None:
+        if not self._started and self._csv is not None:
             self._csv.writerow(FIELDS)
+        self._started = True
+
+    def finish(self) -> None:
+        """A run without a single record still gives a CSV with its header."""
+        self._start()
+        self.stream.flush()
 
     def _name(self, index: int) -> str:
         return self.class_names[index] if 0 <= index < len(self.class_names) else ""
 
     def write(self, records: list[Record]) -> None:
+        self._start()
         for r in records:
             row = (r.ref, self._name(r.prediction), self._name(r.label), f"{r.confidence:.6f}")
-            if self.fmt == "csv":
+            if self._csv is not None:
                 self._csv.writerow(row)
             else:
                 self.stream.write(json.dumps(dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))) + "\n")
@@ -68,13 +78,31 @@ class RecordWriter:
         self.stream.flush()
 
 
+class _OpenedOnFirstWrite:
+    """A file that is only created (or truncated) when the first line comes, so a run
+    that fails before its first prediction leaves an existing file as it was."""
+
+    def __init__(self, path: Path):
+        self.path, self._file = path, None
+
+    def write(self, text: str) -> int:
+        if self._file is None:
+            self._file = open(self.path, "w", encoding="utf-8", newline="")
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def open_output(path: str | None) -> IO[str]:
     if path is None or path == "-":
         return sys.stdout
-    target = Path(path)
-    if target.is_dir() or not target.parent.exists():
-        raise InputError(f"--predictions {path}: cannot write there (is it a folder, or is its folder missing?)")
-    return open(target, "w", encoding="utf-8", newline="")
+    return _OpenedOnFirstWrite(check_writable(path))
 
 
 def overall(results: Sequence[DomainResult]) -> dict:
