@@ -68,6 +68,9 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     for flag in ("--csv", "--json", "--plot"):
         one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
     one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
+    one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]), 2,
+                   "--severity is only for .npy arrays")  # before the statistics are computed
+    assert not list((tmp_path / "w").glob("*.safetensors"))
     (tmp_path / "file").write_text("")
     one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
     # source and bn need no statistics, so no --train either

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
-from cafa_cli.data import read_class_list
+from cafa_cli.data import open_domain, read_class_list
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import canonical_model
 from cafa_cli.pipeline import (
@@ -73,10 +73,13 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def check_domains(domains: list[str]) -> None:
+def check_domains(domains: list[str], data_choice: DataChoice) -> None:
+    """Each test domain given once and readable with its options, before any statistics are computed."""
     repeated = sorted({d for d in domains if domains.count(d) > 1})
     if repeated:
         raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
+    for domain in domains:
+        open_domain(domain, None, data_choice.labels, data_choice.severity)
 
 
 def make_workdir(workdir: str | Path) -> Path:

@@ -405,7 +405,6 @@ def bench(
     data = [*(data or []), *(domains or [])]
     if not data:
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
-    grid.check_domains(data)
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
     for out in (csv_out, json_out, plot_out):
@@ -416,6 +415,7 @@ def bench(
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
     test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
     data_choice = DataChoice(labels, severity, classes, test_changes)
+    grid.check_domains(data, data_choice)
     train_preprocessing = default_preprocessing(model).with_changes(train_choice.preprocessing)
     test_preprocessing = train_preprocessing.with_changes(test_changes)
     if train is None and any(row.covariance for row in rows):
