@@ -208,7 +208,9 @@ def test_missing_file(tmp_path):
 
 
 def test_folder_instead_of_file(tmp_path):
-    fails(tmp_path, "no such artifact")
+    fails(tmp_path, "is a folder; give the artifact file")
+    (tmp_path / "stats-full.safetensors").write_bytes(b"")
+    fails(tmp_path, r"is a folder; give the artifact file \(it holds stats-full\.safetensors\)")
 
 
 @pytest.mark.parametrize("keep", [0, 5, 40, 0.6, -1])  # bytes kept, a fraction, or all but the last byte

@@ -167,6 +167,10 @@ def _json(metadata: dict, key: str, path):
 
 def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+        hint = f" (it holds {', '.join(found)})" if found else ""
+        raise InputError(f"{path} is a folder; give the artifact file{hint}")
     if not path.is_file():
         raise InputError(f"{path}: no such artifact; create one with `cafa stats` (or pass --stats FILE)")
     with open(path, "rb") as f:
