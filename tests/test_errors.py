@@ -550,3 +550,9 @@ def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_
     assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
     assert adapt(setup, setup["train"], "--predictions", previous, "--quiet").exit_code == 0
     assert previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19
+
+
+def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
+    result = stats(setup, setup["train"], "--per-class", "10", "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: --per-class 10: fewer images in a (6), b (6), c (6); all of theirs are used" in result.stderr

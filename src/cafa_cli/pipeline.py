@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from cafa_cli import statistics
@@ -15,7 +16,7 @@ from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset, unreadable
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
@@ -106,6 +107,11 @@ def compute_statistics(
         raise InputError(f"--data {data}: no class folders, so no labels to compute class statistics from")
     _check_classes(net, class_names, f"--data {data}")
     indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
+    if per_class:
+        counts = np.bincount(domain.labels[domain.labels >= 0], minlength=len(class_names))
+        short = [f"{name} ({counts[c]})" for c, name in enumerate(class_names) if counts[c] < per_class]
+        if short:
+            monitor.warn(f"--per-class {per_class}: fewer images in {listing(short)}; all of theirs are used")
     target = rank_device(target)
     with process_group(target) as (rank, world):
         moments = _accumulate(net.to(target), domain, preprocess, indices[rank::world], class_names, target,
