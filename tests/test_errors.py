@@ -556,3 +556,9 @@ def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
     result = stats(setup, setup["train"], "--per-class", "10", "--out", tmp_path / "s.safetensors")
     assert result.exit_code == 0, result.stderr
     assert "warning: --per-class 10: fewer images in a (6), b (6), c (6); all of theirs are used" in result.stderr
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_num_classes_below_one(setup, tmp_path, count):
+    result = run("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
+    fails(result, 2, f"--num-classes must be at least 1, not {count}")

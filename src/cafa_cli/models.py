@@ -282,6 +282,8 @@ def resolve(
     trust_checkpoint: bool = False,
 ) -> tuple[FeatureClassifier, ModelSpec]:
     """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec."""
+    if num_classes is not None and num_classes < 1:
+        raise UsageError(f"--num-classes must be at least 1, not {num_classes}")
     net = build_model(model, num_classes)
     sha = None
     if weights is not None:
