@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import shutil
 import io
 import json
 
@@ -194,3 +195,12 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
     assert "--batch-size 1" in warnings[0] and "--bn-prior" in warnings[0]
     assert "resize 20, crop 16 differ from the statistics' (resize None, crop None)" in warnings[1]
     assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--bn-prior", "16").stderr
+
+
+def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "fashion-mnist-c" / "gaussian_noise" / "3"
+    shutil.copytree(setup["test"], deep)
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(deep), "--method", "bn"])
+    assert result.exit_code == 0, result.stderr
+    first_cells = [line.split("│")[1].strip() for line in result.stderr.splitlines() if line.startswith("│")]
+    assert str(deep) in "".join(first_cells)  # folded over several lines, but whole

@@ -153,8 +153,9 @@ def percent(error: float | None) -> str:
 
 def summary_table(method: str, results: Sequence[DomainResult]) -> Table:
     table = Table(title=f"cafa adapt --method {method}", title_justify="left")
-    for column in ("data", "images", "error %", "skipped", "img/s"):
-        table.add_column(column, justify="left" if column == "data" else "right")
+    table.add_column("data", overflow="fold")  # a long path folds onto more lines rather than losing its end
+    for column in ("images", "error %", "skipped", "img/s"):
+        table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
         table.add_row(r.data, str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
