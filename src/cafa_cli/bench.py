@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import statistics as stats_lib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
@@ -80,6 +80,11 @@ def check_domains(domains: list[str], data_choice: DataChoice) -> None:
         raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
     for domain in domains:
         open_domain(domain, None, data_choice.labels, data_choice.severity)
+
+
+def recipes(model: str, **choices: DataChoice) -> dict[str, dict]:
+    """The preprocessing each side used, in full, for the report: e.g. train and test."""
+    return {name: asdict(default_preprocessing(model).with_changes(choice.preprocessing)) for name, choice in choices.items()}
 
 
 def make_workdir(workdir: str | Path) -> Path:

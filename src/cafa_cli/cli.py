@@ -39,7 +39,6 @@ from cafa_cli.pipeline import (
     DataChoice,
     ModelChoice,
     compute_statistics,
-    default_preprocessing,
     prepare_adaptation,
 )
 from cafa_cli.preprocessing import parse_floats, parse_size
@@ -416,8 +415,6 @@ def bench(
     test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
     data_choice = DataChoice(labels, severity, classes, test_changes)
     grid.check_domains(data, data_choice)
-    train_preprocessing = default_preprocessing(model).with_changes(train_choice.preprocessing)
-    test_preprocessing = train_preprocessing.with_changes(test_changes)
     if train is None and any(row.covariance for row in rows):
         if model != "fmnist-resnet":
             raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
@@ -447,7 +444,7 @@ def bench(
     if json_out:
         grid.write_json(json_out, table, errors, data, seed_list, {**asdict(settings), "methods": methods, "train": train,
                                                                      "fraction": None if per_class else fraction, "per_class": per_class,
-                                                                     "preprocessing": {"train": asdict(train_preprocessing), "test": asdict(test_preprocessing)}})
+                                                                     "preprocessing": grid.recipes(model, train=train_choice, test=data_choice)})
     if plot_out:
         grid.plot(plot_out, table, data)
 
