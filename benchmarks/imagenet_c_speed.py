@@ -115,18 +115,27 @@ def main() -> None:
     domain = root / "fog" / "5"
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
     if not domain.is_dir():
+        print(f"building {args.images} JPEGs in {domain} with {args.workers} processes", flush=True)
         result["build_s"] = build_domain(domain, args.images, args.workers)
         print(f"built {args.images} JPEGs in {result['build_s']:.1f} s", flush=True)
     artifact = root / "stats.safetensors"
     if not artifact.is_file():
+        print("writing a synthetic 1000-class low-rank artifact", flush=True)
         names = sorted(p.name for p in domain.iterdir())
         write_artifact(artifact, synthetic_gaussians(CLASSES, 2048, "lowrank"), names, ModelSpec("resnet50", num_classes=CLASSES),
                        Preprocessing(None, None), {"synthetic": True})
-    result["adapt"] = [timed_adapt(artifact, domain, args.workers, p, args.batch) for p in args.precisions.split(",")]
-    for row in result["adapt"]:
+    result["adapt"] = []
+    for precision in args.precisions.split(","):
+        # a line before each stage, so that a run cut off by a time limit shows where it was
+        print(f"adapt {precision}: running cafa adapt ...", flush=True)
+        row = timed_adapt(artifact, domain, args.workers, precision, args.batch)
+        result["adapt"].append(row)
         print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
               f"({row['loop_s']:.1f} s in the loop, {row['images_per_s_wall']:.0f} img/s)", flush=True)
+        if args.json:  # what is measured so far survives a later stage's time-out
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if torch.cuda.is_available():
+        print("decode: PIL in loader workers vs nvjpeg ...", flush=True)
         result["decode"] = decode_speed(domain, args.workers)
         print(f"decode: PIL in {args.workers} workers {result['decode']['cpu_pil_workers_images_per_s']:.0f} img/s, "
               f"nvjpeg {result['decode']['gpu_nvjpeg_images_per_s']:.0f} img/s", flush=True)
