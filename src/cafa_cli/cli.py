@@ -150,7 +150,7 @@ def reports_errors(command):
 
 # --- shared options --------------------------------------------------------------
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a factory 'file.py:function' / 'package.module:function'.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a factory: file.py:function or package.module:function.")]
 WeightsOpt = Annotated[Optional[str], typer.Option("--weights", "-w", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True).")]
 NumClassesOpt = Annotated[Optional[int], typer.Option("--num-classes", help="Outputs of a torchvision architecture or factory.")]
 ClassifierOpt = Annotated[Optional[str], typer.Option("--classifier", help="Name of the final nn.Linear (default: the last one).")]
@@ -384,7 +384,7 @@ def bench(
     channels: ChannelsOpt = None,
     test_resize: Annotated[Optional[str], typer.Option("--test-resize", help="--resize for the test domains only (default: --resize). ImageNet-C: none.")] = None,
     test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
-    methods: Annotated[str, typer.Option("--methods", help="Rows: source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-lowrank; NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean, cafa-tied, cafa-diag, cafa-lowrank (default: all but cafa-lowrank); NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
