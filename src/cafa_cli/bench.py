@@ -17,9 +17,7 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data import open_domain, read_class_list
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import canonical_model
-from cafa_cli.pipeline import (
-    AdaptSettings, DataChoice, ModelChoice, compute_statistics, default_preprocessing, prepare_adaptation, recorded_data,
-)
+from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
 from cafa_cli.report import Monitor, atomic_write
 
 # Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
@@ -84,7 +82,7 @@ def check_domains(domains: list[str], data_choice: DataChoice) -> None:
 
 def recipes(model: str, **choices: DataChoice) -> dict[str, dict]:
     """The preprocessing each side used, in full, for the report: e.g. train and test."""
-    return {name: asdict(default_preprocessing(model).with_changes(choice.preprocessing)) for name, choice in choices.items()}
+    return {name: asdict(choice.recipe(model)) for name, choice in choices.items()}
 
 
 def make_workdir(workdir: str | Path) -> Path:
@@ -142,12 +140,11 @@ def _made_for(
     them (absolute paths): a relative --train or --workdir must match on a second run."""
     weights = str(Path(model.weights).resolve()) if model.weights else None
     wanted = {"data": recorded_data(train), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
-    preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
     return (
         (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
         and model.classifier in (None, artifact.model.classifier)
         and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
-        and artifact.preprocessing == preprocess
+        and artifact.preprocessing == data_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
     )
 

@@ -41,6 +41,10 @@ class DataChoice:
     classes_file: str | None = None
     preprocessing: dict = field(default_factory=dict)  # only the options given
 
+    def recipe(self, model: str | None) -> Preprocessing:
+        """The preprocessing these options give for `model`: its defaults, then the options."""
+        return default_preprocessing(model).with_changes(self.preprocessing)
+
 
 def default_preprocessing(model: str | None) -> Preprocessing:
     bundled = bundled_defaults(model) if model else None
@@ -95,7 +99,7 @@ def compute_statistics(
     _check_loading(batch_size, num_workers, seed)
     check_writable(out)
     target = pick_device(device)
-    preprocess = default_preprocessing(model.model).with_changes(data_choice.preprocessing)
+    preprocess = data_choice.recipe(model.model)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
