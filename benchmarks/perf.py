@@ -8,6 +8,7 @@ For one model, batch, class count C and device, in one process:
     /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated);
   - artifact size; on CUDA, the step time next to the memory-bandwidth floor of
     reading the precision factors twice (forward and backward).
+With --compile, tent and every cafa row are timed again through torch.compile.
 The pseudo-covariance `full-recompute` is the dense form with its chunks recomputed
 in the backward pass (distances.KEEP_BYTES = 0), as it runs past that memory budget.
 Synthetic images and class statistics, real model code paths.
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -121,9 +123,9 @@ def main() -> None:
               "precision": args.precision, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {}}
 
-    def measure_step(method: str, gaussians=None) -> dict:
+    def measure_step(method: str, gaussians=None, compile: bool = False) -> dict:
         model, _ = resolve(args.model, num_classes=num_classes)
-        adapter = Adapter(model, method, gaussians, device, precision=args.precision)
+        adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=compile)
         images = x.to(device)
         reset_peak(device)
         seconds = timed(lambda: adapter.step(images), device, args.repeats)
@@ -132,6 +134,9 @@ def main() -> None:
     for method in ("source", "bn", "tent"):
         result["steps"][method] = measure_step(method)
         print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
+    if args.compile:
+        result["steps"]["tent+compile"] = measure_step("tent", compile=True)
+        print(f"{'tent+compile':12s} {result['steps']['tent+compile']['ms']:9.1f} ms/step", flush=True)
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
         distances.KEEP_BYTES = 0 if variant == "recompute" else KEEP_BYTES
@@ -153,6 +158,10 @@ def main() -> None:
                 reads = 3 if variant == "recompute" else 2
                 step["bandwidth_floor_ms"] = 1000 * reads * factor_bytes / HBM_BYTES_PER_S[card]
         print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB", flush=True)
+        if args.compile:
+            compiled = result["steps"][f"{key}+compile"] = measure_step("cafa", gaussians, compile=True)
+            compiled["ratio_to_tent_compiled"] = compiled["ms"] / result["steps"]["tent+compile"]["ms"]
+            print(f"{key + '+compile':12s} {compiled['ms']:9.1f} ms/step  ×{compiled['ratio_to_tent_compiled']:.2f} compiled TENT", flush=True)
         del gaussians
     distances.KEEP_BYTES = KEEP_BYTES
 
