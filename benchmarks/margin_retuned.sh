@@ -7,15 +7,17 @@ set -euo pipefail
 OUT=${OUT:-margin-out}; WORK=${WORK:-/tmp/fmnist-c}; PY=${PY:-python3}; SEVERITY=${SEVERITY:-3}
 CORRUPTIONS=${CORRUPTIONS:-"gaussian_noise defocus_blur frost contrast fog motion_blur"}
 HELD_OUT="speckle_noise gaussian_blur spatter saturate"
+METHODS=${METHODS:-"tent cafa"}  # e.g. "tent cafa global-fa intra"
+TAG=${TAG:-retuned}
 mkdir -p "$OUT"
 cafa() { "$PY" -m cafa_cli "$@"; }
 domains() { for c in $1; do echo "$WORK/fashion-mnist-c/$c/$SEVERITY"; done; }
 cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $CORRUPTIONS $HELD_OUT | tr ' ' ,)" --severity "$SEVERITY" --test-per-class 0 --quiet > /dev/null
 grid=""
-for m in tent cafa; do for lr in 0.0001 0.0003 0.001; do grid="$grid${grid:+,}$m@$lr"; done; done
+for m in $METHODS; do for lr in 0.0001 0.0003 0.001; do grid="$grid${grid:+,}$m@$lr"; done; done
 common=(--batch-size 64 --seeds 0 --per-class 300 --workdir "$WORK/artifacts" --quiet)
-cafa bench $(domains "$HELD_OUT") --methods "$grid" "${common[@]}" --json "$OUT/heldout-sev$SEVERITY-b64.json" > "$OUT/heldout-sev$SEVERITY-b64.md"
-chosen=$("$PY" benchmarks/choose_lr.py "$OUT/heldout-sev$SEVERITY-b64.json")
+cafa bench $(domains "$HELD_OUT") --methods "$grid" "${common[@]}" --json "$OUT/heldout-sev$SEVERITY-b64-$TAG.json" > "$OUT/heldout-sev$SEVERITY-b64-$TAG.md"
+chosen=$("$PY" benchmarks/choose_lr.py "$OUT/heldout-sev$SEVERITY-b64-$TAG.json")
 echo "chosen on the held-out corruptions at batch 64: $chosen"
-cafa bench $(domains "$CORRUPTIONS") --methods "bn,$chosen" "${common[@]}" --json "$OUT/sev$SEVERITY-b64-retuned.json" > "$OUT/sev$SEVERITY-b64-retuned.md"
-cat "$OUT/sev$SEVERITY-b64-retuned.md"
+cafa bench $(domains "$CORRUPTIONS") --methods "bn,$chosen" "${common[@]}" --json "$OUT/sev$SEVERITY-b64-$TAG.json" > "$OUT/sev$SEVERITY-b64-$TAG.md"
+cat "$OUT/sev$SEVERITY-b64-$TAG.md"
