@@ -442,6 +442,14 @@ def _collate(items) -> Batch:
     return Batch(images, [i for _, i in good], failures)
 
 
+def check_loading(batch_size: int, num_workers: int) -> None:
+    """Also called by the commands before any model or data is read."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
+    if num_workers < 0:
+        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+
+
 def batches(
     domain: Domain,
     preprocess: Preprocessing,
@@ -451,10 +459,7 @@ def batches(
     pin_memory: bool = False,
 ) -> DataLoader:
     """Batches of preprocessed images in the order of `indices` (default: all, in order)."""
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
-    if num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+    check_loading(batch_size, num_workers)
     if indices is None:
         indices = np.arange(len(domain))
     return DataLoader(

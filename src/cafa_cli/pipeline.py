@@ -15,7 +15,7 @@ from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
-from cafa_cli.data import Domain, batches, open_domain, read_class_list, stratified_subset, unreadable
+from cafa_cli.data import Domain, batches, check_loading, open_domain, read_class_list, stratified_subset, unreadable
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of
 from cafa_cli.preprocessing import Preprocessing
@@ -158,10 +158,7 @@ def _check_loading(batch_size: int, num_workers: int, seed: int) -> None:
     """Checked before any model or data is read, and before any output is written."""
     if seed < 0:
         raise UsageError(f"--seed must be 0 or more, not {seed}")
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
-    if num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+    check_loading(batch_size, num_workers)
 
 
 # --- adapt -----------------------------------------------------------------------
