@@ -227,6 +227,13 @@ def test_cafa_without_statistics_is_a_usage_error():
         Adapter(FeatureClassifier(tiny_net.build()), "cafa")
 
 
+def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
+    moments = ClassMoments(4, 6)
+    moments.update(torch.randn(100, 6), torch.arange(100) % 4)
+    with pytest.raises(UsageError, match="4 classes of 6-dimensional features but the model has 3 outputs"):
+        Adapter(FeatureClassifier(tiny_net.build()), "cafa", estimate(moments))
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params")],

@@ -138,6 +138,12 @@ class Adapter:
             raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
         if optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer}")
+        if gaussians is not None and tuple(gaussians.means.shape) != (model.num_classes, model.feature_dim):
+            C, d = gaussians.means.shape
+            raise UsageError(
+                f"the statistics are for {C} classes of {d}-dimensional features but the model has {model.num_classes} "
+                f"outputs and {model.feature_dim}-dimensional features; compute them with this model"
+            )
         self.objective = make_objective(method, gaussians, device)
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels

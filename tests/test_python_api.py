@@ -1,0 +1,93 @@
+"""docs/python-api.md runs as written, and agrees with the CLI on the same data."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tiny_net
+from conftest import PLAIN, TINY_NET, write_folder
+from PIL import Image
+from typer.testing import CliRunner
+
+from cafa_cli.adaptation import BatchStatisticsNorm
+from cafa_cli.cli import app
+
+DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
+
+
+def doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def loader(folder: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The images as `cafa --resize none --crop none --mean 0 --std 1 --channels 1` reads them."""
+    classes = sorted(p.name for p in folder.iterdir())
+    files = [(f, label) for label, name in enumerate(classes) for f in sorted((folder / name).glob("*.png"))]
+    images = torch.stack([torch.from_numpy(np.asarray(Image.open(f), dtype=np.float32) / 255)[None] for f, _ in files])
+    labels = torch.tensor([label for _, label in files])
+    return [(images[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(files), batch_size)]
+
+
+@pytest.fixture
+def api_run(tmp_path, tiny_weights):
+    """Execute the doc's blocks one after another in one namespace, keeping what each made."""
+    train = write_folder(tmp_path / "train", per_class=20)
+    test = write_folder(tmp_path / "test", per_class=12, seed=1, shift=0.5)
+    artifact_path = tmp_path / "stats.safetensors"
+    result = CliRunner().invoke(app, ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(train),
+                                      *PLAIN, "--fraction", "1", "--out", str(artifact_path)])
+    assert result.exit_code == 0, result.output
+    net = tiny_net.build()
+    net.load_state_dict(torch.load(tiny_weights, weights_only=True))
+    scope = {"net": net, "train_loader": loader(train, 16), "test_loader": loader(test, 12), "artifact_path": str(artifact_path)}
+    kept, printed = [], []
+    for block in doc_blocks():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(block, str(DOC), "exec"), scope)
+        kept.append({k: v for k, v in scope.items() if k in ("gaussians", "adapter", "loss", "model")})
+        printed.append(out.getvalue())
+    return kept, printed, scope
+
+
+def test_the_doc_has_the_blocks_this_test_expects():
+    assert len(doc_blocks()) == 4
+
+
+def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
+    kept, _, _ = api_run
+    from_api, from_cli = kept[0]["gaussians"], kept[1]["gaussians"]
+    assert from_api.covariance == from_cli.covariance == "full"
+    torch.testing.assert_close(from_api.means, from_cli.means, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(from_api.factors, from_cli.factors, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(from_api.shrinkage, from_cli.shrinkage, rtol=1e-6, atol=1e-9)
+    assert from_api.counts.tolist() == [20, 20, 20]
+
+
+def test_adapting_prints_an_error_and_reset_restores_the_source_weights(api_run, tiny_weights):
+    kept, printed, _ = api_run
+    assert re.fullmatch(r"error \d+\.\d\d%\n", printed[2])
+    adapter = kept[2]["adapter"]
+    assert any(isinstance(m, BatchStatisticsNorm) for m in adapter.model.modules())
+    assert adapter.skipped_steps == 0
+    after_reset = adapter.model.state_dict()
+    source = torch.load(tiny_weights, weights_only=True)
+    shared = [name for name in source if f"model.{name}" in after_reset]
+    assert any(name.endswith("bn.weight") for name in shared)  # the adapted affines are among them
+    for name in shared:
+        torch.testing.assert_close(after_reset[f"model.{name}"], source[name], rtol=0, atol=0)
+
+
+def test_the_loss_is_a_log_ratio_and_reaches_the_normalisation_affines(api_run):
+    _, _, scope = api_run
+    loss = scope["loss"]
+    assert torch.isfinite(loss) and loss.item() <= 0  # log(D_ŷ / Σ_c D_c) ≤ 0
+    grads = [m.weight.grad for m in scope["model"].modules() if isinstance(m, BatchStatisticsNorm)]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
