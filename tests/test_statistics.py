@@ -94,6 +94,20 @@ def test_moments_do_not_depend_on_batching():
         torch.testing.assert_close(s1, s2, rtol=1e-10, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    "features,labels,match",
+    [
+        (torch.zeros(4, 5), torch.zeros(4, dtype=torch.int64), r"features \[n, 3\] and labels \[n\], not \[4, 5\]"),
+        (torch.zeros(4, 3), torch.zeros(3, dtype=torch.int64), r"not \[4, 3\] and \[3\]"),
+        (torch.zeros(4, 3), torch.tensor([0, 1, 2, 1]), r"in \[0, 2\), not 0\.\.2"),
+        (torch.zeros(2, 3), torch.tensor([-1, 0]), r"not -1\.\.0"),
+    ],
+)
+def test_moments_refuse_features_or_labels_that_do_not_fit(features, labels, match):
+    with pytest.raises(UsageError, match=match):
+        ClassMoments(2, 3).update(features, labels)
+
+
 def test_moments_of_an_unseen_class_are_empty_and_release_frees_scatter():
     x, y = random_features(2, [20])
     moments = ClassMoments(2, D)

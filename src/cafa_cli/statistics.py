@@ -44,7 +44,14 @@ class ClassMoments:
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         features = features.detach().to("cpu", torch.float32)
-        labels = labels.to("cpu")
+        labels = torch.as_tensor(labels).to("cpu")
+        if features.dim() != 2 or features.shape[1] != self.dim or labels.shape != features.shape[:1]:
+            raise UsageError(
+                f"moments of {self.dim}-dimensional features take features [n, {self.dim}] and labels [n], "
+                f"not {list(features.shape)} and {list(labels.shape)}"
+            )
+        if len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < self.num_classes):
+            raise UsageError(f"labels must be class indices in [0, {self.num_classes}), not {int(labels.min())}..{int(labels.max())}")
         for c in labels.unique().tolist():
             rows = features[labels == c]
             self.pending[c].append(rows)
