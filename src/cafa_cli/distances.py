@@ -13,13 +13,15 @@ the same distances through the Woodbury identity, with t = Q_c(z − μ_c):
     D_c(z) = (‖z − μ_c‖² − ‖t‖²) / a_c + Σ_j t_j² / (a_c + e_cj)
 
 Both terms are non-negative. All Q_c(z) come from one GEMM against the [C·k, d] view of
-the stored basis, so the backward pass needs no [N, C, d] tensor either. The first term
-is a difference, ‖z − μ_c‖² (expanded) − ‖t‖²: its float32 rounding error is about
-4·eps·(‖z‖² + ‖μ_c‖²)/a_c (measured constant ≤ 2.4, not 4). That is negligible next to D_c
-unless z lies almost inside the span of class c's training rows and a_c is small next
-to e_c (a training point itself, at a small fixed shrinkage); the classes where the
-bound exceeds REFINE_TOLERANCE·D_c are recomputed from the explicit residual
-(z − μ_c) − Q_cᵀt, in chunks, so every distance is within about 1e-5 of the dense form.
+the stored basis, so the backward pass needs no [N, C, d] tensor either.
+
+The tied, diagonal, Euclidean and low-rank forms expand ‖a − b‖² as ‖a‖² − 2a·b + ‖b‖²
+(a GEMM instead of an [N, C, d] difference). In float32 that sum's rounding error is about
+4·eps times the squared norms that cancel (measured constant ≤ 2.4, not 4), which is
+negligible next to D_c unless z sits close to μ_c, or (low-rank) almost inside the span of
+class c's training rows with a_c small next to e_c. The classes where that bound exceeds
+REFINE_TOLERANCE·D_c are recomputed from explicit differences, in chunks, so every
+distance is within about 1e-5 of the direct form — as the full form always is.
 """
 
 from __future__ import annotations
@@ -73,14 +75,37 @@ class ClassDistances:
             return self._full(z)
         if self.mode == "lowrank":
             return self._lowrank(z)
-        if self.mode == "tied":
-            return _expanded_square_distance(z @ self.factor, self.whitened_means)
         if self.mode == "diag":
             # Σ_j p_cj (z_j − μ_cj)² expanded so that no [N, C, d] tensor is formed
             p = self.precision_diag
-            d = (z * z) @ p.T - 2 * z @ (p * self.means).T + (p * self.means.square()).sum(1)
-            return d.clamp_min(0)
-        return _expanded_square_distance(z, self.means)
+            weighted_z = (z * z) @ p.T
+            weighted_means = (p * self.means.square()).sum(1)
+            dist = (weighted_z - 2 * z @ (p * self.means).T + weighted_means).clamp_min(0)
+            return _refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
+        if self.mode == "tied":
+            whitened = z @ self.factor
+            dist = _expanded_square_distance(whitened, self.whitened_means)
+            magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
+            return _refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
+        dist = _expanded_square_distance(z, self.means)
+        magnitude = z.detach().square().sum(1, keepdim=True) + self.means.square().sum(1)
+        return _refined(dist, magnitude, lambda classes: self._exact(z, self.means, classes))
+
+    def _exact(self, z: torch.Tensor, means: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j w_cj (z_j − μ_cj)² from explicit differences for the given classes, [N, len(classes)]."""
+        n, d = z.shape
+        return _by_class_chunks(
+            _difference_chunk, z, len(classes), 4 * n * d,
+            lambda part: (means[classes[part]], None if weights is None else weights[classes[part]]),
+        )
+
+    def _tied_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+        """‖Lᵀ(z − μ_c)‖², subtracting before whitening, for the given classes."""
+        n, d = z.shape
+        return _by_class_chunks(
+            _full_chunk, z, len(classes), 4 * n * d,
+            lambda part: (self.means[classes[part]], self.factor.expand(len(classes[part]), d, d)),
+        )
 
     def _full(self, z: torch.Tensor) -> torch.Tensor:
         n, d = z.shape
@@ -93,12 +118,8 @@ class ClassDistances:
             _lowrank_chunk, z, self.num_classes, 4 * n * k,
             lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
         )
-        with torch.no_grad():
-            bound = 4 * _EPS32 * (z.square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
-            risky = (bound > REFINE_TOLERANCE * dist).any(0).nonzero().flatten()
-        if len(risky):
-            dist = dist.index_copy(1, risky, self._lowrank_exact(z, risky))
-        return dist
+        magnitude = (z.detach().square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
+        return _refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes))
 
     def _lowrank_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
@@ -107,6 +128,17 @@ class ClassDistances:
             _lowrank_exact_chunk, z, len(classes), 4 * n * d,
             lambda part: (self.means[classes[part]], self.basis[classes[part]], self.inv_isotropic[classes[part]], self.inv_eigen[classes[part]]),
         )
+
+
+def _refined(dist: torch.Tensor, magnitude: torch.Tensor, exact) -> torch.Tensor:
+    """Replace the classes whose expanded-form distance may be off by more than
+    REFINE_TOLERANCE (its float32 rounding error is about 4·eps·magnitude, the sum of
+    the squared norms that cancelled) with `exact(classes)`, computed without cancelling."""
+    with torch.no_grad():
+        risky = (4 * _EPS32 * magnitude > REFINE_TOLERANCE * dist).any(0).nonzero().flatten()
+    if len(risky):
+        dist = dist.index_copy(1, risky, exact(risky))
+    return dist
 
 
 def _by_class_chunks(fn, z: torch.Tensor, num_classes: int, bytes_per_class: int, class_args) -> torch.Tensor:
@@ -148,6 +180,13 @@ def _lowrank_exact_chunk(
     residual = diff - torch.bmm(t, basis)  # the part of z − μ_c outside span Q_c
     dist = residual.square().sum(-1) * inv_isotropic[:, None] + (t.square() * inv_eigen[:, None, :]).sum(-1)
     return dist.T  # [N, c]
+
+
+def _difference_chunk(z: torch.Tensor, means: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    squared = (z.unsqueeze(0) - means.unsqueeze(1)).square()  # [c, N, d]
+    if weights is not None:
+        squared = squared * weights.unsqueeze(1)
+    return squared.sum(-1).T  # [N, c]
 
 
 def _full_chunk(z: torch.Tensor, means: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
