@@ -169,8 +169,13 @@ def test_forced_lowrank_with_a_folded_class_is_still_exact():
     torch.testing.assert_close(ClassDistances(low)(z).double(), dense_reference(z, x, y, low.shrinkage), rtol=1e-4, atol=0)
 
 
-def test_conditioning_of_lowrank_is_exact(tmp_path):
+@pytest.mark.parametrize("fill", [False, True], ids=["below d", "some classes fill d"])
+def test_conditioning_of_lowrank_is_exact(tmp_path, fill):
     x, y = features()
+    if fill:  # a forced lowrank where classes have N_c > d: no direction is left at a_c
+        g = torch.Generator().manual_seed(5)
+        y = torch.tensor([0] * (D + 20) + [1] * 9 + [2] * (D + 5) + [3] * 15 + [4] * 5)
+        x = (torch.randn(len(y), D, generator=g) + 3 * torch.randn(C, D, generator=g)[y]).float()
     path = tmp_path / "s.safetensors"
     write_artifact(path, estimate(moments_of(x, y), "lowrank", 0.2), NAMES, SPEC, PREP, SAMPLING)
     conds = condition_numbers(read_artifact(path))
@@ -252,7 +257,7 @@ def test_v1_artifact_still_reads(tmp_path):
 def test_v1_cannot_hold_lowrank(tmp_path):
     path = tmp_path / "s.safetensors"
     write_lowrank(path)
-    with pytest.raises(InputError, match="'lowrank' in a version 1 artifact"):
+    with pytest.raises(InputError, match="says covariance 'lowrank' but format version 1"):
         read_artifact(rewrite(path, tmp_path / "b.safetensors", {"format_version": "1"}))
 
 

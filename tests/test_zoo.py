@@ -103,3 +103,41 @@ def test_bundled_model_classifies_real_test_images():
     with torch.no_grad():
         predictions = model(inputs).argmax(1).numpy()
     assert (predictions == labels[:500]).mean() > 0.8
+
+
+@needs_fashion_mnist
+def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_notices_a_change(tmp_path, monkeypatch):
+    import dataclasses
+
+    from PIL import Image
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from cafa_cli.artifact import read_artifact
+    from cafa_cli.cli import app
+    from cafa_cli.models import sha256_of
+
+    runner = CliRunner()
+    stats = tmp_path / "s.safetensors"
+    made = runner.invoke(app, ["stats", "--model", "fmnist-resnet", "--data", "fashion-mnist", "--per-class", "3", "--out", str(stats), "--quiet"])
+    assert made.exit_code == 0, made.stderr
+    bundled = BUNDLED["fmnist-resnet"]
+    recorded = read_artifact(stats, load_tensors=False).model
+    assert (recorded.weights, recorded.weights_sha256) == (None, sha256_of(bundled.weights))
+    images = tmp_path / "test"
+    images.mkdir()
+    for i in range(4):
+        Image.fromarray(np.full((28, 28), 40 * i, np.uint8)).save(images / f"{i}.png")
+    adapt = ["adapt", "--stats", str(stats), "--data", str(images), "--quiet"]
+    assert runner.invoke(app, adapt).exit_code == 0
+
+    state = load_file(str(bundled.weights))
+    first = next(iter(state))
+    state[first] = state[first] + 1
+    retrained = tmp_path / "retrained.safetensors"
+    save_file(state, str(retrained))
+    monkeypatch.setitem(BUNDLED, "fmnist-resnet", dataclasses.replace(bundled, weights=retrained))
+    refused = runner.invoke(app, adapt)
+    assert refused.exit_code == 3
+    assert "the bundled fmnist-resnet weights have changed" in refused.stderr and "--allow-weights-mismatch" in refused.stderr
+    assert runner.invoke(app, [*adapt, "--allow-weights-mismatch"]).exit_code == 0

@@ -195,7 +195,9 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (reads versions {' and '.join(READ_VERSIONS)}); re-create it or upgrade cafa")
     covariance = metadata.get("covariance")
     if covariance not in COVARIANCE_MODES or (version == "1" and covariance == "lowrank"):
-        raise _bad(path, f"unknown covariance mode {covariance!r}" + (" in a version 1 artifact" if covariance == "lowrank" else ""))
+        if covariance == "lowrank":
+            raise _bad(path, "says covariance 'lowrank' but format version 1, which has no low-rank form; re-create it with cafa stats")
+        raise _bad(path, f"unknown covariance mode {covariance!r} (expected one of {', '.join(COVARIANCE_MODES)}); re-create it with cafa stats")
     try:
         d = int(metadata["feature_dim"])
         C = int(metadata["num_classes"])
@@ -255,8 +257,9 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         actual_dtype = piece.get_dtype()
         if actual_shape != shape:
             raise _bad(path, f"tensor '{name}' has shape {actual_shape}, metadata implies {shape}")
-        if actual_dtype != {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]:
-            raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {dtype}")
+        wanted = {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]
+        if actual_dtype != wanted:
+            raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {wanted}")
 
     # copies: a tensor from get_tensor can share the file mapping, which would keep every
     # page of the (large) factors that validation touched resident for the artifact's life

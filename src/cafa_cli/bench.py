@@ -16,7 +16,7 @@ from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data import open_domain, read_class_list
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import canonical_model
+from cafa_cli.models import canonical_model, weights_sha256
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
 from cafa_cli.report import Monitor, atomic_write
 
@@ -142,6 +142,7 @@ def _made_for(
     wanted = {"data": recorded_data(train), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
     return (
         (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
+        and artifact.model.weights_sha256 == weights_sha256(model.model, model.weights)
         and model.classifier in (None, artifact.model.classifier)
         and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
         and artifact.preprocessing == data_choice.recipe(model.model)

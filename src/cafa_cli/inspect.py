@@ -19,9 +19,13 @@ def condition_numbers(artifact: Artifact) -> list[float]:
     diag and lowrank: exact for every class from the stored eigenvalues."""
     g = artifact.gaussians
     if g.covariance == "lowrank":
-        # eigenvalues of Σ_c are a_c (outside span Q_c) and a_c + e_cj: exact for every class
-        a = g.isotropic.double()
-        return ((a + g.spectrum.double().amax(1).clamp_min(0)) / a).tolist()
+        # eigenvalues of Σ_c are a_c + e_cj on span Q_c and a_c outside it, unless the basis
+        # fills all d dimensions (a forced lowrank with N_c > d): exact for every class
+        a, spectrum = g.isotropic.double(), g.spectrum.double().clamp_min(0)
+        in_basis = g.factors.square().sum(2) > 0.5  # zero rows are padding
+        fills_space = in_basis.sum(1) == g.factors.shape[2]
+        smallest = torch.where(fills_space, spectrum.masked_fill(~in_basis, torch.inf).amin(1), 0)
+        return ((a + spectrum.amax(1)) / (a + smallest)).tolist()
     if g.covariance == "diag":
         return (g.factors.double().amax(1) / g.factors.double().amin(1)).square().tolist()
     picks = torch.linspace(0, len(g.factors) - 1, min(len(g.factors), _CONDITIONING_SAMPLE)).round().long().unique()

@@ -285,16 +285,25 @@ def resolve(
     if num_classes is not None and num_classes < 1:
         raise UsageError(f"--num-classes must be at least 1, not {num_classes}")
     net = build_model(model, num_classes)
-    sha = None
     if weights is not None:
         load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
-        sha = sha256_of(weights)
+    sha = weights_sha256(model, weights)
+    if weights is not None:
         weights = str(Path(weights).resolve())
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
     spec = ModelSpec(canonical_model(model), weights, sha, num_classes, wrapped.classifier_name)
     return wrapped, spec
+
+
+def weights_sha256(model: str, weights: str | None) -> str | None:
+    """What an artifact records to notice changed weights: the sha256 of the weights file,
+    or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""
+    if weights is not None:
+        return sha256_of(weights)
+    bundled = bundled_defaults(model)
+    return sha256_of(bundled.weights) if bundled is not None else None
 
 
 def pick_device(device: str) -> torch.device:

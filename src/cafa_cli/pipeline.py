@@ -17,7 +17,7 @@ from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artif
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, check_loading, open_domain, read_class_list, stratified_subset, unreadable
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of, weights_sha256
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
@@ -234,6 +234,12 @@ def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismat
             raise InputError(
                 f"{weights} has changed since the statistics were computed (sha256 differs); "
                 f"recompute them with cafa stats, or pass --allow-weights-mismatch"
+            )
+    if not weights and recorded.weights_sha256 and not allow_weights_mismatch:
+        if weights_sha256(recorded.model, None) != recorded.weights_sha256:
+            raise InputError(
+                f"the bundled {recorded.model} weights have changed since {artifact.path} was computed "
+                f"(another cafa version, or retrained); recompute the statistics with cafa stats, or pass --allow-weights-mismatch"
             )
     num_classes = given.num_classes or recorded.num_classes
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
