@@ -20,13 +20,16 @@ needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debi
 
 
 def test_parse_methods_knows_variants_and_per_row_learning_rates():
-    rows = parse_methods("source, tent@0.01, cafa-tied,cafa-diag@1e-3,cafa-lowrank")
+    rows = parse_methods("source, tent@0.01, cafa, intra, cafa-tied,cafa-diag@1e-3,cafa-lowrank,cafa-full")
     assert rows == [
         Row("source", "source", None),
         Row("tent@0.01", "tent", None, 0.01),
+        Row("cafa", "cafa", "auto"),  # as cafa stats by default: low-rank when classes have N_c < d
+        Row("intra", "intra", "auto"),
         Row("cafa-tied", "cafa", "tied"),
         Row("cafa-diag@1e-3", "cafa", "diag", 1e-3),
         Row("cafa-lowrank", "cafa", "lowrank"),
+        Row("cafa-full", "cafa", "full"),
     ]
     with pytest.raises(UsageError, match="unknown method 'sgd'"):
         parse_methods("tent,sgd")
@@ -140,7 +143,7 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     assert again.exit_code == 0 and again.stdout == result.stdout  # same numbers, data not rebuilt
     assert pngs[0].stat().st_mtime_ns == stamp
     assert "corrupting" not in again.stderr
-    assert "computing full statistics" in result.stderr and "computing" not in again.stderr
+    assert "computing statistics (--covariance auto)" in result.stderr and "computing" not in again.stderr
 
 
 @needs_fashion_mnist
@@ -163,7 +166,7 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     assert float(source_mean["error_mean_percent"]) == pytest.approx(100 * runs[("source", 0)], abs=1e-3)
     assert f"{100 * runs[('source', 0)]:.2f} ± 0.00" in result.stdout
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-full.safetensors").exists()
+    assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-auto.safetensors").exists()
 
 
 @needs_fashion_mnist
@@ -194,7 +197,7 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
 
     again = runner.invoke(app, ["bench", *common])  # the bundled model's own geometry: new statistics
     assert again.exit_code == 0, again.stderr
-    assert "computing diag statistics" in again.stderr
+    assert "computing statistics (--covariance diag)" in again.stderr
     artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
     assert (artifact.preprocessing.resize, artifact.preprocessing.crop) == (None, None)
 
@@ -241,7 +244,7 @@ def test_bench_recomputes_statistics_for_another_class_list(tmp_path):
     def computed(classes: str) -> bool:
         result = runner.invoke(app, [*base, "--classes", str(orders[classes])])
         assert result.exit_code == 0, result.stderr
-        return "computing diag statistics" in result.stderr
+        return "computing statistics (--covariance diag)" in result.stderr
 
     assert computed("abc") and not computed("abc")
     assert computed("cab") and not computed("cab")

@@ -193,7 +193,7 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, result.stderr
     assert "--batch-size 1" in warnings[0] and "--bn-prior" in warnings[0]
-    assert "resize 20, crop 16 differ from the statistics' (resize None, crop None)" in warnings[1]
+    assert "resize 20, crop 16 differ from the statistics' (resize none, crop none)" in warnings[1]
     assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--bn-prior", "16").stderr
 
 

@@ -300,3 +300,18 @@ def test_inspect_bad_artifact_is_one_line_exit_3(artifact_path, tmp_path, damage
     assert len(lines) == 1 and lines[0].startswith("cafa: error:") and str(path) in lines[0]
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("with_class_list", [False, True])
+def test_stats_on_unlabelled_images_names_the_missing_labels(tmp_path, tiny_weights, with_class_list):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(4):
+        Image.fromarray(np.full((16, 16), 30 * i, np.uint8)).save(flat / f"{i}.png")
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a\nb\nc\n")
+    extra = ["--classes", classes] if with_class_list else []
+    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", flat, *PLAIN, "--out", tmp_path / "s.safetensors", *extra)
+    assert result.exit_code == 3
+    assert "has no labels (unlabelled images), and class statistics need them" in result.stderr
+    assert not (tmp_path / "s.safetensors").exists()

@@ -204,7 +204,7 @@ def test_array_errors(tmp_path):
     with pytest.raises(InputError, match="do not split into 5 severities"):
         open_domain(str(tmp_path / "x.npy"), severity=2)
     np.save(tmp_path / "y.npy", np.zeros((10, 4, 4), dtype=np.uint8))
-    with pytest.raises(UsageError, match="--severity must be 1..5"):
+    with pytest.raises(UsageError, match="--severity must be 1-5"):
         open_domain(str(tmp_path / "y.npy"), severity=6)
     np.save(tmp_path / "l.npy", np.zeros(3, dtype=np.int64))
     with pytest.raises(InputError, match="3 labels for 7 images"):

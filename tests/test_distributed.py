@@ -57,3 +57,14 @@ def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, 
     assert multi.returncode == 0, multi.stderr[-2000:]
     assert single.stdout.count("| cafa-diag |") == 1
     assert multi.stdout == single.stdout  # the same table, printed once (by rank 0)
+
+
+def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cafa_cli.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET])
+    assert result.exit_code == 2
+    assert "cafa adapt runs in one process" in result.stderr and result.stdout == ""

@@ -512,7 +512,7 @@ def test_stats_counts_skipped_images_in_the_artifact(setup, tmp_path):
     out = tmp_path / "s.safetensors"
     result = stats(setup, data, "--out", out)
     assert result.exit_code == 0, result.stderr
-    assert "broken.png" in result.stderr and "1 unreadable images skipped" in result.stderr
+    assert "broken.png" in result.stderr and "1 unreadable image skipped" in result.stderr
     from cafa_cli.artifact import read_artifact
 
     assert read_artifact(out, load_tensors=False).sampling["skipped_images"] == 1

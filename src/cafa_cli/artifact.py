@@ -172,7 +172,7 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         hint = f" (it holds {', '.join(found)})" if found else ""
         raise InputError(f"{path} is a folder; give the artifact file{hint}")
     if not path.is_file():
-        raise InputError(f"{path}: no such artifact; create one with `cafa stats` (or pass --stats FILE)")
+        raise InputError(f"{path}: no such artifact; create one with cafa stats, or give the path of one")
     with open(path, "rb") as f:
         head = f.read(64).lstrip().lower()
     if head.startswith((b"<!doctype", b"<html", b"<?xml")):

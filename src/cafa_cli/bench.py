@@ -20,7 +20,8 @@ from cafa_cli.models import canonical_model, weights_sha256
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
 from cafa_cli.report import Monitor, atomic_write
 
-# Bench rows beyond the plain methods: CAFA with a tied or diagonal covariance artifact.
+# Bench rows beyond the plain methods: CAFA with a covariance form forced. The plain
+# methods that need statistics use `auto`, as `cafa stats` does by default.
 VARIANTS = {"cafa-tied": ("cafa", "tied"), "cafa-diag": ("cafa", "diag"), "cafa-full": ("cafa", "full"),
             "cafa-lowrank": ("cafa", "lowrank")}
 DEFAULT_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
@@ -42,7 +43,7 @@ def parse_methods(text: str) -> list[Row]:
         if name in VARIANTS:
             method, covariance = VARIANTS[name]
         elif name in METHODS:
-            method, covariance = name, "full" if name in NEEDS_STATISTICS else None
+            method, covariance = name, "auto" if name in NEEDS_STATISTICS else None
         else:
             raise UsageError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
         try:
@@ -127,7 +128,7 @@ def ensure_statistics(
                 return path
         except InputError:
             pass
-    monitor.info(f"computing {covariance} statistics → {path}")
+    monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
     compute_statistics(train, path, model, data_choice, fraction=fraction, per_class=per_class, seed=seed,
                        covariance=covariance, device="auto", monitor=monitor)
     return path

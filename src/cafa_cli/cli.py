@@ -26,6 +26,7 @@ from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
     gather_on_root,
+    launched_by_torchrun,
     process_group,
     rank_device,
     wait_for_all,
@@ -237,10 +238,11 @@ def stats(
         )
     if artifact is None:  # a torchrun rank other than 0
         return
+    skipped = artifact.sampling.get("skipped_images") or 0
     monitor.info(
         f"wrote {out}: {artifact.num_classes} classes, d={artifact.feature_dim}, "
         f"{artifact.metadata['num_images']} images, covariance {artifact.covariance}"
-        + (f", {artifact.sampling['skipped_images']} unreadable images skipped" if artifact.sampling.get("skipped_images") else "")
+        + (f", {skipped} unreadable image{'s' if skipped != 1 else ''} skipped" if skipped else "")
     )
 
 
@@ -255,7 +257,7 @@ def _parse_number(text: str, what: str) -> float:
 @reports_errors
 def adapt(
     data: Annotated[list[str], typer.Option("--data", "-d", help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for image paths on stdin.")],
-    stats: Annotated[Optional[str], typer.Option("--stats", "-s", help=f"Artifact from cafa stats [default: {DEFAULT_PATH}].")] = None,
+    stats: Annotated[Optional[str], typer.Option("--stats", "-s", help=f"Artifact from cafa stats (default: {DEFAULT_PATH}); it also names the model, so --model/--weights can be left out.")] = None,
     method: Annotated[str, typer.Option("--method", help="cafa, source, bn, pl, tent, global-fa, intra, euclidean.")] = "cafa",
     model: ModelOpt = None,
     weights: WeightsOpt = None,
@@ -292,6 +294,11 @@ def adapt(
     quiet: QuietOpt = False,
 ):
     """Adapt a model online over test domains; print one prediction per image."""
+    if launched_by_torchrun():
+        raise UsageError(
+            "cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it again; "
+            "run it without torchrun (one process per domain or GPU), or use cafa bench to spread domains over ranks"
+        )
     if metrics_json:
         check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
@@ -347,7 +354,7 @@ def demo(
     test_per_class: Annotated[int, typer.Option("--test-per-class", help="Test images per class and domain (0: all 1,000).")] = DemoPlan.test_per_class,
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare.")] = DemoPlan.methods,
     data_only: Annotated[bool, typer.Option("--data-only", help="Only build the image folders (e.g. the full set for cafa bench).")] = False,
-    fashion_mnist: Annotated[Optional[str], typer.Option("--fashion-mnist", help="Folder with the Fashion-MNIST idx files [default: /usr/share/datasets/fashion-mnist].")] = None,
+    fashion_mnist: Annotated[Optional[str], typer.Option("--fashion-mnist", help="Folder with the Fashion-MNIST idx files (default: /usr/share/datasets/fashion-mnist).")] = None,
     quiet: QuietOpt = False,
 ):
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
@@ -384,7 +391,7 @@ def bench(
     channels: ChannelsOpt = None,
     test_resize: Annotated[Optional[str], typer.Option("--test-resize", help="--resize for the test domains only (default: --resize). ImageNet-C: none.")] = None,
     test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
-    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean, cafa-tied, cafa-diag, cafa-lowrank (default: all but cafa-lowrank); NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto), cafa-full, cafa-lowrank, cafa-tied, cafa-diag (forced; default: all but cafa-full and cafa-lowrank); NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,

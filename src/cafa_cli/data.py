@@ -244,7 +244,7 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
-            raise UsageError(f"--severity must be 1..5, not {severity}")
+            raise UsageError(f"--severity must be 1-5, not {severity}")
         if len(images) % 5:
             raise InputError(f"--data {path}: {len(images)} rows do not split into 5 severities")
         per = len(images) // 5

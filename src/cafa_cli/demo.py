@@ -52,7 +52,7 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
                                  on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
     ]
     model = ModelChoice(MODEL)
-    artifact = ensure_statistics(workdir, "full", str(train), model, DataChoice(), None, 1.0, plan.seed, monitor)
+    artifact = ensure_statistics(workdir, "auto", str(train), model, DataChoice(), None, 1.0, plan.seed, monitor)
     echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed, "--out", artifact))
     settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
     for row in rows:
@@ -60,5 +60,5 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         stats_args = ["--stats", artifact] if row.covariance else ["--model", MODEL]
         echo(command_line("cafa", "adapt", *stats_args, "--method", row.method, *data_args,
                           "--batch-size", plan.batch_size, "--lr", plan.lr, "--seed", plan.seed))
-    errors = run_grid(rows, domains, [plan.seed], settings, {"full": artifact}, model, DataChoice(), monitor)
+    errors = run_grid(rows, domains, [plan.seed], settings, {"auto": artifact}, model, DataChoice(), monitor)
     return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])

@@ -107,6 +107,11 @@ def compute_statistics(
         monitor.warn(note)
     if class_names is None:
         class_names = domain.class_names
+    if len(domain.labels) and (np.asarray(domain.labels) < 0).all():
+        raise InputError(
+            f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
+            f"with one subfolder of images per class, or an array with --labels"
+        )
     if not class_names:
         raise InputError(f"--data {data}: no class folders, so no labels to compute class statistics from")
     _check_classes(net, class_names, f"--data {data}")
@@ -266,8 +271,10 @@ class Adaptation:
                          "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
-            notes.append(f"resize {self.preprocess.resize}, crop {self.preprocess.crop} differ from the statistics' "
-                         f"(resize {made.resize}, crop {made.crop}): right for test images stored already cropped "
+            def geometry(recipe):
+                return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
+
+            notes.append(f"{geometry(self.preprocess)} differ from the statistics' ({geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
         return notes
 
