@@ -321,6 +321,11 @@ def test_counts_and_shrinkage_out_of_range(valid, tmp_path):
     fails(corrupt(valid, tmp_path / "s.safetensors", shrinkage=g.shrinkage + 2), "outside")
 
 
+def test_num_images_must_be_the_sum_of_the_counts(valid, tmp_path):
+    fails(corrupt(valid, tmp_path / "n.safetensors", {"num_images": "1000"}), r"'num_images' \(1000\) is not the sum")
+    fails(corrupt(valid, tmp_path / "c.safetensors", counts=torch.tensor([20, 5, 30])), "is not the sum of the tensor 'counts'")
+
+
 @pytest.mark.parametrize("field", ["class_names", "model", "preprocessing", "sampling", "shrinkage"])
 def test_malformed_json_metadata(valid, tmp_path, field):
     message = fails(corrupt(valid, tmp_path / "j.safetensors", {field: "{not json"}), f"'{field}' is missing or not valid JSON")

@@ -269,6 +269,9 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             raise _bad(path, f"tensor '{name}' holds NaN or inf values")
     if (small["counts"] < 2).any():
         raise _bad(path, "tensor 'counts' has classes with fewer than 2 samples")
+    if metadata.get("num_images") != str(int(small["counts"].sum())):
+        raise _bad(path, f"metadata 'num_images' ({metadata.get('num_images')}) is not the sum of the tensor 'counts' "
+                         f"({int(small['counts'].sum())}); the file was edited or damaged: re-create it with cafa stats")
     if ((small["shrinkage"] < 0) | (small["shrinkage"] > 1)).any():
         raise _bad(path, "tensor 'shrinkage' has values outside [0, 1]")
     if covariance == "lowrank":
