@@ -188,3 +188,32 @@ def test_interrupted_adapt_flushes_complete_records_and_exits_130(runs, name):
     while _processes_in(run.folder) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_in(run.folder), "a loader worker outlived the run"
+
+
+def _catches_sigterm(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
+def _torch_loaded(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to catch the process while it imports torch")
+def test_sigterm_while_torch_is_still_importing_exits_130(tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "cafa_cli", "inspect", tmp_path / "absent.safetensors"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        # the handler must be in place before the seconds-long torch import, not after it
+        assert not _torch_loaded(process.pid), "SIGTERM is only caught once torch has loaded"
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == EXIT_INTERRUPTED
+    assert stderr.decode() == "cafa: interrupted\n" and stdout == b""
