@@ -204,3 +204,22 @@ def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
     assert result.exit_code == 0, result.stderr
     first_cells = [line.split("│")[1].strip() for line in result.stderr.splitlines() if line.startswith("│")]
     assert str(deep) in "".join(first_cells)  # folded over several lines, but whole
+
+
+def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
+    import logging
+
+    from cafa_cli.report import stderr_console
+
+    torch_logger = logging.getLogger("torch")
+    before = torch_logger.level
+    try:
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")  # as torch.compile's set-up may
+        assert "No CUDA runtime" in capfd.readouterr().err
+        stderr_console(quiet=True)
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")
+        logging.getLogger("torch.utils.cpp_extension").error("a real error still shows")
+        err = capfd.readouterr().err
+        assert "No CUDA runtime" not in err and "a real error still shows" in err
+    finally:
+        torch_logger.setLevel(before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +24,9 @@ FIELDS = ("path", "prediction", "label", "confidence")
 
 
 def stderr_console(quiet: bool = False) -> Console:
+    if quiet:
+        # torch logs its own warnings (e.g. torch.compile's set-up) straight to stderr
+        logging.getLogger("torch").setLevel(logging.ERROR)
     return Console(stderr=True, quiet=quiet, highlight=False)
 
 
