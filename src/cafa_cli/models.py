@@ -287,13 +287,11 @@ def resolve(
     net = build_model(model, num_classes)
     if weights is not None:
         load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
-    sha = weights_sha256(model, weights)
-    if weights is not None:
-        weights = str(Path(weights).resolve())
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
-    spec = ModelSpec(canonical_model(model), weights, sha, num_classes, wrapped.classifier_name)
+    recorded_weights = str(Path(weights).resolve()) if weights is not None else None
+    spec = ModelSpec(canonical_model(model), recorded_weights, weights_sha256(model, weights), num_classes, wrapped.classifier_name)
     return wrapped, spec
 
 

@@ -271,10 +271,7 @@ class Adaptation:
                          "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
-            def geometry(recipe):
-                return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
-
-            notes.append(f"{geometry(self.preprocess)} differ from the statistics' ({geometry(made)}): right for test images stored already cropped "
+            notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
         return notes
 
@@ -306,6 +303,10 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
+
+
+def _geometry(recipe: Preprocessing) -> str:
+    return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
 
 
 def _short_name(name: str) -> str:
