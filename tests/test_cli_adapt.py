@@ -213,6 +213,7 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
 
     torch_logger = logging.getLogger("torch")
     before = torch_logger.level
+    torch_logger.setLevel(logging.NOTSET)  # an earlier --quiet run in this process may have raised it
     try:
         logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")  # as torch.compile's set-up may
         assert "No CUDA runtime" in capfd.readouterr().err
