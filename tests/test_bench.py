@@ -248,3 +248,23 @@ def test_bench_recomputes_statistics_for_another_class_list(tmp_path):
 
     assert computed("abc") and not computed("abc")
     assert computed("cab") and not computed("cab")
+
+
+@pytest.mark.parametrize("methods", ["source,cafa-diag", "source,bn"])
+def test_rows_without_statistics_read_labels_in_the_training_order(tmp_path, tiny_weights, methods):
+    """A test domain without class b: its folders, sorted, would make c label 1. Every row
+    takes the training data's class list (written to the workdir), with statistics or not."""
+    train = write_folder(tmp_path / "train", per_class=6)
+    test = write_folder(tmp_path / "test", per_class=4, seed=1, classes=("a", "c"))
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", str(test), "--methods", methods, "--model", TINY_NET, "--weights", str(tiny_weights),
+                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "w" / "classes.txt").read_text() == "a\nb\nc\n"
+    order = tmp_path / "order.txt"
+    order.write_text("a\nb\nc\n")
+    alone = runner.invoke(app, ["adapt", "--data", str(test), "--method", "source", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                *PLAIN, "--classes", str(order), "--quiet", "--metrics-json", str(tmp_path / "m.json")])
+    assert alone.exit_code == 0, alone.stderr
+    source = next(r["error"] for r in json.loads(report.read_text())["runs"] if r["method"] == "source")
+    assert source == pytest.approx(json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"])

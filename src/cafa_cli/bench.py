@@ -16,7 +16,7 @@ from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data import open_domain, read_class_list
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import canonical_model, weights_sha256
+from cafa_cli.models import bundled_defaults, canonical_model, weights_sha256
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
 from cafa_cli.report import Monitor, atomic_write
 
@@ -132,6 +132,26 @@ def ensure_statistics(
     compute_statistics(train, path, model, data_choice, fraction=fraction, per_class=per_class, seed=seed,
                        covariance=covariance, device="auto", monitor=monitor)
     return path
+
+
+def shared_class_list(workdir: Path, artifacts: dict[str, Path], train: str | None, model: ModelChoice, train_choice: DataChoice) -> str | None:
+    """The class list file every row uses, so that the rows without statistics read the
+    labels in the model's output order too. Without it they take the test folders'
+    sorted names, which is not the order of every training set (Fashion-MNIST's is not
+    alphabetical), while the rows with statistics take the artifact's.
+    --classes or a bundled model already fix it; else the training data's order is
+    written to WORKDIR/classes.txt; None when there is no training data to ask."""
+    if train_choice.classes_file or bundled_defaults(model.model):
+        return train_choice.classes_file
+    if artifacts:
+        names = read_artifact(next(iter(artifacts.values())), load_tensors=False).class_names
+    elif train:
+        names = open_domain(train, None).class_names
+    else:
+        return None
+    path = workdir / "classes.txt"
+    atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
+    return str(path)
 
 
 def _made_for(

@@ -438,8 +438,9 @@ def bench(
             for cov in sorted({r.covariance for r in rows if r.covariance})
         }
         wait_for_all(world)
+        classes_file = grid.shared_class_list(Path(workdir), artifacts, train, model_choice, train_choice)
         mine = grid.run_grid(rows, data, seed_list, replace(settings, device=str(target)), artifacts, model_choice,
-                             data_choice, monitor, rank, world)
+                             replace(data_choice, classes_file=classes_file), monitor, rank, world)
         parts = gather_on_root(mine, rank, world)
     if parts is None:  # a torchrun rank other than 0: rank 0 reports
         return
