@@ -227,6 +227,11 @@ def test_cafa_without_statistics_is_a_usage_error():
         Adapter(FeatureClassifier(tiny_net.build()), "cafa")
 
 
+def test_the_device_may_be_named_by_a_string():
+    adapter = Adapter(FeatureClassifier(tiny_net.build()), "tent", device="cpu")
+    assert adapter.device == torch.device("cpu") and adapter.step(torch.randn(4, 1, 16, 16)).shape == (4, 3)
+
+
 def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
     moments = ClassMoments(4, 6)
     moments.update(torch.randn(100, 6), torch.arange(100) % 4)

@@ -268,3 +268,16 @@ def test_rows_without_statistics_read_labels_in_the_training_order(tmp_path, tin
     assert alone.exit_code == 0, alone.stderr
     source = next(r["error"] for r in json.loads(report.read_text())["runs"] if r["method"] == "source")
     assert source == pytest.approx(json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"])
+
+
+def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(tmp_path, tiny_weights):
+    """`--train` without class folders is only a problem for rows that need statistics."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for image in (write_folder(tmp_path / "src", per_class=2) / "a").iterdir():
+        image.rename(flat / image.name)
+    test = write_folder(tmp_path / "test", per_class=4, seed=1)
+    result = runner.invoke(app, ["bench", str(test), "--methods", "source,bn", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                 "--train", str(flat), *PLAIN, "--workdir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "w" / "classes.txt").exists()

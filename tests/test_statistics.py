@@ -108,6 +108,14 @@ def test_moments_refuse_features_or_labels_that_do_not_fit(features, labels, mat
         ClassMoments(2, 3).update(features, labels)
 
 
+def test_moments_are_estimated_once_and_a_second_estimate_says_so():
+    moments = ClassMoments(2, 3)
+    moments.update(torch.randn(20, 3), torch.arange(20) % 2)
+    assert estimate(moments).covariance == "full"  # auto: 10 samples per class > 3 dimensions
+    with pytest.raises(UsageError, match="already estimated"):
+        estimate(moments, "diag")
+
+
 def test_moments_of_an_unseen_class_are_empty_and_release_frees_scatter():
     x, y = random_features(2, [20])
     moments = ClassMoments(2, D)

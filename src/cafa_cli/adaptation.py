@@ -118,7 +118,7 @@ class Adapter:
         model: FeatureClassifier,
         method: str = "cafa",
         gaussians: ClassGaussians | None = None,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device | str = "cpu",
         params: str = "norm",
         optimizer: str = "adam",
         lr: float = 1e-3,
@@ -128,6 +128,7 @@ class Adapter:
         precision: str = "fp32",
         compile: bool = False,
     ):
+        device = torch.device(device)
         if steps < 1:
             raise UsageError(f"--steps must be at least 1, not {steps}")
         if not 0 < lr < math.inf:

@@ -134,13 +134,16 @@ def ensure_statistics(
     return path
 
 
-def shared_class_list(workdir: Path, artifacts: dict[str, Path], train: str | None, model: ModelChoice, train_choice: DataChoice) -> str | None:
+def shared_class_list(
+    workdir: Path, artifacts: dict[str, Path], train: str | None, model: ModelChoice, train_choice: DataChoice, write: bool = True,
+) -> str | None:
     """The class list file every row uses, so that the rows without statistics read the
     labels in the model's output order too. Without it they take the test folders'
     sorted names, which is not the order of every training set (Fashion-MNIST's is not
     alphabetical), while the rows with statistics take the artifact's.
     --classes or a bundled model already fix it; else the training data's order is
-    written to WORKDIR/classes.txt; None when there is no training data to ask."""
+    written to WORKDIR/classes.txt (by `write`: rank 0 under torchrun); None when there
+    is no training data to ask, or it has no class folders."""
     if train_choice.classes_file or bundled_defaults(model.model):
         return train_choice.classes_file
     if artifacts:
@@ -149,8 +152,11 @@ def shared_class_list(workdir: Path, artifacts: dict[str, Path], train: str | No
         names = open_domain(train, None).class_names
     else:
         return None
+    if not names:
+        return None
     path = workdir / "classes.txt"
-    atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
+    if write:
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
     return str(path)
 
 

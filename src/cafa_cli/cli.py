@@ -437,8 +437,9 @@ def bench(
                                         None if per_class else fraction, 0, monitor)
             for cov in sorted({r.covariance for r in rows if r.covariance})
         }
-        wait_for_all(world)
-        classes_file = grid.shared_class_list(Path(workdir), artifacts, train, model_choice, train_choice)
+        wait_for_all(world)  # the artifacts are written
+        classes_file = grid.shared_class_list(Path(workdir), artifacts, train, model_choice, train_choice, write=rank == 0)
+        wait_for_all(world)  # and the class list
         mine = grid.run_grid(rows, data, seed_list, replace(settings, device=str(target)), artifacts, model_choice,
                              replace(data_choice, classes_file=classes_file), monitor, rank, world)
         parts = gather_on_root(mine, rank, world)

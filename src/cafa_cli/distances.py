@@ -33,7 +33,7 @@ from cafa_cli.statistics import ClassGaussians
 
 CHUNK_BYTES = 64 << 20  # one chunk's intermediate
 KEEP_BYTES = 1 << 30  # all chunks' intermediates kept for backward; above it, recompute
-REFINE_TOLERANCE = 1e-5  # lowrank: relative rounding bound above which a class is recomputed exactly
+REFINE_TOLERANCE = 1e-5  # expanded forms: relative rounding bound above which a class is recomputed exactly
 _EPS32 = torch.finfo(torch.float32).eps
 
 

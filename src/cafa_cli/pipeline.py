@@ -240,7 +240,7 @@ def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismat
                 f"{weights} has changed since the statistics were computed (sha256 differs); "
                 f"recompute them with cafa stats, or pass --allow-weights-mismatch"
             )
-    if not weights and recorded.weights_sha256 and not allow_weights_mismatch:
+    if not weights and bundled_defaults(recorded.model) and recorded.weights_sha256 and not allow_weights_mismatch:
         if weights_sha256(recorded.model, None) != recorded.weights_sha256:
             raise InputError(
                 f"the bundled {recorded.model} weights have changed since {artifact.path} was computed "

@@ -25,7 +25,8 @@ FIELDS = ("path", "prediction", "label", "confidence")
 
 def stderr_console(quiet: bool = False) -> Console:
     if quiet:
-        # torch logs its own warnings (e.g. torch.compile's set-up) straight to stderr
+        # torch logs its own warnings (e.g. torch.compile's set-up) straight to stderr;
+        # for the rest of the process, which for the CLI is the rest of the command
         logging.getLogger("torch").setLevel(logging.ERROR)
     return Console(stderr=True, quiet=quiet, highlight=False)
 

@@ -41,6 +41,7 @@ class ClassMoments:
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(num_classes)]
         self.pending_rows = [0] * num_classes
         self.skipped_images = 0  # unreadable images passed over while streaming
+        self.consumed = False  # set by estimate(), which frees the scatters
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         features = features.detach().to("cpu", torch.float32)
@@ -216,14 +217,19 @@ def choose_covariance(moments: ClassMoments, shrinkage: float | str) -> str:
 
 def estimate(
     moments: ClassMoments,
-    covariance: str = "full",
+    covariance: str = "auto",
     shrinkage: float | str = "auto",
     class_names: list[str] | None = None,
 ) -> ClassGaussians:
     """Shrunk class covariances from streamed moments, factored as precision Cholesky
     factors (or, for `lowrank`, as a_c, Q_c, e_c). `covariance="auto"` picks the mode
-    with `choose_covariance`; the result records the mode used."""
+    with `choose_covariance`; the result records the mode used. It consumes the moments:
+    each class's scatter is freed once its factor is made, so that only one d×d matrix
+    is held at a time."""
     check_options(covariance, shrinkage)
+    if moments.consumed:
+        raise UsageError("these moments were already estimated (estimate frees them as it goes); accumulate them again for another estimate")
+    moments.consumed = True
     if covariance == "auto":
         covariance = choose_covariance(moments, shrinkage)
     if covariance == "lowrank":
