@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cafa_cli.artifact import Artifact
+from cafa_cli.models import bundled_defaults
 
 _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
 
@@ -70,11 +71,12 @@ def render(summary: dict) -> Group:
     model = summary["model"]
     cond = summary["conditioning"]
     shrink = summary["shrinkage"]
+    no_file = "(packaged with the bundled model)" if bundled_defaults(model["model"]) else "(none: the model's own initialisation)"
     rows = [
         ("artifact", summary["path"]),
         ("format", f"{summary['format']} (cafa {summary['cafa_version']}, {summary['created']})"),
         ("model", f"{model['model']}, classifier {model['classifier']}"),
-        ("weights", f"{model['weights'] or '(none: random or bundled)'}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
+        ("weights", f"{model['weights'] or no_file}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
         ("classes", f"{summary['num_classes']}, feature dim {summary['feature_dim']}, {summary['num_images']} images"),
         ("covariance", summary["covariance"] + (f", {summary['rank']} basis rows per class (a·I + low rank, exact)" if summary.get("rank") else "")),
         ("shrinkage", f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}"),
