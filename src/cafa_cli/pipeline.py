@@ -17,7 +17,7 @@ from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artif
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, check_loading, open_domain, read_class_list, stratified_subset, unreadable
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, sha256_of, weights_sha256
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, weights_sha256
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
@@ -107,7 +107,7 @@ def compute_statistics(
         monitor.warn(note)
     if class_names is None:
         class_names = domain.class_names
-    if len(domain.labels) and (np.asarray(domain.labels) < 0).all():
+    if len(domain.labels) and (domain.labels < 0).all():
         raise InputError(
             f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
             f"with one subfolder of images per class, or an array with --labels"
@@ -229,22 +229,19 @@ def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismat
             f"pass --model {recorded.model} to run it (or --trust-checkpoint)"
         )
     weights = given.weights or recorded.weights
-    if weights and given.weights is None:
-        if not Path(weights).is_file():
+    if weights and given.weights is None and not Path(weights).is_file():
+        raise InputError(
+            f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
+            f"or --model/--weights to use another model"
+        )
+    if given.weights is None and recorded.weights_sha256 and not allow_weights_mismatch:
+        # the recorded file's hash, or a bundled model's packaged weights' (None: nothing to compare)
+        current = weights_sha256(recorded.model, weights)
+        if current is not None and current != recorded.weights_sha256:
+            changed = f"{weights} has changed" if weights else f"the bundled {recorded.model} weights have changed"
             raise InputError(
-                f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
-                f"or --model/--weights to use another model"
-            )
-        if recorded.weights_sha256 and sha256_of(weights) != recorded.weights_sha256 and not allow_weights_mismatch:
-            raise InputError(
-                f"{weights} has changed since the statistics were computed (sha256 differs); "
+                f"{changed} since the statistics were computed (sha256 differs); "
                 f"recompute them with cafa stats, or pass --allow-weights-mismatch"
-            )
-    if not weights and bundled_defaults(recorded.model) and recorded.weights_sha256 and not allow_weights_mismatch:
-        if weights_sha256(recorded.model, None) != recorded.weights_sha256:
-            raise InputError(
-                f"the bundled {recorded.model} weights have changed since {artifact.path} was computed "
-                f"(another cafa version, or retrained); recompute the statistics with cafa stats, or pass --allow-weights-mismatch"
             )
     num_classes = given.num_classes or recorded.num_classes
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
