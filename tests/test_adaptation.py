@@ -91,6 +91,16 @@ def test_layer_norm_affines_are_adapted():
     assert [tuple(p.shape) for p in params] == [(8,), (8,)]
 
 
+@pytest.mark.parametrize("method", ["tent", "pl"])
+def test_a_model_without_normalisation_layers_is_a_usage_error_for_gradient_methods(method):
+    mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with pytest.raises(UsageError, match="no normalisation layers.*--params all"):
+        Adapter(FeatureClassifier(mlp), method)
+    adapter = Adapter(FeatureClassifier(copy.deepcopy(mlp)), method, params="all")
+    assert adapter.step(torch.randn(4, 3, 2, 2)).shape == (4, 3)
+    assert Adapter(FeatureClassifier(copy.deepcopy(mlp)), "bn").step(torch.randn(4, 3, 2, 2)).shape == (4, 3)
+
+
 def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
     bn = torch.nn.BatchNorm2d(3).eval()
     bn.running_mean.fill_(5.0)

@@ -129,13 +129,16 @@ def test_corruption_is_reproducible_and_changes_the_images():
 def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     pytest.importorskip("corrupt_tta")
     monkeypatch.chdir(tmp_path)  # the default workdir is relative: re-use must see through that
-    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa"]
+    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa,cafa-tied@0.01"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "| method | contrast | fog | mean |"
-    assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa"]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa", "cafa-tied@0.01"]
     assert "$ cafa stats --model fmnist-resnet" in result.stderr and "$ cafa adapt --stats" in result.stderr
+    tied = next(line for line in result.stderr.splitlines() if "--stats demo/stats-tied.safetensors" in line)
+    assert "--method cafa" in tied and "--lr 0.01" in tied  # the row's own learning rate, as it ran
+    assert "--covariance tied --out demo/stats-tied.safetensors" in result.stderr
     pngs = list((tmp_path / "demo" / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
     assert len(pngs) == 200
     stamp = pngs[0].stat().st_mtime_ns
@@ -143,7 +146,7 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     assert again.exit_code == 0 and again.stdout == result.stdout  # same numbers, data not rebuilt
     assert pngs[0].stat().st_mtime_ns == stamp
     assert "corrupting" not in again.stderr
-    assert "computing statistics (--covariance auto)" in result.stderr and "computing" not in again.stderr
+    assert "computing statistics (--covariance tied)" in result.stderr and "computing" not in again.stderr
 
 
 @needs_fashion_mnist
@@ -223,6 +226,20 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     assert set(mine) == {("source", "d", 1), ("bn", "d", 1), ("tent", "d", 1)}
     calls.clear()
     assert len(bench.run_grid(*args)) == 6 and len(calls) == 6
+
+
+def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp_path, monkeypatch):
+    from cafa_cli import bench
+    from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
+    from cafa_cli.report import Monitor
+
+    seen = {}
+    monkeypatch.setattr(bench, "compute_statistics", lambda *args, **kwargs: seen.update(kwargs))
+    settings = AdaptSettings(batch_size=7, device="cpu", num_workers=3)
+    path = bench.ensure_statistics(tmp_path, "tied", "train", ModelChoice("m"), DataChoice(), bench.Sampling(per_class=5, seed=2), settings, Monitor())
+    assert path == tmp_path / "stats-tied.safetensors"
+    assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "seed", "covariance")} == {
+        "device": "cpu", "batch_size": 7, "num_workers": 3, "per_class": 5, "seed": 2, "covariance": "tied"}
 
 
 def test_bench_without_domains_is_a_usage_error():

@@ -209,7 +209,8 @@ def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
 def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     import logging
 
-    from cafa_cli.report import stderr_console
+    from cafa_cli.cli import _stderr
+    from cafa_cli.report import Monitor
 
     torch_logger = logging.getLogger("torch")
     before = torch_logger.level
@@ -217,7 +218,9 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     try:
         logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")  # as torch.compile's set-up may
         assert "No CUDA runtime" in capfd.readouterr().err
-        stderr_console(quiet=True)
+        Monitor()  # a silent monitor, as the Python API makes, leaves the process's logging alone
+        assert torch_logger.level == logging.NOTSET
+        _stderr(quiet=True)
         logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")
         logging.getLogger("torch.utils.cpp_extension").error("a real error still shows")
         err = capfd.readouterr().err

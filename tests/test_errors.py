@@ -132,6 +132,21 @@ def test_unreadable_image_is_skipped(setup, tmp_path):
     assert f"warning: skipped unreadable image {locked}" in result.stderr and len(rows(result)) == 5
 
 
+def test_warnings_print_paths_with_brackets_as_they_are(setup, tmp_path):
+    data = write_folder(tmp_path / "runs [/x] [bold]", per_class=2)
+    broken = data / "b" / "0001.png"
+    broken.write_bytes(b"not a png")
+    result = adapt(setup, data)
+    assert result.exit_code == 0, result.stderr
+    assert f"warning: skipped unreadable image {broken}" in result.stderr
+    assert "runs [/x] [bold]" in result.stderr  # the summary table's domain cell
+    data = write_folder(tmp_path / "named", per_class=3, classes=("[red]a", "[bold]b", "c"))
+    artifact = tmp_path / "named.safetensors"
+    assert stats(setup, data, "--out", artifact).exit_code == 0
+    shown = run("inspect", artifact)
+    assert shown.exit_code == 0 and "[red]a" in shown.stdout and "[bold]b" in shown.stdout, shown.stdout + shown.stderr
+
+
 @pytest.mark.skipif(ROOT, reason="root can read a chmod 000 file")
 def test_unreadable_artifact(setup, tmp_path):
     locked = tmp_path / "s.safetensors"
@@ -464,6 +479,14 @@ def test_option_value_of_the_wrong_type(setup):
 
 def test_unknown_option_suggests_the_right_one(setup):
     fails(run("stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin", "--fraction")
+
+
+def test_debug_shows_the_tools_own_error_not_a_crash_of_the_error_handler(setup):
+    from cafa_cli.errors import UsageError
+
+    result = run("--debug", "stats", "--data", setup["train"], "--fraction", "2", "--model", TINY_NET)
+    assert isinstance(result.exception, UsageError) and "--fraction" in str(result.exception)
+    fails(run("--debug", "stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin")
 
 
 # --- security: --data - only reads, and writes go only where the options point -------

@@ -82,6 +82,9 @@ def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.
             if isinstance(module, (BatchStatisticsNorm, *NORM_LAYERS)):
                 chosen += [p for p in (module.weight, module.bias) if isinstance(p, nn.Parameter)]
     unique = list({id(p): p for p in chosen}.values())
+    if not unique:
+        what = "normalisation layers with affine parameters" if which == "norm" else "parameters before its classifier"
+        raise UsageError(f"the model has no {what} to adapt; use --params all, or --method source or bn")
     for p in unique:
         p.requires_grad_(True)
     return unique

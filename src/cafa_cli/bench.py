@@ -15,6 +15,7 @@ from pathlib import Path
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data import open_domain, read_class_list
+from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import bundled_defaults, canonical_model, weights_sha256
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
@@ -116,21 +117,61 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
     return {**labels, "mean": "mean"}
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Which training images the statistics are computed from (as cafa stats)."""
+
+    fraction: float | None = 0.05
+    per_class: int | None = None
+    seed: int = 0
+
+    def recorded(self) -> dict:
+        return {"fraction": None if self.per_class else self.fraction, "per_class": self.per_class, "seed": self.seed}
+
+
+def run_bench(
+    rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, model: ModelChoice,
+    train: str | None, train_choice: DataChoice, test_choice: DataChoice, sampling: Sampling, workdir: Path,
+    monitor: Monitor, rank: int = 0, world: int = 1,
+) -> dict[tuple[str, str, int], float] | None:
+    """Every (row label, domain, seed) error: statistics computed once per covariance
+    mode the rows need (or re-used from `workdir`), then the grid. Under torchrun every
+    rank joins the statistics and runs its share of the grid; rank 0 gets every error,
+    the other ranks None."""
+    artifacts = {
+        covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
+        for covariance in sorted({row.covariance for row in rows if row.covariance})
+    }
+    wait_for_all(world)  # rank 0 has written the artifacts
+    classes_file = shared_class_list(workdir, artifacts, train, model, train_choice, write=rank == 0)
+    wait_for_all(world)  # and the class list
+    mine = run_grid(rows, domains, seeds, settings, artifacts, model, replace(test_choice, classes_file=classes_file),
+                    monitor, rank, world)
+    parts = gather_on_root(mine, rank, world)
+    return None if parts is None else {key: error for part in parts for key, error in part.items()}
+
+
+def artifact_path(workdir: Path, covariance: str) -> Path:
+    return workdir / f"stats-{covariance}.safetensors"
+
+
 def ensure_statistics(
     workdir: Path, covariance: str, train: str, model: ModelChoice, data_choice: DataChoice,
-    per_class: int | None, fraction: float | None, seed: int, monitor: Monitor,
+    sampling: Sampling, settings: AdaptSettings, monitor: Monitor,
 ) -> Path:
-    """The artifact for one covariance mode, re-used when it was made for the same model and data."""
-    path = workdir / f"stats-{covariance}.safetensors"
+    """The artifact for one covariance mode, re-used when it was made for the same model
+    and data; computed on the device, batch size and loader processes of `settings`."""
+    path = artifact_path(workdir, covariance)
     if path.is_file():
         try:
-            if _made_for(read_artifact(path, load_tensors=False), train, model, data_choice, per_class, fraction, seed):
+            if _made_for(read_artifact(path, load_tensors=False), train, model, data_choice, sampling):
                 return path
         except InputError:
             pass
     monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
-    compute_statistics(train, path, model, data_choice, fraction=fraction, per_class=per_class, seed=seed,
-                       covariance=covariance, device="auto", monitor=monitor)
+    compute_statistics(train, path, model, data_choice, fraction=sampling.fraction, per_class=sampling.per_class,
+                       seed=sampling.seed, covariance=covariance, device=settings.device, batch_size=settings.batch_size,
+                       num_workers=settings.num_workers, monitor=monitor)
     return path
 
 
@@ -160,13 +201,11 @@ def shared_class_list(
     return str(path)
 
 
-def _made_for(
-    artifact, train: str, model: ModelChoice, data_choice: DataChoice, per_class: int | None, fraction: float | None, seed: int,
-) -> bool:
+def _made_for(artifact, train: str, model: ModelChoice, data_choice: DataChoice, sampling: Sampling) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths): a relative --train or --workdir must match on a second run."""
     weights = str(Path(model.weights).resolve()) if model.weights else None
-    wanted = {"data": recorded_data(train), "fraction": None if per_class else fraction, "per_class": per_class, "seed": seed}
+    wanted = {"data": recorded_data(train), **sampling.recorded()}
     return (
         (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
         and artifact.model.weights_sha256 == weights_sha256(model.model, model.weights)

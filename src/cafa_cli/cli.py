@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -25,11 +26,9 @@ from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
-    gather_on_root,
     launched_by_torchrun,
     process_group,
     rank_device,
-    wait_for_all,
 )
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
@@ -57,6 +56,14 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
+def _stderr(quiet: bool) -> Console:
+    """The console for humans; --quiet also silences the warnings torch logs itself
+    (e.g. torch.compile's set-up) for the rest of the command."""
+    if quiet:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+    return stderr_console(quiet)
+
+
 def _fail(message: str, code: int) -> typer.Exit:
     """Print the tool's one-line error and return the Exit to raise."""
     typer.echo(f"cafa: error: {message}", err=True)
@@ -70,7 +77,9 @@ def _one_line_usage_errors():
     try:
         yield
     except Exception as error:
-        usage = any(k.__name__ == "UsageError" for k in type(error).__mro__)
+        # typer vendors click, so its classes are matched by name; cafa's own UsageError
+        # only gets here on --debug, to show its traceback
+        usage = any(k.__name__ == "UsageError" for k in type(error).__mro__) and not isinstance(error, CafaError)
         if not usage or type(error).__name__ == "NoArgsIsHelpError":
             raise
         ctx = getattr(error, "ctx", None)
@@ -218,7 +227,7 @@ def stats(
 ):
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
     shrink = shrinkage if shrinkage == "auto" else _parse_number(shrinkage, "--shrinkage must be 'auto' or a number in [0, 1]")
-    console = stderr_console(quiet)
+    console = _stderr(quiet)
     with Monitor(console, quiet) as monitor:
         artifact = compute_statistics(
             data,
@@ -313,7 +322,7 @@ def adapt(
         settings,
         allow_weights_mismatch,
     )
-    console = stderr_console(quiet)
+    console = _stderr(quiet)
     output = open_output(predictions)
     writer = RecordWriter(output, fmt, job.class_names)
     try:
@@ -360,7 +369,7 @@ def demo(
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
     names = BENCHMARK_CORRUPTIONS if corruptions == "all" else tuple(c.strip() for c in corruptions.split(",") if c.strip())
     plan = DemoPlan(names, severity, DemoPlan.train_per_class, test_per_class or None, methods)
-    console = stderr_console(quiet)
+    console = _stderr(quiet)
     with Monitor(console, quiet) as monitor:
         if data_only:
             for folder in build_corrupted(Path(workdir), list(names), severity, plan.test_per_class, plan.seed, fashion_mnist,
@@ -428,24 +437,14 @@ def bench(
                              f"the training data to compute class statistics from")
         train = "fashion-mnist"
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, steps=steps, device=device, num_workers=num_workers)
-    grid.make_workdir(workdir)
+    sampling = grid.Sampling(fraction, per_class)
+    workdir_path = grid.make_workdir(workdir)
     target = rank_device(pick_device(device))
-    with process_group(target) as (rank, world), Monitor(stderr_console(quiet), quiet or rank > 0) as monitor:
-        # every rank joins the statistics (sharded under torchrun); rank 0 writes them
-        artifacts = {
-            cov: grid.ensure_statistics(Path(workdir), cov, train, model_choice, train_choice, per_class,
-                                        None if per_class else fraction, 0, monitor)
-            for cov in sorted({r.covariance for r in rows if r.covariance})
-        }
-        wait_for_all(world)  # the artifacts are written
-        classes_file = grid.shared_class_list(Path(workdir), artifacts, train, model_choice, train_choice, write=rank == 0)
-        wait_for_all(world)  # and the class list
-        mine = grid.run_grid(rows, data, seed_list, replace(settings, device=str(target)), artifacts, model_choice,
-                             replace(data_choice, classes_file=classes_file), monitor, rank, world)
-        parts = gather_on_root(mine, rank, world)
-    if parts is None:  # a torchrun rank other than 0: rank 0 reports
+    with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
+        errors = grid.run_bench(rows, data, seed_list, replace(settings, device=str(target)), model_choice, train,
+                                train_choice, data_choice, sampling, workdir_path, monitor, rank, world)
+    if errors is None:  # a torchrun rank other than 0: rank 0 reports
         return
-    errors = {key: error for part in parts for key, error in part.items()}
     table = grid.summarise(errors, rows, data, seed_list)
     print(grid.markdown(table, data, seed_list))
     if csv_out:

@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from cafa_cli.bench import ensure_statistics, markdown, parse_methods, run_grid, summarise
+from cafa_cli.bench import Sampling, artifact_path, markdown, parse_methods, run_bench, summarise
 from cafa_cli.fashion_mnist import check_installed
 from cafa_cli.fmnist_c import build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
@@ -51,14 +51,15 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         for p in build_corrupted(workdir, list(plan.corruptions), plan.severity, plan.test_per_class, plan.seed, root,
                                  on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
     ]
-    model = ModelChoice(MODEL)
-    artifact = ensure_statistics(workdir, "auto", str(train), model, DataChoice(), None, 1.0, plan.seed, monitor)
-    echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed, "--out", artifact))
-    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
+    for covariance in sorted({row.covariance for row in rows if row.covariance}):
+        echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed,
+                          "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
     for row in rows:
         data_args = [w for d in domains for w in ("--data", d)]
-        stats_args = ["--stats", artifact] if row.covariance else ["--model", MODEL]
+        stats_args = ["--stats", artifact_path(workdir, row.covariance)] if row.covariance else ["--model", MODEL]
         echo(command_line("cafa", "adapt", *stats_args, "--method", row.method, *data_args,
-                          "--batch-size", plan.batch_size, "--lr", plan.lr, "--seed", plan.seed))
-    errors = run_grid(rows, domains, [plan.seed], settings, {"auto": artifact}, model, DataChoice(), monitor)
+                          "--batch-size", plan.batch_size, "--lr", row.lr or plan.lr, "--seed", plan.seed))
+    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
+    errors = run_bench(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
+                       Sampling(fraction=1.0, seed=plan.seed), workdir, monitor)
     return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])

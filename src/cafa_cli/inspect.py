@@ -89,7 +89,7 @@ def render(summary: dict) -> Group:
     classes = Table("class", "count", "λ", title="per class", title_justify="left")
     shown = summary["classes"]
     for c in shown[:20]:
-        classes.add_row(c["name"], str(c["count"]), f"{c['shrinkage']:.4f}")
+        classes.add_row(Text(c["name"]), str(c["count"]), f"{c['shrinkage']:.4f}")
     if len(shown) > 20:
         classes.add_row(f"… {len(shown) - 20} more", "", "")
     return Group(facts, classes)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -12,8 +11,10 @@ from pathlib import Path
 from typing import IO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from cafa_cli.artifact import atomic_write, check_writable
 from cafa_cli.errors import UsageError
@@ -24,10 +25,6 @@ FIELDS = ("path", "prediction", "label", "confidence")
 
 
 def stderr_console(quiet: bool = False) -> Console:
-    if quiet:
-        # torch logs its own warnings (e.g. torch.compile's set-up) straight to stderr;
-        # for the rest of the process, which for the CLI is the rest of the command
-        logging.getLogger("torch").setLevel(logging.ERROR)
     return Console(stderr=True, quiet=quiet, highlight=False)
 
 
@@ -163,7 +160,7 @@ def summary_table(method: str, results: Sequence[DomainResult]) -> Table:
         table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
-        table.add_row(r.data, str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
+        table.add_row(Text(r.data), str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
     if len(results) > 1:
         total = overall(results)
         rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
@@ -190,9 +187,7 @@ class Monitor:
         self._progress.__exit__(*exc)
 
     def start(self, description: str, total: int) -> None:
-        if self._task is not None:
-            self._progress.update(self._task, visible=True)
-        self._task = self._progress.add_task(description, total=total, rate="-", status="")
+        self._task = self._progress.add_task(escape(description), total=total, rate="-", status="")
         self._started, self._done = time.perf_counter(), 0
 
     def advance(self, images: int, status: str = "") -> None:
@@ -203,7 +198,8 @@ class Monitor:
 
     def warn(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+            # a path may hold [brackets] that rich would read as markup
+            self.console.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
     def info(self, message: str) -> None:
         if not self.quiet:
