@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
         for batch in batches(domain, prep, 30, np.random.default_rng(_).permutation(len(domain))):
             optimizer.zero_grad()
             labels = torch.as_tensor(domain.labels[batch.indices])
-            torch.nn.functional.cross_entropy(net(batch.images), labels).backward()
+            torch.nn.functional.cross_entropy(net(prep.normalize(batch.images)), labels).backward()
             optimizer.step()
     weights = root / "net.pt"
     torch.save(net.state_dict(), weights)

@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import write_folder
 from PIL import Image
+from torchvision.transforms import functional as TF
 
 from cafa_cli.data import UNLABELLED, batches, open_domain, read_class_list, stratified_subset
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.preprocessing import Preprocessing, parse_floats, parse_size, to_mode
+from cafa_cli.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, parse_floats, parse_size, to_mode
 
 GREY = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
 
@@ -537,7 +538,8 @@ def test_batches_follow_given_indices(tmp_path):
     order = np.array([7, 2, 9])
     got = [b for b in batches(domain, GREY, batch_size=2, indices=order)]
     assert [b.indices for b in got] == [[7, 2], [9]]
-    torch.testing.assert_close(got[0].images[:, 0, 0, 0], torch.tensor([7, 2]) / 255.0)
+    assert got[0].images.dtype == torch.uint8
+    assert got[0].images[:, 0, 0, 0].tolist() == [7, 2]
 
 
 def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
@@ -558,35 +560,54 @@ def test_batches_reject_bad_sizes(tmp_path):
 # --- preprocessing -------------------------------------------------------------------
 
 
+def model_input(prep: Preprocessing, image: Image.Image) -> torch.Tensor:
+    return prep.normalize(prep.pixels(image))
+
+
+@pytest.mark.parametrize("channels, mean, std", [(3, IMAGENET_MEAN, IMAGENET_STD), (1, (0.3,), (0.2,)), (3, (0.5,), (0.25,))])
+def test_batched_normalisation_equals_per_image_to_tensor_bit_for_bit(channels, mean, std):
+    """The loader stops at uint8 and the batch is normalised later; the numbers must be
+    exactly those of torchvision's per-image to_tensor + normalize."""
+    prep = Preprocessing(resize=12, crop=10, mean=mean, std=std, channels=channels)
+    rng = np.random.default_rng(channels)
+    images = [Image.fromarray(rng.integers(0, 256, (15, 17, 3), dtype=np.uint8)) for _ in range(4)]
+    batch = prep.normalize(torch.stack([prep.pixels(image) for image in images]))
+    for image, got in zip(images, batch):
+        image = to_mode(image, "L" if channels == 1 else "RGB")
+        image = TF.center_crop(TF.resize(image, 12, interpolation=TF.InterpolationMode.BILINEAR), 10)
+        expected = TF.normalize(TF.to_tensor(image), list(mean) * (channels // len(mean)), list(std) * (channels // len(std)))
+        assert torch.equal(got, expected)
+
+
 def test_resize_shorter_side_then_centre_crop():
     image = Image.fromarray(np.zeros((20, 40, 3), dtype=np.uint8))  # H 20, W 40
-    assert Preprocessing(resize=10, crop=None)(image).shape == (3, 10, 20)
-    assert Preprocessing(resize=10, crop=8)(image).shape == (3, 8, 8)
-    assert Preprocessing(resize=None, crop=6, channels=1, mean=(0.5,), std=(0.5,))(image).shape == (1, 6, 6)
-    assert Preprocessing(resize=None, crop=None)(image).shape == (3, 20, 40)
+    assert model_input(Preprocessing(resize=10, crop=None), image).shape == (3, 10, 20)
+    assert model_input(Preprocessing(resize=10, crop=8), image).shape == (3, 8, 8)
+    assert model_input(Preprocessing(resize=None, crop=6, channels=1, mean=(0.5,), std=(0.5,)), image).shape == (1, 6, 6)
+    assert model_input(Preprocessing(resize=None, crop=None), image).shape == (3, 20, 40)
 
 
 def test_centre_crop_takes_the_middle():
     pixels = np.arange(36, dtype=np.uint8).reshape(6, 6)
-    out = Preprocessing(resize=None, crop=2, mean=(0,), std=(1,), channels=1)(Image.fromarray(pixels))
+    out = model_input(Preprocessing(resize=None, crop=2, mean=(0,), std=(1,), channels=1), Image.fromarray(pixels))
     torch.testing.assert_close(out[0], torch.tensor([[14.0, 15.0], [20.0, 21.0]]) / 255)
 
 
 def test_normalisation_values():
     grey = Image.fromarray(solid(128, 4))
-    out = Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.25,), channels=1)(grey)
+    out = model_input(Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.25,), channels=1), grey)
     torch.testing.assert_close(out, torch.full((1, 4, 4), (128 / 255 - 0.5) / 0.25))
     rgb = Image.fromarray(np.tile(np.array([255, 0, 51], dtype=np.uint8), (2, 2, 1)))
-    out = Preprocessing(resize=None, crop=None, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 0.2))(rgb)
+    out = model_input(Preprocessing(resize=None, crop=None, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 0.2)), rgb)
     expected = torch.tensor([(1 - 0.1) / 0.5, (0 - 0.2) / 0.25, (0.2 - 0.3) / 0.2])
     torch.testing.assert_close(out[:, 1, 1], expected)
-    shared = Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.5,))(rgb)
+    shared = model_input(Preprocessing(resize=None, crop=None, mean=(0.5,), std=(0.5,)), rgb)
     torch.testing.assert_close(shared[:, 0, 0], torch.tensor([1.0, -1.0, 0.2 * 2 - 1]))
 
 
 def test_grey_image_to_rgb_and_rgb_to_grey():
     grey = Image.fromarray(solid(77, 2))
-    out = Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3)(grey)
+    out = model_input(Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3), grey)
     assert out.shape == (3, 2, 2)
     torch.testing.assert_close(out, torch.full((3, 2, 2), 77 / 255))
     red = Image.fromarray(np.tile(np.array([255, 0, 0], dtype=np.uint8), (2, 2, 1)))
@@ -628,7 +649,7 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
     loaded = Image.open(path)
     assert loaded.mode.startswith("I")
     assert np.asarray(to_mode(loaded, "L")).tolist() == [[0, 1, 128, 255]]
-    out = Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3)(loaded)
+    out = model_input(Preprocessing(resize=None, crop=None, mean=(0,), std=(1,), channels=3), loaded)
     torch.testing.assert_close(out[:, 0, 2], torch.full((3,), 128 / 255))
 
 

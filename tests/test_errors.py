@@ -445,6 +445,30 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
     assert result.stdout == "", "no CSV header before the options are checked"
 
 
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--format", "xml"], "--format must be one of csv, jsonl, not xml"),
+        (["--optimizer", "lbfgs"], "--optimizer must be one of adam, sgd, not lbfgs"),
+        (["--params", "some"], "--params must be one of norm, all, not some"),
+        (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, not fp8"),
+        (["--steps", "0"], "--steps must be at least 1, not 0"),
+    ],
+    ids=["format", "optimizer", "params", "precision", "steps"],
+)
+def test_adapt_option_values_checked_before_the_model_is_loaded(setup, tmp_path, args, needle):
+    missing = tmp_path / "no-such-weights.pt"  # loading the model would fail on it
+    fails(run("adapt", "--model", TINY_NET, "--weights", missing, "--data", setup["train"], *args), 2, needle)
+
+
+def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path):
+    workdir = tmp_path / "work"
+    result = run("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
+                 *PLAIN, "--methods", "source,cafa", "--optimizer", "lbfgs", "--workdir", workdir)
+    fails(result, 2, "--optimizer must be one of adam, sgd, not lbfgs")
+    assert not list(workdir.glob("*.safetensors"))
+
+
 def test_stats_negative_seed(setup, tmp_path):
     fails(stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"), 2, "--seed must be 0 or more, not -1")
 

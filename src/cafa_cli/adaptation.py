@@ -22,6 +22,29 @@ NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean")
 PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd")
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_settings(
+    method: str, params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
+    steps: int = 1, bn_prior: float = 0.0, precision: str = "fp32", device: torch.device = torch.device("cpu"),
+) -> None:
+    """The Adapter's option values, checked before any model or data is read."""
+    choices = {"--method": (method, METHODS), "--params": (params, PARAM_SETS), "--optimizer": (optimizer, OPTIMIZERS),
+               "--precision": (precision, tuple(PRECISIONS))}
+    for option, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
+    if PRECISIONS[precision] is not None and device.type != "cuda":
+        raise UsageError(f"--precision {precision} is for CUDA; on the CPU use fp32")
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, not {steps}")
+    if not 0 < lr < math.inf:
+        raise UsageError(f"--lr must be a positive number, not {lr}")
+    if not 0 <= bn_prior < math.inf:
+        raise UsageError(f"--bn-prior must be a number, 0 or more, not {bn_prior}")
+    if not 0 <= momentum < 1:
+        raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
 
 
 class BatchStatisticsNorm(nn.Module):
@@ -70,8 +93,6 @@ def use_test_batch_norm(model: nn.Module, prior: float = 0.0) -> int:
 def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
     """Freeze everything, then unfreeze the normalisation affines (`norm`) or the
     whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed."""
-    if which not in PARAM_SETS:
-        raise UsageError(f"--params must be one of {', '.join(PARAM_SETS)}, not {which}")
     model.requires_grad_(False)
     if which == "all":
         classifier = {id(p) for p in model.classifier.parameters()}
@@ -94,8 +115,6 @@ def make_objective(
     method: str, gaussians: ClassGaussians | None, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """(logits, features) -> loss for a gradient method; None for source and bn."""
-    if method not in METHODS:
-        raise UsageError(f"--method must be one of {', '.join(METHODS)}, not {method}")
     if method in ("source", "bn"):
         return None
     if method == "tent":
@@ -132,16 +151,7 @@ class Adapter:
         compile: bool = False,
     ):
         device = torch.device(device)
-        if steps < 1:
-            raise UsageError(f"--steps must be at least 1, not {steps}")
-        if not 0 < lr < math.inf:
-            raise UsageError(f"--lr must be a positive number, not {lr}")
-        if not 0 <= bn_prior < math.inf:
-            raise UsageError(f"--bn-prior must be a number, 0 or more, not {bn_prior}")
-        if not 0 <= momentum < 1:
-            raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
-        if optimizer not in OPTIMIZERS:
-            raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer}")
+        check_settings(method, params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         if gaussians is not None and tuple(gaussians.means.shape) != (model.num_classes, model.feature_dim):
             C, d = gaussians.means.shape
             raise UsageError(
@@ -236,11 +246,4 @@ class Adapter:
 
 
 def _autocast(device: torch.device, precision: str):
-    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in dtypes:
-        raise UsageError(f"--precision must be one of {', '.join(dtypes)}, not {precision}")
-    if dtypes[precision] is None:
-        return nullcontext()
-    if device.type != "cuda":
-        raise UsageError(f"--precision {precision} is for CUDA; on the CPU use fp32")
-    return torch.autocast("cuda", dtype=dtypes[precision])
+    return nullcontext() if PRECISIONS[precision] is None else torch.autocast(device.type, dtype=PRECISIONS[precision])

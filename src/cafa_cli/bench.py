@@ -18,7 +18,15 @@ from cafa_cli.data import open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import bundled_defaults, canonical_model, weights_sha256
-from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice, compute_statistics, prepare_adaptation, recorded_data
+from cafa_cli.pipeline import (
+    AdaptSettings,
+    DataChoice,
+    ModelChoice,
+    check_adapt_settings,
+    compute_statistics,
+    prepare_adaptation,
+    recorded_data,
+)
 from cafa_cli.report import Monitor, atomic_write
 
 # Bench rows beyond the plain methods: CAFA with a covariance form forced. The plain
@@ -138,6 +146,8 @@ def run_bench(
     mode the rows need (or re-used from `workdir`), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every error,
     the other ranks None."""
+    for row in rows:  # before statistics that can take hours
+        check_adapt_settings(replace(settings, method=row.method, lr=row.lr or settings.lr))
     artifacts = {
         covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
         for covariance in sorted({row.covariance for row in rows if row.covariance})

@@ -45,6 +45,7 @@ from cafa_cli.preprocessing import parse_floats, parse_size
 from cafa_cli.report import (
     Monitor,
     RecordWriter,
+    check_format,
     metrics,
     open_output,
     stderr_console,
@@ -308,11 +309,13 @@ def adapt(
             "cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it again; "
             "run it without torchrun (one process per domain or GPU), or use cafa bench to spread domains over ranks"
         )
+    check_format(fmt)
     if metrics_json:
         check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
-        method, batch_size, optimizer, lr, momentum, steps, params, bn_prior, reset, shuffle, seed, device, precision, num_workers, strict,
-        compile_model,
+        method=method, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
+        bn_prior=bn_prior, reset=reset, shuffle=shuffle, seed=seed, device=device, precision=precision,
+        num_workers=num_workers, strict=strict, compile=compile_model,
     )
     job = prepare_adaptation(
         data,

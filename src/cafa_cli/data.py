@@ -406,7 +406,7 @@ class _DomainImages(Dataset):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                image = self.preprocess(self.domain.read(i))
+                image = self.preprocess.pixels(self.domain.read(i))
         except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
             return None, i, f"{type(error).__name__}: {error}"
         return image, i, None
@@ -414,7 +414,7 @@ class _DomainImages(Dataset):
 
 @dataclass
 class Batch:
-    images: torch.Tensor | None  # None when every image of the batch failed to read
+    images: torch.Tensor | None  # uint8 pixels (Preprocessing.normalize makes them model input); None when every image failed to read
     indices: list[int]  # positions in the domain of the images that were read
     failures: list[tuple[int, str]]  # (position, why) of the images that were not
 
@@ -458,7 +458,7 @@ def batches(
     num_workers: int = 0,
     pin_memory: bool = False,
 ) -> DataLoader:
-    """Batches of preprocessed images in the order of `indices` (default: all, in order)."""
+    """Batches of resized and cropped uint8 images in the order of `indices` (default: all, in order)."""
     check_loading(batch_size, num_workers)
     if indices is None:
         indices = np.arange(len(domain))

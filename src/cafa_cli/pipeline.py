@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from cafa_cli import statistics
-from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter
+from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter, check_settings
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import Domain, batches, check_loading, open_domain, read_class_list, stratified_subset, unreadable
@@ -149,7 +149,10 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
         monitor.advance(len(batch.indices) + len(batch.failures))
 
     loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
-    moments = statistics.accumulate_features(net, loader, labels, len(class_names), net.feature_dim, target, on_batch)
+    def net_on_pixels(pixels):
+        return net(preprocess.normalize(pixels))
+
+    moments = statistics.accumulate_features(net_on_pixels, loader, labels, len(class_names), net.feature_dim, target, on_batch)
     moments.skipped_images = skipped
     return moments
 
@@ -187,6 +190,16 @@ class AdaptSettings:
     num_workers: int = 0
     strict: bool = False
     compile: bool = False
+
+
+def check_adapt_settings(settings: AdaptSettings) -> torch.device:
+    """Every option value of an adapt run, before any model or data is read; returns the device."""
+    s = settings
+    _check_loading(s.batch_size, s.num_workers, s.seed)
+    check_reset(s.reset)
+    device = pick_device(s.device)
+    check_settings(s.method, s.params, s.optimizer, s.lr, s.momentum, s.steps, s.bn_prior, s.precision, device)
+    return device
 
 
 def load_for_adaptation(
@@ -323,8 +336,7 @@ def prepare_adaptation(
 ) -> Adaptation:
     if not data:
         raise UsageError("give at least one --data PATH")
-    _check_loading(settings.batch_size, settings.num_workers, settings.seed)
-    check_reset(settings.reset)
+    device = check_adapt_settings(settings)
     net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
@@ -339,7 +351,6 @@ def prepare_adaptation(
         if not class_names:
             class_names = [str(i) for i in range(net.num_classes)]
         _check_classes(net, class_names, "the data")
-    device = pick_device(settings.device)
     adapter = Adapter(
         net,
         settings.method,

@@ -43,13 +43,17 @@ def progress_bar(console: Console, quiet: bool = False) -> Progress:
     )
 
 
+def check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt}")
+
+
 class RecordWriter:
     """One line per image, in stream order, flushed after every batch so that a
     pipeline (or an interrupted run) sees every line already promised."""
 
     def __init__(self, stream: IO[str], fmt: str, class_names: Sequence[str]):
-        if fmt not in FORMATS:
-            raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt}")
+        check_format(fmt)
         self.stream, self.fmt, self.class_names = stream, fmt, list(class_names)
         self.count = 0
         self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None

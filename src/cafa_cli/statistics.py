@@ -431,7 +431,8 @@ def accumulate_features(
 ) -> ClassMoments:
     """Stream batches through the model (eval mode, no gradients) into ClassMoments.
 
-    `labels` is indexed by each batch's domain positions.
+    `model` takes a batch's images as the loader gives them, moved to `device`, and
+    returns (logits, features); `labels` is indexed by each batch's domain positions.
     """
     moments = ClassMoments(num_classes, dim)
     waiting = None  # on CUDA: the previous batch's features, copying to the host

@@ -83,7 +83,7 @@ def adapt_domains(
             for ref, why in unreadable(domain, batch, strict):
                 result.skipped_images.append(ref)
                 on_skip(ref, why)
-            records = _step(adapter, domain, batch)
+            records = _step(adapter, domain, preprocess, batch)
             for record in records:
                 result.n += 1
                 if record.label != UNLABELLED:
@@ -98,10 +98,10 @@ def adapt_domains(
     return results
 
 
-def _step(adapter: Adapter, domain: Domain, batch: Batch) -> list[Record]:
+def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch) -> list[Record]:
     if batch.images is None:
         return []
-    logits = adapter.step(batch.images)
+    logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)
     return [
