@@ -295,7 +295,7 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             covariance=covariance,
             global_mean=small["global_mean"],
             global_covariance=small["global_covariance"],
-            shrinkage_method=str(shrink_info.get("method", "unknown")) if isinstance(shrink_info, dict) else "unknown",
+            shrinkage_method=shrink_info["method"],
             isotropic=small.get("lowrank_isotropic"),
             spectrum=small.get("lowrank_spectrum"),
         )

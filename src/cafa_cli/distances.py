@@ -3,7 +3,7 @@
 Never forms a precision or an inverse. The per-class (full) form works through the
 classes in chunks whose intermediate [N, chunk, d] tensor stays under a byte
 budget. The backward pass needs every chunk's intermediate: they are kept while all
-of them together fit KEEP_BYTES (0.5 GB at C = 1000, d = 2048, N = 64), so the
+of them together fit KEEP_BYTES (1 GiB; 0.5 GB at C = 1000, d = 2048, N = 64), so the
 factors are read twice per step (forward, backward); past that budget each chunk is
 recomputed in the backward pass instead (a third read), so memory stays at one chunk.
 

@@ -4,7 +4,7 @@ Messages are one line that names the problem and the fix; the CLI prints them
 without a traceback.
 """
 
-EXIT_RUNTIME = 1  # the tool failed (non-finite results, out of memory, interrupted)
+EXIT_RUNTIME = 1  # the tool failed (out of memory, a bug, the environment); Ctrl-C exits 130
 EXIT_USAGE = 2  # an option value is wrong
 EXIT_INPUT = 3  # a file or folder given to the tool is missing or unreadable
 

@@ -1,4 +1,5 @@
-"""Test-time objectives as plain tensor functions: (logits, features) -> scalar loss."""
+"""Test-time objectives as plain tensor functions -> scalar loss: entropy and pseudo-label take
+logits, global alignment takes features, cafa and intra take class distances and pseudo-labels."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelChoice:
     """What `--model`, `--weights` and friends say; None means "from the artifact"."""
 
@@ -34,7 +34,7 @@ class ModelChoice:
     trust_checkpoint: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataChoice:
     labels: str | None = None
     severity: int | None = None
@@ -287,7 +287,11 @@ class Adaptation:
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
         monitor = monitor or Monitor()
-        running = {"errors": 0, "labelled": 0}
+        running = {"errors": 0, "labelled": 0}  # of the domain being adapted, for its progress bar
+
+        def start(domain):
+            running.update(errors=0, labelled=0)
+            monitor.start(_short_name(domain.name), len(domain))
 
         def records(batch_records):
             for r in batch_records:
@@ -311,7 +315,7 @@ class Adaptation:
             s.strict,
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
-            on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
+            on_domain=start,
         )
 
 

@@ -55,7 +55,6 @@ class RecordWriter:
     def __init__(self, stream: IO[str], fmt: str, class_names: Sequence[str]):
         check_format(fmt)
         self.stream, self.fmt, self.class_names = stream, fmt, list(class_names)
-        self.count = 0
         self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None
         self._started = False  # the CSV header waits for the first records: a run that fails first writes nothing
 
@@ -80,7 +79,6 @@ class RecordWriter:
                 self._csv.writerow(row)
             else:
                 self.stream.write(json.dumps(dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))) + "\n")
-        self.count += len(records)
         self.stream.flush()
 
 

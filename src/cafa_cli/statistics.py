@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -178,7 +178,6 @@ class ClassGaussians:
     global_mean: torch.Tensor  # [d] float32, for Global FA
     global_covariance: torch.Tensor  # [d, d] float32, for Global FA
     shrinkage_method: str = "oas"
-    extra: dict = field(default_factory=dict)
     isotropic: torch.Tensor | None = None  # lowrank: a_c = λ_c·tr(S_c)/d [C] float32
     spectrum: torch.Tensor | None = None  # lowrank: e_cj = (1 − λ_c)·eig_j(S_c) [C, k] float32, 0 as padding
 
@@ -208,7 +207,7 @@ def choose_covariance(moments: ClassMoments, shrinkage: float | str) -> str:
     if shrinkage != "auto" and float(shrinkage) == 0:
         return "full"
     totals = [moments.total(c) for c in range(C)]
-    if any(n >= d or moments.rows(c) is None for c, n in enumerate(totals)):
+    if any(n >= d for n in totals):  # a class is only folded into a d×d scatter from d rows on
         return "full"
     k_max = max(max(totals) - 1, 1)  # centred rows have rank ≤ N_c − 1
     lowrank_numbers = k_max * d + k_max + 1  # basis, spectrum, a_c (per class)
@@ -427,7 +426,7 @@ def accumulate_features(
     num_classes: int,
     dim: int,
     device: torch.device,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[object], None] | None = None,  # called with each batch, after it
 ) -> ClassMoments:
     """Stream batches through the model (eval mode, no gradients) into ClassMoments.
 
