@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from cafa_cli import __version__
 from cafa_cli.errors import InputError
-from cafa_cli.models import ModelSpec
+from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
 
@@ -174,8 +174,8 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
     if not path.is_file():
         raise InputError(f"{path}: no such artifact; create one with cafa stats, or give the path of one")
     with open(path, "rb") as f:
-        head = f.read(64).lstrip().lower()
-    if head.startswith((b"<!doctype", b"<html", b"<?xml")):
+        head = f.read(512).lstrip().lower()
+    if head.startswith(HTML_MARKERS):
         raise _bad(path, "this is a web page saved as a file, not a cafa artifact; download the file itself")
     try:
         with safe_open(str(path), framework="pt") as f:

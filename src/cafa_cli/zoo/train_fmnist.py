@@ -14,7 +14,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cafa_cli.artifact import atomic_write
 from cafa_cli.errors import CafaError
 from cafa_cli.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.zoo.fmnist_resnet import build_fmnist_resnet
@@ -185,17 +185,8 @@ def save_weights_atomically(model: nn.Module, out: Path, metadata: dict[str, str
 
     # state_dict includes BN running stats; safetensors refuses shared or strided storage.
     tensors = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()}
-    out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(handle)
-    try:
-        save_file(tensors, temp_name, metadata=metadata)
-        os.chmod(temp_name, 0o644)  # mkstemp makes it owner-only; the package file must be readable
-        os.replace(temp_name, out)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 if __name__ == "__main__":
