@@ -16,7 +16,7 @@ from conftest import write_folder
 from PIL import Image
 from torchvision.transforms import functional as TF
 
-from cafa_cli.data import UNLABELLED, batches, open_domain, read_class_list, stratified_subset
+from cafa_cli.data import UNLABELLED, batches, loader_processes, open_domain, read_class_list, stratified_subset
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, parse_floats, parse_size, to_mode
 
@@ -547,6 +547,19 @@ def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
     save(tmp_path / "m" / "b.png", solid(1, 6))
     with pytest.raises(InputError, match="different sizes.*--resize"):
         list(batches(open_domain(str(tmp_path / "m")), GREY, batch_size=2))
+
+
+def test_loader_processes_default_to_the_cores_on_cuda_and_none_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert loader_processes(None, cpu) == 0
+    assert loader_processes(None, cuda) == 15  # the main process keeps one core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: four ranks share the machine's cores
+    assert loader_processes(None, cuda) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert loader_processes(None, cuda) == 0
+    assert loader_processes(6, cuda) == 6 and loader_processes(2, cpu) == 2  # as asked
 
 
 def test_batches_reject_bad_sizes(tmp_path):

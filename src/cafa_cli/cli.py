@@ -174,7 +174,7 @@ MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Normalisation me
 StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std, one value or one per channel.")]
 ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey) or 3 (RGB).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
-WorkersOpt = Annotated[int, typer.Option("--num-workers", help="Data loading processes.")]
+WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
 
@@ -221,7 +221,7 @@ def stats(
     channels: ChannelsOpt = None,
     device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Images per forward pass.")] = 128,
-    num_workers: WorkersOpt = 0,
+    num_workers: WorkersOpt = None,
     out: Annotated[str, typer.Option("--out", "-o", help="Artifact to write (atomically).")] = DEFAULT_PATH,
     strict: StrictOpt = False,
     quiet: QuietOpt = False,
@@ -296,7 +296,7 @@ def adapt(
     device: DeviceOpt = "auto",
     precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")] = "fp32",
     compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")] = False,
-    num_workers: WorkersOpt = 0,
+    num_workers: WorkersOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv or jsonl.")] = "csv",
     predictions: Annotated[Optional[str], typer.Option("--predictions", help="Write the records to this file instead of stdout.")] = None,
     metrics_json: Annotated[Optional[str], typer.Option("--metrics-json", help="Write errors and settings as JSON.")] = None,
@@ -413,7 +413,7 @@ def bench(
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     steps: Annotated[int, typer.Option("--steps")] = 1,
     device: DeviceOpt = "auto",
-    num_workers: WorkersOpt = 0,
+    num_workers: WorkersOpt = None,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Write the table as CSV.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the table and every run as JSON.")] = None,
     plot_out: Annotated[Optional[str], typer.Option("--plot", help="Write a grouped-bar PNG (needs matplotlib).")] = None,

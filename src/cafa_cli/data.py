@@ -8,6 +8,7 @@ test set happens to have.
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import sys
@@ -442,12 +443,24 @@ def _collate(items) -> Batch:
     return Batch(images, [i for _, i in good], failures)
 
 
-def check_loading(batch_size: int, num_workers: int) -> None:
+def check_loading(batch_size: int, num_workers: int | None) -> None:
     """Also called by the commands before any model or data is read."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
-    if num_workers < 0:
+    if num_workers is not None and num_workers < 0:
         raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+
+
+def loader_processes(num_workers: int | None, device: torch.device) -> int:
+    """`--num-workers`, or by default: on CUDA, every CPU core this process may use but
+    one, shared among the ranks torchrun started on this machine (decoding images on
+    one core cannot keep a GPU busy); on the CPU none, as the model's threads use the cores."""
+    if num_workers is not None:
+        return num_workers
+    if device.type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
 def batches(
@@ -455,22 +468,24 @@ def batches(
     preprocess: Preprocessing,
     batch_size: int,
     indices: np.ndarray | None = None,
-    num_workers: int = 0,
-    pin_memory: bool = False,
+    num_workers: int | None = None,
+    device: torch.device = torch.device("cpu"),
 ) -> DataLoader:
-    """Batches of resized and cropped uint8 images in the order of `indices` (default: all, in order)."""
+    """Batches of resized and cropped uint8 images in the order of `indices` (default:
+    all, in order), loaded for `device` (pinned memory and loader processes on CUDA)."""
     check_loading(batch_size, num_workers)
     if indices is None:
         indices = np.arange(len(domain))
+    workers = loader_processes(num_workers, device)
     return DataLoader(
         _DomainImages(domain, indices, preprocess),
         batch_size=batch_size,
         shuffle=False,
-        num_workers=num_workers,
+        num_workers=workers,
         collate_fn=_collate,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda",
         persistent_workers=False,
-        worker_init_fn=_leave_signals_to_the_main_process if num_workers else None,
+        worker_init_fn=_leave_signals_to_the_main_process if workers else None,
     )
 
 

@@ -15,7 +15,16 @@ from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter, check_settings
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_writable, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
-from cafa_cli.data import Domain, batches, check_loading, open_domain, read_class_list, stratified_subset, unreadable
+from cafa_cli.data import (
+    Domain,
+    batches,
+    check_loading,
+    loader_processes,
+    open_domain,
+    read_class_list,
+    stratified_subset,
+    unreadable,
+)
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, weights_sha256
 from cafa_cli.preprocessing import Preprocessing
@@ -81,7 +90,7 @@ def compute_statistics(
     shrinkage: float | str = "auto",
     device: str = "auto",
     batch_size: int = 128,
-    num_workers: int = 0,
+    num_workers: int | None = None,
     strict: bool = False,
     monitor: Monitor | None = None,
 ) -> Artifact | None:
@@ -148,7 +157,7 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
             monitor.warn(f"skipped unreadable image {ref} ({why})")
         monitor.advance(len(batch.indices) + len(batch.failures))
 
-    loader = batches(domain, preprocess, batch_size, indices, num_workers, pin_memory=target.type == "cuda")
+    loader = batches(domain, preprocess, batch_size, indices, num_workers, target)
     def net_on_pixels(pixels):
         return net(preprocess.normalize(pixels))
 
@@ -162,7 +171,7 @@ def recorded_data(data: str) -> str:
     return str(Path(data).resolve()) if Path(data).exists() else data
 
 
-def _check_loading(batch_size: int, num_workers: int, seed: int) -> None:
+def _check_loading(batch_size: int, num_workers: int | None, seed: int) -> None:
     """Checked before any model or data is read, and before any output is written."""
     if seed < 0:
         raise UsageError(f"--seed must be 0 or more, not {seed}")
@@ -187,7 +196,7 @@ class AdaptSettings:
     seed: int = 0
     device: str = "auto"
     precision: str = "fp32"
-    num_workers: int = 0
+    num_workers: int | None = None  # None: data.loader_processes' default for the device
     strict: bool = False
     compile: bool = False
 
@@ -372,6 +381,7 @@ def prepare_adaptation(
     used = {
         **asdict(settings),
         "device": str(device),
+        "num_workers": loader_processes(settings.num_workers, device),
         "stats": artifact.path if artifact else None,
         "covariance": artifact.covariance if artifact else None,
         "model": spec.model,

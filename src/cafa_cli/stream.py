@@ -57,7 +57,7 @@ def adapt_domains(
     reset: str = "domain",
     shuffle: bool = True,
     seed: int = 0,
-    num_workers: int = 0,
+    num_workers: int | None = None,
     strict: bool = False,
     on_records: Callable[[list[Record]], None] = lambda records: None,
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
@@ -78,8 +78,7 @@ def adapt_domains(
         result = DomainResult(domain.name)
         start, skipped_before = time.perf_counter(), adapter.skipped_steps
         order = stream_order(len(domain), shuffle, seed)
-        pin = adapter.device.type == "cuda"
-        for batch in batches(domain, preprocess, batch_size, order, num_workers, pin_memory=pin):
+        for batch in batches(domain, preprocess, batch_size, order, num_workers, adapter.device):
             for ref, why in unreadable(domain, batch, strict):
                 result.skipped_images.append(ref)
                 on_skip(ref, why)
