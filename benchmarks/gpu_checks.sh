@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements issue #6 still lacks, as one script for a lent device
 # (each stage writes its JSON to $OUT and logs to $OUT/log as it goes, so a time-out
-# keeps what was measured). Run stages separately with STAGES="speed perf compile".
+# keeps what was measured). Run stages separately with STAGES="speed perf compile loader".
 #   speed:   one 50,000-image ImageNet-C-shaped domain end to end (fp32, bf16) and PIL vs nvjpeg
 #   perf:    C = 1000 ResNet-50: dense full (chunks kept and recomputed) and low-rank vs TENT
 #   compile: the same with torch.compile, low-rank only
+#   loader:  the data loader's images/s, uint8 batches vs per-image float, 0 to $WORKERS processes
 set -uo pipefail
 OUT=${OUT:-gpu-out}; PY=${PY:-python3}; STAGES=${STAGES:-"speed perf compile"}
 WORKERS=${WORKERS:-$(( $(nproc) - 2 ))}
@@ -19,6 +20,7 @@ for stage in $STAGES; do
             --covariances lowrank,full,full-recompute --json "$OUT/perf-c1000.json" 2>&1 | grep -v '^ \|^[{}]' | log ;;
     compile) "$PY" benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --repeats 10 \
                --covariances lowrank --compile --json "$OUT/perf-c1000-compile.json" 2>&1 | grep -v '^ \|^[{}]' | log ;;
+    loader) "$PY" benchmarks/loader.py --images 6400 --workers "0,4,$WORKERS" --json "$OUT/loader.json" 2>&1 | log ;;
     *) echo "unknown stage $stage" | log ;;
   esac
   echo "== $stage done in $(( $(date +%s) - start )) s" | log
