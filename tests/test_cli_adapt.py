@@ -6,6 +6,7 @@ import csv
 import shutil
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,6 +163,32 @@ def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
     result = adapt(moved, "--quiet")
     assert result.exit_code == 3 and "sha256" in result.stderr
     assert adapt(moved, "--quiet", "--allow-weights-mismatch").exit_code == 0
+    # naming the changed file with --weights does not skip the check
+    result = adapt(moved, "--quiet", "--weights", str(weights))
+    assert result.exit_code == 3 and f"{weights} has changed since the statistics were computed" in result.stderr
+
+
+def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_allowed(setup, tmp_path):
+    import shutil
+
+    other = tmp_path / "other.pt"
+    torch.manual_seed(7)
+    torch.save(tiny_net.build().state_dict(), other)
+    result = adapt(setup, "--quiet", "--weights", str(other))
+    assert result.exit_code == 3, result.stderr
+    assert f"with {Path(setup['weights']).resolve()}, not with {other} (sha256 differs)" in result.stderr
+    assert adapt(setup, "--quiet", "--weights", str(other), "--allow-weights-mismatch").exit_code == 0
+    same = tmp_path / "copy.pt"
+    shutil.copy(setup["weights"], same)  # the same weights under another name are the same model
+    assert adapt(setup, "--quiet", "--weights", str(same)).exit_code == 0
+
+    factory = tmp_path / "other_net.py"
+    factory.write_text(f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.split(':')[0]).parent)!r})\nimport tiny_net\n\ndef build():\n    return tiny_net.build()\n")
+    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{factory}:build", "--weights", str(setup["weights"]),
+            "--data", str(setup["test"]), "--quiet"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
+    assert runner.invoke(app, [*args, "--allow-weights-mismatch"]).exit_code == 0
 
 
 def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup):

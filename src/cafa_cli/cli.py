@@ -274,7 +274,7 @@ def adapt(
     num_classes: NumClassesOpt = None,
     classifier: ClassifierOpt = None,
     trust_checkpoint: TrustOpt = False,
-    allow_weights_mismatch: Annotated[bool, typer.Option("--allow-weights-mismatch", help="Use the artifact even if its weights file changed.")] = False,
+    allow_weights_mismatch: Annotated[bool, typer.Option("--allow-weights-mismatch", help="Use the artifact with another model or other weights than it was computed with.")] = False,
     classes: Annotated[Optional[str], typer.Option("--classes", help="Class list file, when no artifact gives one.")] = None,
     labels: LabelsOpt = None,
     severity: SeverityOpt = None,

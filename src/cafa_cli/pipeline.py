@@ -26,7 +26,7 @@ from cafa_cli.data import (
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve, weights_sha256
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
@@ -225,7 +225,7 @@ def load_for_adaptation(
     if model.model is None and artifact is None:
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
     if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
-        model = _recorded_model(artifact, model, allow_weights_mismatch)
+        model = _recorded_model(artifact, model)
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
@@ -234,11 +234,13 @@ def load_for_adaptation(
                 f"{artifact.feature_dim}; recompute the statistics for this model"
             )
         _check_classes(net, artifact.class_names, artifact.path)
+        if not allow_weights_mismatch:
+            _check_made_with(artifact, spec)
     return net, artifact, spec
 
 
-def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismatch: bool) -> ModelChoice:
-    """The artifact's model, with its weights file checked by sha256 unless --weights overrides it.
+def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
+    """The artifact's model, with what the user gave in its place.
 
     A factory (`file.py:fn`) named by an artifact would run code from a file the
     artifact merely points to: it runs only when the user names it with --model too
@@ -256,17 +258,28 @@ def _recorded_model(artifact: Artifact, given: ModelChoice, allow_weights_mismat
             f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
             f"or --model/--weights to use another model"
         )
-    if given.weights is None and recorded.weights_sha256 and not allow_weights_mismatch:
-        # the recorded file's hash, or a bundled model's packaged weights' (None: nothing to compare)
-        current = weights_sha256(recorded.model, weights)
-        if current is not None and current != recorded.weights_sha256:
-            changed = f"{weights} has changed" if weights else f"the bundled {recorded.model} weights have changed"
-            raise InputError(
-                f"{changed} since the statistics were computed (sha256 differs); "
-                f"recompute them with cafa stats, or pass --allow-weights-mismatch"
-            )
     num_classes = given.num_classes or recorded.num_classes
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
+
+
+def _check_made_with(artifact: Artifact, spec: ModelSpec) -> None:
+    """Statistics describe the features of one model with one set of weights: another
+    architecture or other weights (a changed file, --weights, a retrained bundled model)
+    would be aligned to the wrong Gaussians without any error."""
+    recorded = artifact.model
+    fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
+    if spec.model != recorded.model:
+        raise InputError(f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}; {fix}")
+    if recorded.weights_sha256 is None and recorded.weights is None and spec.weights is None:
+        return  # the model's own initialisation, or a bundled model's artifact from before weights were hashed
+    if spec.weights_sha256 == recorded.weights_sha256:
+        return
+    if spec.weights is None:
+        raise InputError(f"the bundled {spec.model} weights have changed since the statistics in {artifact.path} were computed (sha256 differs); {fix}")
+    if spec.weights == recorded.weights:
+        raise InputError(f"{spec.weights} has changed since the statistics were computed (sha256 differs); {fix}")
+    made_with = recorded.weights or "the model's own initialisation (no --weights)"
+    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {spec.weights} (sha256 differs); {fix}")
 
 
 @dataclass
