@@ -609,3 +609,10 @@ def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
 def test_num_classes_below_one(setup, tmp_path, count):
     result = run("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
     fails(result, 2, f"--num-classes must be at least 1, not {count}")
+
+
+@pytest.mark.parametrize("command", ["stats", "adapt"])
+def test_a_torchvision_architecture_without_weights_is_refused(setup, tmp_path, command):
+    extra = ["--out", tmp_path / "s.safetensors"] if command == "stats" else ["--method", "bn"]
+    result = run(command, "--model", "resnet18", "--num-classes", "3", "--data", setup["train"], *extra)
+    fails(result, 2, "--model resnet18 without --weights is an untrained network with random weights", "give --weights FILE")

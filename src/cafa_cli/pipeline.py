@@ -67,6 +67,18 @@ def default_class_names(model: str | None, data: DataChoice) -> list[str] | None
     return list(bundled.class_names) if bundled else None
 
 
+def _resolve(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
+    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    if spec.weights is None and ":" not in spec.model and bundled_defaults(spec.model) is None:
+        # torchvision's own initialisation is random: statistics and adaptation would
+        # each see another network, and no result could be reproduced
+        raise UsageError(
+            f"--model {spec.model} without --weights is an untrained network with random weights, different in "
+            f"every run; give --weights FILE (a state dict of this architecture)"
+        )
+    return net, spec
+
+
 def _check_classes(model: FeatureClassifier, class_names: list[str], where: str) -> None:
     if model.num_classes != len(class_names):
         raise InputError(
@@ -109,7 +121,7 @@ def compute_statistics(
     check_writable(out)
     target = pick_device(device)
     preprocess = data_choice.recipe(model.model)
-    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    net, spec = _resolve(model)
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
     for note in domain.notes:
@@ -226,7 +238,7 @@ def load_for_adaptation(
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
     if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
         model = _recorded_model(artifact, model)
-    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    net, spec = _resolve(model)
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
             raise InputError(
