@@ -616,3 +616,19 @@ def test_a_torchvision_architecture_without_weights_is_refused(setup, tmp_path, 
     extra = ["--out", tmp_path / "s.safetensors"] if command == "stats" else ["--method", "bn"]
     result = run(command, "--model", "resnet18", "--num-classes", "3", "--data", setup["train"], *extra)
     fails(result, 2, "--model resnet18 without --weights is an untrained network with random weights", "give --weights FILE")
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_touched(setup, tmp_path):
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(Path(setup["weights"]).read_bytes())
+    result = run("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", weights)
+    fails(result, 2, f"--out {weights} is also the --weights file")
+    assert weights.read_bytes() == Path(setup["weights"]).read_bytes()
+    artifact = tmp_path / "s.safetensors"
+    artifact.write_bytes(Path(setup["artifact"]).read_bytes())
+    before = artifact.read_bytes()
+    fails(run("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--metrics-json", artifact), 2,
+          f"--metrics-json {artifact} is also the --stats file")
+    fails(adapt(setup, setup["train"], "--predictions", tmp_path / "p.csv", "--metrics-json", tmp_path / "p.csv"), 2,
+          "--metrics-json", "is also the --predictions file")
+    assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()

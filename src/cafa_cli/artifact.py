@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError
+from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
@@ -116,6 +116,23 @@ def check_writable(path: str | Path) -> Path:
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
     return target
+
+
+def check_outputs_apart(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
+    """Every output file is neither an input nor another output (`--out` naming the
+    `--weights` file would replace the checkpoint with an artifact): refused before any work."""
+    taken = {}
+    for option, paths in inputs.items():
+        for path in [paths] if isinstance(paths, str) else paths or []:
+            if path != "-" and Path(path).is_file():
+                taken[os.path.realpath(path)] = option
+    for option, path in outputs.items():
+        if path is None or path == "-":
+            continue
+        key = os.path.realpath(path)
+        if key in taken:
+            raise UsageError(f"{option} {path} is also the {taken[key]} file; writing it would destroy that: give {option} another path")
+        taken[key] = option
 
 
 def atomic_write(path: str | Path, write) -> None:

@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from cafa_cli import __version__
 from cafa_cli import bench as grid
-from cafa_cli.artifact import DEFAULT_PATH, check_writable, read_artifact
+from cafa_cli.artifact import DEFAULT_PATH, check_outputs_apart, check_writable, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
@@ -310,6 +310,8 @@ def adapt(
             "run it without torchrun (one process per domain or GPU), or use cafa bench to spread domains over ranks"
         )
     check_format(fmt)
+    check_outputs_apart({"--predictions": predictions, "--metrics-json": metrics_json},
+                        {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     if metrics_json:
         check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
@@ -425,6 +427,8 @@ def bench(
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
+    check_outputs_apart({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
+                        {"--train": train, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     for out in (csv_out, json_out, plot_out):
         if out:
             check_writable(out)  # fail now, not after the whole grid has run
