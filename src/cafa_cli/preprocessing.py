@@ -52,6 +52,11 @@ class Preprocessing:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise UsageError(f"--{name} must be a positive integer or 'none', not {value}")
+        if self.resize is not None and self.crop is not None and self.crop > self.resize:
+            raise UsageError(
+                f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
+                f"give --crop {self.resize} or less (the default crop is 224)"
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
