@@ -119,6 +119,16 @@ def test_stdin_path_that_does_not_exist_is_skipped(setup, tmp_path):
     assert f"warning: skipped unreadable image {missing}" in result.stderr
 
 
+def test_a_domain_with_no_readable_image_is_an_input_error(setup, tmp_path):
+    bad = tmp_path / "bad"
+    (bad / "a").mkdir(parents=True)
+    (bad / "a" / "empty.png").write_bytes(b"")
+    (bad / "a" / "text.png").write_text("not an image")
+    result = adapt(setup, bad)
+    assert result.exit_code == 3 and "none of its 2 image(s) could be read" in result.stderr, result.stderr
+    no_traceback(result)
+
+
 @pytest.mark.skipif(ROOT, reason="root can read a chmod 000 file")
 def test_unreadable_image_is_skipped(setup, tmp_path):
     data = write_folder(tmp_path / "d", per_class=2)

@@ -11,7 +11,7 @@ import torch
 
 from cafa_cli.adaptation import Adapter
 from cafa_cli.data import UNLABELLED, Batch, Domain, batches, unreadable
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import InputError, UsageError
 from cafa_cli.preprocessing import Preprocessing
 
 RESET_POLICIES = ("domain", "episodic", "never")
@@ -91,6 +91,11 @@ def adapt_domains(
             on_records(records)
             if reset == "episodic":
                 adapter.reset()
+        if result.n == 0 and result.skipped_images:
+            raise InputError(
+                f"{domain.name}: none of its {len(result.skipped_images)} image(s) could be read (see the warnings); "
+                f"check the files, or leave the domain out"
+            )
         result.skipped_steps = adapter.skipped_steps - skipped_before
         result.seconds = time.perf_counter() - start
         results.append(result)
