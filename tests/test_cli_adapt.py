@@ -222,6 +222,21 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
     assert "--batch-size 1" in warnings[0] and "--bn-prior" in warnings[0]
     assert "resize 20, crop 16 differ from the statistics' (resize none, crop none)" in warnings[1]
     assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--bn-prior", "16").stderr
+    result = adapt(setup, "--method", "bn", "--batch-size", "89", "--mean", "0.5")  # 90 images: 89 + 1
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert result.exit_code == 0 and len(warnings) == 2, result.stderr
+    assert "the last batch of test holds 1 image" in warnings[0]
+    assert "--mean/--std/--channels differ from the statistics' (mean [0.0], std [1.0], 1 channel(s))" in warnings[1]
+
+
+def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics():
+    from cafa_cli.adaptation import BatchStatisticsNorm
+
+    bn = torch.nn.BatchNorm2d(3).eval()
+    bn.running_mean.fill_(2.0)
+    bn.running_var.fill_(4.0)
+    x = torch.full((1, 3, 1, 1), 4.0)
+    torch.testing.assert_close(BatchStatisticsNorm(bn)(x), bn(x))  # (4 − 2) / 2 = 1, not a ValueError
 
 
 def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):

@@ -600,6 +600,15 @@ def test_images_the_model_cannot_take(setup, tmp_path, command):
     assert result.stdout == "", "not even a CSV header before the first prediction"
 
 
+def test_a_model_that_asserts_its_image_size_gets_the_same_message(setup, tmp_path):
+    """torchvision's ViT checks its input size with an assertion, not a RuntimeError."""
+    body = ("class Sized(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n"
+            "    def forward(self, x):\n        torch._assert(x.shape[-1] == 224, 'Wrong image width! Expected 224')\n"
+            "        return self.net(x)\n\ndef build():\n    return Sized()")
+    result = run("stats", "--model", factory(tmp_path, body), "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    fails(result, 3, "the model cannot take these images", "Wrong image width! Expected 224", "check --channels, --resize and --crop")
+
+
 def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_file(setup, tmp_path):
     previous = tmp_path / "p.csv"
     previous.write_text("path,prediction,label,confidence\nold,a,a,1.0\n")

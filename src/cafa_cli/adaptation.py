@@ -64,6 +64,9 @@ class BatchStatisticsNorm(nn.Module):
             self.register_buffer("source_var", bn.running_var.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[1] and hasattr(self, "source_mean"):
+            # one value per channel (one image, 1×1 maps) has no variance: the source statistics stand in
+            return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
         if self.prior == 0:
             # the fused kernel: normalise by the batch's statistics, gradients through them
             return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)

@@ -247,8 +247,9 @@ class FeatureClassifier(nn.Module):
             logits = self.model(x)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as error:
-            # a shape or channel mismatch surfaces deep inside a layer; say which input it was
+        except (RuntimeError, AssertionError) as error:
+            # a shape or channel mismatch surfaces deep inside a layer (torchvision's ViT
+            # asserts its image size); say which input it was
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InputError(
                 f"the model cannot take these images (a batch of shape {list(x.shape)}): {first_line}; "

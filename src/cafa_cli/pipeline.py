@@ -312,13 +312,21 @@ class Adaptation:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
         notes = [note for domain in self.domains for note in domain.notes]
         s = self.settings
-        if s.batch_size == 1 and s.bn_prior == 0 and s.method != "source":
+        batch_statistics = s.bn_prior == 0 and s.method != "source"
+        if s.batch_size == 1 and batch_statistics:
             notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
                          "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
+        alone = [_short_name(d.name) for d in self.domains if len(d) % s.batch_size == 1]
+        if s.batch_size > 1 and batch_statistics and alone:
+            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
+                         f"choose a --batch-size that leaves more, or add --bn-prior 16")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
+        if made and (made.mean, made.std, made.channels) != (self.preprocess.mean, self.preprocess.std, self.preprocess.channels):
+            notes.append(f"--mean/--std/--channels differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
+                         f"{made.channels} channel(s)): the features will not match the statistics")
         return notes
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
