@@ -146,6 +146,9 @@ def test_a_test_class_the_artifact_does_not_know_is_an_error(setup, tmp_path):
     result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
     assert result.exit_code == 3
     assert "zebra" in result.stderr and "Traceback" not in result.stderr
+    odd = write_folder(tmp_path / "case", per_class=2, classes=("a", "B"))
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
+    assert result.exit_code == 3 and "class folder(s) B not in the model's class list (3 classes) (did you mean b for B?)" in result.stderr
 
 
 def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):

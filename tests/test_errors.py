@@ -651,3 +651,20 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_
     fails(adapt(setup, setup["train"], "--predictions", tmp_path / "p.csv", "--metrics-json", tmp_path / "p.csv"), 2,
           "--metrics-json", "is also the --predictions file")
     assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()
+
+
+def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_path):
+    fails(run("adapt", "--stats", setup["weights"], "--model", TINY_NET, "--data", setup["train"]), 3,
+          "this is a torch checkpoint, not a cafa artifact: give it as --weights")
+    legacy = tmp_path / "legacy.pth"
+    torch.save(torch.load(setup["weights"]), legacy, _use_new_zipfile_serialization=False)
+    fails(run("inspect", legacy), 3, "this is a torch checkpoint")
+    fails(run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--weights", setup["artifact"], "--data", setup["train"]), 3,
+          "this is a cafa statistics artifact, not model weights; give it as --stats")
+
+
+def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_came_from(setup):
+    fails(adapt(setup, setup["train"], "--channels", "3", "--mean", "0.1,0.2"), 2,
+          "--mean needs 1 or 3 values for 3 channels, got 2")
+    fails(adapt(setup, setup["train"], "--channels", "3", "--std", "0.1,0.2,0.3,0.4"), 2,
+          f"(the options not given come from {setup['artifact']}: give them too)")

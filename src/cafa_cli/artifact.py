@@ -198,9 +198,18 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         with safe_open(str(path), framework="pt") as f:
             return _read_open(f, path, load_tensors)
     except SafetensorError as error:
+        if _is_torch_checkpoint(path):
+            raise _bad(path, "this is a torch checkpoint, not a cafa artifact: give it as --weights, and the file cafa stats wrote as --stats") from None
         raise _bad(path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats") from None
     except (OSError, ValueError, RuntimeError, OverflowError) as error:
         raise _bad(path, f"unreadable artifact ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); re-create it with cafa stats") from None
+
+
+def _is_torch_checkpoint(path: Path) -> bool:
+    """torch.save's zip archive (its first entry is `<name>/data.pkl`) or legacy pickle."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    return (head.startswith(b"PK\x03\x04") and b"data.pkl" in head) or head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"
 
 
 def _read_open(f, path: Path, load_tensors: bool) -> Artifact:

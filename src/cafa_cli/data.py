@@ -110,12 +110,20 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
         shown = listing(unknown_used)
+        plain = {_plain(name): name for name in class_names}
+        near = [f"{plain[_plain(n)]} for {n}" for n in unknown_used if _plain(n) in plain]
+        hint = f" (did you mean {listing(near)}?)" if near else ""
         raise InputError(
-            f"{domain.name}: class folder(s) {shown} not in the model's class list "
-            f"({len(class_names)} classes); rename them or give the right --classes file"
+            f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
+            f"rename them to the model's class names, or compute the statistics with their class list (cafa stats --classes)"
         )
     lookup = np.array([index.get(n, UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
     return replace(domain, labels=lookup[domain.labels], class_names=class_names)
+
+
+def _plain(name: str) -> str:
+    """A class name without case, spaces, hyphens or underscores, to suggest near misses."""
+    return "".join(ch for ch in name.lower() if ch not in " -_")
 
 
 def read_class_list(path: str) -> list[str]:

@@ -114,10 +114,13 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
             f"run git lfs pull in that repository, or download the file itself"
         )
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
         try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("format") == "cafa-stats":
+                    raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights; give it as --stats")
             state = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None

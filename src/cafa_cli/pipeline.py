@@ -389,7 +389,11 @@ def prepare_adaptation(
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
-    preprocess = base.with_changes(data_choice.preprocessing)
+    try:
+        preprocess = base.with_changes(data_choice.preprocessing)
+    except UsageError as error:
+        source = artifact.path if artifact else f"the defaults of {spec.model}"
+        raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
     class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
     domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity, stdin) for d in data]
     if class_names is None:
