@@ -98,7 +98,8 @@ def test_a_model_without_normalisation_layers_is_a_usage_error_for_gradient_meth
         Adapter(FeatureClassifier(mlp), method)
     adapter = Adapter(FeatureClassifier(copy.deepcopy(mlp)), method, params="all")
     assert adapter.step(torch.randn(4, 3, 2, 2)).shape == (4, 3)
-    assert Adapter(FeatureClassifier(copy.deepcopy(mlp)), "bn").step(torch.randn(4, 3, 2, 2)).shape == (4, 3)
+    bn = Adapter(FeatureClassifier(copy.deepcopy(mlp)), "bn")
+    assert bn.step(torch.randn(4, 3, 2, 2)).shape == (4, 3) and bn.batch_norms == 0  # the CLI warns: bn = source here
 
 
 def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():

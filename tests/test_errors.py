@@ -668,3 +668,10 @@ def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_
           "--mean needs 1 or 3 values for 3 channels, got 2")
     fails(adapt(setup, setup["train"], "--channels", "3", "--std", "0.1,0.2,0.3,0.4"), 2,
           f"(the options not given come from {setup['artifact']}: give them too)")
+
+
+def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):
+    mlp = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3))")
+    result = run("adapt", "--model", mlp, "--data", setup["train"], *PLAIN, "--method", "bn")
+    assert result.exit_code == 0, result.stderr
+    assert "warning: the model has no BatchNorm layers, so --method bn gives the same predictions as source" in result.stderr

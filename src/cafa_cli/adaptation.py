@@ -169,8 +169,7 @@ class Adapter:
         # Eval mode throughout: BatchStatisticsNorm uses the batch statistics regardless, and
         # dropout / stochastic depth would only add noise to the predictions.
         self.model.eval()
-        if method != "source":
-            use_test_batch_norm(self.model, bn_prior)
+        self.batch_norms = use_test_batch_norm(self.model, bn_prior) if method != "source" else 0
         self.params = select_parameters(self.model, params) if self.objective else []
         if self.objective is None:
             self.model.requires_grad_(False)

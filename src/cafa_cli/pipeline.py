@@ -312,6 +312,8 @@ class Adaptation:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
         notes = [note for domain in self.domains for note in domain.notes]
         s = self.settings
+        if s.method == "bn" and self.adapter.batch_norms == 0:
+            notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
         batch_statistics = s.bn_prior == 0 and s.method != "source"
         if s.batch_size == 1 and batch_statistics:
             notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
