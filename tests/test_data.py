@@ -64,6 +64,17 @@ def test_image_folder_extensions_and_class_names(mixed_folder):
     assert abs(values["two.JpG"] - 20) <= 2  # JPEG
 
 
+def test_hidden_files_are_skipped_and_symlinked_sub_folders_followed_once(mixed_folder, tmp_path):
+    save(mixed_folder / "apple" / ".ipynb_checkpoints" / "copy.png", solid(1))
+    save(mixed_folder / "apple" / "._four.jpeg", solid(2))  # macOS resource fork
+    save(tmp_path / "elsewhere" / "six.png", solid(3))
+    (mixed_folder / "apple" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (mixed_folder / "apple" / "loop").symlink_to(mixed_folder / "apple", target_is_directory=True)
+    domain = open_domain(str(mixed_folder))
+    apples = sorted(Path(r).name for r, label in zip(domain.refs, domain.labels) if label == 0)
+    assert apples == ["five.bmp", "four.jpeg", "six.png"]
+
+
 def test_top_level_images_beside_class_folders_are_noted(mixed_folder):
     """Ignored, as they have no class, but never silently: the note reaches the user as a warning."""
     for i in range(3):

@@ -150,11 +150,23 @@ def read_class_list(path: str) -> list[str]:
 
 
 def is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
+    """An image file by its extension; hidden files (macOS `._x.jpg`) are not data."""
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".") and path.is_file()
 
 
 def _images_below(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if is_image(p))
+    """Every image in a class folder and its sub-folders, symlinked ones included (each
+    real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped."""
+    found, seen = [], set()
+    for here, subfolders, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        found += [p for p in (Path(here) / name for name in files) if is_image(p)]
+    return sorted(found)
 
 
 def read_image(path: str) -> Image.Image:
