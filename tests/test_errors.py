@@ -675,3 +675,14 @@ def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):
     result = run("adapt", "--model", mlp, "--data", setup["train"], *PLAIN, "--method", "bn")
     assert result.exit_code == 0, result.stderr
     assert "warning: the model has no BatchNorm layers, so --method bn gives the same predictions as source" in result.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_help_into_a_full_disk_is_one_line_not_a_traceback():
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cafa_cli", "--help"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "cafa: error: cannot write the output: No space left on device"

@@ -484,7 +484,14 @@ def main() -> None:
             _fail(str(error), error.exit_code)
             raise SystemExit(error.exit_code) from None
         defaults = {}  # the help that would show how to fix the file stays readable
-    app(default_map=defaults)
+    try:
+        app(default_map=defaults)
+    except BrokenPipeError:  # --help or --version into `| head`: as a command's output would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
+    except OSError as error:  # --help into a full disk (a command's own errors are handled inside it)
+        _fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
+        raise SystemExit(EXIT_RUNTIME) from None
 
 
 def _command_options(repeatable: bool = False) -> dict[str, set[str]]:
