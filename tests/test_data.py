@@ -70,9 +70,12 @@ def test_hidden_files_are_skipped_and_symlinked_sub_folders_followed_once(mixed_
     save(tmp_path / "elsewhere" / "six.png", solid(3))
     (mixed_folder / "apple" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (mixed_folder / "apple" / "loop").symlink_to(mixed_folder / "apple", target_is_directory=True)
+    (mixed_folder / "apple" / "gone.png").symlink_to(tmp_path / "deleted.png")  # broken: listed, then reported unreadable
     domain = open_domain(str(mixed_folder))
     apples = sorted(Path(r).name for r, label in zip(domain.refs, domain.labels) if label == 0)
-    assert apples == ["five.bmp", "four.jpeg", "six.png"]
+    assert apples == ["five.bmp", "four.jpeg", "gone.png", "six.png"]
+    failures = [why for batch in batches(domain, GREY, batch_size=8) for _, why in batch.failures]
+    assert len(failures) == 1 and "FileNotFoundError" in failures[0]
 
 
 def test_top_level_images_beside_class_folders_are_noted(mixed_folder):

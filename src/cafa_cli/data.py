@@ -150,8 +150,9 @@ def read_class_list(path: str) -> list[str]:
 
 
 def is_image(path: Path) -> bool:
-    """An image file by its extension; hidden files (macOS `._x.jpg`) are not data."""
-    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".") and path.is_file()
+    """An image file by its extension; hidden files (macOS `._x.jpg`) are not data. A broken
+    symlink counts, so that it is reported as unreadable rather than dropped unseen."""
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".") and (path.is_file() or path.is_symlink())
 
 
 def _images_below(folder: Path) -> list[Path]:
