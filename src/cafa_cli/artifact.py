@@ -183,6 +183,9 @@ def _json(metadata: dict, key: str, path):
 
 
 def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
+    """Read and validate the whole artifact, the factors slice by slice through the file
+    mapping. `load_tensors=False` still validates them but keeps none (`gaussians` is
+    None): for the metadata of a file known to be sound."""
     path = Path(path)
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
