@@ -70,23 +70,24 @@ class ClassDistances:
         return self.means.shape[0]
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        z = z.float() - self.centre
-        if self.mode == "full":
-            return self._full(z)
-        if self.mode == "lowrank":
-            return self._lowrank(z)
-        if self.mode == "diag":
-            # Σ_j p_cj (z_j − μ_cj)² expanded so that no [N, C, d] tensor is formed
-            p = self.precision_diag
-            weighted_z = (z * z) @ p.T
-            weighted_means = (p * self.means.square()).sum(1)
-            dist = (weighted_z - 2 * z @ (p * self.means).T + weighted_means).clamp_min(0)
-            return _refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
-        if self.mode == "tied":
-            whitened = z @ self.factor
-            dist = _expanded_square_distance(whitened, self.whitened_means)
-            magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
-            return _refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
+        forms = {"full": self._full, "lowrank": self._lowrank, "diag": self._diag, "tied": self._tied, "euclidean": self._euclidean}
+        return forms[self.mode](z.float() - self.centre)
+
+    def _diag(self, z: torch.Tensor) -> torch.Tensor:
+        """Σ_j p_cj (z_j − μ_cj)², expanded so that no [N, C, d] tensor is formed."""
+        p = self.precision_diag
+        weighted_z = (z * z) @ p.T
+        weighted_means = (p * self.means.square()).sum(1)
+        dist = (weighted_z - 2 * z @ (p * self.means).T + weighted_means).clamp_min(0)
+        return _refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
+
+    def _tied(self, z: torch.Tensor) -> torch.Tensor:
+        whitened = z @ self.factor
+        dist = _expanded_square_distance(whitened, self.whitened_means)
+        magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
+        return _refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
+
+    def _euclidean(self, z: torch.Tensor) -> torch.Tensor:
         dist = _expanded_square_distance(z, self.means)
         magnitude = z.detach().square().sum(1, keepdim=True) + self.means.square().sum(1)
         return _refined(dist, magnitude, lambda classes: self._exact(z, self.means, classes))
