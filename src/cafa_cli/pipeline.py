@@ -171,10 +171,10 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
             monitor.warn(f"skipped unreadable image {ref} ({why})")
         monitor.advance(len(batch.indices) + len(batch.failures))
 
-    loader = batches(domain, preprocess, batch_size, indices, num_workers, target)
     def net_on_pixels(pixels):
         return net(preprocess.normalize(pixels))
 
+    loader = batches(domain, preprocess, batch_size, indices, num_workers, target)
     moments = statistics.accumulate_features(net_on_pixels, loader, labels, len(class_names), net.feature_dim, target, on_batch)
     moments.skipped_images = skipped
     return moments
