@@ -217,6 +217,38 @@ def _is_torch_checkpoint(path: Path) -> bool:
 
 def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     metadata = f.metadata() or {}
+    covariance, C, d, class_names, model, preprocessing, sampling = _checked_metadata(metadata, path)
+    factor_name, factor_shape, expected = _expected_tensors(metadata, covariance, C, d, path)
+    _check_layout(f, expected, path)
+    # copies: a tensor from get_tensor can share the file mapping, which would keep every
+    # page of the (large) factors that validation touched resident for the artifact's life
+    small = {name: f.get_tensor(name).clone() for name in expected if name != factor_name}
+    _check_small_tensors(small, metadata, covariance, path)
+    factors = _checked_factors(f, path, covariance, factor_name, factor_shape, keep=load_tensors)
+
+    gaussians = None
+    if load_tensors:
+        shrink_info = _json(metadata, "shrinkage", path)
+        numbers = isinstance(shrink_info, dict) and all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max"))
+        if not numbers or not isinstance(shrink_info.get("method"), str):
+            raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ; re-create the artifact with cafa stats")
+        gaussians = ClassGaussians(
+            means=small["means"],
+            factors=factors,
+            counts=small["counts"],
+            shrinkage=small["shrinkage"],
+            covariance=covariance,
+            global_mean=small["global_mean"],
+            global_covariance=small["global_covariance"],
+            shrinkage_method=shrink_info["method"],
+            isotropic=small.get("lowrank_isotropic"),
+            spectrum=small.get("lowrank_spectrum"),
+        )
+    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians)
+
+
+def _checked_metadata(metadata: dict, path: Path):
+    """(covariance, C, d, class names, model, preprocessing, sampling) from valid metadata."""
     if metadata.get("format") != FORMAT:
         raise _bad(path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')")
     version = metadata.get("format_version")
@@ -251,7 +283,11 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
     if not _valid_spec(model):
         raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")
+    return covariance, C, d, class_names, model, preprocessing, sampling
 
+
+def _expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path):
+    """(factor tensor name, its shape, {name: (shape, dtype)} of every tensor) the metadata implies."""
     if covariance == "lowrank":
         try:
             k = int(metadata["rank"])
@@ -276,8 +312,12 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         "global_mean": ((d,), torch.float32),
         "global_covariance": ((d, d), torch.float32),
     }
-    keys = set(f.keys())
-    missing = sorted(set(expected) - keys)
+    return factor_name, factor_shape, expected
+
+
+def _check_layout(f, expected: dict, path: Path) -> None:
+    """Every expected tensor is there with its shape and dtype (read from the header only)."""
+    missing = sorted(set(expected) - set(f.keys()))
     if missing:
         raise _bad(path, f"tensors missing: {', '.join(missing)}")
     for name, (shape, dtype) in expected.items():
@@ -290,9 +330,9 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         if actual_dtype != wanted:
             raise _bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {wanted}")
 
-    # copies: a tensor from get_tensor can share the file mapping, which would keep every
-    # page of the (large) factors that validation touched resident for the artifact's life
-    small = {name: f.get_tensor(name).clone() for name in expected if name != factor_name}
+
+def _check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path) -> None:
+    """The values of everything but the factors: finite, counts ≥ 2 adding up, λ in [0, 1]."""
     for name, tensor in small.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise _bad(path, f"tensor '{name}' holds NaN or inf values")
@@ -308,27 +348,6 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             raise _bad(path, "tensor 'lowrank_isotropic' has values ≤ 0; the covariance a·I + QᵀdiagQ(e) would be singular")
         if (small["lowrank_spectrum"] < 0).any():
             raise _bad(path, "tensor 'lowrank_spectrum' has negative values")
-    factors = _checked_factors(f, path, covariance, factor_name, factor_shape, keep=load_tensors)
-
-    gaussians = None
-    if load_tensors:
-        shrink_info = _json(metadata, "shrinkage", path)
-        numbers = isinstance(shrink_info, dict) and all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max"))
-        if not numbers or not isinstance(shrink_info.get("method"), str):
-            raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ; re-create the artifact with cafa stats")
-        gaussians = ClassGaussians(
-            means=small["means"],
-            factors=factors,
-            counts=small["counts"],
-            shrinkage=small["shrinkage"],
-            covariance=covariance,
-            global_mean=small["global_mean"],
-            global_covariance=small["global_covariance"],
-            shrinkage_method=shrink_info["method"],
-            isotropic=small.get("lowrank_isotropic"),
-            spectrum=small.get("lowrank_spectrum"),
-        )
-    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians)
 
 
 _ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank basis
