@@ -110,6 +110,25 @@ def test_failing_writer_keeps_old_file_and_leaves_no_temp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
 
 
+def test_atomic_write_writes_a_fifo_in_place_and_a_symlinks_target(tmp_path):
+    """Renaming over /dev/null (as root) would replace the device node with a file."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    atomic_write(fifo, lambda tmp: Path(tmp).write_text("hello"))
+    reader.join(10)
+    assert got == ["hello"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    atomic_write(link, lambda tmp: Path(tmp).write_text("new"))
+    assert link.is_symlink() and target.read_text() == "new"
+
+
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)], ids=["022", "002", "077"])
 def test_atomic_write_gives_the_mode_open_would(tmp_path, umask, mode):
     """mkstemp's 0o600 must not leak into the result: artifacts are shared like any file."""

@@ -683,7 +683,7 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"resize": 64}, r"^--crop 224 is larger than --resize 64: the centre crop would pad the image with black; give --crop 64 or less"),
+        ({"resize": 64}, r"^--crop 224 is larger than --resize 64: the centre crop would pad the image with black; give --crop 64 or less$"),
         ({"channels": 2}, "--channels"),
         ({"mean": (0.1, 0.2)}, r"^--mean needs 1 or 3 values for 3 channels, got 2$"),
         ({"std": (1.0, 0.0, 1.0)}, "--std values must be positive"),

@@ -651,6 +651,8 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_
     fails(adapt(setup, setup["train"], "--predictions", tmp_path / "p.csv", "--metrics-json", tmp_path / "p.csv"), 2,
           "--metrics-json", "is also the --predictions file")
     assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()
+    image = next((Path(setup["train"]) / "a").glob("*.png"))
+    fails(adapt(setup, setup["train"], "--predictions", image), 2, f"--predictions {image} is a file inside an input folder")
 
 
 def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_path):
@@ -660,7 +662,7 @@ def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_pat
     torch.save(torch.load(setup["weights"]), legacy, _use_new_zipfile_serialization=False)
     fails(run("inspect", legacy), 3, "this is a torch checkpoint")
     fails(run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--weights", setup["artifact"], "--data", setup["train"]), 3,
-          "this is a cafa statistics artifact, not model weights; give it as --stats")
+          "this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
 
 
 def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_came_from(setup):

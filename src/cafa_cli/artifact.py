@@ -126,19 +126,32 @@ def check_outputs_apart(outputs: dict[str, str | None], inputs: dict[str, str | 
         for path in [paths] if isinstance(paths, str) else paths or []:
             if path != "-" and Path(path).is_file():
                 taken[os.path.realpath(path)] = option
+    folders = [os.path.realpath(p) for paths in inputs.values() for p in ([paths] if isinstance(paths, str) else paths or []) if Path(p).is_dir()]
     for option, path in outputs.items():
-        if path is None or path == "-":
+        if path is None or path == "-" or _is_device(path):
             continue
         key = os.path.realpath(path)
+        if Path(path).is_file() and any(key.startswith(folder + os.sep) for folder in folders):
+            raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")
         if key in taken:
             raise UsageError(f"{option} {path} is also the {taken[key]} file; writing it would destroy that: give {option} another path")
         taken[key] = option
 
 
+def _is_device(path: str | Path) -> bool:
+    """/dev/null, /dev/stdout, a FIFO: something that exists and is not a regular file."""
+    return Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir()
+
+
 def atomic_write(path: str | Path, write) -> None:
     """Call write(temp_path), then move the result over `path`; on any failure
-    (including KeyboardInterrupt) remove the temporary file and keep the old `path`."""
-    target = check_writable(path)
+    (including KeyboardInterrupt) remove the temporary file and keep the old `path`.
+    A device or FIFO (/dev/null, /dev/stdout) is written in place: renaming over it
+    would replace the device node itself. A symlink's target is replaced, not the link."""
+    if _is_device(path):
+        write(str(path))
+        return
+    target = check_writable(Path(os.path.realpath(path)) if os.path.islink(path) else path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as error:

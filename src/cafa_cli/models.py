@@ -120,7 +120,7 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
         try:
             with safe_open(str(path), framework="pt") as f:
                 if (f.metadata() or {}).get("format") == "cafa-stats":
-                    raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights; give it as --stats")
+                    raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
             state = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None

@@ -314,7 +314,7 @@ class Adaptation:
         s = self.settings
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
-        batch_statistics = s.bn_prior == 0 and s.method != "source"
+        batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
         if s.batch_size == 1 and batch_statistics:
             notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
                          "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
@@ -326,7 +326,7 @@ class Adaptation:
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
-        if made and (made.mean, made.std, made.channels) != (self.preprocess.mean, self.preprocess.std, self.preprocess.channels):
+        if made and _per_channel(made) != _per_channel(self.preprocess):
             notes.append(f"--mean/--std/--channels differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
                          f"{made.channels} channel(s)): the features will not match the statistics")
         return notes
@@ -363,6 +363,12 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
             on_domain=start,
         )
+
+
+def _per_channel(recipe: Preprocessing) -> tuple:
+    """Mean and std per channel: `--mean 0.5` and `--mean 0.5,0.5,0.5` are the same recipe."""
+    c = recipe.channels
+    return c, recipe.mean * (c // len(recipe.mean)), recipe.std * (c // len(recipe.std))
 
 
 def _geometry(recipe: Preprocessing) -> str:
@@ -421,6 +427,7 @@ def prepare_adaptation(
     )
     used = {
         **asdict(settings),
+        "allow_weights_mismatch": allow_weights_mismatch,
         "device": str(device),
         "num_workers": loader_processes(settings.num_workers, device),
         "stats": artifact.path if artifact else None,

@@ -55,7 +55,7 @@ class Preprocessing:
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise UsageError(
                 f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
-                f"give --crop {self.resize} or less (the default crop is 224)"
+                f"give --crop {self.resize} or less"
             )
 
     def to_json(self) -> str:
