@@ -688,3 +688,14 @@ def test_help_into_a_full_disk_is_one_line_not_a_traceback():
         done = subprocess.run([sys.executable, "-m", "cafa_cli", "--help"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "cafa: error: cannot write the output: No space left on device"
+
+
+@pytest.mark.parametrize("command", ["adapt", "stats"])
+def test_a_crop_larger_than_the_images_is_a_warning(setup, tmp_path, command):
+    if command == "adapt":
+        result = adapt(setup, setup["train"], "--crop", "20")
+    else:
+        result = stats(setup, setup["train"], "--crop", "20", "--out", tmp_path / "s.safetensors")
+    assert result.exit_code == 0, result.stderr
+    assert (f"warning: {setup['train']}: --crop 20 is larger than its images (16x16 after --resize none), "
+            f"so the crop pads them with black; give --crop 16 or less") in result.stderr

@@ -26,6 +26,8 @@ from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.preprocessing import Preprocessing
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+# what reading a damaged, truncated or hostile image file raises
+UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
 UNLABELLED = -1
 
 
@@ -168,6 +170,16 @@ def _images_below(folder: Path) -> list[Path]:
         subfolders[:] = [name for name in subfolders if not name.startswith(".")]
         found += [p for p in (Path(here) / name for name in files) if is_image(p)]
     return sorted(found)
+
+
+def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
+    """Preprocessing.padding_note for a domain's first readable image (one image: cheap)."""
+    for i in range(min(len(domain), 8)):
+        try:
+            return preprocess.padding_note(domain.read(i), domain.name)
+        except UNREADABLE:
+            continue
+    return None
 
 
 def read_image(path: str) -> Image.Image:
@@ -429,7 +441,7 @@ class _DomainImages(Dataset):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 image = self.preprocess.pixels(self.domain.read(i))
-        except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        except UNREADABLE as error:
             return None, i, f"{type(error).__name__}: {error}"
         return image, i, None
 

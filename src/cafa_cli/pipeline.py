@@ -21,6 +21,7 @@ from cafa_cli.data import (
     check_loading,
     loader_processes,
     open_domain,
+    padding_note,
     read_class_list,
     stratified_subset,
     unreadable,
@@ -126,8 +127,9 @@ def compute_statistics(
     net, spec = _resolve(model)
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
-    for note in domain.notes:
-        monitor.warn(note)
+    for note in [*domain.notes, padding_note(domain, preprocess)]:
+        if note:
+            monitor.warn(note)
     if class_names is None:
         class_names = domain.class_names
     if len(domain.labels) and (domain.labels < 0).all():
@@ -311,6 +313,7 @@ class Adaptation:
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
         notes = [note for domain in self.domains for note in domain.notes]
+        notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
         s = self.settings
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")

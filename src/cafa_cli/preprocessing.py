@@ -84,6 +84,20 @@ class Preprocessing:
             image = TF.center_crop(image, self.crop)
         return TF.pil_to_tensor(image)
 
+    def padding_note(self, image: Image.Image, where: str) -> str | None:
+        """A warning when the centre crop is larger than this image after the resize:
+        torchvision pads it with black, which no model has seen."""
+        if self.crop is None:
+            return None
+        width, height = image.size
+        if self.resize is not None:
+            scale = self.resize / min(width, height)
+            width, height = round(width * scale), round(height * scale)
+        if self.crop <= min(width, height):
+            return None
+        return (f"{where}: --crop {self.crop} is larger than its images ({width}x{height} after --resize "
+                f"{self.resize or 'none'}), so the crop pads them with black; give --crop {min(width, height)} or less")
+
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 pixels, one image or a batch, on any device -> the model's float input."""
         shape = (-1, 1, 1)
