@@ -80,6 +80,10 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     ok = runner.invoke(app, [*base, "--methods", "source,bn"])
     assert ok.exit_code == 0, ok.stderr
     assert ok.stdout.startswith("| method | test | mean |")
+    kept = tmp_path / "w" / "stats-auto.safetensors"
+    kept.write_text("an artifact bench keeps")
+    one_error_line(runner.invoke(app, [*base, "--json", str(kept)]), 2, "is a file inside an input folder")
+    assert kept.read_text() == "an artifact bench keeps"
 
 
 @pytest.mark.parametrize(

@@ -428,7 +428,8 @@ def bench(
     rows = grid.parse_methods(methods)
     seed_list = grid.parse_seeds(seeds)
     check_outputs_apart({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
-                        {"--train": train, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
+                        {"--train": train, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data,
+                         "--workdir": workdir})
     for out in (csv_out, json_out, plot_out):
         if out:
             check_writable(out)  # fail now, not after the whole grid has run
