@@ -121,12 +121,9 @@ def check_writable(path: str | Path) -> Path:
 def check_outputs_apart(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
     """Every output file is neither an input nor another output (`--out` naming the
     `--weights` file would replace the checkpoint with an artifact): refused before any work."""
-    taken = {}
-    for option, paths in inputs.items():
-        for path in [paths] if isinstance(paths, str) else paths or []:
-            if path != "-" and Path(path).is_file():
-                taken[os.path.realpath(path)] = option
-    folders = [os.path.realpath(p) for paths in inputs.values() for p in ([paths] if isinstance(paths, str) else paths or []) if Path(p).is_dir()]
+    given = [(option, path) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
+    folders = [os.path.realpath(path) for _, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
         if path is None or path == "-" or _is_device(path):
             continue

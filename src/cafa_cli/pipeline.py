@@ -329,7 +329,7 @@ class Adaptation:
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
-        if made and _per_channel(made) != _per_channel(self.preprocess):
+        if made and (made.channels, made.per_channel()) != (self.preprocess.channels, self.preprocess.per_channel()):
             notes.append(f"--mean/--std/--channels differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
                          f"{made.channels} channel(s)): the features will not match the statistics")
         return notes
@@ -366,12 +366,6 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
             on_domain=start,
         )
-
-
-def _per_channel(recipe: Preprocessing) -> tuple:
-    """Mean and std per channel: `--mean 0.5` and `--mean 0.5,0.5,0.5` are the same recipe."""
-    c = recipe.channels
-    return c, recipe.mean * (c // len(recipe.mean)), recipe.std * (c // len(recipe.std))
 
 
 def _geometry(recipe: Preprocessing) -> str:

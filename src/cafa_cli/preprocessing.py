@@ -91,18 +91,20 @@ class Preprocessing:
             return None
         width, height = image.size
         if self.resize is not None:
-            scale = self.resize / min(width, height)
-            width, height = round(width * scale), round(height * scale)
+            longer = int(self.resize * max(width, height) / min(width, height))  # as torchvision's resize sizes it
+            width, height = (self.resize, longer) if width <= height else (longer, self.resize)
         if self.crop <= min(width, height):
             return None
         return (f"{where}: --crop {self.crop} is larger than its images ({width}x{height} after --resize "
                 f"{self.resize or 'none'}), so the crop pads them with black; give --crop {min(width, height)} or less")
 
+    def per_channel(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(mean, std) with one value per channel: `--mean 0.5` is `--mean 0.5,0.5,0.5` for RGB."""
+        return self.mean * (self.channels // len(self.mean)), self.std * (self.channels // len(self.std))
+
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 pixels, one image or a batch, on any device -> the model's float input."""
-        shape = (-1, 1, 1)
-        mean = torch.tensor(self.mean, device=pixels.device).expand(self.channels).reshape(shape)
-        std = torch.tensor(self.std, device=pixels.device).expand(self.channels).reshape(shape)
+        mean, std = (torch.tensor(values, device=pixels.device).reshape(-1, 1, 1) for values in self.per_channel())
         return pixels.float().div_(255).sub_(mean).div_(std)
 
 
