@@ -150,7 +150,7 @@ def run_bench(
         check_adapt_settings(replace(settings, method=row.method, lr=row.lr or settings.lr))
     artifacts = {
         covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
-        for covariance in sorted({row.covariance for row in rows if row.covariance})
+        for covariance in covariances_needed(rows)
     }
     wait_for_all(world)  # rank 0 has written the artifacts
     classes_file = shared_class_list(workdir, artifacts, train, model, train_choice, write=rank == 0)
@@ -159,6 +159,11 @@ def run_bench(
                     monitor, rank, world)
     parts = gather_on_root(mine, rank, world)
     return None if parts is None else {key: error for part in parts for key, error in part.items()}
+
+
+def covariances_needed(rows: list[Row]) -> list[str]:
+    """The covariance modes of the artifacts the rows use, one each, in a fixed order."""
+    return sorted({row.covariance for row in rows if row.covariance})
 
 
 def artifact_path(workdir: Path, covariance: str) -> Path:

@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from cafa_cli.bench import Sampling, artifact_path, markdown, parse_methods, run_bench, summarise
+from cafa_cli.bench import Sampling, artifact_path, covariances_needed, markdown, parse_methods, run_bench, summarise
 from cafa_cli.fashion_mnist import check_installed
 from cafa_cli.fmnist_c import build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
@@ -51,7 +51,7 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         for p in build_corrupted(workdir, list(plan.corruptions), plan.severity, plan.test_per_class, plan.seed, root,
                                  on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
     ]
-    for covariance in sorted({row.covariance for row in rows if row.covariance}):
+    for covariance in covariances_needed(rows):
         echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed,
                           "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
     for row in rows:
