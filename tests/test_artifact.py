@@ -24,6 +24,7 @@ D = 4
 SPEC = ModelSpec("resnet18", "/models/net.pt", "ab" * 32, 3, "fc")
 PREP = Preprocessing(resize=None, crop=32, mean=(0.5,), std=(0.25,), channels=1)
 SAMPLING = {"data": "/data/train", "fraction": 0.5, "per_class": None, "seed": 7}
+FINGERPRINT = "cd" * 32
 
 
 def gaussians(covariance: str = "full", shrinkage="auto"):
@@ -38,7 +39,7 @@ def gaussians(covariance: str = "full", shrinkage="auto"):
 
 def write(path: Path, covariance: str = "full", shrinkage="auto"):
     g = gaussians(covariance, shrinkage)
-    write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING)
+    write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
     return g
 
 
@@ -55,6 +56,7 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path, covariance):
     assert a.model == SPEC
     assert a.preprocessing == PREP
     assert a.sampling == SAMPLING
+    assert a.parameters_sha256 == FINGERPRINT
     assert a.covariance == covariance and a.feature_dim == D and a.num_classes == 3
     r = a.gaussians
     for name in ("means", "factors", "counts", "shrinkage", "global_mean", "global_covariance"):
@@ -68,6 +70,20 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path, covariance):
     shrink = json.loads(a.metadata["shrinkage"])
     assert shrink["min"] == pytest.approx(float(g.shrinkage.min()))
     assert shrink["max"] == pytest.approx(float(g.shrinkage.max()))
+
+
+@pytest.mark.parametrize("fingerprint", ["CD" * 32, "cd" * 31, "zz" * 32, ""])
+def test_a_malformed_parameter_fingerprint_is_refused(tmp_path, fingerprint):
+    path = tmp_path / "s.safetensors"
+    write(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**metadata, "parameters_sha256": fingerprint})
+    with pytest.raises(InputError, match="'parameters_sha256' is not a hex SHA-256"):
+        read_artifact(path)
+    del metadata["parameters_sha256"]  # files from before the fingerprint are read as they were
+    save_file(tensors, str(path), metadata=metadata)
+    assert read_artifact(path).parameters_sha256 is None
 
 
 def test_read_without_tensors_still_validates(tmp_path):

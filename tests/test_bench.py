@@ -252,14 +252,14 @@ def test_bench_without_domains_is_a_usage_error():
     assert result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
 
 
-def test_bench_recomputes_statistics_for_another_class_list(tmp_path):
+def test_bench_recomputes_statistics_for_another_class_list(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     orders = {}
     for name, order in (("abc", "a\nb\nc\n"), ("cab", "c\na\nb\n")):
         orders[name] = tmp_path / f"{name}.txt"
         orders[name].write_text(order)
-    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--train", str(train), *PLAIN,
+    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), *PLAIN,
             "--per-class", "6", "--workdir", str(tmp_path / "w")]
 
     def computed(classes: str) -> bool:

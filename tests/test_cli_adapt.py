@@ -179,7 +179,7 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     torch.save(tiny_net.build().state_dict(), other)
     result = adapt(setup, "--quiet", "--weights", str(other))
     assert result.exit_code == 3, result.stderr
-    assert f"with {Path(setup['weights']).resolve()}, not with {other} (sha256 differs)" in result.stderr
+    assert f"with {Path(setup['weights']).resolve()}, not with {other} (parameters differ)" in result.stderr
     assert adapt(setup, "--quiet", "--weights", str(other), "--allow-weights-mismatch").exit_code == 0
     same = tmp_path / "copy.pt"
     shutil.copy(setup["weights"], same)  # the same weights under another name are the same model
@@ -187,11 +187,48 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
 
     factory = tmp_path / "other_net.py"
     factory.write_text(f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.split(':')[0]).parent)!r})\nimport tiny_net\n\ndef build():\n    return tiny_net.build()\n")
-    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{factory}:build", "--weights", str(setup["weights"]),
-            "--data", str(setup["test"]), "--quiet"]
-    result = runner.invoke(app, args)
+    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{factory}:build", "--data", str(setup["test"])]
+    result = runner.invoke(app, [*args, "--weights", str(other), "--quiet"])  # another factory, other weights
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
-    assert runner.invoke(app, [*args, "--allow-weights-mismatch"]).exit_code == 0
+    assert runner.invoke(app, [*args, "--weights", str(other), "--quiet", "--allow-weights-mismatch"]).exit_code == 0
+    # a copy of the factory file with the same weights (a project moved elsewhere) builds the same parameters
+    result = runner.invoke(app, [*args, "--weights", str(setup["weights"])])
+    assert result.exit_code == 0, result.stderr
+    assert f"was made with the model {TINY_NET}; {factory}:build has the same parameters" in result.stderr
+
+
+def test_the_same_parameters_in_another_file_are_the_same_model(setup, tmp_path):
+    """Re-saving or converting the weights changes the file's bytes, not the features."""
+    from safetensors.torch import save_file
+
+    state = torch.load(setup["weights"], weights_only=True)
+    resaved = tmp_path / "resaved.pt"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}}, resaved)
+    converted = tmp_path / "converted.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items() if not k.endswith("num_batches_tracked")}, converted)
+    for weights in (resaved, converted):
+        result = adapt(setup, "--weights", str(weights))
+        assert result.exit_code == 0, result.stderr
+        assert "warning" not in result.stderr
+    changed = tmp_path / "changed.safetensors"
+    first = next(k for k, v in state.items() if v.is_floating_point())
+    save_file({**{k: v.contiguous() for k, v in state.items()}, first: state[first] + 1e-3}, changed)
+    result = adapt(setup, "--quiet", "--weights", str(changed))
+    assert result.exit_code == 3 and "(parameters differ)" in result.stderr
+
+
+def test_a_factory_that_draws_its_parameters_at_random_is_refused(setup, tmp_path):
+    """Without --weights a factory's own initialisation is the model: a random one differs per process."""
+    artifact = tmp_path / "s.safetensors"
+    torch.manual_seed(11)
+    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--data", str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
+    torch.manual_seed(11)
+    assert runner.invoke(app, args).exit_code == 0  # the same draw: the same model
+    torch.manual_seed(12)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3 and "initialised its parameters differently" in result.stderr and "give --weights" in result.stderr
 
 
 def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup):

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
 from cafa_cli.cli import app
+from cafa_cli.models import parameters_sha256, resolve
 
 CLASSES = ["a", "b", "c"]
 PER_CLASS = 12
@@ -109,6 +110,8 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
     assert model["weights"] == str(weights.resolve())
     assert model["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert model["classifier"] == "head.3"
+    net, _ = resolve(TINY_NET, str(weights))
+    assert meta["parameters_sha256"] == parameters_sha256(net.model)
     assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1}
     assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "skipped_images": 0}
     assert json.loads(meta["shrinkage"])["method"] == "fixed"

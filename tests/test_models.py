@@ -231,6 +231,32 @@ def test_mismatched_keys_name_missing_and_unexpected(tmp_path):
     assert "unexpected head.9.weight" in message
 
 
+def test_weights_without_batchnorm_step_counters_load(tmp_path):
+    """Old torchvision and converted checkpoints have no num_batches_tracked; nothing else may be missing."""
+    state = {k: v for k, v in reference_state().items() if not k.endswith("num_batches_tracked")}
+    path = tmp_path / "w.pt"
+    torch.save(state, path)
+    wrapped, _ = resolve(TINY_NET, str(path))
+    assert all(torch.equal(wrapped.model.state_dict()[k], v) for k, v in state.items())
+    del state["stem.1.running_var"]
+    torch.save(state, path)
+    with pytest.raises(InputError, match="missing stem.1.running_var;"):
+        resolve(TINY_NET, str(path))
+
+
+def test_the_parameter_fingerprint_follows_the_values_not_the_file():
+    from cafa_cli.models import parameters_sha256
+
+    torch.manual_seed(0)
+    net = tiny_net.build()
+    before = parameters_sha256(net)
+    net.stem[1].num_batches_tracked += 5  # a step counter, not a feature
+    assert parameters_sha256(net) == before
+    with torch.no_grad():
+        net.stem[1].running_mean[0] += 1e-6
+    assert parameters_sha256(net) != before
+
+
 def test_mismatched_shapes(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(reference_state(), path)

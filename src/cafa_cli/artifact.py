@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 from dataclasses import asdict, dataclass
@@ -55,6 +56,11 @@ class Artifact:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def parameters_sha256(self) -> str | None:
+        """The model's parameter fingerprint (models.parameters_sha256); None in files written before it."""
+        return self.metadata.get("parameters_sha256")
+
 
 def write_artifact(
     path: str | Path,
@@ -63,6 +69,7 @@ def write_artifact(
     model: ModelSpec,
     preprocessing: Preprocessing,
     sampling: dict,
+    parameters_sha256: str | None = None,
 ) -> None:
     """Write atomically: a temporary file in the same folder, then rename over `path`."""
     C, d = gaussians.means.shape
@@ -86,6 +93,7 @@ def write_artifact(
             }
         ),
         "model": json.dumps(asdict(model)),
+        **({"parameters_sha256": parameters_sha256} if parameters_sha256 else {}),
         "preprocessing": preprocessing.to_json(),
         "sampling": json.dumps(sampling),
         "num_images": str(int(gaussians.counts.sum())),
@@ -293,6 +301,9 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
     if not _valid_spec(model):
         raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")
+    fingerprint = metadata.get("parameters_sha256")
+    if fingerprint is not None and not re.fullmatch("[0-9a-f]{64}", fingerprint):
+        raise _bad(path, "metadata 'parameters_sha256' is not a hex SHA-256; the file was edited or damaged: re-create it with cafa stats")
     return covariance, C, d, class_names, model, preprocessing, sampling
 
 

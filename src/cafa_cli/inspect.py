@@ -49,6 +49,7 @@ def describe(artifact: Artifact) -> dict:
         "num_images": int(g.counts.sum()),
         "shrinkage": json.loads(artifact.metadata["shrinkage"]),
         "model": vars(artifact.model),
+        "parameters_sha256": artifact.parameters_sha256,
         "preprocessing": json.loads(artifact.preprocessing.to_json()),
         "sampling": artifact.sampling,
         "conditioning": {
@@ -77,6 +78,7 @@ def render(summary: dict) -> Group:
         ("format", f"{summary['format']} (cafa {summary['cafa_version']}, {summary['created']})"),
         ("model", f"{model['model']}, classifier {model['classifier']}"),
         ("weights", f"{model['weights'] or no_file}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
+        ("parameters", f"sha256 {summary['parameters_sha256'][:16]}…" if summary["parameters_sha256"] else "(no fingerprint: written before cafa recorded one)"),
         ("classes", f"{summary['num_classes']}, feature dim {summary['feature_dim']}, {summary['num_images']} images"),
         ("covariance", summary["covariance"] + (f", {summary['rank']} basis rows per class (a·I + low rank, exact)" if summary.get("rank") else "")),
         ("shrinkage", f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}"),

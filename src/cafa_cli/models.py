@@ -99,6 +99,20 @@ def sha256_of(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def parameters_sha256(module: nn.Module) -> str:
+    """A fingerprint of the values the features depend on, whatever file they came from:
+    the name, shape, dtype and bytes of every floating-point tensor of the state_dict.
+    Integer buffers (BatchNorm's num_batches_tracked) count training steps, not features,
+    and converted checkpoints often drop them."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        if not tensor.is_floating_point():
+            continue
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
     path = Path(path)
@@ -190,7 +204,9 @@ def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
+    # old torchvision and converted checkpoints lack BatchNorm's step counters, which do
+    # not change what the model computes; the model keeps its own
+    missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         parts = []
@@ -199,10 +215,10 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
         if unexpected:
             parts.append(f"unexpected {listing(unexpected, 6)}")
         raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
     if wrong:
         raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=False)  # every key was checked above
 
 
 def find_classifier(model: nn.Module, name: str | None = None) -> tuple[str, nn.Linear]:

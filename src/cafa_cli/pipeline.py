@@ -27,7 +27,7 @@ from cafa_cli.data import (
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, pick_device, resolve
+from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, parameters_sha256, pick_device, resolve
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
@@ -156,7 +156,7 @@ def compute_statistics(
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
     sampling = {"data": recorded_data(data), "fraction": None if per_class else fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
-    write_artifact(out, gaussians, class_names, spec, preprocess, sampling)
+    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, parameters_sha256(net.model))
     return read_artifact(out, load_tensors=False)
 
 
@@ -232,9 +232,10 @@ def load_for_adaptation(
     model: ModelChoice,
     method: str,
     allow_weights_mismatch: bool = False,
-) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
-    """The model (from the artifact unless overridden) and the artifact, checked against each other."""
-    artifact = None
+) -> tuple[FeatureClassifier, Artifact | None, ModelSpec, list[str]]:
+    """The model (from the artifact unless overridden) and the artifact, checked against each other;
+    with warnings."""
+    artifact, notes = None, []
     stats_path = stats or DEFAULT_PATH
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path)
@@ -251,8 +252,8 @@ def load_for_adaptation(
             )
         _check_classes(net, artifact.class_names, artifact.path)
         if not allow_weights_mismatch:
-            _check_made_with(artifact, spec)
-    return net, artifact, spec
+            notes = _check_made_with(artifact, spec, net)
+    return net, artifact, spec, notes
 
 
 def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
@@ -278,24 +279,35 @@ def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
 
 
-def _check_made_with(artifact: Artifact, spec: ModelSpec) -> None:
+def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> list[str]:
     """Statistics describe the features of one model with one set of weights: another
     architecture or other weights (a changed file, --weights, a retrained bundled model)
-    would be aligned to the wrong Gaussians without any error."""
+    would be aligned to the wrong Gaussians without any error. The same parameters
+    re-saved, converted to another format, or built by a copy of the factory file are
+    the same model: the artifact's parameter fingerprint recognises them. Returns warnings."""
     recorded = artifact.model
+    same_model = spec.model == recorded.model
+    if same_model and spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
+        return []  # the same file
+    unrecorded = artifact.parameters_sha256 is None and recorded.weights_sha256 is None and recorded.weights is None
+    if same_model and unrecorded and spec.weights is None:
+        return []  # an artifact from before weights were hashed: a factory's own initialisation or a bundled model
+    if artifact.parameters_sha256 is not None and parameters_sha256(net.model) == artifact.parameters_sha256:
+        if same_model:
+            return []
+        return [f"{artifact.path} was made with the model {recorded.model}; {spec.model} has the same parameters, so it is taken for that model"]
     fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
-    if spec.model != recorded.model:
+    if not same_model:
         raise InputError(f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}; {fix}")
-    if recorded.weights_sha256 is None and recorded.weights is None and spec.weights is None:
-        return  # the model's own initialisation, or a bundled model's artifact from before weights were hashed
-    if spec.weights_sha256 == recorded.weights_sha256:
-        return
-    if spec.weights is None:
-        raise InputError(f"the bundled {spec.model} weights have changed since the statistics in {artifact.path} were computed (sha256 differs); {fix}")
+    if spec.weights is None and recorded.weights is None:
+        what = f"the bundled {spec.model} weights have changed" if bundled_defaults(spec.model) else (
+            f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
+        raise InputError(f"{what} since the statistics in {artifact.path} were computed (parameters differ); {fix}")
     if spec.weights == recorded.weights:
         raise InputError(f"{spec.weights} has changed since the statistics were computed (sha256 differs); {fix}")
     made_with = recorded.weights or "the model's own initialisation (no --weights)"
-    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {spec.weights} (sha256 differs); {fix}")
+    given = spec.weights or "the model's own initialisation (no --weights)"
+    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} (parameters differ); {fix}")
 
 
 @dataclass
@@ -309,10 +321,11 @@ class Adaptation:
     settings: AdaptSettings
     used: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+    notes: list[str] = field(default_factory=list)  # found while preparing: the model taken for the artifact's
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
-        notes = [note for domain in self.domains for note in domain.notes]
+        notes = [*self.notes, *(note for domain in self.domains for note in domain.notes)]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
         s = self.settings
         if s.method == "bn" and self.adapter.batch_norms == 0:
@@ -390,7 +403,7 @@ def prepare_adaptation(
     if not data:
         raise UsageError("give at least one --data PATH")
     device = check_adapt_settings(settings)
-    net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
+    net, artifact, spec, notes = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
@@ -433,4 +446,4 @@ def prepare_adaptation(
         "weights": spec.weights,
         "preprocessing": asdict(preprocess),
     }
-    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None)
+    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None, notes)
