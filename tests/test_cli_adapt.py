@@ -125,6 +125,8 @@ def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert len(rows) == 7 and all(r["label"] == "" for r in rows)
     assert json.loads(metrics.read_text())["error"] is None
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--quiet", "--format", "jsonl"])
+    assert [json.loads(line)["label"] for line in result.stdout.splitlines()] == [None] * 7  # JSON's own "no value"
     stdin = "\n".join(str(p) for p in paths) + "\n"
     result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", "-", "--quiet", "--no-shuffle"], input=stdin)
     assert result.exit_code == 0, result.stderr

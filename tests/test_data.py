@@ -224,8 +224,22 @@ def test_array_errors(tmp_path):
     np.save(tmp_path / "l.npy", np.zeros(3, dtype=np.int64))
     with pytest.raises(InputError, match="3 labels for 7 images"):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "l.npy"))
-    with pytest.raises(UsageError, match="--labels is only for .npy"):
+    with pytest.raises(UsageError, match="--labels is only for .npy arrays, and --data .* is not one"):
         open_domain(str(tmp_path), labels=str(tmp_path / "l.npy"))
+    np.save(tmp_path / "n.npy", np.array([0, -1, 1, 0, 1, 0, 1]))  # -1 would pass for "unlabelled"
+    with pytest.raises(InputError, match="labels must be class indices >= 0, not -1"):
+        open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "n.npy"))
+    np.save(tmp_path / "e.npy", np.zeros((0, 4, 4), dtype=np.uint8))
+    with pytest.raises(InputError, match="e.npy: the array holds no images"):
+        open_domain(str(tmp_path / "e.npy"))
+
+
+def test_an_array_suffix_is_matched_in_any_case(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((3, 4, 4), dtype=np.uint8))
+    (tmp_path / "x.npy").rename(tmp_path / "X.NPY")
+    np.save(tmp_path / "l.npy", np.array([0, 1, 1]))
+    domain = open_domain(str(tmp_path / "X.NPY"), labels=str(tmp_path / "l.npy"))
+    assert domain.labels.tolist() == [0, 1, 1]
 
 
 @pytest.mark.parametrize("spec", ["folder", "fashion-mnist", "-"])
@@ -292,10 +306,22 @@ def test_array_labels_out_of_range_for_class_list(tmp_path):
 def test_stdin_list(tmp_path):
     a = save(tmp_path / "a.png", solid(5))
     b = save(tmp_path / "b.png", solid(9))
-    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  {b}  \n"))
+    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  \n{b}\r\n"))
     assert domain.refs == [str(a), str(b)]
     assert (domain.labels == UNLABELLED).all()
     assert np.asarray(domain.read(1)).max() == 9
+
+
+def test_stdin_paths_are_taken_byte_for_byte(tmp_path):
+    """A name may begin with a space or not be UTF-8; only the line ending is cut."""
+    spaced = save(tmp_path / " x.png", solid(5))
+    save(tmp_path / "x.png", solid(9))
+    latin1 = tmp_path / os.fsdecode(b"caf\xe9.png")
+    save(latin1, solid(7))
+    stdin = io.TextIOWrapper(io.BytesIO(os.fsencode(spaced) + b"\n" + os.fsencode(latin1) + b"\r\n"))
+    domain = open_domain("-", stdin=stdin)
+    assert domain.refs == [str(spaced), str(latin1)]
+    assert [np.asarray(domain.read(i)).max() for i in range(2)] == [5, 7]
 
 
 def test_empty_stdin():
@@ -501,6 +527,41 @@ def test_cifar_truncated_batch(tmp_path):
     path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
     path.write_bytes(path.read_bytes()[:500])
     with pytest.raises(InputError, match="data_batch_2: not a readable CIFAR batch"):
+        open_domain(f"cifar10:{tmp_path}")
+
+
+def _rewrite_batch(root: Path, name: str, edit) -> None:
+    path = root / "cifar-10-batches-py" / name
+    with open(path, "rb") as f:
+        batch = pickle.load(f, encoding="bytes")
+    path.write_bytes(pickle.dumps(edit(batch), protocol=2))
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda b: {**b, b"labels": b[b"labels"][:-1]}, "'labels' must hold one integer per image, 3"),  # would shift every later label
+        (lambda b: {**b, b"labels": [12, 0, 1]}, "label 12 is out of range for the 10 classes"),
+        (lambda b: {**b, b"labels": [-1, 0, 1]}, "label -1 is out of range"),
+        (lambda b: {**b, b"labels": [0.5, 0, 1]}, "'labels' must hold one integer per image"),
+        (lambda b: {**b, b"data": b[b"data"].astype(np.float32) / 255}, "'data' must be an N×3072 uint8 array, not float32 (3, 3072)"),  # would be black
+        (lambda b: {**b, b"data": b[b"data"][:, :100]}, "not uint8 (3, 100)"),
+        (lambda b: {k: v for k, v in b.items() if k != b"data"}, "'data' must be an N×3072 uint8 array, not NoneType"),
+        (lambda b: [b], "a pickled list, not a dict"),
+    ],
+)
+def test_a_malformed_cifar_batch_is_refused(tmp_path, edit, needle):
+    make_cifar10(tmp_path, style="py3")
+    _rewrite_batch(tmp_path, "data_batch_3", edit)
+    with pytest.raises(InputError, match="data_batch_3: ") as info:
+        open_domain(f"cifar10:{tmp_path}")
+    assert needle in str(info.value) and "unpack the python version of the dataset again" in str(info.value)
+
+
+def test_a_cifar_meta_file_without_names_is_refused(tmp_path):
+    make_cifar10(tmp_path, style="py3")
+    _rewrite_batch(tmp_path, "batches.meta", lambda meta: {**meta, b"label_names": []})
+    with pytest.raises(InputError, match="batches.meta: not CIFAR's meta file"):
         open_domain(f"cifar10:{tmp_path}")
 
 

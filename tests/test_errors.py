@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 import tiny_net
 from cafa_cli.cli import app
+from cafa_cli.data import read_image
 from conftest import ASSETS, PLAIN, TINY_NET, write_folder
 from test_artifact import corrupt
 
@@ -699,3 +700,67 @@ def test_a_crop_larger_than_the_images_is_a_warning(setup, tmp_path, command):
     assert result.exit_code == 0, result.stderr
     assert (f"warning: {setup['train']}: --crop 20 is larger than its images (16x16 after --resize none), "
             f"so the crop pads them with black; give --crop 16 or less") in result.stderr
+
+
+def test_outputs_inside_a_cifar_root_or_named_on_stdin_are_refused(setup, tmp_path):
+    """The output checks cover every input, not only --data folders."""
+    from test_data import make_cifar10
+
+    make_cifar10(tmp_path / "cifar")
+    batch = tmp_path / "cifar" / "cifar-10-batches-py" / "data_batch_1"
+    before = batch.read_bytes()
+    fails(stats(setup, f"cifar10:{tmp_path / 'cifar'}", "--out", batch), 2, f"--out {batch} is a file inside an input folder")
+    image = next((Path(setup["train"]) / "a").glob("*.png"))
+    copy = tmp_path / "x.png"
+    copy.write_bytes(image.read_bytes())
+    result = adapt(setup, "-", "--predictions", copy, "--bn-prior", "16", input=f"{image}\n{copy}\n")
+    fails(result, 2, f"--predictions {copy} is also the --data - file")
+    assert batch.read_bytes() == before and copy.read_bytes() == image.read_bytes()
+    fails(adapt(setup, "-", "--data", "-", input=f"{image}\n"), 2, "--data - (image paths on stdin) is given more than once")
+
+
+def test_index_labels_take_the_class_count_from_the_model(setup, tmp_path):
+    """An array's labels are output indices: a test set without the last class is still 3 classes."""
+    images = np.stack([np.asarray(read_image(p).convert("L")) for p in sorted(Path(setup["train"]).glob("[ab]/*.png"))])
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", np.repeat([0, 1], len(images) // 2))
+    args = ["--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--data", tmp_path / "x.npy", "--labels", tmp_path / "y.npy"]
+    result = run("adapt", *args, "--method", "bn", "--quiet", "--metrics-json", tmp_path / "m.json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((tmp_path / "m.json").read_text())["labelled"] == len(images)
+    fails(run("stats", *args, "--fraction", "1", "--out", tmp_path / "s.safetensors"), 3, "no images of class 2")
+    np.save(tmp_path / "y.npy", np.repeat([0, 3], len(images) // 2))
+    fails(run("adapt", *args, "--method", "bn"), 3, "label 3 is out of range for 3 classes")
+
+
+def test_control_characters_never_reach_the_terminal(setup, tmp_path):
+    """An artifact's metadata and file names are shown escaped: no cursor moves, colours or clearing."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(setup["artifact"]), "pt") as f:
+        metadata, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    metadata["created"] = "\x1b]0;pwned\x07\x1b[2J\x1b[31mRED"
+    metadata["class_names"] = json.dumps(["a", "b\x1b[2J", "c"])
+    hostile = tmp_path / "hostile.safetensors"
+    save_file(tensors, str(hostile), metadata=metadata)
+    shown = run("inspect", hostile)
+    assert shown.exit_code == 0 and "\x1b" not in shown.stdout
+    assert "\\x1b[2J\\x1b[31mRED" in shown.stdout and "b\\x1b[2J" in shown.stdout
+    odd = tmp_path / "a\x1b[31m\nb"
+    fails(run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", odd), 3, "a\\x1b[31m\\nb: no such file")
+
+
+def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    image = next((Path(setup["train"]) / "a").glob("*.png"))
+    name = flat / os.fsdecode(b"caf\xe9.png")
+    name.write_bytes(image.read_bytes())
+    out = tmp_path / "p.csv"
+    result = adapt(setup, flat, "--quiet", "--bn-prior", "16", "--predictions", out)
+    assert result.exit_code == 0, result.stderr
+    assert os.fsencode(name) in out.read_bytes()
+    result = adapt(setup, flat, "--quiet", "--bn-prior", "16")  # stdout is strict UTF-8 here, as in a UTF-8 locale
+    assert result.exit_code == 0, result.stderr
+    assert os.fsencode(name) in result.stdout_bytes

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
+from cafa_cli.data import on_disk
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
@@ -129,7 +130,7 @@ def check_writable(path: str | Path) -> Path:
 def check_outputs_apart(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
     """Every output file is neither an input nor another output (`--out` naming the
     `--weights` file would replace the checkpoint with an artifact): refused before any work."""
-    given = [(option, path) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
     taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [os.path.realpath(path) for _, path in given if Path(path).is_dir()]
     for option, path in outputs.items():

@@ -30,7 +30,7 @@ from cafa_cli.distributed import (
     process_group,
     rank_device,
 )
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError
+from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, printable
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
 from cafa_cli.inspect import describe, render
 from cafa_cli.models import pick_device
@@ -67,7 +67,7 @@ def _stderr(quiet: bool) -> Console:
 
 def _fail(message: str, code: int) -> typer.Exit:
     """Print the tool's one-line error and return the Exit to raise."""
-    typer.echo(f"cafa: error: {message}", err=True)
+    typer.echo(f"cafa: error: {printable(message)}", err=True)
     return typer.Exit(code=code)
 
 
@@ -327,6 +327,9 @@ def adapt(
         settings,
         allow_weights_mismatch,
     )
+    read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
+    if read_from_stdin:
+        check_outputs_apart({"--predictions": predictions, "--metrics-json": metrics_json}, {"--data -": read_from_stdin})
     console = _stderr(quiet)
     output = open_output(predictions)
     writer = RecordWriter(output, fmt, job.class_names)

@@ -63,9 +63,10 @@ def open_domain(
     artifact); labels are mapped into it by name. Without it, an image folder's
     sorted folder names become the class list.
     """
-    if labels is not None and not spec.endswith(".npy"):
-        raise UsageError("--labels is only for .npy arrays; image folders take labels from class folders")
-    if severity is not None and not spec.endswith(".npy"):
+    is_array = Path(spec).suffix.lower() == ".npy"
+    if labels is not None and not is_array:
+        raise UsageError(f"--labels is only for .npy arrays, and --data {spec} is not one; image folders take labels from class folders")
+    if severity is not None and not is_array:
         raise UsageError(
             "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
             "for an image folder, give the folder of one severity as --data"
@@ -91,6 +92,12 @@ def open_domain(
     if class_names is not None:
         domain = relabel(domain, list(class_names))
     return domain
+
+
+def on_disk(spec: str) -> str:
+    """Where a --data value lies in the file system: ROOT for `cifar10:ROOT` and the like."""
+    kind, _, root = spec.partition(":")
+    return root if kind in TRAINING_SETS and root else spec
 
 
 def relabel(domain: Domain, class_names: list[str]) -> Domain:
@@ -229,7 +236,10 @@ def _folder_domain(root: Path) -> Domain:
 
 
 def _stdin_domain(stream) -> Domain:
-    refs = [line.strip() for line in stream if line.strip()]
+    # bytes decoded as the file system does, so that any file name comes through; only the
+    # line ending is cut, as a name may begin or end with a space
+    lines = (os.fsdecode(line) for line in stream.buffer) if hasattr(stream, "buffer") else stream
+    refs = [ref for ref in (line.rstrip("\r\n") for line in lines) if ref.strip()]
     if not refs:
         raise InputError("--data -: stdin held no image paths (give one path per line)")
     return Domain("-", refs, np.full(len(refs), UNLABELLED, dtype=np.int64), [], lambda i: read_image(refs[i]))
@@ -258,7 +268,7 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
     except (ValueError, OSError, EOFError) as error:
         if "Python objects" in str(error) or "pickle" in str(error):
             raise InputError(f"{what} {path}: the array holds Python objects, which cafa does not load; {instead}") from None
-        raise InputError(f"{what} {path}: not a readable .npy array ({error})") from None
+        raise InputError(f"{what} {path}: not a readable .npy array ({error}); the file is damaged or cut short: save it again with numpy.save") from None
 
 
 def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> Domain:
@@ -268,6 +278,8 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
             f"--data {path}: expected uint8 images shaped N×H×W or N×H×W×C (C = 1 or 3), "
             f"got {images.dtype} {tuple(images.shape)}"
         )
+    if not len(images):
+        raise InputError(f"--data {path}: the array holds no images")
     if labels_path is None:
         labels = np.full(len(images), UNLABELLED, dtype=np.int64)
     else:
@@ -275,20 +287,21 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
         if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
             raise InputError(f"--labels {labels_path}: expected a 1-D integer array, got {raw.dtype} {raw.shape}")
         labels = np.asarray(raw, dtype=np.int64)
+        if labels.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
+            raise InputError(f"--labels {labels_path}: labels must be class indices >= 0, not {int(labels.min())}")
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
             raise UsageError(f"--severity must be 1-5, not {severity}")
         if len(images) % 5:
-            raise InputError(f"--data {path}: {len(images)} rows do not split into 5 severities")
+            raise InputError(f"--data {path}: {len(images)} rows do not split into 5 severities; "
+                             f"--severity is for arrays that stack 5 severities of equal size (CIFAR-10-C): leave it out for one")
         per = len(images) // 5
         rows = rows[(severity - 1) * per : severity * per]
     if len(labels) == len(images):
         labels = labels[rows]
     elif len(labels) != len(rows):
         raise InputError(f"--labels {labels_path}: {len(labels)} labels for {len(rows)} images")
-    if labels.min(initial=0) < UNLABELLED:
-        raise InputError(f"--labels {labels_path}: labels must be class indices >= 0")
     count = int(labels.max(initial=-1)) + 1
     refs = [f"{path}#{int(r)}" for r in rows]
 
@@ -332,13 +345,35 @@ class _ArrayOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
+CIFAR_AGAIN = "unpack the python version of the dataset again"
+
+
 def _read_cifar_batch(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
         raise InputError(f"{path}: not a readable CIFAR batch ({error})") from None
+    if not isinstance(batch, dict):
+        raise InputError(f"{path}: not a CIFAR batch (a pickled {type(batch).__name__}, not a dict); {CIFAR_AGAIN}")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def _cifar_images(path: Path, label_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's N×3072 uint8 pixels and its N labels in [0, num_classes), checked: a cast
+    would turn float pixels black, and a short label list would shift every later label."""
+    batch = _read_cifar_batch(path)
+    pixels, labels = batch.get("data"), batch.get(label_key)
+    if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.ndim == 2 and pixels.shape[1] == 3072):
+        found = f"{pixels.dtype} {pixels.shape}" if isinstance(pixels, np.ndarray) else type(pixels).__name__
+        raise InputError(f"{path}: not a CIFAR batch ('data' must be an N×3072 uint8 array, not {found}); {CIFAR_AGAIN}")
+    labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else np.empty(0, dtype=object)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or len(labels) != len(pixels):
+        raise InputError(f"{path}: not a CIFAR batch ('{label_key}' must hold one integer per image, {len(pixels)}); {CIFAR_AGAIN}")
+    if len(labels) and not 0 <= labels.min() <= labels.max() < num_classes:
+        bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
+        raise InputError(f"{path}: label {bad} is out of range for the {num_classes} classes its meta file names; {CIFAR_AGAIN}")
+    return pixels, labels.astype(np.int64)
 
 
 def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
@@ -351,11 +386,13 @@ def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_ke
             f"CIFAR files missing in {base}: {', '.join(missing)}; unpack the python version "
             f"of the dataset so that {root}/{folder}/{files[0]} exists (cafa never downloads)"
         )
-    batches = [_read_cifar_batch(base / f) for f in files]
-    pixels = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches])
-    images = pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    labels = np.concatenate([np.asarray(b[label_key], dtype=np.int64) for b in batches])
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in _read_cifar_batch(base / meta)[names_key]]
+    names = _read_cifar_batch(base / meta).get(names_key)
+    if not isinstance(names, list) or not names or not all(isinstance(n, (bytes, str)) for n in names):
+        raise InputError(f"{base / meta}: not CIFAR's meta file ('{names_key}' must list the class names); {CIFAR_AGAIN}")
+    names = [n.decode() if isinstance(n, bytes) else n for n in names]
+    batches = [_cifar_images(base / f, label_key, len(names)) for f in files]
+    images = np.concatenate([pixels for pixels, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    labels = np.concatenate([labels for _, labels in batches])
     refs = [f"{folder}#{i}" for i in range(len(images))]
     return Domain(f"{folder}", refs, labels, names, lambda i: Image.fromarray(images[i]))
 

@@ -4,6 +4,8 @@ Messages are one line that names the problem and the fix; the CLI prints them
 without a traceback.
 """
 
+import unicodedata
+
 EXIT_RUNTIME = 1  # the tool failed (out of memory, a bug, the environment); Ctrl-C exits 130
 EXIT_USAGE = 2  # an option value is wrong
 EXIT_INPUT = 3  # a file or folder given to the tool is missing or unreadable
@@ -26,3 +28,10 @@ def listing(items, limit: int = 5) -> str:
     items = [str(item) for item in items]
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters shown as escapes (`\\x1b`, `\\n`): a file name or an
+    artifact's metadata is not to move the cursor, recolour or clear the terminal, or
+    break a one-line message."""
+    return "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" else ch for ch in text)

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cafa_cli.artifact import Artifact
+from cafa_cli.errors import printable
 from cafa_cli.models import bundled_defaults
 
 _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
@@ -87,11 +88,11 @@ def render(summary: dict) -> Group:
         ("sampling", json.dumps(summary["sampling"])),
     ]
     for key, value in rows:
-        facts.add_row(key, Text(str(value)))
+        facts.add_row(key, Text(printable(str(value))))
     classes = Table("class", "count", "λ", title="per class", title_justify="left")
     shown = summary["classes"]
     for c in shown[:20]:
-        classes.add_row(Text(c["name"]), str(c["count"]), f"{c['shrinkage']:.4f}")
+        classes.add_row(Text(printable(c["name"])), str(c["count"]), f"{c['shrinkage']:.4f}")
     if len(shown) > 20:
         classes.add_row(f"… {len(shown) - 20} more", "", "")
     return Group(facts, classes)

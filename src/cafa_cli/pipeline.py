@@ -23,6 +23,7 @@ from cafa_cli.data import (
     open_domain,
     padding_note,
     read_class_list,
+    relabel,
     stratified_subset,
     unreadable,
 )
@@ -80,6 +81,16 @@ def _resolve(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
     return net, spec
 
 
+def _class_names_of(domains: list[Domain], net: FeatureClassifier, where: str) -> list[str]:
+    """The class list when no artifact, --classes or bundled model gives one: the sorted
+    class folders; else the model's output indices, as arrays label by index (a test
+    array may lack the last classes) and unlabelled data has none."""
+    folders = [d.class_names for d in domains if d.class_names and not d.indexed_labels]
+    if any(names != folders[0] for names in folders):
+        raise InputError("the --data folders have different class folders; give the class list with --classes")
+    return folders[0] if folders else [str(i) for i in range(net.num_classes)]
+
+
 def _check_classes(model: FeatureClassifier, class_names: list[str], where: str) -> None:
     if model.num_classes != len(class_names):
         raise InputError(
@@ -130,15 +141,14 @@ def compute_statistics(
     for note in [*domain.notes, padding_note(domain, preprocess)]:
         if note:
             monitor.warn(note)
-    if class_names is None:
-        class_names = domain.class_names
     if len(domain.labels) and (domain.labels < 0).all():
         raise InputError(
             f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
             f"with one subfolder of images per class, or an array with --labels"
         )
-    if not class_names:
-        raise InputError(f"--data {data}: no class folders, so no labels to compute class statistics from")
+    if class_names is None:
+        class_names = _class_names_of([domain], net, f"--data {data}")
+        domain = relabel(domain, class_names)
     _check_classes(net, class_names, f"--data {data}")
     indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
     if per_class:
@@ -402,6 +412,8 @@ def prepare_adaptation(
 ) -> Adaptation:
     if not data:
         raise UsageError("give at least one --data PATH")
+    if data.count("-") > 1:
+        raise UsageError("--data - (image paths on stdin) is given more than once; stdin can be read once")
     device = check_adapt_settings(settings)
     net, artifact, spec, notes = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
@@ -415,12 +427,9 @@ def prepare_adaptation(
     class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
     domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity, stdin) for d in data]
     if class_names is None:
-        class_names = domains[0].class_names
-        if any(d.class_names and d.class_names != class_names for d in domains):
-            raise InputError("the --data folders have different class folders; give the class list with --classes")
-        if not class_names:
-            class_names = [str(i) for i in range(net.num_classes)]
-        _check_classes(net, class_names, "the data")
+        class_names = _class_names_of(domains, net, "the data")
+        domains = [relabel(d, class_names) for d in domains]
+    _check_classes(net, class_names, "the data")
     adapter = Adapter(
         net,
         settings.method,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 import time
@@ -17,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cafa_cli.artifact import atomic_write, check_writable
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, printable
 from cafa_cli.stream import DomainResult, Record
 
 FORMATS = ("csv", "jsonl")
@@ -78,7 +79,8 @@ class RecordWriter:
             if self._csv is not None:
                 self._csv.writerow(row)
             else:
-                self.stream.write(json.dumps(dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))) + "\n")
+                record = dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))
+                self.stream.write(json.dumps({**record, "label": record["label"] or None}) + "\n")
         self.stream.flush()
 
 
@@ -91,7 +93,7 @@ class _OpenedOnFirstWrite:
 
     def write(self, text: str) -> int:
         if self._file is None:
-            self._file = open(self.path, "w", encoding="utf-8", newline="")
+            self._file = open(self.path, "w", encoding="utf-8", errors="surrogateescape", newline="")
         return self._file.write(text)
 
     def flush(self) -> None:
@@ -105,6 +107,9 @@ class _OpenedOnFirstWrite:
 
 def open_output(path: str | None) -> IO[str]:
     if path is None or path == "-":
+        # a file name that is not valid UTF-8 comes out as its own bytes, as ls prints it
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors="surrogateescape")
         return sys.stdout
     return _OpenedOnFirstWrite(check_writable(path))
 
@@ -162,7 +167,7 @@ def summary_table(method: str, results: Sequence[DomainResult]) -> Table:
         table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
-        table.add_row(Text(r.data), str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
+        table.add_row(Text(printable(r.data)), str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
     if len(results) > 1:
         total = overall(results)
         rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
@@ -189,7 +194,7 @@ class Monitor:
         self._progress.__exit__(*exc)
 
     def start(self, description: str, total: int) -> None:
-        self._task = self._progress.add_task(escape(description), total=total, rate="-", status="")
+        self._task = self._progress.add_task(escape(printable(description)), total=total, rate="-", status="")
         self._started, self._done = time.perf_counter(), 0
 
     def advance(self, images: int, status: str = "") -> None:
@@ -201,7 +206,7 @@ class Monitor:
     def warn(self, message: str) -> None:
         if not self.quiet:
             # a path may hold [brackets] that rich would read as markup
-            self.console.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+            self.console.print(f"[yellow]warning:[/] {escape(printable(message))}", markup=True, highlight=False, soft_wrap=True)
 
     def info(self, message: str) -> None:
         if not self.quiet:
