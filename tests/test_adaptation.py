@@ -241,6 +241,8 @@ def test_cafa_without_statistics_is_a_usage_error():
 def test_the_device_may_be_named_by_a_string():
     adapter = Adapter(FeatureClassifier(tiny_net.build()), "tent", device="cpu")
     assert adapter.device == torch.device("cpu") and adapter.step(torch.randn(4, 1, 16, 16)).shape == (4, 3)
+    auto = Adapter(FeatureClassifier(tiny_net.build()), "tent", device="auto")  # as cafa adapt --device auto
+    assert auto.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_statistics_of_another_shape_than_the_model_are_a_usage_error():

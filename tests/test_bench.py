@@ -13,6 +13,7 @@ from cafa_cli.bench import Row, domain_label, domain_labels, markdown, parse_met
 from cafa_cli.cli import app
 from cafa_cli.errors import UsageError
 from cafa_cli.fashion_mnist import DEFAULT_ROOT
+from cafa_cli.pipeline import AdaptSettings
 from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
@@ -20,7 +21,7 @@ needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debi
 
 
 def test_parse_methods_knows_variants_and_per_row_learning_rates():
-    rows = parse_methods("source, tent@0.01, cafa, intra, cafa-tied,cafa-diag@1e-3,cafa-lowrank,cafa-full")
+    rows = parse_methods("source, tent@0.01, cafa, intra, cafa-tied,cafa-diag@1e-3,cafa-lowrank,cafa-dense,cafa-full@0.01")
     assert rows == [
         Row("source", "source", None),
         Row("tent@0.01", "tent", None, 0.01),
@@ -29,8 +30,12 @@ def test_parse_methods_knows_variants_and_per_row_learning_rates():
         Row("cafa-tied", "cafa", "tied"),
         Row("cafa-diag@1e-3", "cafa", "diag", 1e-3),
         Row("cafa-lowrank", "cafa", "lowrank"),
-        Row("cafa-full", "cafa", "full"),
+        Row("cafa-dense", "cafa", "full"),
+        Row("cafa-full@0.01", "cafa", "auto", 0.01, "all"),  # the paper's CAFA-Full: every feature-extractor parameter
     ]
+    base = AdaptSettings(lr=1e-3, params="norm", momentum=0.5)
+    assert rows[-1].settings(base) == AdaptSettings(method="cafa", lr=0.01, params="all", momentum=0.5)
+    assert rows[1].settings(base) == AdaptSettings(method="tent", lr=0.01, params="norm", momentum=0.5)
     with pytest.raises(UsageError, match="unknown method 'sgd'"):
         parse_methods("tent,sgd")
     with pytest.raises(UsageError, match="not a number"):
@@ -73,7 +78,8 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
     one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]), 2,
                    "--severity is only for .npy arrays")  # before the statistics are computed
-    assert not list((tmp_path / "w").glob("*.safetensors"))
+    one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
+    assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
     one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
     # source and bn need no statistics, so no --train either
@@ -91,6 +97,7 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     [
         (["--severity", "6"], 2, "--severity must be 1-5, not 6"),
         (["--test-per-class", "-1", "--data-only"], 2, "--test-per-class must be 0 (all) or more"),
+        (["--test-per-class", "-1"], 2, "--test-per-class must be 0 (all) or more"),  # not after the training images
         (["--methods", "cafa,magic"], 2, "unknown method 'magic'"),
         (["--corruptions", "fog,rain"], 2, "unknown corruption 'rain'"),
         (["--fashion-mnist", "/nonexistent"], 3, "Fashion-MNIST not found"),
@@ -302,3 +309,22 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
                                  "--train", str(flat), *PLAIN, "--workdir", str(tmp_path / "w")])
     assert result.exit_code == 0, result.stderr
     assert not (tmp_path / "w" / "classes.txt").exists()
+
+
+def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_path, tiny_weights):
+    """A bench cell is the cafa adapt run with the same options; the JSON says which options those were."""
+    test = write_folder(tmp_path / "test", per_class=4, seed=1, shift=0.3)
+    options = ["--optimizer", "sgd", "--momentum", "0.5", "--params", "all", "--bn-prior", "4", "--reset", "episodic", "--batch-size", "5"]
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", str(test), "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                 *PLAIN, *options, "--device", "cpu", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    alone = runner.invoke(app, ["adapt", "--data", str(test), "--method", "tent", "--lr", "0.05", "--model", TINY_NET,
+                                "--weights", str(tiny_weights), *PLAIN, *options, "--quiet", "--metrics-json", str(tmp_path / "m.json")])
+    assert alone.exit_code == 0, alone.stderr
+    saved = json.loads(report.read_text())
+    assert saved["runs"][0]["error"] == pytest.approx(json.loads((tmp_path / "m.json").read_text())["error"])
+    used = saved["settings"]
+    assert "method" not in used and "seed" not in used  # each row and run names its own
+    assert {k: used[k] for k in ("optimizer", "momentum", "params", "bn_prior", "reset", "device", "num_workers")} == {
+        "optimizer": "sgd", "momentum": 0.5, "params": "all", "bn_prior": 4.0, "reset": "episodic", "device": "cpu", "num_workers": 0}

@@ -318,3 +318,14 @@ def test_stats_on_unlabelled_images_names_the_missing_labels(tmp_path, tiny_weig
     assert result.exit_code == 3
     assert "has no labels (unlabelled images), and class statistics need them" in result.stderr
     assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_training_data_is_recorded_by_absolute_path_even_behind_a_set_name(tmp_path, monkeypatch):
+    """Two CIFAR copies under the same relative path are two training sets to bench's re-use check."""
+    from cafa_cli.pipeline import recorded_data
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    assert recorded_data("cifar10:data/cifar") == f"cifar10:{tmp_path / 'data' / 'cifar'}"
+    assert recorded_data("folder") == str(tmp_path / "folder")
+    assert recorded_data("fashion-mnist") == "fashion-mnist"  # Debian's copy, no ROOT given

@@ -36,6 +36,12 @@ def test_one_string_for_a_repeatable_option_is_a_list_of_one(tmp_path):
     assert defaults == {"adapt": {"data": ["ImageNet-C/fog/5"]}, "bench": {"data": ["a", "b"], "seeds": "0,1"}}
 
 
+def test_a_toml_array_for_a_comma_separated_option_is_joined(tmp_path):
+    (tmp_path / "cafa.toml").write_text('[bench]\nseeds = [0, 1, 2]\nmethods = ["source", "cafa@0.01"]\nmean = [0.5, 0.25, 0.125]\n')
+    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    assert defaults == {"bench": {"seeds": "0,1,2", "methods": "source,cafa@0.01", "mean": "0.5,0.25,0.125"}}
+
+
 @pytest.mark.parametrize(
     "text,match",
     [("[adapt]\nbatchsize = 3\n", "no option 'batchsize'"), ("[train]\nlr = 1\n", r"\[train\] is not a cafa command"), ("[adapt\n", "not valid TOML")],

@@ -378,7 +378,7 @@ def test_class_count_disagrees_with_the_artifact(setup, tmp_path):
     net = tmp_path / "four.safetensors"
     save_file(tiny_net.build(num_classes=4).state_dict(), str(net))
     result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--weights", net, "--data", setup["train"])
-    fails(result, 3, "has 3 classes but the model's classifier has 4 outputs")
+    fails(result, 3, "has 3 classes but the model's classifier has 4 outputs; check --model and --num-classes, or compute statistics")
 
 
 # --- checkpoints -------------------------------------------------------------------

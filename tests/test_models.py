@@ -152,7 +152,10 @@ def test_malformed_factory_spec():
 def test_unknown_architecture():
     with pytest.raises(UsageError, match="unknown architecture.*did you mean.*resnet1"):
         build_model("ResNet")
-    with pytest.raises(UsageError, match="unknown architecture"):
+    for typo in ("resnt50", "resnet-50", "resnet50x"):
+        with pytest.raises(UsageError, match=r"unknown architecture \(did you mean resnet50[,?]"):
+            build_model(typo)
+    with pytest.raises(UsageError, match="unknown architecture;"):
         build_model("definitely_not_a_model")
 
 

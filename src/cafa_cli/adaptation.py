@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli import losses
 from cafa_cli.distances import ClassDistances
 from cafa_cli.errors import UsageError
-from cafa_cli.models import FeatureClassifier
+from cafa_cli.models import FeatureClassifier, pick_device
 from cafa_cli.statistics import ClassGaussians
 
 METHODS = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean")
@@ -153,7 +153,7 @@ class Adapter:
         precision: str = "fp32",
         compile: bool = False,
     ):
-        device = torch.device(device)
+        device = pick_device(device) if isinstance(device, str) else torch.device(device)
         check_settings(method, params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         if gaussians is not None and tuple(gaussians.means.shape) != (model.num_classes, model.feature_dim):
             C, d = gaussians.means.shape

@@ -29,10 +29,12 @@ from cafa_cli.pipeline import (
 )
 from cafa_cli.report import Monitor, atomic_write
 
-# Bench rows beyond the plain methods: CAFA with a covariance form forced. The plain
+# Bench rows beyond the plain methods, as (method, covariance, params): the paper's
+# ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
+# parameter updated), and CAFA with the dense or low-rank form forced. The plain
 # methods that need statistics use `auto`, as `cafa stats` does by default.
-VARIANTS = {"cafa-tied": ("cafa", "tied"), "cafa-diag": ("cafa", "diag"), "cafa-full": ("cafa", "full"),
-            "cafa-lowrank": ("cafa", "lowrank")}
+VARIANTS = {"cafa-tied": ("cafa", "tied", None), "cafa-diag": ("cafa", "diag", None), "cafa-full": ("cafa", "auto", "all"),
+            "cafa-dense": ("cafa", "full", None), "cafa-lowrank": ("cafa", "lowrank", None)}
 DEFAULT_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 
 
@@ -42,6 +44,10 @@ class Row:
     method: str  # passed to cafa adapt --method
     covariance: str | None  # artifact needed, or None
     lr: float | None = None  # this row's learning rate, when it differs from --lr
+    params: str | None = None  # this row's --params, when it differs from the bench's
+
+    def settings(self, base: AdaptSettings) -> AdaptSettings:
+        return replace(base, method=self.method, lr=self.lr or base.lr, params=self.params or base.params)
 
 
 def parse_methods(text: str) -> list[Row]:
@@ -50,9 +56,9 @@ def parse_methods(text: str) -> list[Row]:
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, _, lr_text = label.partition("@")
         if name in VARIANTS:
-            method, covariance = VARIANTS[name]
+            method, covariance, params = VARIANTS[name]
         elif name in METHODS:
-            method, covariance = name, "auto" if name in NEEDS_STATISTICS else None
+            method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
         else:
             raise UsageError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
         try:
@@ -61,7 +67,7 @@ def parse_methods(text: str) -> list[Row]:
             raise UsageError(f"--methods: {label!r}: the learning rate after @ is not a number") from None
         if lr is not None and not 0 < lr < float("inf"):
             raise UsageError(f"--methods: {label!r}: the learning rate after @ must be a positive number")
-        rows.append(Row(label, method, covariance, lr))
+        rows.append(Row(label, method, covariance, lr, params))
     if not rows:
         raise UsageError("--methods names no method")
     return rows
@@ -139,15 +145,16 @@ class Sampling:
 
 def run_bench(
     rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, model: ModelChoice,
-    train: str | None, train_choice: DataChoice, test_choice: DataChoice, sampling: Sampling, workdir: Path,
+    train: str | None, train_choice: DataChoice, test_choice: DataChoice, sampling: Sampling, workdir: str | Path,
     monitor: Monitor, rank: int = 0, world: int = 1,
 ) -> dict[tuple[str, str, int], float] | None:
     """Every (row label, domain, seed) error: statistics computed once per covariance
     mode the rows need (or re-used from `workdir`), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every error,
     the other ranks None."""
-    for row in rows:  # before statistics that can take hours
-        check_adapt_settings(replace(settings, method=row.method, lr=row.lr or settings.lr))
+    for row in rows:  # before statistics that can take hours, and before the workdir is made
+        check_adapt_settings(row.settings(settings))
+    workdir = make_workdir(workdir)
     artifacts = {
         covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
         for covariance in covariances_needed(rows)
@@ -186,7 +193,7 @@ def ensure_statistics(
     monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
     compute_statistics(train, path, model, data_choice, fraction=sampling.fraction, per_class=sampling.per_class,
                        seed=sampling.seed, covariance=covariance, device=settings.device, batch_size=settings.batch_size,
-                       num_workers=settings.num_workers, monitor=monitor)
+                       num_workers=settings.num_workers, strict=settings.strict, monitor=monitor)
     return path
 
 
@@ -241,7 +248,7 @@ def run_grid(
     runs = [(row, seed) for row in rows for seed in seeds]
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
-        row_settings = replace(settings, method=row.method, seed=seed, lr=row.lr or settings.lr)
+        row_settings = replace(row.settings(settings), seed=seed)
         # with statistics the class list comes from the artifact (made from --classes)
         job = prepare_adaptation(domains, stats, model, replace(data_choice, classes_file=None) if stats else data_choice, row_settings)
         if not errors:  # once, not for every run

@@ -25,6 +25,7 @@ from cafa_cli import bench as grid
 from cafa_cli.artifact import DEFAULT_PATH, check_outputs_apart, check_writable, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
+from cafa_cli.data import loader_processes
 from cafa_cli.distributed import (
     launched_by_torchrun,
     process_group,
@@ -177,6 +178,17 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cud
 WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
+# how a model adapts, shared by adapt and bench
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adam or sgd.")]
+LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
+MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Gradient steps per batch.")]
+ParamsOpt = Annotated[str, typer.Option("--params", help="norm (normalisation affines) or all (the whole feature extractor).")]
+BnPriorOpt = Annotated[float, typer.Option("--bn-prior", help="Source BN statistics count as this many samples (0: test batch only).")]
+ResetOpt = Annotated[str, typer.Option("--reset", help="domain (each --data from the source weights), episodic (every batch), never (continual).")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")]
+CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")]
 
 
 def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
@@ -283,19 +295,19 @@ def adapt(
     mean: MeanOpt = None,
     std: StdOpt = None,
     channels: ChannelsOpt = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")] = 200,
-    optimizer: Annotated[str, typer.Option("--optimizer", help="adam or sgd.")] = "adam",
-    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 1e-3,
-    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum.")] = 0.9,
-    steps: Annotated[int, typer.Option("--steps", help="Gradient steps per batch.")] = 1,
-    params: Annotated[str, typer.Option("--params", help="norm (normalisation affines) or all (the whole feature extractor).")] = "norm",
-    bn_prior: Annotated[float, typer.Option("--bn-prior", help="Source BN statistics count as this many samples (0: test batch only).")] = 0.0,
-    reset: Annotated[str, typer.Option("--reset", help="domain (each --data from the source weights), episodic (every batch), never (continual).")] = "domain",
+    batch_size: BatchSizeOpt = 200,
+    optimizer: OptimizerOpt = "adam",
+    lr: LrOpt = 1e-3,
+    momentum: MomentumOpt = 0.9,
+    steps: StepsOpt = 1,
+    params: ParamsOpt = "norm",
+    bn_prior: BnPriorOpt = 0.0,
+    reset: ResetOpt = "domain",
     shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle each domain's stream (seeded).")] = True,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stream order.")] = 0,
     device: DeviceOpt = "auto",
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")] = "fp32",
-    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")] = False,
+    precision: PrecisionOpt = "fp32",
+    compile_model: CompileOpt = False,
     num_workers: WorkersOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv or jsonl.")] = "csv",
     predictions: Annotated[Optional[str], typer.Option("--predictions", help="Write the records to this file instead of stdout.")] = None,
@@ -408,17 +420,24 @@ def bench(
     channels: ChannelsOpt = None,
     test_resize: Annotated[Optional[str], typer.Option("--test-resize", help="--resize for the test domains only (default: --resize). ImageNet-C: none.")] = None,
     test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
-    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto), cafa-full, cafa-lowrank, cafa-tied, cafa-diag (forced; default: all but cafa-full and cafa-lowrank); NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto); cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the paper's CAFA-Full: --params all). Default: all but cafa-full, cafa-dense and cafa-lowrank. NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
     workdir: Annotated[str, typer.Option("--workdir", help="Where artifacts are kept and re-used.")] = "cafa-bench",
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 200,
-    optimizer: Annotated[str, typer.Option("--optimizer")] = "adam",
-    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    steps: Annotated[int, typer.Option("--steps")] = 1,
+    batch_size: BatchSizeOpt = 200,
+    optimizer: OptimizerOpt = "adam",
+    lr: LrOpt = 1e-3,
+    momentum: MomentumOpt = 0.9,
+    steps: StepsOpt = 1,
+    params: ParamsOpt = "norm",
+    bn_prior: BnPriorOpt = 0.0,
+    reset: ResetOpt = "domain",
     device: DeviceOpt = "auto",
+    precision: PrecisionOpt = "fp32",
+    compile_model: CompileOpt = False,
     num_workers: WorkersOpt = None,
+    strict: StrictOpt = False,
     csv_out: Annotated[Optional[str], typer.Option("--csv", help="Write the table as CSV.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the table and every run as JSON.")] = None,
     plot_out: Annotated[Optional[str], typer.Option("--plot", help="Write a grouped-bar PNG (needs matplotlib).")] = None,
@@ -447,13 +466,14 @@ def bench(
             raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
                              f"the training data to compute class statistics from")
         train = "fashion-mnist"
-    settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, steps=steps, device=device, num_workers=num_workers)
+    settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
+                             bn_prior=bn_prior, reset=reset, device=device, precision=precision, num_workers=num_workers,
+                             strict=strict, compile=compile_model)
     sampling = grid.Sampling(fraction, per_class)
-    workdir_path = grid.make_workdir(workdir)
     target = rank_device(pick_device(device))
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
         errors = grid.run_bench(rows, data, seed_list, replace(settings, device=str(target)), model_choice, train,
-                                train_choice, data_choice, sampling, workdir_path, monitor, rank, world)
+                                train_choice, data_choice, sampling, workdir, monitor, rank, world)
     if errors is None:  # a torchrun rank other than 0: rank 0 reports
         return
     table = grid.summarise(errors, rows, data, seed_list)
@@ -461,7 +481,10 @@ def bench(
     if csv_out:
         grid.write_csv(csv_out, table, data)
     if json_out:
-        grid.write_json(json_out, table, errors, data, seed_list, {**asdict(settings), "methods": methods, "train": train,
+        # what every row ran with: the rows name their method (and @lr, params), the runs their seed
+        used = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
+        used.update(device=str(target), num_workers=loader_processes(num_workers, target))
+        grid.write_json(json_out, table, errors, data, seed_list, {**used, "methods": methods, "train": train,
                                                                      "fraction": None if per_class else fraction, "per_class": per_class,
                                                                      "preprocessing": grid.recipes(model, train=train_choice, test=data_choice)})
     if plot_out:

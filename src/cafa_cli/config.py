@@ -43,8 +43,12 @@ def read_defaults(folder: str | Path, options: dict[str, set[str]], repeatable: 
             name = key.replace("-", "_")
             if name not in options[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
-            if isinstance(value, str) and name in (repeatable or {}).get(command, set()):
+            many = name in (repeatable or {}).get(command, set())
+            if isinstance(value, str) and many:
                 value = [value]
+            elif isinstance(value, list) and not many:
+                # an option that takes a comma-separated list (seeds, methods, mean) written as a TOML array
+                value = ",".join(str(item) for item in value)
             defaults[command][name] = value
     return defaults
 

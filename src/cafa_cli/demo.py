@@ -41,7 +41,7 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
     """Returns the results table (markdown); `echo` receives the command lines run."""
     monitor = monitor or Monitor()
     rows = parse_methods(plan.methods)
-    check_corruptions(list(plan.corruptions), plan.severity)
+    check_corruptions(list(plan.corruptions), plan.severity, plan.test_per_class)
     check_installed(root)
     workdir = Path(workdir)
     monitor.info(f"building data in {workdir} (re-used when already there)")

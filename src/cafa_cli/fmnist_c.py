@@ -39,8 +39,8 @@ def _corruptions():
     return corrupt_tta
 
 
-def check_corruptions(corruptions: list[str], severity: int) -> None:
-    """Names and severity checked before any image is built."""
+def check_corruptions(corruptions: list[str], severity: int, per_class: int | None = None) -> None:
+    """Names, severity and images per class checked before any image is built."""
     library = _corruptions()
     unknown = [c for c in corruptions if c not in library.corruption_dict]
     if unknown:
@@ -49,6 +49,8 @@ def check_corruptions(corruptions: list[str], severity: int) -> None:
         raise UsageError("--corruptions names no corruption")
     if severity not in range(1, 6):
         raise UsageError(f"--severity must be 1-5, not {severity}")
+    if per_class is not None and per_class < 1:
+        raise UsageError(f"--test-per-class must be 0 (all) or more, not {per_class}")
 
 
 def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) -> np.ndarray:
@@ -105,9 +107,7 @@ def build_corrupted(
     workdir: Path, corruptions: list[str], severity: int, per_class: int | None = None, seed: int = 0, root=None, on_domain=None
 ) -> list[Path]:
     """One ImageFolder per corruption at `severity`; re-uses folders already complete."""
-    check_corruptions(corruptions, severity)
-    if per_class is not None and per_class < 1:
-        raise UsageError(f"--test-per-class must be 0 (all) or more, not {per_class}")
+    check_corruptions(corruptions, severity, per_class)
     base = workdir / ("fashion-mnist-c" if per_class is None else f"fashion-mnist-c-{per_class}")
     folders = []
     images = labels = None

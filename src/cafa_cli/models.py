@@ -6,6 +6,7 @@ captures them, so any architecture works without rewriting its forward.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -51,14 +52,22 @@ def build_model(model: str, num_classes: int | None = None) -> nn.Module:
 
     names = torchvision.models.list_models(module=torchvision.models)
     if model not in names:
-        close = [n for n in names if model.lower().replace("-", "_") in n][:5]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = f" (did you mean {', '.join(close)}?)" if (close := _close_names(model, names)) else ""
         raise UsageError(
             f"--model {model}: unknown architecture{hint}; give a torchvision classification model, "
             f"one of {', '.join(sorted(BUNDLED))}, or a factory 'file.py:function'"
         )
     kwargs = {"num_classes": num_classes} if num_classes is not None else {}
     return torchvision.models.get_model(model, weights=None, **kwargs)
+
+
+def _close_names(name: str, names: list[str]) -> list[str]:
+    """Architectures a mistyped --model may mean: the names that contain it, or spell it
+    nearly alike, ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
+    plain = {n.replace("_", ""): n for n in names}
+    wanted = name.lower().replace("-", "").replace("_", "")
+    containing = [n for key, n in plain.items() if wanted in key]
+    return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
 
 
 def _from_factory(spec: str, num_classes: int | None) -> nn.Module:

@@ -20,6 +20,7 @@ from cafa_cli.data import (
     batches,
     check_loading,
     loader_processes,
+    on_disk,
     open_domain,
     padding_note,
     read_class_list,
@@ -91,12 +92,12 @@ def _class_names_of(domains: list[Domain], net: FeatureClassifier, where: str) -
     return folders[0] if folders else [str(i) for i in range(net.num_classes)]
 
 
-def _check_classes(model: FeatureClassifier, class_names: list[str], where: str) -> None:
+def _check_classes(
+    model: FeatureClassifier, class_names: list[str], where: str,
+    fix: str = "check --num-classes, or give the class list in output order with --classes",
+) -> None:
     if model.num_classes != len(class_names):
-        raise InputError(
-            f"{where} has {len(class_names)} classes but the model's classifier has {model.num_classes} outputs; "
-            f"check --num-classes, or give the class list in output order with --classes"
-        )
+        raise InputError(f"{where} has {len(class_names)} classes but the model's classifier has {model.num_classes} outputs; {fix}")
 
 
 # --- stats -----------------------------------------------------------------------
@@ -193,8 +194,13 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
 
 
 def recorded_data(data: str) -> str:
-    """Record a folder or file as an absolute path, so the artifact can be followed from anywhere."""
-    return str(Path(data).resolve()) if Path(data).exists() else data
+    """Record a folder or file as an absolute path (`cifar10:/abs/root` for a training set's
+    ROOT), so that the artifact can be followed from anywhere and bench's re-use check
+    tells two training sets under the same relative path apart."""
+    location = on_disk(data)
+    if location == data:
+        return str(Path(data).resolve()) if Path(data).exists() else data
+    return data[: -len(location)] + str(Path(location).resolve())
 
 
 def _check_loading(batch_size: int, num_workers: int | None, seed: int) -> None:
@@ -260,7 +266,8 @@ def load_for_adaptation(
                 f"the model's features have {net.feature_dim} dimensions but {artifact.path} was made for "
                 f"{artifact.feature_dim}; recompute the statistics for this model"
             )
-        _check_classes(net, artifact.class_names, artifact.path)
+        _check_classes(net, artifact.class_names, artifact.path,
+                       "check --model and --num-classes, or compute statistics for this model with cafa stats")
         if not allow_weights_mismatch:
             notes = _check_made_with(artifact, spec, net)
     return net, artifact, spec, notes
