@@ -408,6 +408,10 @@ def test_checkpoint_carrying_code_is_refused_and_never_runs(setup, tmp_path, how
         needles = ("plain Python pickle, not a torch checkpoint", "arbitrary code")
     fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, str(weights), *needles)
     assert not marker.exists(), "the checkpoint's code ran"
+    if how == "pickle.dump":  # trusted, it is unpickled: the error must not suggest that nothing ran
+        fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights, "--trust-checkpoint"), 3,
+              "--trust-checkpoint unpickled it, so any code it carries has run")
+        assert marker.exists()
 
 
 @pytest.mark.parametrize("name", ["net.pt", "net.safetensors"])

@@ -25,6 +25,7 @@ HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 # torch.save writes a zip archive, or (legacy format) a pickle of protocol 2 or later
 TORCH_SAVE_MARKERS = (b"PK", b"\x80")
+PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's, never torch.save's
 # a MemoryError reading a file this small comes from a garbage length field, not from the weights
 SMALL_FILE = 1 << 20
 
@@ -158,8 +159,7 @@ def _torch_load(path: Path, trust_checkpoint: bool):
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as error:
-        with open(path, "rb") as f:
-            start = f.read(2)
+        start = _first_bytes(path)
         # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
         # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
         if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
@@ -167,7 +167,7 @@ def _torch_load(path: Path, trust_checkpoint: bool):
                 f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
                 f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
             ) from None
-        if start in (b"\x80\x04", b"\x80\x05"):  # pickle protocol 4/5, not torch.save's format
+        if start in PLAIN_PICKLE:
             raise InputError(
                 f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
                 f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
@@ -187,7 +187,17 @@ def _torch_load(path: Path, trust_checkpoint: bool):
             raise  # a real shortage: the CLI reports it as out of memory
         raise _not_a_checkpoint(path, error) from None
     except Exception as error:  # bytes read as pickle opcodes fail in any way: KeyError, IndexError, struct.error...
+        if trust_checkpoint and _first_bytes(path) in PLAIN_PICKLE:
+            raise InputError(
+                f"--weights {path}: a plain Python pickle, not a torch checkpoint; --trust-checkpoint unpickled it, "
+                f"so any code it carries has run; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+            ) from None
         raise _not_a_checkpoint(path, error) from None
+
+
+def _first_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(2)
 
 
 def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
