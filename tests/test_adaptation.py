@@ -254,11 +254,25 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params")],
+    [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params"),
+     ({"optimizer": "nesterov", "momentum": 0}, "--optimizer nesterov needs a --momentum above 0")],
 )
 def test_bad_settings_are_usage_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):
         Adapter(FeatureClassifier(tiny_net.build()), **{"method": "tent", **kwargs})
+
+
+def test_nesterov_is_sgd_with_nesterov_momentum(trained):
+    """TENT's reference code adapts ImageNet-C with SGD, momentum 0.9, Nesterov."""
+    model, gaussians, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), "tent", optimizer="nesterov", lr=1e-2)
+    reference = copy.deepcopy(adapter)
+    reference.optimizer = torch.optim.SGD(reference.params, lr=1e-2, momentum=0.9, nesterov=True)
+    plain = Adapter(copy.deepcopy(model), "tent", optimizer="sgd", lr=1e-2)
+    for i in range(0, 150, 50):  # momentum acts from the second update on
+        first, second, third = adapter.step(x[i : i + 50]), reference.step(x[i : i + 50]), plain.step(x[i : i + 50])
+    torch.testing.assert_close(first, second)
+    assert not torch.allclose(first, third)
 
 
 def test_compiled_model_predicts_and_adapts_like_the_eager_one(trained):

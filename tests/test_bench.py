@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from cafa_cli.artifact import read_artifact
 from cafa_cli.bench import Row, domain_label, domain_labels, markdown, parse_methods, parse_seeds, summarise
 from cafa_cli.cli import app
 from cafa_cli.errors import UsageError
@@ -79,6 +81,8 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]), 2,
                    "--severity is only for .npy arrays")  # before the statistics are computed
     one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
+    one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(tmp_path / "nope")]), 3, f"--train {tmp_path / 'nope'}: no such")
+    one_error_line(runner.invoke(app, [*base, "--weights", str(tmp_path / "nope.pt")]), 3, "--weights")
     assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
     one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
@@ -140,15 +144,17 @@ def test_corruption_is_reproducible_and_changes_the_images():
 def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     pytest.importorskip("corrupt_tta")
     monkeypatch.chdir(tmp_path)  # the default workdir is relative: re-use must see through that
-    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa,cafa-tied@0.01"]
+    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa,cafa-tied@0.01,cafa-full"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "| method | contrast | fog | mean |"
-    assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa", "cafa-tied@0.01"]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["source", "bn", "cafa", "cafa-tied@0.01", "cafa-full"]
     assert "$ cafa stats --model fmnist-resnet" in result.stderr and "$ cafa adapt --stats" in result.stderr
     tied = next(line for line in result.stderr.splitlines() if "--stats demo/stats-tied.safetensors" in line)
     assert "--method cafa" in tied and "--lr 0.01" in tied  # the row's own learning rate, as it ran
+    adapt_lines = [line for line in result.stderr.splitlines() if "$ cafa adapt" in line]
+    assert ["--params all" in line for line in adapt_lines] == [False, False, False, False, True]  # CAFA-Full, as it ran
     assert "--covariance tied --out demo/stats-tied.safetensors" in result.stderr
     pngs = list((tmp_path / "demo" / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
     assert len(pngs) == 200
@@ -324,7 +330,59 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
     assert alone.exit_code == 0, alone.stderr
     saved = json.loads(report.read_text())
     assert saved["runs"][0]["error"] == pytest.approx(json.loads((tmp_path / "m.json").read_text())["error"])
+    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "params": "all", "lr": 0.05}]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
     assert {k: used[k] for k in ("optimizer", "momentum", "params", "bn_prior", "reset", "device", "num_workers")} == {
         "optimizer": "sgd", "momentum": 0.5, "params": "all", "bn_prior": 4.0, "reset": "episodic", "device": "cpu", "num_workers": 0}
+
+
+def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, tiny_weights):
+    train = write_folder(tmp_path / "train", per_class=6)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train),
+            *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")]
+
+    def computed(*args: str) -> bool:
+        result = runner.invoke(app, [*base, *args])
+        assert result.exit_code == 0, result.stderr
+        return "computing statistics (--covariance diag)" in result.stderr
+
+    assert computed("--shrinkage", "0.25") and not computed("--shrinkage", "0.25")
+    shrink = json.loads(read_artifact(tmp_path / "w" / "stats-diag.safetensors", load_tensors=False).metadata["shrinkage"])
+    assert (shrink["method"], shrink["min"], shrink["max"]) == ("fixed", pytest.approx(0.25), pytest.approx(0.25))
+    assert computed("--shrinkage", "0.5") and computed() and not computed("--shrinkage", "auto")
+    result = runner.invoke(app, [*base, "--methods", "cafa-lowrank", "--shrinkage", "0", "--workdir", str(tmp_path / "x")])
+    one_error_line(result, 2, "--covariance lowrank needs shrinkage")
+    assert not (tmp_path / "x").exists()
+
+
+def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(monkeypatch):
+    from types import SimpleNamespace
+
+    from cafa_cli import bench
+    from cafa_cli.pipeline import DataChoice, ModelChoice
+    from cafa_cli.report import Monitor
+
+    ran = []
+
+    def fake_prepare(domains, stats, model, data_choice, settings):
+        ran.append((stats, settings))
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains], cautions=lambda: [])
+
+    monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
+    shared = AdaptSettings(optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
+    bench.run_grid(parse_methods("tent@0.05,cafa-full,cafa-dense"), ["d"], [3], shared,
+                   {"auto": Path("a"), "full": Path("f")}, ModelChoice("m"), DataChoice(), Monitor())
+    assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
+        (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
+    assert all((s.optimizer, s.momentum, s.bn_prior, s.reset) == ("sgd", 0.5, 4.0, "episodic") for _, s in ran)
+
+
+def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):
+    import os
+
+    train = write_folder(tmp_path / "train", per_class=6, classes=("a", "b", os.fsdecode(b"caf\xe9")))
+    result = runner.invoke(app, ["bench", str(train), "--methods", "source,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+    assert result.exit_code == 3 and "has a name that is not UTF-8; rename it" in result.stderr, result.stderr

@@ -166,7 +166,7 @@ def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
     torch.save(tiny_net.build().state_dict(), weights)
     moved["artifact"] = artifact
     result = adapt(moved, "--quiet")
-    assert result.exit_code == 3 and "sha256" in result.stderr
+    assert result.exit_code == 3 and "has changed since the statistics were computed (parameters differ)" in result.stderr
     assert adapt(moved, "--quiet", "--allow-weights-mismatch").exit_code == 0
     # naming the changed file with --weights does not skip the check
     result = adapt(moved, "--quiet", "--weights", str(weights))
@@ -193,10 +193,9 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     result = runner.invoke(app, [*args, "--weights", str(other), "--quiet"])  # another factory, other weights
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
     assert runner.invoke(app, [*args, "--weights", str(other), "--quiet", "--allow-weights-mismatch"]).exit_code == 0
-    # a copy of the factory file with the same weights (a project moved elsewhere) builds the same parameters
-    result = runner.invoke(app, [*args, "--weights", str(setup["weights"])])
-    assert result.exit_code == 0, result.stderr
-    assert f"was made with the model {TINY_NET}; {factory}:build has the same parameters" in result.stderr
+    # with the same weights too: other code may compute other features from the same parameters
+    result = runner.invoke(app, [*args, "--weights", str(setup["weights"]), "--quiet"])
+    assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
 
 
 def test_the_same_parameters_in_another_file_are_the_same_model(setup, tmp_path):
@@ -217,6 +216,14 @@ def test_the_same_parameters_in_another_file_are_the_same_model(setup, tmp_path)
     save_file({**{k: v.contiguous() for k, v in state.items()}, first: state[first] + 1e-3}, changed)
     result = adapt(setup, "--quiet", "--weights", str(changed))
     assert result.exit_code == 3 and "(parameters differ)" in result.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(setup["artifact"]), "pt") as f:  # an artifact from before the fingerprint
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    old = dict(setup, artifact=tmp_path / "old.safetensors")
+    save_file(tensors, str(old["artifact"]), metadata={k: v for k, v in metadata.items() if k != "parameters_sha256"})
+    result = adapt(old, "--quiet", "--weights", str(resaved))
+    assert result.exit_code == 3 and "(sha256 differs; the artifact predates parameter fingerprints" in result.stderr
 
 
 def test_a_factory_that_draws_its_parameters_at_random_is_refused(setup, tmp_path):

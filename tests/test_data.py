@@ -306,14 +306,14 @@ def test_array_labels_out_of_range_for_class_list(tmp_path):
 def test_stdin_list(tmp_path):
     a = save(tmp_path / "a.png", solid(5))
     b = save(tmp_path / "b.png", solid(9))
-    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  \n{b}\r\n"))
+    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  \n  {b} \r\n"))  # spaces around a path that exists without them
     assert domain.refs == [str(a), str(b)]
     assert (domain.labels == UNLABELLED).all()
     assert np.asarray(domain.read(1)).max() == 9
 
 
 def test_stdin_paths_are_taken_byte_for_byte(tmp_path):
-    """A name may begin with a space or not be UTF-8; only the line ending is cut."""
+    """A name may begin with a space or not be UTF-8: a path that exists as written is taken as written."""
     spaced = save(tmp_path / " x.png", solid(5))
     save(tmp_path / "x.png", solid(9))
     latin1 = tmp_path / os.fsdecode(b"caf\xe9.png")

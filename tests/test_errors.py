@@ -464,7 +464,7 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
     "args,needle",
     [
         (["--format", "xml"], "--format must be one of csv, jsonl, not xml"),
-        (["--optimizer", "lbfgs"], "--optimizer must be one of adam, sgd, not lbfgs"),
+        (["--optimizer", "lbfgs"], "--optimizer must be one of adam, sgd, nesterov, not lbfgs"),
         (["--params", "some"], "--params must be one of norm, all, not some"),
         (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, not fp8"),
         (["--steps", "0"], "--steps must be at least 1, not 0"),
@@ -480,7 +480,7 @@ def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path)
     workdir = tmp_path / "work"
     result = run("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
                  *PLAIN, "--methods", "source,cafa", "--optimizer", "lbfgs", "--workdir", workdir)
-    fails(result, 2, "--optimizer must be one of adam, sgd, not lbfgs")
+    fails(result, 2, "--optimizer must be one of adam, sgd, nesterov, not lbfgs")
     assert not list(workdir.glob("*.safetensors"))
 
 
@@ -768,3 +768,17 @@ def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_pat
     result = adapt(setup, flat, "--quiet", "--bn-prior", "16")  # stdout is strict UTF-8 here, as in a UTF-8 locale
     assert result.exit_code == 0, result.stderr
     assert os.fsencode(name) in result.stdout_bytes
+
+
+def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_path):
+    two = tmp_path / "two.txt"
+    two.write_text("a\nb\n")
+    ab = write_folder(tmp_path / "ab", per_class=2, classes=("a", "b"))
+    result = run("adapt", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", ab, "--method", "bn")
+    fails(result, 3, f"--classes {two} has 2 classes but the model's classifier has 3 outputs")
+
+
+def test_bidi_overrides_and_line_separators_are_escaped_too():
+    from cafa_cli.errors import printable
+
+    assert printable("evil\u202egnp.exe\u2028x\u00a0é") == "evil\\u202egnp.exe\\u2028x\u00a0é"

@@ -260,6 +260,41 @@ def test_the_parameter_fingerprint_follows_the_values_not_the_file():
     assert parameters_sha256(net) != before
 
 
+class _WithExtraState(nn.Module):
+    """A module whose state_dict holds a non-tensor (get_extra_state) and an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([1.5, -2.0], dtype=torch.float32))
+        self.register_buffer("index", torch.tensor([[3, 1]], dtype=torch.int64))
+        self.register_buffer("step", torch.tensor(0.25, dtype=torch.float64))
+        self.bn = nn.BatchNorm1d(1)
+
+    def get_extra_state(self):
+        return {"note": "not a tensor"}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_the_parameter_fingerprint_is_the_documented_digest():
+    """docs/artifact-format.md, written out independently: name order, the header line, little-endian bytes."""
+    from cafa_cli.models import parameters_sha256
+
+    module = _WithExtraState()
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        if not isinstance(tensor, torch.Tensor) or name.endswith("num_batches_tracked"):
+            continue
+        dtype = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64"}[tensor.dtype]
+        digest.update(f"{name} {dtype} [{','.join(map(str, tensor.shape))}]\n".encode())
+        digest.update(tensor.numpy().astype(tensor.numpy().dtype.newbyteorder("<")).tobytes())
+    assert parameters_sha256(module) == digest.hexdigest()
+    with torch.no_grad():  # integer buffers count: they can change what a model computes
+        module.index[0, 0] = 4
+    assert parameters_sha256(module) != digest.hexdigest()
+
+
 def test_mismatched_shapes(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(reference_state(), path)

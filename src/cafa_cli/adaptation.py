@@ -20,7 +20,7 @@ from cafa_cli.statistics import ClassGaussians
 METHODS = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean")
 NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean")
 PARAM_SETS = ("norm", "all")
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,6 +45,8 @@ def check_settings(
         raise UsageError(f"--bn-prior must be a number, 0 or more, not {bn_prior}")
     if not 0 <= momentum < 1:
         raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
+    if optimizer == "nesterov" and momentum == 0:
+        raise UsageError("--optimizer nesterov needs a --momentum above 0; for plain SGD use --optimizer sgd")
 
 
 class BatchStatisticsNorm(nn.Module):
@@ -188,8 +190,8 @@ class Adapter:
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
-        if self._optimizer_kind == "sgd":
-            return torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum)
+        if self._optimizer_kind in ("sgd", "nesterov"):
+            return torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum, nesterov=self._optimizer_kind == "nesterov")
         return torch.optim.Adam(self.params, lr=self._lr)
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:

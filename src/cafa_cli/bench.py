@@ -12,12 +12,13 @@ import statistics as stats_lib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from cafa_cli import __version__
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
-from cafa_cli.data import open_domain, read_class_list
+from cafa_cli.data import TRAINING_SETS, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import bundled_defaults, canonical_model, weights_sha256
+from cafa_cli.errors import InputError, UsageError, printable
+from cafa_cli.models import bundled_defaults, canonical_model, parameters_sha256, resolve, weights_sha256
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -28,6 +29,7 @@ from cafa_cli.pipeline import (
     recorded_data,
 )
 from cafa_cli.report import Monitor, atomic_write
+from cafa_cli.statistics import check_options
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
@@ -133,11 +135,19 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Which training images the statistics are computed from (as cafa stats)."""
+    """Which training images the statistics are computed from, and their shrinkage (as cafa stats)."""
 
     fraction: float | None = 0.05
     per_class: int | None = None
     seed: int = 0
+    shrinkage: float | str = "auto"
+
+    def same_shrinkage(self, recorded: dict) -> bool:
+        """Whether an artifact's `shrinkage` metadata is this setting's: OAS, or one fixed λ."""
+        if self.shrinkage == "auto":
+            return recorded.get("method") == "oas"
+        fixed = float(self.shrinkage)
+        return recorded.get("method") == "fixed" and all(abs(recorded.get(k, -1) - fixed) < 1e-6 for k in ("min", "max"))
 
     def recorded(self) -> dict:
         return {"fraction": None if self.per_class else self.fraction, "per_class": self.per_class, "seed": self.seed}
@@ -154,6 +164,12 @@ def run_bench(
     the other ranks None."""
     for row in rows:  # before statistics that can take hours, and before the workdir is made
         check_adapt_settings(row.settings(settings))
+    for covariance in covariances_needed(rows):
+        check_options(covariance, sampling.shrinkage)
+    if model.weights and not Path(model.weights).is_file():
+        raise InputError(f"--weights {model.weights}: no such file")
+    if train and train not in TRAINING_SETS and not Path(on_disk(train)).exists():
+        raise InputError(f"--train {train}: no such file or folder")
     workdir = make_workdir(workdir)
     artifacts = {
         covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
@@ -192,7 +208,7 @@ def ensure_statistics(
             pass
     monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
     compute_statistics(train, path, model, data_choice, fraction=sampling.fraction, per_class=sampling.per_class,
-                       seed=sampling.seed, covariance=covariance, device=settings.device, batch_size=settings.batch_size,
+                       seed=sampling.seed, covariance=covariance, shrinkage=sampling.shrinkage, device=settings.device, batch_size=settings.batch_size,
                        num_workers=settings.num_workers, strict=settings.strict, monitor=monitor)
     return path
 
@@ -217,6 +233,9 @@ def shared_class_list(
         return None
     if not names:
         return None
+    not_utf8 = [name for name in names if any("\udc80" <= ch <= "\udcff" for ch in name)]  # undecodable bytes, as os.fsdecode keeps them
+    if not_utf8:  # the class list is a UTF-8 text file
+        raise InputError(f"class folder {printable(not_utf8[0])} has a name that is not UTF-8; rename it (cafa bench writes the classes to a text file)")
     path = workdir / "classes.txt"
     if write:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
@@ -226,16 +245,26 @@ def shared_class_list(
 def _made_for(artifact, train: str, model: ModelChoice, data_choice: DataChoice, sampling: Sampling) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths): a relative --train or --workdir must match on a second run."""
-    weights = str(Path(model.weights).resolve()) if model.weights else None
     wanted = {"data": recorded_data(train), **sampling.recorded()}
     return (
-        (artifact.model.model, artifact.model.weights) == (canonical_model(model.model), weights)
-        and artifact.model.weights_sha256 == weights_sha256(model.model, model.weights)
+        artifact.model.model == canonical_model(model.model)
         and model.classifier in (None, artifact.model.classifier)
         and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
         and artifact.preprocessing == data_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
+        and sampling.same_shrinkage(json.loads(artifact.metadata["shrinkage"]))
+        and _same_parameters(artifact, model)
     )
+
+
+def _same_parameters(artifact, model: ModelChoice) -> bool:
+    """By the parameter fingerprint (the same weights in another file are the same; a
+    factory whose initialisation changed is not), else by the weights file."""
+    if artifact.parameters_sha256 is not None:
+        net, _ = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+        return parameters_sha256(net.model) == artifact.parameters_sha256
+    weights = str(Path(model.weights).resolve()) if model.weights else None
+    return (artifact.model.weights, artifact.model.weights_sha256) == (weights, weights_sha256(model.model, model.weights))
 
 
 def run_grid(
@@ -307,15 +336,20 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
     atomic_write(path, write)
 
 
-def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], settings: dict) -> None:
+def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], rows: list[Row],
+               base: AdaptSettings, settings: dict) -> None:
+    """The table, every run, and what each row ran with (its method, covariance, params, lr)."""
     labels = domain_labels(domains)
     payload = {
+        "cafa_version": __version__,
         "unit": "error %",
         "seeds": seeds,
         "domains": [{"data": d, "label": labels[d]} for d in domains],
         "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
                                              for k, (m, s) in r["cells"].items()}} for r in table],
         "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
+        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance, "params": r.settings(base).params,
+                  "lr": r.settings(base).lr} for r in rows],
         "settings": settings,
     }
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8"))

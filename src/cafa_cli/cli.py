@@ -177,10 +177,11 @@ ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey)
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
+ShrinkageOpt = Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
 # how a model adapts, shared by adapt and bench
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")]
-OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adam or sgd.")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="Gradient steps per batch.")]
@@ -225,7 +226,7 @@ def stats(
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Use this many images per class instead of --fraction.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stratified subset.")] = 0,
     covariance: Annotated[str, typer.Option("--covariance", help="auto (lowrank when every class has fewer images than feature dimensions, else full), full (per class), lowrank (exact, a·I + low rank per class), tied (one pooled), or diag.")] = "auto",
-    shrinkage: Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I.")] = "auto",
+    shrinkage: ShrinkageOpt = "auto",
     resize: ResizeOpt = None,
     crop: CropOpt = None,
     mean: MeanOpt = None,
@@ -239,7 +240,7 @@ def stats(
     quiet: QuietOpt = False,
 ):
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
-    shrink = shrinkage if shrinkage == "auto" else _parse_number(shrinkage, "--shrinkage must be 'auto' or a number in [0, 1]")
+    shrink = _parse_shrinkage(shrinkage)
     console = _stderr(quiet)
     with Monitor(console, quiet) as monitor:
         artifact = compute_statistics(
@@ -268,11 +269,13 @@ def stats(
     )
 
 
-def _parse_number(text: str, what: str) -> float:
+def _parse_shrinkage(text: str) -> float | str:
+    if text == "auto":
+        return text
     try:
         return float(text)
     except ValueError:
-        raise UsageError(f"{what}, not {text!r}") from None
+        raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {text!r}") from None
 
 
 @app.command()
@@ -424,6 +427,7 @@ def bench(
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
+    shrinkage: ShrinkageOpt = "auto",
     workdir: Annotated[str, typer.Option("--workdir", help="Where artifacts are kept and re-used.")] = "cafa-bench",
     batch_size: BatchSizeOpt = 200,
     optimizer: OptimizerOpt = "adam",
@@ -469,7 +473,7 @@ def bench(
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
                              bn_prior=bn_prior, reset=reset, device=device, precision=precision, num_workers=num_workers,
                              strict=strict, compile=compile_model)
-    sampling = grid.Sampling(fraction, per_class)
+    sampling = grid.Sampling(fraction, per_class, shrinkage=_parse_shrinkage(shrinkage))
     target = rank_device(pick_device(device))
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
         errors = grid.run_bench(rows, data, seed_list, replace(settings, device=str(target)), model_choice, train,
@@ -481,11 +485,12 @@ def bench(
     if csv_out:
         grid.write_csv(csv_out, table, data)
     if json_out:
-        # what every row ran with: the rows name their method (and @lr, params), the runs their seed
+        # the options every row shared; each row's own method, params and lr are under "rows", each run's seed under "runs"
         used = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
         used.update(device=str(target), num_workers=loader_processes(num_workers, target))
-        grid.write_json(json_out, table, errors, data, seed_list, {**used, "methods": methods, "train": train,
+        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, {**used, "methods": methods, "train": train,
                                                                      "fraction": None if per_class else fraction, "per_class": per_class,
+                                                                     "shrinkage": sampling.shrinkage,
                                                                      "preprocessing": grid.recipes(model, train=train_choice, test=data_choice)})
     if plot_out:
         grid.plot(plot_out, table, data)

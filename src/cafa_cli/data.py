@@ -236,10 +236,11 @@ def _folder_domain(root: Path) -> Domain:
 
 
 def _stdin_domain(stream) -> Domain:
-    # bytes decoded as the file system does, so that any file name comes through; only the
-    # line ending is cut, as a name may begin or end with a space
+    # bytes decoded as the file system does, so that any file name comes through; a name
+    # may begin or end with a space, so spaces are cut only when the path as written is not there
     lines = (os.fsdecode(line) for line in stream.buffer) if hasattr(stream, "buffer") else stream
-    refs = [ref for ref in (line.rstrip("\r\n") for line in lines) if ref.strip()]
+    written = [ref for ref in (line.rstrip("\r\n") for line in lines) if ref.strip()]
+    refs = [ref if os.path.lexists(ref) or not os.path.lexists(ref.strip()) else ref.strip() for ref in written]
     if not refs:
         raise InputError("--data -: stdin held no image paths (give one path per line)")
     return Domain("-", refs, np.full(len(refs), UNLABELLED, dtype=np.int64), [], lambda i: read_image(refs[i]))

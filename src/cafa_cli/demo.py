@@ -54,12 +54,14 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
     for covariance in covariances_needed(rows):
         echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed,
                           "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
+    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
     for row in rows:
         data_args = [w for d in domains for w in ("--data", d)]
         stats_args = ["--stats", artifact_path(workdir, row.covariance)] if row.covariance else ["--model", MODEL]
-        echo(command_line("cafa", "adapt", *stats_args, "--method", row.method, *data_args,
-                          "--batch-size", plan.batch_size, "--lr", row.lr or plan.lr, "--seed", plan.seed))
-    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
+        ran = row.settings(settings)
+        params_args = ["--params", ran.params] if ran.params != AdaptSettings.params else []
+        echo(command_line("cafa", "adapt", *stats_args, "--method", ran.method, *data_args, *params_args,
+                          "--batch-size", ran.batch_size, "--lr", ran.lr, "--seed", ran.seed))
     errors = run_bench(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
                        Sampling(fraction=1.0, seed=plan.seed), workdir, monitor)
     return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])

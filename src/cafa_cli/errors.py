@@ -31,7 +31,10 @@ def listing(items, limit: int = 5) -> str:
 
 
 def printable(text: str) -> str:
-    """`text` with control characters shown as escapes (`\\x1b`, `\\n`): a file name or an
-    artifact's metadata is not to move the cursor, recolour or clear the terminal, or
-    break a one-line message."""
-    return "".join(repr(ch)[1:-1] if unicodedata.category(ch) == "Cc" else ch for ch in text)
+    """`text` with control and format characters shown as escapes (`\\x1b`, `\\n`,
+    `\\u202e`): a file name or an artifact's metadata is not to move the cursor, recolour
+    or clear the terminal, reverse the text around it, or break a one-line message."""
+    return "".join(ch.encode("unicode_escape").decode() if unicodedata.category(ch) in UNPRINTED else ch for ch in text)
+
+
+UNPRINTED = ("Cc", "Cf", "Zl", "Zp")  # controls; format (bidi overrides, zero-width); line and paragraph separators

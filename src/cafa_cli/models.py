@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,17 +110,25 @@ def sha256_of(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def is_step_counter(name: str) -> bool:
+    """BatchNorm's num_batches_tracked: it counts training steps and changes nothing the
+    model computes; old torchvision and converted checkpoints lack it."""
+    return name.endswith("num_batches_tracked")
+
+
 def parameters_sha256(module: nn.Module) -> str:
-    """A fingerprint of the values the features depend on, whatever file they came from:
-    the name, shape, dtype and bytes of every floating-point tensor of the state_dict.
-    Integer buffers (BatchNorm's num_batches_tracked) count training steps, not features,
-    and converted checkpoints often drop them."""
+    """A fingerprint of the values the features depend on, whatever file they came from;
+    docs/artifact-format.md specifies it byte for byte."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
-        if not tensor.is_floating_point():
+        if not isinstance(tensor, torch.Tensor) or is_step_counter(name):  # extra state of a module is not a tensor
             continue
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        shape = ",".join(str(n) for n in tensor.shape)
+        digest.update(f"{name} {str(tensor.dtype).removeprefix('torch.')} [{shape}]\n".encode())
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        if sys.byteorder == "big":  # the bytes as a little-endian machine holds them
+            raw = raw.reshape(-1, tensor.element_size()).flip(1).reshape(-1)
+        digest.update(raw.numpy())
     return digest.hexdigest()
 
 
@@ -223,9 +232,7 @@ def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
     own = model.state_dict()
-    # old torchvision and converted checkpoints lack BatchNorm's step counters, which do
-    # not change what the model computes; the model keeps its own
-    missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
+    missing = sorted(k for k in set(own) - set(state) if not is_step_counter(k))  # the model keeps its own counters
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         parts = []

@@ -82,7 +82,7 @@ def _resolve(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
     return net, spec
 
 
-def _class_names_of(domains: list[Domain], net: FeatureClassifier, where: str) -> list[str]:
+def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:
     """The class list when no artifact, --classes or bundled model gives one: the sorted
     class folders; else the model's output indices, as arrays label by index (a test
     array may lack the last classes) and unlabelled data has none."""
@@ -137,6 +137,7 @@ def compute_statistics(
     target = pick_device(device)
     preprocess = data_choice.recipe(model.model)
     net, spec = _resolve(model)
+    fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
     for note in [*domain.notes, padding_note(domain, preprocess)]:
@@ -148,7 +149,7 @@ def compute_statistics(
             f"with one subfolder of images per class, or an array with --labels"
         )
     if class_names is None:
-        class_names = _class_names_of([domain], net, f"--data {data}")
+        class_names = _class_names_of([domain], net)
         domain = relabel(domain, class_names)
     _check_classes(net, class_names, f"--data {data}")
     indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
@@ -167,7 +168,7 @@ def compute_statistics(
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
     sampling = {"data": recorded_data(data), "fraction": None if per_class else fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
-    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, parameters_sha256(net.model))
+    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint)
     return read_artifact(out, load_tensors=False)
 
 
@@ -248,10 +249,9 @@ def load_for_adaptation(
     model: ModelChoice,
     method: str,
     allow_weights_mismatch: bool = False,
-) -> tuple[FeatureClassifier, Artifact | None, ModelSpec, list[str]]:
-    """The model (from the artifact unless overridden) and the artifact, checked against each other;
-    with warnings."""
-    artifact, notes = None, []
+) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
+    """The model (from the artifact unless overridden) and the artifact, checked against each other."""
+    artifact = None
     stats_path = stats or DEFAULT_PATH
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path)
@@ -269,8 +269,8 @@ def load_for_adaptation(
         _check_classes(net, artifact.class_names, artifact.path,
                        "check --model and --num-classes, or compute statistics for this model with cafa stats")
         if not allow_weights_mismatch:
-            notes = _check_made_with(artifact, spec, net)
-    return net, artifact, spec, notes
+            _check_made_with(artifact, spec, net)
+    return net, artifact, spec
 
 
 def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
@@ -296,35 +296,35 @@ def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
 
 
-def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> list[str]:
+def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> None:
     """Statistics describe the features of one model with one set of weights: another
     architecture or other weights (a changed file, --weights, a retrained bundled model)
     would be aligned to the wrong Gaussians without any error. The same parameters
-    re-saved, converted to another format, or built by a copy of the factory file are
-    the same model: the artifact's parameter fingerprint recognises them. Returns warnings."""
+    re-saved or converted to another format are the same model: the artifact's parameter
+    fingerprint recognises them."""
     recorded = artifact.model
-    same_model = spec.model == recorded.model
-    if same_model and spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
-        return []  # the same file
-    unrecorded = artifact.parameters_sha256 is None and recorded.weights_sha256 is None and recorded.weights is None
-    if same_model and unrecorded and spec.weights is None:
-        return []  # an artifact from before weights were hashed: a factory's own initialisation or a bundled model
-    if artifact.parameters_sha256 is not None and parameters_sha256(net.model) == artifact.parameters_sha256:
-        if same_model:
-            return []
-        return [f"{artifact.path} was made with the model {recorded.model}; {spec.model} has the same parameters, so it is taken for that model"]
     fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
-    if not same_model:
+    if spec.model != recorded.model:  # its code may compute other features from the same parameters
         raise InputError(f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}; {fix}")
+    if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
+        return  # the same file
+    if artifact.parameters_sha256 is None:
+        if recorded.weights_sha256 is None and recorded.weights is None and spec.weights is None:
+            return  # from before weights were hashed: a factory's own initialisation or a bundled model
+        differ = "sha256 differs; the artifact predates parameter fingerprints, so re-saved weights are not recognised"
+    elif parameters_sha256(net.model) == artifact.parameters_sha256:
+        return  # the same parameters from another file
+    else:
+        differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
         what = f"the bundled {spec.model} weights have changed" if bundled_defaults(spec.model) else (
             f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
-        raise InputError(f"{what} since the statistics in {artifact.path} were computed (parameters differ); {fix}")
+        raise InputError(f"{what} since the statistics in {artifact.path} were computed ({differ}); {fix}")
     if spec.weights == recorded.weights:
-        raise InputError(f"{spec.weights} has changed since the statistics were computed (sha256 differs); {fix}")
+        raise InputError(f"{spec.weights} has changed since the statistics were computed ({differ}); {fix}")
     made_with = recorded.weights or "the model's own initialisation (no --weights)"
     given = spec.weights or "the model's own initialisation (no --weights)"
-    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} (parameters differ); {fix}")
+    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ}); {fix}")
 
 
 @dataclass
@@ -338,11 +338,10 @@ class Adaptation:
     settings: AdaptSettings
     used: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
-    notes: list[str] = field(default_factory=list)  # found while preparing: the model taken for the artifact's
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
-        notes = [*self.notes, *(note for domain in self.domains for note in domain.notes)]
+        notes = [note for domain in self.domains for note in domain.notes]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
         s = self.settings
         if s.method == "bn" and self.adapter.batch_norms == 0:
@@ -422,7 +421,7 @@ def prepare_adaptation(
     if data.count("-") > 1:
         raise UsageError("--data - (image paths on stdin) is given more than once; stdin can be read once")
     device = check_adapt_settings(settings)
-    net, artifact, spec, notes = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
+    net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
@@ -434,9 +433,11 @@ def prepare_adaptation(
     class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
     domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity, stdin) for d in data]
     if class_names is None:
-        class_names = _class_names_of(domains, net, "the data")
+        class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
-    _check_classes(net, class_names, "the data")
+        _check_classes(net, class_names, "the data")
+    elif artifact is None:  # the artifact's list was checked with it
+        _check_classes(net, class_names, f"--classes {data_choice.classes_file}" if data_choice.classes_file else f"{spec.model}'s class list")
     adapter = Adapter(
         net,
         settings.method,
@@ -462,4 +463,4 @@ def prepare_adaptation(
         "weights": spec.weights,
         "preprocessing": asdict(preprocess),
     }
-    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None, notes)
+    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None)

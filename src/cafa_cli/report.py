@@ -210,4 +210,4 @@ class Monitor:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+            self.console.print(printable(message), markup=False, highlight=False, soft_wrap=True)
