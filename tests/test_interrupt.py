@@ -134,7 +134,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                 "--data", train, "--batch-size", "2", "--no-shuffle", "--num-workers", "2"]  # fmt: skip
         started[folder.name] = Run(folder, args, _some_records_out, sig, group=True)
 
-    deadline = time.monotonic() + 300  # eight torch processes start at once: generous on a loaded machine
+    deadline = time.monotonic() + 300  # six torch processes start at once: generous on a loaded machine
     while any(r.process.poll() is None for r in started.values()) and time.monotonic() < deadline:
         for run in started.values():
             run.poll()
