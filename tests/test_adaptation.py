@@ -255,7 +255,7 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params"),
-     ({"optimizer": "nesterov", "momentum": 0}, "--optimizer nesterov needs a --momentum above 0")],
+     ({"optimizer": "nesterov", "momentum": 0}, "--optimizer nesterov needs a momentum above 0, not 0")],
 )
 def test_bad_settings_are_usage_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):

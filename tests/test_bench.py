@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
@@ -385,4 +386,31 @@ def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=6, classes=("a", "b", os.fsdecode(b"caf\xe9")))
     result = runner.invoke(app, ["bench", str(train), "--methods", "source,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
                                  "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
-    assert result.exit_code == 3 and "has a name that is not UTF-8; rename it" in result.stderr, result.stderr
+    assert result.exit_code == 3 and "cannot go into the class list file" in result.stderr, result.stderr
+    only_statistics = runner.invoke(app, ["bench", str(train), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                          "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+    assert only_statistics.exit_code == 0, only_statistics.stderr  # no row reads the file
+
+
+def test_bench_reuses_statistics_for_the_same_parameters_in_another_file(tmp_path, tiny_weights):
+    import shutil
+
+    train = write_folder(tmp_path / "train", per_class=6)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    weights = tmp_path / "w.pt"
+    shutil.copy(tiny_weights, weights)
+
+    def computed(path) -> bool:
+        result = runner.invoke(app, ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(path),
+                                     "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+        assert result.exit_code == 0, result.stderr
+        return "computing statistics" in result.stderr
+
+    assert computed(weights)
+    resaved = tmp_path / "resaved.pt"
+    torch.save({"state_dict": torch.load(weights)}, resaved)
+    assert not computed(resaved)  # the same parameters in another file
+    state = torch.load(weights)
+    state["head.3.bias"] = state["head.3.bias"] + 1
+    torch.save(state, weights)
+    assert computed(weights)  # the file changed in place

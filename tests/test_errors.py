@@ -775,10 +775,11 @@ def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_pat
     two.write_text("a\nb\n")
     ab = write_folder(tmp_path / "ab", per_class=2, classes=("a", "b"))
     result = run("adapt", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", ab, "--method", "bn")
-    fails(result, 3, f"--classes {two} has 2 classes but the model's classifier has 3 outputs")
+    fails(result, 3, f"the class list {two} has 2 classes but the model's classifier has 3 outputs")
 
 
 def test_bidi_overrides_and_line_separators_are_escaped_too():
     from cafa_cli.errors import printable
 
     assert printable("evil\u202egnp.exe\u2028x\u00a0é") == "evil\\u202egnp.exe\\u2028x\u00a0é"
+    assert printable("می\u200cخواهم") == "می\u200cخواهم"  # the joiner Persian words need is not escaped

@@ -46,7 +46,7 @@ def check_settings(
     if not 0 <= momentum < 1:
         raise UsageError(f"--momentum must be in [0, 1), not {momentum}")
     if optimizer == "nesterov" and momentum == 0:
-        raise UsageError("--optimizer nesterov needs a --momentum above 0; for plain SGD use --optimizer sgd")
+        raise UsageError("--optimizer nesterov needs a momentum above 0, not 0 (--momentum, or cafa.toml); for plain SGD use --optimizer sgd")
 
 
 class BatchStatisticsNorm(nn.Module):

@@ -142,12 +142,17 @@ class Sampling:
     seed: int = 0
     shrinkage: float | str = "auto"
 
-    def same_shrinkage(self, recorded: dict) -> bool:
-        """Whether an artifact's `shrinkage` metadata is this setting's: OAS, or one fixed λ."""
+    def same_shrinkage(self, metadata: str | None) -> bool:
+        """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: OAS, or one fixed λ
+        (stored as the float it was given); a malformed one is not."""
+        try:
+            recorded = json.loads(metadata)
+            method, low, high = recorded["method"], recorded["min"], recorded["max"]
+        except (TypeError, ValueError, KeyError):
+            return False
         if self.shrinkage == "auto":
-            return recorded.get("method") == "oas"
-        fixed = float(self.shrinkage)
-        return recorded.get("method") == "fixed" and all(abs(recorded.get(k, -1) - fixed) < 1e-6 for k in ("min", "max"))
+            return method == "oas"
+        return method == "fixed" and low == high == float(self.shrinkage)
 
     def recorded(self) -> dict:
         return {"fraction": None if self.per_class else self.fraction, "per_class": self.per_class, "seed": self.seed}
@@ -176,7 +181,8 @@ def run_bench(
         for covariance in covariances_needed(rows)
     }
     wait_for_all(world)  # rank 0 has written the artifacts
-    classes_file = shared_class_list(workdir, artifacts, train, model, train_choice, write=rank == 0)
+    without_statistics = any(row.covariance is None for row in rows)
+    classes_file = shared_class_list(workdir, artifacts, train, model, train_choice, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
     mine = run_grid(rows, domains, seeds, settings, artifacts, model, replace(test_choice, classes_file=classes_file),
                     monitor, rank, world)
@@ -233,9 +239,12 @@ def shared_class_list(
         return None
     if not names:
         return None
-    not_utf8 = [name for name in names if any("\udc80" <= ch <= "\udcff" for ch in name)]  # undecodable bytes, as os.fsdecode keeps them
-    if not_utf8:  # the class list is a UTF-8 text file
-        raise InputError(f"class folder {printable(not_utf8[0])} has a name that is not UTF-8; rename it (cafa bench writes the classes to a text file)")
+    # the list is a UTF-8 text file of stripped lines: undecodable bytes (as os.fsdecode keeps
+    # them), spaces around a name or a line break in it would not come back
+    unwritable = [n for n in names if any("\udc80" <= ch <= "\udcff" for ch in n) or n != n.strip() or len(n.splitlines()) > 1]
+    if unwritable:
+        raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
+                         f"statistics (a name that is not UTF-8, or spaces around it); rename it")
     path = workdir / "classes.txt"
     if write:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
@@ -252,7 +261,7 @@ def _made_for(artifact, train: str, model: ModelChoice, data_choice: DataChoice,
         and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
         and artifact.preprocessing == data_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
-        and sampling.same_shrinkage(json.loads(artifact.metadata["shrinkage"]))
+        and sampling.same_shrinkage(artifact.metadata.get("shrinkage"))
         and _same_parameters(artifact, model)
     )
 

@@ -183,7 +183,7 @@ StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unr
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
-MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
+MomentumOpt = Annotated[float, typer.Option("--momentum", help="Momentum of sgd and nesterov (adam ignores it).")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="Gradient steps per batch.")]
 ParamsOpt = Annotated[str, typer.Option("--params", help="norm (normalisation affines) or all (the whole feature extractor).")]
 BnPriorOpt = Annotated[float, typer.Option("--bn-prior", help="Source BN statistics count as this many samples (0: test batch only).")]
@@ -488,7 +488,8 @@ def bench(
         # the options every row shared; each row's own method, params and lr are under "rows", each run's seed under "runs"
         used = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
         used.update(device=str(target), num_workers=loader_processes(num_workers, target))
-        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, {**used, "methods": methods, "train": train,
+        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, {**used, "methods": methods, "train": train, "model": model,
+                                                                     "weights": str(Path(weights).resolve()) if weights else None,
                                                                      "fraction": None if per_class else fraction, "per_class": per_class,
                                                                      "shrinkage": sampling.shrinkage,
                                                                      "preprocessing": grid.recipes(model, train=train_choice, test=data_choice)})

@@ -31,10 +31,17 @@ def listing(items, limit: int = 5) -> str:
 
 
 def printable(text: str) -> str:
-    """`text` with control and format characters shown as escapes (`\\x1b`, `\\n`,
+    """`text` with control characters and bidi controls shown as escapes (`\\x1b`, `\\n`,
     `\\u202e`): a file name or an artifact's metadata is not to move the cursor, recolour
     or clear the terminal, reverse the text around it, or break a one-line message."""
-    return "".join(ch.encode("unicode_escape").decode() if unicodedata.category(ch) in UNPRINTED else ch for ch in text)
+    return "".join(ch.encode("unicode_escape").decode() if _unprinted(ch) else ch for ch in text)
 
 
-UNPRINTED = ("Cc", "Cf", "Zl", "Zp")  # controls; format (bidi overrides, zero-width); line and paragraph separators
+# bidi embeddings, overrides, isolates and marks: they reorder the text around them
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _unprinted(ch: str) -> bool:
+    """Controls, line and paragraph separators, bidi controls; not the joiners that
+    Persian names and emoji need."""
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in BIDI_CONTROLS

@@ -127,7 +127,7 @@ def parameters_sha256(module: nn.Module) -> str:
         digest.update(f"{name} {str(tensor.dtype).removeprefix('torch.')} [{shape}]\n".encode())
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         if sys.byteorder == "big":  # the bytes as a little-endian machine holds them
-            raw = raw.reshape(-1, tensor.element_size()).flip(1).reshape(-1)
+            raw = raw.reshape(-1, tensor.element_size() // (2 if tensor.is_complex() else 1)).flip(1).reshape(-1)
         digest.update(raw.numpy())
     return digest.hexdigest()
 
@@ -169,6 +169,8 @@ def _torch_load(path: Path, trust_checkpoint: bool):
             return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
     except pickle.UnpicklingError as error:
         start = _first_bytes(path)
+        if trust_checkpoint and start in PLAIN_PICKLE:
+            raise _ran_plain_pickle(path) from None
         # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
         # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
         if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
@@ -197,11 +199,15 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         raise _not_a_checkpoint(path, error) from None
     except Exception as error:  # bytes read as pickle opcodes fail in any way: KeyError, IndexError, struct.error...
         if trust_checkpoint and _first_bytes(path) in PLAIN_PICKLE:
-            raise InputError(
-                f"--weights {path}: a plain Python pickle, not a torch checkpoint; --trust-checkpoint unpickled it, "
-                f"so any code it carries has run; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
-            ) from None
+            raise _ran_plain_pickle(path) from None
         raise _not_a_checkpoint(path, error) from None
+
+
+def _ran_plain_pickle(path: Path) -> InputError:
+    return InputError(
+        f"--weights {path}: a plain Python pickle, not a torch checkpoint; --trust-checkpoint unpickled it, "
+        f"so any code it carries has run; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+    )
 
 
 def _first_bytes(path: Path) -> bytes:

@@ -437,7 +437,7 @@ def prepare_adaptation(
         domains = [relabel(d, class_names) for d in domains]
         _check_classes(net, class_names, "the data")
     elif artifact is None:  # the artifact's list was checked with it
-        _check_classes(net, class_names, f"--classes {data_choice.classes_file}" if data_choice.classes_file else f"{spec.model}'s class list")
+        _check_classes(net, class_names, f"the class list {data_choice.classes_file}" if data_choice.classes_file else f"{spec.model}'s class list")
     adapter = Adapter(
         net,
         settings.method,
