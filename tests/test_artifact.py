@@ -72,14 +72,15 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path, covariance):
     assert shrink["max"] == pytest.approx(float(g.shrinkage.max()))
 
 
+@pytest.mark.parametrize("key", ["parameters_sha256", "factory_sha256"])
 @pytest.mark.parametrize("fingerprint", ["CD" * 32, "cd" * 31, "zz" * 32, ""])
-def test_a_malformed_parameter_fingerprint_is_refused(tmp_path, fingerprint):
+def test_a_malformed_parameter_fingerprint_is_refused(tmp_path, fingerprint, key):
     path = tmp_path / "s.safetensors"
     write(path)
     with safe_open(str(path), framework="pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-    save_file(tensors, str(path), metadata={**metadata, "parameters_sha256": fingerprint})
-    with pytest.raises(InputError, match="'parameters_sha256' is not a hex SHA-256"):
+    save_file(tensors, str(path), metadata={**metadata, key: fingerprint})
+    with pytest.raises(InputError, match=f"'{key}' is not a hex SHA-256"):
         read_artifact(path)
     del metadata["parameters_sha256"]  # files from before the fingerprint are read as they were
     save_file(tensors, str(path), metadata=metadata)

@@ -198,6 +198,20 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
 
 
+def test_a_factory_file_copied_elsewhere_is_the_same_model(setup, tmp_path):
+    """Another checkout or machine: the same function in a file with the same bytes."""
+    moved = tmp_path / "elsewhere" / "tiny_net.py"
+    moved.parent.mkdir()
+    moved.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
+    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{moved}:build", "--weights", str(setup["weights"]),
+            "--data", str(setup["test"]), "--quiet"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    moved.write_text(moved.read_text().replace("return self.head(", "return -self.head("))  # other code, same parameters
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {moved}:build" in result.stderr
+
+
 def test_the_same_parameters_in_another_file_are_the_same_model(setup, tmp_path):
     """Re-saving or converting the weights changes the file's bytes, not the features."""
     from safetensors.torch import save_file

@@ -62,6 +62,11 @@ class Artifact:
         """The model's parameter fingerprint (models.parameters_sha256); None in files written before it."""
         return self.metadata.get("parameters_sha256")
 
+    @property
+    def factory_sha256(self) -> str | None:
+        """The SHA-256 of a `file.py:fn` model's file; None for other models and older files."""
+        return self.metadata.get("factory_sha256")
+
 
 def write_artifact(
     path: str | Path,
@@ -71,6 +76,7 @@ def write_artifact(
     preprocessing: Preprocessing,
     sampling: dict,
     parameters_sha256: str | None = None,
+    factory_sha256: str | None = None,
 ) -> None:
     """Write atomically: a temporary file in the same folder, then rename over `path`."""
     C, d = gaussians.means.shape
@@ -95,6 +101,7 @@ def write_artifact(
         ),
         "model": json.dumps(asdict(model)),
         **({"parameters_sha256": parameters_sha256} if parameters_sha256 else {}),
+        **({"factory_sha256": factory_sha256} if factory_sha256 else {}),
         "preprocessing": preprocessing.to_json(),
         "sampling": json.dumps(sampling),
         "num_images": str(int(gaussians.counts.sum())),
@@ -302,9 +309,10 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
     if not _valid_spec(model):
         raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")
-    fingerprint = metadata.get("parameters_sha256")
-    if fingerprint is not None and not re.fullmatch("[0-9a-f]{64}", fingerprint):
-        raise _bad(path, "metadata 'parameters_sha256' is not a hex SHA-256; the file was edited or damaged: re-create it with cafa stats")
+    for key in ("parameters_sha256", "factory_sha256"):
+        digest = metadata.get(key)
+        if digest is not None and not re.fullmatch("[0-9a-f]{64}", digest):
+            raise _bad(path, f"metadata '{key}' is not a hex SHA-256; the file was edited or damaged: re-create it with cafa stats")
     return covariance, C, d, class_names, model, preprocessing, sampling
 
 

@@ -347,6 +347,12 @@ def resolve(
     return wrapped, spec
 
 
+def factory_sha256(model: str) -> str | None:
+    """The SHA-256 of the file of a `file.py:fn` model (its code), else None."""
+    location, _, _ = model.rpartition(":")
+    return sha256_of(location) if location.endswith(".py") and Path(location).is_file() else None
+
+
 def weights_sha256(model: str, weights: str | None) -> str | None:
     """What an artifact records to notice changed weights: the sha256 of the weights file,
     or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""

@@ -29,7 +29,16 @@ from cafa_cli.data import (
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import FeatureClassifier, ModelSpec, bundled_defaults, canonical_model, parameters_sha256, pick_device, resolve
+from cafa_cli.models import (
+    FeatureClassifier,
+    ModelSpec,
+    bundled_defaults,
+    canonical_model,
+    factory_sha256,
+    parameters_sha256,
+    pick_device,
+    resolve,
+)
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
@@ -168,7 +177,7 @@ def compute_statistics(
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
     sampling = {"data": recorded_data(data), "fraction": None if per_class else fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
-    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint)
+    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
     return read_artifact(out, load_tensors=False)
 
 
@@ -304,7 +313,8 @@ def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier
     fingerprint recognises them."""
     recorded = artifact.model
     fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
-    if spec.model != recorded.model:  # its code may compute other features from the same parameters
+    if spec.model != recorded.model and not _same_factory(artifact, spec.model):
+        # its code may compute other features from the same parameters
         raise InputError(f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}; {fix}")
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
         return  # the same file
@@ -325,6 +335,17 @@ def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier
     made_with = recorded.weights or "the model's own initialisation (no --weights)"
     given = spec.weights or "the model's own initialisation (no --weights)"
     raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ}); {fix}")
+
+
+def _same_factory(artifact: Artifact, model: str) -> bool:
+    """A factory file copied elsewhere (another checkout, another machine): the same
+    function in a file with the same bytes is the same model code."""
+    recorded = artifact.model.model
+    return (
+        artifact.factory_sha256 is not None
+        and recorded.rpartition(":")[2] == model.rpartition(":")[2]
+        and factory_sha256(model) == artifact.factory_sha256
+    )
 
 
 @dataclass
