@@ -309,8 +309,8 @@ def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier
     """Statistics describe the features of one model with one set of weights: another
     architecture or other weights (a changed file, --weights, a retrained bundled model)
     would be aligned to the wrong Gaussians without any error. The same parameters
-    re-saved or converted to another format are the same model: the artifact's parameter
-    fingerprint recognises them."""
+    re-saved or converted to another format are the same model (the artifact's parameter
+    fingerprint recognises them), and so is a factory file copied elsewhere."""
     recorded = artifact.model
     fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
     if spec.model != recorded.model and not _same_factory(artifact, spec.model):
