@@ -331,7 +331,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
     assert alone.exit_code == 0, alone.stderr
     saved = json.loads(report.read_text())
     assert saved["runs"][0]["error"] == pytest.approx(json.loads((tmp_path / "m.json").read_text())["error"])
-    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "params": "all", "lr": 0.05}]
+    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "params": "all", "lr": 0.05}]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
     assert {k: used[k] for k in ("optimizer", "momentum", "params", "bn_prior", "reset", "device", "num_workers")} == {
@@ -414,3 +414,15 @@ def test_bench_reuses_statistics_for_the_same_parameters_in_another_file(tmp_pat
     state["head.3.bias"] = state["head.3.bias"] + 1
     torch.save(state, weights)
     assert computed(weights)  # the file changed in place
+
+
+def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights):
+    """Fewer images per class (4) than feature dimensions (6): auto stores the low-rank form."""
+    train = write_folder(tmp_path / "train", per_class=4)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", str(test), "--methods", "cafa,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
+                                 "--train", str(train), *PLAIN, "--per-class", "4", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["covariance"], r["covariance_used"]) for r in rows] == [("auto", "lowrank"), ("diag", "diag")]

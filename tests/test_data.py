@@ -769,3 +769,17 @@ def test_preprocessing_round_trip_and_parsers():
     assert parse_floats("0.5,0.25", "--std") == (0.5, 0.25)
     with pytest.raises(UsageError, match="--mean takes comma-separated numbers"):
         parse_floats("0.5;0.2", "--mean")
+
+
+def test_a_loader_workers_threads_stay_quiet_only_about_a_lost_main_process(monkeypatch):
+    """The resource sharer of a worker loses its peer when an interrupted run exits; that is no error to print."""
+    import threading
+    from types import SimpleNamespace
+
+    from cafa_cli.data import _quiet_when_the_main_process_is_gone
+
+    printed = []
+    monkeypatch.setattr(threading, "__excepthook__", printed.append)
+    for error in (ConnectionResetError, BrokenPipeError, EOFError, ValueError):
+        _quiet_when_the_main_process_is_gone(SimpleNamespace(exc_type=error))
+    assert [args.exc_type for args in printed] == [ValueError]

@@ -346,8 +346,9 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
 
 
 def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], rows: list[Row],
-               base: AdaptSettings, settings: dict) -> None:
-    """The table, every run, and what each row ran with (its method, covariance, params, lr)."""
+               base: AdaptSettings, workdir: str | Path, settings: dict) -> None:
+    """The table, every run, and what each row ran with: its method, params, lr, and the
+    covariance it asked for and the form its artifact holds (`auto` picks one)."""
     labels = domain_labels(domains)
     payload = {
         "cafa_version": __version__,
@@ -357,11 +358,20 @@ def write_json(path: str, table: list[dict], errors: dict, domains: list[str], s
         "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
                                              for k, (m, s) in r["cells"].items()}} for r in table],
         "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
-        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance, "params": r.settings(base).params,
-                  "lr": r.settings(base).lr} for r in rows],
+        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
+                  "covariance_used": _stored_form(artifact_path(Path(workdir), r.covariance)) if r.covariance else None,
+                  "params": r.settings(base).params, "lr": r.settings(base).lr} for r in rows],
         "settings": settings,
     }
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8"))
+
+
+def _stored_form(path: Path) -> str:
+    """The covariance form an artifact the grid has just read and validated holds."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()["covariance"]
 
 
 def plot(path: str, table: list[dict], domains: list[str]) -> None:

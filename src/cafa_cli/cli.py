@@ -488,7 +488,7 @@ def bench(
         # the options every row shared; each row's own method, params and lr are under "rows", each run's seed under "runs"
         used = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
         used.update(device=str(target), num_workers=loader_processes(num_workers, target))
-        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, {**used, "methods": methods, "train": train, "model": model,
+        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, workdir, {**used, "methods": methods, "train": train, "model": model,
                                                                      "weights": str(Path(weights).resolve()) if weights else None,
                                                                      "fraction": None if per_class else fraction, "per_class": per_class,
                                                                      "shrinkage": sampling.shrinkage,
