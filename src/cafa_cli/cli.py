@@ -325,8 +325,8 @@ def adapt(
             "run it without torchrun (one process per domain or GPU), or use cafa bench to spread domains over ranks"
         )
     check_format(fmt)
-    check_outputs_apart({"--predictions": predictions, "--metrics-json": metrics_json},
-                        {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
+    outputs = {"--predictions": predictions, "--metrics-json": metrics_json}
+    check_outputs_apart(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     if metrics_json:
         check_writable(metrics_json)  # before the run, not after it
     settings = AdaptSettings(
@@ -344,7 +344,7 @@ def adapt(
     )
     read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
     if read_from_stdin:
-        check_outputs_apart({"--predictions": predictions, "--metrics-json": metrics_json}, {"--data -": read_from_stdin})
+        check_outputs_apart(outputs, {"--data -": read_from_stdin})  # the paths stdin listed, known only now
     console = _stderr(quiet)
     output = open_output(predictions)
     writer = RecordWriter(output, fmt, job.class_names)
