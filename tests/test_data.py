@@ -773,13 +773,19 @@ def test_preprocessing_round_trip_and_parsers():
 
 def test_a_loader_workers_threads_stay_quiet_only_about_a_lost_main_process(monkeypatch):
     """The resource sharer of a worker loses its peer when an interrupted run exits; that is no error to print."""
-    import threading
-    from types import SimpleNamespace
+    import multiprocessing.resource_sharer
+    import sys
 
-    from cafa_cli.data import _quiet_when_the_main_process_is_gone
+    from cafa_cli.data import _leave_signals_to_the_main_process, _quiet_when_the_main_process_is_gone
 
     printed = []
-    monkeypatch.setattr(threading, "__excepthook__", printed.append)
+    monkeypatch.setattr(sys, "__excepthook__", lambda *exc: printed.append(exc[0]))
     for error in (ConnectionResetError, BrokenPipeError, EOFError, ValueError):
-        _quiet_when_the_main_process_is_gone(SimpleNamespace(exc_type=error))
-    assert [args.exc_type for args in printed] == [ValueError]
+        _quiet_when_the_main_process_is_gone(error, error(), None)
+    assert printed == [ValueError]
+    # the hook the resource sharer reports through (multiprocessing/resource_sharer.py, _serve)
+    assert "sys.excepthook(*sys.exc_info())" in open(multiprocessing.resource_sharer.__file__).read()
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    monkeypatch.setattr("signal.signal", lambda *args: None)
+    _leave_signals_to_the_main_process(0)
+    assert sys.excepthook is _quiet_when_the_main_process_is_gone

@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -568,12 +567,13 @@ def _leave_signals_to_the_main_process(worker_id: int) -> None:
     outright, each worker's parent watchdog ends it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.excepthook = _quiet_when_the_main_process_is_gone
+    sys.excepthook = _quiet_when_the_main_process_is_gone
 
 
-def _quiet_when_the_main_process_is_gone(args) -> None:
-    """A worker's background threads (multiprocessing's resource sharer, which hands batch
-    memory to the main process) lose their peer when an interrupted main process exits:
-    a traceback then would follow "cafa: interrupted" on stderr. Other errors print."""
-    if not issubclass(args.exc_type, (ConnectionError, EOFError)):
-        threading.__excepthook__(args)
+def _quiet_when_the_main_process_is_gone(exc_type, value, traceback) -> None:
+    """multiprocessing's resource sharer, a worker thread that hands batch memory to the
+    main process, loses its peer when an interrupted main process exits, and reports that
+    through sys.excepthook: a traceback would then follow "cafa: interrupted" on stderr.
+    Other errors print."""
+    if not issubclass(exc_type, (ConnectionError, EOFError)):
+        sys.__excepthook__(exc_type, value, traceback)
