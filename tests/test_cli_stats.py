@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,15 @@ def test_training_data_is_recorded_by_absolute_path_even_behind_a_set_name(tmp_p
     assert recorded_data("cifar10:data/cifar") == f"cifar10:{tmp_path / 'data' / 'cifar'}"
     assert recorded_data("folder") == str(tmp_path / "folder")
     assert recorded_data("fashion-mnist") == "fashion-mnist"  # Debian's copy, no ROOT given
+
+
+def test_names_that_are_not_utf8_are_written_and_read_back(setup, tmp_path):
+    """safetensors only opens names it can encode as UTF-8; cafa reads such files through a
+    file descriptor, so an artifact and weights named in Latin-1 work like any other."""
+    out = tmp_path / os.fsdecode(b"caf\xe9.safetensors")
+    weights = tmp_path / os.fsdecode(b"r\xe9seau.safetensors")
+    save_file(torch.load(setup[2], weights_only=True), weights)
+    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", setup[1], *PLAIN, "--fraction", "1", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert read_artifact(out).num_classes == 3
+    assert invoke("inspect", out).exit_code == 0

@@ -18,13 +18,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
 from cafa_cli.data import on_disk
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import HTML_MARKERS, ModelSpec
+from cafa_cli.models import HTML_MARKERS, ModelSpec, open_safetensors
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
 
@@ -224,7 +224,7 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
     if head.startswith(HTML_MARKERS):
         raise _bad(path, "this is a web page saved as a file, not a cafa artifact; download the file itself")
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             return _read_open(f, path, load_tensors)
     except SafetensorError as error:
         if _is_torch_checkpoint(path):

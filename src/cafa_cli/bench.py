@@ -18,7 +18,7 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
-from cafa_cli.models import bundled_defaults, canonical_model, parameters_sha256, resolve, weights_sha256
+from cafa_cli.models import bundled_defaults, canonical_model, open_safetensors, parameters_sha256, resolve, weights_sha256
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -368,9 +368,7 @@ def write_json(path: str, table: list[dict], errors: dict, domains: list[str], s
 
 def _stored_form(path: Path) -> str:
     """The covariance form an artifact the grid has just read and validated holds."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         return f.metadata()["covariance"]
 
 

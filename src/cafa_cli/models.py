@@ -6,10 +6,12 @@ captures them, so any architecture works without rewriting its forward.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
 import importlib.util
+import os
 import pickle
 import sys
 import warnings
@@ -132,6 +134,22 @@ def parameters_sha256(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def open_safetensors(path: str | Path):
+    """safetensors' safe_open, also for a file name that is not UTF-8: safetensors takes the
+    name as a Rust string, so such a file is opened here and read through its /dev/fd link."""
+    from safetensors import safe_open
+
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        with open(path, "rb") as file, safe_open(f"/dev/fd/{file.fileno()}", framework="pt") as f:
+            yield f
+        return
+    with safe_open(str(path), framework="pt") as f:
+        yield f
+
+
 def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
     path = Path(path)
@@ -147,14 +165,13 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
             f"run git lfs pull in that repository, or download the file itself"
         )
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError
 
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with open_safetensors(path) as f:
                 if (f.metadata() or {}).get("format") == "cafa-stats":
                     raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
-            state = load_file(str(path))
+                state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None
     else:
