@@ -426,3 +426,20 @@ def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights
     assert result.exit_code == 0, result.stderr
     rows = json.loads(report.read_text())["rows"]
     assert [(r["covariance"], r["covariance_used"]) for r in rows] == [("auto", "lowrank"), ("diag", "diag")]
+
+
+def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path, tiny_weights):
+    import argparse
+
+    train = write_folder(tmp_path / "train", per_class=6)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    weights = tmp_path / "w.pt"
+    torch.save({"state_dict": torch.load(tiny_weights), "args": argparse.Namespace(lr=0.1)}, weights)
+    args = ["bench", str(test), "--methods", "bn,cafa-diag", "--model", TINY_NET, "--weights", str(weights),
+            "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 3 and refused.stdout == ""
+    assert "--trust-checkpoint" in refused.stderr.strip().splitlines()[-1]
+    trusted = runner.invoke(app, [*args, "--trust-checkpoint"])
+    assert trusted.exit_code == 0, trusted.stderr
+    assert "| cafa-diag |" in trusted.stdout

@@ -413,6 +413,7 @@ def bench(
     weights: WeightsOpt = None,
     num_classes: NumClassesOpt = None,
     classifier: ClassifierOpt = None,
+    trust_checkpoint: TrustOpt = False,
     classes: Annotated[Optional[str], typer.Option("--classes", help="Class list file (as cafa stats).")] = None,
     labels: LabelsOpt = None,
     severity: SeverityOpt = None,
@@ -459,7 +460,7 @@ def bench(
     for out in (csv_out, json_out, plot_out):
         if out:
             check_writable(out)  # fail now, not after the whole grid has run
-    model_choice = ModelChoice(model, weights, num_classes, classifier)
+    model_choice = ModelChoice(model, weights, num_classes, classifier, trust_checkpoint)
     train_choice = DataChoice(None, None, classes, _preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
     test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
