@@ -14,6 +14,9 @@ import torch
 from typer.testing import CliRunner
 
 import tiny_net
+from cafa_cli import pipeline
+from cafa_cli.adaptation import NEEDS_STATISTICS
+from cafa_cli.artifact import read_artifact
 from cafa_cli.cli import app
 from conftest import PLAIN, TINY_NET, write_folder
 
@@ -87,10 +90,19 @@ def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["bn", "pl", "tent", "global-fa", "intra", "euclidean"])
-def test_every_method_runs_on_the_same_data(setup, method):
+def test_every_method_runs_on_the_same_data(setup, method, monkeypatch):
+    reads = []
+
+    def recording(path, load_tensors=True):
+        reads.append(load_tensors)
+        return read_artifact(path, load_tensors)
+
+    monkeypatch.setattr(pipeline, "read_artifact", recording)
     result = adapt(setup, "--quiet", "--method", method)
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == 91
+    # the artifact's tensors (GBs on ImageNet) are loaded only by the methods that use them
+    assert reads == [method in NEEDS_STATISTICS]
 
 
 def test_same_seed_gives_byte_identical_predictions(setup):

@@ -27,13 +27,14 @@ def read(path):
 def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_weights):
     data = write_folder(tmp_path / "train", per_class=15)
     args = ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(data), *PLAIN,
-            "--fraction", "1", "--covariance", "full", "--shrinkage", "0.2", "--batch-size", "4", "--quiet"]
+            "--per-class", "16", "--covariance", "full", "--shrinkage", "0.2", "--batch-size", "4"]
     single, multi = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--out", str(single)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--out", str(single)], check=True, timeout=120, capture_output=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     done = subprocess.run([*launcher, "-m", "cafa_cli", *args, "--out", str(multi)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("--per-class 16: fewer images") == 1, done.stderr  # warned by rank 0 only
     (one, meta_one), (two, meta_two) = read(single), read(multi)
     assert torch.equal(one["counts"], two["counts"]) and int(two["counts"].sum()) == 45
     for name in ("means", "precision_cholesky", "global_mean", "global_covariance"):

@@ -30,6 +30,7 @@ from cafa_cli.distributed import (
     launched_by_torchrun,
     process_group,
     rank_device,
+    torchrun_rank,
 )
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, printable
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
@@ -242,7 +243,7 @@ def stats(
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
     shrink = _parse_shrinkage(shrinkage)
     console = _stderr(quiet)
-    with Monitor(console, quiet) as monitor:
+    with Monitor(console, quiet or torchrun_rank() > 0) as monitor:
         artifact = compute_statistics(
             data,
             out,

@@ -49,16 +49,15 @@ class ClassDistances:
         # the expanded forms below (‖a‖² − 2a·b + ‖b‖²) from cancelling in float32.
         self.centre = gaussians.global_mean.to(device)
         self.means = gaussians.means.to(device) - self.centre
-        factors = gaussians.factors.to(device)
         if self.mode == "tied":
-            self.factor = factors[0]
+            self.factor = gaussians.factors[0].to(device)
             self.whitened_means = self.means @ self.factor
         elif self.mode == "diag":
-            self.precision_diag = factors.square()  # [C, d]
+            self.precision_diag = gaussians.factors.to(device).square()  # [C, d]
         elif self.mode == "full":
-            self.factors = factors
+            self.factors = gaussians.factors.to(device)
         elif self.mode == "lowrank":
-            self.basis = factors  # [C, k, d], orthonormal rows, zero rows as padding
+            factors = self.basis = gaussians.factors.to(device)  # [C, k, d], orthonormal rows, zero rows as padding
             isotropic = gaussians.isotropic.to(device)
             self.inv_isotropic = 1 / isotropic  # [C]
             self.inv_eigen = 1 / (isotropic[:, None] + gaussians.spectrum.to(device))  # [C, k]

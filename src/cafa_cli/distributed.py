@@ -20,6 +20,11 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def torchrun_rank() -> int:
+    """This process's rank, known before it joins the group: warnings are printed by rank 0 only."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+
+
 @contextmanager
 def process_group(device: torch.device):
     """(rank, world size): (0, 1) when not launched by torchrun."""

@@ -263,7 +263,7 @@ def load_for_adaptation(
     artifact = None
     stats_path = stats or DEFAULT_PATH
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
-        artifact = read_artifact(stats_path)
+        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
     if model.model is None and artifact is None:
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
     if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
