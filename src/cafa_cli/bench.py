@@ -18,15 +18,17 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
-from cafa_cli.models import bundled_defaults, canonical_model, open_safetensors, parameters_sha256, resolve, weights_sha256
+from cafa_cli.models import bundled_defaults, open_safetensors
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
     ModelChoice,
     check_adapt_settings,
     compute_statistics,
+    model_mismatch,
     prepare_adaptation,
     recorded_data,
+    resolve_model,
 )
 from cafa_cli.report import Monitor, atomic_write
 from cafa_cli.statistics import check_options
@@ -253,27 +255,19 @@ def shared_class_list(
 
 def _made_for(artifact, train: str, model: ModelChoice, data_choice: DataChoice, sampling: Sampling) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
-    them (absolute paths): a relative --train or --workdir must match on a second run."""
+    them (absolute paths: a relative --train or --workdir must match on a second run) and
+    as cafa adapt checks the model (the same parameters in another file are the same)."""
     wanted = {"data": recorded_data(train), **sampling.recorded()}
-    return (
-        artifact.model.model == canonical_model(model.model)
-        and model.classifier in (None, artifact.model.classifier)
+    if not (
+        model.classifier in (None, artifact.model.classifier)
         and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
         and artifact.preprocessing == data_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
         and sampling.same_shrinkage(artifact.metadata.get("shrinkage"))
-        and _same_parameters(artifact, model)
-    )
-
-
-def _same_parameters(artifact, model: ModelChoice) -> bool:
-    """By the parameter fingerprint (the same weights in another file are the same; a
-    factory whose initialisation changed is not), else by the weights file."""
-    if artifact.parameters_sha256 is not None:
-        net, _ = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
-        return parameters_sha256(net.model) == artifact.parameters_sha256
-    weights = str(Path(model.weights).resolve()) if model.weights else None
-    return (artifact.model.weights, artifact.model.weights_sha256) == (weights, weights_sha256(model.model, model.weights))
+    ):
+        return False
+    net, spec = resolve_model(model)
+    return model_mismatch(artifact, spec, net) is None
 
 
 def run_grid(

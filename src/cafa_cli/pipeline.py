@@ -79,7 +79,7 @@ def default_class_names(model: str | None, data: DataChoice) -> list[str] | None
     return list(bundled.class_names) if bundled else None
 
 
-def _resolve(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
+def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     if spec.weights is None and ":" not in spec.model and bundled_defaults(spec.model) is None:
         # torchvision's own initialisation is random: statistics and adaptation would
@@ -145,7 +145,7 @@ def compute_statistics(
                                               "--labels": data_choice.labels, "--data": data})
     target = pick_device(device)
     preprocess = data_choice.recipe(model.model)
-    net, spec = _resolve(model)
+    net, spec = resolve_model(model)
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
     class_names = default_class_names(model.model, data_choice)
     domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
@@ -268,7 +268,7 @@ def load_for_adaptation(
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
     if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
         model = _recorded_model(artifact, model)
-    net, spec = _resolve(model)
+    net, spec = resolve_model(model)
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
             raise InputError(
@@ -278,7 +278,9 @@ def load_for_adaptation(
         _check_classes(net, artifact.class_names, artifact.path,
                        "check --model and --num-classes, or compute statistics for this model with cafa stats")
         if not allow_weights_mismatch:
-            _check_made_with(artifact, spec, net)
+            mismatch = model_mismatch(artifact, spec, net)
+            if mismatch:
+                raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass --allow-weights-mismatch")
     return net, artifact, spec
 
 
@@ -305,36 +307,36 @@ def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
     return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
 
 
-def _check_made_with(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> None:
-    """Statistics describe the features of one model with one set of weights: another
-    architecture or other weights (a changed file, --weights, a retrained bundled model)
-    would be aligned to the wrong Gaussians without any error. The same parameters
+def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> str | None:
+    """Why the artifact does not hold statistics of this model with these parameters, or
+    None when it does. They describe the features of one model with one set of weights:
+    another architecture or other weights (a changed file, --weights, a retrained bundled
+    model) would be aligned to the wrong Gaussians without any error. The same parameters
     re-saved or converted to another format are the same model (the artifact's parameter
     fingerprint recognises them), and so is a factory file copied elsewhere."""
     recorded = artifact.model
-    fix = "compute statistics for it with cafa stats, or pass --allow-weights-mismatch"
     if spec.model != recorded.model and not _same_factory(artifact, spec.model):
         # its code may compute other features from the same parameters
-        raise InputError(f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}; {fix}")
+        return f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}"
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
-        return  # the same file
+        return None  # the same file
     if artifact.parameters_sha256 is None:
         if recorded.weights_sha256 is None and recorded.weights is None and spec.weights is None:
-            return  # from before weights were hashed: a factory's own initialisation or a bundled model
+            return None  # from before weights were hashed: a factory's own initialisation or a bundled model
         differ = "sha256 differs; the artifact predates parameter fingerprints, so re-saved weights are not recognised"
     elif parameters_sha256(net.model) == artifact.parameters_sha256:
-        return  # the same parameters from another file
+        return None  # the same parameters from another file
     else:
         differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
         what = f"the bundled {spec.model} weights have changed" if bundled_defaults(spec.model) else (
             f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
-        raise InputError(f"{what} since the statistics in {artifact.path} were computed ({differ}); {fix}")
+        return f"{what} since the statistics in {artifact.path} were computed ({differ})"
     if spec.weights == recorded.weights:
-        raise InputError(f"{spec.weights} has changed since the statistics were computed ({differ}); {fix}")
+        return f"{spec.weights} has changed since the statistics were computed ({differ})"
     made_with = recorded.weights or "the model's own initialisation (no --weights)"
     given = spec.weights or "the model's own initialisation (no --weights)"
-    raise InputError(f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ}); {fix}")
+    return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
 
 
 def _same_factory(artifact: Artifact, model: str) -> bool:
