@@ -237,13 +237,12 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
         return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains], cautions=lambda: [])
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
-    rows = parse_methods("source,bn,tent")
-    args = (rows, ["d"], [0, 1], AdaptSettings(), {}, ModelChoice("m"), DataChoice(), Monitor())
-    mine = bench.run_grid(*args, rank=1, world=2)
+    plan = bench.BenchPlan(parse_methods("source,bn,tent"), ["d"], [0, 1], AdaptSettings(), ModelChoice("m"), None, DataChoice(), DataChoice())
+    mine = bench.run_grid(plan, {}, Monitor(), rank=1, world=2)
     assert calls == [("source", 1), ("bn", 1), ("tent", 1)]  # runs 1, 3, 5 of (row, seed) in order
     assert set(mine) == {("source", "d", 1), ("bn", "d", 1), ("tent", "d", 1)}
     calls.clear()
-    assert len(bench.run_grid(*args)) == 6 and len(calls) == 6
+    assert len(bench.run_grid(plan, {}, Monitor())) == 6 and len(calls) == 6
 
 
 def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp_path, monkeypatch):
@@ -254,7 +253,8 @@ def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp
     seen = {}
     monkeypatch.setattr(bench, "compute_statistics", lambda *args, **kwargs: seen.update(kwargs))
     settings = AdaptSettings(batch_size=7, device="cpu", num_workers=3)
-    path = bench.ensure_statistics(tmp_path, "tied", "train", ModelChoice("m"), DataChoice(), bench.Sampling(per_class=5, seed=2), settings, Monitor())
+    plan = bench.BenchPlan([], [], [0], settings, ModelChoice("m"), "train", DataChoice(), DataChoice(), bench.Sampling(per_class=5, seed=2), tmp_path)
+    path = bench.ensure_statistics(plan, "tied", Monitor())
     assert path == tmp_path / "stats-tied.safetensors"
     assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "seed", "covariance")} == {
         "device": "cpu", "batch_size": 7, "num_workers": 3, "per_class": 5, "seed": 2, "covariance": "tied"}
@@ -373,8 +373,8 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     shared = AdaptSettings(optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
-    bench.run_grid(parse_methods("tent@0.05,cafa-full,cafa-dense"), ["d"], [3], shared,
-                   {"auto": Path("a"), "full": Path("f")}, ModelChoice("m"), DataChoice(), Monitor())
+    plan = bench.BenchPlan(parse_methods("tent@0.05,cafa-full,cafa-dense"), ["d"], [3], shared, ModelChoice("m"), None, DataChoice(), DataChoice())
+    bench.run_grid(plan, {"auto": Path("a"), "full": Path("f")}, Monitor())
     assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
         (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
     assert all((s.optimizer, s.momentum, s.bn_prior, s.reset) == ("sgd", 0.5, 4.0, "episodic") for _, s in ran)

@@ -12,10 +12,12 @@ import statistics as stats_lib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from cafa_cli import __version__
+import torch
+
+from cafa_cli import __version__, report
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
-from cafa_cli.data import TRAINING_SETS, on_disk, open_domain, read_class_list
+from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
 from cafa_cli.models import bundled_defaults, open_safetensors
@@ -32,6 +34,7 @@ from cafa_cli.pipeline import (
 )
 from cafa_cli.report import Monitor, atomic_write
 from cafa_cli.statistics import check_options
+from cafa_cli.zoo import BUNDLED
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
@@ -160,34 +163,55 @@ class Sampling:
         return {"fraction": None if self.per_class else self.fraction, "per_class": self.per_class, "seed": self.seed}
 
 
-def run_bench(
-    rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, model: ModelChoice,
-    train: str | None, train_choice: DataChoice, test_choice: DataChoice, sampling: Sampling, workdir: str | Path,
-    monitor: Monitor, rank: int = 0, world: int = 1,
-) -> dict[tuple[str, str, int], float] | None:
+@dataclass(frozen=True)
+class BenchPlan:
+    """A benchmark: every row × test domain × seed, and what all of them share."""
+
+    rows: list[Row]
+    domains: list[str]
+    seeds: list[int]
+    settings: AdaptSettings  # every row's options; a row sets its own method, and maybe lr and params
+    model: ModelChoice
+    train: str | None  # the training data of the statistics (as cafa stats --data)
+    train_choice: DataChoice
+    test_choice: DataChoice
+    sampling: Sampling = Sampling()
+    workdir: Path = Path("cafa-bench")
+
+
+def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
+    """--train, or the bundled model's own training set when a row needs statistics."""
+    if train is not None or not any(row.covariance for row in rows):
+        return train
+    bundled = BUNDLED.get(model)
+    if bundled is None:
+        raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
+                         f"the training data to compute class statistics from")
+    return bundled.training_data
+
+
+def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], float] | None:
     """Every (row label, domain, seed) error: statistics computed once per covariance
-    mode the rows need (or re-used from `workdir`), then the grid. Under torchrun every
+    mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every error,
     the other ranks None."""
-    for row in rows:  # before statistics that can take hours, and before the workdir is made
-        check_adapt_settings(row.settings(settings))
-    for covariance in covariances_needed(rows):
-        check_options(covariance, sampling.shrinkage)
-    if model.weights and not Path(model.weights).is_file():
-        raise InputError(f"--weights {model.weights}: no such file")
-    if train and train not in TRAINING_SETS and not Path(on_disk(train)).exists():
-        raise InputError(f"--train {train}: no such file or folder")
-    workdir = make_workdir(workdir)
-    artifacts = {
-        covariance: ensure_statistics(workdir, covariance, train, model, train_choice, sampling, settings, monitor)
-        for covariance in covariances_needed(rows)
-    }
+    # every check before statistics that can take hours, and before the workdir is made
+    check_domains(plan.domains, plan.test_choice)
+    for row in plan.rows:
+        check_adapt_settings(row.settings(plan.settings))
+    for covariance in covariances_needed(plan.rows):
+        check_options(covariance, plan.sampling.shrinkage)
+    if plan.model.weights and not Path(plan.model.weights).is_file():
+        raise InputError(f"--weights {plan.model.weights}: no such file")
+    if plan.train and plan.train not in TRAINING_SETS and not Path(on_disk(plan.train)).exists():
+        raise InputError(f"--train {plan.train}: no such file or folder")
+    make_workdir(plan.workdir)
+    artifacts = {covariance: ensure_statistics(plan, covariance, monitor) for covariance in covariances_needed(plan.rows)}
     wait_for_all(world)  # rank 0 has written the artifacts
-    without_statistics = any(row.covariance is None for row in rows)
-    classes_file = shared_class_list(workdir, artifacts, train, model, train_choice, write=rank == 0) if without_statistics else None
+    without_statistics = any(row.covariance is None for row in plan.rows)
+    classes_file = shared_class_list(plan, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    mine = run_grid(rows, domains, seeds, settings, artifacts, model, replace(test_choice, classes_file=classes_file),
-                    monitor, rank, world)
+    mine = run_grid(replace(plan, test_choice=replace(plan.test_choice, classes_file=classes_file)), artifacts, monitor, rank, world)
     parts = gather_on_root(mine, rank, world)
     return None if parts is None else {key: error for part in parts for key, error in part.items()}
 
@@ -201,29 +225,25 @@ def artifact_path(workdir: Path, covariance: str) -> Path:
     return workdir / f"stats-{covariance}.safetensors"
 
 
-def ensure_statistics(
-    workdir: Path, covariance: str, train: str, model: ModelChoice, data_choice: DataChoice,
-    sampling: Sampling, settings: AdaptSettings, monitor: Monitor,
-) -> Path:
+def ensure_statistics(plan: BenchPlan, covariance: str, monitor: Monitor) -> Path:
     """The artifact for one covariance mode, re-used when it was made for the same model
-    and data; computed on the device, batch size and loader processes of `settings`."""
-    path = artifact_path(workdir, covariance)
+    and data; computed on the device, batch size and loader processes of the plan's settings."""
+    path = artifact_path(plan.workdir, covariance)
     if path.is_file():
         try:
-            if _made_for(read_artifact(path, load_tensors=False), train, model, data_choice, sampling):
+            if _made_for(read_artifact(path, load_tensors=False), plan):
                 return path
         except InputError:
             pass
     monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
-    compute_statistics(train, path, model, data_choice, fraction=sampling.fraction, per_class=sampling.per_class,
-                       seed=sampling.seed, covariance=covariance, shrinkage=sampling.shrinkage, device=settings.device, batch_size=settings.batch_size,
-                       num_workers=settings.num_workers, strict=settings.strict, monitor=monitor)
+    sampling, settings = plan.sampling, plan.settings
+    compute_statistics(plan.train, path, plan.model, plan.train_choice, fraction=sampling.fraction, per_class=sampling.per_class,
+                       seed=sampling.seed, covariance=covariance, shrinkage=sampling.shrinkage, device=settings.device,
+                       batch_size=settings.batch_size, num_workers=settings.num_workers, strict=settings.strict, monitor=monitor)
     return path
 
 
-def shared_class_list(
-    workdir: Path, artifacts: dict[str, Path], train: str | None, model: ModelChoice, train_choice: DataChoice, write: bool = True,
-) -> str | None:
+def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool = True) -> str | None:
     """The class list file every row uses, so that the rows without statistics read the
     labels in the model's output order too. Without it they take the test folders'
     sorted names, which is not the order of every training set (Fashion-MNIST's is not
@@ -231,12 +251,12 @@ def shared_class_list(
     --classes or a bundled model already fix it; else the training data's order is
     written to WORKDIR/classes.txt (by `write`: rank 0 under torchrun); None when there
     is no training data to ask, or it has no class folders."""
-    if train_choice.classes_file or bundled_defaults(model.model):
-        return train_choice.classes_file
+    if plan.train_choice.classes_file or bundled_defaults(plan.model.model):
+        return plan.train_choice.classes_file
     if artifacts:
         names = read_artifact(next(iter(artifacts.values())), load_tensors=False).class_names
-    elif train:
-        names = open_domain(train, None).class_names
+    elif plan.train:
+        names = open_domain(plan.train, None).class_names
     else:
         return None
     if not names:
@@ -247,47 +267,46 @@ def shared_class_list(
     if unwritable:
         raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
                          f"statistics (a name that is not UTF-8, or spaces around it); rename it")
-    path = workdir / "classes.txt"
+    path = plan.workdir / "classes.txt"
     if write:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
     return str(path)
 
 
-def _made_for(artifact, train: str, model: ModelChoice, data_choice: DataChoice, sampling: Sampling) -> bool:
+def _made_for(artifact, plan: BenchPlan) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths: a relative --train or --workdir must match on a second run) and
     as cafa adapt checks the model (the same parameters in another file are the same)."""
-    wanted = {"data": recorded_data(train), **sampling.recorded()}
+    model, classes_file = plan.model, plan.train_choice.classes_file
+    wanted = {"data": recorded_data(plan.train), **plan.sampling.recorded()}
     if not (
         model.classifier in (None, artifact.model.classifier)
-        and (data_choice.classes_file is None or read_class_list(data_choice.classes_file) == artifact.class_names)
-        and artifact.preprocessing == data_choice.recipe(model.model)
+        and (classes_file is None or read_class_list(classes_file) == artifact.class_names)
+        and artifact.preprocessing == plan.train_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
-        and sampling.same_shrinkage(artifact.metadata.get("shrinkage"))
+        and plan.sampling.same_shrinkage(artifact.metadata.get("shrinkage"))
     ):
         return False
     net, spec = resolve_model(model)
     return model_mismatch(artifact, spec, net) is None
 
 
-def run_grid(
-    rows: list[Row], domains: list[str], seeds: list[int], settings: AdaptSettings, artifacts: dict[str, Path],
-    model: ModelChoice, data_choice: DataChoice, monitor: Monitor, rank: int = 0, world: int = 1,
-) -> dict[tuple[str, str, int], float]:
+def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], float]:
     """Error (a fraction) of every (row label, domain, seed) this rank runs: the
     (row, seed) runs are independent, so under torchrun each rank takes every world-th."""
     errors = {}
-    runs = [(row, seed) for row in rows for seed in seeds]
+    runs = [(row, seed) for row in plan.rows for seed in plan.seeds]
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
-        row_settings = replace(row.settings(settings), seed=seed)
+        settings = replace(row.settings(plan.settings), seed=seed)
         # with statistics the class list comes from the artifact (made from --classes)
-        job = prepare_adaptation(domains, stats, model, replace(data_choice, classes_file=None) if stats else data_choice, row_settings)
+        data_choice = replace(plan.test_choice, classes_file=None) if stats else plan.test_choice
+        job = prepare_adaptation(plan.domains, stats, plan.model, data_choice, settings)
         if not errors:  # once, not for every run
             for caution in job.cautions():
                 monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
-        for domain, result in zip(domains, job.run(monitor=monitor)):
+        for domain, result in zip(plan.domains, job.run(monitor=monitor)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             errors[(row.label, domain, seed)] = result.error
@@ -339,25 +358,35 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
     atomic_write(path, write)
 
 
-def write_json(path: str, table: list[dict], errors: dict, domains: list[str], seeds: list[int], rows: list[Row],
-               base: AdaptSettings, workdir: str | Path, settings: dict) -> None:
-    """The table, every run, and what each row ran with: its method, params, lr, and the
-    covariance it asked for and the form its artifact holds (`auto` picks one)."""
-    labels = domain_labels(domains)
+def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> None:
+    """The table, every run, what each row ran with (its method, params, lr, the covariance
+    it asked for and the form its artifact holds: `auto` picks one), and the options every
+    row shared (each run's seed is under "runs")."""
+    labels = domain_labels(plan.domains)
+    settings = plan.settings
+    shared = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
+    shared["num_workers"] = loader_processes(settings.num_workers, torch.device(settings.device))
+    model, sampling = plan.model, plan.sampling
     payload = {
         "cafa_version": __version__,
         "unit": "error %",
-        "seeds": seeds,
-        "domains": [{"data": d, "label": labels[d]} for d in domains],
+        "seeds": plan.seeds,
+        "domains": [{"data": d, "label": labels[d]} for d in plan.domains],
         "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
                                              for k, (m, s) in r["cells"].items()}} for r in table],
         "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
-                  "covariance_used": _stored_form(artifact_path(Path(workdir), r.covariance)) if r.covariance else None,
-                  "params": r.settings(base).params, "lr": r.settings(base).lr} for r in rows],
-        "settings": settings,
+                  "covariance_used": _stored_form(artifact_path(plan.workdir, r.covariance)) if r.covariance else None,
+                  "params": r.settings(settings).params, "lr": r.settings(settings).lr} for r in plan.rows],
+        "settings": {
+            **shared, "methods": ",".join(r.label for r in plan.rows), "train": plan.train, "model": model.model,
+            "weights": str(Path(model.weights).resolve()) if model.weights else None,
+            "fraction": None if sampling.per_class else sampling.fraction, "per_class": sampling.per_class,
+            "shrinkage": sampling.shrinkage,
+            "preprocessing": recipes(model.model, train=plan.train_choice, test=plan.test_choice),
+        },
     }
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8"))
+    report.write_json(path, payload)
 
 
 def _stored_form(path: Path) -> str:

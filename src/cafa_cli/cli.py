@@ -11,8 +11,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, replace
-from inspect import signature
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,11 +19,10 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from cafa_cli import __version__
-from cafa_cli import bench as grid
+from cafa_cli import bench
 from cafa_cli.artifact import DEFAULT_PATH, check_outputs_apart, check_writable, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
-from cafa_cli.data import loader_processes
 from cafa_cli.distributed import (
     launched_by_torchrun,
     process_group,
@@ -404,9 +401,9 @@ def demo(
     print(table)
 
 
-@app.command()
+@app.command("bench")
 @reports_errors
-def bench(
+def bench_command(
     domains: Annotated[Optional[list[str]], typer.Argument(help="Labelled test domains, e.g. fashion-mnist-c/*/3 as the shell expands it.", show_default=False)] = None,
     data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="A labelled test domain (repeatable), as well as or instead of the arguments.")] = None,
     train: Annotated[Optional[str], typer.Option("--train", help="Training data for the statistics (as cafa stats --data). Default for fmnist-resnet: fashion-mnist.")] = None,
@@ -425,7 +422,7 @@ def bench(
     channels: ChannelsOpt = None,
     test_resize: Annotated[Optional[str], typer.Option("--test-resize", help="--resize for the test domains only (default: --resize). ImageNet-C: none.")] = None,
     test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
-    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto); cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the paper's CAFA-Full: --params all). Default: all but cafa-full, cafa-dense and cafa-lowrank. NAME@LR gives a row its own learning rate.")] = grid.DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto); cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the paper's CAFA-Full: --params all). Default: all but cafa-full, cafa-dense and cafa-lowrank. NAME@LR gives a row its own learning rate.")] = bench.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
     fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
     per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
@@ -453,50 +450,45 @@ def bench(
     data = [*(data or []), *(domains or [])]
     if not data:
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
-    rows = grid.parse_methods(methods)
-    seed_list = grid.parse_seeds(seeds)
+    rows = bench.parse_methods(methods)
+    seed_list = bench.parse_seeds(seeds)
     check_outputs_apart({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
                         {"--train": train, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data,
                          "--workdir": workdir})
     for out in (csv_out, json_out, plot_out):
         if out:
             check_writable(out)  # fail now, not after the whole grid has run
-    model_choice = ModelChoice(model, weights, num_classes, classifier, trust_checkpoint)
-    train_choice = DataChoice(None, None, classes, _preprocessing_changes(resize, crop, mean, std, channels))
+    train_choice = DataChoice(classes_file=classes, preprocessing=_preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
     test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
-    data_choice = DataChoice(labels, severity, classes, test_changes)
-    grid.check_domains(data, data_choice)
-    if train is None and any(row.covariance for row in rows):
-        if model != "fmnist-resnet":
-            raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
-                             f"the training data to compute class statistics from")
-        train = "fashion-mnist"
-    settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
-                             bn_prior=bn_prior, reset=reset, device=device, precision=precision, num_workers=num_workers,
-                             strict=strict, compile=compile_model)
-    sampling = grid.Sampling(fraction, per_class, shrinkage=_parse_shrinkage(shrinkage))
     target = rank_device(pick_device(device))
+    settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
+                             bn_prior=bn_prior, reset=reset, device=str(target), precision=precision, num_workers=num_workers,
+                             strict=strict, compile=compile_model)
+    plan = bench.BenchPlan(
+        rows=rows,
+        domains=data,
+        seeds=seed_list,
+        settings=settings,
+        model=ModelChoice(model, weights, num_classes, classifier, trust_checkpoint),
+        train=bench.training_data(train, model, rows),
+        train_choice=train_choice,
+        test_choice=DataChoice(labels, severity, classes, test_changes),
+        sampling=bench.Sampling(fraction, per_class, shrinkage=_parse_shrinkage(shrinkage)),
+        workdir=Path(workdir),
+    )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
-        errors = grid.run_bench(rows, data, seed_list, replace(settings, device=str(target)), model_choice, train,
-                                train_choice, data_choice, sampling, workdir, monitor, rank, world)
+        errors = bench.run_bench(plan, monitor, rank, world)
     if errors is None:  # a torchrun rank other than 0: rank 0 reports
         return
-    table = grid.summarise(errors, rows, data, seed_list)
-    print(grid.markdown(table, data, seed_list))
+    table = bench.summarise(errors, rows, data, seed_list)
+    print(bench.markdown(table, data, seed_list))
     if csv_out:
-        grid.write_csv(csv_out, table, data)
+        bench.write_csv(csv_out, table, data)
     if json_out:
-        # the options every row shared; each row's own method, params and lr are under "rows", each run's seed under "runs"
-        used = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
-        used.update(device=str(target), num_workers=loader_processes(num_workers, target))
-        grid.write_json(json_out, table, errors, data, seed_list, rows, settings, workdir, {**used, "methods": methods, "train": train, "model": model,
-                                                                     "weights": str(Path(weights).resolve()) if weights else None,
-                                                                     "fraction": None if per_class else fraction, "per_class": per_class,
-                                                                     "shrinkage": sampling.shrinkage,
-                                                                     "preprocessing": grid.recipes(model, train=train_choice, test=data_choice)})
+        bench.write_json(json_out, plan, table, errors)
     if plot_out:
-        grid.plot(plot_out, table, data)
+        bench.plot(plot_out, table, data)
 
 
 def _interrupt(signum, frame):
@@ -531,10 +523,8 @@ def main() -> None:
 
 def _command_options(repeatable: bool = False) -> dict[str, set[str]]:
     """Each command's parameter names (or those that take a list), for checking cafa.toml's keys."""
+    commands = typer.main.get_command(app).commands
     return {
-        (command.name or command.callback.__name__): {
-            name for name, parameter in signature(command.callback).parameters.items()
-            if not repeatable or "list[" in str(parameter.annotation)
-        }
-        for command in app.registered_commands
+        name: {parameter.name for parameter in command.params if not repeatable or parameter.multiple or parameter.nargs == -1}
+        for name, command in commands.items()
     }

@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from cafa_cli.bench import Sampling, artifact_path, covariances_needed, markdown, parse_methods, run_bench, summarise
+from cafa_cli.bench import BenchPlan, Sampling, artifact_path, covariances_needed, markdown, parse_methods, run_bench, summarise
 from cafa_cli.fashion_mnist import check_installed
 from cafa_cli.fmnist_c import build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
@@ -62,6 +62,7 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         params_args = ["--params", ran.params] if ran.params != AdaptSettings.params else []
         echo(command_line("cafa", "adapt", *stats_args, "--method", ran.method, *data_args, *params_args,
                           "--batch-size", ran.batch_size, "--lr", ran.lr, "--seed", ran.seed))
-    errors = run_bench(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
-                       Sampling(fraction=1.0, seed=plan.seed), workdir, monitor)
+    bench = BenchPlan(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
+                      Sampling(fraction=1.0, seed=plan.seed), workdir)
+    errors = run_bench(bench, monitor)
     return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])

@@ -17,17 +17,17 @@ ZOO_DIR = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class BundledModel:
-    name: str
     build: Callable[[], nn.Module]  # the architecture with random weights
     weights: Path  # safetensors file inside the package
     class_names: tuple[str, ...]
     preprocessing: dict  # keyword arguments of cafa_cli.preprocessing.Preprocessing
-    description: str
+    training_data: str  # what cafa bench computes its statistics from when no --train is given
 
 
 BUNDLED: dict[str, BundledModel] = {
+    # a small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST's 28×28 grey images;
+    # retrain it with python -m cafa_cli.zoo.train_fmnist
     "fmnist-resnet": BundledModel(
-        name="fmnist-resnet",
         build=build_fmnist_resnet,
         weights=ZOO_DIR / "fmnist_resnet.safetensors",
         class_names=tuple(FASHION_MNIST_CLASSES),
@@ -38,10 +38,7 @@ BUNDLED: dict[str, BundledModel] = {
             "std": [FASHION_MNIST_STD],
             "channels": 1,
         },
-        description=(
-            "small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST 28x28 grey "
-            "images; retrain with: python -m cafa_cli.zoo.train_fmnist"
-        ),
+        training_data="fashion-mnist",
     ),
 }
 
