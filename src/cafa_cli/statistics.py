@@ -231,12 +231,11 @@ def estimate(
     moments.consumed = True
     if covariance == "auto":
         covariance = choose_covariance(moments, shrinkage)
+    names = class_names or [str(c) for c in range(moments.num_classes)]
+    counts = _checked_counts(moments, names)
     if covariance == "lowrank":
-        return _estimate_lowrank(moments, shrinkage, class_names)
+        return _estimate_lowrank(moments, shrinkage, names, counts)
     C, d = moments.num_classes, moments.dim
-    names = class_names or [str(c) for c in range(C)]
-    means = torch.zeros(C, d, dtype=torch.float32)
-    counts = torch.zeros(C, dtype=torch.int64)
     pooled = torch.zeros(d, d, dtype=torch.float64)
     class_mean64 = torch.zeros(C, d, dtype=torch.float64)
     per_class_factors = torch.zeros((C, d, d) if covariance == "full" else (C, d), dtype=torch.float32)
@@ -244,10 +243,7 @@ def estimate(
     failed: list[str] = []
 
     for c in range(C):
-        n, mean, scatter = moments.moments(c)
-        if n < 2:
-            raise InputError(f"class {names[c]} has {n} feature vector(s); at least 2 are needed for a covariance")
-        means[c], counts[c], class_mean64[c] = mean.float(), n, mean
+        n, class_mean64[c], scatter = moments.moments(c)
         pooled += scatter
         if covariance != "tied":
             sample_cov = scatter / n
@@ -279,27 +275,37 @@ def estimate(
     if not torch.isfinite(per_class_factors).all():
         raise InputError("precision factors overflow float32 (near-zero feature variance); raise --shrinkage")
 
-    global_mean, global_covariance = _global_moments(counts, class_mean64, pooled)
+    return _gaussians(covariance, class_mean64, counts, pooled, per_class_factors, lambdas, shrinkage)
+
+
+def _checked_counts(moments: ClassMoments, names: list[str]) -> torch.Tensor:
+    counts = torch.tensor([moments.total(c) for c in range(moments.num_classes)], dtype=torch.int64)
+    for c, n in enumerate(counts.tolist()):
+        if n < 2:
+            raise InputError(f"class {names[c]} has {n} feature vector(s); at least 2 are needed for a covariance")
+    return counts
+
+
+def _gaussians(
+    covariance: str, class_mean64: torch.Tensor, counts: torch.Tensor, pooled: torch.Tensor, factors: torch.Tensor,
+    lambdas: torch.Tensor, shrinkage: float | str, **lowrank: torch.Tensor,
+) -> ClassGaussians:
+    """The estimate, with the mean and total covariance of all features (for Global FA)
+    from the class means and the pooled within-class scatter."""
+    total = int(counts.sum())
+    global_mean = (counts.double() / total) @ class_mean64
+    between = (class_mean64 - global_mean).T @ ((class_mean64 - global_mean) * counts.double()[:, None])
     return ClassGaussians(
-        means=means,
-        factors=per_class_factors,
+        means=class_mean64.float(),
+        factors=factors,
         counts=counts,
         shrinkage=lambdas,
         covariance=covariance,
         global_mean=global_mean.float(),
-        global_covariance=global_covariance.float(),
+        global_covariance=((pooled + between) / total).float(),
         shrinkage_method="oas" if shrinkage == "auto" else "fixed",
+        **lowrank,
     )
-
-
-def _global_moments(counts: torch.Tensor, class_mean64: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and total covariance of all features (for Global FA) from the class means
-    and the pooled within-class scatter."""
-    total = int(counts.sum())
-    weights = counts.double() / total
-    global_mean = weights @ class_mean64
-    between = (class_mean64 - global_mean).T @ ((class_mean64 - global_mean) * counts.double()[:, None])
-    return global_mean, (pooled + between) / total
 
 
 _POOL_ROWS = 1024  # centred rows gathered before one rank-k update of the pooled scatter
@@ -320,7 +326,7 @@ def _one_thread():
             torch.set_num_threads(before)
 
 
-def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names: list[str] | None) -> ClassGaussians:
+def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list[str], counts: torch.Tensor) -> ClassGaussians:
     """Σ_c = (1 − λ_c)·S_c + a_c·I = a_c·I + Q_cᵀ diag(e_c) Q_c, a_c = λ_c·tr(S_c)/d.
 
     A class never folded (N_c < d) goes through the thin SVD of its N_c×d centred rows:
@@ -330,13 +336,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
     scatter. All in float64; a_c, Q_c (rows, zero-padded to k) and e_c stored as float32.
     """
     C, d = moments.num_classes, moments.dim
-    names = class_names or [str(c) for c in range(C)]
-    counts = torch.tensor([moments.total(c) for c in range(C)], dtype=torch.int64)
-    for c in range(C):
-        if counts[c] < 2:
-            raise InputError(f"class {names[c]} has {int(counts[c])} feature vector(s); at least 2 are needed for a covariance")
     k = min(int(counts.max()) - 1, d)  # centred rows have rank ≤ N_c − 1
-    means = torch.zeros(C, d, dtype=torch.float32)
     class_mean64 = torch.zeros(C, d, dtype=torch.float64)
     basis = torch.zeros(C, k, d, dtype=torch.float32)
     spectrum = torch.zeros(C, k, dtype=torch.float32)
@@ -382,7 +382,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
             failed.append(f"{names[c]} (N={n}, d={d})")
         r = len(eigenvalues)
         rank_used = max(rank_used, r)
-        means[c], class_mean64[c] = mean.float(), mean
+        class_mean64[c] = mean
         lambdas[c], isotropic[c] = lam, a
         basis[c, :r] = vectors.float()
         spectrum[c, :r] = ((1 - lam) * eigenvalues).float()
@@ -396,19 +396,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, class_names
         )
     if rank_used < k:  # duplicate rows everywhere: drop padding no class uses
         basis, spectrum = basis[:, :rank_used].clone(), spectrum[:, :rank_used].clone()
-    global_mean, global_covariance = _global_moments(counts, class_mean64, pooled)
-    return ClassGaussians(
-        means=means,
-        factors=basis,
-        counts=counts,
-        shrinkage=lambdas,
-        covariance="lowrank",
-        global_mean=global_mean.float(),
-        global_covariance=global_covariance.float(),
-        shrinkage_method="oas" if shrinkage == "auto" else "fixed",
-        isotropic=isotropic.float(),
-        spectrum=spectrum,
-    )
+    return _gaussians("lowrank", class_mean64, counts, pooled, basis, lambdas, shrinkage, isotropic=isotropic.float(), spectrum=spectrum)
 
 
 def _factor(covariance: torch.Tensor, mode: str) -> tuple[torch.Tensor, bool]:
