@@ -51,6 +51,7 @@ from cafa_cli.report import (
     summary_table,
     write_json,
 )
+from cafa_cli.statistics import parse_shrinkage
 
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
@@ -238,7 +239,7 @@ def stats(
     quiet: QuietOpt = False,
 ):
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
-    shrink = _parse_shrinkage(shrinkage)
+    shrink = parse_shrinkage(shrinkage)
     console = _stderr(quiet)
     with Monitor(console, quiet or torchrun_rank() > 0) as monitor:
         artifact = compute_statistics(
@@ -265,15 +266,6 @@ def stats(
         f"{artifact.metadata['num_images']} images, covariance {artifact.covariance}"
         + (f", {skipped} unreadable image{'s' if skipped != 1 else ''} skipped" if skipped else "")
     )
-
-
-def _parse_shrinkage(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"--shrinkage must be 'auto' or a number in [0, 1], not {text!r}") from None
 
 
 @app.command()
@@ -474,7 +466,7 @@ def bench_command(
         train=bench.training_data(train, model, rows),
         train_choice=train_choice,
         test_choice=DataChoice(labels, severity, classes, test_changes),
-        sampling=bench.Sampling(fraction, per_class, shrinkage=_parse_shrinkage(shrinkage)),
+        sampling=bench.Sampling(fraction, per_class, shrinkage=parse_shrinkage(shrinkage)),
         workdir=Path(workdir),
     )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
