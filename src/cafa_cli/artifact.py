@@ -134,15 +134,17 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
-def check_outputs_apart(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
-    """Every output file is neither an input nor another output (`--out` naming the
-    `--weights` file would replace the checkpoint with an artifact): refused before any work."""
+def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
+    """Every output file can be written, and is neither an input nor another output (`--out`
+    naming the `--weights` file would replace the checkpoint with an artifact): checked
+    before any work, not after a long run."""
     given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
     taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [os.path.realpath(path) for _, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
         if path is None or path == "-" or _is_device(path):
             continue
+        check_writable(path)
         key = os.path.realpath(path)
         if Path(path).is_file() and any(key.startswith(folder + os.sep) for folder in folders):
             raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")

@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 
 from cafa_cli import __version__
 from cafa_cli import bench
-from cafa_cli.artifact import DEFAULT_PATH, check_outputs_apart, check_writable, read_artifact
+from cafa_cli.artifact import DEFAULT_PATH, check_outputs, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
@@ -316,9 +316,7 @@ def adapt(
         )
     check_format(fmt)
     outputs = {"--predictions": predictions, "--metrics-json": metrics_json}
-    check_outputs_apart(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
-    if metrics_json:
-        check_writable(metrics_json)  # before the run, not after it
+    check_outputs(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     settings = AdaptSettings(
         method=method, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
         bn_prior=bn_prior, reset=reset, shuffle=shuffle, seed=seed, device=device, precision=precision,
@@ -334,7 +332,7 @@ def adapt(
     )
     read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
     if read_from_stdin:
-        check_outputs_apart(outputs, {"--data -": read_from_stdin})  # the paths stdin listed, known only now
+        check_outputs(outputs, {"--data -": read_from_stdin})  # the paths stdin listed, known only now
     console = _stderr(quiet)
     output = open_output(predictions)
     writer = RecordWriter(output, fmt, job.class_names)
@@ -444,12 +442,9 @@ def bench_command(
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
     rows = bench.parse_methods(methods)
     seed_list = bench.parse_seeds(seeds)
-    check_outputs_apart({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
+    check_outputs({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
                         {"--train": train, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data,
                          "--workdir": workdir})
-    for out in (csv_out, json_out, plot_out):
-        if out:
-            check_writable(out)  # fail now, not after the whole grid has run
     train_choice = DataChoice(classes_file=classes, preprocessing=_preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
     test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}

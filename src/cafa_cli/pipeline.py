@@ -13,7 +13,7 @@ import torch
 
 from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter, check_settings
-from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_outputs_apart, check_writable, read_artifact, write_artifact
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_outputs, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import (
     Domain,
@@ -140,9 +140,8 @@ def compute_statistics(
         raise UsageError(f"--per-class must be at least 2, not {per_class}")
     statistics.check_options(covariance, shrinkage)
     _check_loading(batch_size, num_workers, seed)
-    check_writable(out)
-    check_outputs_apart({"--out": str(out)}, {"--weights": model.weights, "--classes": data_choice.classes_file,
-                                              "--labels": data_choice.labels, "--data": data})
+    check_outputs({"--out": str(out)}, {"--weights": model.weights, "--classes": data_choice.classes_file,
+                                        "--labels": data_choice.labels, "--data": data})
     target = pick_device(device)
     preprocess = data_choice.recipe(model.model)
     net, spec = resolve_model(model)
