@@ -103,7 +103,7 @@ def main() -> None:
     print(f"| 0 (start) | {start_rss:.1f} | {peak_mib():.1f} | | 0 | 0 |")
     block = {"errors": 0, "n": 0}
 
-    def on_records(records):
+    def on_records(records, so_far):
         block["n"] += len(records)
         block["errors"] += sum(r.prediction != r.label for r in records)
 

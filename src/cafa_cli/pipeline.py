@@ -387,19 +387,9 @@ class Adaptation:
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
         monitor = monitor or Monitor()
-        running = {"errors": 0, "labelled": 0}  # of the domain being adapted, for its progress bar
 
-        def start(domain):
-            running.update(errors=0, labelled=0)
-            monitor.start(_short_name(domain.name), len(domain))
-
-        def records(batch_records):
-            for r in batch_records:
-                if r.label >= 0:
-                    running["labelled"] += 1
-                    running["errors"] += r.prediction != r.label
-            error = f"err {100 * running['errors'] / running['labelled']:.1f}%" if running["labelled"] else ""
-            monitor.advance(len(batch_records), error)
+        def records(batch_records, so_far: DomainResult):
+            monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
             on_records(batch_records)
 
         s = self.settings
@@ -415,7 +405,7 @@ class Adaptation:
             s.strict,
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
-            on_domain=start,
+            on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
 
 

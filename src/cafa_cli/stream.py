@@ -59,14 +59,15 @@ def adapt_domains(
     seed: int = 0,
     num_workers: int | None = None,
     strict: bool = False,
-    on_records: Callable[[list[Record]], None] = lambda records: None,
+    on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None,
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
     on_domain: Callable[[Domain], None] = lambda domain: None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it.
 
     reset: `domain` starts each domain from the source weights, `episodic` restores
-    them after every batch, `never` adapts continually across domains.
+    them after every batch, `never` adapts continually across domains. `on_records`
+    gets each batch's records and the domain's result so far.
     """
     check_reset(reset)
     torch.manual_seed(seed)
@@ -88,7 +89,7 @@ def adapt_domains(
                 if record.label != UNLABELLED:
                     result.labelled += 1
                     result.errors += record.prediction != record.label
-            on_records(records)
+            on_records(records, result)
             if reset == "episodic":
                 adapter.reset()
         if result.n == 0 and result.skipped_images:
