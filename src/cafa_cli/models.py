@@ -397,7 +397,7 @@ def pick_device(device: str) -> torch.device:
     return chosen
 
 
-def bundled_defaults(model: str):
+def bundled_defaults(model: str | None):
     """The class names and preprocessing a bundled model was trained with, else None."""
     from cafa_cli.zoo import BUNDLED
 

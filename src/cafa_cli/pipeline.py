@@ -68,14 +68,14 @@ class DataChoice:
 
 
 def default_preprocessing(model: str | None) -> Preprocessing:
-    bundled = bundled_defaults(model) if model else None
+    bundled = bundled_defaults(model)
     return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
 
 
 def default_class_names(model: str | None, data: DataChoice) -> list[str] | None:
     if data.classes_file:
         return read_class_list(data.classes_file)
-    bundled = bundled_defaults(model) if model else None
+    bundled = bundled_defaults(model)
     return list(bundled.class_names) if bundled else None
 
 

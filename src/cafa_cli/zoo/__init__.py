@@ -10,7 +10,7 @@ from torch import nn
 
 from cafa_cli.errors import CafaError, UsageError
 from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
-from cafa_cli.zoo.fmnist_resnet import build_fmnist_resnet
+from cafa_cli.zoo.fmnist_resnet import FmnistResNet
 
 ZOO_DIR = Path(__file__).resolve().parent
 
@@ -28,7 +28,7 @@ BUNDLED: dict[str, BundledModel] = {
     # a small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST's 28×28 grey images;
     # retrain it with python -m cafa_cli.zoo.train_fmnist
     "fmnist-resnet": BundledModel(
-        build=build_fmnist_resnet,
+        build=FmnistResNet,
         weights=ZOO_DIR / "fmnist_resnet.safetensors",
         class_names=tuple(FASHION_MNIST_CLASSES),
         preprocessing={

@@ -47,8 +47,6 @@ class ResidualBlock(nn.Module):
 
 
 class FmnistResNet(nn.Module):
-    feature_dim = FEATURE_DIM
-
     def __init__(self, num_classes: int = NUM_CLASSES):
         super().__init__()
         self.conv1 = nn.Conv2d(1, STEM_WIDTH, 3, 1, padding=1, bias=False)
@@ -66,7 +64,3 @@ class FmnistResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.features(x))
-
-
-def build_fmnist_resnet() -> FmnistResNet:
-    return FmnistResNet()

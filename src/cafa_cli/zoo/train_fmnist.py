@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from cafa_cli.artifact import atomic_write
 from cafa_cli.errors import CafaError
 from cafa_cli.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
-from cafa_cli.zoo.fmnist_resnet import build_fmnist_resnet
+from cafa_cli.zoo.fmnist_resnet import FmnistResNet
 
 DEFAULT_OUT = Path(__file__).resolve().with_name("fmnist_resnet.safetensors")
 DEFAULT_EPOCHS = 6
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     torch.manual_seed(args.seed)
-    model = build_fmnist_resnet()
+    model = FmnistResNet()
     train(model, to_unit_tensor(train_images), torch.from_numpy(train_labels), args.epochs, args.seed)
     accuracy = evaluate(model, to_unit_tensor(test_images), torch.from_numpy(test_labels))
     wall_seconds = time.perf_counter() - started
