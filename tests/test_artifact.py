@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import cafa_cli.artifact as artifact_module
-from cafa_cli.artifact import atomic_write, read_artifact, write_artifact
+from cafa_cli.artifact import read_artifact, write_artifact
+from cafa_cli.files import atomic_write
 from cafa_cli.errors import InputError
 from cafa_cli.models import ModelSpec
 from cafa_cli.preprocessing import Preprocessing

@@ -20,7 +20,8 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
-from cafa_cli.models import bundled_defaults, open_safetensors
+from cafa_cli.files import atomic_write, open_safetensors
+from cafa_cli.models import bundled_defaults
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -32,7 +33,7 @@ from cafa_cli.pipeline import (
     recorded_data,
     resolve_model,
 )
-from cafa_cli.report import Monitor, atomic_write
+from cafa_cli.report import Monitor
 from cafa_cli.statistics import check_options
 from cafa_cli.zoo import BUNDLED
 

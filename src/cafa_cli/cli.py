@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 
 from cafa_cli import __version__
 from cafa_cli import bench
-from cafa_cli.artifact import DEFAULT_PATH, check_outputs, read_artifact
+from cafa_cli.artifact import DEFAULT_PATH, read_artifact
 from cafa_cli.config import read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
@@ -30,6 +30,7 @@ from cafa_cli.distributed import (
     torchrun_rank,
 )
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, printable
+from cafa_cli.files import check_outputs
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
 from cafa_cli.inspect import describe, render
 from cafa_cli.models import pick_device

@@ -6,12 +6,10 @@ captures them, so any architecture works without rewriting its forward.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import importlib
 import importlib.util
-import os
 import pickle
 import sys
 import warnings
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 
 from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import open_safetensors
 
 HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
 # what a clone without git-lfs leaves in place of a large file: a few lines of text
@@ -132,22 +131,6 @@ def parameters_sha256(module: nn.Module) -> str:
             raw = raw.reshape(-1, tensor.element_size() // (2 if tensor.is_complex() else 1)).flip(1).reshape(-1)
         digest.update(raw.numpy())
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def open_safetensors(path: str | Path):
-    """safetensors' safe_open, also for a file name that is not UTF-8: safetensors takes the
-    name as a Rust string, so such a file is opened here and read through its /dev/fd link."""
-    from safetensors import safe_open
-
-    try:
-        os.fsencode(path).decode("utf-8")
-    except UnicodeDecodeError:
-        with open(path, "rb") as file, safe_open(f"/dev/fd/{file.fileno()}", framework="pt") as f:
-            yield f
-        return
-    with safe_open(str(path), framework="pt") as f:
-        yield f
 
 
 def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter, check_settings
-from cafa_cli.artifact import DEFAULT_PATH, Artifact, check_outputs, read_artifact, write_artifact
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import (
     Domain,
@@ -29,6 +29,7 @@ from cafa_cli.data import (
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import check_outputs
 from cafa_cli.models import (
     FeatureClassifier,
     ModelSpec,

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from cafa_cli.artifact import atomic_write, check_writable
+from cafa_cli.files import atomic_write, check_writable
 from cafa_cli.errors import UsageError, printable
 from cafa_cli.stream import DomainResult, Record
 

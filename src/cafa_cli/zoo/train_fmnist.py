@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cafa_cli.artifact import atomic_write
+from cafa_cli.files import atomic_write
 from cafa_cli.errors import CafaError
 from cafa_cli.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.zoo.fmnist_resnet import FmnistResNet

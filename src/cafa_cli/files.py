@@ -1,0 +1,101 @@
+"""Files the commands write and read: outputs checked before a long job, written
+atomically, and safetensors files opened whatever their names' encoding."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from cafa_cli.data import on_disk
+from cafa_cli.errors import InputError, UsageError
+
+
+def check_writable(path: str | Path) -> Path:
+    """A file name in an existing folder; checked before a long job as well as at the write."""
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{target} is a folder; give a file name to write to")
+    if not target.parent.exists():
+        raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
+    return target
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
+    """Every output file can be written, and is neither an input nor another output (`--out`
+    naming the `--weights` file would replace the checkpoint with an artifact): checked
+    before any work, not after a long run."""
+    given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
+    folders = [os.path.realpath(path) for _, path in given if Path(path).is_dir()]
+    for option, path in outputs.items():
+        if path is None or path == "-" or _is_device(path):
+            continue
+        check_writable(path)
+        key = os.path.realpath(path)
+        if Path(path).is_file() and any(key.startswith(folder + os.sep) for folder in folders):
+            raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")
+        if key in taken:
+            raise UsageError(f"{option} {path} is also the {taken[key]} file; writing it would destroy that: give {option} another path")
+        taken[key] = option
+
+
+def _is_device(path: str | Path) -> bool:
+    """/dev/null, /dev/stdout, a FIFO: something that exists and is not a regular file."""
+    return Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir()
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """Call write(temp_path), then move the result over `path`; on any failure
+    (including KeyboardInterrupt) remove the temporary file and keep the old `path`.
+    A device or FIFO (/dev/null, /dev/stdout) is written in place: renaming over it
+    would replace the device node itself. A symlink's target is replaced, not the link."""
+    if _is_device(path):
+        write(str(path))
+        return
+    target = check_writable(Path(os.path.realpath(path)) if os.path.islink(path) else path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise InputError(f"cannot write {target}: {error.strerror or error} in folder {target.parent}") from None
+    os.close(fd)
+    try:
+        write(tmp)
+        with contextlib.suppress(OSError):  # a file system without modes (FAT, some mounts) keeps its own
+            os.chmod(tmp, _new_file_mode(target))
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _new_file_mode(target: Path) -> int:
+    """The mode open(target, 'w') would give: the replaced file's, else 0o666 less the umask
+    (mkstemp makes its file 0o600, which would hide artifacts from the group for good)."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        pass
+    # the umask can only be read by setting it; set a strict one for that instant, so that
+    # a file another thread creates meanwhile gets fewer permissions, never more
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | Path):
+    """safetensors' safe_open, also for a file name that is not UTF-8: safetensors takes the
+    name as a Rust string, so such a file is opened here and read through its /dev/fd link."""
+    from safetensors import safe_open
+
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        with open(path, "rb") as file, safe_open(f"/dev/fd/{file.fileno()}", framework="pt") as f:
+            yield f
+        return
+    with safe_open(str(path), framework="pt") as f:
+        yield f
