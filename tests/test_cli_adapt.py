@@ -344,3 +344,26 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
         assert "No CUDA runtime" not in err and "a real error still shows" in err
     finally:
         torch_logger.setLevel(before)
+
+
+def test_adapt_settings_options_are_the_adapt_command_line_that_gives_them(monkeypatch):
+    """The demo prints each run as `cafa adapt ... <options()>`: parsed back, they are the settings."""
+    from dataclasses import fields
+
+    from cafa_cli import cli
+    from cafa_cli.errors import UsageError
+    from cafa_cli.pipeline import AdaptSettings
+
+    wanted = AdaptSettings(method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all", bn_prior=4.0,
+                           reset="episodic", shuffle=False, seed=3, device="cpu", precision="bf16", num_workers=1, strict=True, compile=True)
+    assert all(getattr(wanted, f.name) != f.default for f in fields(wanted))  # every option is exercised
+    seen = []
+
+    def capture(data, stats, model, data_choice, settings, allow_weights_mismatch):
+        seen.append(settings)
+        raise UsageError("captured")
+
+    monkeypatch.setattr(cli, "prepare_adaptation", capture)
+    runner.invoke(app, ["adapt", "--data", "x", *wanted.options()])
+    assert seen == [wanted]
+    assert AdaptSettings().options() == ["--method", "cafa"]

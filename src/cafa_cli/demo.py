@@ -55,13 +55,10 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed,
                           "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
     settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
+    data_args = [w for d in domains for w in ("--data", d)]
     for row in rows:
-        data_args = [w for d in domains for w in ("--data", d)]
         stats_args = ["--stats", artifact_path(workdir, row.covariance)] if row.covariance else ["--model", MODEL]
-        ran = row.settings(settings)
-        params_args = ["--params", ran.params] if ran.params != AdaptSettings.params else []
-        echo(command_line("cafa", "adapt", *stats_args, "--method", ran.method, *data_args, *params_args,
-                          "--batch-size", ran.batch_size, "--lr", ran.lr, "--seed", ran.seed))
+        echo(command_line("cafa", "adapt", *stats_args, *data_args, *row.settings(settings).options()))
     bench = BenchPlan(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
                       Sampling(fraction=1.0, seed=plan.seed), workdir)
     errors = run_bench(bench, monitor)

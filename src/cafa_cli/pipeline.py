@@ -5,7 +5,7 @@ The CLI, the demo and the benchmark all call these, so they run the same code.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -241,6 +241,20 @@ class AdaptSettings:
     num_workers: int | None = None  # None: data.loader_processes' default for the device
     strict: bool = False
     compile: bool = False
+
+    def options(self) -> list[str]:
+        """The `cafa adapt` options that give these settings: --method, then those off their defaults."""
+        words = ["--method", self.method]
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if option.name == "method" or value == option.default:
+                continue
+            flag = option.name.replace("_", "-")
+            if isinstance(value, bool):
+                words.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                words += [f"--{flag}", str(value)]
+        return words
 
 
 def check_adapt_settings(settings: AdaptSettings) -> torch.device:
