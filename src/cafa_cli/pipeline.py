@@ -147,20 +147,7 @@ def compute_statistics(
     preprocess = data_choice.recipe(model.model)
     net, spec = resolve_model(model)
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
-    class_names = default_class_names(model.model, data_choice)
-    domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
-    for note in [*domain.notes, padding_note(domain, preprocess)]:
-        if note:
-            monitor.warn(note)
-    if len(domain.labels) and (domain.labels < 0).all():
-        raise InputError(
-            f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
-            f"with one subfolder of images per class, or an array with --labels"
-        )
-    if class_names is None:
-        class_names = _class_names_of([domain], net)
-        domain = relabel(domain, class_names)
-    _check_classes(net, class_names, f"--data {data}")
+    domain, class_names = _training_domain(data, data_choice, model.model, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
     if per_class:
         counts = np.bincount(domain.labels[domain.labels >= 0], minlength=len(class_names))
@@ -179,6 +166,27 @@ def compute_statistics(
                 "seed": seed, "skipped_images": moments.skipped_images}
     write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
     return read_artifact(out, load_tensors=False)
+
+
+def _training_domain(
+    data: str, data_choice: DataChoice, model: str, net: FeatureClassifier, preprocess: Preprocessing, monitor: Monitor,
+) -> tuple[Domain, list[str]]:
+    """The labelled training data and its class names in the model's output order."""
+    class_names = default_class_names(model, data_choice)
+    domain = open_domain(data, class_names, data_choice.labels, data_choice.severity)
+    for note in [*domain.notes, padding_note(domain, preprocess)]:
+        if note:
+            monitor.warn(note)
+    if len(domain.labels) and (domain.labels < 0).all():
+        raise InputError(
+            f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
+            f"with one subfolder of images per class, or an array with --labels"
+        )
+    if class_names is None:
+        class_names = _class_names_of([domain], net)
+        domain = relabel(domain, class_names)
+    _check_classes(net, class_names, f"--data {data}")
+    return domain, class_names
 
 
 def _accumulate(net, domain, preprocess, indices, class_names, target, batch_size, num_workers, strict, monitor):
