@@ -658,6 +658,18 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_
     assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()
     image = next((Path(setup["train"]) / "a").glob("*.png"))
     fails(adapt(setup, setup["train"], "--predictions", image), 2, f"--predictions {image} is a file inside an input folder")
+    # a new file too, when the next run would take it for an image of the data
+    new_image = Path(setup["train"]) / "a" / "predictions.png"
+    fails(adapt(setup, setup["train"], "--predictions", new_image), 2, f"--predictions {new_image} would be read as an image of --data next time")
+    assert not new_image.exists()
+    # `-` is standard output for the records only: elsewhere it is refused, not made a file named "-"
+    for option in ("--metrics-json", "--predictions"):
+        result = adapt(setup, setup["train"], "--quiet", option, "-")
+        if option == "--predictions":
+            assert result.exit_code == 0 and result.stdout.startswith("path,"), result.stderr
+        else:
+            fails(result, 2, "--metrics-json -: only the records of cafa adapt (--predictions) go to standard output")
+    fails(run("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--out", "-"), 2, "--out -: only the records")
 
 
 def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_path):

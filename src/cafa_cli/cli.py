@@ -316,6 +316,7 @@ def adapt(
             "run it without torchrun (one process per domain or GPU), or use cafa bench to spread domains over ranks"
         )
     check_format(fmt)
+    predictions = None if predictions == "-" else predictions  # stdout, as without the option
     outputs = {"--predictions": predictions, "--metrics-json": metrics_json}
     check_outputs(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     settings = AdaptSettings(

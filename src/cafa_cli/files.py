@@ -9,7 +9,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from cafa_cli.data import on_disk
+from cafa_cli.data import IMAGE_EXTENSIONS, on_disk
 from cafa_cli.errors import InputError, UsageError
 
 
@@ -23,20 +23,30 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
+IMAGE_INPUTS = ("--data", "--train")  # the options whose folders are searched for images
+
+
 def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
     """Every output file can be written, and is neither an input nor another output (`--out`
-    naming the `--weights` file would replace the checkpoint with an artifact): checked
-    before any work, not after a long run."""
+    naming the `--weights` file would replace the checkpoint with an artifact), nor a file
+    the next run would read as an image of the data: checked before any work, not after a
+    long run. `-` (stdout) is for the records only; callers map it before they get here."""
     given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
     taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
-    folders = [os.path.realpath(path) for _, path in given if Path(path).is_dir()]
+    folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
-        if path is None or path == "-" or _is_device(path):
+        if path is None or _is_device(path):
             continue
+        if path == "-":
+            raise UsageError(f"{option} -: only the records of cafa adapt (--predictions) go to standard output; give {option} a file name")
         check_writable(path)
         key = os.path.realpath(path)
-        if Path(path).is_file() and any(key.startswith(folder + os.sep) for folder in folders):
+        inside = [folder_option for folder_option, folder in folders if key.startswith(folder + os.sep)]
+        if inside and Path(path).is_file():
             raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")
+        read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
+        if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
+            raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
         if key in taken:
             raise UsageError(f"{option} {path} is also the {taken[key]} file; writing it would destroy that: give {option} another path")
         taken[key] = option
