@@ -84,6 +84,12 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
     one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(tmp_path / "nope")]), 3, f"--train {tmp_path / 'nope'}: no such")
     one_error_line(runner.invoke(app, [*base, "--weights", str(tmp_path / "nope.pt")]), 3, "--weights")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for image in (domain / "a").glob("*.png"):
+        (flat / image.name).write_bytes(image.read_bytes())
+    one_error_line(runner.invoke(app, [*base, str(flat), "--methods", "cafa", "--train", str(domain)]), 3,
+                   f"{flat}: no labels, so no error to benchmark")  # before the statistics
     assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
     one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")

@@ -96,12 +96,15 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def check_domains(domains: list[str], data_choice: DataChoice) -> None:
-    """Each test domain given once and readable with its options, before any statistics are computed."""
+    """Each test domain given once, readable with its options and labelled, before any statistics are computed."""
     repeated = sorted({d for d in domains if domains.count(d) > 1})
     if repeated:
         raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
     for domain in domains:
-        open_domain(domain, None, data_choice.labels, data_choice.severity)
+        labels = open_domain(domain, None, data_choice.labels, data_choice.severity).labels
+        if not (labels >= 0).any():
+            raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
+                             f"(or an array with --labels)")
 
 
 def recipes(model: str, **choices: DataChoice) -> dict[str, dict]:
