@@ -752,6 +752,8 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
         ({"crop": -3}, "--crop"),
         ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^--mean needs 1 value for 1 channel, got 3$"),
         ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^--std needs 1 value for 1 channel, got 2$"),
+        # the user gave no --mean: the message must not say they gave three values
+        ({"channels": 1}, r"^--channels 1: the default --mean is ImageNet's, with one value per RGB channel; give --mean and --std"),
     ],
 )
 def test_preprocessing_validation(kwargs, pattern):

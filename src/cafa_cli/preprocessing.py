@@ -41,6 +41,9 @@ class Preprocessing:
             raise UsageError(f"--channels must be 1 or 3, not {self.channels}")
         for name in ("mean", "std"):
             values = getattr(self, name)
+            if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
+                raise UsageError(f"--channels {self.channels}: the default --{name} is ImageNet's, with one value per RGB channel; "
+                                 f"give --mean and --std for your images, one value each")
             if len(values) not in (1, self.channels):
                 counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
                 raise UsageError(f"--{name} needs {counts}, got {len(values)}")
