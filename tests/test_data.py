@@ -153,6 +153,10 @@ def test_read_class_list(tmp_path):
         read_class_list(str(path))
     with pytest.raises(InputError, match="no such file"):
         read_class_list(str(tmp_path / "absent.txt"))
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)  # as `--classes <(...)` gives: readable once, and the list is read more than once
+    with pytest.raises(InputError, match="not a regular file .a folder or a pipe.; write the class list to a file"):
+        read_class_list(str(pipe))
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "latin-1", "nul"])

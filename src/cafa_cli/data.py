@@ -137,6 +137,9 @@ def _plain(name: str) -> str:
 
 def read_class_list(path: str) -> list[str]:
     file = Path(path)
+    if file.exists() and not file.is_file():
+        # a pipe (`--classes <(...)`) can be read only once, and the list is read more than once
+        raise InputError(f"--classes {path}: not a regular file (a folder or a pipe); write the class list to a file")
     if not file.is_file():
         raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
     try:
