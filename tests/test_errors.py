@@ -508,8 +508,17 @@ def test_unknown_reset_policy(setup):
     assert result.stdout == ""
 
 
-def test_missing_required_option(setup):
-    fails(run("adapt", "--stats", setup["artifact"]), 2, "Missing option '--data'", "cafa adapt --help")
+def test_missing_required_option(setup, tmp_path):
+    fails(run("stats", "--model", TINY_NET, "--out", tmp_path / "s.safetensors"), 2, "Missing option '--data'", "cafa stats --help")
+    fails(run("adapt", "--stats", setup["artifact"]), 2, "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
+
+
+def test_adapt_takes_domains_as_arguments_as_well_as_with_data(setup):
+    as_options = adapt(setup, setup["train"], "--quiet", "--no-shuffle", "--data", setup["train"])
+    as_arguments = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet", "--no-shuffle",
+                       setup["train"], setup["train"])
+    assert as_options.exit_code == 0, as_options.stderr
+    assert as_arguments.stdout == as_options.stdout and as_options.stdout.count("\n") > 2
 
 
 def test_option_value_of_the_wrong_type(setup):

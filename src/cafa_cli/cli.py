@@ -106,6 +106,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: rich's boxed tables cut option names short at 80 columns
+    # (--allow-weights-m…) and show every flag as taking a <bool> value
+    rich_markup_mode=None,
 )
 _debug = {"on": False}
 
@@ -161,6 +164,8 @@ def reports_errors(command):
 
 
 # --- shared options --------------------------------------------------------------
+# The preprocessing defaults: cafa adapt uses the recipe its artifact recorded, the
+# others the bundled model's, else ImageNet's (resize 256, crop 224, RGB mean and std).
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a factory: file.py:function or package.module:function.")]
 WeightsOpt = Annotated[Optional[str], typer.Option("--weights", "-w", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True).")]
@@ -169,10 +174,10 @@ ClassifierOpt = Annotated[Optional[str], typer.Option("--classifier", help="Name
 TrustOpt = Annotated[bool, typer.Option("--trust-checkpoint", help="Allow .pt/.pth files that hold Python objects. Unpickling them can run arbitrary code: only for files you trust.")]
 LabelsOpt = Annotated[Optional[str], typer.Option("--labels", help="Labels .npy for a --data .npy array.")]
 SeverityOpt = Annotated[Optional[int], typer.Option("--severity", help="Pick severity 1-5 from an array stacking five (CIFAR-10-C layout).")]
-ResizeOpt = Annotated[Optional[str], typer.Option("--resize", help="Resize the shorter side to this (int or 'none'). Default: 256, or the bundled model's.")]
-CropOpt = Annotated[Optional[str], typer.Option("--crop", help="Centre crop (int or 'none'). Default 224. ImageNet-C is already 224x224: use --resize none --crop none.")]
-MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Normalisation mean, one value or one per channel (default ImageNet's).")]
-StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std, one value or one per channel.")]
+ResizeOpt = Annotated[Optional[str], typer.Option("--resize", help="Resize the shorter side to this (int or 'none'). Default: the artifact's (adapt), the bundled model's, or 256.")]
+CropOpt = Annotated[Optional[str], typer.Option("--crop", help="Centre crop (int or 'none'); default as --resize's, or 224. ImageNet-C is already 224x224: use --resize none --crop none.")]
+MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Normalisation mean, one value or one per channel; default as --resize's, or ImageNet's.")]
+StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std, one value or one per channel; default as --mean's.")]
 ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey) or 3 (RGB).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
@@ -210,7 +215,7 @@ def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
 # --- commands --------------------------------------------------------------------
 
 
-@app.command()
+@app.command(short_help="Per-class feature Gaussians of training images → an artifact.")
 @reports_errors
 def stats(
     data: Annotated[str, typer.Option("--data", "-d", help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT / fashion-mnist:ROOT.")],
@@ -269,10 +274,11 @@ def stats(
     )
 
 
-@app.command()
+@app.command(short_help="Adapt a model online over test images; one prediction per image.")
 @reports_errors
 def adapt(
-    data: Annotated[list[str], typer.Option("--data", "-d", help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for image paths on stdin.")],
+    domains: Annotated[Optional[list[str]], typer.Argument(help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.", show_default=False)] = None,
+    data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="A test domain (repeatable), as well as or instead of the arguments: ImageFolder, unlabelled folder, .npy array, or '-' for image paths on stdin.")] = None,
     stats: Annotated[Optional[str], typer.Option("--stats", "-s", help=f"Artifact from cafa stats (default: {DEFAULT_PATH}); it also names the model, so --model/--weights can be left out.")] = None,
     method: Annotated[str, typer.Option("--method", help="cafa, source, bn, pl, tent, global-fa, intra, euclidean.")] = "cafa",
     model: ModelOpt = None,
@@ -310,6 +316,9 @@ def adapt(
     quiet: QuietOpt = False,
 ):
     """Adapt a model online over test domains; print one prediction per image."""
+    data = [*(data or []), *(domains or [])]
+    if not data:
+        raise UsageError("give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
     if launched_by_torchrun():
         raise UsageError(
             "cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it again; "
@@ -353,7 +362,7 @@ def adapt(
         write_json(metrics_json, metrics(method, results, job.used))
 
 
-@app.command("inspect")
+@app.command("inspect", short_help="Summarise and validate an artifact.")
 @reports_errors
 def inspect_command(
     artifact: Annotated[str, typer.Argument(help="A cafa statistics artifact.")] = DEFAULT_PATH,
@@ -367,7 +376,7 @@ def inspect_command(
         Console(highlight=False).print(render(summary))
 
 
-@app.command()
+@app.command(short_help="CAFA on real corrupted images, offline: Fashion-MNIST-C.")
 @reports_errors
 def demo(
     workdir: Annotated[str, typer.Option("--workdir", help="Where the data and artifacts go (re-used on a second run).")] = "cafa-demo",
@@ -393,7 +402,7 @@ def demo(
     print(table)
 
 
-@app.command("bench")
+@app.command("bench", short_help="Methods × domains × seeds → a paper-style error table.")
 @reports_errors
 def bench_command(
     domains: Annotated[Optional[list[str]], typer.Argument(help="Labelled test domains, e.g. fashion-mnist-c/*/3 as the shell expands it.", show_default=False)] = None,
