@@ -513,6 +513,13 @@ def test_missing_required_option(setup, tmp_path):
     fails(run("adapt", "--stats", setup["artifact"]), 2, "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
 
 
+def test_a_method_without_statistics_and_no_artifact_asks_for_the_model(setup, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no cafa-stats.safetensors here
+    fails(run("adapt", setup["train"], "--method", "tent"), 2,
+          "give the model with --model (and --weights): --method tent needs no statistics, and there is no cafa-stats.safetensors")
+    fails(run("adapt", setup["train"]), 3, "cafa-stats.safetensors: no such artifact; create one with cafa stats")
+
+
 def test_adapt_takes_domains_as_arguments_as_well_as_with_data(setup):
     as_options = adapt(setup, setup["train"], "--quiet", "--no-shuffle", "--data", setup["train"])
     as_arguments = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet", "--no-shuffle",

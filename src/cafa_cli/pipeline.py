@@ -284,6 +284,9 @@ def load_for_adaptation(
     """The model (from the artifact unless overridden) and the artifact, checked against each other."""
     artifact = None
     stats_path = stats or DEFAULT_PATH
+    if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
+        raise UsageError(f"give the model with --model (and --weights): --method {method} needs no statistics, "
+                         f"and there is no {stats_path} to name it")
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
     if model.model is None and artifact is None:
