@@ -367,3 +367,11 @@ def test_adapt_settings_options_are_the_adapt_command_line_that_gives_them(monke
     runner.invoke(app, ["adapt", "--data", "x", *wanted.options()])
     assert seen == [wanted]
     assert AdaptSettings().options() == ["--method", "cafa"]
+
+
+def test_a_domain_of_one_batch_is_flagged_for_gradient_methods(setup):
+    """Each batch is predicted before its update: a domain that fits in one batch cannot show adaptation."""
+    caution = "fits in one batch of --batch-size 90, predicted before any update: tent cannot differ from bn there"
+    assert caution in adapt(setup, "--method", "tent", "--batch-size", "90").stderr
+    assert "fits in one batch" not in adapt(setup, "--method", "tent").stderr  # 3 batches of 30
+    assert "fits in one batch" not in adapt(setup, "--method", "bn", "--batch-size", "90").stderr

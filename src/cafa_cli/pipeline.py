@@ -402,6 +402,11 @@ class Adaptation:
         if s.batch_size > 1 and batch_statistics and alone:
             notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
                          f"choose a --batch-size that leaves more, or add --bn-prior 16")
+        one_batch = [_short_name(d.name) for d in self.domains if 0 < len(d) <= s.batch_size]
+        if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
+            # each batch is predicted before the update it gives (the online protocol)
+            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of --batch-size {s.batch_size}, "
+                         f"predicted before any update: {s.method} cannot differ from bn there; lower --batch-size")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
