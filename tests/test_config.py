@@ -77,6 +77,16 @@ def test_the_real_entry_point_reports_a_bad_config_in_one_line(tmp_path):
     assert done.stderr.strip() == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed'"
 
 
+def test_a_value_of_the_wrong_type_in_the_file_names_the_file_not_the_help(tmp_path):
+    """The user typed no --batch-size: the error says where the value came from."""
+    (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = "abc"\n')
+    done = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--data", "x"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith("cafa: error: Invalid value for '--batch-size'") and done.stderr.strip().endswith("(set in cafa.toml)")
+    typed = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--data", "x", "--lr", "fast"], cwd=tmp_path, capture_output=True, text=True)
+    assert "Invalid value for '--lr'" in typed.stderr and "adapt --help')" in typed.stderr
+
+
 @pytest.mark.parametrize("flag", ["--help", "--version"])
 def test_help_and_version_still_work_with_a_bad_config(tmp_path, flag):
     (tmp_path / "cafa.toml").write_text("[adapt]\nspeed = 3\n")

@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli import bench
 from cafa_cli.artifact import DEFAULT_PATH, read_artifact
-from cafa_cli.config import read_defaults
+from cafa_cli.config import defaults_source, read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
     launched_by_torchrun,
@@ -84,8 +84,11 @@ def _one_line_usage_errors():
         usage = any(k.__name__ == "UsageError" for k in type(error).__mro__) and not isinstance(error, CafaError)
         if not usage or type(error).__name__ == "NoArgsIsHelpError":
             raise
-        ctx = getattr(error, "ctx", None)
+        ctx, param = getattr(error, "ctx", None), getattr(error, "param", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        source = ctx.get_parameter_source(param.name) if ctx is not None and param is not None and param.name else None
+        if source is not None and source.name == "DEFAULT_MAP":  # the user typed no such value: say where it is
+            hint = f" (set in {defaults_source(Path.cwd())})"
         raise _fail(f"{error.format_message()}{hint}", error.exit_code) from None
 
 

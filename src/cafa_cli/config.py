@@ -53,6 +53,11 @@ def read_defaults(folder: str | Path, options: dict[str, set[str]], repeatable: 
     return defaults
 
 
+def defaults_source(folder: str | Path) -> str:
+    """Where read_defaults found the defaults, for errors about their values."""
+    return CONFIG_FILE if (Path(folder) / CONFIG_FILE).is_file() else "[tool.cafa] in pyproject.toml"
+
+
 def _load(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
