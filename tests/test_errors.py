@@ -640,9 +640,13 @@ def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_
 
 
 def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
-    result = stats(setup, setup["train"], "--per-class", "10", "--out", tmp_path / "s.safetensors")
+    args = ["stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--out", tmp_path / "s.safetensors"]
+    result = run(*args, "--per-class", "10")
     assert result.exit_code == 0, result.stderr
     assert "warning: --per-class 10: fewer images in a (6), b (6), c (6); all of theirs are used" in result.stderr
+    # both would choose the images: neither silently wins
+    fails(run(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
+    fails(run("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
 
 
 @pytest.mark.parametrize("count", ["0", "-3"])

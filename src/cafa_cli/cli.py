@@ -184,6 +184,8 @@ StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std,
 ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey) or 3 (RGB).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
+FractionOpt = Annotated[Optional[float], typer.Option("--fraction", show_default=False, help="Stratified fraction of each class's training images for the statistics, in (0, 1]; default 0.05.")]
+PerClassOpt = Annotated[Optional[int], typer.Option("--per-class", help="This many training images per class instead of a --fraction.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
 ShrinkageOpt = Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
@@ -198,6 +200,13 @@ BnPriorOpt = Annotated[float, typer.Option("--bn-prior", help="Source BN statist
 ResetOpt = Annotated[str, typer.Option("--reset", help="domain (each --data from the source weights), episodic (every batch), never (continual).")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, CUDA only).")]
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")]
+
+
+def _fraction(fraction: float | None, per_class: int | None) -> float | None:
+    """--fraction (0.05 when neither is given) or --per-class: one of them, not both."""
+    if fraction is not None and per_class is not None:
+        raise UsageError("--fraction and --per-class both say how many training images to use; give one of them")
+    return 0.05 if fraction is None and per_class is None else fraction
 
 
 def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
@@ -230,8 +239,8 @@ def stats(
     classes: Annotated[Optional[str], typer.Option("--classes", help="File with one class name per line, in the model's output order (default: sorted folder names).")] = None,
     labels: LabelsOpt = None,
     severity: SeverityOpt = None,
-    fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of each class to use, in (0, 1].")] = 0.05,
-    per_class: Annotated[Optional[int], typer.Option("--per-class", help="Use this many images per class instead of --fraction.")] = None,
+    fraction: FractionOpt = None,
+    per_class: PerClassOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stratified subset.")] = 0,
     covariance: Annotated[str, typer.Option("--covariance", help="auto (lowrank when every class has fewer images than feature dimensions, else full), full (per class), lowrank (exact, a·I + low rank per class), tied (one pooled), or diag.")] = "auto",
     shrinkage: ShrinkageOpt = "auto",
@@ -256,7 +265,7 @@ def stats(
             out,
             ModelChoice(model, weights, num_classes, classifier, trust_checkpoint),
             DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels)),
-            fraction=fraction,
+            fraction=_fraction(fraction, per_class),
             per_class=per_class,
             seed=seed,
             covariance=covariance,
@@ -428,8 +437,8 @@ def bench_command(
     test_crop: Annotated[Optional[str], typer.Option("--test-crop", help="--crop for the test domains only (default: --crop). ImageNet-C: none.")] = None,
     methods: Annotated[str, typer.Option("--methods", show_default=False, help="Rows, comma-separated, from source, bn, pl, tent, cafa, global-fa, intra, euclidean (statistics with --covariance auto); cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the paper's CAFA-Full: --params all). Default: all but cafa-full, cafa-dense and cafa-lowrank. NAME@LR gives a row its own learning rate.")] = bench.DEFAULT_METHODS,
     seeds: Annotated[str, typer.Option("--seeds", help="Stream-order seeds, comma-separated; mean ± std over them.")] = "0",
-    fraction: Annotated[float, typer.Option("--fraction", help="Stratified fraction of the training data for the statistics.")] = 0.05,
-    per_class: Annotated[Optional[int], typer.Option("--per-class", help="Training images per class instead of --fraction.")] = None,
+    fraction: FractionOpt = None,
+    per_class: PerClassOpt = None,
     shrinkage: ShrinkageOpt = "auto",
     workdir: Annotated[str, typer.Option("--workdir", help="Where artifacts are kept and re-used.")] = "cafa-bench",
     batch_size: BatchSizeOpt = 200,
@@ -475,7 +484,7 @@ def bench_command(
         train=bench.training_data(train, model, rows),
         train_choice=train_choice,
         test_choice=DataChoice(labels, severity, classes, test_changes),
-        sampling=bench.Sampling(fraction, per_class, shrinkage=parse_shrinkage(shrinkage)),
+        sampling=bench.Sampling(_fraction(fraction, per_class), per_class, shrinkage=parse_shrinkage(shrinkage)),
         workdir=Path(workdir),
     )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
