@@ -345,6 +345,9 @@ def adapt(
         bn_prior=bn_prior, reset=reset, shuffle=shuffle, seed=seed, device=device, precision=precision,
         num_workers=num_workers, strict=strict, compile=compile_model,
     )
+    console = _stderr(quiet)
+    if "-" in data and sys.stdin.isatty():  # else a terminal would wait with no word of why
+        console.print("reading image paths from standard input, one per line; end with Ctrl-D")
     job = prepare_adaptation(
         data,
         stats,
@@ -356,7 +359,6 @@ def adapt(
     read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
     if read_from_stdin:
         check_outputs(outputs, {"--data -": read_from_stdin})  # the paths stdin listed, known only now
-    console = _stderr(quiet)
     output = open_output(predictions)
     writer = RecordWriter(output, fmt, job.class_names)
     try:
