@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 from PIL import Image
-from torchvision.transforms import functional as TF
 
 from cafa_cli.errors import UsageError
 
@@ -80,6 +79,10 @@ class Preprocessing:
 
     def pixels(self, image: Image.Image) -> torch.Tensor:
         """The image resized and cropped: uint8, [channels, height, width]."""
+        # deferred: importing torchvision takes seconds, which commands that read no image
+        # (inspect, --help, a mistyped option) should not pay
+        from torchvision.transforms import functional as TF
+
         image = to_mode(image, "L" if self.channels == 1 else "RGB")
         if self.resize is not None:
             image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode.BILINEAR)
