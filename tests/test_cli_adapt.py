@@ -78,6 +78,12 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
     assert report["domains"][0]["data"] == str(setup["test"]) and report["domains"][0]["n"] == 90
     assert 0 <= report["domains"][0]["error"] <= 1
     assert report["settings"]["batch_size"] == 30 and report["settings"]["covariance"] == "full"
+    # what rebuilds the model, as resolved from the artifact: enough to reproduce the run
+    recorded = read_artifact(setup["artifact"], load_tensors=False).model
+    assert {k: report["settings"][k] for k in ("model", "weights", "weights_sha256", "num_classes", "classifier")} == {
+        "model": recorded.model, "weights": recorded.weights, "weights_sha256": recorded.weights_sha256,
+        "num_classes": recorded.num_classes, "classifier": recorded.classifier}
+    assert report["settings"]["classifier"] and (report["settings"]["classes"], report["settings"]["labels"]) == (None, None)
 
 
 def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):

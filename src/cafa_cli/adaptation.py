@@ -127,7 +127,7 @@ def make_objective(
     if method == "pl":
         return lambda logits, features: losses.pseudo_label(logits)
     if gaussians is None:
-        raise UsageError(f"--method {method} needs class statistics: pass --stats ARTIFACT (made by cafa stats)")
+        raise UsageError(f"--method {method} needs class statistics: pass --stats ARTIFACT (made by cafa stats; in Python, Adapter's gaussians)")
     if method == "global-fa":
         mean, covariance = gaussians.global_mean.to(device), gaussians.global_covariance.to(device)
         return lambda logits, features: losses.global_alignment(features, mean, covariance)

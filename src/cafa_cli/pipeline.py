@@ -502,8 +502,10 @@ def prepare_adaptation(
         "num_workers": loader_processes(settings.num_workers, device),
         "stats": artifact.path if artifact else None,
         "covariance": artifact.covariance if artifact else None,
-        "model": spec.model,
-        "weights": spec.weights,
+        **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
+        "classes": str(Path(data_choice.classes_file).resolve()) if data_choice.classes_file else None,
+        "labels": str(Path(data_choice.labels).resolve()) if data_choice.labels else None,
+        "severity": data_choice.severity,
         "preprocessing": asdict(preprocess),
     }
     return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None)
