@@ -402,6 +402,10 @@ class Adaptation:
         if s.batch_size > 1 and batch_statistics and alone:
             notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
                          f"choose a --batch-size that leaves more, or add --bn-prior 16")
+        grouped = [_short_name(d.name) for d in self.domains if _one_class_after_another(d.labels)]
+        if not s.shuffle and s.method != "source" and grouped:
+            notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
+                         f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
         one_batch = [_short_name(d.name) for d in self.domains if 0 < len(d) <= s.batch_size]
         if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
@@ -438,6 +442,12 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
+
+
+def _one_class_after_another(labels: np.ndarray) -> bool:
+    """Labels sorted into runs of one class each (class folders), over more than one class."""
+    known = labels[labels >= 0]
+    return len(np.unique(known)) > 1 and bool((np.diff(known) >= 0).all())
 
 
 def _geometry(recipe: Preprocessing) -> str:
