@@ -216,6 +216,22 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
 
 
+def test_a_factory_file_edited_since_the_statistics_is_refused(setup, tmp_path):
+    """The same parameters through edited code can give other features."""
+    factory = tmp_path / "net_copy.py"
+    factory.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
+    artifact = tmp_path / "s.safetensors"
+    made = runner.invoke(app, ["stats", "--model", f"{factory}:build", "--weights", str(setup["weights"]), "--data", str(setup["train"]),
+                               *PLAIN, "--fraction", "1", "--out", str(artifact)])
+    assert made.exit_code == 0, made.stderr
+    args = ["adapt", "--stats", str(artifact), "--model", f"{factory}:build", "--data", str(setup["test"]), "--quiet"]
+    assert runner.invoke(app, args).exit_code == 0
+    factory.write_text(factory.read_text().replace("return self.head(", "return -self.head("))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3 and f"{factory} has changed since the statistics in {artifact} were computed" in result.stderr
+    assert runner.invoke(app, [*args, "--allow-weights-mismatch"]).exit_code == 0
+
+
 def test_a_factory_file_copied_elsewhere_is_the_same_model(setup, tmp_path):
     """Another checkout or machine: the same function in a file with the same bytes."""
     moved = tmp_path / "elsewhere" / "tiny_net.py"

@@ -343,6 +343,9 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     if spec.model != recorded.model and not _same_factory(artifact, spec.model):
         # its code may compute other features from the same parameters
         return f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}"
+    if artifact.factory_sha256 is not None and factory_sha256(spec.model) != artifact.factory_sha256:
+        # the same parameters through edited code can give other features
+        return f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed (its sha256 differs)"
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
         return None  # the same file
     if artifact.parameters_sha256 is None:
