@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save_file
 
 import cafa_cli.artifact as artifact_module
 from cafa_cli.artifact import read_artifact, write_artifact
@@ -140,6 +140,13 @@ def test_atomic_write_writes_a_fifo_in_place_and_a_symlinks_target(tmp_path):
     atomic_write(fifo, lambda tmp: Path(tmp).write_text("hello"))
     reader.join(10)
     assert got == ["hello"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # safetensors' save_file renames its own temporary file over the path it is given
+    got.clear()
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write(fifo, lambda tmp: save_file({"x": torch.ones(3)}, tmp))
+    reader.join(10)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and torch.equal(load(got[0])["x"], torch.ones(3))
     target, link = tmp_path / "real.json", tmp_path / "link.json"
     target.write_text("old")
     link.symlink_to(target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -61,9 +62,15 @@ def atomic_write(path: str | Path, write) -> None:
     """Call write(temp_path), then move the result over `path`; on any failure
     (including KeyboardInterrupt) remove the temporary file and keep the old `path`.
     A device or FIFO (/dev/null, /dev/stdout) is written in place: renaming over it
-    would replace the device node itself. A symlink's target is replaced, not the link."""
+    would replace the device node itself. The writer gets a temporary file even then,
+    which is copied to the device, because some writers (safetensors' save_file) do
+    their own rename. A symlink's target is replaced, not the link."""
     if _is_device(path):
-        write(str(path))
+        with tempfile.TemporaryDirectory(prefix="cafa-") as folder:
+            tmp = os.path.join(folder, "output")
+            write(tmp)
+            with open(tmp, "rb") as source, open(path, "wb") as device:
+                shutil.copyfileobj(source, device)
         return
     target = check_writable(Path(os.path.realpath(path)) if os.path.islink(path) else path)
     try:
