@@ -20,6 +20,26 @@ def test_cafa_toml_maps_option_names_to_parameters(tmp_path):
     assert read_defaults(tmp_path, _command_options()) == {"adapt": {"batch_size": 64, "optimizer": "sgd"}, "stats": {"fraction": 0.1}}
 
 
+def test_keys_are_the_long_options_even_where_the_parameter_is_named_otherwise(tmp_path):
+    (tmp_path / "cafa.toml").write_text('[adapt]\nformat = "jsonl"\ncompile = true\n[bench]\ncsv = "r.csv"\n[inspect]\njson = true\n')
+    assert read_defaults(tmp_path, _command_options()) == {
+        "adapt": {"fmt": "jsonl", "compile_model": True}, "bench": {"csv_out": "r.csv"}, "inspect": {"as_json": True}}
+    (tmp_path / "cafa.toml").write_text('[adapt]\nfmt = "jsonl"\n')  # the Python name is not an option
+    with pytest.raises(UsageError, match="has no option 'fmt'"):
+        read_defaults(tmp_path, _command_options())
+    (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = 8\nbatch_size = 16\n')
+    with pytest.raises(UsageError, match="sets 'batch_size' twice"):
+        read_defaults(tmp_path, _command_options())
+
+
+def test_a_pyproject_whose_tool_is_not_a_table_is_an_error_or_ignored(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("tool = 5\n")
+    assert read_defaults(tmp_path, _command_options()) == {}
+    (tmp_path / "pyproject.toml").write_text('[tool]\ncafa = "x"\n')
+    with pytest.raises(UsageError, match=r"\[tool\.cafa\] must be a table of commands"):
+        read_defaults(tmp_path, _command_options())
+
+
 def test_pyproject_tool_cafa_is_read_when_there_is_no_cafa_toml(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.cafa.adapt]\nlr = 0.0025\n')
     assert read_defaults(tmp_path, _command_options()) == {"adapt": {"lr": 0.0025}}

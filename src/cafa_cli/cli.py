@@ -533,10 +533,13 @@ def main() -> None:
         raise SystemExit(EXIT_RUNTIME) from None
 
 
-def _command_options(repeatable: bool = False) -> dict[str, set[str]]:
-    """Each command's parameter names (or those that take a list), for checking cafa.toml's keys."""
+def _command_options(repeatable: bool = False) -> dict[str, dict[str, str] | set[str]]:
+    """For checking cafa.toml: each command's keys (its long options without the dashes,
+    an argument by its name) and the parameters they set; or the parameters that take a list."""
     commands = typer.main.get_command(app).commands
+    if repeatable:
+        return {name: {p.name for p in command.params if p.multiple or p.nargs == -1} for name, command in commands.items()}
     return {
-        name: {parameter.name for parameter in command.params if not repeatable or parameter.multiple or parameter.nargs == -1}
+        name: {key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])}
         for name, command in commands.items()
     }

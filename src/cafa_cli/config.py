@@ -21,28 +21,34 @@ from cafa_cli.errors import UsageError
 CONFIG_FILE = "cafa.toml"
 
 
-def read_defaults(folder: str | Path, options: dict[str, set[str]], repeatable: dict[str, set[str]] | None = None) -> dict[str, dict]:
-    """{command: {parameter: value}} for typer's default_map; `options` lists each
-    command's parameter names, so a misspelt key is an error rather than ignored, and
-    `repeatable` those that take a list (where one string means a list of one)."""
+def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeatable: dict[str, set[str]] | None = None) -> dict[str, dict]:
+    """{command: {parameter: value}} for typer's default_map. `options` maps each
+    command's keys (long options without the dashes) to its parameter names, so a
+    misspelt key is an error rather than ignored; `repeatable` names the parameters
+    that take a list (where one string means a list of one)."""
     folder = Path(folder)
     path, table, prefix = folder / CONFIG_FILE, None, ""
     if path.is_file():
         table = _load(path)
     elif (folder / "pyproject.toml").is_file():
         path, prefix = folder / "pyproject.toml", "tool.cafa."
-        table = _load(path).get("tool", {}).get("cafa")
+        tool = _load(path).get("tool", {})
+        table = tool.get("cafa") if isinstance(tool, dict) else None
     if not table:
         return {}
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [tool.cafa] must be a table of commands, e.g. [tool.cafa.adapt]")
     defaults: dict[str, dict] = {}
     for command, values in table.items():
         if command not in options or not isinstance(values, dict):
             raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
         defaults[command] = {}
         for key, value in values.items():
-            name = key.replace("-", "_")
-            if name not in options[command]:
+            name = options[command].get(key.replace("_", "-"))  # batch_size as well as batch-size
+            if name is None:
                 raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
+            if name in defaults[command]:
+                raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
             many = name in (repeatable or {}).get(command, set())
             if isinstance(value, str) and many:
                 value = [value]
@@ -63,3 +69,5 @@ def _load(path: Path) -> dict:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise UsageError(f"{path}: not valid TOML ({error})") from None
+    except OSError as error:
+        raise UsageError(f"{path}: cannot read it ({error.strerror or error}); fix its permissions, or move it away") from None
