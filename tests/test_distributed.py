@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -69,3 +70,23 @@ def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(
     result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET])
     assert result.exit_code == 2
     assert "cafa adapt runs in one process" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(("environment", "needle"), [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number; launch with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 with WORLD_SIZE=2: launch with torchrun"),  # a group would wait forever
+    ({"WORLD_SIZE": "2"}, "RANK=(unset) with WORLD_SIZE=2"),
+])
+def test_torchrun_variables_that_cannot_be_right_are_usage_errors(tmp_path, tiny_weights, monkeypatch, environment, needle):
+    from typer.testing import CliRunner
+
+    from cafa_cli.cli import app
+
+    data = write_folder(tmp_path / "train", per_class=3)
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(data), *PLAIN,
+                                      "--fraction", "1", "--out", str(tmp_path / "s.safetensors")])
+    assert result.exit_code == 2 and needle in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1

@@ -13,16 +13,34 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from cafa_cli.errors import UsageError
 from cafa_cli.statistics import ClassMoments
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return _environment_number("WORLD_SIZE", 1) > 1
 
 
 def torchrun_rank() -> int:
     """This process's rank, known before it joins the group: warnings are printed by rank 0 only."""
-    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+    if not launched_by_torchrun():
+        return 0
+    rank, world = _environment_number("RANK", -1), _environment_number("WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        # a process group would wait for a rank that never comes
+        raise UsageError(f"RANK={os.environ.get('RANK', '(unset)')} with WORLD_SIZE={world}: launch with torchrun, which sets both, "
+                         f"or unset WORLD_SIZE to run one process")
+    return rank
+
+
+def _environment_number(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r} is not a whole number; launch with torchrun, or unset {name}") from None
 
 
 @contextmanager
@@ -31,6 +49,7 @@ def process_group(device: torch.device):
     if not launched_by_torchrun():
         yield 0, 1
         return
+    torchrun_rank()  # RANK checked against WORLD_SIZE
     if dist.is_initialized():  # inside a command that already joined the group
         yield dist.get_rank(), dist.get_world_size()
         return
