@@ -662,6 +662,18 @@ def test_a_torchvision_architecture_without_weights_is_refused(setup, tmp_path, 
     fails(result, 2, "--model resnet18 without --weights is an untrained network with random weights", "give --weights FILE")
 
 
+def test_an_output_in_a_folder_that_cannot_be_written_fails_before_the_run(setup, tmp_path, monkeypatch):
+    import cafa_cli.files
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access  # root passes every permission check, so the folder's answer is given here
+    monkeypatch.setattr(cafa_cli.files.os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    result = adapt(setup, setup["train"], "--metrics-json", locked / "m.json")
+    fails(result, 3, f"cannot write {locked / 'm.json'}: folder {locked} is not writable")
+    assert result.stdout == ""  # not after printing every prediction
+
+
 def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_touched(setup, tmp_path):
     weights = tmp_path / "w.pt"
     weights.write_bytes(Path(setup["weights"]).read_bytes())
@@ -676,6 +688,11 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_
     fails(adapt(setup, setup["train"], "--predictions", tmp_path / "p.csv", "--metrics-json", tmp_path / "p.csv"), 2,
           "--metrics-json", "is also the --predictions file")
     assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()
+    linked = tmp_path / "linked.csv"
+    os.link(artifact, linked)  # another name for the same file
+    fails(run("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--predictions", linked), 2,
+          f"--predictions {linked} is also the --stats file")
+    assert artifact.read_bytes() == before
     image = next((Path(setup["train"]) / "a").glob("*.png"))
     fails(adapt(setup, setup["train"], "--predictions", image), 2, f"--predictions {image} is a file inside an input folder")
     # a new file too, when the next run would take it for an image of the data

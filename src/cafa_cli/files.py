@@ -21,6 +21,8 @@ def check_writable(path: str | Path) -> Path:
         raise InputError(f"{target} is a folder; give a file name to write to")
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK | os.X_OK):  # the file is made there and renamed into place
+        raise InputError(f"cannot write {target}: folder {target.parent} is not writable; give a path in a folder you can write")
     return target
 
 
@@ -33,7 +35,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
     the next run would read as an image of the data: checked before any work, not after a
     long run. `-` (stdout) is for the records only; callers map it before they get here."""
     given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
-    taken = {os.path.realpath(path): option for option, path in given if path != "-" and Path(path).is_file()}
+    taken = {_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
         if path is None or _is_device(path):
@@ -48,9 +50,18 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
         if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
             raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
-        if key in taken:
-            raise UsageError(f"{option} {path} is also the {taken[key]} file; writing it would destroy that: give {option} another path")
-        taken[key] = option
+        if _identity(path) in taken:
+            raise UsageError(f"{option} {path} is also the {taken[_identity(path)]} file; writing it would destroy that: give {option} another path")
+        taken[_identity(path)] = option
+
+
+def _identity(path: str) -> tuple:
+    """The file itself, whatever its name: a hard link or symlink to an input is that input."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return (os.path.realpath(path),)  # not there yet: its name is all it has
+    return (found.st_dev, found.st_ino)
 
 
 def _is_device(path: str | Path) -> bool:
