@@ -647,6 +647,9 @@ def test_batches_reject_bad_sizes(tmp_path):
         batches(domain, GREY, batch_size=0)
     with pytest.raises(UsageError, match="--num-workers"):
         batches(domain, GREY, batch_size=1, num_workers=-1)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(UsageError, match=f"--num-workers {100 * cores} is more than 4 per CPU core"):  # not thousands of forks
+        batches(domain, GREY, batch_size=1, num_workers=100 * cores)
 
 
 # --- preprocessing -------------------------------------------------------------------

@@ -523,6 +523,10 @@ def check_loading(batch_size: int, num_workers: int | None) -> None:
         raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
     if num_workers is not None and num_workers < 0:
         raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
+    if num_workers is not None and num_workers > 4 * _usable_cores():
+        # each is a process with its own copy of the interpreter: thousands exhaust the memory
+        raise UsageError(f"--num-workers {num_workers} is more than 4 per CPU core ({_usable_cores()} here); "
+                         f"loader processes beyond the cores only compete for them: give {_usable_cores()} or fewer")
 
 
 def loader_processes(num_workers: int | None, device: torch.device) -> int:
@@ -533,8 +537,11 @@ def loader_processes(num_workers: int | None, device: torch.device) -> int:
         return num_workers
     if device.type != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+    return max(_usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def batches(
