@@ -233,6 +233,9 @@ def test_array_errors(tmp_path):
     np.save(tmp_path / "n.npy", np.array([0, -1, 1, 0, 1, 0, 1]))  # -1 would pass for "unlabelled"
     with pytest.raises(InputError, match="labels must be class indices >= 0, not -1"):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "n.npy"))
+    np.save(tmp_path / "h.npy", np.full(7, 2**40))  # a name per class index up to it would exhaust the memory
+    with pytest.raises(InputError, match="class index 1099511627776 is past any classifier's outputs"):
+        open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "h.npy"))
     np.save(tmp_path / "e.npy", np.zeros((0, 4, 4), dtype=np.uint8))
     with pytest.raises(InputError, match="e.npy: the array holds no images"):
         open_domain(str(tmp_path / "e.npy"))

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.preprocessing import Preprocessing
 
+MAX_CLASSES = 1_000_000  # class indices in a labels array; ImageNet-21k has 21,841 classes
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 # what reading a damaged, truncated or hostile image file raises
 UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -293,6 +294,9 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
         labels = np.asarray(raw, dtype=np.int64)
         if labels.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
             raise InputError(f"--labels {labels_path}: labels must be class indices >= 0, not {int(labels.min())}")
+        if labels.max(initial=0) >= MAX_CLASSES:  # one name is made per class index: 2**40 of them exhaust the memory
+            raise InputError(f"--labels {labels_path}: class index {int(labels.max())} is past any classifier's outputs "
+                             f"(at most {MAX_CLASSES:,}); check that the file holds class indices")
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
