@@ -70,12 +70,26 @@ def test_hidden_files_are_skipped_and_symlinked_sub_folders_followed_once(mixed_
     save(tmp_path / "elsewhere" / "six.png", solid(3))
     (mixed_folder / "apple" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (mixed_folder / "apple" / "loop").symlink_to(mixed_folder / "apple", target_is_directory=True)
+    (mixed_folder / "apple" / "up").symlink_to(mixed_folder, target_is_directory=True)  # would bring in the other classes
     (mixed_folder / "apple" / "gone.png").symlink_to(tmp_path / "deleted.png")  # broken: listed, then reported unreadable
     domain = open_domain(str(mixed_folder))
     apples = sorted(Path(r).name for r, label in zip(domain.refs, domain.labels) if label == 0)
     assert apples == ["five.bmp", "four.jpeg", "gone.png", "six.png"]
     failures = [why for batch in batches(domain, GREY, batch_size=8) for _, why in batch.failures]
     assert len(failures) == 1 and "FileNotFoundError" in failures[0]
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_not_skipped(mixed_folder, monkeypatch):
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(path).name == "nested":  # root may list anything, so the refusal is made here
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(InputError, match="cannot list the folder .*nested .Permission denied.; fix its permissions"):
+        open_domain(str(mixed_folder))
 
 
 def test_top_level_images_beside_class_folders_are_noted(mixed_folder):

@@ -170,17 +170,27 @@ def is_image(path: Path) -> bool:
 
 def _images_below(folder: Path) -> list[Path]:
     """Every image in a class folder and its sub-folders, symlinked ones included (each
-    real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped."""
-    found, seen = [], set()
-    for here, subfolders, files in os.walk(folder, followlinks=True):
+    real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped,
+    and so is a link up to a folder that holds this one (it would bring in the other classes)."""
+    found, seen, top = [], set(), os.path.realpath(folder)
+
+    def unreadable(error: OSError) -> None:
+        raise InputError(f"cannot list the folder {error.filename} ({error.strerror}); fix its permissions, or move it out of the data")
+
+    for here, subfolders, files in os.walk(folder, followlinks=True, onerror=unreadable):
         real = os.path.realpath(here)
         if real in seen:
             subfolders.clear()
             continue
         seen.add(real)
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and not _holds(os.path.join(here, name), top)]
         found += [p for p in (Path(here) / name for name in files) if is_image(p)]
     return sorted(found)
+
+
+def _holds(folder: str, inner: str) -> bool:
+    real = os.path.realpath(folder)
+    return os.path.commonpath([real, inner]) == real
 
 
 def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
