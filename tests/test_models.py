@@ -142,6 +142,13 @@ def test_factory_that_raises(tmp_path):
     path.write_text("this is not python\n")
     with pytest.raises(InputError, match="could not import"):
         build_model(f"{path}:build")
+    # a script that exits (argparse at import): exit 0 would tell a pipeline the run succeeded
+    path.write_text("import sys\nsys.exit(0)\ndef build():\n    pass\n")
+    with pytest.raises(InputError, match=r"importing .*broken.py called sys.exit\(0\)"):
+        build_model(f"{path}:build")
+    path.write_text("import sys\ndef build():\n    sys.exit(0)\n")
+    with pytest.raises(InputError, match=r"build\(\) failed \(SystemExit"):
+        build_model(f"{path}:build")
 
 
 def test_malformed_factory_spec():

@@ -89,6 +89,9 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
             module = importlib.import_module(location)
     except InputError:
         raise
+    except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
+        raise InputError(f"--model {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
+                         f"at import?); keep it under if __name__ == '__main__':") from None
     except Exception as error:  # a user's file can fail in any way; report it on one line
         raise InputError(f"--model {spec}: could not import {location} ({type(error).__name__}: {error})") from None
     factory = getattr(module, function, None)
@@ -96,7 +99,7 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
         raise InputError(f"--model {spec}: {location} has no function {function}")
     try:
         model = factory(num_classes=num_classes) if num_classes is not None else factory()
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise InputError(f"--model {spec}: {function}() failed ({type(error).__name__}: {error})") from None
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
