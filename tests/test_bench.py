@@ -59,7 +59,7 @@ def test_domain_labels_grow_until_they_differ():
 
 
 def test_bad_seeds_are_usage_errors():
-    with pytest.raises(UsageError, match="--seeds must be 0 or more, not -1"):
+    with pytest.raises(UsageError, match=r"--seeds must be 0 or more and below 2\*\*63, not -1"):
         parse_seeds("0,-1")
     with pytest.raises(UsageError, match="names a seed twice"):
         parse_seeds("1,1")

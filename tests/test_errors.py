@@ -439,20 +439,21 @@ def test_batch_size_below_one(setup, tmp_path, command):
         result = stats(setup, setup["train"], "--batch-size", "0", "--out", tmp_path / "s.safetensors")
     else:
         result = adapt(setup, setup["train"], "--batch-size", "0")
-    fails(result, 2, "--batch-size must be at least 1, not 0")
+    fails(result, 2, "--batch-size must be at least 1 and below 2**31, not 0")
     assert result.stdout == "", "no CSV header before the options are checked"
 
 
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--seed", "-1"], "--seed must be 0 or more, not -1"),
+        (["--seed", "-1"], "--seed must be 0 or more and below 2**63, not -1"),
+        (["--seed", str(2**64)], "--seed must be 0 or more and below 2**63"),
         (["--lr", "nan"], "--lr must be a positive number, not nan"),
         (["--lr", "inf"], "--lr must be a positive number, not inf"),
         (["--bn-prior", "nan"], "--bn-prior must be a number, 0 or more, not nan"),
         (["--momentum", "5"], "--momentum must be in [0, 1), not 5.0"),
     ],
-    ids=["seed", "lr-nan", "lr-inf", "bn-prior-nan", "momentum"],
+    ids=["seed", "seed-huge", "lr-nan", "lr-inf", "bn-prior-nan", "momentum"],
 )
 def test_adapt_option_values_checked_before_any_output(setup, args, needle):
     result = adapt(setup, setup["train"], *args)
@@ -485,7 +486,7 @@ def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path)
 
 
 def test_stats_negative_seed(setup, tmp_path):
-    fails(stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"), 2, "--seed must be 0 or more, not -1")
+    fails(stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"), 2, "--seed must be 0 or more and below 2**63, not -1")
 
 
 def test_unknown_method(setup):

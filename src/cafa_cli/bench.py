@@ -88,8 +88,8 @@ def parse_seeds(text: str) -> list[int]:
         raise UsageError(f"--seeds takes comma-separated integers, not {text!r}") from None
     if not seeds:
         raise UsageError("--seeds names no seed")
-    if min(seeds) < 0:
-        raise UsageError(f"--seeds must be 0 or more, not {min(seeds)}")
+    if min(seeds) < 0 or max(seeds) >= 2**63:
+        raise UsageError(f"--seeds must be 0 or more and below 2**63, not {min(seeds) if min(seeds) < 0 else max(seeds)}")
     if len(set(seeds)) < len(seeds):
         raise UsageError(f"--seeds names a seed twice: {text}")
     return seeds

@@ -223,8 +223,8 @@ def recorded_data(data: str) -> str:
 
 def _check_loading(batch_size: int, num_workers: int | None, seed: int) -> None:
     """Checked before any model or data is read, and before any output is written."""
-    if seed < 0:
-        raise UsageError(f"--seed must be 0 or more, not {seed}")
+    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
+        raise UsageError(f"--seed must be 0 or more and below 2**63, not {seed}")
     check_loading(batch_size, num_workers)
 
 
