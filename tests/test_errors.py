@@ -833,3 +833,17 @@ def test_bidi_overrides_and_line_separators_are_escaped_too():
 
     assert printable("evil\u202egnp.exe\u2028x\u00a0é") == "evil\\u202egnp.exe\\u2028x\u00a0é"
     assert printable("می\u200cخواهم") == "می\u200cخواهم"  # the joiner Persian words need is not escaped
+
+
+def test_weights_holding_nan_are_refused_before_any_prediction(setup, tmp_path):
+    """Every prediction would be NaN, and the run would exit 0."""
+    state = torch.load(setup["weights"])
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name].view(-1)[0] = float("nan")
+    broken = tmp_path / "nan.pt"
+    torch.save(state, broken)
+    for command in ("stats", "adapt"):
+        extra = ["--out", tmp_path / "s.safetensors", "--fraction", "1"] if command == "stats" else ["--method", "bn"]
+        result = run(command, "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, *extra)
+        fails(result, 3, f"the model's weights hold NaN or infinite values in {name}")
+        assert result.stdout == ""

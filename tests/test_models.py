@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import hashlib
 from pathlib import Path
 
@@ -93,6 +94,25 @@ def test_classifier_not_called_in_forward():
 
     with pytest.raises(InputError, match="was not called"):
         FeatureClassifier(Skips())(torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize(("output", "needle"), [
+    (lambda y: (y, y), "returns a tuple for a batch of 2"),
+    (lambda y: y[:1], "of shape [1, 3] for a batch of 2"),  # a dropped row would drop a record
+    (lambda y: y.unsqueeze(1), "of shape [2, 1, 3]"),
+    (lambda y: y.long(), "torch.int64 of shape [2, 3]"),
+])
+def test_a_forward_that_does_not_return_logits_is_named(output, needle):
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return output(self.fc(x))
+
+    with pytest.raises(InputError, match=re.escape(needle) + ".*not float logits"):
+        FeatureClassifier(Odd())(torch.zeros(2, 4))
 
 
 def test_features_that_are_not_pooled():

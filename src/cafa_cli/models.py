@@ -317,6 +317,10 @@ class FeatureClassifier(nn.Module):
                 f"the features entering {self.classifier_name} have shape {tuple(features.shape)}, not [batch, dim]; "
                 f"name a classifier that takes pooled features with --classifier"
             )
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or len(logits) != len(x) or not logits.is_floating_point():
+            shape = f"a {type(logits).__name__}" if not isinstance(logits, torch.Tensor) else f"{logits.dtype} of shape {list(logits.shape)}"
+            raise InputError(f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
+                             f"give a factory whose forward returns the logits only")
         return logits, features
 
 

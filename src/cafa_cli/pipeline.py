@@ -89,6 +89,11 @@ def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
             f"--model {spec.model} without --weights is an untrained network with random weights, different in "
             f"every run; give --weights FILE (a state dict of this architecture)"
         )
+    broken = [name for name, tensor in net.model.state_dict().items()
+              if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if broken:  # every prediction would be NaN, with exit 0
+        raise InputError(f"the model's weights hold NaN or infinite values in {listing(broken)}; "
+                         f"the checkpoint is damaged or was saved after training diverged: use another")
     return net, spec
 
 
