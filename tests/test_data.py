@@ -159,6 +159,8 @@ def test_read_class_list(tmp_path):
     path = tmp_path / "classes.txt"
     path.write_text("cat\n\n dog \nemu\n")
     assert read_class_list(str(path)) == ["cat", "dog", "emu"]
+    path.write_bytes("\ufeffcat\r\ndog\r\n".encode())  # Notepad: a byte-order mark and CRLF
+    assert read_class_list(str(path)) == ["cat", "dog"]
     path.write_text("cat\ndog\ncat\n")
     with pytest.raises(InputError, match="repeat: cat"):
         read_class_list(str(path))

@@ -144,7 +144,7 @@ def read_class_list(path: str) -> list[str]:
     if not file.is_file():
         raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
         binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
     except UnicodeDecodeError:
         binary = True
