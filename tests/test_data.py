@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_folder
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import functional as TF
 
 from cafa_cli.data import UNLABELLED, batches, loader_processes, open_domain, read_class_list, stratified_subset
@@ -333,6 +333,10 @@ def test_stdin_list(tmp_path):
     assert domain.refs == [str(a), str(b)]
     assert (domain.labels == UNLABELLED).all()
     assert np.asarray(domain.read(1)).max() == 9
+    pipe = tmp_path / "pipe.png"
+    os.mkfifo(pipe)  # opening it would wait for a writer forever
+    with pytest.raises(UnidentifiedImageError, match="not a regular file"):
+        open_domain("-", stdin=io.StringIO(f"{pipe}\n")).read(0)
 
 
 def test_stdin_paths_are_taken_byte_for_byte(tmp_path):

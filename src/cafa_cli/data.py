@@ -204,6 +204,8 @@ def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
 
 
 def read_image(path: str) -> Image.Image:
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block or never end
+        raise UnidentifiedImageError("not a regular file")
     try:
         with Image.open(path) as image:
             image.load()  # decode now so that truncated files fail here, not later
