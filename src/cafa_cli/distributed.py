@@ -58,6 +58,7 @@ def process_group(device: torch.device):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         yield dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # no rank tears its connections down while another is still using them
     finally:
         dist.destroy_process_group()
 
