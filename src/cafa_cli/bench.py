@@ -12,8 +12,6 @@ import statistics as stats_lib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
 from cafa_cli import __version__, report
 from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
@@ -21,12 +19,13 @@ from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain,
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
 from cafa_cli.files import atomic_write, open_safetensors
-from cafa_cli.models import bundled_defaults
+from cafa_cli.models import bundled_defaults, pick_device
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
     ModelChoice,
     check_adapt_settings,
+    check_seed,
     compute_statistics,
     model_mismatch,
     prepare_adaptation,
@@ -88,8 +87,8 @@ def parse_seeds(text: str) -> list[int]:
         raise UsageError(f"--seeds takes comma-separated integers, not {text!r}") from None
     if not seeds:
         raise UsageError("--seeds names no seed")
-    if min(seeds) < 0 or max(seeds) >= 2**63:
-        raise UsageError(f"--seeds must be 0 or more and below 2**63, not {min(seeds) if min(seeds) < 0 else max(seeds)}")
+    for seed in seeds:
+        check_seed(seed, "--seeds")
     if len(set(seeds)) < len(seeds):
         raise UsageError(f"--seeds names a seed twice: {text}")
     return seeds
@@ -369,7 +368,7 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> N
     labels = domain_labels(plan.domains)
     settings = plan.settings
     shared = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
-    shared["num_workers"] = loader_processes(settings.num_workers, torch.device(settings.device))
+    shared["num_workers"] = loader_processes(settings.num_workers, pick_device(settings.device))
     model, sampling = plan.model, plan.sampling
     payload = {
         "cafa_version": __version__,

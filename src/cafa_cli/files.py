@@ -50,9 +50,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
         if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
             raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
-        if _identity(path) in taken:
-            raise UsageError(f"{option} {path} is also the {taken[_identity(path)]} file; writing it would destroy that: give {option} another path")
-        taken[_identity(path)] = option
+        identity = _identity(path)
+        if identity in taken:
+            raise UsageError(f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} another path")
+        taken[identity] = option
 
 
 def _identity(path: str) -> tuple:

@@ -228,9 +228,13 @@ def recorded_data(data: str) -> str:
 
 def _check_loading(batch_size: int, num_workers: int | None, seed: int) -> None:
     """Checked before any model or data is read, and before any output is written."""
-    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
-        raise UsageError(f"--seed must be 0 or more and below 2**63, not {seed}")
+    check_seed(seed)
     check_loading(batch_size, num_workers)
+
+
+def check_seed(seed: int, option: str = "--seed") -> None:
+    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
+        raise UsageError(f"{option} must be 0 or more and below 2**63, not {seed}")
 
 
 # --- adapt -----------------------------------------------------------------------
@@ -345,10 +349,12 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     re-saved or converted to another format are the same model (the artifact's parameter
     fingerprint recognises them), and so is a factory file copied elsewhere."""
     recorded = artifact.model
-    if spec.model != recorded.model and not _same_factory(artifact, spec.model):
+    same_code = artifact.factory_sha256 is not None and factory_sha256(spec.model) == artifact.factory_sha256
+    same_function = recorded.model.rpartition(":")[2] == spec.model.rpartition(":")[2]
+    if spec.model != recorded.model and not (same_code and same_function):  # a factory file copied elsewhere is the same model
         # its code may compute other features from the same parameters
         return f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}"
-    if artifact.factory_sha256 is not None and factory_sha256(spec.model) != artifact.factory_sha256:
+    if artifact.factory_sha256 is not None and not same_code:
         # the same parameters through edited code can give other features
         return f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed (its sha256 differs)"
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
@@ -370,17 +376,6 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     made_with = recorded.weights or "the model's own initialisation (no --weights)"
     given = spec.weights or "the model's own initialisation (no --weights)"
     return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
-
-
-def _same_factory(artifact: Artifact, model: str) -> bool:
-    """A factory file copied elsewhere (another checkout, another machine): the same
-    function in a file with the same bytes is the same model code."""
-    recorded = artifact.model.model
-    return (
-        artifact.factory_sha256 is not None
-        and recorded.rpartition(":")[2] == model.rpartition(":")[2]
-        and factory_sha256(model) == artifact.factory_sha256
-    )
 
 
 @dataclass
