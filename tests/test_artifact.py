@@ -382,7 +382,10 @@ def test_shrinkage_metadata_without_its_fields(valid, tmp_path, value):
 
 
 def test_metadata_with_wrong_fields(valid, tmp_path):
-    fails(corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"architecture": "x"})}), "malformed")
+    fails(corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"model": "x", "architecture": "x"})}),
+          "metadata 'model' has unknown fields architecture;")
+    fails(corrupt(valid, tmp_path / "n.safetensors", {"model": json.dumps({"weights": None})}), "metadata 'model' has no model name")
+    fails(corrupt(valid, tmp_path / "l.safetensors", {"model": "[1, 2]"}), "must be JSON objects")
     bad_prep = json.dumps({"resize": None, "crop": None, "mean": [0], "std": [0], "channels": 1})
     fails(corrupt(valid, tmp_path / "p.safetensors", {"preprocessing": bad_prep}), "preprocessing")
 

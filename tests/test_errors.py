@@ -335,6 +335,17 @@ def test_unknown_architecture(setup, tmp_path):
     fails(run("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"), 2, "--model resnet5000: unknown architecture")
 
 
+def test_an_unknown_architecture_named_by_the_artifact_says_so(setup, tmp_path):
+    recorded = corrupt(setup["artifact"], tmp_path / "s.safetensors", {"model": json.dumps({"model": "resnet5000"})})
+    fails(run("adapt", "--stats", recorded, "--data", setup["train"]), 3,
+          f"the model recorded in {recorded}: --model resnet5000: unknown architecture")
+
+
+def test_demo_workdir_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    fails(run("demo", "--workdir", tmp_path / "file"), 3, "--workdir", "is a file; give a folder")
+
+
 def test_factory_file_missing(setup, tmp_path):
     fails(stats_with_model(setup, tmp_path, f"{tmp_path / 'absent.py'}:build"), 3, "no such file")
 

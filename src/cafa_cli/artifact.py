@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError
+from cafa_cli.errors import InputError, listing
 from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
@@ -226,6 +226,12 @@ def _checked_metadata(metadata: dict, path: Path):
     model_fields = _json(metadata, "model", path)
     prep_fields = _json(metadata, "preprocessing", path)
     sampling = _json(metadata, "sampling", path)
+    if not isinstance(model_fields, dict) or not isinstance(prep_fields, dict):
+        raise _bad(path, "metadata 'model' and 'preprocessing' must be JSON objects; re-create the artifact with cafa stats")
+    unknown = set(model_fields) - {field.name for field in fields(ModelSpec)}
+    if unknown or "model" not in model_fields:
+        raise _bad(path, f"metadata 'model' has {'unknown fields ' + listing(sorted(unknown)) if unknown else 'no model name'}; "
+                         f"re-create the artifact with cafa stats")
     try:
         model = ModelSpec(**model_fields)
         preprocessing = Preprocessing.from_dict(prep_fields)

@@ -26,6 +26,14 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
+def check_workdir(path: str | Path) -> Path:
+    """A folder the command makes, or re-uses what an earlier run left in."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--workdir {folder} is a file; give a folder (it is made when missing)")
+    return folder
+
+
 IMAGE_INPUTS = ("--data", "--train")  # the options whose folders are searched for images
 
 

@@ -300,9 +300,16 @@ def load_for_adaptation(
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
     if model.model is None and artifact is None:
         raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
-    if artifact is not None and (model.model is None or canonical_model(model.model) == artifact.model.model):
+    named_by_artifact = model.model is None
+    if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = _recorded_model(artifact, model)
-    net, spec = resolve_model(model)
+    try:
+        net, spec = resolve_model(model)
+    except UsageError as error:
+        if not named_by_artifact:
+            raise
+        # the user gave no --model: say where the name came from
+        raise InputError(f"the model recorded in {artifact.path}: {error}") from None
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
             raise InputError(
