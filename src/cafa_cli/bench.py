@@ -18,7 +18,7 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable
-from cafa_cli.files import atomic_write, open_safetensors
+from cafa_cli.files import atomic_write, make_workdir, open_safetensors
 from cafa_cli.models import bundled_defaults, pick_device
 from cafa_cli.pipeline import (
     AdaptSettings,
@@ -109,17 +109,6 @@ def check_domains(domains: list[str], data_choice: DataChoice) -> None:
 def recipes(model: str, **choices: DataChoice) -> dict[str, dict]:
     """The preprocessing each side used, in full, for the report: e.g. train and test."""
     return {name: asdict(choice.recipe(model)) for name, choice in choices.items()}
-
-
-def make_workdir(workdir: str | Path) -> Path:
-    path = Path(workdir)
-    if path.exists() and not path.is_dir():
-        raise InputError(f"--workdir {path} is a file; give a folder for the artifacts")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InputError(f"--workdir {path}: cannot create it ({error.strerror or error})") from None
-    return path
 
 
 def domain_label(path: str) -> str:

@@ -30,7 +30,7 @@ from cafa_cli.distributed import (
     torchrun_rank,
 )
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, printable
-from cafa_cli.files import check_outputs, check_workdir
+from cafa_cli.files import check_outputs
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
 from cafa_cli.inspect import describe, render
 from cafa_cli.models import pick_device
@@ -406,7 +406,6 @@ def demo(
     names = BENCHMARK_CORRUPTIONS if corruptions == "all" else tuple(c.strip() for c in corruptions.split(",") if c.strip())
     plan = DemoPlan(names, severity, DemoPlan.train_per_class, test_per_class or None, methods)
     console = _stderr(quiet)
-    check_workdir(workdir)
     with Monitor(console, quiet) as monitor:
         if data_only:
             for folder in build_corrupted(Path(workdir), list(names), severity, plan.test_per_class, plan.seed, fashion_mnist,
@@ -488,7 +487,7 @@ def bench_command(
         train_choice=train_choice,
         test_choice=DataChoice(labels, severity, classes, test_changes),
         sampling=bench.Sampling(_fraction(fraction, per_class), per_class, shrinkage=parse_shrinkage(shrinkage)),
-        workdir=check_workdir(workdir),
+        workdir=Path(workdir),
     )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
         errors = bench.run_bench(plan, monitor, rank, world)

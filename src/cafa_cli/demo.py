@@ -14,6 +14,7 @@ from pathlib import Path
 from cafa_cli.bench import BenchPlan, Sampling, artifact_path, covariances_needed, markdown, parse_methods, run_bench, summarise
 from cafa_cli.fashion_mnist import check_installed
 from cafa_cli.fmnist_c import build_corrupted, build_training_subset, check_corruptions
+from cafa_cli.files import make_workdir
 from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
 from cafa_cli.report import Monitor
 
@@ -43,7 +44,7 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
     rows = parse_methods(plan.methods)
     check_corruptions(list(plan.corruptions), plan.severity, plan.test_per_class)
     check_installed(root)
-    workdir = Path(workdir)
+    workdir = make_workdir(workdir)
     monitor.info(f"building data in {workdir} (re-used when already there)")
     train = build_training_subset(workdir, plan.train_per_class, plan.seed, root)
     domains = [

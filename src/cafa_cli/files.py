@@ -26,11 +26,16 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
-def check_workdir(path: str | Path) -> Path:
-    """A folder the command makes, or re-uses what an earlier run left in."""
+def make_workdir(path: str | Path) -> Path:
+    """The --workdir of bench and demo: made when missing, else re-used with what an
+    earlier run left there."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"--workdir {folder} is a file; give a folder (it is made when missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"--workdir {folder}: cannot create it ({error.strerror or error})") from None
     return folder
 
 

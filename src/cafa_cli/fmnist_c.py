@@ -18,6 +18,7 @@ from PIL import Image
 
 from cafa_cli.errors import UsageError
 from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.files import make_workdir
 
 # The 15 corruptions of the ImageNet-C benchmark, and the 4 held out for choosing
 # hyper-parameters (never reported).
@@ -95,7 +96,7 @@ def stratified_rows(labels: np.ndarray, per_class: int | None, seed: int) -> np.
 
 
 def build_training_subset(workdir: Path, per_class: int, seed: int = 0, root=None) -> Path:
-    folder = workdir / f"train-{per_class}"
+    folder = make_workdir(workdir) / f"train-{per_class}"
     if (folder / COMPLETE).is_file():
         return folder
     images, labels = load_fashion_mnist(root, "train")
@@ -108,7 +109,7 @@ def build_corrupted(
 ) -> list[Path]:
     """One ImageFolder per corruption at `severity`; re-uses folders already complete."""
     check_corruptions(corruptions, severity, per_class)
-    base = workdir / ("fashion-mnist-c" if per_class is None else f"fashion-mnist-c-{per_class}")
+    base = make_workdir(workdir) / ("fashion-mnist-c" if per_class is None else f"fashion-mnist-c-{per_class}")
     folders = []
     images = labels = None
     for corruption in corruptions:
