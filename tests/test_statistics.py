@@ -240,13 +240,40 @@ def test_estimate_diag_distances_match_reference(shrinkage):
     g = estimate(moments_of(x, y, 3), "diag", shrinkage)
     assert g.factors.shape == (3, D)
     z = probe_points(x)
+    assert g.shrinkage_method == ("lw-variances" if shrinkage == "auto" else "fixed")
     for c in range(3):
         rows = x[y == c].astype(np.float64)
-        lam = OAS().fit(rows).shrinkage_ if shrinkage == "auto" else float(shrinkage)
+        lam = reference_variance_shrinkage(rows) if shrinkage == "auto" else float(shrinkage)
+        assert float(g.shrinkage[c]) == pytest.approx(lam, rel=1e-9, abs=1e-12)
         variances = np.diag(reference_shrunk(rows, lam))
         got = (((z - g.means[c].double().numpy()) * g.factors[c].double().numpy()) ** 2).sum(-1)
         expected = (((z - rows.mean(0)) ** 2) / variances).sum(-1)
         np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def reference_variance_shrinkage(rows: np.ndarray) -> float:
+    """Ledoit–Wolf intensity for the variances alone, Var(s_j) = 2·s_j²/(N + 1) (Gaussian)."""
+    s = rows.var(axis=0)
+    return min(float(np.sum(2 * s**2 / (len(rows) + 1)) / np.sum((s - s.mean()) ** 2)), 1.0)
+
+
+def test_diag_recovers_the_variances_with_fewer_samples_than_dimensions():
+    """CAFA-Diag models per-unit variances; they are well estimated from 64 samples even
+    at d = 512, where the full matrix's OAS λ is near 1 and would flatten them all."""
+    rng = np.random.default_rng(0)
+    d, n = 512, 64
+    true_variances = np.geomspace(0.01, 10, d)
+    x = (rng.normal(size=(2 * n, d)) * np.sqrt(true_variances)).astype(np.float32)
+    y = np.repeat([0, 1], n)
+    g = estimate(moments_of(x, y, 2, d), "diag", "auto")
+    whole_matrix = oas_shrinkage(torch.from_numpy(np.cov(x[:n].astype(np.float64), rowvar=False, bias=True)), n)
+    assert whole_matrix > 0.5 and float(g.shrinkage.max()) < 0.1
+    ratio = 1 / g.factors.double().numpy() ** 2 / true_variances
+    assert np.median(np.abs(np.log(ratio))) < 0.3
+    # shrinking toward the mean lifts the smallest variances most: 7x here, 100x with OAS's λ
+    assert ratio.min() > 0.4 and ratio.max() < 10
+    same = (rng.normal(size=(2 * n, d))).astype(np.float32)  # equal variances: only noise spreads them
+    assert float(estimate(moments_of(same, y, 2, d), "diag", "auto").shrinkage.min()) > 0.9
 
 
 @pytest.mark.parametrize("covariance", ["full", "tied", "diag"])
@@ -319,3 +346,16 @@ def test_invalid_shrinkage_is_a_usage_error(shrinkage):
     x, y = random_features(11, [20, 20])
     with pytest.raises(UsageError, match="--shrinkage"):
         estimate(moments_of(x, y, 2), "full", shrinkage)
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_a_variance_too_small_to_square_its_factor_is_refused(covariance):
+    """A unit varying by 1e-21 within a class gives a factor of 1e21, finite in float32,
+    whose square is not: every distance would be inf and adaptation would stop silently."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, D))
+    x[:, 0] *= 1e-21
+    y = np.repeat([0, 1], 20)
+    with pytest.raises(InputError, match="overflow float32 when squared.*raise --shrinkage"):
+        estimate(moments_of(x.astype(np.float32), y, 2), covariance, 0.0)
+    estimate(moments_of(x.astype(np.float32), y, 2), covariance, "auto")  # shrinkage lifts it

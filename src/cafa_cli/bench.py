@@ -33,7 +33,7 @@ from cafa_cli.pipeline import (
     resolve_model,
 )
 from cafa_cli.report import Monitor
-from cafa_cli.statistics import check_options
+from cafa_cli.statistics import auto_shrinkage_method, check_options
 from cafa_cli.zoo import BUNDLED
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
@@ -139,16 +139,17 @@ class Sampling:
     seed: int = 0
     shrinkage: float | str = "auto"
 
-    def same_shrinkage(self, metadata: str | None) -> bool:
-        """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: OAS, or one fixed λ
-        (stored as the float it was given); a malformed one is not."""
+    def same_shrinkage(self, metadata: str | None, covariance: str) -> bool:
+        """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: the automatic
+        estimate of that covariance mode, or one fixed λ (stored as the float it was given);
+        a malformed one is not."""
         try:
             recorded = json.loads(metadata)
             method, low, high = recorded["method"], recorded["min"], recorded["max"]
         except (TypeError, ValueError, KeyError):
             return False
         if self.shrinkage == "auto":
-            return method == "oas"
+            return method == auto_shrinkage_method(covariance)
         return method == "fixed" and low == high == float(self.shrinkage)
 
     def recorded(self) -> dict:
@@ -276,7 +277,7 @@ def _made_for(artifact, plan: BenchPlan) -> bool:
         and (classes_file is None or read_class_list(classes_file) == artifact.class_names)
         and artifact.preprocessing == plan.train_choice.recipe(model.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
-        and plan.sampling.same_shrinkage(artifact.metadata.get("shrinkage"))
+        and plan.sampling.same_shrinkage(artifact.metadata.get("shrinkage"), artifact.covariance)
     ):
         return False
     net, spec = resolve_model(model)

@@ -138,6 +138,24 @@ def oas_from_spectrum(trace: float, frobenius_sq: float, d: int, n: int) -> floa
     return float(min(numerator / denominator, 1.0))
 
 
+def variance_shrinkage(variances: torch.Tensor, n: int) -> float:
+    """λ for shrinking per-unit variances alone toward their mean tr(S)/d: the
+    Ledoit–Wolf optimal intensity Σ_j Var(s_j) / Σ_j (s_j − mean)², as Opgen-Rhein and
+    Strimmer (2007) shrink variances, with Var(s_j) = 2·s_j²/(N + 1) for Gaussian
+    features (the assumption OAS makes too). OAS's λ is for the whole matrix and tends
+    to 1 as d/N grows, driven by noise in covariances the diagonal ablation never uses."""
+    spread = float(((variances - variances.mean()) ** 2).sum())
+    noise = float((2 * variances**2 / (n + 1)).sum())
+    if spread <= 0:
+        return 1.0  # equal variances: the target is the estimate
+    return min(noise / spread, 1.0)
+
+
+def auto_shrinkage_method(covariance: str) -> str:
+    """The name recorded for `--shrinkage auto` with each covariance mode."""
+    return "lw-variances" if covariance == "diag" else "oas"
+
+
 def shrink(covariance: torch.Tensor, shrinkage: float) -> torch.Tensor:
     """scikit-learn's ShrunkCovariance: (1 − λ)·S + λ·(tr(S)/d)·I."""
     d = covariance.shape[0]
@@ -254,7 +272,12 @@ def estimate(
         pooled += scatter
         if covariance != "tied":
             sample_cov = scatter / n
-            lam = oas_shrinkage(sample_cov, n) if shrinkage == "auto" else float(shrinkage)
+            if shrinkage != "auto":
+                lam = float(shrinkage)
+            elif covariance == "diag":
+                lam = variance_shrinkage(sample_cov.diagonal(), n)
+            else:
+                lam = oas_shrinkage(sample_cov, n)
             lambdas[c] = lam
             factor, ok = _factor(shrink(sample_cov, lam), covariance)
             # with no shrinkage, N ≤ d samples give a rank-deficient S even when
@@ -279,8 +302,11 @@ def estimate(
             f"covariance is singular for {shown}: some feature units never vary within a class "
             f"or there are fewer samples than dimensions; use --shrinkage auto (or a value > 0)"
         )
-    if not torch.isfinite(per_class_factors).all():
-        raise InputError("precision factors overflow float32 (near-zero feature variance); raise --shrinkage")
+    # the distances square the factors in float32: above ~1.8e19 (a variance below ~3e-39)
+    # they are inf, every gradient vanishes and the run would end with no error
+    largest = float(per_class_factors.abs().amax())
+    if not largest**2 <= torch.finfo(torch.float32).max:
+        raise InputError("precision factors overflow float32 when squared (near-zero feature variance); raise --shrinkage")
 
     return _gaussians(covariance, class_mean64, counts, pooled, per_class_factors, lambdas, shrinkage)
 
@@ -310,7 +336,7 @@ def _gaussians(
         covariance=covariance,
         global_mean=global_mean.float(),
         global_covariance=((pooled + between) / total).float(),
-        shrinkage_method="oas" if shrinkage == "auto" else "fixed",
+        shrinkage_method=auto_shrinkage_method(covariance) if shrinkage == "auto" else "fixed",
         **lowrank,
     )
 
