@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 import tiny_net
 from cafa_cli.cli import app
 from cafa_cli.data import read_image
+from cafa_cli.errors import UsageError
+from cafa_cli.pipeline import compute_statistics
 from conftest import ASSETS, PLAIN, TINY_NET, write_folder
 from test_artifact import corrupt
 
@@ -659,6 +661,8 @@ def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
     # both would choose the images: neither silently wins
     fails(run(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
     fails(run("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
+    with pytest.raises(UsageError, match="give one of them"):  # the Python API too: it dropped the fraction
+        compute_statistics(str(setup["train"]), tmp_path / "api.safetensors", fraction=0.5, per_class=10)
 
 
 @pytest.mark.parametrize("count", ["0", "-3"])

@@ -31,6 +31,7 @@ from cafa_cli.pipeline import (
     prepare_adaptation,
     recorded_data,
     resolve_model,
+    subset_size,
 )
 from cafa_cli.report import Monitor
 from cafa_cli.statistics import auto_shrinkage_method, check_options
@@ -134,10 +135,15 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
 class Sampling:
     """Which training images the statistics are computed from, and their shrinkage (as cafa stats)."""
 
-    fraction: float | None = 0.05
+    fraction: float | None = None  # DEFAULT_FRACTION unless per_class is given
     per_class: int | None = None
     seed: int = 0
     shrinkage: float | str = "auto"
+
+    def __post_init__(self):
+        fraction, per_class = subset_size(self.fraction, self.per_class)
+        object.__setattr__(self, "fraction", fraction)
+        object.__setattr__(self, "per_class", per_class)
 
     def same_shrinkage(self, metadata: str | None, covariance: str) -> bool:
         """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: the automatic
@@ -153,7 +159,7 @@ class Sampling:
         return method == "fixed" and low == high == float(self.shrinkage)
 
     def recorded(self) -> dict:
-        return {"fraction": None if self.per_class else self.fraction, "per_class": self.per_class, "seed": self.seed}
+        return {"fraction": self.fraction, "per_class": self.per_class, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -374,8 +380,7 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> N
         "settings": {
             **shared, "methods": ",".join(r.label for r in plan.rows), "train": plan.train, "model": model.model,
             "weights": str(Path(model.weights).resolve()) if model.weights else None,
-            "fraction": None if sampling.per_class else sampling.fraction, "per_class": sampling.per_class,
-            "shrinkage": sampling.shrinkage,
+            "fraction": sampling.fraction, "per_class": sampling.per_class, "shrinkage": sampling.shrinkage,
             "preprocessing": recipes(model.model, train=plan.train_choice, test=plan.test_choice),
         },
     }

@@ -202,13 +202,6 @@ PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")]
 
 
-def _fraction(fraction: float | None, per_class: int | None) -> float | None:
-    """--fraction (0.05 when neither is given) or --per-class: one of them, not both."""
-    if fraction is not None and per_class is not None:
-        raise UsageError("--fraction and --per-class both say how many training images to use; give one of them")
-    return 0.05 if fraction is None and per_class is None else fraction
-
-
 def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
     changes = {}
     if resize is not None:
@@ -265,7 +258,7 @@ def stats(
             out,
             ModelChoice(model, weights, num_classes, classifier, trust_checkpoint),
             DataChoice(labels, severity, classes, _preprocessing_changes(resize, crop, mean, std, channels)),
-            fraction=_fraction(fraction, per_class),
+            fraction=fraction,
             per_class=per_class,
             seed=seed,
             covariance=covariance,
@@ -486,7 +479,7 @@ def bench_command(
         train=bench.training_data(train, model, rows),
         train_choice=train_choice,
         test_choice=DataChoice(labels, severity, classes, test_changes),
-        sampling=bench.Sampling(_fraction(fraction, per_class), per_class, shrinkage=parse_shrinkage(shrinkage)),
+        sampling=bench.Sampling(fraction, per_class, shrinkage=parse_shrinkage(shrinkage)),
         workdir=Path(workdir),
     )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:

@@ -118,12 +118,30 @@ def _check_classes(
 # --- stats -----------------------------------------------------------------------
 
 
+DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
+
+
+def subset_size(fraction: float | None, per_class: int | None) -> tuple[float | None, int | None]:
+    """How many training images per class: (fraction, None) or (None, per_class), checked;
+    a fraction of 0.05 when neither is given."""
+    if fraction is not None and per_class is not None:
+        raise UsageError("--fraction and --per-class both say how many training images to use; give one of them")
+    if per_class is not None:
+        if per_class < 2:
+            raise UsageError(f"--per-class must be at least 2, not {per_class}")
+        return None, per_class
+    fraction = DEFAULT_FRACTION if fraction is None else fraction
+    if not 0 < fraction <= 1:
+        raise UsageError(f"--fraction must be in (0, 1], not {fraction}")
+    return fraction, None
+
+
 def compute_statistics(
     data: str,
     out: str | Path = DEFAULT_PATH,
     model: ModelChoice = ModelChoice(model="resnet50"),
     data_choice: DataChoice = DataChoice(),
-    fraction: float | None = 0.05,
+    fraction: float | None = None,
     per_class: int | None = None,
     seed: int = 0,
     covariance: str = "auto",
@@ -140,10 +158,7 @@ def compute_statistics(
     returns the artifact, the other ranks return None.
     """
     monitor = monitor or Monitor()
-    if per_class is None and (fraction is None or not 0 < fraction <= 1):
-        raise UsageError(f"--fraction must be in (0, 1], not {fraction}")
-    if per_class is not None and per_class < 2:
-        raise UsageError(f"--per-class must be at least 2, not {per_class}")
+    fraction, per_class = subset_size(fraction, per_class)
     statistics.check_options(covariance, shrinkage)
     _check_loading(batch_size, num_workers, seed)
     check_outputs({"--out": str(out)}, {"--weights": model.weights, "--classes": data_choice.classes_file,
@@ -153,7 +168,7 @@ def compute_statistics(
     net, spec = resolve_model(model)
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
     domain, class_names = _training_domain(data, data_choice, model.model, net, preprocess, monitor)
-    indices = stratified_subset(domain.labels, class_names, None if per_class else fraction, per_class, seed)
+    indices = stratified_subset(domain.labels, class_names, fraction, per_class, seed)
     if per_class:
         counts = np.bincount(domain.labels[domain.labels >= 0], minlength=len(class_names))
         short = [f"{name} ({counts[c]})" for c, name in enumerate(class_names) if counts[c] < per_class]
@@ -167,7 +182,7 @@ def compute_statistics(
     if moments is None:  # not rank 0: rank 0 writes the artifact
         return None
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": recorded_data(data), "fraction": None if per_class else fraction, "per_class": per_class,
+    sampling = {"data": recorded_data(data), "fraction": fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
     write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
     return read_artifact(out, load_tensors=False)
