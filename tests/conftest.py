@@ -10,9 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
+from cafa_cli.models import FeatureClassifier
+from cafa_cli.statistics import ClassMoments, estimate
+
 ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"
 sys.path.insert(0, str(ASSETS))
+import tiny_net  # noqa: E402  (found through the line above)
 
 
 def class_images(rng: np.random.Generator, label: int, n: int, size: int = 16, shift: float = 0.0) -> np.ndarray:
@@ -44,8 +48,6 @@ def image_folder(tmp_path) -> Path:
 @pytest.fixture
 def tiny_weights(tmp_path) -> Path:
     """Random-initialised weights of the tiny net, saved as a plain state_dict."""
-    import tiny_net
-
     torch.manual_seed(0)
     path = tmp_path / "tiny.pt"
     torch.save(tiny_net.build().state_dict(), path)
@@ -53,3 +55,34 @@ def tiny_weights(tmp_path) -> Path:
 
 
 PLAIN = ["--resize", "none", "--crop", "none", "--mean", "0", "--std", "1", "--channels", "1"]
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """A tiny CNN trained here on generated images, its class statistics, and a shifted test set."""
+    torch.manual_seed(0)
+
+    def make(n, seed):
+        rng = np.random.default_rng(seed)
+        x = np.concatenate([class_images(rng, c, n) for c in range(3)]).astype(np.float32) / 255
+        return torch.tensor(x)[:, None], torch.arange(3).repeat_interleave(n)
+
+    x, y = make(100, 0)
+    net = tiny_net.build()
+    optimizer = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(15):
+        for idx in torch.randperm(len(x)).split(50):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            optimizer.step()
+    model = FeatureClassifier(net).eval()
+    with torch.no_grad():
+        _, features = model(x)
+    moments = ClassMoments(3, model.feature_dim)
+    moments.update(features, y)
+    gaussians = estimate(moments, "full", "auto")
+    xt, yt = make(100, 5)
+    # a contrast and brightness shift with noise: the kind of shift BN statistics correct
+    xt = xt * 0.35 + 0.45 + torch.from_numpy(np.random.default_rng(7).normal(0, 0.08, xt.shape).astype(np.float32))
+    order = torch.randperm(len(xt), generator=torch.Generator().manual_seed(1))
+    return model, gaussians, xt[order], yt[order]

@@ -15,7 +15,6 @@ from cafa_cli.adaptation import METHODS, Adapter, BatchStatisticsNorm, select_pa
 from cafa_cli.errors import UsageError
 from cafa_cli.models import FeatureClassifier
 from cafa_cli.statistics import ClassMoments, estimate
-from conftest import class_images
 
 
 def reference_cafa(distances: np.ndarray, labels: np.ndarray) -> float:
@@ -123,37 +122,6 @@ def test_batch_size_one_works_with_a_prior():
     assert logits.shape == (1, 3) and torch.isfinite(logits).all()
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """A tiny CNN trained here on generated images, its class statistics, and a shifted test set."""
-    torch.manual_seed(0)
-
-    def make(n, seed):
-        rng = np.random.default_rng(seed)
-        x = np.concatenate([class_images(rng, c, n) for c in range(3)]).astype(np.float32) / 255
-        return torch.tensor(x)[:, None], torch.arange(3).repeat_interleave(n)
-
-    x, y = make(100, 0)
-    net = tiny_net.build()
-    optimizer = torch.optim.Adam(net.parameters(), 1e-2)
-    for _ in range(15):
-        for idx in torch.randperm(len(x)).split(50):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-            optimizer.step()
-    model = FeatureClassifier(net).eval()
-    with torch.no_grad():
-        _, features = model(x)
-    moments = ClassMoments(3, model.feature_dim)
-    moments.update(features, y)
-    gaussians = estimate(moments, "full", "auto")
-    xt, yt = make(100, 5)
-    # a contrast and brightness shift with noise: the kind of shift BN statistics correct
-    xt = xt * 0.35 + 0.45 + torch.from_numpy(np.random.default_rng(7).normal(0, 0.08, xt.shape).astype(np.float32))
-    order = torch.randperm(len(xt), generator=torch.Generator().manual_seed(1))
-    return model, gaussians, xt[order], yt[order]
-
-
 def stream_error(adapter: Adapter, x, y, batch=50) -> float:
     wrong = sum((adapter.step(x[i : i + batch]).argmax(1) != y[i : i + batch]).sum().item() for i in range(0, len(x), batch))
     return wrong / len(x)
@@ -193,11 +161,15 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
+    """Gradient methods move the weights (finitely); source and bn never touch them."""
     model, gaussians, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), method, gaussians, lr=1e-2, steps=2)
+    before = [p.detach().clone() for p in adapter.model.parameters()]
     logits = adapter.step(x[:50])
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
+    moved = any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))
+    assert moved == (method not in ("source", "bn"))
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
