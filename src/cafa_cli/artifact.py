@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
@@ -237,7 +237,7 @@ def _checked_metadata(metadata: dict, path: Path):
         preprocessing = Preprocessing.from_dict(prep_fields)
     except (TypeError, KeyError, ValueError, AttributeError) as error:
         raise _bad(path, f"metadata 'model' or 'preprocessing' is malformed ({error})") from None
-    except Exception as error:  # UsageError from Preprocessing's own checks
+    except UsageError as error:  # Preprocessing's own checks
         raise _bad(path, f"metadata 'preprocessing' is invalid ({error})") from None
     if not _valid_spec(model):
         raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")

@@ -492,7 +492,6 @@ def prepare_adaptation(
     data_choice: DataChoice = DataChoice(),
     settings: AdaptSettings = AdaptSettings(),
     allow_weights_mismatch: bool = False,
-    stdin=None,
 ) -> Adaptation:
     if not data:
         raise UsageError("give at least one --data PATH")
@@ -509,7 +508,7 @@ def prepare_adaptation(
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
     class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
-    domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity, stdin) for d in data]
+    domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity) for d in data]
     if class_names is None:
         class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
