@@ -130,6 +130,13 @@ def root(
     _debug["on"] = debug
 
 
+def _reader_gone() -> int:
+    """The reader of stdout went away: stop quietly, as a tool killed by SIGPIPE would,
+    with its exit code, and keep Python from failing on the final flush."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def reports_errors(command):
     """Turn CafaError into one line on stderr and its exit code; Ctrl-C into exit 130."""
 
@@ -144,11 +151,8 @@ def reports_errors(command):
         except KeyboardInterrupt:
             typer.echo("cafa: interrupted", err=True)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
-        except BrokenPipeError:
-            # the reader of stdout went away (`cafa adapt ... | head`): stop quietly, as
-            # a tool killed by SIGPIPE would, and keep Python from failing on the final flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(code=EXIT_BROKEN_PIPE) from None
+        except BrokenPipeError:  # `cafa adapt ... | head`
+            raise typer.Exit(code=_reader_gone()) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except MemoryError:
@@ -518,9 +522,8 @@ def main() -> None:
         defaults = {}  # the help that would show how to fix the file stays readable
     try:
         app(default_map=defaults)
-    except BrokenPipeError:  # --help or --version into `| head`: as a command's output would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(EXIT_BROKEN_PIPE) from None
+    except BrokenPipeError:  # --help or --version into `| head`
+        raise SystemExit(_reader_gone()) from None
     except OSError as error:  # --help into a full disk (a command's own errors are handled inside it)
         _fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
         raise SystemExit(EXIT_RUNTIME) from None
