@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,17 @@ def test_failing_writer_keeps_old_file_and_leaves_no_temp(tmp_path):
 
     with pytest.raises(RuntimeError, match="disk full"):
         atomic_write(path, half_then_fail)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
+def test_an_artifact_that_fails_its_checks_never_replaces_the_old_one(tmp_path):
+    path = tmp_path / "s.safetensors"
+    g = write(path)
+    before = path.read_bytes()
+    broken = replace(g, global_covariance=torch.full_like(g.global_covariance, float("inf")))
+    with pytest.raises(InputError, match=rf"{path} not written: .*'global_covariance' holds NaN or inf"):
+        write_artifact(path, broken, NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
 

@@ -653,6 +653,24 @@ def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_
     assert previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19
 
 
+def test_features_or_outputs_out_of_float32s_range_are_refused_and_the_old_artifact_kept(setup, tmp_path):
+    """A --std of 1e-30 makes the features huge (their covariance overflows float32), 1e-46
+    is 0 in float32 (inf, then NaN); both once reached the artifact or the predictions."""
+    kept = tmp_path / "kept.safetensors"
+    shutil.copy(setup["artifact"], kept)
+    before = kept.read_bytes()
+    for std in ("1e-30", "1e-46"):
+        fails(stats(setup, setup["train"], "--std", std, "--out", kept), 3, "features hold NaN, infinite or huge values", "--std")
+        assert kept.read_bytes() == before
+    fails(adapt(setup, setup["train"], "--std", "1e-46", "--method", "source"), 3, "the model's outputs are NaN or infinite")
+
+
+def test_stats_into_a_device_writes_it_and_succeeds(setup):
+    """The artifact is checked as written, before the copy to the device, not read back from it."""
+    result = stats(setup, setup["train"], "--out", "/dev/null", "--quiet")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
     args = ["stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--out", tmp_path / "s.safetensors"]
     result = run(*args, "--per-class", "10")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -73,8 +73,10 @@ def write_artifact(
     sampling: dict,
     parameters_sha256: str | None = None,
     factory_sha256: str | None = None,
-) -> None:
-    """Write atomically: a temporary file in the same folder, then rename over `path`."""
+) -> Artifact:
+    """Write atomically: a temporary file in the same folder, read back and checked as
+    `adapt` will check it, then renamed over `path` (an invalid one never replaces a good
+    file). Returns the artifact as read, without its tensors."""
     C, d = gaussians.means.shape
     lambdas = gaussians.shrinkage
     lowrank = gaussians.covariance == "lowrank"
@@ -117,7 +119,18 @@ def write_artifact(
         "global_mean": gaussians.global_mean,
         "global_covariance": gaussians.global_covariance,
     }
-    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata))
+    written = []
+
+    def write_and_check(tmp: str) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        try:
+            written.append(read_artifact(tmp, load_tensors=False))
+        except InputError as error:
+            reason = str(error).removeprefix(f"{tmp}: ")
+            raise InputError(f"{path} not written: the statistics fail the artifact's own checks ({reason})") from None
+
+    atomic_write(path, write_and_check)
+    return replace(written[0], path=str(path))
 
 
 # --- reading ---------------------------------------------------------------------

@@ -184,8 +184,7 @@ def compute_statistics(
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
     sampling = {"data": recorded_data(data), "fraction": fraction, "per_class": per_class,
                 "seed": seed, "skipped_images": moments.skipped_images}
-    write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
-    return read_artifact(out, load_tensors=False)
+    return write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
 
 
 def _training_domain(

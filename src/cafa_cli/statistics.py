@@ -53,6 +53,11 @@ class ClassMoments:
             )
         if len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < self.num_classes):
             raise UsageError(f"labels must be class indices in [0, {self.num_classes}), not {int(labels.min())}..{int(labels.max())}")
+        if len(features) and not float(features.abs().amax()) <= SQUARABLE:
+            # they would poison every moment of their class, and the artifact with it
+            raise InputError(f"the model's features hold NaN, infinite or huge values (above {SQUARABLE:.1e}, whose squares "
+                             f"overflow float32); check --mean and --std (a tiny --std overflows) and the weights "
+                             f"(out-of-range or non-float values)")
         for c in labels.unique().tolist():
             rows = features[labels == c]
             self.pending[c].append(rows)
@@ -118,6 +123,9 @@ class ClassMoments:
         """Forget a class's scatter (and buffered rows) once its factor is made."""
         self.scatter.pop(c, None)
         self.pending[c] = []
+
+
+SQUARABLE = float(torch.finfo(torch.float32).max) ** 0.5  # the largest value whose square is a float32
 
 
 def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:
@@ -304,8 +312,7 @@ def estimate(
         )
     # the distances square the factors in float32: above ~1.8e19 (a variance below ~3e-39)
     # they are inf, every gradient vanishes and the run would end with no error
-    largest = float(per_class_factors.abs().amax())
-    if not largest**2 <= torch.finfo(torch.float32).max:
+    if not float(per_class_factors.abs().amax()) <= SQUARABLE:
         raise InputError("precision factors overflow float32 when squared (near-zero feature variance); raise --shrinkage")
 
     return _gaussians(covariance, class_mean64, counts, pooled, per_class_factors, lambdas, shrinkage)
