@@ -649,6 +649,13 @@ def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_
     previous.write_text("path,prediction,label,confidence\nold,a,a,1.0\n")
     fails(adapt(setup, setup["train"], "--channels", "3", "--predictions", previous), 3, "the model cannot take these images")
     assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    for name in ("a.png", "b.png"):
+        (unreadable / name).write_text("not an image")
+    fails(adapt(setup, unreadable, "--predictions", previous), 3, "none of its 2 image(s) could be read")
+    assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
+    assert adapt(setup, unreadable).stdout == ""  # nor a header on stdout
     assert adapt(setup, setup["train"], "--predictions", previous, "--quiet").exit_code == 0
     assert previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19
 

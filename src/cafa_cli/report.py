@@ -73,6 +73,8 @@ class RecordWriter:
         return self.class_names[index] if 0 <= index < len(self.class_names) else ""
 
     def write(self, records: list[Record]) -> None:
+        if not records:  # a batch of unreadable images: no header yet, nothing truncated
+            return
         self._start()
         for r in records:
             row = (r.ref, self._name(r.prediction), self._name(r.label), f"{r.confidence:.6f}")
