@@ -43,6 +43,11 @@ def test_parse_methods_knows_variants_and_per_row_learning_rates():
         parse_methods("tent,sgd")
     with pytest.raises(UsageError, match="not a number"):
         parse_methods("tent@fast")
+    with pytest.raises(UsageError, match="names tent twice"):  # it would run twice and fill one line
+        parse_methods("tent,bn,tent")
+    with pytest.raises(UsageError, match=r"give the learning rate after @ \(e.g. cafa@0.001\)"):
+        parse_methods("cafa@")
+    assert len(parse_methods("tent,tent@0.01")) == 2  # two learning rates: two rows
     assert parse_seeds("0, 1,2") == [0, 1, 2]
 
 
@@ -56,6 +61,8 @@ def test_domain_labels_grow_until_they_differ():
     assert domain_labels(["x/fog/3", "x/snow/3"]) == {"x/fog/3": "fog", "x/snow/3": "snow", "mean": "mean"}
     assert domain_labels(["x/fog/3", "x/fog/5", "x/snow/3"]) == {"x/fog/3": "fog/3", "x/fog/5": "fog/5", "x/snow/3": "snow", "mean": "mean"}
     assert domain_labels(["a/fog/3", "b/fog/3"])["b/fog/3"] == "b/fog/3"
+    # a folder named `mean` must not share the column of the average
+    assert domain_labels(["x/fog", "x/mean"]) == {"x/fog": "fog", "x/mean": "x/mean", "mean": "mean"}
 
 
 def test_bad_seeds_are_usage_errors():
@@ -79,6 +86,7 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     for flag in ("--csv", "--json", "--plot"):
         one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
     one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
+    one_error_line(runner.invoke(app, [*base, f"{domain}/"]), 2, "is given twice")  # the same folder, written otherwise
     one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]), 2,
                    "--severity is only for .npy arrays")  # before the statistics are computed
     one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
@@ -111,6 +119,8 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
         (["--test-per-class", "-1"], 2, "--test-per-class must be 0 (all) or more"),  # not after the training images
         (["--methods", "cafa,magic"], 2, "unknown method 'magic'"),
         (["--corruptions", "fog,rain"], 2, "unknown corruption 'rain'"),
+        (["--corruptions", "fog,fog", "--data-only"], 2, "--corruptions names fog twice"),
+        (["--methods", "magic", "--data-only"], 2, "unknown method 'magic'"),
         (["--fashion-mnist", "/nonexistent"], 3, "Fashion-MNIST not found"),
     ],
 )

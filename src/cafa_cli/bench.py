@@ -62,7 +62,9 @@ def parse_methods(text: str) -> list[Row]:
     """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`."""
     rows = []
     for label in (m.strip() for m in text.split(",") if m.strip()):
-        name, _, lr_text = label.partition("@")
+        name, at, lr_text = label.partition("@")
+        if at and not lr_text:
+            raise UsageError(f"--methods: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
         if name in VARIANTS:
             method, covariance, params = VARIANTS[name]
         elif name in METHODS:
@@ -78,6 +80,10 @@ def parse_methods(text: str) -> list[Row]:
         rows.append(Row(label, method, covariance, lr, params))
     if not rows:
         raise UsageError("--methods names no method")
+    labels = [row.label for row in rows]
+    repeated = [label for label in labels if labels.count(label) > 1]
+    if repeated:  # the same row twice would be run twice and fill one line of the table
+        raise UsageError(f"--methods names {repeated[0]} twice; give each row once")
     return rows
 
 
@@ -97,7 +103,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def check_domains(domains: list[str], data_choice: DataChoice) -> None:
     """Each test domain given once, readable with its options and labelled, before any statistics are computed."""
-    repeated = sorted({d for d in domains if domains.count(d) > 1})
+    where = [recorded_data(d) for d in domains]  # `imgs` and `./imgs/` are one domain
+    repeated = [d for d, at in zip(domains, where) if where.count(at) > 1]
     if repeated:
         raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
     for domain in domains:
@@ -120,14 +127,15 @@ def domain_label(path: str) -> str:
 
 def domain_labels(domains: list[str]) -> dict[str, str]:
     """Column labels, one per domain (and `mean`): `fog`, or `fog/3` and `fog/5` when
-    the short ones would collide, up to the whole path."""
+    the short ones would collide (with each other or with `mean`), up to the whole path."""
     labels = {d: domain_label(d) for d in domains}
-    for depth in range(2, max((len(Path(d).parts) for d in domains), default=0) + 1):
-        shown = list(labels.values())
+    paths = {d: Path(d).resolve() if Path(d).exists() else Path(d) for d in domains}
+    for depth in range(2, max((len(p.parts) for p in paths.values()), default=0) + 1):
+        shown = [*labels.values(), "mean"]
         clashing = {d for d in domains if shown.count(labels[d]) > 1}
         if not clashing:
             break
-        labels.update({d: "/".join(Path(d).parts[-depth:]) for d in clashing})
+        labels.update({d: "/".join(paths[d].parts[-depth:]) for d in clashing})
     return {**labels, "mean": "mean"}
 
 

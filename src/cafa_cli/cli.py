@@ -405,6 +405,7 @@ def demo(
     console = _stderr(quiet)
     with Monitor(console, quiet) as monitor:
         if data_only:
+            bench.parse_methods(methods)  # a typo there is not ignored because no method runs
             for folder in build_corrupted(Path(workdir), list(names), severity, plan.test_per_class, plan.seed, fashion_mnist,
                                           on_domain=lambda name: monitor.info(f"corrupting: {name}")):
                 print(folder)

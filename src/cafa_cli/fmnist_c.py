@@ -48,6 +48,9 @@ def check_corruptions(corruptions: list[str], severity: int, per_class: int | No
         raise UsageError(f"unknown corruption {unknown[0]!r}; choose from {', '.join(library.corruption_dict)}")
     if not corruptions:
         raise UsageError("--corruptions names no corruption")
+    repeated = [c for c in corruptions if corruptions.count(c) > 1]
+    if repeated:
+        raise UsageError(f"--corruptions names {repeated[0]} twice; give each once")
     if severity not in range(1, 6):
         raise UsageError(f"--severity must be 1-5, not {severity}")
     if per_class is not None and per_class < 1:
