@@ -205,13 +205,23 @@ def _bad_image(folder: Path, kind: str) -> Path:
         path, data = folder / "b" / "empty.png", b""
     elif kind == "not-an-image":
         path, data = folder / "b" / "notes.png", b"these are my notes, not a picture\n"
+    elif kind == "postscript":  # Pillow knows it (EPS), but would run Ghostscript to decode it
+        path, data = folder / "b" / "page.jpg", b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nshowpage\n"
     else:
         raise ValueError(kind)
     path.write_bytes(data)
     return path
 
 
-BAD_IMAGES = {"truncated-png": "truncated", "truncated-jpeg": "Truncated", "zero-byte": "empty file (0 bytes)", "not-an-image": "not an image format"}
+BAD_IMAGES = {"truncated-png": "truncated", "truncated-jpeg": "Truncated", "zero-byte": "empty file (0 bytes)",
+              "not-an-image": "not an image in a format cafa reads", "postscript": "not an image in a format cafa reads"}
+
+
+def test_postscript_is_a_format_pillow_would_open(tmp_path):
+    """What makes the postscript case meaningful: Image.open alone takes it for an image."""
+    path = _bad_image(write_folder(tmp_path / "d", per_class=1), "postscript")
+    with Image.open(path) as image:
+        assert image.format == "EPS"
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_IMAGES))

@@ -203,16 +203,22 @@ def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
     return None
 
 
+# Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
+# name: without this list a PostScript file named .jpg in an untrusted folder would be
+# handed to Ghostscript (EPS), a program outside this process.
+DECODERS = ("JPEG", "PNG", "WEBP", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000")
+
+
 def read_image(path: str) -> Image.Image:
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block or never end
         raise UnidentifiedImageError("not a regular file")
     try:
-        with Image.open(path) as image:
+        with Image.open(path, formats=DECODERS) as image:
             image.load()  # decode now so that truncated files fail here, not later
             return image
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
-        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image format PIL can read") from None
+        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image in a format cafa reads: JPEG, PNG, WebP, BMP, GIF, TIFF, PPM, TGA, JPEG 2000") from None
 
 
 def _folder_domain(root: Path) -> Domain:
