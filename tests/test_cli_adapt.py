@@ -404,3 +404,13 @@ def test_an_unshuffled_stream_of_class_folders_is_flagged(setup):
     assert caution in adapt(setup, "--method", "bn", "--no-shuffle").stderr
     assert caution not in adapt(setup, "--method", "bn").stderr
     assert caution not in adapt(setup, "--method", "source", "--no-shuffle").stderr  # no batch statistics, no updates
+
+
+def test_class_runs_are_recognised_in_any_class_order():
+    """Fashion-MNIST's folders sort as ankle_boot, bag, ... against the model's tshirt_top,
+    trouser, ...: the runs come in another order than the classes', and are runs all the same."""
+    from cafa_cli.pipeline import _one_class_after_another
+
+    assert _one_class_after_another(np.array([9, 9, 8, 8, 0, 0, 4]))
+    assert not _one_class_after_another(np.array([0, 1, 0, 1]))
+    assert not _one_class_after_another(np.array([3, 3, 3]))

@@ -333,6 +333,20 @@ def test_bad_artifact(setup, tmp_path, damage, needle):
     fails(run("inspect", path), 3, str(path), needle)
 
 
+def test_inspect_json_is_standard_json_whatever_the_artifact_holds(setup, tmp_path):
+    """Python's json writes NaN and Infinity, which jq and most parsers reject."""
+    odd = corrupt(setup["artifact"], tmp_path / "nan.safetensors", {"sampling": json.dumps({"fraction": float("nan")})})
+    result = run("inspect", odd, "--json")
+    assert result.exit_code == 0, result.stderr
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    assert json.loads(result.stdout, parse_constant=refuse)["sampling"] == {"fraction": None}
+    shrink = json.dumps({"method": "oas", "min": float("nan"), "mean": 0.1, "max": float("inf")})
+    fails(run("inspect", corrupt(setup["artifact"], tmp_path / "s.safetensors", {"shrinkage": shrink})), 3, "in [0, 1]")
+
+
 def test_bad_artifact_given_to_adapt(setup, tmp_path):
     path = _damaged(setup, tmp_path, "diagonal")
     result = run("adapt", "--stats", path, "--model", TINY_NET, "--data", setup["train"])

@@ -194,9 +194,10 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     gaussians = None
     if load_tensors:
         shrink_info = _json(metadata, "shrinkage", path)
-        numbers = isinstance(shrink_info, dict) and all(isinstance(shrink_info.get(k), (int, float)) for k in ("min", "mean", "max"))
+        numbers = isinstance(shrink_info, dict) and all(
+            isinstance(shrink_info.get(k), (int, float)) and 0 <= shrink_info[k] <= 1 for k in ("min", "mean", "max"))
         if not numbers or not isinstance(shrink_info.get("method"), str):
-            raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ; re-create the artifact with cafa stats")
+            raise _bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ, in [0, 1]; re-create the artifact with cafa stats")
         gaussians = ClassGaussians(
             means=small["means"],
             factors=factors,

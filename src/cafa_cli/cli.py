@@ -4,7 +4,6 @@ and turns errors into one line on stderr and an exit code."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -50,6 +49,7 @@ from cafa_cli.report import (
     open_output,
     stderr_console,
     summary_table,
+    to_json,
     write_json,
 )
 from cafa_cli.statistics import parse_shrinkage
@@ -187,7 +187,7 @@ MeanOpt = Annotated[Optional[str], typer.Option("--mean", help="Normalisation me
 StdOpt = Annotated[Optional[str], typer.Option("--std", help="Normalisation std, one value or one per channel; default as --mean's.")]
 ChannelsOpt = Annotated[Optional[int], typer.Option("--channels", help="1 (grey) or 3 (RGB).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
-WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA all CPU cores but one (shared among torchrun's ranks on a machine); on the CPU 0.")]
+WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default=False, help="Data loading processes. Default: on CUDA the CPU cores this process may use, divided among torchrun's ranks on the machine, minus one; on the CPU 0.")]
 FractionOpt = Annotated[Optional[float], typer.Option("--fraction", show_default=False, help="Stratified fraction of each class's training images for the statistics, in (0, 1]; default 0.05.")]
 PerClassOpt = Annotated[Optional[int], typer.Option("--per-class", help="This many training images per class instead of a --fraction.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
@@ -382,7 +382,7 @@ def inspect_command(
     """Summarise and validate an artifact: classes, counts, dimensions, shrinkage, model, conditioning."""
     summary = describe(read_artifact(artifact))
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(to_json(summary, indent=2))
     else:
         Console(highlight=False).print(render(summary))
 

@@ -469,9 +469,11 @@ class Adaptation:
 
 
 def _one_class_after_another(labels: np.ndarray) -> bool:
-    """Labels sorted into runs of one class each (class folders), over more than one class."""
+    """Labels in runs of one class each (class folders, in whatever order the folder names
+    sort against the model's classes), over more than one class."""
     known = labels[labels >= 0]
-    return len(np.unique(known)) > 1 and bool((np.diff(known) >= 0).all())
+    classes = len(np.unique(known))
+    return classes > 1 and int((np.diff(known) != 0).sum()) == classes - 1
 
 
 def _geometry(recipe: Preprocessing) -> str:

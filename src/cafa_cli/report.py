@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -82,7 +83,7 @@ class RecordWriter:
                 self._csv.writerow(row)
             else:
                 record = dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))
-                self.stream.write(json.dumps({**record, "label": record["label"] or None}) + "\n")
+                self.stream.write(to_json({**record, "label": record["label"] or None}) + "\n")
         self.stream.flush()
 
 
@@ -151,9 +152,25 @@ def metrics(method: str, results: Sequence[DomainResult], settings: dict) -> dic
     }
 
 
+def to_json(payload, **options) -> str:
+    """Standard JSON, which has no NaN or Infinity (Python's json writes them, and jq and
+    most parsers reject them): a non-finite number is written as null."""
+    return json.dumps(_finite(payload), allow_nan=False, **options)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def write_json(path: str, payload: dict) -> None:
     def write(tmp: str) -> None:
-        Path(tmp).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        Path(tmp).write_text(to_json(payload, indent=2) + "\n", encoding="utf-8")
 
     atomic_write(path, write)
 
