@@ -118,6 +118,17 @@ def test_relabel_by_name_into_the_model_order(mixed_folder):
     assert by_name["one.PNG"] == 0 and by_name["four.jpeg"] == 2
 
 
+def test_class_folders_match_the_class_list_in_either_unicode_form(tmp_path):
+    """macOS writes café as c-a-f-e + combining accent (NFD); a class list has é (NFC)."""
+    import unicodedata
+
+    for name in ("café", "naïve"):
+        save(tmp_path / "d" / unicodedata.normalize("NFD", name) / "x.png", solid(1))
+    domain = open_domain(str(tmp_path / "d"), class_names=["naïve", "café"])
+    by_folder = {unicodedata.normalize("NFC", Path(ref).parent.name): int(label) for ref, label in zip(domain.refs, domain.labels)}
+    assert by_folder == {"naïve": 0, "café": 1} and domain.class_names == ["naïve", "café"]
+
+
 def test_folder_missing_from_class_list_is_named(mixed_folder):
     with pytest.raises(InputError, match=r"class folder\(s\) zebra not in the model's class list \(2 classes\)"):
         open_domain(str(mixed_folder), class_names=["apple", "pear"])

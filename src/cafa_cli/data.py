@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import sys
+import unicodedata
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -114,8 +115,10 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
                 f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(class_names)} classes"
             )
         return replace(domain, class_names=class_names)
-    index = {name: i for i, name in enumerate(class_names)}
-    unknown = sorted(set(domain.class_names) - set(index))
+    # names compared in one Unicode form: macOS writes folder names decomposed (NFD), most
+    # other systems and class lists composed (NFC), and the two look the same when printed
+    index = {_composed(name): i for i, name in enumerate(class_names)}
+    unknown = sorted(n for n in set(domain.class_names) if _composed(n) not in index)
     used = set(domain.labels[domain.labels != UNLABELLED].tolist())
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
@@ -127,8 +130,12 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
             f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
             f"rename them to the model's class names, or compute the statistics with their class list (cafa stats --classes)"
         )
-    lookup = np.array([index.get(n, UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
+    lookup = np.array([index.get(_composed(n), UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
     return replace(domain, labels=lookup[domain.labels], class_names=class_names)
+
+
+def _composed(name: str) -> str:
+    return unicodedata.normalize("NFC", name)
 
 
 def _plain(name: str) -> str:
