@@ -209,9 +209,9 @@ CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the m
 def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
     changes = {}
     if resize is not None:
-        changes["resize"] = parse_size(resize)
+        changes["resize"] = parse_size(resize, "--resize")
     if crop is not None:
-        changes["crop"] = parse_size(crop)
+        changes["crop"] = parse_size(crop, "--crop")
     if mean is not None:
         changes["mean"] = parse_floats(mean, "--mean")
     if std is not None:
@@ -470,7 +470,9 @@ def bench_command(
                          "--workdir": workdir})
     train_choice = DataChoice(classes_file=classes, preprocessing=_preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
-    test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, None, None, None)}
+    test_geometry = {"resize": (test_resize, "--test-resize"), "crop": (test_crop, "--test-crop")}
+    test_changes = {**train_choice.preprocessing,
+                    **{key: parse_size(text, option) for key, (text, option) in test_geometry.items() if text is not None}}
     target = rank_device(pick_device(device))
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
                              bn_prior=bn_prior, reset=reset, device=str(target), precision=precision, num_workers=num_workers,

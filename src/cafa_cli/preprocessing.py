@@ -15,6 +15,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+MAX_SIDE = 4096  # pixels; --resize 100000 would ask for 10 GB per image and end out of memory
+
+
 @dataclass(frozen=True)
 class Preprocessing:
     """PIL image -> uint8 pixels (in the loader) -> normalised float batch (on the device).
@@ -52,8 +55,8 @@ class Preprocessing:
             raise UsageError("--std values must be positive")
         for name in ("resize", "crop"):
             value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise UsageError(f"--{name} must be a positive integer or 'none', not {value}")
+            if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
+                raise UsageError(f"--{name} must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise UsageError(
                 f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
@@ -131,14 +134,14 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
     return image.convert(mode)
 
 
-def parse_size(text: str) -> int | None:
+def parse_size(text: str, option: str) -> int | None:
     """'224' -> 224, 'none' -> None."""
     if text.strip().lower() == "none":
         return None
     try:
         return int(text)
     except ValueError:
-        raise UsageError(f"expected an integer or 'none', got {text!r}") from None
+        raise UsageError(f"{option} takes a whole number of pixels or 'none', not {text!r}") from None
 
 
 def parse_floats(text: str, option: str) -> tuple[float, ...]:
