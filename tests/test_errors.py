@@ -911,3 +911,32 @@ def test_weights_holding_nan_are_refused_before_any_prediction(setup, tmp_path):
         result = run(command, "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, *extra)
         fails(result, 3, f"the model's weights hold NaN or infinite values in {name}")
         assert result.stdout == ""
+
+
+def _entry_point(*args, shell_redirect: str = "", env: dict | None = None):
+    """The real `python -m cafa_cli`, with a shell redirection such as `>&-`."""
+    import subprocess
+    import sys
+
+    command = " ".join(["exec", '"$0"', "-m", "cafa_cli", *(f'"${i + 1}"' for i in range(len(args))), shell_redirect])
+    return subprocess.run(["sh", "-c", command, sys.executable, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_a_closed_stdout_is_an_error_for_commands_that_write_there(setup):
+    """Python sets sys.stdout to None under `>&-` and print() then drops everything."""
+    for args in (("inspect", setup["artifact"]), ("--help",)):
+        done = _entry_point(*args, shell_redirect=">&-")
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == "cafa: error: standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"
+
+
+def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setup, tmp_path):
+    folder = write_folder(tmp_path / "d", per_class=2, classes=("café", "naïve", "λ"))
+    artifact = tmp_path / "s.safetensors"
+    assert stats(setup, folder, "--out", artifact, "--quiet").exit_code == 0
+    ascii_only = {"PYTHONIOENCODING": "ascii"}
+    done = _entry_point("adapt", "--stats", artifact, "--model", TINY_NET, folder, "--quiet", env=ascii_only)
+    assert done.returncode == 0, done.stderr
+    assert "\\u03bb" in done.stdout or "\\xe9" in done.stdout
+    assert _entry_point("inspect", artifact, env=ascii_only).returncode == 0

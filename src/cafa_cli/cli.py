@@ -4,6 +4,7 @@ and turns errors into one line on stderr and an exit code."""
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from cafa_cli.report import (
     Monitor,
     RecordWriter,
     check_format,
+    is_utf8,
     metrics,
     open_output,
     stderr_console,
@@ -511,11 +513,30 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+class _ClosedOutput(io.TextIOBase):
+    """Standard output closed by the shell (`>&-`): Python sets sys.stdout to None, and
+    print() then drops everything silently. A command that writes there fails instead."""
+
+    def write(self, text: str) -> int:
+        raise UsageError("standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it")
+
+
+def _standard_streams() -> None:
+    """An output encoding other than UTF-8 (PYTHONIOENCODING=ascii, a latin-1 locale) gets
+    escapes for what it cannot encode instead of an exception in the middle of a run."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and not is_utf8(stream):
+            stream.reconfigure(errors="backslashreplace")
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput()
+
+
 def main() -> None:
     # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: `finally` blocks run, so an
     # atomic write removes its temporary file and the predictions made so far are flushed.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    _standard_streams()
     try:
         defaults = read_defaults(Path.cwd(), _command_options(), _command_options(repeatable=True))
     except CafaError as error:
@@ -527,6 +548,9 @@ def main() -> None:
         app(default_map=defaults)
     except BrokenPipeError:  # --help or --version into `| head`
         raise SystemExit(_reader_gone()) from None
+    except CafaError as error:  # --help into a closed stdout (a command's own errors are handled inside it)
+        _fail(str(error), error.exit_code)
+        raise SystemExit(error.exit_code) from None
     except OSError as error:  # --help into a full disk (a command's own errors are handled inside it)
         _fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
         raise SystemExit(EXIT_RUNTIME) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -108,10 +109,14 @@ class _OpenedOnFirstWrite:
             self._file.close()
 
 
+def is_utf8(stream: io.TextIOWrapper) -> bool:
+    return codecs.lookup(stream.encoding).name == "utf-8"
+
+
 def open_output(path: str | None) -> IO[str]:
     if path is None or path == "-":
         # a file name that is not valid UTF-8 comes out as its own bytes, as ls prints it
-        if isinstance(sys.stdout, io.TextIOWrapper):
+        if isinstance(sys.stdout, io.TextIOWrapper) and is_utf8(sys.stdout):
             sys.stdout.reconfigure(errors="surrogateescape")
         return sys.stdout
     return _OpenedOnFirstWrite(check_writable(path))
