@@ -393,6 +393,15 @@ def test_shrinkage_metadata_without_its_fields(valid, tmp_path, value):
     fails(corrupt(valid, tmp_path / "s.safetensors", {"shrinkage": value}), "metadata 'shrinkage' must hold")
 
 
+def test_a_device_is_not_an_artifact():
+    fails(Path("/dev/null"), r"^/dev/null: not a regular file \(a device or a pipe\)")
+
+
+@pytest.mark.parametrize("name", ["", "  ", "two\nlines"])
+def test_class_names_that_would_break_the_records_are_refused(valid, tmp_path, name):
+    fails(corrupt(valid, tmp_path / "c.safetensors", {"class_names": json.dumps(["cat", "dog", name])}), "empty name or one with a line break")
+
+
 def test_metadata_with_wrong_fields(valid, tmp_path):
     fails(corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"model": "x", "architecture": "x"})}),
           "metadata 'model' has unknown fields architecture;")

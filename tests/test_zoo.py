@@ -134,6 +134,15 @@ def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_no
     adapt = ["adapt", "--stats", str(stats), "--data", str(images), "--quiet"]
     assert runner.invoke(app, adapt).exit_code == 0
 
+    changed = load_file(str(bundled.weights))
+    first = next(k for k, v in changed.items() if v.is_floating_point())
+    changed[first] = changed[first] * 2
+    other = tmp_path / "other.safetensors"
+    save_file(changed, str(other))
+    refused = runner.invoke(app, [*adapt, "--model", "fmnist-resnet", "--weights", str(other)])
+    assert refused.exit_code == 3
+    assert f"holds statistics of fmnist-resnet with its packaged weights, not with {other}" in refused.stderr
+
     state = load_file(str(bundled.weights))
     first = next(k for k, v in state.items() if v.is_floating_point())  # a step counter would not change the model
     state[first] = state[first] + 1

@@ -156,6 +156,8 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
         hint = f" (it holds {', '.join(found)})" if found else ""
         raise InputError(f"{path} is a folder; give the artifact file{hint}")
+    if path.exists() and not path.is_file():
+        raise InputError(f"{path}: not a regular file (a device or a pipe); give the artifact file cafa stats wrote")
     if not path.is_file():
         raise InputError(f"{path}: no such artifact; create one with cafa stats, or give the path of one")
     with open(path, "rb") as f:
@@ -237,6 +239,10 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, f"metadata 'class_names' must be a list of {C} strings")
     if len(set(class_names)) != C:
         raise _bad(path, "metadata 'class_names' repeats a name")
+    if not all(name.strip() and "\n" not in name and "\r" not in name for name in class_names):
+        # a prediction of "" reads as "no label" in the CSV, and a line break splits a record
+        raise _bad(path, "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
+                         "with class folders (or a --classes list) named otherwise")
     model_fields = _json(metadata, "model", path)
     prep_fields = _json(metadata, "preprocessing", path)
     sampling = _json(metadata, "sampling", path)

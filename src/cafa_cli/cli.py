@@ -196,7 +196,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or su
 ShrinkageOpt = Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
 # how a model adapts, shared by adapt and bench
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Test batch size (paper: 200; 64 on ImageNet-C).")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Images per adaptation batch (paper: 200; 64 on ImageNet-C); bench also computes its statistics in batches of this size.")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="Momentum of sgd and nesterov (adam ignores it).")]

@@ -394,8 +394,8 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
         return f"{what} since the statistics in {artifact.path} were computed ({differ})"
     if spec.weights == recorded.weights:
         return f"{spec.weights} has changed since the statistics were computed ({differ})"
-    made_with = recorded.weights or "the model's own initialisation (no --weights)"
-    given = spec.weights or "the model's own initialisation (no --weights)"
+    own = "its packaged weights" if bundled_defaults(spec.model) else "the model's own initialisation (no --weights)"
+    made_with, given = recorded.weights or own, spec.weights or own
     return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
 
 
