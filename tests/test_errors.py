@@ -397,6 +397,18 @@ def test_weights_whose_keys_do_not_match(setup, tmp_path):
     fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "keys do not match", "missing head.3.weight", "unexpected head.9.weight")
 
 
+@pytest.mark.parametrize("kind", ["sparse", "meta", "complex"])
+def test_weights_that_are_not_dense_real_tensors(setup, tmp_path, kind):
+    state = torch.load(setup["weights"])
+    key = "head.3.weight"
+    state[key] = {"sparse": lambda t: t.to_sparse(), "meta": lambda t: t.to("meta"), "complex": lambda t: t.to(torch.complex64)}[kind](state[key])
+    weights = tmp_path / f"{kind}.pt"
+    torch.save(state, weights)
+    result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights)
+    fails(result, 3, f"{key} ({kind}", "not a dense real tensor")
+    assert "UserWarning" not in result.stderr
+
+
 def test_model_without_a_linear_classifier(setup, tmp_path):
     spec = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())")
     fails(stats_with_model(setup, tmp_path, spec), 3, "no nn.Linear classifier")

@@ -250,10 +250,27 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
         if unexpected:
             parts.append(f"unexpected {listing(unexpected, 6)}")
         raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
+    odd = [f"{k} ({_kind(v)})" for k, v in state.items() if k in own and _kind(v)]
+    if odd:  # load_state_dict fails on them with a long message, or drops imaginary parts with a warning
+        raise InputError(f"--weights {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
+                         f"(tensor.to_dense(), real parts)")
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
     if wrong:
         raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
     model.load_state_dict(state, strict=False)  # every key was checked above
+
+
+def _kind(tensor) -> str | None:
+    """What makes a checkpoint tensor unloadable as model weights, or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__name__
+    if tensor.layout != torch.strided:
+        return "sparse"
+    if tensor.is_meta:
+        return "meta: no values"
+    if tensor.is_complex():
+        return "complex"
+    return None
 
 
 def find_classifier(model: nn.Module, name: str | None = None) -> tuple[str, nn.Linear]:
