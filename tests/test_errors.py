@@ -389,6 +389,13 @@ def test_factory_that_does_not_return_a_module(setup, tmp_path):
     fails(stats_with_model(setup, tmp_path, f"{ASSETS / 'tiny_net.py'}:not_a_module"), 3, "returned int, not a torch nn.Module")
 
 
+@pytest.mark.parametrize("conversion, kind", [(".half()", "float16"), (".double()", "float64"), ('.to("meta")', "meta")])
+def test_a_factory_model_that_is_not_float32_is_named_for_that(setup, tmp_path, conversion, kind):
+    """It met float32 images and failed with advice about --channels and --resize."""
+    spec = factory(tmp_path, f"def build():\n    return tiny_net.build(){conversion}")
+    fails(stats_with_model(setup, tmp_path, spec), 3, f"the model's parameters are {kind}, not float32", "model.float()")
+
+
 def test_weights_whose_keys_do_not_match(setup, tmp_path):
     state = torch.load(setup["weights"])
     state["head.9.weight"] = state.pop("head.3.weight")

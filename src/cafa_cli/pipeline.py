@@ -89,6 +89,10 @@ def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
             f"--model {spec.model} without --weights is an untrained network with random weights, different in "
             f"every run; give --weights FILE (a state dict of this architecture)"
         )
+    kinds = {("meta" if p.is_meta else str(p.dtype).removeprefix("torch.")) for p in net.model.parameters() if p.is_floating_point() or p.is_meta}
+    if kinds - {"float32"}:  # its layers would meet float32 images and fail with a message about the input
+        raise InputError(f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
+                         f"(model.float(), with its values) — mixed precision on CUDA is --precision bf16 or fp16")
     broken = [name for name, tensor in net.model.state_dict().items()
               if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if broken:  # every prediction would be NaN, with exit 0
