@@ -140,6 +140,24 @@ def test_an_artifact_that_fails_its_checks_never_replaces_the_old_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
 
 
+def test_a_full_disk_is_one_clear_error_and_the_old_artifact_stays(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from cafa_cli.errors import CafaError
+
+    path = tmp_path / "s.safetensors"
+    g = write(path)
+    before = path.read_bytes()
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+    monkeypatch.setattr(artifact_module, "save_file", full)
+    with pytest.raises(CafaError, match=rf"^cannot write {path} \(Error while serializing: .*No space left on device.*check the free space"):
+        write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
+
+
 def test_atomic_write_writes_a_fifo_in_place_and_a_symlinks_target(tmp_path):
     """Renaming over /dev/null (as root) would replace the device node with a file."""
     import threading

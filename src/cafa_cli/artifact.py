@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import CafaError, InputError, UsageError, listing
 from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.models import HTML_MARKERS, ModelSpec
 from cafa_cli.preprocessing import Preprocessing
@@ -122,7 +122,10 @@ def write_artifact(
     written = []
 
     def write_and_check(tmp: str) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        except SafetensorError as error:  # a full disk, a quota: safetensors reports the OS error in its own type
+            raise CafaError(f"cannot write {path} ({str(error).splitlines()[0][:200]}); check the free space of its folder") from None
         try:
             written.append(read_artifact(tmp, load_tensors=False))
         except InputError as error:
