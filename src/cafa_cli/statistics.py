@@ -280,13 +280,7 @@ def estimate(
         pooled += scatter
         if covariance != "tied":
             sample_cov = scatter / n
-            if shrinkage != "auto":
-                lam = float(shrinkage)
-            elif covariance == "diag":
-                lam = variance_shrinkage(sample_cov.diagonal(), n)
-            else:
-                lam = oas_shrinkage(sample_cov, n)
-            lambdas[c] = lam
+            lam = lambdas[c] = _shrinkage_of(sample_cov, n, covariance, shrinkage)
             factor, ok = _factor(shrink(sample_cov, lam), covariance)
             # with no shrinkage, N ≤ d samples give a rank-deficient S even when
             # rounding lets the Cholesky through
@@ -298,8 +292,7 @@ def estimate(
     total = int(counts.sum())
     if covariance == "tied":
         sample_cov = pooled / total
-        lam = oas_shrinkage(sample_cov, total) if shrinkage == "auto" else float(shrinkage)
-        lambdas[0] = lam
+        lam = lambdas[0] = _shrinkage_of(sample_cov, total, covariance, shrinkage)
         factor, ok = _factor(shrink(sample_cov, lam), "full")
         if not ok or (lam == 0 and total - C < d):
             failed.append(f"pooled (N={total}, d={d})")
@@ -316,6 +309,15 @@ def estimate(
         raise InputError("precision factors overflow float32 when squared (near-zero feature variance); raise --shrinkage")
 
     return _gaussians(covariance, class_mean64, counts, pooled, per_class_factors, lambdas, shrinkage)
+
+
+def _shrinkage_of(sample_cov: torch.Tensor, n: int, covariance: str, shrinkage: float | str) -> float:
+    """λ: the fixed value, or the automatic estimate for this covariance mode."""
+    if shrinkage != "auto":
+        return float(shrinkage)
+    if covariance == "diag":
+        return variance_shrinkage(sample_cov.diagonal(), n)
+    return oas_shrinkage(sample_cov, n)
 
 
 def _checked_counts(moments: ClassMoments, names: list[str]) -> torch.Tensor:
