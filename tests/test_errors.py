@@ -808,6 +808,8 @@ def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_
           "--mean needs 1 or 3 values for 3 channels, got 2")
     fails(adapt(setup, setup["train"], "--channels", "3", "--std", "0.1,0.2,0.3,0.4"), 2,
           f"(the options not given come from {setup['artifact']}: give them too)")
+    # a value wrong by itself is just that: the other options have nothing to do with it
+    assert fails(adapt(setup, setup["train"], "--std", "0"), 2) == "cafa: error: --std values must be positive"
 
 
 def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):

@@ -40,7 +40,7 @@ from cafa_cli.models import (
     pick_device,
     resolve,
 )
-from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.preprocessing import Preprocessing, check_values
 from cafa_cli.report import Monitor
 from cafa_cli.stream import DomainResult, adapt_domains, check_reset
 
@@ -507,6 +507,7 @@ def prepare_adaptation(
     if artifact and data_choice.classes_file:
         raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
+    check_values(data_choice.preprocessing)  # wrong by itself: no word about where the others came from
     try:
         preprocess = base.with_changes(data_choice.preprocessing)
     except UsageError as error:

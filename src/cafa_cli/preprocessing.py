@@ -39,8 +39,7 @@ class Preprocessing:
     channels: int = 3
 
     def __post_init__(self):
-        if self.channels not in (1, 3):
-            raise UsageError(f"--channels must be 1 or 3, not {self.channels}")
+        check_values(asdict(self))
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
@@ -49,14 +48,6 @@ class Preprocessing:
             if len(values) not in (1, self.channels):
                 counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
                 raise UsageError(f"--{name} needs {counts}, got {len(values)}")
-        if not all(math.isfinite(v) for v in self.mean + self.std):
-            raise UsageError("--mean and --std values must be finite numbers")
-        if any(s <= 0 for s in self.std):
-            raise UsageError("--std values must be positive")
-        for name in ("resize", "crop"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
-                raise UsageError(f"--{name} must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise UsageError(
                 f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
@@ -115,6 +106,21 @@ class Preprocessing:
         """uint8 pixels, one image or a batch, on any device -> the model's float input."""
         mean, std = (torch.tensor(values, device=pixels.device).reshape(-1, 1, 1) for values in self.per_channel())
         return pixels.float().div_(255).sub_(mean).div_(std)
+
+
+def check_values(values: dict) -> None:
+    """Each value wrong by itself, whatever the others: for the options a user gave, which
+    adapt combines with the artifact's for the rest (Preprocessing checks the combination)."""
+    if "channels" in values and values["channels"] not in (1, 3):
+        raise UsageError(f"--channels must be 1 or 3, not {values['channels']}")
+    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
+        raise UsageError("--mean and --std values must be finite numbers")
+    if any(s <= 0 for s in values.get("std", ())):
+        raise UsageError("--std values must be positive")
+    for name in ("resize", "crop"):
+        value = values.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
+            raise UsageError(f"--{name} must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
 
 
 def to_mode(image: Image.Image, mode: str) -> Image.Image:
