@@ -459,3 +459,12 @@ def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path
     trusted = runner.invoke(app, [*args, "--trust-checkpoint"])
     assert trusted.exit_code == 0, trusted.stderr
     assert "| cafa-diag |" in trusted.stdout
+
+
+def test_each_rows_warnings_are_shown_once_whichever_row_runs_first(tmp_path, tiny_weights):
+    """The first run's warnings were the only ones: tent's 'fits in one batch' never showed after source."""
+    test = write_folder(tmp_path / "test", per_class=3)
+    result = runner.invoke(app, ["bench", str(test), "--methods", "source,tent", "--seeds", "0,1", "--model", TINY_NET,
+                                 "--weights", str(tiny_weights), *PLAIN, "--workdir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("predicted before any update: tent cannot differ from bn there") == 1

@@ -301,7 +301,7 @@ def _made_for(artifact, plan: BenchPlan) -> bool:
 def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], float]:
     """Error (a fraction) of every (row label, domain, seed) this rank runs: the
     (row, seed) runs are independent, so under torchrun each rank takes every world-th."""
-    errors = {}
+    errors, warned = {}, set()
     runs = [(row, seed) for row in plan.rows for seed in plan.seeds]
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
@@ -309,8 +309,9 @@ def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank
         # with statistics the class list comes from the artifact (made from --classes)
         data_choice = replace(plan.test_choice, classes_file=None) if stats else plan.test_choice
         job = prepare_adaptation(plan.domains, stats, plan.model, data_choice, settings)
-        if not errors:  # once, not for every run
-            for caution in job.cautions():
+        for caution in job.cautions():
+            if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
+                warned.add(caution)
                 monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
         for domain, result in zip(plan.domains, job.run(monitor=monitor)):
