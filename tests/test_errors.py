@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 from typer.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tiny_net
@@ -810,6 +811,18 @@ def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_
           f"(the options not given come from {setup['artifact']}: give them too)")
     # a value wrong by itself is just that: the other options have nothing to do with it
     assert fails(adapt(setup, setup["train"], "--std", "0"), 2) == "cafa: error: --std values must be positive"
+
+
+def test_updates_skipped_for_a_non_finite_loss_are_a_warning(setup, tmp_path):
+    """Finite but huge source statistics make Global FA's loss inf: every update is skipped,
+    and the run is bn's under another name unless someone says so."""
+    with safe_open(str(setup["artifact"]), "pt") as f:
+        d = f.get_tensor("global_covariance").shape[0]
+    huge = corrupt(setup["artifact"], tmp_path / "huge.safetensors", global_covariance=torch.full((d, d), 3e38))
+    result = run("adapt", "--stats", huge, "--model", TINY_NET, "--data", setup["train"], "--batch-size", "4", "--method", "global-fa")
+    assert result.exit_code == 0, result.stderr
+    assert "update(s) skipped because the loss or its gradients were not finite; check the statistics (cafa inspect)" in result.stderr
+    assert "skipped because" not in adapt(setup, setup["train"], "--method", "global-fa").stderr
 
 
 def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):

@@ -456,7 +456,7 @@ class Adaptation:
             on_records(batch_records)
 
         s = self.settings
-        return adapt_domains(
+        results = adapt_domains(
             self.adapter,
             self.domains,
             self.preprocess,
@@ -470,6 +470,13 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
+        for result in results:
+            # fp16's loss scaler skips a few steps by design while it settles; otherwise a
+            # skipped update means the objective itself is broken and the run is bn's
+            if result.skipped_steps and s.precision != "fp16":
+                monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
+                             f"gradients were not finite; check the statistics (cafa inspect) and lower --lr")
+        return results
 
 
 def _one_class_after_another(labels: np.ndarray) -> bool:
