@@ -263,6 +263,9 @@ def test_array_errors(tmp_path):
     np.save(tmp_path / "h.npy", np.full(7, 2**40))  # a name per class index up to it would exhaust the memory
     with pytest.raises(InputError, match="class index 1099511627776 is past any classifier's outputs"):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "h.npy"))
+    np.save(tmp_path / "u.npy", np.full(7, 2**63, dtype=np.uint64))  # int64 would read it as -2**63
+    with pytest.raises(InputError, match="class index 9223372036854775808 is past"):
+        open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "u.npy"))
     np.save(tmp_path / "e.npy", np.zeros((0, 4, 4), dtype=np.uint8))
     with pytest.raises(InputError, match="e.npy: the array holds no images"):
         open_domain(str(tmp_path / "e.npy"))

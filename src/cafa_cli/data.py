@@ -316,12 +316,13 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
         raw = _load_npy(Path(labels_path), "--labels")
         if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
             raise InputError(f"--labels {labels_path}: expected a 1-D integer array, got {raw.dtype} {raw.shape}")
-        labels = np.asarray(raw, dtype=np.int64)
-        if labels.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
-            raise InputError(f"--labels {labels_path}: labels must be class indices >= 0, not {int(labels.min())}")
-        if labels.max(initial=0) >= MAX_CLASSES:  # one name is made per class index: 2**40 of them exhaust the memory
-            raise InputError(f"--labels {labels_path}: class index {int(labels.max())} is past any classifier's outputs "
+        # checked in the file's own type: uint64 2**63 would wrap to a negative int64
+        if raw.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
+            raise InputError(f"--labels {labels_path}: labels must be class indices >= 0, not {int(raw.min())}")
+        if raw.max(initial=0) >= MAX_CLASSES:  # one name is made per class index: 2**40 of them exhaust the memory
+            raise InputError(f"--labels {labels_path}: class index {int(raw.max())} is past any classifier's outputs "
                              f"(at most {MAX_CLASSES:,}); check that the file holds class indices")
+        labels = np.asarray(raw, dtype=np.int64)
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
