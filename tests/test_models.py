@@ -203,13 +203,15 @@ def assert_loaded(wrapped: FeatureClassifier, state: dict[str, torch.Tensor]):
 
 @pytest.mark.parametrize(
     "fmt",
-    ["safetensors", "pt", "state_dict", "model", "module_prefix", "wrapped_module_prefix", "pth"],
+    ["safetensors", "safetensors-named-pth", "SAFETENSORS", "pt", "state_dict", "model", "module_prefix", "wrapped_module_prefix", "pth"],
 )
 def test_weights_formats(tmp_path, fmt):
+    """The bytes decide the format, not the name: a .pth that is safetensors loads too."""
     state = reference_state()
-    path = tmp_path / ("w.safetensors" if fmt == "safetensors" else "w.pth" if fmt == "pth" else "w.pt")
+    names = {"safetensors": "w.safetensors", "safetensors-named-pth": "w.pth", "SAFETENSORS": "W.SAFETENSORS", "pth": "w.pth"}
+    path = tmp_path / names.get(fmt, "w.pt")
     prefixed = {f"module.{k}": v for k, v in state.items()}
-    if fmt == "safetensors":
+    if fmt.lower().startswith("safetensors"):
         save_file(state, str(path))
     else:
         payload = {

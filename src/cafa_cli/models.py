@@ -150,7 +150,7 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
             f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
             f"run git lfs pull in that repository, or download the file itself"
         )
-    if path.suffix == ".safetensors":
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(path):  # the bytes decide, as for images
         from safetensors import SafetensorError
 
         try:
@@ -163,6 +163,13 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
     else:
         state = _torch_load(path, trust_checkpoint)
     return _unwrap(state, path)
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    """safetensors' layout: an 8-byte little-endian header length, then the JSON header."""
+    with open(path, "rb") as f:
+        start = f.read(9)
+    return len(start) == 9 and start[8:9] == b"{" and 2 <= int.from_bytes(start[:8], "little") <= path.stat().st_size - 8
 
 
 def _torch_load(path: Path, trust_checkpoint: bool):
