@@ -123,6 +123,10 @@ def main() -> None:
               "precision": args.precision, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {}}
 
+    def save() -> None:  # after every row: a run cut off by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
     def measure_step(method: str, gaussians=None, compile: bool = False) -> dict:
         model, _ = resolve(args.model, num_classes=num_classes)
         adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=compile)
@@ -134,9 +138,11 @@ def main() -> None:
     for method in ("source", "bn", "tent"):
         result["steps"][method] = measure_step(method)
         print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
+        save()
     if args.compile:
         result["steps"]["tent+compile"] = measure_step("tent", compile=True)
         print(f"{'tent+compile':12s} {result['steps']['tent+compile']['ms']:9.1f} ms/step", flush=True)
+        save()
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
         distances.KEEP_BYTES = 0 if variant == "recompute" else KEEP_BYTES
@@ -158,10 +164,12 @@ def main() -> None:
                 reads = 3 if variant == "recompute" else 2
                 step["bandwidth_floor_ms"] = 1000 * reads * factor_bytes / HBM_BYTES_PER_S[card]
         print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB", flush=True)
+        save()
         if args.compile:
             compiled = result["steps"][f"{key}+compile"] = measure_step("cafa", gaussians, compile=True)
             compiled["ratio_to_tent_compiled"] = compiled["ms"] / result["steps"]["tent+compile"]["ms"]
             print(f"{key + '+compile':12s} {compiled['ms']:9.1f} ms/step  ×{compiled['ratio_to_tent_compiled']:.2f} compiled TENT", flush=True)
+            save()
         del gaussians
     distances.KEEP_BYTES = KEEP_BYTES
 

@@ -836,3 +836,19 @@ def test_a_loader_workers_threads_stay_quiet_only_about_a_lost_main_process(monk
     monkeypatch.setattr("signal.signal", lambda *args: None)
     _leave_signals_to_the_main_process(0)
     assert sys.excepthook is _quiet_when_the_main_process_is_gone
+
+
+def test_the_loader_pins_a_batchs_images(monkeypatch):
+    """DataLoader(pin_memory=True) pins what has a pin_memory method and passes a plain
+    dataclass through as it is: the GPU copies would then block the host."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from cafa_cli.data import Batch
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())  # no CUDA here
+    batch = Batch(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), [0, 1], [(2, "bad")])
+    out = pin_memory(batch)
+    assert len(pinned) == 1 and pinned[0] is batch.images and out.images is not batch.images
+    assert (out.indices, out.failures) == ([0, 1], [(2, "bad")])
+    assert pin_memory(Batch(None, [], [(0, "bad")])).images is None

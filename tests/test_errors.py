@@ -397,6 +397,13 @@ def test_a_factory_model_that_is_not_float32_is_named_for_that(setup, tmp_path, 
     fails(stats_with_model(setup, tmp_path, spec), 3, f"the model's parameters are {kind}, not float32", "model.float()")
 
 
+@pytest.mark.parametrize("failure", ["torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')", "MemoryError()"])
+def test_out_of_memory_on_the_gpu_or_the_host_gets_the_memory_advice(setup, tmp_path, failure):
+    """A GPU's OutOfMemoryError is a RuntimeError: it was reported as images the model cannot take."""
+    body = f"def fail(x):\n    raise {failure}\n\ndef build():\n    net = tiny_net.build()\n    net.forward = fail\n    return net"
+    fails(stats_with_model(setup, tmp_path, factory(tmp_path, body)), 1, "out of memory; lower --batch-size")
+
+
 def test_weights_whose_keys_do_not_match(setup, tmp_path):
     state = torch.load(setup["weights"])
     state["head.9.weight"] = state.pop("head.3.weight")

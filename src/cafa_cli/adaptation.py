@@ -73,7 +73,9 @@ class BatchStatisticsNorm(nn.Module):
             # the fused kernel: normalise by the batch's statistics, gradients through them
             return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
         dims = [0] + list(range(2, x.dim()))
-        var, mean = torch.var_mean(x, dims, unbiased=False)
+        # in float32 under autocast too, as the fused kernel keeps them: a bf16 mean has ~3
+        # significant digits, and an fp16 variance overflows above 65504
+        var, mean = torch.var_mean(x.float(), dims, unbiased=False)
         n = x.shape[0]
         mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
         var = (self.prior * self.source_var + n * var) / (self.prior + n)
@@ -236,7 +238,9 @@ class Adapter:
         else:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)
-        finite = all(torch.isfinite(p.grad).all() for p in self.params if p.grad is not None)
+        # one reduction on the device and one sync, not one per parameter (ResNet-50: 106)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1

@@ -33,7 +33,7 @@ from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, pri
 from cafa_cli.files import check_outputs
 from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted
 from cafa_cli.inspect import describe, render
-from cafa_cli.models import pick_device
+from cafa_cli.models import GPU_OUT_OF_MEMORY, pick_device
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -157,7 +157,7 @@ def reports_errors(command):
             raise typer.Exit(code=_reader_gone()) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
-        except MemoryError:
+        except (MemoryError, GPU_OUT_OF_MEMORY):  # the host's or the GPU's
             raise _fail("out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)", EXIT_RUNTIME) from None
         except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
             if _debug["on"]:

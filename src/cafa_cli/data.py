@@ -523,6 +523,11 @@ class Batch:
     indices: list[int]  # positions in the domain of the images that were read
     failures: list[tuple[int, str]]  # (position, why) of the images that were not
 
+    def pin_memory(self) -> Batch:
+        """What DataLoader(pin_memory=True) calls; without it a dataclass passes through
+        unpinned, and every non_blocking copy to the GPU would block the host."""
+        return replace(self, images=None if self.images is None else self.images.pin_memory())
+
 
 def unreadable(domain: Domain, batch: Batch, strict: bool) -> list[tuple[str, str]]:
     """(path, why) of the batch's images that could not be read; with `strict`, the

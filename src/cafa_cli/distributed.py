@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ def _environment_number(name: str, default: int) -> int:
         raise UsageError(f"{name}={text!r} is not a whole number; launch with torchrun, or unset {name}") from None
 
 
+WAIT_FOR_OTHER_RANKS = timedelta(hours=24)
+
+
 @contextmanager
 def process_group(device: torch.device):
     """(rank, world size): (0, 1) when not launched by torchrun."""
@@ -55,7 +59,10 @@ def process_group(device: torch.device):
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # gloo on every device: the ranks exchange Python objects on the host (class moments,
+    # bench results), not GPU tensors, and a rank waits as long as another's share of a
+    # benchmark takes, hours perhaps, where NCCL's watchdog would abort after 10 minutes
+    dist.init_process_group("gloo", timeout=WAIT_FOR_OTHER_RANKS)
     try:
         yield dist.get_rank(), dist.get_world_size()
         dist.barrier()  # no rank tears its connections down while another is still using them

@@ -323,8 +323,8 @@ class FeatureClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             logits = self.model(x)
-        except torch.OutOfMemoryError:
-            raise
+        except DEVICE_FAILURES:
+            raise  # the GPU's, not the images': out of memory, a CUDA or cuDNN error
         except (RuntimeError, AssertionError) as error:
             # a shape or channel mismatch surfaces deep inside a layer (torchvision's ViT
             # asserts its image size); say which input it was
@@ -346,6 +346,11 @@ class FeatureClassifier(nn.Module):
             raise InputError(f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
                              f"give a factory whose forward returns the logits only")
         return logits, features
+
+
+GPU_OUT_OF_MEMORY = torch.cuda.OutOfMemoryError  # a RuntimeError, not a MemoryError
+# torch.AcceleratorError (a CUDA error) is new in torch 2.8
+DEVICE_FAILURES = (GPU_OUT_OF_MEMORY, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 
 
 def canonical_model(model: str) -> str:

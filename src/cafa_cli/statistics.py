@@ -476,7 +476,7 @@ def accumulate_features(
                     copied = torch.empty(features.shape, dtype=torch.float32, pin_memory=True)
                     copied.copy_(features, non_blocking=True)
                     done = torch.cuda.Event()
-                    done.record()
+                    done.record(torch.cuda.current_stream(features.device))  # the copy's stream, not cuda:0's
                     if waiting is not None:
                         _fold_when_copied(moments, *waiting)
                     waiting = (copied, done, labels[batch.indices])
