@@ -523,7 +523,8 @@ class _ClosedOutput(io.TextIOBase):
 
 def _standard_streams() -> None:
     """An output encoding other than UTF-8 (PYTHONIOENCODING=ascii, a latin-1 locale) gets
-    escapes for what it cannot encode instead of an exception in the middle of a run."""
+    escapes for what it cannot encode instead of an exception in the middle of a run; a
+    closed stdout fails at its first write."""
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and not is_utf8(stream):
             stream.reconfigure(errors="backslashreplace")

@@ -89,16 +89,22 @@ def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
             f"--model {spec.model} without --weights is an untrained network with random weights, different in "
             f"every run; give --weights FILE (a state dict of this architecture)"
         )
-    kinds = {("meta" if p.is_meta else str(p.dtype).removeprefix("torch.")) for p in net.model.parameters() if p.is_floating_point() or p.is_meta}
-    if kinds - {"float32"}:  # its layers would meet float32 images and fail with a message about the input
+    _check_parameters(net.model)
+    return net, spec
+
+
+def _check_parameters(model: torch.nn.Module) -> None:
+    """float32 values, all finite: other dtypes meet float32 images and fail with a message
+    about the input, and NaN weights make every prediction NaN, with exit 0."""
+    kinds = {"meta" if p.is_meta else str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() or p.is_meta}
+    if kinds - {"float32"}:
         raise InputError(f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
                          f"(model.float(), with its values) — mixed precision on CUDA is --precision bf16 or fp16")
-    broken = [name for name, tensor in net.model.state_dict().items()
+    broken = [name for name, tensor in model.state_dict().items()
               if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
-    if broken:  # every prediction would be NaN, with exit 0
+    if broken:
         raise InputError(f"the model's weights hold NaN or infinite values in {listing(broken)}; "
                          f"the checkpoint is damaged or was saved after training diverged: use another")
-    return net, spec
 
 
 def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:
