@@ -57,10 +57,17 @@ def test_domain_labels_follow_the_imagenet_c_layout():
     assert domain_label("test-folder") == "test-folder"
 
 
-def test_domain_labels_grow_until_they_differ():
+def test_domain_labels_grow_until_they_differ(tmp_path):
     assert domain_labels(["x/fog/3", "x/snow/3"]) == {"x/fog/3": "fog", "x/snow/3": "snow", "mean": "mean"}
     assert domain_labels(["x/fog/3", "x/fog/5", "x/snow/3"]) == {"x/fog/3": "fog/3", "x/fog/5": "fog/5", "x/snow/3": "snow", "mean": "mean"}
     assert domain_labels(["a/fog/3", "b/fog/3"])["b/fog/3"] == "b/fog/3"
+    # links are not followed: the columns are named as the user named the folders
+    (tmp_path / "exp").mkdir()
+    for name, run in (("baseline", "run-7f3a"), ("ours", "run-91bc")):
+        (tmp_path / "store" / run / "fog").mkdir(parents=True)
+        (tmp_path / "exp" / name).symlink_to(tmp_path / "store" / run)
+    domains = [str(tmp_path / "exp" / name / "fog") for name in ("baseline", "ours")]
+    assert [domain_labels(domains)[d] for d in domains] == ["baseline/fog", "ours/fog"]
     # a folder named `mean` must not share the column of the average
     assert domain_labels(["x/fog", "x/mean"]) == {"x/fog": "fog", "x/mean": "x/mean", "mean": "mean"}
 

@@ -129,6 +129,16 @@ def test_class_folders_match_the_class_list_in_either_unicode_form(tmp_path):
     assert by_folder == {"naïve": 0, "café": 1} and domain.class_names == ["naïve", "café"]
 
 
+def test_two_classes_of_one_unicode_form_are_matched_exactly_only(tmp_path):
+    """An artifact may hold café twice, composed and decomposed: a folder matches its own."""
+    import unicodedata
+
+    decomposed = unicodedata.normalize("NFD", "café")
+    save(tmp_path / "d" / decomposed / "x.png", solid(1))
+    domain = open_domain(str(tmp_path / "d"), class_names=["café", decomposed, "x"])
+    assert domain.labels.tolist() == [1]
+
+
 def test_folder_missing_from_class_list_is_named(mixed_folder):
     with pytest.raises(InputError, match=r"class folder\(s\) zebra not in the model's class list \(2 classes\)"):
         open_domain(str(mixed_folder), class_names=["apple", "pear"])

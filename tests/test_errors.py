@@ -723,6 +723,32 @@ def test_features_or_outputs_out_of_float32s_range_are_refused_and_the_old_artif
     fails(adapt(setup, setup["train"], "--std", "1e-46", "--method", "source"), 3, "the model's outputs are NaN or infinite")
 
 
+def test_a_masked_class_with_minus_infinite_logits_is_not_refused(setup, tmp_path):
+    """-inf is how a model leaves a class out (evaluation on a subset); only NaN, +inf or a
+    row without any finite logit mean broken outputs."""
+    body = ("class Masked(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n\n"
+            "    def forward(self, x):\n        logits = self.net(x).clone()\n        logits[:, 2] = float('-inf')\n        return logits\n\n"
+            "def build():\n    return Masked()")
+    spec = factory(tmp_path, body)
+    weights = tmp_path / "masked.pt"
+    torch.save({f"net.{k}": v for k, v in torch.load(setup["weights"]).items()}, weights)
+    result = run("adapt", "--model", spec, "--weights", weights, "--data", setup["train"], *PLAIN, "--method", "bn", "--classes",
+                 _class_list(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert {row["prediction"] for row in rows(result)} <= {"a", "b"}
+
+
+def _class_list(tmp_path: Path) -> Path:
+    path = tmp_path / "classes.txt"
+    path.write_text("a\nb\nc\n")
+    return path
+
+
+def test_a_class_name_that_would_break_the_records_is_refused_before_the_feature_pass(setup, tmp_path):
+    data = write_folder(tmp_path / "d", per_class=2, classes=("a", " ", "c"))
+    fails(stats(setup, data, "--out", tmp_path / "s.safetensors"), 3, "class name(s) ' ' cannot go into the predictions")
+
+
 def test_stats_into_a_device_writes_it_and_succeeds(setup):
     """The artifact is checked as written, before the copy to the device, not read back from it."""
     result = stats(setup, setup["train"], "--out", "/dev/null", "--quiet")
@@ -965,8 +991,9 @@ def _entry_point(*args, shell_redirect: str = "", env: dict | None = None):
 
 
 def test_a_closed_stdout_is_an_error_for_commands_that_write_there(setup):
-    """Python sets sys.stdout to None under `>&-` and print() then drops everything."""
-    for args in (("inspect", setup["artifact"]), ("--help",)):
+    """Python sets sys.stdout to None under `>&-` and print() then drops everything. bench
+    prints its table at the end: it must fail before the work (its domain is not even read)."""
+    for args in (("inspect", setup["artifact"]), ("--help",), ("bench", "/nonexistent-domain"), ("adapt", "/nonexistent-domain")):
         done = _entry_point(*args, shell_redirect=">&-")
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip() == "cafa: error: standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"

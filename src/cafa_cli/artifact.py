@@ -139,6 +139,12 @@ def write_artifact(
 # --- reading ---------------------------------------------------------------------
 
 
+def unusable_class_names(names: list[str]) -> list[str]:
+    """Names that would break the records: blank (a prediction of "" reads as "no label"
+    in the CSV) or with a line break (it splits a record)."""
+    return [name for name in names if not name.strip() or "\n" in name or "\r" in name]
+
+
 def _bad(path, why: str) -> InputError:
     return InputError(f"{path}: {why}")
 
@@ -242,8 +248,7 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, f"metadata 'class_names' must be a list of {C} strings")
     if len(set(class_names)) != C:
         raise _bad(path, "metadata 'class_names' repeats a name")
-    if not all(name.strip() and "\n" not in name and "\r" not in name for name in class_names):
-        # a prediction of "" reads as "no label" in the CSV, and a line break splits a record
+    if unusable_class_names(class_names):
         raise _bad(path, "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
                          "with class folders (or a --classes list) named otherwise")
     model_fields = _json(metadata, "model", path)

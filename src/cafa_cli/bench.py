@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import os
 import json
 import statistics as stats_lib
 from dataclasses import asdict, dataclass, replace
@@ -130,7 +131,7 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
     """Column labels, one per domain (and `mean`): `fog`, or `fog/3` and `fog/5` when
     the short ones would collide (with each other or with `mean`), up to the whole path."""
     labels = {d: domain_label(d) for d in domains}
-    paths = {d: Path(d).resolve() if Path(d).exists() else Path(d) for d in domains}
+    paths = {d: Path(os.path.abspath(d)) if Path(d).exists() else Path(d) for d in domains}  # names as given, links not followed
     for depth in range(2, max((len(p.parts) for p in paths.values()), default=0) + 1):
         shown = [*labels.values(), "mean"]
         clashing = {d for d in domains if shown.count(labels[d]) > 1}

@@ -43,6 +43,7 @@ from cafa_cli.pipeline import (
 )
 from cafa_cli.preprocessing import parse_floats, parse_size
 from cafa_cli.report import (
+    ESCAPE_FOR_OUTPUT,
     Monitor,
     RecordWriter,
     check_format,
@@ -193,7 +194,7 @@ WorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", show_default
 FractionOpt = Annotated[Optional[float], typer.Option("--fraction", show_default=False, help="Stratified fraction of each class's training images for the statistics, in (0, 1]; default 0.05.")]
 PerClassOpt = Annotated[Optional[int], typer.Option("--per-class", help="This many training images per class instead of a --fraction.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")]
-ShrinkageOpt = Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS, per class) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.")]
+ShrinkageOpt = Annotated[str, typer.Option("--shrinkage", help="'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Fail on the first unreadable image instead of skipping it.")]
 # how a model adapts, shared by adapt and bench
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Images per adaptation batch (paper: 200; 64 on ImageNet-C); bench also computes its statistics in batches of this size.")]
@@ -337,6 +338,8 @@ def adapt(
         )
     check_format(fmt)
     predictions = None if predictions == "-" else predictions  # stdout, as without the option
+    if predictions is None:
+        _stdout_needed()
     outputs = {"--predictions": predictions, "--metrics-json": metrics_json}
     check_outputs(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     settings = AdaptSettings(
@@ -402,6 +405,7 @@ def demo(
     quiet: QuietOpt = False,
 ):
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
+    _stdout_needed()
     names = BENCHMARK_CORRUPTIONS if corruptions == "all" else tuple(c.strip() for c in corruptions.split(",") if c.strip())
     plan = DemoPlan(names, severity, DemoPlan.train_per_class, test_per_class or None, methods)
     console = _stderr(quiet)
@@ -462,6 +466,7 @@ def bench_command(
     quiet: QuietOpt = False,
 ):
     """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
+    _stdout_needed()
     data = [*(data or []), *(domains or [])]
     if not data:
         raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
@@ -517,8 +522,16 @@ class _ClosedOutput(io.TextIOBase):
     """Standard output closed by the shell (`>&-`): Python sets sys.stdout to None, and
     print() then drops everything silently. A command that writes there fails instead."""
 
+    problem = "standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"
+
     def write(self, text: str) -> int:
-        raise UsageError("standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it")
+        raise UsageError(self.problem)
+
+
+def _stdout_needed() -> None:
+    """For a command whose results go to stdout: fail before the work, not after it."""
+    if isinstance(sys.stdout, _ClosedOutput):
+        raise UsageError(_ClosedOutput.problem)
 
 
 def _standard_streams() -> None:
@@ -527,7 +540,7 @@ def _standard_streams() -> None:
     closed stdout fails at its first write."""
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and not is_utf8(stream):
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors=ESCAPE_FOR_OUTPUT)
     if sys.stdout is None:
         sys.stdout = _ClosedOutput()
 

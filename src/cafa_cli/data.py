@@ -115,10 +115,8 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
                 f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(class_names)} classes"
             )
         return replace(domain, class_names=class_names)
-    # names compared in one Unicode form: macOS writes folder names decomposed (NFD), most
-    # other systems and class lists composed (NFC), and the two look the same when printed
-    index = {_composed(name): i for i, name in enumerate(class_names)}
-    unknown = sorted(n for n in set(domain.class_names) if _composed(n) not in index)
+    find = _class_finder(class_names)
+    unknown = sorted(n for n in set(domain.class_names) if find(n) is None)
     used = set(domain.labels[domain.labels != UNLABELLED].tolist())
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
@@ -130,12 +128,25 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
             f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
             f"rename them to the model's class names, or compute the statistics with their class list (cafa stats --classes)"
         )
-    lookup = np.array([index.get(_composed(n), UNLABELLED) for n in domain.class_names] + [UNLABELLED], dtype=np.int64)
+    positions = [find(n) for n in domain.class_names]
+    lookup = np.array([UNLABELLED if p is None else p for p in positions] + [UNLABELLED], dtype=np.int64)
     return replace(domain, labels=lookup[domain.labels], class_names=class_names)
 
 
-def _composed(name: str) -> str:
-    return unicodedata.normalize("NFC", name)
+def _class_finder(class_names: list[str]) -> Callable[[str], int | None]:
+    """A name's class position: by the exact name, else by its composed Unicode form where
+    that form is one class's only. macOS writes folder names decomposed (NFD), most other
+    systems and class lists composed (NFC), and the two print the same."""
+    exact = {name: i for i, name in enumerate(class_names)}
+    composed: dict[str, int | None] = {}
+    for i, name in enumerate(class_names):
+        key = unicodedata.normalize("NFC", name)
+        composed[key] = None if key in composed else i  # two classes of one form: neither is found by it
+
+    def find(name: str) -> int | None:
+        return exact[name] if name in exact else composed.get(unicodedata.normalize("NFC", name))
+
+    return find
 
 
 def _plain(name: str) -> str:
@@ -213,7 +224,7 @@ def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
 # Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
 # name: without this list a PostScript file named .jpg in an untrusted folder would be
 # handed to Ghostscript (EPS), a program outside this process.
-DECODERS = ("JPEG", "PNG", "WEBP", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000")
+DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
 
 
 def read_image(path: str) -> Image.Image:
@@ -225,7 +236,7 @@ def read_image(path: str) -> Image.Image:
             return image
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
-        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image in a format cafa reads: JPEG, PNG, WebP, BMP, GIF, TIFF, PPM, TGA, JPEG 2000") from None
+        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image in a format cafa reads: JPEG, PNG, WebP, AVIF, BMP, GIF, TIFF, PPM, TGA, JPEG 2000, ICO, PCX, SGI, QOI, DDS") from None
 
 
 def _folder_domain(root: Path) -> Domain:

@@ -13,7 +13,7 @@ import torch
 
 from cafa_cli import statistics
 from cafa_cli.adaptation import NEEDS_STATISTICS, Adapter, check_settings
-from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact, write_artifact
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact, unusable_class_names, write_artifact
 from cafa_cli.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data import (
     Domain,
@@ -215,6 +215,10 @@ def _training_domain(
         class_names = _class_names_of([domain], net)
         domain = relabel(domain, class_names)
     _check_classes(net, class_names, f"--data {data}")
+    unusable = unusable_class_names(class_names)
+    if unusable:  # before the feature pass, not when the artifact is checked at its end
+        raise InputError(f"class name(s) {listing(repr(name) for name in unusable)} cannot go into the predictions (blank, "
+                         f"or with a line break); rename those class folders (or --classes lines)")
     return domain, class_names
 
 

@@ -113,6 +113,21 @@ def is_utf8(stream: io.TextIOWrapper) -> bool:
     return codecs.lookup(stream.encoding).name == "utf-8"
 
 
+def _escape_for_output(error: UnicodeError):
+    """For an output encoding other than UTF-8: a file name's undecodable bytes (lone
+    surrogates) go out as those bytes, as surrogateescape writes them; any other character
+    the encoding lacks as a backslash escape (caf\\xe9) instead of an exception mid-run."""
+    if isinstance(error, UnicodeEncodeError):
+        text = error.object[error.start : error.end]
+        if all("\udc80" <= ch <= "\udcff" for ch in text):
+            return bytes(ord(ch) - 0xDC00 for ch in text), error.end
+    return codecs.backslashreplace_errors(error)
+
+
+ESCAPE_FOR_OUTPUT = "cafa-escape"
+codecs.register_error(ESCAPE_FOR_OUTPUT, _escape_for_output)
+
+
 def open_output(path: str | None) -> IO[str]:
     if path is None or path == "-":
         # a file name that is not valid UTF-8 comes out as its own bytes, as ls prints it

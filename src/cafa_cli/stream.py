@@ -107,8 +107,9 @@ def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Ba
     if batch.images is None:
         return []
     logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
-    if not bool(torch.isfinite(logits).all()):
-        # every prediction would be class 0 with confidence NaN, and the error a number
+    if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
+        # every prediction would be class 0 with confidence NaN, and the error a number;
+        # -inf alone is a masked class, which some models use
         raise InputError(f"{domain.name}: the model's outputs are NaN or infinite; check --mean and --std (a tiny --std "
                          f"overflows) and the weights (out-of-range or non-float values), or lower --lr")
     probabilities = logits.softmax(1)
