@@ -90,3 +90,23 @@ def test_torchrun_variables_that_cannot_be_right_are_usage_errors(tmp_path, tiny
                                       "--fraction", "1", "--out", str(tmp_path / "s.safetensors")])
     assert result.exit_code == 2 and needle in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch):
+    """Under torchrun --device cuda:0 would put every rank on one GPU; a LOCAL_RANK past
+    the GPUs would fail deep in CUDA. No GPU here: the count is what the check reads."""
+    import torch
+
+    from cafa_cli.distributed import rank_device
+    from cafa_cli.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(UsageError, match=r"--device cuda:0 under torchrun would put every rank on one GPU; give --device cuda"):
+        rank_device(torch.device("cuda", 0))
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UsageError, match=r"LOCAL_RANK=2, but this machine has 2 GPU\(s\)"):
+        rank_device(torch.device("cuda"))

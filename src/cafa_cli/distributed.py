@@ -72,9 +72,16 @@ def process_group(device: torch.device):
 
 def rank_device(device: torch.device) -> torch.device:
     """Under torchrun each rank takes the GPU of its LOCAL_RANK."""
-    if launched_by_torchrun() and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
+    if not (launched_by_torchrun() and device.type == "cuda"):
+        return device
+    if device.index is not None:  # every rank on one GPU: NCCL refuses it, and they would share its memory
+        raise UsageError(f"--device {device} under torchrun would put every rank on one GPU; give --device cuda "
+                         f"(or auto): each rank takes the GPU of its LOCAL_RANK")
+    local = _environment_number("LOCAL_RANK", 0)
+    if not 0 <= local < torch.cuda.device_count():
+        raise UsageError(f"LOCAL_RANK={local}, but this machine has {torch.cuda.device_count()} GPU(s); "
+                         f"launch at most that many processes per node (torchrun --nproc-per-node)")
+    return torch.device("cuda", local)
 
 
 def gather_on_root(value, rank: int, world: int) -> list | None:
