@@ -70,6 +70,8 @@ def adapt_domains(
     gets each batch's records and the domain's result so far.
     """
     check_reset(reset)
+    # the stream order has its own generator; this one is for whatever else draws from
+    # torch's (a factory model's noise, the loader's worker seeds): --seed repeats a run
     torch.manual_seed(seed)
     results = []
     for k, domain in enumerate(domains):
