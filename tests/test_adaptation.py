@@ -255,3 +255,20 @@ def test_compiled_model_predicts_and_adapts_like_the_eager_one(trained):
         torch.testing.assert_close(compiled.step(x[i : i + 50]), eager.step(x[i : i + 50]), rtol=1e-4, atol=1e-5)
     compiled.reset()
     torch.testing.assert_close(compiled.step(x[:50]), Adapter(copy.deepcopy(model), "cafa", gaussians).step(x[:50]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_already_belongs_to_an_adapter_is_refused(trained):
+    """A second Adapter on it would start from the first one's adapted weights and swapped
+    BatchNorms, and compare methods on the wrong model without a word."""
+    model, gaussians, x, _ = trained
+    shared = copy.deepcopy(model)
+    Adapter(shared, "cafa", gaussians, lr=1e-2).step(x[:50])
+    with pytest.raises(UsageError, match="already belongs to an Adapter; give each Adapter its own copy"):
+        Adapter(shared, "source")
+
+
+def test_the_adapter_runs_where_the_model_is_unless_told(trained):
+    model, gaussians, _, _ = trained
+    assert Adapter(copy.deepcopy(model), "cafa", gaussians).device == torch.device("cpu")
+    meta = copy.deepcopy(model).to("meta")  # a stand-in for a model on another device: nothing runs here
+    assert Adapter(meta, "tent", device=None).device == torch.device("meta")

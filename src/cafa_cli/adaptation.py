@@ -147,7 +147,7 @@ class Adapter:
         model: FeatureClassifier,
         method: str = "cafa",
         gaussians: ClassGaussians | None = None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         params: str = "norm",
         optimizer: str = "adam",
         lr: float = 1e-3,
@@ -157,6 +157,13 @@ class Adapter:
         precision: str = "fp32",
         compile: bool = False,
     ):
+        if any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
+            # its BatchNorms are swapped and its affines may be adapted: a second Adapter would
+            # start from there, not from the source model, and reset() would return there
+            raise UsageError("this model already belongs to an Adapter; give each Adapter its own copy of the source "
+                             "model (copy.deepcopy before the first Adapter, or load it again)")
+        if device is None:  # where the model is
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = pick_device(device) if isinstance(device, str) else torch.device(device)
         check_settings(method, params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         if gaussians is not None and tuple(gaussians.means.shape) != (model.num_classes, model.feature_dim):

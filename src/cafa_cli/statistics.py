@@ -416,7 +416,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
             keep = w > w[0] * d * eps
             eigenvalues, vectors = w[keep], v[:, keep].T
             del scatter, v
-        eigenvalues, vectors = eigenvalues[:k], vectors[:k]
+        eigenvalues, vectors = eigenvalues[:k], _signs_fixed(vectors[:k])
         trace = float(eigenvalues.sum())
         lam = oas_from_spectrum(trace, float(eigenvalues.square().sum()), d, n) if shrinkage == "auto" else float(shrinkage)
         a = lam * trace / d
@@ -439,6 +439,14 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
     if rank_used < k:  # duplicate rows everywhere: drop padding no class uses
         basis, spectrum = basis[:, :rank_used].clone(), spectrum[:, :rank_used].clone()
     return _gaussians("lowrank", class_mean64, counts, pooled, basis, lambdas, shrinkage, isotropic=isotropic.float(), spectrum=spectrum)
+
+
+def _signs_fixed(vectors: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors (rows) with their largest component positive. An eigenvector's sign is
+    arbitrary, and LAPACK's choice follows rounding: rows from another BLAS, or merged from
+    torchrun's ranks, came out flipped, so equal statistics made unequal artifact files."""
+    largest = vectors.abs().argmax(1, keepdim=True)
+    return vectors * torch.sign(vectors.gather(1, largest))
 
 
 def _factor(covariance: torch.Tensor, mode: str) -> tuple[torch.Tensor, bool]:
