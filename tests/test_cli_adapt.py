@@ -84,6 +84,10 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
         "model": recorded.model, "weights": recorded.weights, "weights_sha256": recorded.weights_sha256,
         "num_classes": recorded.num_classes, "classifier": recorded.classifier}
     assert report["settings"]["classifier"] and (report["settings"]["classes"], report["settings"]["labels"]) == (None, None)
+    # which statistics (a path can be overwritten later) and which software made the numbers
+    made = read_artifact(setup["artifact"], load_tensors=False).metadata["created"]
+    assert (report["settings"]["stats"], report["settings"]["stats_created"]) == (str(Path(setup["artifact"]).resolve()), made)
+    assert set(report["versions"]) == {"cafa", "python", "torch", "torchvision"} and report["versions"]["torch"]
 
 
 def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):

@@ -383,6 +383,7 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> N
     model, sampling = plan.model, plan.sampling
     payload = {
         "cafa_version": __version__,
+        "versions": report.software_versions(),
         "unit": "error %",
         "seeds": plan.seeds,
         "domains": [{"data": d, "label": labels[d]} for d in plan.domains],

@@ -557,7 +557,9 @@ def prepare_adaptation(
         "allow_weights_mismatch": allow_weights_mismatch,
         "device": str(device),
         "num_workers": loader_processes(settings.num_workers, device),
-        "stats": artifact.path if artifact else None,
+        # which statistics: the path as resolved, and when they were made (a path can be overwritten)
+        "stats": str(Path(artifact.path).resolve()) if artifact else None,
+        "stats_created": artifact.metadata.get("created") if artifact else None,
         "covariance": artifact.covariance if artifact else None,
         **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
         "classes": str(Path(data_choice.classes_file).resolve()) if data_choice.classes_file else None,

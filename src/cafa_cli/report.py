@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import codecs
+import importlib.metadata
 import csv
 import io
 import json
 import math
+import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -19,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from cafa_cli import __version__
 from cafa_cli.files import atomic_write, check_writable
 from cafa_cli.errors import UsageError, printable
 from cafa_cli.stream import DomainResult, Record
@@ -151,9 +154,16 @@ def overall(results: Sequence[DomainResult]) -> dict:
     }
 
 
+def software_versions() -> dict[str, str]:
+    """What ran: results can change with torch's kernels as well as with cafa."""
+    return {"cafa": __version__, "python": platform.python_version(),
+            **{package: importlib.metadata.version(package) for package in ("torch", "torchvision")}}
+
+
 def metrics(method: str, results: Sequence[DomainResult], settings: dict) -> dict:
     return {
         "method": method,
+        "versions": software_versions(),
         **overall(results),
         "domains": [
             {
