@@ -19,7 +19,7 @@ from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
-from cafa_cli.errors import InputError, UsageError, printable
+from cafa_cli.errors import InputError, UsageError, printable, repeated
 from cafa_cli.files import atomic_write, make_workdir, open_safetensors
 from cafa_cli.models import bundled_defaults, pick_device
 from cafa_cli.pipeline import (
@@ -82,10 +82,9 @@ def parse_methods(text: str) -> list[Row]:
         rows.append(Row(label, method, covariance, lr, params))
     if not rows:
         raise UsageError("--methods names no method")
-    labels = [row.label for row in rows]
-    repeated = [label for label in labels if labels.count(label) > 1]
-    if repeated:  # the same row twice would be run twice and fill one line of the table
-        raise UsageError(f"--methods names {repeated[0]} twice; give each row once")
+    twice = repeated([row.label for row in rows])
+    if twice:  # the same row twice would be run twice and fill one line of the table
+        raise UsageError(f"--methods names {twice[0]} twice; give each row once")
     return rows
 
 
@@ -98,17 +97,16 @@ def parse_seeds(text: str) -> list[int]:
         raise UsageError("--seeds names no seed")
     for seed in seeds:
         check_seed(seed, "--seeds")
-    if len(set(seeds)) < len(seeds):
+    if repeated(seeds):
         raise UsageError(f"--seeds names a seed twice: {text}")
     return seeds
 
 
 def check_domains(domains: list[str], data_choice: DataChoice) -> None:
     """Each test domain given once, readable with its options and labelled, before any statistics are computed."""
-    where = [recorded_data(d) for d in domains]  # `imgs` and `./imgs/` are one domain
-    repeated = [d for d, at in zip(domains, where) if where.count(at) > 1]
-    if repeated:
-        raise UsageError(f"test domain {repeated[0]} is given twice; give each domain once")
+    twice = repeated(domains, key=recorded_data)  # `imgs` and `./imgs/` are one domain
+    if twice:
+        raise UsageError(f"test domain {twice[0]} is given twice; give each domain once")
     for domain in domains:
         labels = open_domain(domain, None, data_choice.labels, data_choice.severity).labels
         if not (labels >= 0).any():

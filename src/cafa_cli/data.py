@@ -23,7 +23,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import InputError, UsageError, listing, repeated
 from cafa_cli.preprocessing import Preprocessing
 
 MAX_CLASSES = 1_000_000  # class indices in a labels array; ImageNet-21k has 21,841 classes
@@ -171,7 +171,7 @@ def read_class_list(path: str) -> list[str]:
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise InputError(f"--classes {path}: the file lists no class names")
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    duplicates = sorted(repeated(names))
     if duplicates:
         raise InputError(f"--classes {path}: class names repeat: {', '.join(duplicates[:5])}")
     return names

@@ -5,6 +5,7 @@ without a traceback.
 """
 
 import unicodedata
+from collections import Counter
 
 EXIT_RUNTIME = 1  # the tool failed (out of memory, a bug, the environment); Ctrl-C exits 130
 EXIT_USAGE = 2  # an option value is wrong
@@ -28,6 +29,19 @@ def listing(items, limit: int = 5) -> str:
     items = [str(item) for item in items]
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def repeated(items, key=lambda item: item) -> list:
+    """The items whose `key` occurs more than once, each once, in the order first given:
+    for the messages that name what a list repeats."""
+    keys = [key(item) for item in items]
+    counts = Counter(keys)
+    found, named = [], set()
+    for item, k in zip(items, keys):
+        if counts[k] > 1 and k not in named:
+            named.add(k)
+            found.append(item)
+    return found
 
 
 def printable(text: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, repeated
 from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
 from cafa_cli.files import make_workdir
 
@@ -48,9 +48,9 @@ def check_corruptions(corruptions: list[str], severity: int, per_class: int | No
         raise UsageError(f"unknown corruption {unknown[0]!r}; choose from {', '.join(library.corruption_dict)}")
     if not corruptions:
         raise UsageError("--corruptions names no corruption")
-    repeated = [c for c in corruptions if corruptions.count(c) > 1]
-    if repeated:
-        raise UsageError(f"--corruptions names {repeated[0]} twice; give each once")
+    twice = repeated(corruptions)
+    if twice:
+        raise UsageError(f"--corruptions names {twice[0]} twice; give each once")
     if severity not in range(1, 6):
         raise UsageError(f"--severity must be 1-5, not {severity}")
     if per_class is not None and per_class < 1:
