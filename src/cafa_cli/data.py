@@ -236,7 +236,7 @@ def read_image(path: str) -> Image.Image:
             return image
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
-        raise UnidentifiedImageError("empty file (0 bytes)" if empty else "not an image in a format cafa reads: JPEG, PNG, WebP, AVIF, BMP, GIF, TIFF, PPM, TGA, JPEG 2000, ICO, PCX, SGI, QOI, DDS") from None
+        raise UnidentifiedImageError("empty file (0 bytes)" if empty else f"not an image in a format cafa reads: {', '.join(DECODERS)}") from None
 
 
 def _folder_domain(root: Path) -> Domain:

@@ -142,7 +142,8 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
     if not path.is_file():
         raise InputError(f"--weights {path}: no such file")
     with open(path, "rb") as f:
-        head = f.read(512).lstrip().lower()
+        start = f.read(512)
+    head = start.lstrip().lower()
     if head.startswith(HTML_MARKERS):
         raise InputError(f"--weights {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
     if head.startswith(LFS_POINTER):
@@ -150,7 +151,7 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
             f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
             f"run git lfs pull in that repository, or download the file itself"
         )
-    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(path):  # the bytes decide, as for images
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(start, path.stat().st_size):  # the bytes decide, as for images
         from safetensors import SafetensorError
 
         try:
@@ -165,11 +166,9 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
     return _unwrap(state, path)
 
 
-def _looks_like_safetensors(path: Path) -> bool:
+def _looks_like_safetensors(start: bytes, size: int) -> bool:
     """safetensors' layout: an 8-byte little-endian header length, then the JSON header."""
-    with open(path, "rb") as f:
-        start = f.read(9)
-    return len(start) == 9 and start[8:9] == b"{" and 2 <= int.from_bytes(start[:8], "little") <= path.stat().st_size - 8
+    return len(start) >= 9 and start[8:9] == b"{" and 2 <= int.from_bytes(start[:8], "little") <= size - 8
 
 
 def _torch_load(path: Path, trust_checkpoint: bool):
