@@ -16,7 +16,9 @@ from cafa_cli.bench import Row, domain_label, domain_labels, markdown, parse_met
 from cafa_cli.cli import app
 from cafa_cli.errors import UsageError
 from cafa_cli.fashion_mnist import DEFAULT_ROOT
+from cafa_cli.models import sha256_of
 from cafa_cli.pipeline import AdaptSettings
+from cafa_cli.stream import DomainResult
 from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
@@ -142,7 +144,8 @@ def test_summary_is_mean_and_std_over_seeds_and_the_mean_column_averages_domains
     rows = parse_methods("bn,cafa")
     errors = {("bn", "a/1", 0): 0.2, ("bn", "a/1", 1): 0.4, ("bn", "b/1", 0): 0.1, ("bn", "b/1", 1): 0.1,
               ("cafa", "a/1", 0): 0.1, ("cafa", "a/1", 1): 0.1, ("cafa", "b/1", 0): 0.1, ("cafa", "b/1", 1): 0.1}
-    table = summarise(errors, rows, ["a/1", "b/1"], [0, 1])
+    results = {key: DomainResult(key[1], n=10, labelled=10, errors=round(10 * error)) for key, error in errors.items()}
+    table = summarise(results, rows, ["a/1", "b/1"], [0, 1])
     bn = table[0]["cells"]
     assert bn["a/1"] == pytest.approx((30.0, np.std([20, 40], ddof=1)))
     assert bn["mean"][0] == pytest.approx(20.0)  # mean over seeds of (mean over domains)
@@ -353,7 +356,13 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
                                 "--weights", str(tiny_weights), *PLAIN, *options, "--quiet", "--metrics-json", str(tmp_path / "m.json")])
     assert alone.exit_code == 0, alone.stderr
     saved = json.loads(report.read_text())
-    assert saved["runs"][0]["error"] == pytest.approx(json.loads((tmp_path / "m.json").read_text())["error"])
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    run = saved["runs"][0]
+    assert run["error"] == pytest.approx(metrics["error"])
+    assert {k: run[k] for k in ("method", "seed", "n", "labelled", "skipped_images")} == {
+        "method": "tent@0.05", "seed": 0, "n": metrics["n"], "labelled": 12, "skipped_images": 0}
+    assert saved["settings"]["weights_sha256"] == metrics["settings"]["weights_sha256"] == sha256_of(tiny_weights)
+    assert saved["artifacts"] == {}
     assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "params": "all", "lr": 0.05}]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
@@ -447,8 +456,14 @@ def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights
     result = runner.invoke(app, ["bench", str(test), "--methods", "cafa,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
                                  "--train", str(train), *PLAIN, "--per-class", "4", "--workdir", str(tmp_path / "w"), "--json", str(report)])
     assert result.exit_code == 0, result.stderr
-    rows = json.loads(report.read_text())["rows"]
-    assert [(r["covariance"], r["covariance_used"]) for r in rows] == [("auto", "lowrank"), ("diag", "diag")]
+    saved = json.loads(report.read_text())
+    assert [(r["covariance"], r["covariance_used"]) for r in saved["rows"]] == [("auto", "lowrank"), ("diag", "diag")]
+    for covariance, form in (("auto", "lowrank"), ("diag", "diag")):  # each artifact by its content
+        path = tmp_path / "w" / f"stats-{covariance}.safetensors"
+        assert saved["artifacts"][covariance] == {
+            "path": str(path.resolve()), "sha256": sha256_of(path), "covariance": form,
+            "created": read_artifact(path, load_tensors=False).metadata["created"],
+            "parameters_sha256": read_artifact(path, load_tensors=False).metadata["parameters_sha256"]}
 
 
 def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path, tiny_weights):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import os
 from pathlib import Path
 
@@ -114,7 +115,9 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
     net, _ = resolve(TINY_NET, str(weights))
     assert meta["parameters_sha256"] == parameters_sha256(net.model)
     assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1}
-    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "skipped_images": 0}
+    listed = "".join(f"{name}/{image.name}\t{label}\n" for label, name in enumerate(CLASSES) for image in sorted((data / name).iterdir()))
+    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "batch_size": 128,
+                                            "images_sha256": hashlib.sha256(listed.encode()).hexdigest(), "skipped_images": 0}
     assert json.loads(meta["shrinkage"])["method"] == "fixed"
     assert meta["num_images"] == str(3 * PER_CLASS) and meta["feature_dim"] == str(D)
 
@@ -161,16 +164,19 @@ def test_diag_covariance(setup, tmp_path):
 
 def test_per_class_selects_that_many_and_is_seeded(setup, tmp_path):
     outs = {}
-    for name, seed in [("one", 0), ("again", 0), ("other", 1)]:
+    moved = shutil.copytree(setup[1], tmp_path / "elsewhere")
+    for name, data, seed in [("one", setup[1], 0), ("again", moved, 0), ("other", setup[1], 1)]:
         outs[name] = tmp_path / f"{name}.safetensors"
-        result = invoke("stats", "--model", TINY_NET, "--weights", setup[2], "--data", setup[1], *PLAIN,
+        result = invoke("stats", "--model", TINY_NET, "--weights", setup[2], "--data", data, *PLAIN,
                         "--per-class", "5", "--seed", seed, "--out", outs[name])  # fmt: skip
         assert result.exit_code == 0, result.stderr
-    a = read_artifact(outs["one"])
+    a, again, other = (read_artifact(outs[name]) for name in ("one", "again", "other"))
     assert a.gaussians.counts.tolist() == [5, 5, 5]
-    assert a.sampling == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0, "skipped_images": 0}
-    assert torch.equal(a.gaussians.means, read_artifact(outs["again"]).gaussians.means)
-    assert not torch.equal(a.gaussians.means, read_artifact(outs["other"]).gaussians.means)
+    assert {k: a.sampling[k] for k in ("data", "fraction", "per_class", "seed")} == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0}
+    assert torch.equal(a.gaussians.means, again.gaussians.means)
+    assert not torch.equal(a.gaussians.means, other.gaussians.means)
+    # the same images in another folder are the same sample; another seed is not
+    assert a.sampling["images_sha256"] == again.sampling["images_sha256"] != other.sampling["images_sha256"]
 
 
 def test_fraction_selects_round_fraction_per_class(setup, tmp_path):

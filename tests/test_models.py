@@ -61,6 +61,18 @@ def test_linear_relu_linear_head_uses_the_last_linear():
     assert (features >= 0).all(), "head.3's input is the output of the ReLU"
 
 
+def test_wrapper_keeps_no_features_from_calls_it_did_not_make():
+    # a second wrapper on one net (or a direct call to the net) must not leave its
+    # features, and the graph behind them, held by the first wrapper
+    net = tiny_net.build()
+    first, second = FeatureClassifier(net), FeatureClassifier(net)
+    second(small_images(channels=1, size=16))
+    net(small_images(channels=1, size=16))
+    assert first._features is None and second._features is None
+    logits, features = first(small_images(channels=1, size=16))
+    assert features.shape == (2, 6) and first._features is None
+
+
 def test_classifier_override():
     wrapped = FeatureClassifier(tiny_net.build(), "head.1").eval()
     assert wrapped.classifier_name == "head.1" and wrapped.feature_dim == 16 and wrapped.num_classes == 6

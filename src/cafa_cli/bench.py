@@ -21,7 +21,7 @@ from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain,
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable, repeated
 from cafa_cli.files import atomic_write, make_workdir, open_safetensors
-from cafa_cli.models import bundled_defaults, pick_device
+from cafa_cli.models import bundled_defaults, pick_device, sha256_of, weights_sha256
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -37,6 +37,7 @@ from cafa_cli.pipeline import (
 )
 from cafa_cli.report import Monitor
 from cafa_cli.statistics import auto_shrinkage_method, check_options
+from cafa_cli.stream import DomainResult
 from cafa_cli.zoo import BUNDLED
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
@@ -197,10 +198,10 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
     return bundled.training_data
 
 
-def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], float] | None:
-    """Every (row label, domain, seed) error: statistics computed once per covariance
+def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult] | None:
+    """Every (row label, domain, seed) result: statistics computed once per covariance
     mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
-    rank joins the statistics and runs its share of the grid; rank 0 gets every error,
+    rank joins the statistics and runs its share of the grid; rank 0 gets every result,
     the other ranks None."""
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(plan.domains, plan.test_choice)
@@ -220,7 +221,7 @@ def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) 
     wait_for_all(world)  # and the class list
     mine = run_grid(replace(plan, test_choice=replace(plan.test_choice, classes_file=classes_file)), artifacts, monitor, rank, world)
     parts = gather_on_root(mine, rank, world)
-    return None if parts is None else {key: error for part in parts for key, error in part.items()}
+    return None if parts is None else {key: result for part in parts for key, result in part.items()}
 
 
 def covariances_needed(rows: list[Row]) -> list[str]:
@@ -298,10 +299,10 @@ def _made_for(artifact, plan: BenchPlan) -> bool:
     return model_mismatch(artifact, spec, net) is None
 
 
-def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], float]:
-    """Error (a fraction) of every (row label, domain, seed) this rank runs: the
-    (row, seed) runs are independent, so under torchrun each rank takes every world-th."""
-    errors, warned = {}, set()
+def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult]:
+    """The result of every (row label, domain, seed) this rank runs: the (row, seed)
+    runs are independent, so under torchrun each rank takes every world-th."""
+    results, warned = {}, set()
     runs = [(row, seed) for row in plan.rows for seed in plan.seeds]
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
@@ -317,16 +318,17 @@ def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank
         for domain, result in zip(plan.domains, job.run(monitor=monitor)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
-            errors[(row.label, domain, seed)] = result.error
+            results[(row.label, domain, seed)] = result
         # free this run's model and statistics before the next is built (16.8 GB of dense
         # factors at ImageNet scale); the feature hook makes a reference cycle, so collect
         del job
         gc.collect()
-    return errors
+    return results
 
 
-def summarise(errors: dict, rows: list[Row], domains: list[str], seeds: list[int]) -> list[dict]:
+def summarise(results: dict, rows: list[Row], domains: list[str], seeds: list[int]) -> list[dict]:
     """Per row: mean and std (over seeds) of the error in % per domain, and of the mean over domains."""
+    errors = {key: result.error for key, result in results.items()}
     table = []
     for row in rows:
         cells = {}
@@ -370,15 +372,17 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
     atomic_write(path, write)
 
 
-def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> None:
-    """The table, every run, what each row ran with (its method, params, lr, the covariance
-    it asked for and the form its artifact holds: `auto` picks one), and the options every
-    row shared (each run's seed is under "runs")."""
+def write_json(path: str, plan: BenchPlan, table: list[dict], results: dict) -> None:
+    """The table, every run (its error, images, skips and time), what each row ran with
+    (its method, params, lr, the covariance it asked for and the form its artifact holds:
+    `auto` picks one), the artifacts by content, and the options every row shared (each
+    run's seed is under "runs")."""
     labels = domain_labels(plan.domains)
     settings = plan.settings
     shared = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
     shared["num_workers"] = loader_processes(settings.num_workers, pick_device(settings.device))
     model, sampling = plan.model, plan.sampling
+    artifacts = {covariance: _artifact_record(artifact_path(plan.workdir, covariance)) for covariance in covariances_needed(plan.rows)}
     payload = {
         "cafa_version": __version__,
         "versions": report.software_versions(),
@@ -387,13 +391,17 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> N
         "domains": [{"data": d, "label": labels[d]} for d in plan.domains],
         "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
                                              for k, (m, s) in r["cells"].items()}} for r in table],
-        "runs": [{"method": m, "data": d, "seed": s, "error": e} for (m, d, s), e in errors.items()],
+        "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
-                  "covariance_used": _stored_form(artifact_path(plan.workdir, r.covariance)) if r.covariance else None,
+                  "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
                   "params": r.settings(settings).params, "lr": r.settings(settings).lr} for r in plan.rows],
+        "artifacts": artifacts,
         "settings": {
             **shared, "methods": ",".join(r.label for r in plan.rows), "train": plan.train, "model": model.model,
             "weights": str(Path(model.weights).resolve()) if model.weights else None,
+            "weights_sha256": weights_sha256(model.model, model.weights),
+            "classes": _resolved(plan.train_choice.classes_file), "labels": _resolved(plan.test_choice.labels),
+            "severity": plan.test_choice.severity,
             "fraction": sampling.fraction, "per_class": sampling.per_class, "shrinkage": sampling.shrinkage,
             "preprocessing": recipes(model.model, train=plan.train_choice, test=plan.test_choice),
         },
@@ -401,10 +409,17 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], errors: dict) -> N
     report.write_json(path, payload)
 
 
-def _stored_form(path: Path) -> str:
-    """The covariance form an artifact the grid has just read and validated holds."""
+def _artifact_record(path: Path) -> dict:
+    """An artifact the grid has just read and validated, by content: the form it holds,
+    when it was made, the model parameters it was made with, and the file's sha256."""
     with open_safetensors(path) as f:
-        return f.metadata()["covariance"]
+        metadata = f.metadata()
+    return {"path": str(path.resolve()), "sha256": sha256_of(path), "covariance": metadata["covariance"],
+            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256")}
+
+
+def _resolved(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
 
 
 def plot(path: str, table: list[dict], domains: list[str]) -> None:

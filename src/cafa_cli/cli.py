@@ -497,15 +497,15 @@ def bench_command(
         workdir=Path(workdir),
     )
     with process_group(target) as (rank, world), Monitor(_stderr(quiet), quiet or rank > 0) as monitor:
-        errors = bench.run_bench(plan, monitor, rank, world)
-    if errors is None:  # a torchrun rank other than 0: rank 0 reports
+        results = bench.run_bench(plan, monitor, rank, world)
+    if results is None:  # a torchrun rank other than 0: rank 0 reports
         return
-    table = bench.summarise(errors, rows, data, seed_list)
+    table = bench.summarise(results, rows, data, seed_list)
     print(bench.markdown(table, data, seed_list))
     if csv_out:
         bench.write_csv(csv_out, table, data)
     if json_out:
-        bench.write_json(json_out, plan, table, errors)
+        bench.write_json(json_out, plan, table, results)
     if plot_out:
         bench.plot(plot_out, table, data)
 

@@ -8,6 +8,7 @@ test set happens to have.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import signal
@@ -508,6 +509,18 @@ def stratified_subset(
             f"raise --fraction/--per-class or add images"
         )
     return np.sort(np.concatenate(chosen))
+
+
+def subset_sha256(domain: Domain, indices: np.ndarray) -> str:
+    """Which images a subset holds, wherever the data lies: each one's path below the
+    domain (a row for arrays) and its class index, so two artifacts can be checked to
+    come from the same sample."""
+    digest = hashlib.sha256()
+    for i in indices:
+        ref = domain.refs[i]
+        below = ref[len(domain.name):].lstrip("/") if ref.startswith(domain.name) else ref
+        digest.update(f"{below}\t{domain.labels[i]}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
 
 
 class _DomainImages(Dataset):

@@ -62,5 +62,5 @@ def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None 
         echo(command_line("cafa", "adapt", *stats_args, *data_args, *row.settings(settings).options()))
     bench = BenchPlan(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
                       Sampling(fraction=1.0, seed=plan.seed), workdir)
-    errors = run_bench(bench, monitor)
-    return markdown(summarise(errors, rows, domains, [plan.seed]), domains, [plan.seed])
+    results = run_bench(bench, monitor)
+    return markdown(summarise(results, rows, domains, [plan.seed]), domains, [plan.seed])

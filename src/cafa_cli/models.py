@@ -306,10 +306,14 @@ class FeatureClassifier(nn.Module):
         self.model = model
         self.classifier_name, self.classifier = find_classifier(model, classifier_name)
         self._features: torch.Tensor | None = None
+        self._in_forward = False
         self.classifier.register_forward_pre_hook(self._keep_features)
 
     def _keep_features(self, module, inputs):
-        self._features = inputs[0]
+        # only inside our own forward: a call to the bare net, or through a second wrapper
+        # of it, would otherwise leave features (and their graph) held here until our next call
+        if self._in_forward:
+            self._features = inputs[0]
 
     @property
     def feature_dim(self) -> int:
@@ -320,6 +324,7 @@ class FeatureClassifier(nn.Module):
         return self.classifier.out_features
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._in_forward = True
         try:
             logits = self.model(x)
         except DEVICE_FAILURES:
@@ -332,7 +337,9 @@ class FeatureClassifier(nn.Module):
                 f"the model cannot take these images (a batch of shape {list(x.shape)}): {first_line}; "
                 f"check --channels, --resize and --crop against the input the model expects"
             ) from error
-        features, self._features = self._features, None
+        finally:
+            self._in_forward = False
+            features, self._features = self._features, None
         if features is None:
             raise InputError(f"the classifier layer {self.classifier_name} was not called in the forward pass; name the right one with --classifier")
         if features.dim() != 2:

@@ -26,6 +26,7 @@ from cafa_cli.data import (
     read_class_list,
     relabel,
     stratified_subset,
+    subset_sha256,
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
@@ -192,8 +193,8 @@ def compute_statistics(
     if moments is None:  # not rank 0: rank 0 writes the artifact
         return None
     gaussians = statistics.estimate(moments, covariance, shrinkage, class_names)
-    sampling = {"data": recorded_data(data), "fraction": fraction, "per_class": per_class,
-                "seed": seed, "skipped_images": moments.skipped_images}
+    sampling = {"data": recorded_data(data), "fraction": fraction, "per_class": per_class, "seed": seed,
+                "images_sha256": subset_sha256(domain, indices), "batch_size": batch_size, "skipped_images": moments.skipped_images}
     return write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
 
 

@@ -165,20 +165,21 @@ def metrics(method: str, results: Sequence[DomainResult], settings: dict) -> dic
         "method": method,
         "versions": software_versions(),
         **overall(results),
-        "domains": [
-            {
-                "data": r.data,
-                "n": r.n,
-                "labelled": r.labelled,
-                "error": r.error,
-                "skipped_images": len(r.skipped_images),
-                "skipped_steps": r.skipped_steps,
-                "seconds": round(r.seconds, 3),
-                "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
-            }
-            for r in results
-        ],
+        "domains": [domain_record(r) for r in results],
         "settings": settings,
+    }
+
+
+def domain_record(r: DomainResult) -> dict:
+    return {
+        "data": r.data,
+        "n": r.n,
+        "labelled": r.labelled,
+        "error": r.error,
+        "skipped_images": len(r.skipped_images),
+        "skipped_steps": r.skipped_steps,
+        "seconds": round(r.seconds, 3),
+        "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
     }
 
 
