@@ -427,6 +427,8 @@ def test_metadata_with_wrong_fields(valid, tmp_path):
     fails(corrupt(valid, tmp_path / "l.safetensors", {"model": "[1, 2]"}), "must be JSON objects")
     bad_prep = json.dumps({"resize": None, "crop": None, "mean": [0], "std": [0], "channels": 1})
     fails(corrupt(valid, tmp_path / "p.safetensors", {"preprocessing": bad_prep}), "preprocessing")
+    text_mean = json.dumps({"resize": None, "crop": None, "mean": "0.5", "std": [1], "channels": 1})
+    fails(corrupt(valid, tmp_path / "t.safetensors", {"preprocessing": text_mean}), r"'mean' must be a list of numbers, not '0.5'")
 
 
 def test_non_integer_dimensions(valid, tmp_path):

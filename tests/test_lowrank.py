@@ -224,8 +224,15 @@ def test_lowrank_without_shrinkage_is_a_usage_error():
 def test_lowrank_constant_class_is_named():
     x, y = features()
     x[y == 2] = 1.5  # no variance at all: a_c = 0
-    with pytest.raises(InputError, match=r"singular for class2 \(N=12"):
+    with pytest.raises(InputError, match=r"singular for class2 \(N=12.*do not vary"):
         estimate(moments_of(x, y), "lowrank", "auto", NAMES)
+
+
+def test_lowrank_with_a_shrinkage_too_small_for_float32_says_so():
+    x, y = features()
+    with pytest.raises(InputError, match=r"too small to invert in float32; use --shrinkage auto \(or a larger value\)") as info:
+        estimate(moments_of(x, y), "lowrank", 1e-320, NAMES)
+    assert "do not vary" not in str(info.value)
 
 
 # --- artifact format version 2 -------------------------------------------------------

@@ -62,8 +62,8 @@ class Preprocessing:
         return cls(
             resize=d.get("resize"),
             crop=d.get("crop"),
-            mean=tuple(float(v) for v in d["mean"]),
-            std=tuple(float(v) for v in d["std"]),
+            mean=_numbers(d["mean"], "mean"),
+            std=_numbers(d["std"], "std"),
             channels=int(d["channels"]),
         )
 
@@ -106,6 +106,13 @@ class Preprocessing:
         """uint8 pixels, one image or a batch, on any device -> the model's float input."""
         mean, std = (torch.tensor(values, device=pixels.device).reshape(-1, 1, 1) for values in self.per_channel())
         return pixels.float().div_(255).sub_(mean).div_(std)
+
+
+def _numbers(values, name: str) -> tuple[float, ...]:
+    # float() would take the text "0.5" one character at a time and fail on the "."
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"'{name}' must be a list of numbers, not {values!r}")
+    return tuple(float(v) for v in values)
 
 
 def check_values(values: dict) -> None:

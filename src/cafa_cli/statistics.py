@@ -387,7 +387,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
     pooled = torch.zeros(d, d, dtype=torch.float64)
     blocks: list[torch.Tensor] = []
     eps = torch.finfo(torch.float64).eps
-    rank_used, failed = 0, []
+    rank_used, failed, constant = 0, [], True
 
     def pool(flush: bool = False) -> None:
         if blocks and (flush or sum(len(b) for b in blocks) >= _POOL_ROWS):
@@ -422,6 +422,7 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
         a = lam * trace / d
         if not (a > 0 and torch.isfinite(torch.tensor(1 / a, dtype=torch.float32))):
             failed.append(f"{names[c]} (N={n}, d={d})")
+            constant = constant and trace == 0
         r = len(eigenvalues)
         rank_used = max(rank_used, r)
         class_mean64[c] = mean
@@ -432,10 +433,9 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
     pool(flush=True)
     if failed:
         shown = listing(failed)
-        raise InputError(
-            f"covariance is singular for {shown}: its features do not vary (tr(S) = 0), so the isotropic "
-            f"part of the low-rank form is 0; use --shrinkage auto (or a value > 0), or check the features"
-        )
+        why = "its features do not vary (tr(S) = 0), so the isotropic part of the low-rank form is 0" if constant else \
+            "the isotropic part of the low-rank form, λ·tr(S)/d, is too small to invert in float32"
+        raise InputError(f"covariance is singular for {shown}: {why}; use --shrinkage auto (or a larger value), or check the features")
     if rank_used < k:  # duplicate rows everywhere: drop padding no class uses
         basis, spectrum = basis[:, :rank_used].clone(), spectrum[:, :rank_used].clone()
     return _gaussians("lowrank", class_mean64, counts, pooled, basis, lambdas, shrinkage, isotropic=isotropic.float(), spectrum=spectrum)
