@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from typer.testing import CliRunner
 
+from cafa_cli.cli import app
 from cafa_cli.models import FeatureClassifier
 from cafa_cli.statistics import ClassMoments, estimate
 
@@ -17,6 +19,11 @@ ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"
 sys.path.insert(0, str(ASSETS))
 import tiny_net  # noqa: E402  (found through the line above)
+
+
+def invoke(*args, input=None):
+    """`cafa ARGS...` in this process; arguments may be paths or numbers."""
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
 def class_images(rng: np.random.Generator, label: int, n: int, size: int = 16, shift: float = 0.0) -> np.ndarray:

@@ -12,23 +12,17 @@ import numpy as np
 import pytest
 import tiny_net
 import torch
-from conftest import PLAIN, TINY_NET, write_folder
+from conftest import PLAIN, TINY_NET, invoke, write_folder
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
-from cafa_cli.cli import app
 from cafa_cli.models import parameters_sha256, resolve
 
 CLASSES = ["a", "b", "c"]
 PER_CLASS = 12
 D = 6  # the tiny net's feature dimension
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

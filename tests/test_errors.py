@@ -20,24 +20,17 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from typer.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tiny_net
-from cafa_cli.cli import app
 from cafa_cli.data import read_image
 from cafa_cli.errors import UsageError
 from cafa_cli.pipeline import compute_statistics
-from conftest import ASSETS, PLAIN, TINY_NET, write_folder
+from conftest import ASSETS, PLAIN, TINY_NET, invoke, write_folder
 from test_artifact import corrupt
 
-runner = CliRunner()
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
-
-
-def run(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
 
 
 def no_traceback(result):
@@ -64,17 +57,17 @@ def setup(tmp_path_factory):
     weights = root / "net.pt"
     torch.save(tiny_net.build().state_dict(), weights)
     artifact = root / "s.safetensors"
-    result = run("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
+    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
     assert result.exit_code == 0, result.stderr
     return {"root": root, "train": train, "weights": weights, "artifact": artifact}
 
 
 def adapt(setup, data, *args, input=None):
-    return run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, "--batch-size", "4", *args, input=input)
+    return invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, "--batch-size", "4", *args, input=input)
 
 
 def stats(setup, data, *args):
-    return run("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args)
+    return invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args)
 
 
 def rows(result) -> list[dict]:
@@ -157,7 +150,7 @@ def test_warnings_print_paths_with_brackets_as_they_are(setup, tmp_path):
     data = write_folder(tmp_path / "named", per_class=3, classes=("[red]a", "[bold]b", "c"))
     artifact = tmp_path / "named.safetensors"
     assert stats(setup, data, "--out", artifact).exit_code == 0
-    shown = run("inspect", artifact)
+    shown = invoke("inspect", artifact)
     assert shown.exit_code == 0 and "[red]a" in shown.stdout and "[bold]b" in shown.stdout, shown.stdout + shown.stderr
 
 
@@ -167,7 +160,7 @@ def test_unreadable_artifact(setup, tmp_path):
     shutil.copy(setup["artifact"], locked)
     locked.chmod(0)
     try:
-        fails(run("inspect", locked), 3, str(locked), "Permission denied")
+        fails(invoke("inspect", locked), 3, str(locked), "Permission denied")
     finally:
         locked.chmod(0o644)
 
@@ -331,13 +324,13 @@ def _damaged(setup, tmp_path, damage: str) -> Path:
 )
 def test_bad_artifact(setup, tmp_path, damage, needle):
     path = _damaged(setup, tmp_path, damage)
-    fails(run("inspect", path), 3, str(path), needle)
+    fails(invoke("inspect", path), 3, str(path), needle)
 
 
 def test_inspect_json_is_standard_json_whatever_the_artifact_holds(setup, tmp_path):
     """Python's json writes NaN and Infinity, which jq and most parsers reject."""
     odd = corrupt(setup["artifact"], tmp_path / "nan.safetensors", {"sampling": json.dumps({"fraction": float("nan")})})
-    result = run("inspect", odd, "--json")
+    result = invoke("inspect", odd, "--json")
     assert result.exit_code == 0, result.stderr
 
     def refuse(constant):
@@ -345,12 +338,12 @@ def test_inspect_json_is_standard_json_whatever_the_artifact_holds(setup, tmp_pa
 
     assert json.loads(result.stdout, parse_constant=refuse)["sampling"] == {"fraction": None}
     shrink = json.dumps({"method": "oas", "min": float("nan"), "mean": 0.1, "max": float("inf")})
-    fails(run("inspect", corrupt(setup["artifact"], tmp_path / "s.safetensors", {"shrinkage": shrink})), 3, "in [0, 1]")
+    fails(invoke("inspect", corrupt(setup["artifact"], tmp_path / "s.safetensors", {"shrinkage": shrink})), 3, "in [0, 1]")
 
 
 def test_bad_artifact_given_to_adapt(setup, tmp_path):
     path = _damaged(setup, tmp_path, "diagonal")
-    result = run("adapt", "--stats", path, "--model", TINY_NET, "--data", setup["train"])
+    result = invoke("adapt", "--stats", path, "--model", TINY_NET, "--data", setup["train"])
     fails(result, 3, str(path), "non-positive diagonal")
     assert result.stdout == ""
 
@@ -359,18 +352,18 @@ def test_bad_artifact_given_to_adapt(setup, tmp_path):
 
 
 def test_unknown_architecture(setup, tmp_path):
-    fails(run("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"), 2, "--model resnet5000: unknown architecture")
+    fails(invoke("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"), 2, "--model resnet5000: unknown architecture")
 
 
 def test_an_unknown_architecture_named_by_the_artifact_says_so(setup, tmp_path):
     recorded = corrupt(setup["artifact"], tmp_path / "s.safetensors", {"model": json.dumps({"model": "resnet5000"})})
-    fails(run("adapt", "--stats", recorded, "--data", setup["train"]), 3,
+    fails(invoke("adapt", "--stats", recorded, "--data", setup["train"]), 3,
           f"the model recorded in {recorded}: --model resnet5000: unknown architecture")
 
 
 def test_demo_workdir_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("")
-    fails(run("demo", "--workdir", tmp_path / "file"), 3, "--workdir", "is a file; give a folder")
+    fails(invoke("demo", "--workdir", tmp_path / "file"), 3, "--workdir", "is a file; give a folder")
 
 
 def test_factory_file_missing(setup, tmp_path):
@@ -378,7 +371,7 @@ def test_factory_file_missing(setup, tmp_path):
 
 
 def stats_with_model(setup, tmp_path, model, *extra):
-    return run("stats", "--model", model, *extra, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    return invoke("stats", "--model", model, *extra, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
 
 
 def test_factory_that_does_not_import(setup, tmp_path):
@@ -431,17 +424,17 @@ def test_model_without_a_linear_classifier(setup, tmp_path):
 
 def test_feature_dimension_disagrees_with_the_artifact(setup, tmp_path):
     spec = factory(tmp_path, "def build():\n    return tiny_net.TinyNet(feature_dim=5)")
-    fails(run("adapt", "--stats", setup["artifact"], "--model", spec, "--data", setup["train"]), 3, "features have 5 dimensions", "made for 6")
+    fails(invoke("adapt", "--stats", setup["artifact"], "--model", spec, "--data", setup["train"]), 3, "features have 5 dimensions", "made for 6")
 
 
 def test_class_count_disagrees_with_the_artifact(setup, tmp_path):
     # the artifact's own weights (3 classes) are refused by a 4-class model...
-    result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"])
+    result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"])
     fails(result, 3, "shapes do not match the model", "head.3.weight (3, 6) vs (4, 6)")
     # ...and a 4-class model with its own weights is refused by the 3-class artifact
     net = tmp_path / "four.safetensors"
     save_file(tiny_net.build(num_classes=4).state_dict(), str(net))
-    result = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--weights", net, "--data", setup["train"])
+    result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--weights", net, "--data", setup["train"])
     fails(result, 3, "has 3 classes but the model's classifier has 4 outputs; check --model and --num-classes, or compute statistics")
 
 
@@ -538,12 +531,12 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
 )
 def test_adapt_option_values_checked_before_the_model_is_loaded(setup, tmp_path, args, needle):
     missing = tmp_path / "no-such-weights.pt"  # loading the model would fail on it
-    fails(run("adapt", "--model", TINY_NET, "--weights", missing, "--data", setup["train"], *args), 2, needle)
+    fails(invoke("adapt", "--model", TINY_NET, "--weights", missing, "--data", setup["train"], *args), 2, needle)
 
 
 def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path):
     workdir = tmp_path / "work"
-    result = run("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
+    result = invoke("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
                  *PLAIN, "--methods", "source,cafa", "--optimizer", "lbfgs", "--workdir", workdir)
     fails(result, 2, "--optimizer must be one of adam, sgd, nesterov, not lbfgs")
     assert not list(workdir.glob("*.safetensors"))
@@ -574,20 +567,20 @@ def test_unknown_reset_policy(setup):
 
 
 def test_missing_required_option(setup, tmp_path):
-    fails(run("stats", "--model", TINY_NET, "--out", tmp_path / "s.safetensors"), 2, "Missing option '--data'", "cafa stats --help")
-    fails(run("adapt", "--stats", setup["artifact"]), 2, "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
+    fails(invoke("stats", "--model", TINY_NET, "--out", tmp_path / "s.safetensors"), 2, "Missing option '--data'", "cafa stats --help")
+    fails(invoke("adapt", "--stats", setup["artifact"]), 2, "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
 
 
 def test_a_method_without_statistics_and_no_artifact_asks_for_the_model(setup, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no cafa-stats.safetensors here
-    fails(run("adapt", setup["train"], "--method", "tent"), 2,
+    fails(invoke("adapt", setup["train"], "--method", "tent"), 2,
           "give the model with --model (and --weights): --method tent needs no statistics, and there is no cafa-stats.safetensors")
-    fails(run("adapt", setup["train"]), 3, "cafa-stats.safetensors: no such artifact; create one with cafa stats")
+    fails(invoke("adapt", setup["train"]), 3, "cafa-stats.safetensors: no such artifact; create one with cafa stats")
 
 
 def test_adapt_takes_domains_as_arguments_as_well_as_with_data(setup):
     as_options = adapt(setup, setup["train"], "--quiet", "--no-shuffle", "--data", setup["train"])
-    as_arguments = run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet", "--no-shuffle",
+    as_arguments = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet", "--no-shuffle",
                        setup["train"], setup["train"])
     assert as_options.exit_code == 0, as_options.stderr
     assert as_arguments.stdout == as_options.stdout and as_options.stdout.count("\n") > 2
@@ -598,15 +591,15 @@ def test_option_value_of_the_wrong_type(setup):
 
 
 def test_unknown_option_suggests_the_right_one(setup):
-    fails(run("stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin", "--fraction")
+    fails(invoke("stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin", "--fraction")
 
 
 def test_debug_shows_the_tools_own_error_not_a_crash_of_the_error_handler(setup):
     from cafa_cli.errors import UsageError
 
-    result = run("--debug", "stats", "--data", setup["train"], "--fraction", "2", "--model", TINY_NET)
+    result = invoke("--debug", "stats", "--data", setup["train"], "--fraction", "2", "--model", TINY_NET)
     assert isinstance(result.exception, UsageError) and "--fraction" in str(result.exception)
-    fails(run("--debug", "stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin")
+    fails(invoke("--debug", "stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin")
 
 
 # --- security: --data - only reads, and writes go only where the options point -------
@@ -691,7 +684,7 @@ def test_a_model_that_asserts_its_image_size_gets_the_same_message(setup, tmp_pa
     body = ("class Sized(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n"
             "    def forward(self, x):\n        torch._assert(x.shape[-1] == 224, 'Wrong image width! Expected 224')\n"
             "        return self.net(x)\n\ndef build():\n    return Sized()")
-    result = run("stats", "--model", factory(tmp_path, body), "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    result = invoke("stats", "--model", factory(tmp_path, body), "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
     fails(result, 3, "the model cannot take these images", "Wrong image width! Expected 224", "check --channels, --resize and --crop")
 
 
@@ -732,7 +725,7 @@ def test_a_masked_class_with_minus_infinite_logits_is_not_refused(setup, tmp_pat
     spec = factory(tmp_path, body)
     weights = tmp_path / "masked.pt"
     torch.save({f"net.{k}": v for k, v in torch.load(setup["weights"]).items()}, weights)
-    result = run("adapt", "--model", spec, "--weights", weights, "--data", setup["train"], *PLAIN, "--method", "bn", "--classes",
+    result = invoke("adapt", "--model", spec, "--weights", weights, "--data", setup["train"], *PLAIN, "--method", "bn", "--classes",
                  _class_list(tmp_path))
     assert result.exit_code == 0, result.stderr
     assert {row["prediction"] for row in rows(result)} <= {"a", "b"}
@@ -757,26 +750,26 @@ def test_stats_into_a_device_writes_it_and_succeeds(setup):
 
 def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
     args = ["stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--out", tmp_path / "s.safetensors"]
-    result = run(*args, "--per-class", "10")
+    result = invoke(*args, "--per-class", "10")
     assert result.exit_code == 0, result.stderr
     assert "warning: --per-class 10: fewer images in a (6), b (6), c (6); all of theirs are used" in result.stderr
     # both would choose the images: neither silently wins
-    fails(run(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
-    fails(run("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
+    fails(invoke(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
+    fails(invoke("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
     with pytest.raises(UsageError, match="give one of them"):  # the Python API too: it dropped the fraction
         compute_statistics(str(setup["train"]), tmp_path / "api.safetensors", fraction=0.5, per_class=10)
 
 
 @pytest.mark.parametrize("count", ["0", "-3"])
 def test_num_classes_below_one(setup, tmp_path, count):
-    result = run("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
+    result = invoke("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
     fails(result, 2, f"--num-classes must be at least 1, not {count}")
 
 
 @pytest.mark.parametrize("command", ["stats", "adapt"])
 def test_a_torchvision_architecture_without_weights_is_refused(setup, tmp_path, command):
     extra = ["--out", tmp_path / "s.safetensors"] if command == "stats" else ["--method", "bn"]
-    result = run(command, "--model", "resnet18", "--num-classes", "3", "--data", setup["train"], *extra)
+    result = invoke(command, "--model", "resnet18", "--num-classes", "3", "--data", setup["train"], *extra)
     fails(result, 2, "--model resnet18 without --weights is an untrained network with random weights", "give --weights FILE")
 
 
@@ -795,20 +788,20 @@ def test_an_output_in_a_folder_that_cannot_be_written_fails_before_the_run(setup
 def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_touched(setup, tmp_path):
     weights = tmp_path / "w.pt"
     weights.write_bytes(Path(setup["weights"]).read_bytes())
-    result = run("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", weights)
+    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", weights)
     fails(result, 2, f"--out {weights} is also the --weights file")
     assert weights.read_bytes() == Path(setup["weights"]).read_bytes()
     artifact = tmp_path / "s.safetensors"
     artifact.write_bytes(Path(setup["artifact"]).read_bytes())
     before = artifact.read_bytes()
-    fails(run("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--metrics-json", artifact), 2,
+    fails(invoke("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--metrics-json", artifact), 2,
           f"--metrics-json {artifact} is also the --stats file")
     fails(adapt(setup, setup["train"], "--predictions", tmp_path / "p.csv", "--metrics-json", tmp_path / "p.csv"), 2,
           "--metrics-json", "is also the --predictions file")
     assert artifact.read_bytes() == before and not (tmp_path / "p.csv").exists()
     linked = tmp_path / "linked.csv"
     os.link(artifact, linked)  # another name for the same file
-    fails(run("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--predictions", linked), 2,
+    fails(invoke("adapt", "--stats", artifact, "--model", TINY_NET, "--data", setup["train"], "--predictions", linked), 2,
           f"--predictions {linked} is also the --stats file")
     assert artifact.read_bytes() == before
     image = next((Path(setup["train"]) / "a").glob("*.png"))
@@ -824,16 +817,16 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_and_nothing_is_
             assert result.exit_code == 0 and result.stdout.startswith("path,"), result.stderr
         else:
             fails(result, 2, "--metrics-json -: only the records of cafa adapt (--predictions) go to standard output")
-    fails(run("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--out", "-"), 2, "--out -: only the records")
+    fails(invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", setup["train"], *PLAIN, "--out", "-"), 2, "--out -: only the records")
 
 
 def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_path):
-    fails(run("adapt", "--stats", setup["weights"], "--model", TINY_NET, "--data", setup["train"]), 3,
+    fails(invoke("adapt", "--stats", setup["weights"], "--model", TINY_NET, "--data", setup["train"]), 3,
           "this is a torch checkpoint, not a cafa artifact: give it as --weights")
     legacy = tmp_path / "legacy.pth"
     torch.save(torch.load(setup["weights"]), legacy, _use_new_zipfile_serialization=False)
-    fails(run("inspect", legacy), 3, "this is a torch checkpoint")
-    fails(run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--weights", setup["artifact"], "--data", setup["train"]), 3,
+    fails(invoke("inspect", legacy), 3, "this is a torch checkpoint")
+    fails(invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--weights", setup["artifact"], "--data", setup["train"]), 3,
           "this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
 
 
@@ -852,7 +845,7 @@ def test_updates_skipped_for_a_non_finite_loss_are_a_warning(setup, tmp_path):
     with safe_open(str(setup["artifact"]), "pt") as f:
         d = f.get_tensor("global_covariance").shape[0]
     huge = corrupt(setup["artifact"], tmp_path / "huge.safetensors", global_covariance=torch.full((d, d), 3e38))
-    result = run("adapt", "--stats", huge, "--model", TINY_NET, "--data", setup["train"], "--batch-size", "4", "--method", "global-fa")
+    result = invoke("adapt", "--stats", huge, "--model", TINY_NET, "--data", setup["train"], "--batch-size", "4", "--method", "global-fa")
     assert result.exit_code == 0, result.stderr
     assert "update(s) skipped because the loss or its gradients were not finite; check the statistics (cafa inspect)" in result.stderr
     assert "skipped because" not in adapt(setup, setup["train"], "--method", "global-fa").stderr
@@ -860,7 +853,7 @@ def test_updates_skipped_for_a_non_finite_loss_are_a_warning(setup, tmp_path):
 
 def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):
     mlp = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3))")
-    result = run("adapt", "--model", mlp, "--data", setup["train"], *PLAIN, "--method", "bn")
+    result = invoke("adapt", "--model", mlp, "--data", setup["train"], *PLAIN, "--method", "bn")
     assert result.exit_code == 0, result.stderr
     assert "warning: the model has no BatchNorm layers, so --method bn gives the same predictions as source" in result.stderr
 
@@ -910,12 +903,12 @@ def test_index_labels_take_the_class_count_from_the_model(setup, tmp_path):
     np.save(tmp_path / "x.npy", images)
     np.save(tmp_path / "y.npy", np.repeat([0, 1], len(images) // 2))
     args = ["--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--data", tmp_path / "x.npy", "--labels", tmp_path / "y.npy"]
-    result = run("adapt", *args, "--method", "bn", "--quiet", "--metrics-json", tmp_path / "m.json")
+    result = invoke("adapt", *args, "--method", "bn", "--quiet", "--metrics-json", tmp_path / "m.json")
     assert result.exit_code == 0, result.stderr
     assert json.loads((tmp_path / "m.json").read_text())["labelled"] == len(images)
-    fails(run("stats", *args, "--fraction", "1", "--out", tmp_path / "s.safetensors"), 3, "no images of class 2")
+    fails(invoke("stats", *args, "--fraction", "1", "--out", tmp_path / "s.safetensors"), 3, "no images of class 2")
     np.save(tmp_path / "y.npy", np.repeat([0, 3], len(images) // 2))
-    fails(run("adapt", *args, "--method", "bn"), 3, "label 3 is out of range for 3 classes")
+    fails(invoke("adapt", *args, "--method", "bn"), 3, "label 3 is out of range for 3 classes")
 
 
 def test_control_characters_never_reach_the_terminal(setup, tmp_path):
@@ -929,11 +922,11 @@ def test_control_characters_never_reach_the_terminal(setup, tmp_path):
     metadata["class_names"] = json.dumps(["a", "b\x1b[2J", "c"])
     hostile = tmp_path / "hostile.safetensors"
     save_file(tensors, str(hostile), metadata=metadata)
-    shown = run("inspect", hostile)
+    shown = invoke("inspect", hostile)
     assert shown.exit_code == 0 and "\x1b" not in shown.stdout
     assert "\\x1b[2J\\x1b[31mRED" in shown.stdout and "b\\x1b[2J" in shown.stdout
     odd = tmp_path / "a\x1b[31m\nb"
-    fails(run("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", odd), 3, "a\\x1b[31m\\nb: no such file")
+    fails(invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", odd), 3, "a\\x1b[31m\\nb: no such file")
 
 
 def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_path):
@@ -955,7 +948,7 @@ def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_pat
     two = tmp_path / "two.txt"
     two.write_text("a\nb\n")
     ab = write_folder(tmp_path / "ab", per_class=2, classes=("a", "b"))
-    result = run("adapt", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", ab, "--method", "bn")
+    result = invoke("adapt", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", ab, "--method", "bn")
     fails(result, 3, f"the class list {two} has 2 classes but the model's classifier has 3 outputs")
 
 
@@ -975,7 +968,7 @@ def test_weights_holding_nan_are_refused_before_any_prediction(setup, tmp_path):
     torch.save(state, broken)
     for command in ("stats", "adapt"):
         extra = ["--out", tmp_path / "s.safetensors", "--fraction", "1"] if command == "stats" else ["--method", "bn"]
-        result = run(command, "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, *extra)
+        result = invoke(command, "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, *extra)
         fails(result, 3, f"the model's weights hold NaN or infinite values in {name}")
         assert result.stdout == ""
 

@@ -9,15 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PLAIN, TINY_NET, write_folder
+from conftest import PLAIN, TINY_NET, invoke, write_folder
 from safetensors import safe_open
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 import cafa_cli.artifact as artifact_module
 import cafa_cli.distances as distances
 from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.cli import app
 from cafa_cli.distances import ClassDistances
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.inspect import condition_numbers
@@ -339,10 +337,6 @@ def test_lowrank_basis_is_validated_in_slices(tmp_path, monkeypatch):
 
 
 # --- through the CLI -----------------------------------------------------------------
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
