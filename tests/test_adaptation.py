@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -272,3 +273,54 @@ def test_the_adapter_runs_where_the_model_is_unless_told(trained):
     assert Adapter(copy.deepcopy(model), "cafa", gaussians).device == torch.device("cpu")
     meta = copy.deepcopy(model).to("meta")  # a stand-in for a model on another device: nothing runs here
     assert Adapter(meta, "tent", device=None).device == torch.device("meta")
+
+
+def test_a_model_is_taken_by_its_first_adapter_whatever_the_method_and_norm_layers(trained):
+    """source swaps no BatchNorm and a LayerNorm net has none: the model is still taken,
+    else a second Adapter on it would silently change the first one's baseline."""
+    model, gaussians, x, _ = trained
+    shared = copy.deepcopy(model)
+    Adapter(shared, "source")
+    with pytest.raises(UsageError, match="already belongs to an Adapter"):
+        Adapter(shared, "cafa", gaussians)
+    layer_norm_net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+    Adapter(FeatureClassifier(layer_norm_net), "tent")
+    with pytest.raises(UsageError, match="already belongs to an Adapter"):
+        Adapter(FeatureClassifier(layer_norm_net), "tent")  # a second wrapper of the same net
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_step_adapts_inside_a_callers_no_grad_or_inference_mode(trained, context):
+    model, gaussians, x, _ = trained
+    plain, inside = (Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2) for _ in range(2))
+    for i in range(0, 100, 50):
+        expected = plain.step(x[i : i + 50])
+        with context():
+            got = inside.step(x[i : i + 50])
+        torch.testing.assert_close(got, expected)  # the second batch shows the first update was made
+
+
+def test_predictions_of_every_method_are_ordinary_tensors(trained):
+    model, gaussians, x, _ = trained
+    for method in ("source", "bn", "tent"):
+        logits = Adapter(copy.deepcopy(model), method).step(x[:10])
+        assert not logits.is_inference() and logits.add_(1).shape == (10, 3)  # a caller may change them in place
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"lr": "1e-3"}, "--lr must be a number, not '1e-3'"),
+    ({"steps": 2.5}, "--steps must be a whole number, not 2.5"),
+    ({"momentum": None}, "--momentum must be a number"),
+    ({"bn_prior": True}, "--bn-prior must be a number"),
+])
+def test_adapter_options_of_the_wrong_type_are_usage_errors(trained, options, needle):
+    model, gaussians, _, _ = trained
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        Adapter(copy.deepcopy(model), "tent", **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_torch_device_without_cuda_is_a_usage_error(trained):
+    model, _, _, _ = trained
+    with pytest.raises(UsageError, match="CUDA is not available"):
+        Adapter(copy.deepcopy(model), "bn", device=torch.device("cuda"))

@@ -243,3 +243,16 @@ def test_distances_near_a_class_mean_keep_their_relative_accuracy(covariance, me
     assert ((got.detach().double() - expected.detach()).abs() / expected.detach()).max() < 1e-4
     expected.sum().backward()  # the gradient flows through the recomputed classes too
     torch.testing.assert_close(z.grad.double(), z64.grad, rtol=1e-3, atol=1e-3 * float(z64.grad.abs().max()))
+
+
+def test_a_misspelt_metric_and_features_of_another_width_are_usage_errors():
+    from cafa_cli.errors import UsageError
+
+    torch.manual_seed(0)
+    moments = ClassMoments(2, 4)
+    moments.update(torch.randn(20, 4), torch.arange(20) % 2)
+    gaussians = estimate(moments, "full", 0.1)
+    with pytest.raises(UsageError, match="metric must be one of mahalanobis, euclidean, not 'euclidian'"):
+        ClassDistances(gaussians, metric="euclidian")  # used to fall back to Mahalanobis silently
+    with pytest.raises(UsageError, match=r"distances take features \[N, 4\], not \[3, 7\]"):
+        ClassDistances(gaussians)(torch.randn(3, 7))

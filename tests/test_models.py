@@ -73,12 +73,25 @@ def test_wrapper_keeps_no_features_from_calls_it_did_not_make():
     assert features.shape == (2, 6) and first._features is None
 
 
+class ProjectedLast(nn.Module):
+    """The last Linear registered (proj) is not the one that makes the logits (fc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc(self.proj(x.flatten(1)))
+
+
 def test_classifier_override():
-    wrapped = FeatureClassifier(tiny_net.build(), "head.1").eval()
-    assert wrapped.classifier_name == "head.1" and wrapped.feature_dim == 16 and wrapped.num_classes == 6
-    logits, features = wrapped(small_images(channels=1, size=16))
-    assert features.shape == (2, 16)
-    assert logits.shape == (2, 3), "logits are still the model's output"
+    assert FeatureClassifier(ProjectedLast()).classifier_name == "proj"  # the default guess; shapes cannot tell
+    wrapped = FeatureClassifier(ProjectedLast(), "fc").eval()
+    x = torch.randn(2, 8)
+    logits, features = wrapped(x)
+    torch.testing.assert_close(features, wrapped.model.proj(x))
+    torch.testing.assert_close(logits, wrapped.classifier(features))
 
 
 def test_classifier_override_that_is_not_a_linear():
@@ -495,3 +508,15 @@ def test_cuda_without_cuda_is_a_usage_error(device):
 def test_unknown_device_is_a_usage_error(device):
     with pytest.raises(UsageError, match="--device"):
         pick_device(device)
+
+
+def test_a_linear_that_does_not_make_the_logits_is_named():
+    wrapped = FeatureClassifier(tiny_net.build(), "head.1")  # 16 -> 6, before the 6 -> 3 classifier
+    with pytest.raises(InputError, match="returns 3 logits but head.1 has 6 outputs, so it is not the layer that makes the logits"):
+        wrapped(small_images(channels=1, size=16))
+
+
+def test_images_of_another_dtype_than_the_weights_are_named():
+    wrapped = FeatureClassifier(tiny_net.build()).eval()
+    with pytest.raises(InputError, match="the images are torch.float64 but the model's weights are torch.float32"):
+        wrapped(small_images(channels=1, size=16).double())

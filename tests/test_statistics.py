@@ -359,3 +359,21 @@ def test_a_variance_too_small_to_square_its_factor_is_refused(covariance):
     with pytest.raises(InputError, match="overflow float32 when squared.*raise --shrinkage"):
         estimate(moments_of(x.astype(np.float32), y, 2), covariance, 0.0)
     estimate(moments_of(x.astype(np.float32), y, 2), covariance, "auto")  # shrinkage lifts it
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([True, False, True])])
+def test_labels_that_are_not_integers_are_refused(labels):
+    with pytest.raises(UsageError, match=f"labels must be integer class indices, not {labels.dtype}"):
+        ClassMoments(2, 4).update(torch.randn(3, 4), labels)
+
+
+def test_an_estimate_refused_for_too_few_vectors_leaves_the_moments_usable():
+    torch.manual_seed(0)
+    moments = ClassMoments(2, 3)
+    moments.update(torch.randn(3, 3), torch.tensor([0, 0, 1]))
+    with pytest.raises(InputError, match="class 1 has 1 feature vector"):
+        estimate(moments)
+    moments.update(torch.randn(4, 3), torch.tensor([1, 1, 0, 1]))  # more data, as the message invites
+    assert estimate(moments).counts.tolist() == [3, 4]
+    with pytest.raises(UsageError, match="already estimated, which freed them"):
+        moments.update(torch.randn(2, 3), torch.tensor([0, 1]))  # would vanish from any later estimate

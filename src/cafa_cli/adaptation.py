@@ -23,6 +23,7 @@ PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
 def check_settings(
@@ -30,6 +31,12 @@ def check_settings(
     steps: int = 1, bn_prior: float = 0.0, precision: str = "fp32", device: torch.device = torch.device("cpu"),
 ) -> None:
     """The Adapter's option values, checked before any model or data is read."""
+    numbers = {"--lr": lr, "--momentum": momentum, "--bn-prior": bn_prior}
+    for option, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{option} must be a number, not {value!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise UsageError(f"--steps must be a whole number, not {steps!r}")
     choices = {"--method": (method, METHODS), "--params": (params, PARAM_SETS), "--optimizer": (optimizer, OPTIMIZERS),
                "--precision": (precision, tuple(PRECISIONS))}
     for option, (value, allowed) in choices.items():
@@ -157,14 +164,15 @@ class Adapter:
         precision: str = "fp32",
         compile: bool = False,
     ):
-        if any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
-            # its BatchNorms are swapped and its affines may be adapted: a second Adapter would
+        if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
+            # its BatchNorms may be swapped and its weights adapted: a second Adapter would
             # start from there, not from the source model, and reset() would return there
             raise UsageError("this model already belongs to an Adapter; give each Adapter its own copy of the source "
                              "model (copy.deepcopy before the first Adapter, or load it again)")
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        device = pick_device(device) if isinstance(device, str) else torch.device(device)
+        # a torch.device of another kind (mps, xla) is the caller's choice; CUDA is checked to be there
+        device = pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
         check_settings(method, params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         if gaussians is not None and tuple(gaussians.means.shape) != (model.num_classes, model.feature_dim):
             C, d = gaussians.means.shape
@@ -195,6 +203,7 @@ class Adapter:
         # torch.compile shares the module's parameters, so reset() and the optimiser
         # act on it unchanged; the first batches pay for the compilation
         self.forward = torch.compile(self.model) if compile else self.model
+        setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
@@ -217,18 +226,22 @@ class Adapter:
         if images.dim() == 4:
             images = images.contiguous(memory_format=self.memory_format)
         if self.objective is None:
-            with torch.inference_mode(), self.autocast:
+            with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place
                 logits, _ = self.forward(images)
             return logits.float()
         prediction = None
-        for _ in range(self.steps):
-            with self.autocast:
-                logits, features = self.forward(images)
-            if prediction is None:
-                prediction = logits.detach().float()
-            loss = self.objective(logits.float(), features.float())
-            if not self._apply(loss):
-                break
+        # a caller's evaluation loop is often under no_grad or inference_mode; the update needs gradients
+        with torch.inference_mode(False), torch.enable_grad():
+            if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
+                images = images.clone()
+            for _ in range(self.steps):
+                with self.autocast:
+                    logits, features = self.forward(images)
+                if prediction is None:
+                    prediction = logits.detach().float()
+                loss = self.objective(logits.float(), features.float())
+                if not self._apply(loss):
+                    break
         return prediction
 
     def _apply(self, loss: torch.Tensor) -> bool:

@@ -29,10 +29,12 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from cafa_cli.errors import UsageError
 from cafa_cli.statistics import ClassGaussians
 
 CHUNK_BYTES = 64 << 20  # one chunk's intermediate
 KEEP_BYTES = 1 << 30  # all chunks' intermediates kept for backward; above it, recompute
+METRICS = ("mahalanobis", "euclidean")
 REFINE_TOLERANCE = 1e-5  # expanded forms: relative rounding bound above which a class is recomputed exactly
 _EPS32 = torch.finfo(torch.float32).eps
 
@@ -44,6 +46,8 @@ class ClassDistances:
     """
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu", metric: str = "mahalanobis"):
+        if metric not in METRICS:
+            raise UsageError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
         self.mode = "euclidean" if metric == "euclidean" else gaussians.covariance
         # Distances are invariant to a common shift; centring on the global mean keeps
         # the expanded forms below (‖a‖² − 2a·b + ‖b‖²) from cancelling in float32.
@@ -69,6 +73,8 @@ class ClassDistances:
         return self.means.shape[0]
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if z.dim() != 2 or z.shape[1] != self.means.shape[1]:
+            raise UsageError(f"distances take features [N, {self.means.shape[1]}], not {list(z.shape)}")
         forms = {"full": self._full, "lowrank": self._lowrank, "diag": self._diag, "tied": self._tied, "euclidean": self._euclidean}
         return forms[self.mode](z.float() - self.centre)
 

@@ -333,6 +333,10 @@ class FeatureClassifier(nn.Module):
             # a shape or channel mismatch surfaces deep inside a layer (torchvision's ViT
             # asserts its image size); say which input it was
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            weights = next((p.dtype for p in self.model.parameters()), x.dtype)
+            if x.dtype != weights:  # only through the Python API: the CLI's batches are float32, as checked models are
+                raise InputError(f"the images are {x.dtype} but the model's weights are {weights}: give images of the "
+                                 f"weights' dtype ({first_line})") from error
             raise InputError(
                 f"the model cannot take these images (a batch of shape {list(x.shape)}): {first_line}; "
                 f"check --channels, --resize and --crop against the input the model expects"
@@ -351,6 +355,9 @@ class FeatureClassifier(nn.Module):
             shape = f"a {type(logits).__name__}" if not isinstance(logits, torch.Tensor) else f"{logits.dtype} of shape {list(logits.shape)}"
             raise InputError(f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
                              f"give a factory whose forward returns the logits only")
+        if logits.shape[1] != self.num_classes:
+            raise InputError(f"the model returns {logits.shape[1]} logits but {self.classifier_name} has {self.num_classes} outputs, "
+                             f"so it is not the layer that makes the logits; name that one with --classifier")
         return logits, features
 
 
@@ -404,7 +411,7 @@ def weights_sha256(model: str, weights: str | None) -> str | None:
     return sha256_of(bundled.weights) if bundled is not None else None
 
 
-def pick_device(device: str) -> torch.device:
+def pick_device(device: str | torch.device) -> torch.device:
     """`auto` → cuda when present; `cuda[:N]` without CUDA is a usage error, not a crash."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,8 +44,12 @@ class ClassMoments:
         self.consumed = False  # set by estimate(), which frees the scatters
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.consumed:
+            raise UsageError("these moments were already estimated, which freed them; accumulate new ClassMoments")
         features = features.detach().to("cpu", torch.float32)
         labels = torch.as_tensor(labels).to("cpu")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise UsageError(f"labels must be integer class indices, not {labels.dtype}")
         if features.dim() != 2 or features.shape[1] != self.dim or labels.shape != features.shape[:1]:
             raise UsageError(
                 f"moments of {self.dim}-dimensional features take features [n, {self.dim}] and labels [n], "
@@ -261,11 +265,11 @@ def estimate(
     check_options(covariance, shrinkage)
     if moments.consumed:
         raise UsageError("these moments were already estimated (estimate frees them as it goes); accumulate them again for another estimate")
+    names = class_names or [str(c) for c in range(moments.num_classes)]
+    counts = _checked_counts(moments, names)  # before anything is freed: more data can still be added
     moments.consumed = True
     if covariance == "auto":
         covariance = choose_covariance(moments, shrinkage)
-    names = class_names or [str(c) for c in range(moments.num_classes)]
-    counts = _checked_counts(moments, names)
     if covariance == "lowrank":
         return _estimate_lowrank(moments, shrinkage, names, counts)
     C, d = moments.num_classes, moments.dim
