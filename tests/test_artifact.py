@@ -16,7 +16,7 @@ from safetensors.torch import load, save_file
 import cafa_cli.artifact as artifact_module
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.files import atomic_write
-from cafa_cli.errors import InputError
+from cafa_cli.errors import CafaError, InputError
 from cafa_cli.models import ModelSpec
 from cafa_cli.preprocessing import Preprocessing
 from cafa_cli.statistics import ClassMoments, estimate
@@ -194,6 +194,16 @@ def test_atomic_write_gives_the_mode_open_would(tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_failed_rename_names_the_target_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def immutable(source, target):  # as `chattr +i` makes the target
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "replace", immutable)
+    with pytest.raises(CafaError, match=rf"^cannot write {tmp_path / 'x.json'}: Operation not permitted; check the file's permissions"):
+        atomic_write(tmp_path / "x.json", lambda tmp: Path(tmp).write_text("{}"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):

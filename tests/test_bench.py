@@ -490,3 +490,39 @@ def test_each_rows_warnings_are_shown_once_whichever_row_runs_first(tmp_path, ti
                                  "--weights", str(tiny_weights), *PLAIN, "--workdir", str(tmp_path / "w")])
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("predicted before any update: tent cannot differ from bn there") == 1
+
+
+def test_an_interrupted_domain_build_leaves_no_half_folder(tmp_path, monkeypatch):
+    """A `.partial` folder left by Ctrl-C would be picked up by a glob such as W/*/*/* as a domain."""
+    from PIL import Image
+
+    from cafa_cli import fmnist_c
+
+    saved = []
+
+    def save_then_interrupt(self, path, *args, **kwargs):
+        if len(saved) == 3:
+            raise KeyboardInterrupt
+        saved.append(path)
+        Path(path).write_bytes(b"")
+
+    monkeypatch.setattr(Image.Image, "save", save_then_interrupt)
+    images, labels = np.zeros((10, 28, 28), np.uint8), np.arange(10)
+    with pytest.raises(KeyboardInterrupt):
+        fmnist_c.write_image_folder(tmp_path / "fog" / "3", images, labels)
+    assert len(saved) == 3 and list((tmp_path / "fog").iterdir()) == []
+
+
+def test_the_progress_bar_leaves_stdout_to_the_data(capsys):
+    """With a live bar on a terminal, rich would send print() to stderr: demo --data-only's paths would miss the pipe."""
+    import io
+
+    from rich.console import Console
+
+    from cafa_cli.report import progress_bar
+
+    bar = progress_bar(Console(file=io.StringIO(), force_terminal=True))
+    with bar:
+        bar.add_task("x", total=1, rate="", status="")
+        print("fashion-mnist-c/fog/3")
+    assert capsys.readouterr().out == "fashion-mnist-c/fog/3\n"

@@ -64,12 +64,36 @@ def test_a_toml_array_for_a_comma_separated_option_is_joined(tmp_path):
 
 @pytest.mark.parametrize(
     "text,match",
-    [("[adapt]\nbatchsize = 3\n", "no option 'batchsize'"), ("[train]\nlr = 1\n", r"\[train\] is not a cafa command"), ("[adapt\n", "not valid TOML")],
+    [("[adapt]\nbatchsize = 3\n", "no option 'batchsize'"), ("[train]\nlr = 1\n", r"\[train\] is not a cafa command"), ("[adapt\n", "not valid TOML"),
+     ("adapt = 3\n", r"adapt = 3 must be a table of its options, e.g. \[adapt\]"),
+     # click would take true as the number 1: a batch size of 1, a learning rate of 1.0
+     ("[adapt]\nbatch-size = true\n", r"\[adapt\] batch-size = true: batch-size takes a value, not true or false"),
+     ("[bench]\nlr = false\n", "lr takes a value, not true or false")],
 )
 def test_mistakes_in_the_file_are_usage_errors(tmp_path, text, match):
     (tmp_path / "cafa.toml").write_text(text)
     with pytest.raises(UsageError, match=match):
-        read_defaults(tmp_path, _command_options())
+        read_defaults(tmp_path, _command_options(), _command_options(repeatable=True), _command_options(flags=True))
+
+
+def test_switches_take_true_and_false(tmp_path):
+    (tmp_path / "cafa.toml").write_text("[adapt]\nshuffle = false\nquiet = true\n")
+    assert read_defaults(tmp_path, _command_options(), flags=_command_options(flags=True)) == {"adapt": {"shuffle": False, "quiet": True}}
+
+
+@pytest.mark.parametrize("typed", [["--data"], []])
+def test_domains_on_the_command_line_replace_the_files(tmp_path, tiny_weights, typed):
+    """As any option typed replaces the file's value: not A and B when the file says A and the line B."""
+    listed, typed_domain = (write_folder(tmp_path / name, per_class=2) for name in ("listed", "typed"))
+    (tmp_path / "cafa.toml").write_text(f'[adapt]\ndata = ["{listed}"]\n')
+    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    metrics = tmp_path / "m.json"
+    base = ["adapt", "--model", TINY_NET, "--weights", str(tiny_weights), "--method", "source", *PLAIN, "--quiet", "--metrics-json", str(metrics)]
+    result = CliRunner().invoke(app, [*base, *typed, str(typed_domain)], default_map=defaults)
+    assert result.exit_code == 0, result.stderr
+    assert [d["data"] for d in json.loads(metrics.read_text())["domains"]] == [str(typed_domain)]
+    assert CliRunner().invoke(app, base, default_map=defaults).exit_code == 0  # without any: the file's
+    assert [d["data"] for d in json.loads(metrics.read_text())["domains"]] == [str(listed)]
 
 
 def test_file_defaults_apply_and_flags_win(tmp_path, tiny_weights):

@@ -176,6 +176,24 @@ def test_output_folder_missing_fails_before_the_run(setup, tmp_path):
 
 def test_output_that_is_a_folder(setup, tmp_path):
     fails(stats(setup, setup["train"], "--out", tmp_path), 3, "is a folder")
+    # Path() drops a trailing slash: a file named as the folder would be written
+    fails(adapt(setup, setup["train"], "--metrics-json", f"{tmp_path / 'newdir'}/"), 3, "names a folder (it ends with /)")
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_an_empty_path_is_a_usage_error_not_the_working_directory(setup, tmp_path, monkeypatch):
+    """An unset shell variable ($DATA, $STATS) must not adapt or summarise whatever is in the cwd."""
+    monkeypatch.chdir(setup["train"] / "a")
+    fails(invoke("adapt", "--stats", setup["artifact"], ""), 2, "--data is given an empty path (an unset shell variable?)")
+    fails(invoke("adapt", "--stats", "", "--model", TINY_NET, setup["train"]), 2, "--stats is given an empty path")
+    fails(invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", "", *PLAIN, "--out", tmp_path / "s.st"), 2,
+          "--data is given an empty path")
+    fails(adapt(setup, setup["train"], "--predictions", " "), 2, "--predictions is given an empty path")
+
+
+def test_weights_that_are_a_folder_are_named_so(setup):
+    fails(invoke("adapt", "--model", TINY_NET, "--weights", setup["root"], "--method", "source", setup["train"]), 3,
+          "a folder; give the weights file in it")
 
 
 # --- images ------------------------------------------------------------------------

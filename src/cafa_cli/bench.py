@@ -21,7 +21,7 @@ from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain,
 from cafa_cli.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable, repeated
 from cafa_cli.files import atomic_write, make_workdir, open_safetensors
-from cafa_cli.models import bundled_defaults, pick_device, sha256_of, weights_sha256
+from cafa_cli.models import bundled_defaults, check_weights_file, pick_device, sha256_of, weights_sha256
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -209,8 +209,8 @@ def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) 
         check_adapt_settings(row.settings(plan.settings))
     for covariance in covariances_needed(plan.rows):
         check_options(covariance, plan.sampling.shrinkage)
-    if plan.model.weights and not Path(plan.model.weights).is_file():
-        raise InputError(f"--weights {plan.model.weights}: no such file")
+    if plan.model.weights:
+        check_weights_file(plan.model.weights)
     if plan.train and plan.train not in TRAINING_SETS and not Path(on_disk(plan.train)).exists():
         raise InputError(f"--train {plan.train}: no such file or folder")
     make_workdir(plan.workdir)

@@ -89,10 +89,24 @@ def _one_line_usage_errors():
             raise
         ctx, param = getattr(error, "ctx", None), getattr(error, "param", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        source = ctx.get_parameter_source(param.name) if ctx is not None and param is not None and param.name else None
-        if source is not None and source.name == "DEFAULT_MAP":  # the user typed no such value: say where it is
+        if ctx is not None and param is not None and param.name and _from_config(ctx, param.name):  # the user typed no such value: say where it is
             hint = f" (set in {defaults_source(Path.cwd())})"
         raise _fail(f"{error.format_message()}{hint}", error.exit_code) from None
+
+
+def _from_config(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "DEFAULT_MAP"
+
+
+def _test_domains(ctx: typer.Context, domains: list[str] | None, data: list[str] | None) -> list[str]:
+    """The DOMAIN arguments and --data values. Those typed on the command line replace
+    what cafa.toml gives (under either name), as any option typed replaces the file's."""
+    typed = [path for name, paths in (("data", data), ("domains", domains)) if not _from_config(ctx, name) for path in paths or []]
+    given = typed or [*(data or []), *(domains or [])]
+    if not given:
+        raise UsageError(f"give the test domains: cafa {ctx.info_name} DOMAIN... (or --data DOMAIN, repeated)")
+    return given
 
 
 class _Group(TyperGroup):
@@ -236,7 +250,7 @@ def stats(
     num_classes: NumClassesOpt = None,
     classifier: ClassifierOpt = None,
     trust_checkpoint: TrustOpt = False,
-    classes: Annotated[Optional[str], typer.Option("--classes", help="File with one class name per line, in the model's output order (default: sorted folder names).")] = None,
+    classes: Annotated[Optional[str], typer.Option("--classes", help="File with one class name per line, in the model's output order (default: a bundled model's own list, else the sorted folder names).")] = None,
     labels: LabelsOpt = None,
     severity: SeverityOpt = None,
     fraction: FractionOpt = None,
@@ -289,6 +303,7 @@ def stats(
 @app.command(short_help="Adapt a model online over test images; one prediction per image.")
 @reports_errors
 def adapt(
+    ctx: typer.Context,
     domains: Annotated[Optional[list[str]], typer.Argument(help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.", show_default=False)] = None,
     data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="A test domain (repeatable), as well as or instead of the arguments: ImageFolder, unlabelled folder, .npy array, or '-' for image paths on stdin.")] = None,
     stats: Annotated[Optional[str], typer.Option("--stats", "-s", help=f"Artifact from cafa stats (default: {DEFAULT_PATH}); it also names the model, so --model/--weights can be left out.")] = None,
@@ -328,9 +343,7 @@ def adapt(
     quiet: QuietOpt = False,
 ):
     """Adapt a model online over test domains; print one prediction per image."""
-    data = [*(data or []), *(domains or [])]
-    if not data:
-        raise UsageError("give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
+    data = _test_domains(ctx, domains, data)
     if launched_by_torchrun():
         raise UsageError(
             "cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it again; "
@@ -341,7 +354,7 @@ def adapt(
     if predictions is None:
         _stdout_needed()
     outputs = {"--predictions": predictions, "--metrics-json": metrics_json}
-    check_outputs(outputs, {"--stats": stats or DEFAULT_PATH, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
+    check_outputs(outputs, {"--stats": DEFAULT_PATH if stats is None else stats, "--weights": weights, "--labels": labels, "--classes": classes, "--data": data})
     settings = AdaptSettings(
         method=method, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
         bn_prior=bn_prior, reset=reset, shuffle=shuffle, seed=seed, device=device, precision=precision,
@@ -401,7 +414,7 @@ def demo(
     test_per_class: Annotated[int, typer.Option("--test-per-class", help="Test images per class and domain (0: all 1,000).")] = DemoPlan.test_per_class,
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare.")] = DemoPlan.methods,
     data_only: Annotated[bool, typer.Option("--data-only", help="Only build the image folders (e.g. the full set for cafa bench).")] = False,
-    fashion_mnist: Annotated[Optional[str], typer.Option("--fashion-mnist", help="Folder with the Fashion-MNIST idx files (default: /usr/share/datasets/fashion-mnist).")] = None,
+    fashion_mnist: Annotated[Optional[str], typer.Option("--fashion-mnist", help="Folder with the Fashion-MNIST idx files (default: $CAFA_FASHION_MNIST, else /usr/share/datasets/fashion-mnist).")] = None,
     quiet: QuietOpt = False,
 ):
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN, TENT, CAFA) and print a table."""
@@ -423,6 +436,7 @@ def demo(
 @app.command("bench", short_help="Methods × domains × seeds → a paper-style error table.")
 @reports_errors
 def bench_command(
+    ctx: typer.Context,
     domains: Annotated[Optional[list[str]], typer.Argument(help="Labelled test domains, e.g. fashion-mnist-c/*/3 as the shell expands it.", show_default=False)] = None,
     data: Annotated[Optional[list[str]], typer.Option("--data", "-d", help="A labelled test domain (repeatable), as well as or instead of the arguments.")] = None,
     train: Annotated[Optional[str], typer.Option("--train", help="Training data for the statistics (as cafa stats --data). Default for fmnist-resnet: fashion-mnist.")] = None,
@@ -467,9 +481,7 @@ def bench_command(
 ):
     """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
     _stdout_needed()
-    data = [*(data or []), *(domains or [])]
-    if not data:
-        raise UsageError("give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)")
+    data = _test_domains(ctx, domains, data)
     rows = bench.parse_methods(methods)
     seed_list = bench.parse_seeds(seeds)
     check_outputs({"--csv": csv_out, "--json": json_out, "--plot": plot_out},
@@ -552,7 +564,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, _interrupt)
     _standard_streams()
     try:
-        defaults = read_defaults(Path.cwd(), _command_options(), _command_options(repeatable=True))
+        defaults = read_defaults(Path.cwd(), _command_options(), _command_options(repeatable=True), _command_options(flags=True))
     except CafaError as error:
         if not {"--help", "--version"} & set(sys.argv[1:]):
             _fail(str(error), error.exit_code)
@@ -570,12 +582,15 @@ def main() -> None:
         raise SystemExit(EXIT_RUNTIME) from None
 
 
-def _command_options(repeatable: bool = False) -> dict[str, dict[str, str] | set[str]]:
+def _command_options(repeatable: bool = False, flags: bool = False) -> dict[str, dict[str, str] | set[str]]:
     """For checking cafa.toml: each command's keys (its long options without the dashes,
-    an argument by its name) and the parameters they set; or the parameters that take a list."""
+    an argument by its name) and the parameters they set; or the parameters that take a
+    list, or true/false."""
     commands = typer.main.get_command(app).commands
     if repeatable:
         return {name: {p.name for p in command.params if p.multiple or p.nargs == -1} for name, command in commands.items()}
+    if flags:
+        return {name: {p.name for p in command.params if getattr(p, "is_flag", False)} for name, command in commands.items()}
     return {
         name: {key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])}
         for name, command in commands.items()

@@ -21,11 +21,13 @@ from cafa_cli.errors import UsageError
 CONFIG_FILE = "cafa.toml"
 
 
-def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeatable: dict[str, set[str]] | None = None) -> dict[str, dict]:
+def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeatable: dict[str, set[str]] | None = None,
+                  flags: dict[str, set[str]] | None = None) -> dict[str, dict]:
     """{command: {parameter: value}} for typer's default_map. `options` maps each
     command's keys (long options without the dashes) to its parameter names, so a
     misspelt key is an error rather than ignored; `repeatable` names the parameters
-    that take a list (where one string means a list of one)."""
+    that take a list (where one string means a list of one), `flags` those that take
+    true or false (any other takes true as the number 1)."""
     folder = Path(folder)
     path, table, prefix = folder / CONFIG_FILE, None, ""
     if path.is_file():
@@ -40,8 +42,10 @@ def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeat
         raise UsageError(f"{path}: [tool.cafa] must be a table of commands, e.g. [tool.cafa.adapt]")
     defaults: dict[str, dict] = {}
     for command, values in table.items():
-        if command not in options or not isinstance(values, dict):
+        if command not in options:
             raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
+        if not isinstance(values, dict):
+            raise UsageError(f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on a line of its own")
         defaults[command] = {}
         for key, value in values.items():
             name = options[command].get(key.replace("_", "-"))  # batch_size as well as batch-size
@@ -49,6 +53,8 @@ def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeat
                 raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
             if name in defaults[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
+            if flags is not None and isinstance(value, bool) and name not in flags.get(command, set()):
+                raise UsageError(f"{path}: [{prefix}{command}] {key} = {str(value).lower()}: {key} takes a value, not true or false")
             many = name in (repeatable or {}).get(command, set())
             if isinstance(value, str) and many:
                 value = [value]

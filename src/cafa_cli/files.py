@@ -19,6 +19,8 @@ def check_writable(path: str | Path) -> Path:
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{target} is a folder; give a file name to write to")
+    if str(path).endswith(os.sep):  # Path() drops the slash, and would write a file named as the folder
+        raise InputError(f"{path} names a folder (it ends with {os.sep}); give a file name to write to")
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
     if not os.access(target.parent, os.W_OK | os.X_OK):  # the file is made there and renamed into place
@@ -47,6 +49,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
     naming the `--weights` file would replace the checkpoint with an artifact), nor a file
     the next run would read as an image of the data: checked before any work, not after a
     long run. `-` (stdout) is for the records only; callers map it before they get here."""
+    named = [(option, path) for option, paths in {**outputs, **inputs}.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    empty = [option for option, path in named if not path.strip()]
+    if empty:  # Path("") is the working directory: an unset shell variable would read or write there
+        raise UsageError(f"{empty[0]} is given an empty path (an unset shell variable?); give a file or folder")
     given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
     taken = {_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
@@ -107,7 +113,10 @@ def atomic_write(path: str | Path, write) -> None:
         write(tmp)
         with contextlib.suppress(OSError):  # a file system without modes (FAT, some mounts) keeps its own
             os.chmod(tmp, _new_file_mode(target))
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as error:  # an immutable or busy target: name it, not the temporary file
+            raise InputError(f"cannot write {target}: {error.strerror or error}; check the file's permissions and attributes") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -79,11 +79,15 @@ def write_image_folder(folder: Path, images: np.ndarray, labels: np.ndarray) -> 
         return folder
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    for name in FASHION_MNIST_CLASSES:
-        (staging / name).mkdir(parents=True)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        Image.fromarray(image).save(staging / FASHION_MNIST_CLASSES[label] / f"{i:05d}.png")
-    (staging / COMPLETE).write_text("")
+    try:
+        for name in FASHION_MNIST_CLASSES:
+            (staging / name).mkdir(parents=True)
+        for i, (image, label) in enumerate(zip(images, labels)):
+            Image.fromarray(image).save(staging / FASHION_MNIST_CLASSES[label] / f"{i:05d}.png")
+        (staging / COMPLETE).write_text("")
+    except BaseException:  # Ctrl-C, a full disk: leave no half folder for a glob to pick up as a domain
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return folder

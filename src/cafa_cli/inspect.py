@@ -88,7 +88,7 @@ def render(summary: dict) -> Group:
         ("sampling", json.dumps(summary["sampling"])),
     ]
     for key, value in rows:
-        facts.add_row(key, Text(printable(str(value))))
+        facts.add_row(key, Text(printable(str(value)), overflow="fold"))  # a long hash wraps, never cut to "…"
     classes = Table("class", "count", "λ", title="per class", title_justify="left")
     shown = summary["classes"]
     for c in shown[:20]:

@@ -136,11 +136,16 @@ def parameters_sha256(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
-    """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
+def check_weights_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--weights {path}: no such file")
+        raise InputError(f"--weights {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file"))
+    return path
+
+
+def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
+    path = check_weights_file(path)
     with open(path, "rb") as f:
         start = f.read(512)
     head = start.lstrip().lower()

@@ -321,7 +321,7 @@ def load_for_adaptation(
 ) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
     """The model (from the artifact unless overridden) and the artifact, checked against each other."""
     artifact = None
-    stats_path = stats or DEFAULT_PATH
+    stats_path = DEFAULT_PATH if stats is None else stats
     if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
         raise UsageError(f"give the model with --model (and --weights): --method {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")

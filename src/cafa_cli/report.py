@@ -46,6 +46,7 @@ def progress_bar(console: Console, quiet: bool = False) -> Progress:
         console=console,
         disable=quiet or not console.is_terminal,
         transient=False,
+        redirect_stdout=False,  # stdout is the data (demo --data-only prints paths while a bar is live)
     )
 
 
