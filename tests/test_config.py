@@ -52,13 +52,13 @@ def test_pyproject_tool_cafa_is_read_when_there_is_no_cafa_toml(tmp_path):
 
 def test_one_string_for_a_repeatable_option_is_a_list_of_one(tmp_path):
     (tmp_path / "cafa.toml").write_text('[adapt]\ndata = "ImageNet-C/fog/5"\n[bench]\ndata = ["a", "b"]\nseeds = "0,1"\n')
-    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    defaults = read_defaults(tmp_path, _command_options())
     assert defaults == {"adapt": {"data": ["ImageNet-C/fog/5"]}, "bench": {"data": ["a", "b"], "seeds": "0,1"}}
 
 
 def test_a_toml_array_for_a_comma_separated_option_is_joined(tmp_path):
     (tmp_path / "cafa.toml").write_text('[bench]\nseeds = [0, 1, 2]\nmethods = ["source", "cafa@0.01"]\nmean = [0.5, 0.25, 0.125]\n')
-    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    defaults = read_defaults(tmp_path, _command_options())
     assert defaults == {"bench": {"seeds": "0,1,2", "methods": "source,cafa@0.01", "mean": "0.5,0.25,0.125"}}
 
 
@@ -73,12 +73,12 @@ def test_a_toml_array_for_a_comma_separated_option_is_joined(tmp_path):
 def test_mistakes_in_the_file_are_usage_errors(tmp_path, text, match):
     (tmp_path / "cafa.toml").write_text(text)
     with pytest.raises(UsageError, match=match):
-        read_defaults(tmp_path, _command_options(), _command_options(repeatable=True), _command_options(flags=True))
+        read_defaults(tmp_path, _command_options())
 
 
 def test_switches_take_true_and_false(tmp_path):
     (tmp_path / "cafa.toml").write_text("[adapt]\nshuffle = false\nquiet = true\n")
-    assert read_defaults(tmp_path, _command_options(), flags=_command_options(flags=True)) == {"adapt": {"shuffle": False, "quiet": True}}
+    assert read_defaults(tmp_path, _command_options()) == {"adapt": {"shuffle": False, "quiet": True}}
 
 
 @pytest.mark.parametrize("typed", [["--data"], []])
@@ -86,7 +86,7 @@ def test_domains_on_the_command_line_replace_the_files(tmp_path, tiny_weights, t
     """As any option typed replaces the file's value: not A and B when the file says A and the line B."""
     listed, typed_domain = (write_folder(tmp_path / name, per_class=2) for name in ("listed", "typed"))
     (tmp_path / "cafa.toml").write_text(f'[adapt]\ndata = ["{listed}"]\n')
-    defaults = read_defaults(tmp_path, _command_options(), _command_options(repeatable=True))
+    defaults = read_defaults(tmp_path, _command_options())
     metrics = tmp_path / "m.json"
     base = ["adapt", "--model", TINY_NET, "--weights", str(tiny_weights), "--method", "source", *PLAIN, "--quiet", "--metrics-json", str(metrics)]
     result = CliRunner().invoke(app, [*base, *typed, str(typed_domain)], default_map=defaults)

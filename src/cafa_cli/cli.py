@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli import bench
 from cafa_cli.artifact import DEFAULT_PATH, read_artifact
-from cafa_cli.config import defaults_source, read_defaults
+from cafa_cli.config import CommandOptions, defaults_source, read_defaults
 from cafa_cli.demo import DemoPlan, run_demo
 from cafa_cli.distributed import (
     launched_by_torchrun,
@@ -564,7 +564,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, _interrupt)
     _standard_streams()
     try:
-        defaults = read_defaults(Path.cwd(), _command_options(), _command_options(repeatable=True), _command_options(flags=True))
+        defaults = read_defaults(Path.cwd(), _command_options())
     except CafaError as error:
         if not {"--help", "--version"} & set(sys.argv[1:]):
             _fail(str(error), error.exit_code)
@@ -582,16 +582,13 @@ def main() -> None:
         raise SystemExit(EXIT_RUNTIME) from None
 
 
-def _command_options(repeatable: bool = False, flags: bool = False) -> dict[str, dict[str, str] | set[str]]:
-    """For checking cafa.toml: each command's keys (its long options without the dashes,
-    an argument by its name) and the parameters they set; or the parameters that take a
-    list, or true/false."""
-    commands = typer.main.get_command(app).commands
-    if repeatable:
-        return {name: {p.name for p in command.params if p.multiple or p.nargs == -1} for name, command in commands.items()}
-    if flags:
-        return {name: {p.name for p in command.params if getattr(p, "is_flag", False)} for name, command in commands.items()}
+def _command_options() -> dict[str, CommandOptions]:
+    """What cafa.toml may set for each command, read off the commands themselves."""
     return {
-        name: {key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])}
-        for name, command in commands.items()
+        name: CommandOptions(
+            keys={key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])},
+            lists={p.name for p in command.params if p.multiple or p.nargs == -1},
+            flags={p.name for p in command.params if getattr(p, "is_flag", False)},
+        )
+        for name, command in typer.main.get_command(app).commands.items()
     }

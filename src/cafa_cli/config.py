@@ -14,6 +14,7 @@ command line win over the file.
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cafa_cli.errors import UsageError
@@ -21,13 +22,18 @@ from cafa_cli.errors import UsageError
 CONFIG_FILE = "cafa.toml"
 
 
-def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeatable: dict[str, set[str]] | None = None,
-                  flags: dict[str, set[str]] | None = None) -> dict[str, dict]:
-    """{command: {parameter: value}} for typer's default_map. `options` maps each
-    command's keys (long options without the dashes) to its parameter names, so a
-    misspelt key is an error rather than ignored; `repeatable` names the parameters
-    that take a list (where one string means a list of one), `flags` those that take
-    true or false (any other takes true as the number 1)."""
+@dataclass
+class CommandOptions:
+    """What a command's table in the file may hold."""
+
+    keys: dict[str, str]  # its long options without the dashes (an argument by its name) -> parameter names
+    lists: set[str] = field(default_factory=set)  # parameters that take several values: one string is a list of one
+    flags: set[str] = field(default_factory=set)  # parameters that take true or false; any other would take true as 1
+
+
+def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> dict[str, dict]:
+    """{command: {parameter: value}} for typer's default_map, checked against each
+    command's options, so that a misspelt key is an error rather than ignored."""
     folder = Path(folder)
     path, table, prefix = folder / CONFIG_FILE, None, ""
     if path.is_file():
@@ -42,23 +48,22 @@ def read_defaults(folder: str | Path, options: dict[str, dict[str, str]], repeat
         raise UsageError(f"{path}: [tool.cafa] must be a table of commands, e.g. [tool.cafa.adapt]")
     defaults: dict[str, dict] = {}
     for command, values in table.items():
-        if command not in options:
-            raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(options))}")
+        if command not in commands:
+            raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(commands))}")
         if not isinstance(values, dict):
             raise UsageError(f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on a line of its own")
-        defaults[command] = {}
+        defaults[command], options = {}, commands[command]
         for key, value in values.items():
-            name = options[command].get(key.replace("_", "-"))  # batch_size as well as batch-size
+            name = options.keys.get(key.replace("_", "-"))  # batch_size as well as batch-size
             if name is None:
                 raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
             if name in defaults[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
-            if flags is not None and isinstance(value, bool) and name not in flags.get(command, set()):
+            if isinstance(value, bool) and name not in options.flags:
                 raise UsageError(f"{path}: [{prefix}{command}] {key} = {str(value).lower()}: {key} takes a value, not true or false")
-            many = name in (repeatable or {}).get(command, set())
-            if isinstance(value, str) and many:
+            if isinstance(value, str) and name in options.lists:
                 value = [value]
-            elif isinstance(value, list) and not many:
+            elif isinstance(value, list) and name not in options.lists:
                 # an option that takes a comma-separated list (seeds, methods, mean) written as a TOML array
                 value = ",".join(str(item) for item in value)
             defaults[command][name] = value
