@@ -44,16 +44,20 @@ def make_workdir(path: str | Path) -> Path:
 IMAGE_INPUTS = ("--data", "--train")  # the options whose folders are searched for images
 
 
+def _each_path(options: dict[str, str | list[str] | None]) -> list[tuple[str, str]]:
+    """(option, path) for every path given, an option that takes several once for each."""
+    return [(option, path) for option, paths in options.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+
+
 def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
     """Every output file can be written, and is neither an input nor another output (`--out`
     naming the `--weights` file would replace the checkpoint with an artifact), nor a file
     the next run would read as an image of the data: checked before any work, not after a
     long run. `-` (stdout) is for the records only; callers map it before they get here."""
-    named = [(option, path) for option, paths in {**outputs, **inputs}.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
-    empty = [option for option, path in named if not path.strip()]
+    empty = [option for option, path in _each_path({**outputs, **inputs}) if not path.strip()]
     if empty:  # Path("") is the working directory: an unset shell variable would read or write there
         raise UsageError(f"{empty[0]} is given an empty path (an unset shell variable?); give a file or folder")
-    given = [(option, on_disk(path)) for option, paths in inputs.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    given = [(option, on_disk(path)) for option, path in _each_path(inputs)]
     taken = {_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
