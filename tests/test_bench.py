@@ -390,6 +390,26 @@ def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, 
     assert not (tmp_path / "x").exists()
 
 
+def test_bench_recomputes_statistics_when_the_training_folder_holds_other_images(tmp_path, tiny_weights):
+    train = write_folder(tmp_path / "train", per_class=4)
+    test = write_folder(tmp_path / "test", per_class=2, seed=1)
+    args = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train),
+            *PLAIN, "--fraction", "1", "--workdir", str(tmp_path / "w")]
+
+    def computed() -> bool:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.stderr
+        return "computing statistics (--covariance diag)" in result.stderr
+
+    assert computed() and not computed()
+    write_folder(tmp_path / "more", per_class=2, seed=5)
+    for image in (tmp_path / "more" / "a").iterdir():  # the same path, fraction and seed: only the sample differs
+        image.rename(train / "a" / f"new-{image.name}")
+    assert computed()
+    assert read_artifact(tmp_path / "w" / "stats-diag.safetensors").gaussians.counts.tolist() == [6, 4, 4]
+    assert not computed()
+
+
 def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(monkeypatch):
     from types import SimpleNamespace
 

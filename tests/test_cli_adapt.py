@@ -418,3 +418,19 @@ def test_class_runs_are_recognised_in_any_class_order():
     assert _one_class_after_another(np.array([9, 9, 8, 8, 0, 0, 4]))
     assert not _one_class_after_another(np.array([0, 1, 0, 1]))
     assert not _one_class_after_another(np.array([3, 3, 3]))
+
+
+def test_a_baseline_with_model_beside_an_unread_default_artifact_says_so(setup, tmp_path, monkeypatch):
+    """cafa adapt --model M --method bn reads no artifact: beside cafa-stats.safetensors the run
+    would otherwise silently take the default preprocessing and class names, not the artifact's."""
+    monkeypatch.chdir(tmp_path)
+    base = ["adapt", "--model", TINY_NET, "--weights", str(setup["weights"]), "--data", str(setup["test"]), "--method", "bn",
+            "--channels", "1", "--mean", "0", "--std", "1", "--resize", "none", "--crop", "none"]
+    assert "is here but not read" not in runner.invoke(app, base).stderr
+    shutil.copy(setup["artifact"], tmp_path / "cafa-stats.safetensors")
+    result = runner.invoke(app, base)
+    assert result.exit_code == 0, result.stderr
+    assert "warning: cafa-stats.safetensors is here but not read (with --model, a method that needs no statistics" in result.stderr
+    assert "pass --stats cafa-stats.safetensors" in result.stderr
+    named = runner.invoke(app, [*base, "--stats", "cafa-stats.safetensors"])
+    assert named.exit_code == 0 and "not read" not in named.stderr

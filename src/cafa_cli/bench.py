@@ -33,6 +33,7 @@ from cafa_cli.pipeline import (
     prepare_adaptation,
     recorded_data,
     resolve_model,
+    sample_sha256,
     subset_size,
 )
 from cafa_cli.report import Monitor
@@ -296,7 +297,12 @@ def _made_for(artifact, plan: BenchPlan) -> bool:
     ):
         return False
     net, spec = resolve_model(model)
-    return model_mismatch(artifact, spec, net) is None
+    if model_mismatch(artifact, spec, net) is not None:
+        return False
+    # the same folder may hold other images since (added, removed, relabelled): compare the sample drawn
+    sampling = plan.sampling
+    return artifact.sampling.get("images_sha256") == sample_sha256(plan.train, model, plan.train_choice, sampling.fraction,
+                                                                   sampling.per_class, sampling.seed)
 
 
 def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult]:

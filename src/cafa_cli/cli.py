@@ -40,6 +40,7 @@ from cafa_cli.pipeline import (
     ModelChoice,
     compute_statistics,
     prepare_adaptation,
+    unread_default_artifact,
 )
 from cafa_cli.preprocessing import parse_floats, parse_size
 from cafa_cli.report import (
@@ -378,7 +379,8 @@ def adapt(
     writer = RecordWriter(output, fmt, job.class_names)
     try:
         with Monitor(console, quiet) as monitor:
-            for caution in job.cautions():
+            unread = unread_default_artifact(stats, model, method, job.preprocess)
+            for caution in [*job.cautions(), *([unread] if unread else [])]:
                 monitor.warn(caution)
             results = job.run(writer.write, monitor)
         writer.finish()

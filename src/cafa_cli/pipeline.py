@@ -198,6 +198,15 @@ def compute_statistics(
     return write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
 
 
+def sample_sha256(data: str, model: ModelChoice, data_choice: DataChoice, fraction: float | None, per_class: int | None, seed: int) -> str:
+    """The `images_sha256` compute_statistics would record for these arguments, found
+    without the feature pass: whether an artifact holds this sample of the data as it is now."""
+    fraction, per_class = subset_size(fraction, per_class)
+    net, _ = resolve_model(model)
+    domain, class_names = _training_domain(data, data_choice, model.model, net, data_choice.recipe(model.model), Monitor())
+    return subset_sha256(domain, stratified_subset(domain.labels, class_names, fraction, per_class, seed))
+
+
 def _training_domain(
     data: str, data_choice: DataChoice, model: str, net: FeatureClassifier, preprocess: Preprocessing, monitor: Monitor,
 ) -> tuple[Domain, list[str]]:
@@ -352,6 +361,17 @@ def load_for_adaptation(
             if mismatch:
                 raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass --allow-weights-mismatch")
     return net, artifact, spec
+
+
+def unread_default_artifact(stats: str | None, model: str | None, method: str, preprocess: Preprocessing) -> str | None:
+    """A warning for `cafa adapt --model M --method bn` (no --stats) beside a cafa-stats.safetensors
+    that it does not read: the run then takes the default preprocessing and class names,
+    not the artifact's, which for a model trained otherwise is silently another input."""
+    if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_PATH).is_file():
+        return None
+    return (f"{DEFAULT_PATH} is here but not read (with --model, a method that needs no statistics reads an artifact only when "
+            f"named), so --method {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
+            f"and the model's or the data's class names; pass --stats {DEFAULT_PATH} to use the artifact's")
 
 
 def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
