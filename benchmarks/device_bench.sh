@@ -17,10 +17,12 @@ sub=$([ "$TEST_PER_CLASS" = 0 ] && echo fashion-mnist-c || echo "fashion-mnist-c
 domains() { for c in $1; do echo "--data $WORK/$sub/$c/$SEVERITY"; done; }
 
 start=$(date +%s)
+builds=()
 for c in $REPORTED $HELD_OUT; do   # one process per corruption: they are independent
   cafa demo --workdir "$WORK" --data-only --corruptions "$c" --severity "$SEVERITY" --test-per-class "$TEST_PER_CLASS" --quiet > /dev/null &
+  builds+=($!)
 done
-wait
+for pid in "${builds[@]}"; do wait "$pid"; done   # a plain wait would pass over a failed build (set -e stops here)
 echo "data built in $(( $(date +%s) - start )) s"
 
 grid=source,bn

@@ -210,12 +210,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or str(Path(tmp) / "lowrank.safetensors")
-        forwarded = [a for a in sys.argv[1:] if a != "--artifact"]
+        # the parent's options again (as parsed: no stray value of --artifact), then the part's own
+        forwarded = [word for key, value in vars(args).items() if key not in ("part", "artifact", "json")
+                     for word in (f"--{key.replace('_', '-')}", str(value))]
         results = {"settings": {k: v for k, v in vars(args).items() if k not in ("part", "json")}}
         for part in ("stats", "adapt"):
             command = [sys.executable, __file__, *forwarded, "--artifact", artifact, "--part", part]
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            results[part] = json.loads(out.strip().splitlines()[-1])
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"the {part} part failed:\n{done.stderr.strip()}")
+            results[part] = json.loads(done.stdout.strip().splitlines()[-1])
     s, a = results["stats"], results["adapt"]
     print(f"C={args.classes} d={args.dim} {args.per_class}/class, batch {args.batch}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -224,9 +228,10 @@ def main() -> None:
           f"write {s['write_s']} s; peak RSS {s['peak_rss_mb']:.0f} MB")
     print(f"        artifact {s['artifact_mb']:.0f} MB on disk (dense full factors would be {s['dense_full_factors_mb']:.0f} MB)")
     steps = a["peak_rss_steps_above_import_mb"]
+    during_steps = f", peak +{steps:.0f} MB during the steps" if steps is not None else ""  # None where RSS peaks cannot be reset
     print(f"adapt:  read {a['read_s']} s; RSS above the process after import: +{a['resident_after_load_mb']:.0f} MB "
           f"after load, peak +{a['peak_rss_loading_above_import_mb']:.0f} MB while loading (validation reads the "
-          f"file through mmap), peak +{steps:.0f} MB during the steps" if steps is not None else "")
+          f"file through mmap){during_steps}")
     print(f"        peak RSS of the whole process {a['peak_rss_mb']:.0f} MB")
     print(f"        distances + CAFA loss + backward, batch {args.batch}: {a['step_ms']:.0f} ms ({a['gflops']:.0f} GFLOP/s in the basis GEMMs)")
     print(f"        max relative error vs float64 dense, {a['classes_checked']} classes × {a['points_checked']} points: "
