@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -117,6 +118,11 @@ def main() -> None:
     root = Path(args.root)
     domain = root / "fog" / "5"
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+    wanted = max(1, args.images // CLASSES) * CLASSES
+    if domain.is_dir() and sum(1 for _ in domain.rglob("*.JPEG")) != wanted:
+        # built by an earlier run with another --images: timing it would time the wrong number
+        print(f"rebuilding {domain}: it holds another number of images than {wanted}", flush=True)
+        shutil.rmtree(domain)
     if not domain.is_dir():
         print(f"building {max(1, args.images // CLASSES) * CLASSES} JPEGs (one class folder each of {CLASSES}) in {domain} "
               f"with {args.workers} processes", flush=True)
