@@ -1,7 +1,7 @@
 """`cafa bench`: methods × domains × seeds → a paper-style error table.
 
-Every cell is a `cafa adapt` run through the same functions as the CLI. Statistics
-are computed once per covariance mode and re-used.
+Every (row, seed) is one `cafa adapt` run over all the domains, through the same
+functions as the CLI. Statistics are computed once per covariance mode and re-used.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from cafa_cli.adaptation import METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data import TRAINING_SETS, loader_processes, on_disk, open_domain, read_class_list
 from cafa_cli.distributed import gather_on_root, wait_for_all
-from cafa_cli.errors import InputError, UsageError, printable, repeated
-from cafa_cli.files import atomic_write, make_workdir, open_safetensors
-from cafa_cli.models import bundled_defaults, check_weights_file, pick_device, sha256_of, weights_sha256
+from cafa_cli.errors import InputError, UsageError, printable, repeated, undecodable
+from cafa_cli.files import absolute, atomic_write, make_workdir, open_safetensors
+from cafa_cli.models import bundled_model, check_weights_file, pick_device, sha256_of, weights_sha256
 from cafa_cli.pipeline import (
     AdaptSettings,
     DataChoice,
@@ -39,7 +39,6 @@ from cafa_cli.pipeline import (
 from cafa_cli.report import Monitor
 from cafa_cli.statistics import auto_shrinkage_method, check_options
 from cafa_cli.stream import DomainResult
-from cafa_cli.zoo import BUNDLED
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
@@ -192,7 +191,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
     """--train, or the bundled model's own training set when a row needs statistics."""
     if train is not None or not any(row.covariance for row in rows):
         return train
-    bundled = BUNDLED.get(model)
+    bundled = bundled_model(model)
     if bundled is None:
         raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
                          f"the training data to compute class statistics from")
@@ -260,7 +259,7 @@ def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool =
     --classes or a bundled model already fix it; else the training data's order is
     written to WORKDIR/classes.txt (by `write`: rank 0 under torchrun); None when there
     is no training data to ask, or it has no class folders."""
-    if plan.train_choice.classes_file or bundled_defaults(plan.model.model):
+    if plan.train_choice.classes_file or bundled_model(plan.model.model):
         return plan.train_choice.classes_file
     if artifacts:
         names = read_artifact(next(iter(artifacts.values())), load_tensors=False).class_names
@@ -272,7 +271,7 @@ def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool =
         return None
     # the list is a UTF-8 text file of stripped lines: undecodable bytes (as os.fsdecode keeps
     # them), spaces around a name or a line break in it would not come back
-    unwritable = [n for n in names if any("\udc80" <= ch <= "\udcff" for ch in n) or n != n.strip() or len(n.splitlines()) > 1]
+    unwritable = [n for n in names if any(undecodable(ch) for ch in n) or n != n.strip() or len(n.splitlines()) > 1]
     if unwritable:
         raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
                          f"statistics (a name that is not UTF-8, or spaces around it); rename it")
@@ -404,9 +403,9 @@ def write_json(path: str, plan: BenchPlan, table: list[dict], results: dict) -> 
         "artifacts": artifacts,
         "settings": {
             **shared, "methods": ",".join(r.label for r in plan.rows), "train": plan.train, "model": model.model,
-            "weights": str(Path(model.weights).resolve()) if model.weights else None,
+            "weights": absolute(model.weights),
             "weights_sha256": weights_sha256(model.model, model.weights),
-            "classes": _resolved(plan.train_choice.classes_file), "labels": _resolved(plan.test_choice.labels),
+            "classes": absolute(plan.train_choice.classes_file), "labels": absolute(plan.test_choice.labels),
             "severity": plan.test_choice.severity,
             "fraction": sampling.fraction, "per_class": sampling.per_class, "shrinkage": sampling.shrinkage,
             "preprocessing": recipes(model.model, train=plan.train_choice, test=plan.test_choice),
@@ -424,8 +423,6 @@ def _artifact_record(path: Path) -> dict:
             "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256")}
 
 
-def _resolved(path: str | None) -> str | None:
-    return str(Path(path).resolve()) if path else None
 
 
 def plot(path: str, table: list[dict], domains: list[str]) -> None:

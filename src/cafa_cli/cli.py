@@ -1,5 +1,6 @@
-"""The `cafa` command: parses options, calls one pipeline function per command,
-and turns errors into one line on stderr and an exit code."""
+"""The `cafa` command: parses options, calls one function per command (pipeline's
+stats and adapt jobs, bench, demo, inspect), and turns errors into one line on stderr
+and an exit code."""
 
 from __future__ import annotations
 

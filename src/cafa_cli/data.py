@@ -577,7 +577,7 @@ def _collate(items) -> Batch:
 
 
 def check_loading(batch_size: int, num_workers: int | None) -> None:
-    """Also called by the commands before any model or data is read."""
+    """Also called by the pipeline's jobs before any model or data is read."""
     if not 1 <= batch_size < 2**31:
         raise UsageError(f"--batch-size must be at least 1 and below 2**31, not {batch_size}")
     if num_workers is not None and num_workers < 0:

@@ -44,6 +44,11 @@ def repeated(items, key=lambda item: item) -> list:
     return found
 
 
+def undecodable(ch: str) -> bool:
+    """A byte of a file name that is not UTF-8, as os.fsdecode keeps it: a lone surrogate."""
+    return "\udc80" <= ch <= "\udcff"
+
+
 def printable(text: str) -> str:
     """`text` with control characters and bidi controls shown as escapes (`\\x1b`, `\\n`,
     `\\u202e`): a file name or an artifact's metadata is not to move the cursor, recolour

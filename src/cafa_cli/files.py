@@ -28,6 +28,12 @@ def check_writable(path: str | Path) -> Path:
     return target
 
 
+def absolute(path: str | Path | None) -> str | None:
+    """A path as the JSON outputs and artifacts record it (absolute, so it can be followed
+    from anywhere), or None when none was given."""
+    return str(Path(path).resolve()) if path else None
+
+
 def make_workdir(path: str | Path) -> Path:
     """The --workdir of bench and demo: made when missing, else re-used with what an
     earlier run left there."""

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from cafa_cli.artifact import Artifact
 from cafa_cli.errors import printable
-from cafa_cli.models import bundled_defaults
+from cafa_cli.models import bundled_model
 
 _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
 
@@ -73,7 +73,7 @@ def render(summary: dict) -> Group:
     model = summary["model"]
     cond = summary["conditioning"]
     shrink = summary["shrinkage"]
-    no_file = "(packaged with the bundled model)" if bundled_defaults(model["model"]) else "(none: the model's own initialisation)"
+    no_file = "(packaged with the bundled model)" if bundled_model(model["model"]) else "(none: the model's own initialisation)"
     rows = [
         ("artifact", summary["path"]),
         ("format", f"{summary['format']} (cafa {summary['cafa_version']}, {summary['created']})"),

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.files import open_safetensors
+from cafa_cli.files import absolute, open_safetensors
 
 HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
 # what a clone without git-lfs leaves in place of a large file: a few lines of text
@@ -30,6 +30,9 @@ TORCH_SAVE_MARKERS = (b"PK", b"\x80")
 PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's, never torch.save's
 # a MemoryError reading a file this small comes from a garbage length field, not from the weights
 SMALL_FILE = 1 << 20
+GPU_OUT_OF_MEMORY = torch.cuda.OutOfMemoryError  # a RuntimeError, not a MemoryError
+# torch.AcceleratorError (a CUDA error) is new in torch 2.8
+DEVICE_FAILURES = (GPU_OUT_OF_MEMORY, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 
 
 @dataclass(frozen=True)
@@ -366,11 +369,6 @@ class FeatureClassifier(nn.Module):
         return logits, features
 
 
-GPU_OUT_OF_MEMORY = torch.cuda.OutOfMemoryError  # a RuntimeError, not a MemoryError
-# torch.AcceleratorError (a CUDA error) is new in torch 2.8
-DEVICE_FAILURES = (GPU_OUT_OF_MEMORY, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
-
-
 def canonical_model(model: str) -> str:
     """`--model` as an artifact records it: a factory file by its absolute path (as the
     weights), so that adapt works from any folder and `net.py:build` names the same model."""
@@ -396,8 +394,7 @@ def resolve(
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
-    recorded_weights = str(Path(weights).resolve()) if weights is not None else None
-    spec = ModelSpec(canonical_model(model), recorded_weights, weights_sha256(model, weights), num_classes, wrapped.classifier_name)
+    spec = ModelSpec(canonical_model(model), absolute(weights), weights_sha256(model, weights), num_classes, wrapped.classifier_name)
     return wrapped, spec
 
 
@@ -412,7 +409,7 @@ def weights_sha256(model: str, weights: str | None) -> str | None:
     or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""
     if weights is not None:
         return sha256_of(weights)
-    bundled = bundled_defaults(model)
+    bundled = bundled_model(model)
     return sha256_of(bundled.weights) if bundled is not None else None
 
 
@@ -434,8 +431,9 @@ def pick_device(device: str | torch.device) -> torch.device:
     return chosen
 
 
-def bundled_defaults(model: str | None):
-    """The class names and preprocessing a bundled model was trained with, else None."""
+def bundled_model(model: str | None):
+    """The bundled model of this name (its weights, class names, preprocessing and training
+    data), else None."""
     from cafa_cli.zoo import BUNDLED
 
     return BUNDLED.get(model)

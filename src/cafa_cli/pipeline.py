@@ -30,11 +30,11 @@ from cafa_cli.data import (
     unreadable,
 )
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.files import check_outputs
+from cafa_cli.files import absolute, check_outputs
 from cafa_cli.models import (
     FeatureClassifier,
     ModelSpec,
-    bundled_defaults,
+    bundled_model,
     canonical_model,
     factory_sha256,
     parameters_sha256,
@@ -70,20 +70,20 @@ class DataChoice:
 
 
 def default_preprocessing(model: str | None) -> Preprocessing:
-    bundled = bundled_defaults(model)
+    bundled = bundled_model(model)
     return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
 
 
 def default_class_names(model: str | None, data: DataChoice) -> list[str] | None:
     if data.classes_file:
         return read_class_list(data.classes_file)
-    bundled = bundled_defaults(model)
+    bundled = bundled_model(model)
     return list(bundled.class_names) if bundled else None
 
 
 def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
-    if spec.weights is None and ":" not in spec.model and bundled_defaults(spec.model) is None:
+    if spec.weights is None and ":" not in spec.model and bundled_model(spec.model) is None:
         # torchvision's own initialisation is random: statistics and adaptation would
         # each see another network, and no result could be reproduced
         raise UsageError(
@@ -171,7 +171,8 @@ def compute_statistics(
     monitor = monitor or Monitor()
     fraction, per_class = subset_size(fraction, per_class)
     statistics.check_options(covariance, shrinkage)
-    _check_loading(batch_size, num_workers, seed)
+    check_seed(seed)  # these before any model or data is read, and before any output is written
+    check_loading(batch_size, num_workers)
     check_outputs({"--out": str(out)}, {"--weights": model.weights, "--classes": data_choice.classes_file,
                                         "--labels": data_choice.labels, "--data": data})
     target = pick_device(device)
@@ -242,7 +243,7 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
         nonlocal skipped
         for ref, why in unreadable(domain, batch, strict):
             skipped += 1
-            monitor.warn(f"skipped unreadable image {ref} ({why})")
+            monitor.warn(_skip_warning(ref, why))
         monitor.advance(len(batch.indices) + len(batch.failures))
 
     def net_on_pixels(pixels):
@@ -254,6 +255,10 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, batch_siz
     return moments
 
 
+def _skip_warning(ref: str, why: str) -> str:
+    return f"skipped unreadable image {ref} ({why})"
+
+
 def recorded_data(data: str) -> str:
     """Record a folder or file as an absolute path (`cifar10:/abs/root` for a training set's
     ROOT), so that the artifact can be followed from anywhere and bench's re-use check
@@ -262,12 +267,6 @@ def recorded_data(data: str) -> str:
     if location == data:
         return str(Path(data).resolve()) if Path(data).exists() else data
     return data[: -len(location)] + str(Path(location).resolve())
-
-
-def _check_loading(batch_size: int, num_workers: int | None, seed: int) -> None:
-    """Checked before any model or data is read, and before any output is written."""
-    check_seed(seed)
-    check_loading(batch_size, num_workers)
 
 
 def check_seed(seed: int, option: str = "--seed") -> None:
@@ -315,7 +314,8 @@ class AdaptSettings:
 def check_adapt_settings(settings: AdaptSettings) -> torch.device:
     """Every option value of an adapt run, before any model or data is read; returns the device."""
     s = settings
-    _check_loading(s.batch_size, s.num_workers, s.seed)
+    check_seed(s.seed)
+    check_loading(s.batch_size, s.num_workers)
     check_reset(s.reset)
     device = pick_device(s.device)
     check_settings(s.method, s.params, s.optimizer, s.lr, s.momentum, s.steps, s.bn_prior, s.precision, device)
@@ -336,8 +336,6 @@ def load_for_adaptation(
                          f"and there is no {stats_path} to name it")
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
-    if model.model is None and artifact is None:
-        raise UsageError("give --model (and --weights), or --stats with an artifact that records the model")
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = _recorded_model(artifact, model)
@@ -424,12 +422,12 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     else:
         differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
-        what = f"the bundled {spec.model} weights have changed" if bundled_defaults(spec.model) else (
+        what = f"the bundled {spec.model} weights have changed" if bundled_model(spec.model) else (
             f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
         return f"{what} since the statistics in {artifact.path} were computed ({differ})"
     if spec.weights == recorded.weights:
         return f"{spec.weights} has changed since the statistics were computed ({differ})"
-    own = "its packaged weights" if bundled_defaults(spec.model) else "the model's own initialisation (no --weights)"
+    own = "its packaged weights" if bundled_model(spec.model) else "the model's own initialisation (no --weights)"
     made_with, given = recorded.weights or own, spec.weights or own
     return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
 
@@ -498,7 +496,7 @@ class Adaptation:
             s.num_workers,
             s.strict,
             on_records=records,
-            on_skip=lambda ref, why: monitor.warn(f"skipped unreadable image {ref} ({why})"),
+            on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
         )
         for result in results:
@@ -579,12 +577,12 @@ def prepare_adaptation(
         "device": str(device),
         "num_workers": loader_processes(settings.num_workers, device),
         # which statistics: the path as resolved, and when they were made (a path can be overwritten)
-        "stats": str(Path(artifact.path).resolve()) if artifact else None,
+        "stats": absolute(artifact.path) if artifact else None,
         "stats_created": artifact.metadata.get("created") if artifact else None,
         "covariance": artifact.covariance if artifact else None,
         **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
-        "classes": str(Path(data_choice.classes_file).resolve()) if data_choice.classes_file else None,
-        "labels": str(Path(data_choice.labels).resolve()) if data_choice.labels else None,
+        "classes": absolute(data_choice.classes_file),
+        "labels": absolute(data_choice.labels),
         "severity": data_choice.severity,
         "preprocessing": asdict(preprocess),
     }

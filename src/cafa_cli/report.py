@@ -23,7 +23,7 @@ from rich.text import Text
 
 from cafa_cli import __version__
 from cafa_cli.files import atomic_write, check_writable
-from cafa_cli.errors import UsageError, printable
+from cafa_cli.errors import UsageError, printable, undecodable
 from cafa_cli.stream import DomainResult, Record
 
 FORMATS = ("csv", "jsonl")
@@ -123,7 +123,7 @@ def _escape_for_output(error: UnicodeError):
     the encoding lacks as a backslash escape (caf\\xe9) instead of an exception mid-run."""
     if isinstance(error, UnicodeEncodeError):
         text = error.object[error.start : error.end]
-        if all("\udc80" <= ch <= "\udcff" for ch in text):
+        if all(undecodable(ch) for ch in text):
             return bytes(ord(ch) - 0xDC00 for ch in text), error.end
     return codecs.backslashreplace_errors(error)
 

@@ -1,6 +1,6 @@
 """Class-conditional Gaussians of the features: streaming moments, shrinkage, factors.
 
-Numerics (DESIGN.md §2): moments are accumulated and covariances formed and factored
+Numerics (docs/design.md): moments are accumulated and covariances formed and factored
 in float64; only the final factors are stored in float32.
 
 Covariance modes: `full` (a precision Cholesky factor per class), `tied`, `diag`, and
@@ -21,6 +21,7 @@ from cafa_cli.errors import InputError, UsageError, listing
 
 COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
 COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what --covariance accepts
+SQUARABLE = float(torch.finfo(torch.float32).max) ** 0.5  # the largest value whose square is a float32
 
 
 class ClassMoments:
@@ -127,9 +128,6 @@ class ClassMoments:
         """Forget a class's scatter (and buffered rows) once its factor is made."""
         self.scatter.pop(c, None)
         self.pending[c] = []
-
-
-SQUARABLE = float(torch.finfo(torch.float32).max) ** 0.5  # the largest value whose square is a float32
 
 
 def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:
@@ -272,6 +270,11 @@ def estimate(
         covariance = choose_covariance(moments, shrinkage)
     if covariance == "lowrank":
         return _estimate_lowrank(moments, shrinkage, names, counts)
+    return _estimate_dense(moments, covariance, shrinkage, names, counts)
+
+
+def _estimate_dense(moments: ClassMoments, covariance: str, shrinkage: float | str, names: list[str], counts: torch.Tensor) -> ClassGaussians:
+    """The full, tied and diag forms: Cholesky factors of the shrunk precisions (diag: 1/σ)."""
     C, d = moments.num_classes, moments.dim
     pooled = torch.zeros(d, d, dtype=torch.float64)
     class_mean64 = torch.zeros(C, d, dtype=torch.float64)
