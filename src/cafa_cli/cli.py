@@ -391,7 +391,7 @@ def adapt(
             output.close()
     console.print(summary_table(method, results))
     if metrics_json:
-        write_json(metrics_json, metrics(method, results, job.used))
+        write_json(metrics_json, metrics(method, results, job.recorded_settings))
 
 
 @app.command("inspect", short_help="Summarise and validate an artifact.")

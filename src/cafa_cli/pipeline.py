@@ -182,10 +182,7 @@ def compute_statistics(
     domain, class_names = _training_domain(data, data_choice, model.model, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, seed)
     if per_class:
-        counts = np.bincount(domain.labels[domain.labels >= 0], minlength=len(class_names))
-        short = [f"{name} ({counts[c]})" for c, name in enumerate(class_names) if counts[c] < per_class]
-        if short:
-            monitor.warn(f"--per-class {per_class}: fewer images in {listing(short)}; all of theirs are used")
+        _warn_short_classes(domain.labels, class_names, per_class, monitor)
     target = rank_device(target)
     with process_group(target) as (rank, world):
         moments = _accumulate(net.to(target), domain, preprocess, indices[rank::world], class_names, target,
@@ -197,6 +194,13 @@ def compute_statistics(
     sampling = {"data": recorded_data(data), "fraction": fraction, "per_class": per_class, "seed": seed,
                 "images_sha256": subset_sha256(domain, indices), "batch_size": batch_size, "skipped_images": moments.skipped_images}
     return write_artifact(out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
+
+
+def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: int, monitor: Monitor) -> None:
+    counts = np.bincount(labels[labels >= 0], minlength=len(class_names))
+    short = [f"{name} ({counts[c]})" for c, name in enumerate(class_names) if counts[c] < per_class]
+    if short:
+        monitor.warn(f"--per-class {per_class}: fewer images in {listing(short)}; all of theirs are used")
 
 
 def sample_sha256(data: str, model: ModelChoice, data_choice: DataChoice, fraction: float | None, per_class: int | None, seed: int) -> str:
@@ -441,7 +445,7 @@ class Adaptation:
     preprocess: Preprocessing
     class_names: list[str]
     settings: AdaptSettings
-    used: dict  # every setting, for the metrics JSON
+    recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
 
     def cautions(self) -> list[str]:
@@ -571,7 +575,14 @@ def prepare_adaptation(
         precision=settings.precision,
         compile=settings.compile,
     )
-    used = {
+    recorded = _recorded_settings(settings, allow_weights_mismatch, device, artifact, spec, data_choice, preprocess)
+    return Adaptation(adapter, domains, preprocess, class_names, settings, recorded, artifact.preprocessing if artifact else None)
+
+
+def _recorded_settings(settings: AdaptSettings, allow_weights_mismatch: bool, device: torch.device, artifact: Artifact | None,
+                       spec: ModelSpec, data_choice: DataChoice, preprocess: Preprocessing) -> dict:
+    """Every setting the results depend on, as resolved, for the metrics JSON."""
+    return {
         **asdict(settings),
         "allow_weights_mismatch": allow_weights_mismatch,
         "device": str(device),
@@ -586,4 +597,3 @@ def prepare_adaptation(
         "severity": data_choice.severity,
         "preprocessing": asdict(preprocess),
     }
-    return Adaptation(adapter, domains, preprocess, class_names, settings, used, artifact.preprocessing if artifact else None)
