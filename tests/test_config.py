@@ -137,3 +137,16 @@ def test_help_and_version_still_work_with_a_bad_config(tmp_path, flag):
     done = subprocess.run([sys.executable, "-m", "cafa_cli", flag], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert ("Usage" in done.stdout) if flag == "--help" else done.stdout.strip().startswith("cafa")
+
+
+def test_a_value_from_the_file_that_cafa_refuses_says_where_it_was_set(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the file is looked for, as the entry point reads it
+    (tmp_path / "cafa.toml").write_text("[adapt]\nbatch-size = 0\n[stats]\nfraction = 2\n")
+    defaults = read_defaults(tmp_path, _command_options())
+    runner = CliRunner()
+    from_file = runner.invoke(app, ["adapt", "x"], default_map=defaults)
+    assert from_file.exit_code == 2 and from_file.stderr.strip().endswith("not 0 (--batch-size set in cafa.toml)"), from_file.stderr
+    typed = runner.invoke(app, ["adapt", "x", "--batch-size", "0"], default_map=defaults)
+    assert typed.exit_code == 2 and "set in" not in typed.stderr
+    stats = runner.invoke(app, ["stats", "--data", "x"], default_map=defaults)
+    assert stats.exit_code == 2 and "(--fraction set in cafa.toml)" in stats.stderr

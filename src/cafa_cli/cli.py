@@ -8,6 +8,7 @@ import functools
 import io
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -96,6 +97,16 @@ def _one_line_usage_errors():
         raise _fail(f"{error.format_message()}{hint}", error.exit_code) from None
 
 
+def _config_hint(ctx: typer.Context | None, message: str) -> str:
+    """' (--batch-size set in cafa.toml)' when the option a message starts with was not typed
+    but came from the defaults file: else the user looks for it on the command line."""
+    named = re.match(r"--[a-z][a-z-]*", message)
+    if ctx is None or named is None:
+        return ""
+    param = next((p for p in ctx.command.params if named.group() in p.opts), None)
+    return f" ({named.group()} set in {defaults_source(Path.cwd())})" if param is not None and _from_config(ctx, param.name) else ""
+
+
 def _from_config(ctx: typer.Context, name: str) -> bool:
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "DEFAULT_MAP"
@@ -166,7 +177,7 @@ def reports_errors(command):
         except CafaError as error:
             if _debug["on"]:
                 raise
-            raise _fail(str(error), error.exit_code) from None
+            raise _fail(f"{error}{_config_hint(kwargs.get('ctx'), str(error))}", error.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("cafa: interrupted", err=True)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
@@ -246,6 +257,7 @@ def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
 @app.command(short_help="Per-class feature Gaussians of training images → an artifact.")
 @reports_errors
 def stats(
+    ctx: typer.Context,
     data: Annotated[str, typer.Option("--data", "-d", help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT / fashion-mnist:ROOT.")],
     model: ModelOpt = "resnet50",
     weights: WeightsOpt = None,
