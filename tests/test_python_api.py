@@ -16,6 +16,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cafa_cli.adaptation import BatchStatisticsNorm
+from cafa_cli.artifact import read_artifact
 from cafa_cli.distances import ClassDistances
 from cafa_cli.cli import app
 
@@ -36,7 +37,7 @@ def loader(folder: Path, batch_size: int) -> list[tuple[torch.Tensor, torch.Tens
 
 
 @pytest.fixture
-def api_run(tmp_path, tiny_weights):
+def api_run(tmp_path, tiny_weights, monkeypatch):
     """Execute the doc's blocks one after another in one namespace, keeping what each made."""
     # 5 images per class, fewer than the tiny net's 6 feature dimensions: both sides choose lowrank
     train = write_folder(tmp_path / "train", per_class=5)
@@ -47,8 +48,10 @@ def api_run(tmp_path, tiny_weights):
     assert result.exit_code == 0, result.output
     net = tiny_net.build()
     net.load_state_dict(torch.load(tiny_weights, weights_only=True))
-    scope = {"net": net, "train_loader": loader(train, 16), "test_loader": loader(test, 12), "artifact_path": str(artifact_path)}
+    scope = {"net": net, "train_loader": loader(train, 16), "test_loader": loader(test, 12), "artifact_path": str(artifact_path),
+             "class_names": ["a", "b", "c"], "model_name": TINY_NET, "weights_path": str(tiny_weights)}
     kept, printed = [], []
+    monkeypatch.chdir(tmp_path)  # where the doc saves its artifact
     for block in doc_blocks():
         if "model" in scope:
             scope["model"].zero_grad(set_to_none=True)  # each block's gradients are its own
@@ -61,12 +64,12 @@ def api_run(tmp_path, tiny_weights):
 
 
 def test_the_doc_has_the_blocks_this_test_expects():
-    assert len(doc_blocks()) == 4
+    assert len(doc_blocks()) == 5
 
 
 def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
     kept, _, _ = api_run
-    from_api, from_cli = kept[0]["gaussians"], kept[1]["gaussians"]
+    from_api, from_cli = kept[0]["gaussians"], kept[2]["gaussians"]
     assert from_api.covariance == from_cli.covariance == "lowrank"  # the default is auto, as cafa stats'
     torch.testing.assert_close(from_api.means, from_cli.means, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(from_api.shrinkage, from_cli.shrinkage, rtol=1e-6, atol=1e-9)
@@ -78,8 +81,8 @@ def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
 
 def test_adapting_prints_an_error_and_reset_restores_the_source_weights(api_run, tiny_weights):
     kept, printed, _ = api_run
-    assert re.fullmatch(r"error \d+\.\d\d%\n", printed[2])
-    adapter = kept[2]["adapter"]
+    assert re.fullmatch(r"error \d+\.\d\d%\n", printed[3])
+    adapter = kept[3]["adapter"]
     assert any(isinstance(m, BatchStatisticsNorm) for m in adapter.model.modules())
     assert adapter.skipped_steps == 0
     after_reset = adapter.model.state_dict()
@@ -97,3 +100,14 @@ def test_the_loss_is_a_log_ratio_and_reaches_the_normalisation_affines(api_run):
     grads = [m.weight.grad for m in scope["model"].modules() if isinstance(m, BatchStatisticsNorm)]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_statistics_saved_from_the_api_serve_cafa_adapt(api_run, tiny_weights, tmp_path):
+    kept, _, _ = api_run
+    saved = tmp_path / "my-stats.safetensors"
+    torch.testing.assert_close(read_artifact(saved).gaussians.means, kept[0]["gaussians"].means)
+    test = write_folder(tmp_path / "more", per_class=4, seed=2)
+    result = CliRunner().invoke(app, ["adapt", "--stats", str(saved), "--model", TINY_NET, "--weights", str(tiny_weights),
+                                      "--data", str(test), "--quiet"])
+    assert result.exit_code == 0, result.stderr  # the model and its parameters are recognised, the preprocessing taken
+    assert len(result.stdout.splitlines()) == 1 + 12 and ",a," in result.stdout  # a header and one record per image
