@@ -48,11 +48,10 @@ from cafa_cli.preprocessing import parse_floats, parse_size
 from cafa_cli.report import (
     ESCAPE_FOR_OUTPUT,
     Monitor,
-    RecordWriter,
     check_format,
     is_utf8,
     metrics,
-    open_output,
+    prediction_records,
     stderr_console,
     summary_table,
     to_json,
@@ -388,19 +387,11 @@ def adapt(
     read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
     if read_from_stdin:
         check_outputs(outputs, {"--data -": read_from_stdin})  # the paths stdin listed, known only now
-    output = open_output(predictions)
-    writer = RecordWriter(output, fmt, job.class_names)
-    try:
-        with Monitor(console, quiet) as monitor:
-            unread = unread_default_artifact(stats, model, method, job.preprocess)
-            for caution in [*job.cautions(), *([unread] if unread else [])]:
-                monitor.warn(caution)
-            results = job.run(writer.write, monitor)
-        writer.finish()
-    finally:
-        output.flush()
-        if output is not sys.stdout:
-            output.close()
+    with prediction_records(predictions, fmt, job.class_names) as writer, Monitor(console, quiet) as monitor:
+        unread = unread_default_artifact(stats, model, method, job.preprocess)
+        for caution in [*job.cautions(), *([unread] if unread else [])]:
+            monitor.warn(caution)
+        results = job.run(writer.write, monitor)
     console.print(summary_table(method, results))
     if metrics_json:
         write_json(metrics_json, metrics(method, results, job.recorded_settings))

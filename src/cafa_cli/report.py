@@ -11,7 +11,8 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -139,6 +140,21 @@ def open_output(path: str | None) -> IO[str]:
             sys.stdout.reconfigure(errors="surrogateescape")
         return sys.stdout
     return _OpenedOnFirstWrite(check_writable(path))
+
+
+@contextmanager
+def prediction_records(path: str | None, fmt: str, class_names: Sequence[str]) -> Iterator[RecordWriter]:
+    """The records' writer, on stdout or into `path`: finished (a CSV gets its header even
+    with no record) when the run completes, flushed and closed however it ends."""
+    output = open_output(path)
+    writer = RecordWriter(output, fmt, class_names)
+    try:
+        yield writer
+        writer.finish()
+    finally:
+        output.flush()
+        if output is not sys.stdout:
+            output.close()
 
 
 def overall(results: Sequence[DomainResult]) -> dict:
