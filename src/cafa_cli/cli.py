@@ -235,19 +235,12 @@ PrecisionOpt = Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp
 CompileOpt = Annotated[bool, typer.Option("--compile", help="torch.compile the model (pays a compilation on the first batches).")]
 
 
-def _preprocessing_changes(resize, crop, mean, std, channels) -> dict:
-    changes = {}
-    if resize is not None:
-        changes["resize"] = parse_size(resize, "--resize")
-    if crop is not None:
-        changes["crop"] = parse_size(crop, "--crop")
-    if mean is not None:
-        changes["mean"] = parse_floats(mean, "--mean")
-    if std is not None:
-        changes["std"] = parse_floats(std, "--std")
-    if channels is not None:
-        changes["channels"] = channels
-    return changes
+def _preprocessing_changes(resize=None, crop=None, mean=None, std=None, channels=None, prefix: str = "--") -> dict:
+    """The preprocessing options given (None: not given), parsed; `prefix` names them in
+    errors (`--test-` for bench's test geometry)."""
+    texts = {"resize": (resize, parse_size), "crop": (crop, parse_size), "mean": (mean, parse_floats), "std": (std, parse_floats)}
+    changes = {key: parse(text, f"{prefix}{key}") for key, (text, parse) in texts.items() if text is not None}
+    return changes if channels is None else {**changes, "channels": channels}
 
 
 # --- commands --------------------------------------------------------------------
@@ -495,9 +488,7 @@ def bench_command(
                          "--workdir": workdir})
     train_choice = DataChoice(classes_file=classes, preprocessing=_preprocessing_changes(resize, crop, mean, std, channels))
     # the test domains may need other geometry than the training data (ImageNet-C is stored already cropped)
-    test_geometry = {"resize": (test_resize, "--test-resize"), "crop": (test_crop, "--test-crop")}
-    test_changes = {**train_choice.preprocessing,
-                    **{key: parse_size(text, option) for key, (text, option) in test_geometry.items() if text is not None}}
+    test_changes = {**train_choice.preprocessing, **_preprocessing_changes(test_resize, test_crop, prefix="--test-")}
     target = rank_device(pick_device(device))
     settings = AdaptSettings(batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, params=params,
                              bn_prior=bn_prior, reset=reset, device=str(target), precision=precision, num_workers=num_workers,
