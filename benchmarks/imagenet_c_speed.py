@@ -54,8 +54,12 @@ def build_domain(root: Path, images: int, workers: int) -> float:
     return time.perf_counter() - start
 
 
-def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batch: int) -> dict:
-    command = [sys.executable, "-m", "cafa_cli", "adapt", "--stats", str(artifact), "--data", str(domain),
+def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batch: int,
+                profile: Path | None = None) -> dict:
+    # under cProfile the main process's time splits into start-up, waiting on the loader
+    # and waiting on the GPU (the loader processes are not profiled)
+    profiler = ["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []
+    command = [sys.executable, *profiler, "-m", "cafa_cli", "adapt", "--stats", str(artifact), "--data", str(domain),
                "--batch-size", str(batch), "--optimizer", "sgd", "--lr", "0.0025", "--num-workers", str(workers),
                "--precision", precision, "--quiet", "--metrics-json", str(domain.parent / f"m-{precision}.json")]
     start = time.perf_counter()
@@ -69,9 +73,14 @@ def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batc
 
 
 def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64) -> dict:
-    """Images/s: PIL in DataLoader workers (decode + to tensor) vs nvjpeg on the GPU."""
+    """Images/s: PIL in DataLoader workers (decode + to tensor, stacked into one batch as
+    `cafa_cli.data` does) vs nvjpeg on the GPU (the workers only read the files' bytes).
+
+    Each worker returns one tensor or plain bytes per batch: a list of 64 tensors would
+    pass 64 file descriptors per batch between processes, which ran out of them on an H100
+    machine (OSError: Bad file descriptor) and hung the loader."""
     from torch.utils.data import DataLoader
-    from torchvision.io import decode_jpeg, read_file
+    from torchvision.io import decode_jpeg
     from torchvision.transforms.functional import pil_to_tensor
 
     paths = sorted(domain.rglob("*.JPEG"))[:limit]
@@ -86,23 +95,26 @@ def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64)
 
     class RawBytes(PilImages):
         def __getitem__(self, i):
-            return read_file(str(paths[i]))
+            return paths[i].read_bytes()
 
-    def run(dataset, decode):
-        loader = DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=list)
+    def run(dataset, collate, decode):
+        loader = DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate, pin_memory=True)
         start = time.perf_counter()
         count = 0
         for items in loader:
-            decode(items)
-            count += len(items)
+            count += len(decode(items))
         torch.cuda.synchronize()
         return count / (time.perf_counter() - start)
 
-    cpu = run(PilImages(), lambda items: torch.stack(items).cuda(non_blocking=True))
+    def nvjpeg(items):
+        encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in items]
+        return torch.stack(decode_jpeg(encoded, device="cuda"))
+
+    cpu = run(PilImages(), torch.stack, lambda images: images.cuda(non_blocking=True))
     # nvjpeg's first call sets up its handles and buffers: not part of the decoding rate
-    decode_jpeg([read_file(str(paths[0]))], device="cuda")
+    decode_jpeg([torch.frombuffer(bytearray(paths[0].read_bytes()), dtype=torch.uint8)], device="cuda")
     torch.cuda.synchronize()
-    gpu = run(RawBytes(), lambda items: torch.stack(decode_jpeg(items, device="cuda")))
+    gpu = run(RawBytes(), list, nvjpeg)
     return {"cpu_pil_workers_images_per_s": cpu, "gpu_nvjpeg_images_per_s": gpu, "workers": workers, "images": len(paths)}
 
 
@@ -113,6 +125,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
+    parser.add_argument("--profile", type=Path, help="run each adapt under cProfile, writing adapt-PRECISION.prof here")
+    parser.add_argument("--no-decode", action="store_true", help="skip the PIL vs nvjpeg comparison")
     parser.add_argument("--json")
     args = parser.parse_args()
     root = Path(args.root)
@@ -144,13 +158,13 @@ def main() -> None:
     for precision in args.precisions.split(","):
         # a line before each stage, so that a run cut off by a time limit shows where it was
         print(f"adapt {precision}: running cafa adapt ...", flush=True)
-        row = timed_adapt(artifact, domain, args.workers, precision, args.batch)
+        row = timed_adapt(artifact, domain, args.workers, precision, args.batch, args.profile)
         result["adapt"].append(row)
         print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
               f"({row['loop_s']:.1f} s in the loop, {row['images_per_s_wall']:.0f} img/s)", flush=True)
         if args.json:  # what is measured so far survives a later stage's time-out
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.no_decode:
         print("decode: PIL in loader workers vs nvjpeg ...", flush=True)
         result["decode"] = decode_speed(domain, args.workers)
         print(f"decode: PIL in {args.workers} workers {result['decode']['cpu_pil_workers_images_per_s']:.0f} img/s, "
