@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The GPU measurements issue #6 still lacks, as one script for a lent device
-# (each stage writes its JSON to $OUT and logs to $OUT/log as it goes, so a time-out
-# keeps what was measured). Run stages separately with STAGES="speed perf compile loader":
-# speed and perf take about 3 and 5 minutes on an H100 (the dense C = 1000 rows build a
-# 16.8 GB factor tensor each), compile 3 to 4; one command may run 10 minutes, and the
-# device time of a session is about 15 minutes in all, machine start included, so pass
-# one or two stages per call (STAGES=perf first: it measures the most targets).
+# The GPU measurements of issue #6, as one script for a lent device (each stage writes
+# its JSON to $OUT and logs to $OUT/log as it goes, so a time-out keeps what was
+# measured). Pick stages with STAGES="speed perf compile loader trace". On an H100
+# (2026-11-26) speed took about 2 minutes and perf under 3; all of speed (fp32 only),
+# perf, loader and a bf16 perf row ran in 306 s in one call. One command may run 10
+# minutes and a session's device time is about 15 minutes, machine start included.
+# Still open after that session: STAGES="trace compile" (why CAFA low-rank costs
+# ~10 ms a step more than TENT on the H100, and torch.compile).
 #   speed:   one 50,000-image ImageNet-C-shaped domain end to end (fp32, bf16) and PIL vs nvjpeg
 #   perf:    C = 1000 ResNet-50: dense full (chunks kept and recomputed) and low-rank vs TENT
 #   compile: the same with torch.compile, low-rank only
 #   loader:  the data loader's images/s, uint8 batches vs per-image float, 0 to $WORKERS processes
+#   trace:   where a C = 1000 step's time goes: torch.profiler tables of tent and low-rank cafa
+#            steps (fp32 and bf16) and each loss timed alone (about 2 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +29,8 @@ for stage in $STAGES; do
             --covariances lowrank,full,full-recompute --json "$OUT/perf-c1000.json" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log ;;
     compile) "$PY" benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --repeats 10 \
                --covariances lowrank --compile --json "$OUT/perf-c1000-compile.json" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log ;;
+    trace) for p in fp32 bf16; do "$PY" benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --repeats 10 --precision $p \
+            --covariances lowrank --trace "$OUT/trace-$p.txt" --json "$OUT/perf-trace-$p.json" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log; done ;;
     loader) "$PY" benchmarks/loader.py --images 6400 --workers "0,4,$WORKERS" --json "$OUT/loader.json" 2>&1 | log ;;
     *) echo "unknown stage $stage" | log ;;
   esac

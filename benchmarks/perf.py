@@ -9,6 +9,10 @@ For one model, batch, class count C and device, in one process:
   - artifact size; on CUDA, the step time next to the memory-bandwidth floor of
     reading the precision factors twice (forward and backward).
 With --compile, tent and every cafa row are timed again through torch.compile.
+Each cafa row also times its loss alone (distances, forward and backward, on fixed
+features: `loss_ms`), which tells the loss's share of the step from the network's; with
+--trace FILE, torch.profiler's table of the busiest operators (device and host time) of
+a few tent and cafa steps is written there, to see where a step's time goes.
 The pseudo-covariance `full-recompute` is the dense form with its chunks recomputed
 in the backward pass (distances.KEEP_BYTES = 0), as it runs past that memory budget.
 Synthetic images and class statistics, real model code paths.
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
+    parser.add_argument("--trace", help="write torch.profiler tables of tent and each cafa row's steps here")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -127,20 +132,46 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
-    def measure_step(method: str, gaussians=None, compile: bool = False) -> dict:
+    def measure_step(method: str, gaussians=None, compile: bool = False, name: str | None = None) -> dict:
         model, _ = resolve(args.model, num_classes=num_classes)
         adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=compile)
         images = x.to(device)
         reset_peak(device)
         seconds = timed(lambda: adapter.step(images), device, args.repeats)
-        return {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device)}
+        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device)}
+        if args.trace and method not in ("source", "bn"):
+            trace(name or method, lambda: adapter.step(images))
+        if gaussians is not None:
+            row["loss_ms"] = 1000 * time_loss(adapter.objective)
+        return row
 
+    def time_loss(objective) -> float:
+        """The loss alone, forward and backward, on fixed features and logits."""
+        features = torch.randn(args.batch, d, device=device, requires_grad=True)
+        logits = torch.randn(args.batch, C, device=device)
+        return timed(lambda: objective(logits, features).backward(), device, args.repeats)
+
+    def trace(title: str, step) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        step()
+        with profile(activities=activities) as profiler:
+            for _ in range(3):
+                step()
+            sync(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(args.trace, "a") as out:
+            out.write(f"== {title}: 3 steps\n{profiler.key_averages().table(sort_by=sort, row_limit=20)}\n")
+
+    if args.trace:
+        Path(args.trace).write_text("")  # this run's tables only
     for method in ("source", "bn", "tent"):
         result["steps"][method] = measure_step(method)
         print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
         save()
     if args.compile:
-        result["steps"]["tent+compile"] = measure_step("tent", compile=True)
+        result["steps"]["tent+compile"] = measure_step("tent", compile=True, name="tent+compile")
         print(f"{'tent+compile':12s} {result['steps']['tent+compile']['ms']:9.1f} ms/step", flush=True)
         save()
     for key in args.covariances.split(","):
@@ -153,7 +184,7 @@ def main() -> None:
             size = path.stat().st_size
             gaussians = read_artifact(path).gaussians
         key = f"cafa-{key}"
-        result["steps"][key] = {**measure_step("cafa", gaussians), "artifact_bytes": size}
+        result["steps"][key] = {**measure_step("cafa", gaussians, name=key), "artifact_bytes": size}
         step = result["steps"][key]
         step["ratio_to_tent"] = step["ms"] / result["steps"]["tent"]["ms"]
         factor_bytes = gaussians.factors.numel() * 4  # the basis, for lowrank
@@ -163,10 +194,11 @@ def main() -> None:
                 # every factor is read in the forward and the backward pass, and once more if recomputed
                 reads = 3 if variant == "recompute" else 2
                 step["bandwidth_floor_ms"] = 1000 * reads * factor_bytes / HBM_BYTES_PER_S[card]
-        print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB", flush=True)
+        print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB  "
+              f"loss alone {step['loss_ms']:.1f} ms", flush=True)
         save()
         if args.compile:
-            compiled = result["steps"][f"{key}+compile"] = measure_step("cafa", gaussians, compile=True)
+            compiled = result["steps"][f"{key}+compile"] = measure_step("cafa", gaussians, compile=True, name=f"{key}+compile")
             compiled["ratio_to_tent_compiled"] = compiled["ms"] / result["steps"]["tent+compile"]["ms"]
             print(f"{key + '+compile':12s} {compiled['ms']:9.1f} ms/step  ×{compiled['ratio_to_tent_compiled']:.2f} compiled TENT", flush=True)
             save()
