@@ -79,6 +79,21 @@ def test_hidden_files_are_skipped_and_symlinked_sub_folders_followed_once(mixed_
     assert len(failures) == 1 and "FileNotFoundError" in failures[0]
 
 
+def test_listing_order_is_pathlibs_component_by_component(tmp_path):
+    """The order decides the stream and the sampled subset (so an artifact's images_sha256):
+    it stays what sorting pathlib paths gave, where a plain string sort would differ
+    ('x-1.png' < 'x.png' < 'x/1.png' as strings; 'x/1.png' first by component)."""
+    for name in ("x.png", "x-1.png", "x/1.png", "x/sub/2.png", "B.png", "a.png"):
+        save(tmp_path / "data" / "cls" / name, solid(1))
+    for name in ("x.png", "x-1.png", "b.png"):
+        save(tmp_path / "flat" / name, solid(1))
+    for root in (tmp_path / "data", tmp_path / "flat"):
+        refs = open_domain(str(root)).refs
+        assert refs == [str(p) for p in sorted(Path(r) for r in refs)]
+    assert [r.split("/cls/")[1] for r in open_domain(str(tmp_path / "data")).refs] == [
+        "B.png", "a.png", "x/1.png", "x/sub/2.png", "x-1.png", "x.png"]
+
+
 def test_a_folder_that_cannot_be_listed_is_an_error_not_skipped(mixed_folder, monkeypatch):
     real_scandir = os.scandir
 
