@@ -54,12 +54,39 @@ def build_domain(root: Path, images: int, workers: int) -> float:
     return time.perf_counter() - start
 
 
+# `cafa adapt` in-process under torch.profiler: argv is (this code, output file, the CLI's arguments)
+TORCH_PROFILED = """
+import sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from cafa_cli.__main__ import main
+out = sys.argv.pop(1)
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+code = 0
+with profile(activities=activities) as profiler:
+    try:
+        main()
+    except SystemExit as done:
+        code = done.code
+table = profiler.key_averages().table
+with open(out, "w") as f:
+    if torch.cuda.is_available():
+        f.write("== by device time\\n" + table(sort_by="self_device_time_total", row_limit=25) + "\\n")
+    f.write("== by host time\\n" + table(sort_by="self_cpu_time_total", row_limit=25) + "\\n")
+sys.exit(code)
+"""
+
+
 def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batch: int,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, torch_profile: Path | None = None) -> dict:
     # under cProfile the main process's time splits into start-up, waiting on the loader
-    # and waiting on the GPU (the loader processes are not profiled)
-    profiler = ["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []
-    command = [sys.executable, *profiler, "-m", "cafa_cli", "adapt", "--stats", str(artifact), "--data", str(domain),
+    # and waiting on the GPU (the loader processes are not profiled); torch.profiler
+    # gives the kernels and the host's time per operator, synchronisations included
+    if torch_profile:
+        program = ["-c", TORCH_PROFILED, str(torch_profile / f"adapt-{precision}-torch.txt")]
+    else:
+        program = [*(["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []), "-m", "cafa_cli"]
+    command = [sys.executable, *program, "adapt", "--stats", str(artifact), "--data", str(domain),
                "--batch-size", str(batch), "--optimizer", "sgd", "--lr", "0.0025", "--num-workers", str(workers),
                "--precision", precision, "--quiet", "--metrics-json", str(domain.parent / f"m-{precision}.json")]
     start = time.perf_counter()
@@ -128,6 +155,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
     parser.add_argument("--profile", type=Path, help="run each adapt under cProfile, writing adapt-PRECISION.prof here")
+    parser.add_argument("--torch-profile", type=Path,
+                        help="run each adapt under torch.profiler, writing its tables to adapt-PRECISION-torch.txt here")
     parser.add_argument("--no-decode", action="store_true", help="skip the PIL vs nvjpeg comparison")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -160,7 +189,7 @@ def main() -> None:
     for precision in args.precisions.split(","):
         # a line before each stage, so that a run cut off by a time limit shows where it was
         print(f"adapt {precision}: running cafa adapt ...", flush=True)
-        row = timed_adapt(artifact, domain, args.workers, precision, args.batch, args.profile)
+        row = timed_adapt(artifact, domain, args.workers, precision, args.batch, args.profile, args.torch_profile)
         result["adapt"].append(row)
         print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
               f"({row['loop_s']:.1f} s in the loop, {row['outside_loop_s']:.1f} s outside it; {row['images_per_s_wall']:.0f} img/s)", flush=True)
