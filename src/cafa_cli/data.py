@@ -184,7 +184,7 @@ def read_class_list(path: str) -> list[str]:
 def is_image(path: str) -> bool:
     """An image file by its extension; hidden files (macOS `._x.jpg`) are not data. A broken
     symlink counts, so that it is reported as unreadable rather than dropped unseen.
-    Plain strings, not Paths: an ImageNet-C domain lists 50,000 of them (2.3x faster)."""
+    Plain strings, not Paths: an ImageNet-C domain lists 50,000 of them (about 2x faster)."""
     name = os.path.basename(path)
     return (not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
             and (os.path.isfile(path) or os.path.islink(path)))
