@@ -32,9 +32,6 @@ from cafa_cli.artifact import write_artifact  # noqa: E402
 from cafa_cli.models import ModelSpec  # noqa: E402
 from cafa_cli.preprocessing import Preprocessing  # noqa: E402
 
-CLASSES = 1000
-
-
 def _write_class(args) -> int:
     root, c, per_class = args
     rng = np.random.default_rng(c)
@@ -46,11 +43,11 @@ def _write_class(args) -> int:
     return per_class
 
 
-def build_domain(root: Path, images: int, workers: int) -> float:
+def build_domain(root: Path, images: int, workers: int, classes: int) -> float:
     start = time.perf_counter()
-    per_class = max(1, images // CLASSES)
+    per_class = max(1, images // classes)
     with ProcessPoolExecutor(max(1, workers)) as pool:  # --workers 0 means no loader processes, not none to build
-        list(pool.map(_write_class, [(str(root), c, per_class) for c in range(CLASSES)]))
+        list(pool.map(_write_class, [(str(root), c, per_class) for c in range(classes)]))
     return time.perf_counter() - start
 
 
@@ -152,6 +149,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=50000)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--classes", type=int, default=1000, help="class folders (ImageNet-C: 1000)")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
     parser.add_argument("--profile", type=Path, help="run each adapt under cProfile, writing adapt-PRECISION.prof here")
@@ -163,27 +161,28 @@ def main() -> None:
     root = Path(args.root)
     domain = root / "fog" / "5"
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
-    wanted = max(1, args.images // CLASSES) * CLASSES
-    if domain.is_dir() and sum(1 for _ in domain.rglob("*.JPEG")) != wanted:
-        # built by an earlier run with another --images: timing it would time the wrong number
-        print(f"rebuilding {domain}: it holds another number of images than {wanted}", flush=True)
+    classes = args.classes
+    wanted = max(1, args.images // classes) * classes
+    if domain.is_dir() and (sum(1 for _ in domain.rglob("*.JPEG")) != wanted or sum(1 for _ in domain.iterdir()) != classes):
+        # built by an earlier run with another --images or --classes: timing it would time the wrong thing
+        print(f"rebuilding {domain}: it holds another number of images than {wanted} or of classes than {classes}", flush=True)
         shutil.rmtree(domain)
     if not domain.is_dir():
-        print(f"building {max(1, args.images // CLASSES) * CLASSES} JPEGs (one class folder each of {CLASSES}) in {domain} "
+        print(f"building {wanted} JPEGs (one class folder each of {classes}) in {domain} "
               f"with {args.workers} processes", flush=True)
-        result["build_s"] = build_domain(domain, args.images, args.workers)
+        result["build_s"] = build_domain(domain, args.images, args.workers, classes)
         print(f"built them in {result['build_s']:.1f} s", flush=True)
     artifact = root / "stats.safetensors"
-    if not artifact.is_file():
-        print("writing a synthetic 1000-class low-rank artifact", flush=True)
+    if not artifact.is_file() or "build_s" in result:  # a new domain may have other classes
+        print(f"writing a synthetic {classes}-class low-rank artifact", flush=True)
         names = sorted(p.name for p in domain.iterdir())
         import torchvision
         from safetensors.torch import save_file
         from cafa_cli.models import sha256_of
         weights = root / "resnet50-random.safetensors"
-        save_file(torchvision.models.resnet50(num_classes=CLASSES).state_dict(), str(weights))
-        write_artifact(artifact, synthetic_gaussians(CLASSES, 2048, "lowrank"), names,
-                       ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=CLASSES),
+        save_file(torchvision.models.resnet50(num_classes=classes).state_dict(), str(weights))
+        write_artifact(artifact, synthetic_gaussians(classes, 2048, "lowrank"), names,
+                       ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
                        Preprocessing(None, None), {"synthetic": True})
     result["adapt"] = []
     for precision in args.precisions.split(","):
