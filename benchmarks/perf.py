@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--repeats", type=int, default=5)
-    # 10 batches on an H100 gave 0.97x and 0.77x for the same code: too short to say anything
+    # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
     parser.add_argument("--trace", help="write torch.profiler tables of tent and each cafa row's steps here")
