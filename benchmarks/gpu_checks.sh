@@ -12,7 +12,7 @@
 #   compile: the same with torch.compile, low-rank only
 #   loader:  the data loader's images/s, uint8 batches vs per-image float, 0 to $WORKERS processes
 #   trace:   where a C = 1000 step's time goes: torch.profiler tables of tent and low-rank cafa
-#            steps (fp32 and bf16), each loss timed alone, the distances' GEMMs computed
+#            steps (fp32 and bf16; with cudnn.benchmark too), each loss timed alone, the distances' GEMMs computed
 #            four ways (lowrank_gemm.py), and the cafa adapt loop profiled whole on a
 #            6,000-image domain (about 3 minutes by estimate; 6 files in $OUT, so it fits
 #            the 8 that come back beside compile's one)
@@ -33,7 +33,7 @@ for stage in $STAGES; do
     compile) "$PY" benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --repeats 10 \
                --covariances lowrank --compile --json "$OUT/perf-c1000-compile.json" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log ;;
     trace) for p in fp32 bf16; do "$PY" benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --repeats 10 --precision $p \
-            --covariances lowrank --trace "$OUT/trace-$p.txt" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log; done
+            --covariances lowrank --cudnn-benchmark --trace "$OUT/trace-$p.txt" 2>&1 | grep --line-buffered -v '^ \|^[{}]' | log; done
            "$PY" benchmarks/lowrank_gemm.py --classes 1000 --json "$OUT/lowrank-gemm.json" 2>&1 | log
            # and the whole cafa adapt loop on a 6,000-image domain, fp32 and bf16, under torch.profiler
            "$PY" benchmarks/imagenet_c_speed.py --images 6400 --root /tmp/imagenet-c-small --workers "$WORKERS" \

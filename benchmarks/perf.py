@@ -8,7 +8,10 @@ For one model, batch, class count C and device, in one process:
     /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated);
   - artifact size; on CUDA, the step time next to the memory-bandwidth floor of
     reading the precision factors twice (forward and backward).
-With --compile, tent and every cafa row are timed again through torch.compile.
+With --compile, tent and every cafa row are timed again through torch.compile; with
+--cudnn-benchmark, again with cuDNN choosing its convolution algorithms by timing them
+(torch.backends.cudnn.benchmark; cafa leaves it off). Each such row's `ratio_to_tent` is
+to the TENT row of the same variant.
 Each cafa row also times its loss alone (distances, forward and backward, on fixed
 features: `loss_ms`), which tells the loss's share of the step from the network's; with
 --trace FILE, torch.profiler's table of the busiest operators (device and host time) of
@@ -116,6 +119,7 @@ def main() -> None:
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="also time tent and each cafa row with cudnn.benchmark on")
     parser.add_argument("--trace", help="write torch.profiler tables of tent and each cafa row's steps here")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -134,12 +138,18 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
-    def measure_step(method: str, gaussians=None, compile: bool = False, name: str | None = None) -> dict:
+    variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark)) if wanted]
+
+    def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
         model, _ = resolve(args.model, num_classes=num_classes)
-        adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=compile)
+        adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=variant == "compile")
         images = x.to(device)
         reset_peak(device)
-        seconds = timed(lambda: adapter.step(images), device, args.repeats)
+        torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
+        try:
+            seconds = timed(lambda: adapter.step(images), device, args.repeats)
+        finally:
+            torch.backends.cudnn.benchmark = False
         row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device)}
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
@@ -174,9 +184,9 @@ def main() -> None:
         result["steps"][method] = measure_step(method)
         print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
         save()
-    if args.compile:
-        result["steps"]["tent+compile"] = measure_step("tent", compile=True, name="tent+compile")
-        print(f"{'tent+compile':12s} {result['steps']['tent+compile']['ms']:9.1f} ms/step", flush=True)
+    for variant in variants:
+        row = result["steps"][f"tent+{variant}"] = measure_step("tent", variant=variant, name=f"tent+{variant}")
+        print(f"{'tent+' + variant:12s} {row['ms']:9.1f} ms/step", flush=True)
         save()
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
@@ -201,10 +211,10 @@ def main() -> None:
         print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB  "
               f"loss alone {step['loss_ms']:.1f} ms", flush=True)
         save()
-        if args.compile:
-            compiled = result["steps"][f"{key}+compile"] = measure_step("cafa", gaussians, compile=True, name=f"{key}+compile")
-            compiled["ratio_to_tent_compiled"] = compiled["ms"] / result["steps"]["tent+compile"]["ms"]
-            print(f"{key + '+compile':12s} {compiled['ms']:9.1f} ms/step  ×{compiled['ratio_to_tent_compiled']:.2f} compiled TENT", flush=True)
+        for variant in variants:
+            row = result["steps"][f"{key}+{variant}"] = measure_step("cafa", gaussians, variant=variant, name=f"{key}+{variant}")
+            row["ratio_to_tent"] = row["ms"] / result["steps"][f"tent+{variant}"]["ms"]
+            print(f"{key + '+' + variant:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT+{variant}", flush=True)
             save()
         del gaussians
     distances.KEEP_BYTES = KEEP_BYTES
