@@ -14,7 +14,7 @@
 #   trace:   where a C = 1000 step's time goes: torch.profiler tables of tent and low-rank cafa
 #            steps (fp32 and bf16; with cudnn.benchmark too), each loss timed alone, the distances' GEMMs computed
 #            four ways (lowrank_gemm.py), and the cafa adapt loop profiled whole on a
-#            6,000-image domain (about 3 minutes by estimate; 6 files in $OUT, so it fits
+#            6,000-image domain (4 to 5 minutes by estimate; 6 files in $OUT, so it fits
 #            the 8 that come back beside compile's one)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
