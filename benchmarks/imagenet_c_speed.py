@@ -138,7 +138,7 @@ def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64)
 
     cpu = run(PilImages(), torch.stack, lambda images: images.cuda(non_blocking=True))
     # nvjpeg's first call sets up its handles and buffers: not part of the decoding rate
-    decode_jpeg([torch.frombuffer(bytearray(paths[0].read_bytes()), dtype=torch.uint8)], device="cuda")
+    nvjpeg([paths[0].read_bytes()])
     torch.cuda.synchronize()
     gpu = run(RawBytes(), list, nvjpeg)
     return {"cpu_pil_workers_images_per_s": cpu, "gpu_nvjpeg_images_per_s": gpu, "workers": workers, "images": len(paths)}
