@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
 from cafa_cli.artifact import write_artifact  # noqa: E402
-from cafa_cli.models import ModelSpec  # noqa: E402
-from cafa_cli.preprocessing import Preprocessing  # noqa: E402
+from cafa_cli.models import ModelSpec
+from cafa_cli.data.preprocessing import Preprocessing
 
 def _write_class(args) -> int:
     root, c, per_class = args
@@ -178,7 +178,7 @@ def main() -> None:
         names = sorted(p.name for p in domain.iterdir())
         import torchvision
         from safetensors.torch import save_file
-        from cafa_cli.models import sha256_of
+        from cafa_cli.checkpoints import sha256_of
         weights = root / "resnet50-random.safetensors"
         save_file(torchvision.models.resnet50(num_classes=classes).state_dict(), str(weights))
         write_artifact(artifact, synthetic_gaussians(classes, 2048, "lowrank"), names,

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.data import batches, open_domain
-from cafa_cli.preprocessing import Preprocessing
+from cafa_cli.data.loading import batches
+from cafa_cli.data.sources import open_domain
+from cafa_cli.data.preprocessing import Preprocessing
 
 
 @dataclass(frozen=True)

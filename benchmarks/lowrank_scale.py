@@ -76,8 +76,9 @@ def stats_part(args) -> dict:
 
     from cafa_cli.artifact import write_artifact
     from cafa_cli.models import ModelSpec
-    from cafa_cli.preprocessing import Preprocessing
-    from cafa_cli.statistics import ClassMoments, estimate
+    from cafa_cli.data.preprocessing import Preprocessing
+    from cafa_cli.method.moments import ClassMoments
+    from cafa_cli.method.gaussians import estimate
 
     torch.set_num_threads(args.threads)
     base = rss_bytes()
@@ -119,9 +120,9 @@ def stats_part(args) -> dict:
 def adapt_part(args) -> dict:
     import torch
 
-    from cafa_cli import losses
+    from cafa_cli.method import losses
     from cafa_cli.artifact import read_artifact
-    from cafa_cli.distances import ClassDistances
+    from cafa_cli.method.distances import ClassDistances
 
     torch.set_num_threads(args.threads)
     base = rss_bytes()

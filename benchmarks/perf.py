@@ -34,13 +34,16 @@ from pathlib import Path
 
 import torch
 
-from cafa_cli import distances
-from cafa_cli.adaptation import Adapter
+from cafa_cli.method import distances
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
 from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.models import ModelSpec, pick_device, resolve
-from cafa_cli.preprocessing import Preprocessing
-from cafa_cli.data import Batch
-from cafa_cli.statistics import ClassGaussians, accumulate_features
+from cafa_cli.models import ModelSpec, resolve
+from cafa_cli.devices import pick_device
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.data.loading import Batch
+from cafa_cli.method.gaussians import ClassGaussians
+from cafa_cli.method.moments import accumulate_features
 
 KEEP_BYTES = distances.KEEP_BYTES
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
@@ -142,7 +145,7 @@ def main() -> None:
 
     def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
         model, _ = resolve(args.model, num_classes=num_classes)
-        adapter = Adapter(model, method, gaussians, device, precision=args.precision, compile=variant == "compile")
+        adapter = Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile")
         images = x.to(device)
         reset_peak(device)
         torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
@@ -154,14 +157,14 @@ def main() -> None:
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
-            row["loss_ms"] = 1000 * time_loss(adapter.objective)
+            row["loss_ms"] = 1000 * time_loss(adapter.method.loss)
         return row
 
-    def time_loss(objective) -> float:
+    def time_loss(loss) -> float:
         """The loss alone, forward and backward, on fixed features and logits."""
         features = torch.randn(args.batch, d, device=device, requires_grad=True)
         logits = torch.randn(args.batch, C, device=device)
-        return timed(lambda: objective(logits, features).backward(), device, args.repeats)
+        return timed(lambda: loss(logits, features).backward(), device, args.repeats)
 
     def trace(title: str, step) -> None:
         from torch.profiler import ProfilerActivity, profile

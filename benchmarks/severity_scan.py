@@ -13,15 +13,16 @@ import argparse
 import numpy as np
 import torch
 
-from cafa_cli.adaptation import Adapter
-from cafa_cli.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
-from cafa_cli.fmnist_c import BENCHMARK_CORRUPTIONS, HELD_OUT_CORRUPTIONS, corrupt_grey, stratified_rows
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
+from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
+from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, HELD_OUT_CORRUPTIONS, corrupt_grey, stratified_rows
 from cafa_cli.models import resolve
 
 
 def error(method: str, images: np.ndarray, labels: np.ndarray, batch: int = 200) -> float:
     model, _ = resolve("fmnist-resnet")
-    adapter = Adapter(model, method)
+    adapter = Adapter(model, create(method))
     x = (torch.from_numpy(images).float().div(255).unsqueeze(1) - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
     order = np.random.default_rng(0).permutation(len(x))
     wrong = 0

@@ -27,13 +27,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.adaptation import Adapter
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
 from cafa_cli.artifact import read_artifact
-from cafa_cli.data import Domain
-from cafa_cli.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.data.domain import Domain
+from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
 from cafa_cli.models import resolve
-from cafa_cli.pipeline import ModelChoice, compute_statistics, default_preprocessing
-from cafa_cli.stream import adapt_domains
+from cafa_cli.jobs.inputs import ModelChoice, default_preprocessing
+from cafa_cli.jobs.stats import compute_statistics
+from cafa_cli.jobs.stream import adapt_domains
 
 
 def rss_mib() -> float:
@@ -86,7 +88,7 @@ def main() -> None:
                            covariance="full", device="cpu")  # fmt: skip
         gaussians = read_artifact(artifact_path).gaussians
     model, _ = resolve("fmnist-resnet")
-    adapter = Adapter(model, args.method, gaussians, torch.device("cpu"))
+    adapter = Adapter(model, create(args.method, gaussians), torch.device("cpu"))
     images, labels = load_fashion_mnist(None, "test")
     rows = np.random.default_rng(0).permutation(len(images))[: args.images]
     images, labels = images[rows], labels[rows]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cafa_cli.fashion_mnist import load_fashion_mnist
+from cafa_cli.data.fashion_mnist import load_fashion_mnist
 from cafa_cli.zoo import train_fmnist
 from cafa_cli.zoo.fmnist_resnet import STAGE_WIDTHS, FmnistResNet, ResidualBlock
 

@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from cafa_cli.cli import app
-from cafa_cli.models import FeatureClassifier
-from cafa_cli.statistics import ClassMoments, estimate
+from cafa_cli.cli.app import app
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.gaussians import estimate
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"
@@ -93,3 +94,36 @@ def trained():
     xt = xt * 0.35 + 0.45 + torch.from_numpy(np.random.default_rng(7).normal(0, 0.08, xt.shape).astype(np.float32))
     order = torch.randperm(len(xt), generator=torch.Generator().manual_seed(1))
     return model, gaussians, xt[order], yt[order]
+
+
+# --- shared by the test files split from test_errors.py and test_data.py -------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    train = write_folder(root / "train", per_class=6)
+    torch.manual_seed(0)
+    weights = root / "net.pt"
+    torch.save(tiny_net.build().state_dict(), weights)
+    artifact = root / "s.safetensors"
+    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    return {"root": root, "train": train, "weights": weights, "artifact": artifact}
+
+
+@pytest.fixture
+def mixed_folder(tmp_path) -> Path:
+    from helpers import save, solid
+
+    root = tmp_path / "data"
+    save(root / "zebra" / "one.PNG", solid(10), "PNG")
+    save(root / "zebra" / "two.JpG", solid(20), "JPEG")
+    save(root / "zebra" / "nested" / "three.png", solid(30))
+    save(root / "apple" / "four.jpeg", solid(40), "JPEG")
+    save(root / "apple" / "five.bmp", solid(50), "BMP")
+    (root / "apple" / "notes.txt").write_text("not an image")
+    (root / "apple" / "README").write_text("no extension")
+    save(root / ".cache" / "hidden.png", solid(60))
+    save(root / "top-level.png", solid(70))  # ignored, with a note: the folder has class folders
+    return root

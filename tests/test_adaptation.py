@@ -11,11 +11,13 @@ import torch
 import torchvision
 
 import tiny_net
-from cafa_cli import losses
-from cafa_cli.adaptation import METHODS, Adapter, BatchStatisticsNorm, select_parameters, use_test_batch_norm
+from cafa_cli.method import losses
+from cafa_cli.method.adapter import METHODS, Adapter, select_parameters
+from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 from cafa_cli.errors import UsageError
-from cafa_cli.models import FeatureClassifier
-from cafa_cli.statistics import ClassMoments, estimate
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.gaussians import estimate
 
 
 def reference_cafa(distances: np.ndarray, labels: np.ndarray) -> float:

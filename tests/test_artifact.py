@@ -18,8 +18,9 @@ from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.files import atomic_write
 from cafa_cli.errors import CafaError, InputError
 from cafa_cli.models import ModelSpec
-from cafa_cli.preprocessing import Preprocessing
-from cafa_cli.statistics import ClassMoments, estimate
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.gaussians import estimate
 
 NAMES = ["cat", "dog", "émeu"]
 D = 4

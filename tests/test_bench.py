@@ -12,13 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
-from cafa_cli.bench import Row, domain_label, domain_labels, markdown, parse_methods, parse_seeds, summarise
-from cafa_cli.cli import app
+from cafa_cli.jobs.bench import Row, parse_methods, parse_seeds
+from cafa_cli.jobs.tables import domain_label, domain_labels, markdown, summarise
+from cafa_cli.cli.app import app
 from cafa_cli.errors import UsageError
-from cafa_cli.fashion_mnist import DEFAULT_ROOT
-from cafa_cli.models import sha256_of
-from cafa_cli.pipeline import AdaptSettings
-from cafa_cli.stream import DomainResult
+from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
+from cafa_cli.checkpoints import sha256_of
+from cafa_cli.jobs.adapt import AdaptSettings
+from cafa_cli.jobs.results import DomainResult
 from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
@@ -156,7 +157,7 @@ def test_summary_is_mean_and_std_over_seeds_and_the_mean_column_averages_domains
 
 def test_corruption_is_reproducible_and_changes_the_images():
     pytest.importorskip("corrupt_tta")
-    from cafa_cli.fmnist_c import corrupt_grey
+    from cafa_cli.data.fmnist_c import corrupt_grey
 
     images = np.random.default_rng(0).integers(0, 255, size=(4, 28, 28), dtype=np.uint8)
     first = corrupt_grey(images, "gaussian_noise", 3, seed=5)
@@ -252,9 +253,10 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
 def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     from types import SimpleNamespace
 
-    from cafa_cli import bench
-    from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
-    from cafa_cli.report import Monitor
+    from cafa_cli.jobs import bench
+    from cafa_cli.jobs.adapt import AdaptSettings
+    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
+    from cafa_cli.jobs.monitor import Monitor
 
     calls = []
 
@@ -272,9 +274,10 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
 
 def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp_path, monkeypatch):
-    from cafa_cli import bench
-    from cafa_cli.pipeline import AdaptSettings, DataChoice, ModelChoice
-    from cafa_cli.report import Monitor
+    from cafa_cli.jobs import bench
+    from cafa_cli.jobs.adapt import AdaptSettings
+    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
+    from cafa_cli.jobs.monitor import Monitor
 
     seen = {}
     monkeypatch.setattr(bench, "compute_statistics", lambda *args, **kwargs: seen.update(kwargs))
@@ -413,9 +416,9 @@ def test_bench_recomputes_statistics_when_the_training_folder_holds_other_images
 def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(monkeypatch):
     from types import SimpleNamespace
 
-    from cafa_cli import bench
-    from cafa_cli.pipeline import DataChoice, ModelChoice
-    from cafa_cli.report import Monitor
+    from cafa_cli.jobs import bench
+    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
+    from cafa_cli.jobs.monitor import Monitor
 
     ran = []
 
@@ -516,7 +519,7 @@ def test_an_interrupted_domain_build_leaves_no_half_folder(tmp_path, monkeypatch
     """A `.partial` folder left by Ctrl-C would be picked up by a glob such as W/*/*/* as a domain."""
     from PIL import Image
 
-    from cafa_cli import fmnist_c
+    from cafa_cli.data import fmnist_c
 
     saved = []
 
@@ -539,7 +542,7 @@ def test_the_progress_bar_leaves_stdout_to_the_data(capsys):
 
     from rich.console import Console
 
-    from cafa_cli.report import progress_bar
+    from cafa_cli.jobs.monitor import progress_bar
 
     bar = progress_bar(Console(file=io.StringIO(), force_terminal=True))
     with bar:

@@ -14,10 +14,10 @@ import torch
 from typer.testing import CliRunner
 
 import tiny_net
-from cafa_cli import pipeline
-from cafa_cli.adaptation import NEEDS_STATISTICS
+from cafa_cli.jobs import adapt as adapt_job
+from cafa_cli.method.methods import NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
-from cafa_cli.cli import app
+from cafa_cli.cli.app import app
 from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
@@ -31,8 +31,9 @@ def setup(tmp_path_factory):
     test = write_folder(root / "test", per_class=30, seed=3, shift=0.35)
     torch.manual_seed(0)
     net = tiny_net.build()
-    from cafa_cli.data import batches, open_domain
-    from cafa_cli.preprocessing import Preprocessing
+    from cafa_cli.data.loading import batches
+    from cafa_cli.data.sources import open_domain
+    from cafa_cli.data.preprocessing import Preprocessing
 
     prep = Preprocessing(None, None, (0.0,), (255.0 / 255,), 1)
     domain = open_domain(str(train))
@@ -107,7 +108,7 @@ def test_every_method_runs_on_the_same_data(setup, method, monkeypatch):
         reads.append(load_tensors)
         return read_artifact(path, load_tensors)
 
-    monkeypatch.setattr(pipeline, "read_artifact", recording)
+    monkeypatch.setattr(adapt_job, "read_artifact", recording)
     result = adapt(setup, "--quiet", "--method", method)
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == 91
@@ -331,7 +332,7 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
 
 
 def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics():
-    from cafa_cli.adaptation import BatchStatisticsNorm
+    from cafa_cli.method.norms import BatchStatisticsNorm
 
     bn = torch.nn.BatchNorm2d(3).eval()
     bn.running_mean.fill_(2.0)
@@ -352,8 +353,8 @@ def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
 def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     import logging
 
-    from cafa_cli.cli import _stderr
-    from cafa_cli.report import Monitor
+    from cafa_cli.cli.app import _stderr
+    from cafa_cli.jobs.monitor import Monitor
 
     torch_logger = logging.getLogger("torch")
     before = torch_logger.level
@@ -376,9 +377,9 @@ def test_adapt_settings_options_are_the_adapt_command_line_that_gives_them(monke
     """The demo prints each run as `cafa adapt ... <options()>`: parsed back, they are the settings."""
     from dataclasses import fields
 
-    from cafa_cli import cli
+    from cafa_cli.cli import commands as cli
     from cafa_cli.errors import UsageError
-    from cafa_cli.pipeline import AdaptSettings
+    from cafa_cli.jobs.adapt import AdaptSettings
 
     wanted = AdaptSettings(method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all", bn_prior=4.0,
                            reset="episodic", shuffle=False, seed=3, device="cpu", precision="bf16", num_workers=1, strict=True, compile=True)
@@ -413,7 +414,7 @@ def test_an_unshuffled_stream_of_class_folders_is_flagged(setup):
 def test_class_runs_are_recognised_in_any_class_order():
     """Fashion-MNIST's folders sort as ankle_boot, bag, ... against the model's tshirt_top,
     trouser, ...: the runs come in another order than the classes', and are runs all the same."""
-    from cafa_cli.pipeline import _one_class_after_another
+    from cafa_cli.jobs.adapt import _one_class_after_another
 
     assert _one_class_after_another(np.array([9, 9, 8, 8, 0, 0, 4]))
     assert not _one_class_after_another(np.array([0, 1, 0, 1]))

@@ -325,7 +325,7 @@ def test_stats_on_unlabelled_images_names_the_missing_labels(tmp_path, tiny_weig
 
 def test_training_data_is_recorded_by_absolute_path_even_behind_a_set_name(tmp_path, monkeypatch):
     """Two CIFAR copies under the same relative path are two training sets to bench's re-use check."""
-    from cafa_cli.pipeline import recorded_data
+    from cafa_cli.jobs.inputs import recorded_data
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()

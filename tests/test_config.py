@@ -9,8 +9,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cafa_cli.cli import _command_options, app
-from cafa_cli.config import read_defaults
+from cafa_cli.cli.app import _command_options, app
+from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.errors import UsageError
 from conftest import PLAIN, TINY_NET, write_folder
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cafa_cli.distances as distances
-from cafa_cli.distances import ClassDistances
-from cafa_cli.statistics import ClassGaussians, ClassMoments, estimate
+import cafa_cli.method.distances as distances
+from cafa_cli.method.distances import ClassDistances
+from cafa_cli.method.gaussians import ClassGaussians, estimate
+from cafa_cli.method.moments import ClassMoments
 
 C, D, N = 7, 6, 8
 

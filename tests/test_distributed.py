@@ -64,7 +64,7 @@ def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, 
 def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cafa_cli.cli import app
+    from cafa_cli.cli.app import app
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET])
@@ -80,7 +80,7 @@ def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(
 def test_torchrun_variables_that_cannot_be_right_are_usage_errors(tmp_path, tiny_weights, monkeypatch, environment, needle):
     from typer.testing import CliRunner
 
-    from cafa_cli.cli import app
+    from cafa_cli.cli.app import app
 
     data = write_folder(tmp_path / "train", per_class=3)
     monkeypatch.delenv("RANK", raising=False)
@@ -97,7 +97,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch)
     the GPUs would fail deep in CUDA. No GPU here: the count is what the check reads."""
     import torch
 
-    from cafa_cli.distributed import rank_device
+    from cafa_cli.jobs.distributed import rank_device
     from cafa_cli.errors import UsageError
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 import tiny_net
-from cafa_cli.cli import app
+from cafa_cli.cli.app import app
 from conftest import ASSETS, PLAIN, TINY_NET, write_folder
 
 EXIT_INTERRUPTED = 130

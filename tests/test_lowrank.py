@@ -14,14 +14,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import cafa_cli.artifact as artifact_module
-import cafa_cli.distances as distances
+import cafa_cli.method.distances as distances
 from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.distances import ClassDistances
+from cafa_cli.method.distances import ClassDistances
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.inspect import condition_numbers
+from cafa_cli.jobs.describe import condition_numbers
 from cafa_cli.models import ModelSpec
-from cafa_cli.preprocessing import Preprocessing
-from cafa_cli.statistics import ClassMoments, check_options, choose_covariance, estimate
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.gaussians import check_options, choose_covariance, estimate
 
 C, D = 5, 40
 COUNTS = [12, 9, 12, 15, 5]  # every class has fewer samples than dimensions

@@ -10,12 +10,16 @@ from pathlib import Path
 import pytest
 import tiny_net
 import torch
-from conftest import TINY_NET
+from conftest import ASSETS, TINY_NET, invoke
+from helpers import factory, fails, stats_with_model
 from safetensors.torch import save_file
 from torch import nn
 
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.models import FeatureClassifier, build_model, find_classifier, pick_device, read_state_dict, resolve
+from cafa_cli.method.features import FeatureClassifier, find_classifier
+from cafa_cli.models import build_model, resolve
+from cafa_cli.devices import pick_device
+from cafa_cli.checkpoints import read_state_dict
 
 
 def small_images(n=2, channels=3, size=32):
@@ -520,3 +524,25 @@ def test_images_of_another_dtype_than_the_weights_are_named():
     wrapped = FeatureClassifier(tiny_net.build()).eval()
     with pytest.raises(InputError, match="the images are torch.float64 but the model's weights are torch.float32"):
         wrapped(small_images(channels=1, size=16).double())
+
+
+# --- through the CLI (from test_errors.py) -------------------------------------------
+
+
+def test_factory_file_missing(setup, tmp_path):
+    fails(stats_with_model(setup, tmp_path, f"{tmp_path / 'absent.py'}:build"), 3, "no such file")
+
+
+def test_factory_that_does_not_import(setup, tmp_path):
+    spec = factory(tmp_path, "import a_package_that_is_not_installed\n\ndef build():\n    return tiny_net.build()")
+    fails(stats_with_model(setup, tmp_path, spec), 3, "could not import", "ModuleNotFoundError", "a_package_that_is_not_installed")
+
+
+def test_factory_that_does_not_return_a_module(setup, tmp_path):
+    fails(stats_with_model(setup, tmp_path, f"{ASSETS / 'tiny_net.py'}:not_a_module"), 3, "returned int, not a torch nn.Module")
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_num_classes_below_one(setup, tmp_path, count):
+    result = invoke("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
+    fails(result, 2, f"--num-classes must be at least 1, not {count}")

@@ -8,7 +8,8 @@ import torch
 from sklearn.covariance import OAS, ShrunkCovariance
 
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.statistics import ClassMoments, estimate, oas_shrinkage, precision_cholesky, shrink
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.gaussians import estimate, oas_shrinkage, precision_cholesky, shrink
 
 D = 5
 

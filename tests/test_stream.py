@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cafa_cli.adaptation import Adapter
-from cafa_cli.data import Domain
-from cafa_cli.preprocessing import Preprocessing
-from cafa_cli.stream import adapt_domains
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.data.domain import Domain
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.jobs.stream import adapt_domains
 
 PIXELS = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
 

@@ -10,13 +10,7 @@ import pytest
 import torch
 
 from cafa_cli.errors import InputError
-from cafa_cli.fashion_mnist import (
-    DEFAULT_ROOT,
-    FASHION_MNIST_CLASSES,
-    FASHION_MNIST_MEAN,
-    FASHION_MNIST_STD,
-    load_fashion_mnist,
-)
+from cafa_cli.data.fashion_mnist import DEFAULT_ROOT, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.zoo import BUNDLED, load_bundled
 
 DEBIAN_FILES_PRESENT = (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file()
@@ -114,8 +108,8 @@ def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_no
     from typer.testing import CliRunner
 
     from cafa_cli.artifact import read_artifact
-    from cafa_cli.cli import app
-    from cafa_cli.models import sha256_of
+    from cafa_cli.cli.app import app
+    from cafa_cli.checkpoints import sha256_of
 
     runner = CliRunner()
     stats = tmp_path / "s.safetensors"

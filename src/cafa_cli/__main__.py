@@ -18,7 +18,7 @@ def _interrupted_while_starting(signum, frame):
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupted_while_starting)
     signal.signal(signal.SIGINT, _interrupted_while_starting)
-    from cafa_cli.cli import main as run
+    from cafa_cli.cli.app import main as run
 
     run()
 

@@ -20,9 +20,10 @@ from safetensors.torch import save_file
 from cafa_cli import __version__
 from cafa_cli.errors import CafaError, InputError, UsageError, listing
 from cafa_cli.files import atomic_write, open_safetensors
-from cafa_cli.models import HTML_MARKERS, ModelSpec
-from cafa_cli.preprocessing import Preprocessing
-from cafa_cli.statistics import COVARIANCE_MODES, ClassGaussians
+from cafa_cli.checkpoints import HTML_MARKERS
+from cafa_cli.models import ModelSpec
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.method.gaussians import COVARIANCE_MODES, ClassGaussians
 
 FORMAT = "cafa-stats"
 FORMAT_VERSION = 2  # what the writer writes

@@ -9,9 +9,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-
-from cafa_cli.data import IMAGE_EXTENSIONS, on_disk
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError
 
 
 def check_writable(path: str | Path) -> Path:
@@ -45,44 +43,6 @@ def make_workdir(path: str | Path) -> Path:
     except OSError as error:
         raise InputError(f"--workdir {folder}: cannot create it ({error.strerror or error})") from None
     return folder
-
-
-IMAGE_INPUTS = ("--data", "--train")  # the options whose folders are searched for images
-
-
-def _each_path(options: dict[str, str | list[str] | None]) -> list[tuple[str, str]]:
-    """(option, path) for every path given, an option that takes several once for each."""
-    return [(option, path) for option, paths in options.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
-
-
-def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
-    """Every output file can be written, and is neither an input nor another output (`--out`
-    naming the `--weights` file would replace the checkpoint with an artifact), nor a file
-    the next run would read as an image of the data: checked before any work, not after a
-    long run. `-` (stdout) is for the records only; callers map it before they get here."""
-    empty = [option for option, path in _each_path({**outputs, **inputs}) if not path.strip()]
-    if empty:  # Path("") is the working directory: an unset shell variable would read or write there
-        raise UsageError(f"{empty[0]} is given an empty path (an unset shell variable?); give a file or folder")
-    given = [(option, on_disk(path)) for option, path in _each_path(inputs)]
-    taken = {_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
-    folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
-    for option, path in outputs.items():
-        if path is None or _is_device(path):
-            continue
-        if path == "-":
-            raise UsageError(f"{option} -: only the records of cafa adapt (--predictions) go to standard output; give {option} a file name")
-        check_writable(path)
-        key = os.path.realpath(path)
-        inside = [folder_option for folder_option, folder in folders if key.startswith(folder + os.sep)]
-        if inside and Path(path).is_file():
-            raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")
-        read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
-        if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
-            raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
-        identity = _identity(path)
-        if identity in taken:
-            raise UsageError(f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} another path")
-        taken[identity] = option
 
 
 def _identity(path: str) -> tuple:

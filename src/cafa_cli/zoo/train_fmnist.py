@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from cafa_cli.files import atomic_write
 from cafa_cli.errors import CafaError
-from cafa_cli.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
+from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.zoo.fmnist_resnet import FmnistResNet
 
 DEFAULT_OUT = Path(__file__).resolve().with_name("fmnist_resnet.safetensors")

@@ -1,0 +1,193 @@
+"""Reading weights safely: safetensors, or torch.load with weights_only=True; a file
+that is not a checkpoint (an HTML page, a Git LFS pointer, a plain pickle) is named as such."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import warnings
+from pathlib import Path
+import torch
+from torch import nn
+from cafa_cli.errors import InputError, listing
+from cafa_cli.files import open_safetensors
+
+def is_step_counter(name: str) -> bool:
+    """BatchNorm's num_batches_tracked: it counts training steps and changes nothing the
+    model computes; old torchvision and converted checkpoints lack it."""
+    return name.endswith("num_batches_tracked")
+
+
+
+HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
+
+
+# what a clone without git-lfs leaves in place of a large file: a few lines of text
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+# torch.save writes a zip archive, or (legacy format) a pickle of protocol 2 or later
+TORCH_SAVE_MARKERS = (b"PK", b"\x80")
+
+
+PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's, never torch.save's
+
+
+# a MemoryError reading a file this small comes from a garbage length field, not from the weights
+SMALL_FILE = 1 << 20
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_weights_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--weights {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file"))
+    return path
+
+
+def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
+    path = check_weights_file(path)
+    with open(path, "rb") as f:
+        start = f.read(512)
+    head = start.lstrip().lower()
+    if head.startswith(HTML_MARKERS):
+        raise InputError(f"--weights {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
+    if head.startswith(LFS_POINTER):
+        raise InputError(
+            f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
+            f"run git lfs pull in that repository, or download the file itself"
+        )
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(start, path.stat().st_size):  # the bytes decide, as for images
+        from safetensors import SafetensorError
+
+        try:
+            with open_safetensors(path) as f:
+                if (f.metadata() or {}).get("format") == "cafa-stats":
+                    raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
+                state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+        except (SafetensorError, OSError, ValueError) as error:
+            raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None
+    else:
+        state = _torch_load(path, trust_checkpoint)
+    return _unwrap(state, path)
+
+
+def _looks_like_safetensors(start: bytes, size: int) -> bool:
+    """safetensors' layout: an 8-byte little-endian header length, then the JSON header."""
+    return len(start) >= 9 and start[8:9] == b"{" and 2 <= int.from_bytes(start[:8], "little") <= size - 8
+
+
+def _torch_load(path: Path, trust_checkpoint: bool):
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error below says it all
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=not trust_checkpoint)
+    except pickle.UnpicklingError as error:
+        start = _first_bytes(path)
+        if trust_checkpoint and start in PLAIN_PICKLE:
+            raise _ran_plain_pickle(path) from None
+        # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
+        # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
+        if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
+            raise InputError(
+                f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
+                f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
+            ) from None
+        if start in PLAIN_PICKLE:
+            raise InputError(
+                f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
+                f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+            ) from None
+        raise _not_a_checkpoint(path, error) from None
+    except (ImportError, AttributeError) as error:
+        # only a trusted load imports: a whole pickled model whose code is not on this machine
+        detail = str(error).splitlines()[0][:200] if str(error) else ""
+        if trust_checkpoint and detail and detail.isprintable():
+            raise InputError(
+                f"--weights {path}: the checkpoint pickles objects whose code is not importable here ({detail}); "
+                f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
+            ) from None
+        raise _not_a_checkpoint(path, error) from None
+    except MemoryError as error:
+        if path.stat().st_size >= SMALL_FILE:
+            raise  # a real shortage: the CLI reports it as out of memory
+        raise _not_a_checkpoint(path, error) from None
+    except Exception as error:  # bytes read as pickle opcodes fail in any way: KeyError, IndexError, struct.error...
+        if trust_checkpoint and _first_bytes(path) in PLAIN_PICKLE:
+            raise _ran_plain_pickle(path) from None
+        raise _not_a_checkpoint(path, error) from None
+
+
+def _ran_plain_pickle(path: Path) -> InputError:
+    return InputError(
+        f"--weights {path}: a plain Python pickle, not a torch checkpoint; --trust-checkpoint unpickled it, "
+        f"so any code it carries has run; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
+    )
+
+
+def _first_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(2)
+
+
+def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
+    name = type(error).__name__
+    if name == "error":  # struct.error: a bare "(error)" would read as a typo
+        name = f"{type(error).__module__}.error"
+    return InputError(f"--weights {path}: this is not a checkpoint torch can read ({name})")
+
+
+def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    for key in ("state_dict", "model", "model_state_dict", "net"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InputError(f"--weights {path}: expected a state_dict (names -> tensors), found {type(state).__name__}")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    own = model.state_dict()
+    missing = sorted(k for k in set(own) - set(state) if not is_step_counter(k))  # the model keeps its own counters
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {listing(missing, 6)}")
+        if unexpected:
+            parts.append(f"unexpected {listing(unexpected, 6)}")
+        raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
+    odd = [f"{k} ({_kind(v)})" for k, v in state.items() if k in own and _kind(v)]
+    if odd:  # load_state_dict fails on them with a long message, or drops imaginary parts with a warning
+        raise InputError(f"--weights {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
+                         f"(tensor.to_dense(), real parts)")
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
+    if wrong:
+        raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
+    model.load_state_dict(state, strict=False)  # every key was checked above
+
+
+def _kind(tensor) -> str | None:
+    """What makes a checkpoint tensor unloadable as model weights, or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__name__
+    if tensor.layout != torch.strided:
+        return "sparse"
+    if tensor.is_meta:
+        return "meta: no values"
+    if tensor.is_complex():
+        return "complex"
+    return None

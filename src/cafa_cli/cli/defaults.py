@@ -1,0 +1,90 @@
+"""Defaults from `cafa.toml` (or `[tool.cafa]` in pyproject.toml) in the working directory.
+
+A CI pipeline sets once what it would otherwise repeat on every line:
+
+    [adapt]
+    batch-size = 64
+    optimizer = "sgd"
+    lr = 0.0025
+
+Tables are commands, keys are their long options without the dashes. Options on the
+command line win over the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from cafa_cli.errors import UsageError
+
+
+CONFIG_FILE = "cafa.toml"
+
+
+@dataclass
+class CommandOptions:
+    """What a command's table in the file may hold."""
+
+    keys: dict[str, str]  # its long options without the dashes (an argument by its name) -> parameter names
+    lists: set[str] = field(default_factory=set)  # parameters that take several values: one string is a list of one
+    flags: set[str] = field(default_factory=set)  # parameters that take true or false; any other would take true as 1
+    # parameters that let code run or lift a safety check: a file in the working folder
+    # (a cloned repository, a downloaded results folder) must not set them for the user
+    command_line_only: set[str] = field(default_factory=set)
+
+
+def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> dict[str, dict]:
+    """{command: {parameter: value}} for typer's default_map, checked against each
+    command's options, so that a misspelt key is an error rather than ignored."""
+    folder = Path(folder)
+    path, table, prefix = folder / CONFIG_FILE, None, ""
+    if path.is_file():
+        table = _load(path)
+    elif (folder / "pyproject.toml").is_file():
+        path, prefix = folder / "pyproject.toml", "tool.cafa."
+        tool = _load(path).get("tool", {})
+        table = tool.get("cafa") if isinstance(tool, dict) else None
+    if not table:
+        return {}
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [tool.cafa] must be a table of commands, e.g. [tool.cafa.adapt]")
+    defaults: dict[str, dict] = {}
+    for command, values in table.items():
+        if command not in commands:
+            raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(commands))}")
+        if not isinstance(values, dict):
+            raise UsageError(f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on a line of its own")
+        defaults[command], options = {}, commands[command]
+        for key, value in values.items():
+            name = options.keys.get(key.replace("_", "-"))  # batch_size as well as batch-size
+            if name is None:
+                raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
+            if name in options.command_line_only:
+                raise UsageError(f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
+                                 f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line")
+            if name in defaults[command]:
+                raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
+            if isinstance(value, bool) and name not in options.flags:
+                raise UsageError(f"{path}: [{prefix}{command}] {key} = {str(value).lower()}: {key} takes a value, not true or false")
+            if isinstance(value, str) and name in options.lists:
+                value = [value]
+            elif isinstance(value, list) and name not in options.lists:
+                # an option that takes a comma-separated list (seeds, methods, mean) written as a TOML array
+                value = ",".join(str(item) for item in value)
+            defaults[command][name] = value
+    return defaults
+
+
+def defaults_source(folder: str | Path) -> str:
+    """Where read_defaults found the defaults, for errors about their values."""
+    return CONFIG_FILE if (Path(folder) / CONFIG_FILE).is_file() else "[tool.cafa] in pyproject.toml"
+
+
+def _load(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path}: not valid TOML ({error})") from None
+    except OSError as error:
+        raise UsageError(f"{path}: cannot read it ({error.strerror or error}); fix its permissions, or move it away") from None

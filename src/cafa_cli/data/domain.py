@@ -1,0 +1,125 @@
+"""A `Domain`: references to images, their labels as indices into the model's class
+names, and a reader. Labels always go through class *names*, never through the order
+of whatever folders a test set happens to have."""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from cafa_cli.errors import InputError, listing, repeated
+from cafa_cli.data.preprocessing import Preprocessing
+
+# what reading a damaged, truncated or hostile image file raises
+UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
+MAX_CLASSES = 1_000_000  # class indices in a labels array; ImageNet-21k has 21,841 classes
+
+
+UNLABELLED = -1
+
+
+@dataclass
+class Domain:
+    name: str
+    refs: list[str]
+    labels: np.ndarray  # int64, indexes class_names; UNLABELLED where unknown
+    class_names: list[str]
+    read: Callable[[int], Image.Image]
+    indexed_labels: bool = False  # labels are output indices (arrays), not names
+    # what opening it noticed but let pass (one line each); the caller shows them as warnings
+    notes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(len(self.labels)) and bool((self.labels != UNLABELLED).all())
+
+
+def relabel(domain: Domain, class_names: list[str]) -> Domain:
+    """Map the domain's labels into `class_names` by name.
+
+    Arrays carry label indices, not names: those are checked against the class count.
+    """
+    if domain.class_names == class_names or not domain.class_names:
+        return replace(domain, class_names=class_names)
+    if domain.indexed_labels:
+        if int(domain.labels.max(initial=-1)) >= len(class_names):
+            raise InputError(
+                f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(class_names)} classes"
+            )
+        return replace(domain, class_names=class_names)
+    find = _class_finder(class_names)
+    unknown = sorted(n for n in set(domain.class_names) if find(n) is None)
+    used = set(domain.labels[domain.labels != UNLABELLED].tolist())
+    unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
+    if unknown_used:
+        shown = listing(unknown_used)
+        plain = {_plain(name): name for name in class_names}
+        near = [f"{plain[_plain(n)]} for {n}" for n in unknown_used if _plain(n) in plain]
+        hint = f" (did you mean {listing(near)}?)" if near else ""
+        raise InputError(
+            f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
+            f"rename them to the model's class names, or compute the statistics with their class list (cafa stats --classes)"
+        )
+    positions = [find(n) for n in domain.class_names]
+    lookup = np.array([UNLABELLED if p is None else p for p in positions] + [UNLABELLED], dtype=np.int64)
+    return replace(domain, labels=lookup[domain.labels], class_names=class_names)
+
+
+def _class_finder(class_names: list[str]) -> Callable[[str], int | None]:
+    """A name's class position: by the exact name, else by its composed Unicode form where
+    that form is one class's only. macOS writes folder names decomposed (NFD), most other
+    systems and class lists composed (NFC), and the two print the same."""
+    exact = {name: i for i, name in enumerate(class_names)}
+    composed: dict[str, int | None] = {}
+    for i, name in enumerate(class_names):
+        key = unicodedata.normalize("NFC", name)
+        composed[key] = None if key in composed else i  # two classes of one form: neither is found by it
+
+    def find(name: str) -> int | None:
+        return exact[name] if name in exact else composed.get(unicodedata.normalize("NFC", name))
+
+    return find
+
+
+def _plain(name: str) -> str:
+    """A class name without case, spaces, hyphens or underscores, to suggest near misses."""
+    return "".join(ch for ch in name.lower() if ch not in " -_")
+
+
+def read_class_list(path: str) -> list[str]:
+    file = Path(path)
+    if file.exists() and not file.is_file():
+        # a pipe (`--classes <(...)`) can be read only once, and the list is read more than once
+        raise InputError(f"--classes {path}: not a regular file (a folder or a pipe); write the class list to a file")
+    if not file.is_file():
+        raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
+        binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise InputError(f"--classes {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise InputError(f"--classes {path}: the file lists no class names")
+    duplicates = sorted(repeated(names))
+    if duplicates:
+        raise InputError(f"--classes {path}: class names repeat: {', '.join(duplicates[:5])}")
+    return names
+
+
+def padding_note(domain: Domain, preprocess: Preprocessing) -> str | None:
+    """Preprocessing.padding_note for a domain's first readable image (one image: cheap)."""
+    for i in range(min(len(domain), 8)):
+        try:
+            return preprocess.padding_note(domain.read(i), domain.name)
+        except UNREADABLE:
+            continue
+    return None

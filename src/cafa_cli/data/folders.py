@@ -1,0 +1,120 @@
+"""Image folders (one subfolder per class, or unlabelled) and image paths on stdin."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from cafa_cli.errors import InputError, listing
+from cafa_cli.data.domain import Domain, UNLABELLED
+
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+
+
+
+
+def is_image(path: str) -> bool:
+    """An image file by its extension; hidden files (macOS `._x.jpg`) are not data. A broken
+    symlink counts, so that it is reported as unreadable rather than dropped unseen.
+    Plain strings, not Paths: an ImageNet-C domain lists 50,000 of them (about 2x faster)."""
+    name = os.path.basename(path)
+    return (not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+            and (os.path.isfile(path) or os.path.islink(path)))
+
+
+def _path_order(path: str) -> list[str]:
+    """Sort key: the order of pathlib's paths (component by component), so that listings,
+    stream orders and sampled subsets stay those of earlier versions."""
+    return os.path.normcase(path).split(os.sep)
+
+
+def _images_below(folder: Path) -> list[str]:
+    """Every image in a class folder and its sub-folders, symlinked ones included (each
+    real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped,
+    and so is a link up to a folder that holds this one (it would bring in the other classes)."""
+    found, seen, top = [], set(), os.path.realpath(folder)
+
+    def unreadable(error: OSError) -> None:
+        raise InputError(f"cannot list the folder {error.filename} ({error.strerror}); fix its permissions, or move it out of the data")
+
+    for here, subfolders, files in os.walk(folder, followlinks=True, onerror=unreadable):
+        real = os.path.realpath(here)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and not _holds(os.path.join(here, name), top)]
+        found += [path for path in (os.path.join(here, name) for name in files) if is_image(path)]
+    return sorted(found, key=_path_order)
+
+
+def _holds(folder: str, inner: str) -> bool:
+    real = os.path.realpath(folder)
+    return os.path.commonpath([real, inner]) == real
+
+
+# Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
+# name: without this list a PostScript file named .jpg in an untrusted folder would be
+# handed to Ghostscript (EPS), a program outside this process.
+DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
+
+
+def read_image(path: str) -> Image.Image:
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block or never end
+        raise UnidentifiedImageError("not a regular file")
+    try:
+        with Image.open(path, formats=DECODERS) as image:
+            image.load()  # decode now so that truncated files fail here, not later
+            return image
+    except UnidentifiedImageError:
+        empty = Path(path).stat().st_size == 0
+        raise UnidentifiedImageError("empty file (0 bytes)" if empty else f"not an image in a format cafa reads: {', '.join(DECODERS)}") from None
+
+
+def _folder_domain(root: Path) -> Domain:
+    """root/<class>/<images> is labelled; root/<images> is an unlabelled stream."""
+    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    refs: list[str] = []
+    labels: list[int] = []
+    class_names = [d.name for d in class_dirs]
+    for label, folder in enumerate(class_dirs):
+        images = _images_below(folder)
+        refs += images
+        labels += [label] * len(images)
+    top = sorted((path for path in (os.path.join(root, name) for name in os.listdir(root)) if is_image(path)), key=_path_order)
+    notes = []
+    if refs and top:
+        # they have no label, and a labelled run cannot mix in unlabelled images: say so, not drop them unseen
+        notes.append(
+            f"--data {root}: ignoring {len(top)} image(s) at the top level, outside the class folders "
+            f"({listing(os.path.basename(path) for path in top)}); move them into their class folders"
+        )
+    if not refs:
+        if not top and class_dirs:
+            shown = listing(d.name for d in class_dirs)
+            raise InputError(
+                f"--data {root}: no images found in the class folders {shown} "
+                f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
+            )
+        if not top:
+            raise InputError(
+                f"--data {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
+                f"in class sub-folders and at the top level)"
+            )
+        refs = top
+        labels = [UNLABELLED] * len(refs)
+        class_names = []
+    return Domain(str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]), notes=notes)
+
+
+def _stdin_domain(stream) -> Domain:
+    # bytes decoded as the file system does, so that any file name comes through; a name
+    # may begin or end with a space, so spaces are cut only when the path as written is not there
+    lines = (os.fsdecode(line) for line in stream.buffer) if hasattr(stream, "buffer") else stream
+    written = [ref for ref in (line.rstrip("\r\n") for line in lines) if ref.strip()]
+    refs = [ref if os.path.lexists(ref) or not os.path.lexists(ref.strip()) else ref.strip() for ref in written]
+    if not refs:
+        raise InputError("--data -: stdin held no image paths (give one path per line)")
+    return Domain("-", refs, np.full(len(refs), UNLABELLED, dtype=np.int64), [], lambda i: read_image(refs[i]))

@@ -1,0 +1,165 @@
+"""Image preprocessing: one explicit, serialisable recipe shared by `stats` and `adapt`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+import torch
+from PIL import Image
+from cafa_cli.errors import UsageError
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
+
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+MAX_SIDE = 4096  # pixels; --resize 100000 would ask for 10 GB per image and end out of memory
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """PIL image -> uint8 pixels (in the loader) -> normalised float batch (on the device).
+
+    Loader processes stop at uint8: a quarter of the bytes to pass between processes
+    and to copy to the GPU, and the float arithmetic is done once per batch where it
+    is cheapest. The result is bit for bit the per-image `to_tensor` + `normalize`.
+
+    `resize` scales the shorter side, `crop` takes the centre square; either may be
+    None. ImageNet-C images are already 224x224 (made by resize 256 + crop 224), so
+    for them resize and crop must both be None (or 224) — resizing them again costs
+    accuracy.
+    """
+
+    resize: int | None = 256
+    crop: int | None = 224
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    channels: int = 3
+
+    def __post_init__(self):
+        check_values(asdict(self))
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
+                raise UsageError(f"--channels {self.channels}: the default --{name} is ImageNet's, with one value per RGB channel; "
+                                 f"give --mean and --std for your images, one value each")
+            if len(values) not in (1, self.channels):
+                counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
+                raise UsageError(f"--{name} needs {counts}, got {len(values)}")
+        if self.resize is not None and self.crop is not None and self.crop > self.resize:
+            raise UsageError(
+                f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
+                f"give --crop {self.resize} or less"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Preprocessing:
+        return cls(
+            resize=d.get("resize"),
+            crop=d.get("crop"),
+            mean=_numbers(d["mean"], "mean"),
+            std=_numbers(d["std"], "std"),
+            channels=int(d["channels"]),
+        )
+
+    def with_changes(self, changes: dict) -> Preprocessing:
+        """A copy with the options a user gave (None is a value here: "no resize")."""
+        return replace(self, **changes)
+
+    def pixels(self, image: Image.Image) -> torch.Tensor:
+        """The image resized and cropped: uint8, [channels, height, width]."""
+        # deferred: importing torchvision takes seconds, which commands that read no image
+        # (inspect, --help, a mistyped option) should not pay
+        from torchvision.transforms import functional as TF
+
+        image = to_mode(image, "L" if self.channels == 1 else "RGB")
+        if self.resize is not None:
+            image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode.BILINEAR)
+        if self.crop is not None:
+            image = TF.center_crop(image, self.crop)
+        return TF.pil_to_tensor(image)
+
+    def padding_note(self, image: Image.Image, where: str) -> str | None:
+        """A warning when the centre crop is larger than this image after the resize:
+        torchvision pads it with black, which no model has seen."""
+        if self.crop is None:
+            return None
+        width, height = image.size
+        if self.resize is not None:
+            longer = int(self.resize * max(width, height) / min(width, height))  # as torchvision's resize sizes it
+            width, height = (self.resize, longer) if width <= height else (longer, self.resize)
+        if self.crop <= min(width, height):
+            return None
+        return (f"{where}: --crop {self.crop} is larger than its images ({width}x{height} after --resize "
+                f"{self.resize or 'none'}), so the crop pads them with black; give --crop {min(width, height)} or less")
+
+    def per_channel(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(mean, std) with one value per channel: `--mean 0.5` is `--mean 0.5,0.5,0.5` for RGB."""
+        return self.mean * (self.channels // len(self.mean)), self.std * (self.channels // len(self.std))
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels, one image or a batch, on any device -> the model's float input."""
+        mean, std = (torch.tensor(values, device=pixels.device).reshape(-1, 1, 1) for values in self.per_channel())
+        return pixels.float().div_(255).sub_(mean).div_(std)
+
+
+def _numbers(values, name: str) -> tuple[float, ...]:
+    # float() would take the text "0.5" one character at a time and fail on the "."
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"'{name}' must be a list of numbers, not {values!r}")
+    return tuple(float(v) for v in values)
+
+
+def check_values(values: dict) -> None:
+    """Each value wrong by itself, whatever the others: for the options a user gave, which
+    adapt combines with the artifact's for the rest (Preprocessing checks the combination)."""
+    if "channels" in values and values["channels"] not in (1, 3):
+        raise UsageError(f"--channels must be 1 or 3, not {values['channels']}")
+    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
+        raise UsageError("--mean and --std values must be finite numbers")
+    if any(s <= 0 for s in values.get("std", ())):
+        raise UsageError("--std values must be positive")
+    for name in ("resize", "crop"):
+        value = values.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
+            raise UsageError(f"--{name} must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
+
+
+def to_mode(image: Image.Image, mode: str) -> Image.Image:
+    """Convert any PIL image to 8-bit grey or RGB.
+
+    16-bit and 32-bit integer images are rescaled to 8 bits (PIL's own conversion
+    clips them), and transparency is composited on white rather than dropped to black.
+    """
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        image = image.point(lambda v: v / 256).convert("L")
+    elif image.mode == "F":
+        image = image.convert("L")
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert(mode)
+
+
+def parse_size(text: str, option: str) -> int | None:
+    """'224' -> 224, 'none' -> None."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{option} takes a whole number of pixels or 'none', not {text!r}") from None
+
+
+def parse_floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None

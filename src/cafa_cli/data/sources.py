@@ -1,0 +1,61 @@
+"""Open one data value, whatever its kind, as a `Domain`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.data.domain import Domain, relabel
+from cafa_cli.data.arrays import TRAINING_SETS, _array_domain
+from cafa_cli.data.folders import _folder_domain, _stdin_domain
+
+
+def open_domain(
+    spec: str,
+    class_names: Sequence[str] | None = None,
+    labels: str | None = None,
+    severity: int | None = None,
+    stdin=None,
+) -> Domain:
+    """Open one `--data` value.
+
+    `class_names`, when given, is the model's output order (from `--classes` or the
+    artifact); labels are mapped into it by name. Without it, an image folder's
+    sorted folder names become the class list.
+    """
+    is_array = Path(spec).suffix.lower() == ".npy"
+    if labels is not None and not is_array:
+        raise UsageError(f"--labels is only for .npy arrays, and --data {spec} is not one; image folders take labels from class folders")
+    if severity is not None and not is_array:
+        raise UsageError(
+            "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
+            "for an image folder, give the folder of one severity as --data"
+        )
+    kind, _, root = spec.partition(":")
+    if kind in TRAINING_SETS and (root or not Path(spec).exists()):
+        domain = TRAINING_SETS[kind](Path(root) if root else None)
+    elif spec == "-":
+        domain = _stdin_domain(stdin if stdin is not None else sys.stdin)
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise InputError(f"--data {spec}: no such file or folder")
+        if path.is_dir():
+            domain = _folder_domain(path)
+        elif path.suffix.lower() == ".npy":
+            domain = _array_domain(path, labels, severity)
+        else:
+            raise InputError(
+                f"--data {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
+                f"or one of {', '.join(k + ':ROOT' for k in TRAINING_SETS)}"
+            )
+    if class_names is not None:
+        domain = relabel(domain, list(class_names))
+    return domain
+
+
+def on_disk(spec: str) -> str:
+    """Where a --data value lies in the file system: ROOT for `cifar10:ROOT` and the like."""
+    kind, _, root = spec.partition(":")
+    return root if kind in TRAINING_SETS and root else spec

@@ -1,0 +1,283 @@
+"""The `adapt` job: load the model and its statistics, open the test domains, build
+the Adapter, and run the online stream."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+import numpy as np
+import torch
+from cafa_cli.method.adapter import Adapter, check_settings
+from cafa_cli.method.methods import NEEDS_STATISTICS, create
+from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact
+from cafa_cli.data.domain import Domain, padding_note, relabel
+from cafa_cli.data.loading import check_loading, loader_processes
+from cafa_cli.data.sources import open_domain
+from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import absolute
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.models import ModelSpec, canonical_model
+from cafa_cli.devices import pick_device
+from cafa_cli.data.preprocessing import Preprocessing, check_values
+from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.jobs.results import DomainResult
+from cafa_cli.jobs.stream import adapt_domains, check_reset
+from cafa_cli.jobs.inputs import DataChoice, ModelChoice, _check_classes, _class_names_of, _skip_warning, check_seed, default_class_names, default_preprocessing, resolve_model
+from cafa_cli.provenance import _recorded_model, model_mismatch
+
+
+@dataclass
+class AdaptSettings:
+    method: str = "cafa"
+    batch_size: int = 200
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    steps: int = 1
+    params: str = "norm"
+    bn_prior: float = 0.0
+    reset: str = "domain"
+    shuffle: bool = True
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    num_workers: int | None = None  # None: data.loader_processes' default for the device
+    strict: bool = False
+    compile: bool = False
+
+    def options(self) -> list[str]:
+        """The `cafa adapt` options that give these settings: --method, then those off their defaults."""
+        words = ["--method", self.method]
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if option.name == "method" or value == option.default:
+                continue
+            flag = option.name.replace("_", "-")
+            if isinstance(value, bool):
+                words.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                words += [f"--{flag}", str(value)]
+        return words
+
+
+def check_adapt_settings(settings: AdaptSettings) -> torch.device:
+    """Every option value of an adapt run, before any model or data is read; returns the device."""
+    s = settings
+    check_seed(s.seed)
+    check_loading(s.batch_size, s.num_workers)
+    check_reset(s.reset)
+    device = pick_device(s.device)
+    check_settings(s.method, s.params, s.optimizer, s.lr, s.momentum, s.steps, s.bn_prior, s.precision, device)
+    return device
+
+
+def load_for_adaptation(
+    stats: str | None,
+    model: ModelChoice,
+    method: str,
+    allow_weights_mismatch: bool = False,
+) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
+    """The model (from the artifact unless overridden) and the artifact, checked against each other."""
+    artifact = None
+    stats_path = DEFAULT_PATH if stats is None else stats
+    if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
+        raise UsageError(f"give the model with --model (and --weights): --method {method} needs no statistics, "
+                         f"and there is no {stats_path} to name it")
+    if stats is not None or method in NEEDS_STATISTICS or model.model is None:
+        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
+    named_by_artifact = model.model is None
+    if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
+        model = _recorded_model(artifact, model)
+    try:
+        net, spec = resolve_model(model)
+    except UsageError as error:
+        if not named_by_artifact:
+            raise
+        # the user gave no --model: say where the name came from
+        raise InputError(f"the model recorded in {artifact.path}: {error}") from None
+    if artifact is not None:
+        if net.feature_dim != artifact.feature_dim:
+            raise InputError(
+                f"the model's features have {net.feature_dim} dimensions but {artifact.path} was made for "
+                f"{artifact.feature_dim}; recompute the statistics for this model"
+            )
+        _check_classes(net, artifact.class_names, artifact.path,
+                       "check --model and --num-classes, or compute statistics for this model with cafa stats")
+        if not allow_weights_mismatch:
+            mismatch = model_mismatch(artifact, spec, net)
+            if mismatch:
+                raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass --allow-weights-mismatch")
+    return net, artifact, spec
+
+
+def unread_default_artifact(stats: str | None, model: str | None, method: str, preprocess: Preprocessing) -> str | None:
+    """A warning for `cafa adapt --model M --method bn` (no --stats) beside a cafa-stats.safetensors
+    that it does not read: the run then takes the default preprocessing and class names,
+    not the artifact's, which for a model trained otherwise is silently another input."""
+    if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_PATH).is_file():
+        return None
+    return (f"{DEFAULT_PATH} is here but not read (with --model, a method that needs no statistics reads an artifact only when "
+            f"named), so --method {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
+            f"and the model's or the data's class names; pass --stats {DEFAULT_PATH} to use the artifact's")
+
+
+@dataclass
+class Adaptation:
+    """A prepared `adapt` job: the model, its domains and class names, ready to run."""
+
+    adapter: Adapter
+    domains: list[Domain]
+    preprocess: Preprocessing
+    class_names: list[str]
+    settings: AdaptSettings
+    recorded_settings: dict  # every setting, for the metrics JSON
+    statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+
+    def cautions(self) -> list[str]:
+        """What the data or settings do that runs but quietly hurts the results, worth a warning."""
+        notes = [note for domain in self.domains for note in domain.notes]
+        notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
+        s = self.settings
+        if s.method == "bn" and self.adapter.batch_norms == 0:
+            notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
+        batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
+        if s.batch_size == 1 and batch_statistics:
+            notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
+                         "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
+        alone = [_short_name(d.name) for d in self.domains if len(d) % s.batch_size == 1]
+        if s.batch_size > 1 and batch_statistics and alone:
+            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
+                         f"choose a --batch-size that leaves more, or add --bn-prior 16")
+        grouped = [_short_name(d.name) for d in self.domains if _one_class_after_another(d.labels)]
+        if not s.shuffle and s.method != "source" and grouped:
+            notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
+                         f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
+        one_batch = [_short_name(d.name) for d in self.domains if 0 < len(d) <= s.batch_size]
+        if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
+            # each batch is predicted before the update it gives (the online protocol)
+            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of --batch-size {s.batch_size}, "
+                         f"predicted before any update: {s.method} cannot differ from bn there; lower --batch-size")
+        made = self.statistics_preprocess
+        if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
+            notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
+                         f"(ImageNet-C); otherwise the features will not match the statistics")
+        if made and (made.channels, made.per_channel()) != (self.preprocess.channels, self.preprocess.per_channel()):
+            notes.append(f"--mean/--std/--channels differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
+                         f"{made.channels} channel(s)): the features will not match the statistics")
+        return notes
+
+    def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
+        monitor = monitor or Monitor()
+
+        def records(batch_records, so_far: DomainResult):
+            monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
+            on_records(batch_records)
+
+        s = self.settings
+        results = adapt_domains(
+            self.adapter,
+            self.domains,
+            self.preprocess,
+            s.batch_size,
+            s.reset,
+            s.shuffle,
+            s.seed,
+            s.num_workers,
+            s.strict,
+            on_records=records,
+            on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
+            on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
+        )
+        for result in results:
+            # fp16's loss scaler skips a few steps by design while it settles; otherwise a
+            # skipped update means the objective itself is broken and the run is bn's
+            if result.skipped_steps and s.precision != "fp16":
+                monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
+                             f"gradients were not finite; check the statistics (cafa inspect) and lower --lr")
+        return results
+
+
+def _one_class_after_another(labels: np.ndarray) -> bool:
+    """Labels in runs of one class each (class folders, in whatever order the folder names
+    sort against the model's classes), over more than one class."""
+    known = labels[labels >= 0]
+    classes = len(np.unique(known))
+    return classes > 1 and int((np.diff(known) != 0).sum()) == classes - 1
+
+
+def _geometry(recipe: Preprocessing) -> str:
+    return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
+
+
+def _short_name(name: str) -> str:
+    """`…/fog/5` → `fog/5` (the ImageNet-C layout), else the folder or file name."""
+    path = Path(name)
+    return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)
+
+
+def prepare_adaptation(
+    data: list[str],
+    stats: str | None = None,
+    model: ModelChoice = ModelChoice(),
+    data_choice: DataChoice = DataChoice(),
+    settings: AdaptSettings = AdaptSettings(),
+    allow_weights_mismatch: bool = False,
+) -> Adaptation:
+    if not data:
+        raise UsageError("give at least one --data PATH")
+    if data.count("-") > 1:
+        raise UsageError("--data - (image paths on stdin) is given more than once; stdin can be read once")
+    device = check_adapt_settings(settings)
+    net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
+    if artifact and data_choice.classes_file:
+        raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
+    base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
+    check_values(data_choice.preprocessing)  # wrong by itself: no word about where the others came from
+    try:
+        preprocess = base.with_changes(data_choice.preprocessing)
+    except UsageError as error:
+        source = artifact.path if artifact else f"the defaults of {spec.model}"
+        raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
+    class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
+    domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity) for d in data]
+    if class_names is None:
+        class_names = _class_names_of(domains, net)
+        domains = [relabel(d, class_names) for d in domains]
+        _check_classes(net, class_names, "the data")
+    elif artifact is None:  # the artifact's list was checked with it
+        _check_classes(net, class_names, f"the class list {data_choice.classes_file}" if data_choice.classes_file else f"{spec.model}'s class list")
+    adapter = Adapter(
+        net,
+        create(settings.method, artifact.gaussians if artifact else None, device),
+        device,
+        params=settings.params,
+        optimizer=settings.optimizer,
+        lr=settings.lr,
+        momentum=settings.momentum,
+        steps=settings.steps,
+        bn_prior=settings.bn_prior,
+        precision=settings.precision,
+        compile=settings.compile,
+    )
+    recorded = _recorded_settings(settings, allow_weights_mismatch, device, artifact, spec, data_choice, preprocess)
+    return Adaptation(adapter, domains, preprocess, class_names, settings, recorded, artifact.preprocessing if artifact else None)
+
+
+def _recorded_settings(settings: AdaptSettings, allow_weights_mismatch: bool, device: torch.device, artifact: Artifact | None,
+                       spec: ModelSpec, data_choice: DataChoice, preprocess: Preprocessing) -> dict:
+    """Every setting the results depend on, as resolved, for the metrics JSON."""
+    return {
+        **asdict(settings),
+        "allow_weights_mismatch": allow_weights_mismatch,
+        "device": str(device),
+        "num_workers": loader_processes(settings.num_workers, device),
+        # which statistics: the path as resolved, and when they were made (a path can be overwritten)
+        "stats": absolute(artifact.path) if artifact else None,
+        "stats_created": artifact.metadata.get("created") if artifact else None,
+        "covariance": artifact.covariance if artifact else None,
+        **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
+        "classes": absolute(data_choice.classes_file),
+        "labels": absolute(data_choice.labels),
+        "severity": data_choice.severity,
+        "preprocessing": asdict(preprocess),
+    }

@@ -1,0 +1,426 @@
+"""One settings object per job: every option, its default, its help, and its check.
+
+`StatsConfig`, `AdaptConfig`, `BenchConfig` and `DemoConfig` are the single source of
+defaults. The command line generates its options from their fields (cli/options.py),
+cafa.toml sets the same names, and the Python API builds them directly:
+
+    AdaptConfig(data=["ImageNet-C/fog/5"], lr=0.0025, optimizer="sgd", batch_size=64)
+
+Construction checks every value that can be checked without a model or data, and
+names a wrong one in backticks (`lr`), which the command line shows as `--lr`.
+Adding an option is two edits: a field here, and the code that uses it.
+
+This module imports neither torch nor the jobs, so that `cafa --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Literal
+
+from cafa_cli.errors import UsageError
+from cafa_cli.method.methods import NAMES as METHODS
+
+Optimizer = Literal["adam", "sgd", "nesterov"]
+ParamSet = Literal["norm", "all"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Reset = Literal["domain", "episodic", "never"]
+Covariance = Literal["auto", "full", "tied", "diag", "lowrank"]
+RecordFormat = Literal["csv", "jsonl"]
+Method = Literal[METHODS]  # type: ignore[valid-type]  (the registry's names)
+
+DEFAULT_ARTIFACT = "cafa-stats.safetensors"
+DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
+MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image
+BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
+DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
+
+# help panels, in the order --help shows them
+MODEL, DATA, ADAPTATION, STREAM, STATISTICS, OUTPUT, RUNTIME = (
+    "Model", "Data", "Adaptation", "Stream", "Statistics", "Output", "Runtime")
+
+
+def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
+            panel: str | None = None, show_default: bool = True, command_line_only: bool = False):
+    """A config field with what its command-line option needs. `flags` replaces the
+    generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
+    setting that lets code run or lifts a safety check, which no config file may set."""
+    metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
+                "command_line_only": command_line_only}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
+
+    model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a "
+                                "factory: file.py:function or package.module:function.", flags=("--model", "-m"),
+                                metavar="NAME", panel=MODEL)
+    weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True).",
+                                  flags=("--weights", "-w"), metavar="PATH", panel=MODEL)
+    num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL)
+    classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL)
+    trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
+                                     "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True)
+
+    def _check_model(self) -> None:
+        if self.num_classes is not None:
+            _at_least("num_classes", self.num_classes, 1)
+
+
+@dataclass(kw_only=True)
+class InputOptions:
+    """How images are read and preprocessed. None: the artifact's, the bundled model's, or ImageNet's."""
+
+    classes: str | None = setting(None, "File with one class name per line, in the model's output order (default: an "
+                                  "artifact's or a bundled model's list, else the sorted folder names).", metavar="PATH",
+                                  panel=DATA)
+    labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA)
+    severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout).",
+                                   metavar="N", panel=DATA)
+    resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
+                                 "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA)
+    crop: str | None = setting(None, "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
+                               "already 224x224: use --resize none --crop none.", metavar="PX", panel=DATA)
+    mean: str | None = setting(None, "Normalisation mean, one value or one per channel; default as --resize's, or "
+                               "ImageNet's.", metavar="X[,X,X]", panel=DATA)
+    std: str | None = setting(None, "Normalisation std, one value or one per channel; default as --mean's.",
+                              metavar="X[,X,X]", panel=DATA)
+    channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA)
+
+    def preprocessing_changes(self, prefix: str = "") -> dict:
+        """The preprocessing values given (None: not given), parsed and each checked by itself."""
+        texts = {"resize": (self.resize, parse_size), "crop": (self.crop, parse_size),
+                 "mean": (self.mean, parse_floats), "std": (self.std, parse_floats)}
+        changes = {key: parse(text, prefix + key) for key, (text, parse) in texts.items() if text is not None}
+        if self.channels is not None:
+            changes["channels"] = self.channels
+        check_preprocessing(changes, prefix)
+        return changes
+
+    def _check_input(self) -> None:
+        self.preprocessing_changes()
+
+
+@dataclass(kw_only=True)
+class RuntimeOptions:
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.", metavar="DEVICE", panel=RUNTIME)
+    num_workers: int | None = setting(None, "Data loading processes. Default: on CUDA the CPU cores this process may use, "
+                                      "divided among torchrun's ranks on the machine, minus one; on the CPU 0.",
+                                      metavar="N", panel=RUNTIME, show_default=False)
+    strict: bool = setting(False, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME)
+
+    def _check_runtime(self) -> None:
+        if self.device != "auto" and self.device.partition(":")[0] not in ("cpu", "cuda"):
+            raise UsageError(f"`device` {self.device}: expected auto, cpu, cuda or cuda:N")
+        if self.num_workers is not None:
+            _at_least("num_workers", self.num_workers, 0)
+            cores = usable_cores()
+            if self.num_workers > 4 * cores:
+                # each is a process with its own copy of the interpreter: thousands exhaust the memory
+                raise UsageError(f"`num_workers` {self.num_workers} is more than 4 per CPU core ({cores} here); loader "
+                                 f"processes beyond the cores only compete for them: give {cores} or fewer")
+
+
+@dataclass(kw_only=True)
+class AdaptationOptions:
+    """How the model adapts: the Adapter's keyword arguments, one to one."""
+
+    params: ParamSet = setting("norm", "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION)
+    optimizer: Optimizer = setting("adam", "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C "
+                                   "code).", panel=ADAPTATION)
+    lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
+    momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
+    steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
+    bn_prior: float = setting(0.0, "Source BN statistics count as this many samples (0: test batch only).", metavar="N",
+                              panel=ADAPTATION)
+    precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
+    compile: bool = setting(False, "torch.compile the model (pays a compilation on the first batches).", panel=ADAPTATION)
+
+    def adapter_options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
+
+    def _check_adaptation(self) -> None:
+        _positive("lr", self.lr)
+        _number("momentum", self.momentum)
+        _number("bn_prior", self.bn_prior)
+        _at_least("steps", self.steps, 1)
+        if not 0 <= self.bn_prior < math.inf:
+            raise UsageError(f"`bn_prior` must be a number, 0 or more, not {self.bn_prior}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"`momentum` must be in [0, 1), not {self.momentum}")
+        if self.optimizer == "nesterov" and self.momentum == 0:
+            raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use sgd")
+
+
+@dataclass(kw_only=True)
+class StreamOptions:
+    """The order and grouping of the test images: adapt_domains' keyword arguments."""
+
+    batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
+    reset: Reset = setting("domain", "domain (each domain from the source weights), episodic (every batch), never "
+                           "(continual).", panel=STREAM)
+
+    def _check_stream(self) -> None:
+        check_batch_size(self.batch_size)
+
+
+@dataclass(kw_only=True)
+class SamplingOptions:
+    """Which training images the statistics come from, and how they are regularised."""
+
+    fraction: float | None = setting(None, f"Stratified fraction of each class's training images, in (0, 1]; default "
+                                     f"{DEFAULT_FRACTION}.", metavar="F", panel=STATISTICS, show_default=False)
+    per_class: int | None = setting(None, "This many training images per class instead of a --fraction.", metavar="N",
+                                    panel=STATISTICS)
+    shrinkage: str = setting("auto", "'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: "
+                             "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.", metavar="auto|λ",
+                             panel=STATISTICS)
+
+    def subset(self) -> tuple[float | None, int | None]:
+        """(fraction, None) or (None, per_class): a fraction of 0.05 when neither is given."""
+        if self.fraction is not None and self.per_class is not None:
+            raise UsageError("`fraction` and `per_class` both say how many training images to use; give one of them")
+        if self.per_class is not None:
+            _at_least("per_class", self.per_class, 2)
+            return None, self.per_class
+        fraction = DEFAULT_FRACTION if self.fraction is None else self.fraction
+        if not 0 < fraction <= 1:
+            raise UsageError(f"`fraction` must be in (0, 1], not {fraction}")
+        return fraction, None
+
+    def shrinkage_value(self) -> float | str:
+        """'auto', or λ in [0, 1] as a float."""
+        return parse_shrinkage(self.shrinkage)
+
+    def _check_sampling(self) -> None:
+        self.subset()
+        self.shrinkage_value()
+
+
+@dataclass(kw_only=True)
+class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
+    """`cafa stats`: per-class feature Gaussians of training images, into an artifact."""
+
+    data: str = setting(help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT "
+                        "/ fashion-mnist:ROOT.", flags=("--data", "-d"), metavar="PATH", panel=DATA)
+    model: str | None = setting("resnet50", ModelOptions.__dataclass_fields__["model"].metadata["help"],
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL)
+    seed: int = setting(0, "Seed of the stratified subset.", metavar="N", panel=STATISTICS)
+    covariance: Covariance = setting("auto", "auto (lowrank when every class has fewer images than feature dimensions, "
+                                     "else full), full (per class), lowrank (exact, a·I + low rank per class), tied "
+                                     "(one pooled), or diag.", panel=STATISTICS)
+    batch_size: int = setting(128, "Images per forward pass.", metavar="N", panel=RUNTIME)
+    out: str = setting(DEFAULT_ARTIFACT, "Artifact to write (atomically).", flags=("--out", "-o"), metavar="PATH",
+                       panel=OUTPUT)
+
+    def __post_init__(self):
+        check(self)
+        check_seed("seed", self.seed)
+        check_batch_size(self.batch_size)
+        check_covariance(self.covariance, self.shrinkage_value())
+
+
+@dataclass(kw_only=True)
+class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, RuntimeOptions):
+    """`cafa adapt`: adapt online over test domains, one prediction per image."""
+
+    data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for "
+                              "image paths on stdin.", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
+    stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}); it also names the model, "
+                                f"so --model/--weights can be left out.", flags=("--stats", "-s"), metavar="PATH",
+                                panel=MODEL)
+    method: Method = setting("cafa", "The method; see docs/usage.md for each.", panel=ADAPTATION)
+    allow_weights_mismatch: bool = setting(False, "Use the artifact with another model or other weights than it was "
+                                           "computed with.", panel=MODEL, command_line_only=True)
+    shuffle: bool = setting(True, "Shuffle each domain's stream (seeded).", flags=("--shuffle/--no-shuffle",), panel=STREAM)
+    seed: int = setting(0, "Seed of the stream order.", metavar="N", panel=STREAM)
+    format: RecordFormat = setting("csv", "Prediction records as csv or jsonl.", panel=OUTPUT)
+    predictions: str | None = setting(None, "Write the records to this file instead of stdout.", metavar="PATH", panel=OUTPUT)
+    metrics_json: str | None = setting(None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT)
+
+    def __post_init__(self):
+        if self.predictions == "-":  # stdout, as without the option
+            self.predictions = None
+        check(self)
+        check_seed("seed", self.seed)
+        if self.data.count("-") > 1:
+            raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
+
+    def stream_options(self) -> dict:
+        return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed}
+
+
+@dataclass(kw_only=True)
+class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions, StreamOptions, RuntimeOptions):
+    """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
+
+    data: list[str] = setting(help="A labelled test domain (repeatable).", factory=list, flags=("--data", "-d"),
+                              metavar="PATH", panel=DATA)
+    train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
+                                "fmnist-resnet: fashion-mnist.", metavar="PATH", panel=DATA)
+    model: str | None = setting("fmnist-resnet", ModelOptions.__dataclass_fields__["model"].metadata["help"],
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL)
+    test_resize: str | None = setting(None, "--resize for the test domains only (default: --resize). ImageNet-C: none.",
+                                      metavar="PX", panel=DATA)
+    test_crop: str | None = setting(None, "--crop for the test domains only (default: --crop). ImageNet-C: none.",
+                                    metavar="PX", panel=DATA)
+    methods: str = setting(BENCH_METHODS, "Rows, comma-separated: a method (statistics with --covariance auto); "
+                           "cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the "
+                           "paper's CAFA-Full: --params all). NAME@LR gives a row its own learning rate.",
+                           metavar="M[@LR],...", panel=ADAPTATION)
+    seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM)
+    batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
+                              "computed in batches of this size too.", metavar="N", panel=STREAM)
+    workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT)
+    csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT)
+    json: str | None = setting(None, "Write the table and every run as JSON.", metavar="PATH", panel=OUTPUT)
+    plot: str | None = setting(None, "Write a grouped-bar PNG (needs matplotlib).", metavar="PATH", panel=OUTPUT)
+
+    def __post_init__(self):
+        check(self)
+        self.seed_list()
+        InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
+
+    def seed_list(self) -> list[int]:
+        try:
+            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise UsageError(f"`seeds` takes comma-separated integers, not {self.seeds!r}") from None
+        if not seeds:
+            raise UsageError("`seeds` names no seed")
+        for seed in seeds:
+            check_seed("seeds", seed)
+        if len(set(seeds)) < len(seeds):
+            raise UsageError(f"`seeds` names a seed twice: {self.seeds}")
+        return seeds
+
+    def test_preprocessing_changes(self) -> dict:
+        """The test domains' preprocessing: the shared options, then --test-resize / --test-crop."""
+        test = InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
+        return {**self.preprocessing_changes(), **test}
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """`cafa demo`: Fashion-MNIST-C built from Debian's package, then stats, adapt and a table."""
+
+    workdir: str = setting("cafa-demo", "Where the data and artifacts go (re-used on a second run).", metavar="DIR",
+                           panel=OUTPUT)
+    corruptions: str = setting(DEMO_CORRUPTIONS, "Comma-separated corrupt-tta corruptions, or 'all' (the 15 of "
+                               "ImageNet-C).", metavar="NAME,...", panel=DATA)
+    severity: int = setting(3, "Corruption severity 1-5.", metavar="N", panel=DATA)
+    train_per_class: int = setting(300, "Training images per class for the statistics.", metavar="N", panel=DATA)
+    test_per_class: int = setting(300, "Test images per class and domain (0: all 1,000).", metavar="N", panel=DATA)
+    methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=ADAPTATION)
+    batch_size: int = setting(200, "Images per adaptation batch.", metavar="N", panel=ADAPTATION)
+    lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
+    seed: int = setting(0, "Seed of the data, the subset and the stream.", metavar="N", panel=ADAPTATION)
+    data_only: bool = setting(False, "Only build the image folders (e.g. the full set for cafa bench).", panel=OUTPUT)
+    fashion_mnist: str | None = setting(None, "Folder with the Fashion-MNIST idx files (default: $CAFA_FASHION_MNIST, "
+                                        "else /usr/share/datasets/fashion-mnist).", metavar="DIR", panel=DATA)
+
+
+def check(config) -> None:
+    """Every group's own check, in field order: the first wrong value is the one named."""
+    for group in type(config).__mro__:
+        for name, method in vars(group).items():
+            if name.startswith("_check_"):
+                method(config)
+
+
+def command_line_only(config_type) -> set[str]:
+    return {f.name for f in fields(config_type) if f.metadata.get("command_line_only")}
+
+
+# --- checks and parsers shared by the groups ----------------------------------------
+
+
+def _number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"`{name}` must be a number, not {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    _number(name, value)
+    if not 0 < value < math.inf:
+        raise UsageError(f"`{name}` must be a positive number, not {value}")
+
+
+def _at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"`{name}` must be a whole number, not {value!r}")
+    if value < low:
+        raise UsageError(f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}")
+
+
+def check_seed(name: str, seed: int) -> None:
+    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
+        raise UsageError(f"`{name}` must be 0 or more and below 2**63, not {seed}")
+
+
+def check_batch_size(batch_size: int) -> None:
+    if not 1 <= batch_size < 2**31:
+        raise UsageError(f"`batch_size` must be at least 1 and below 2**31, not {batch_size}")
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parse_shrinkage(value: float | str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        lam = float(value)
+    except (TypeError, ValueError):
+        lam = float("nan")
+    if not 0.0 <= lam <= 1.0:
+        raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {value!r}")
+    return lam
+
+
+def check_covariance(covariance: str, shrinkage: float | str) -> None:
+    if shrinkage == 0 and covariance == "lowrank":
+        raise UsageError("`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
+                         "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full")
+
+
+def parse_size(text: str | int, name: str) -> int | None:
+    """'224' -> 224, 'none' -> None."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if str(text).strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"`{name}` takes a whole number of pixels or 'none', not {text!r}") from None
+
+
+def parse_floats(text: str | float | tuple, name: str) -> tuple[float, ...]:
+    if isinstance(text, (tuple, list)):
+        text = ",".join(str(v) for v in text)
+    try:
+        return tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"`{name}` takes comma-separated numbers, got {text!r}") from None
+
+
+def check_preprocessing(values: dict, prefix: str = "") -> None:
+    """Each value wrong by itself, whatever the others (the recipe checks the combination)."""
+    if "channels" in values and values["channels"] not in (1, 3):
+        raise UsageError(f"`{prefix}channels` must be 1 or 3, not {values['channels']}")
+    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
+        raise UsageError("`mean` and `std` values must be finite numbers")
+    if any(s <= 0 for s in values.get("std", ())):
+        raise UsageError("`std` values must be positive")
+    for name in ("resize", "crop"):
+        value = values.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
+            raise UsageError(f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")

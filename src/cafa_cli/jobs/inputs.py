@@ -1,0 +1,113 @@
+"""What the jobs share: the model as the options name it, the class names in its output
+order, and the preprocessing, from the options, an artifact or a bundled model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+from cafa_cli.data.domain import Domain, read_class_list
+from cafa_cli.data.sources import on_disk
+from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.models import ModelSpec, bundled_model, resolve
+from cafa_cli.data.preprocessing import Preprocessing
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What `--model`, `--weights` and friends say; None means "from the artifact"."""
+
+    model: str | None = None
+    weights: str | None = None
+    num_classes: int | None = None
+    classifier: str | None = None
+    trust_checkpoint: bool = False
+
+
+@dataclass(frozen=True)
+class DataChoice:
+    labels: str | None = None
+    severity: int | None = None
+    classes_file: str | None = None
+    preprocessing: dict = field(default_factory=dict)  # only the options given
+
+    def recipe(self, model: str | None) -> Preprocessing:
+        """The preprocessing these options give for `model`: its defaults, then the options."""
+        return default_preprocessing(model).with_changes(self.preprocessing)
+
+
+def default_preprocessing(model: str | None) -> Preprocessing:
+    bundled = bundled_model(model)
+    return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
+
+
+def default_class_names(model: str | None, data: DataChoice) -> list[str] | None:
+    if data.classes_file:
+        return read_class_list(data.classes_file)
+    bundled = bundled_model(model)
+    return list(bundled.class_names) if bundled else None
+
+
+def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
+    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
+    if spec.weights is None and ":" not in spec.model and bundled_model(spec.model) is None:
+        # torchvision's own initialisation is random: statistics and adaptation would
+        # each see another network, and no result could be reproduced
+        raise UsageError(
+            f"--model {spec.model} without --weights is an untrained network with random weights, different in "
+            f"every run; give --weights FILE (a state dict of this architecture)"
+        )
+    _check_parameters(net.model)
+    return net, spec
+
+
+def _check_parameters(model: torch.nn.Module) -> None:
+    """float32 values, all finite: other dtypes meet float32 images and fail with a message
+    about the input, and NaN weights make every prediction NaN, with exit 0."""
+    kinds = {"meta" if p.is_meta else str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() or p.is_meta}
+    if kinds - {"float32"}:
+        raise InputError(f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
+                         f"(model.float(), with its values) — mixed precision on CUDA is --precision bf16 or fp16")
+    broken = [name for name, tensor in model.state_dict().items()
+              if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if broken:
+        raise InputError(f"the model's weights hold NaN or infinite values in {listing(broken)}; "
+                         f"the checkpoint is damaged or was saved after training diverged: use another")
+
+
+def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:
+    """The class list when no artifact, --classes or bundled model gives one: the sorted
+    class folders; else the model's output indices, as arrays label by index (a test
+    array may lack the last classes) and unlabelled data has none."""
+    folders = [d.class_names for d in domains if d.class_names and not d.indexed_labels]
+    if any(names != folders[0] for names in folders):
+        raise InputError("the --data folders have different class folders; give the class list with --classes")
+    return folders[0] if folders else [str(i) for i in range(net.num_classes)]
+
+
+def _check_classes(
+    model: FeatureClassifier, class_names: list[str], where: str,
+    fix: str = "check --num-classes, or give the class list in output order with --classes",
+) -> None:
+    if model.num_classes != len(class_names):
+        raise InputError(f"{where} has {len(class_names)} classes but the model's classifier has {model.num_classes} outputs; {fix}")
+
+
+def _skip_warning(ref: str, why: str) -> str:
+    return f"skipped unreadable image {ref} ({why})"
+
+
+def recorded_data(data: str) -> str:
+    """Record a folder or file as an absolute path (`cifar10:/abs/root` for a training set's
+    ROOT), so that the artifact can be followed from anywhere and bench's re-use check
+    tells two training sets under the same relative path apart."""
+    location = on_disk(data)
+    if location == data:
+        return str(Path(data).resolve()) if Path(data).exists() else data
+    return data[: -len(location)] + str(Path(location).resolve())
+
+
+def check_seed(seed: int, option: str = "--seed") -> None:
+    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
+        raise UsageError(f"{option} must be 0 or more and below 2**63, not {seed}")

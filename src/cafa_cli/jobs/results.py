@@ -1,0 +1,28 @@
+"""What a run produces: one record per image, one result per domain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Record:
+    ref: str
+    prediction: int
+    label: int  # UNLABELLED when unknown
+    confidence: float
+
+
+@dataclass
+class DomainResult:
+    data: str
+    n: int = 0
+    labelled: int = 0
+    errors: int = 0
+    skipped_images: list[str] = field(default_factory=list)
+    skipped_steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def error(self) -> float | None:
+        return self.errors / self.labelled if self.labelled else None

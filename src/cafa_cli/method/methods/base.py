@@ -1,0 +1,92 @@
+"""The protocol a test-time adaptation method follows.
+
+The Adapter (adapter.py) runs every method the same way. For each test batch:
+
+    method.before_step(images)
+    logits, features = model(images)          # the prediction reported for the batch
+    loss = method.loss(logits, features)      # then one optimiser step on method.parameters(...)
+                                              # (`steps` times: forward, loss, step)
+    method.after_step(logits)
+
+and `method.reset()` whenever the model goes back to the source weights. A method says
+what it changes with three class attributes:
+
+- `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`);
+- `adapts_normalisation`: BatchNorms normalise with the test batch's statistics (False:
+  they keep the source running statistics);
+- `trains`: it has a loss and an optimiser (False: forward passes only, no gradients).
+
+A new method is a subclass in its own file, registered by name in methods/__init__.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from cafa_cli.errors import UsageError
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.gaussians import ClassGaussians
+from cafa_cli.method.norms import BatchStatisticsNorm, NORM_LAYERS
+
+
+class Method:
+    """A test-time adaptation method: subclass it, set the class attributes, write `loss`."""
+
+    name: str = ""
+    needs_statistics: bool = False
+    adapts_normalisation: bool = True
+    trains: bool = True
+    gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
+    device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
+
+    def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The scalar to minimise for one batch, from the logits [N, C] and the features
+        [N, d] entering the classifier (float32, both carrying gradients)."""
+        raise NotImplementedError(f"{type(self).__name__} trains, so it needs a loss")
+
+    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+        """The parameters it trains, all others frozen: `which` is `norm` or `all`."""
+        return select_parameters(model, which)
+
+    def check(self, model: FeatureClassifier, device: torch.device) -> None:
+        """Raise UsageError when it cannot adapt `model` on `device`: statistics of another
+        shape, or kept on another kind of device. Called before the Adapter changes anything."""
+        if self.gaussians is not None and tuple(self.gaussians.means.shape) != (model.num_classes, model.feature_dim):
+            C, d = self.gaussians.means.shape
+            raise UsageError(
+                f"the statistics are for {C} classes of {d}-dimensional features but the model has {model.num_classes} "
+                f"outputs and {model.feature_dim}-dimensional features; compute them with this model"
+            )
+        if self.device is not None and self.device.type != device.type:
+            raise UsageError(f"the method {self.name} keeps its statistics on {self.device} but adapts on {device}; "
+                             f"create it with device={str(device)!r}")
+
+    def before_step(self, images: torch.Tensor) -> None:
+        """Called with each batch (on the Adapter's device) before its forward pass."""
+
+    def after_step(self, logits: torch.Tensor) -> None:
+        """Called with each batch's reported logits, after its update."""
+
+    def reset(self) -> None:
+        """Called when the model goes back to the source weights: drop any state kept."""
+
+
+def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+    """Freeze everything, then unfreeze the normalisation affines (`norm`) or the
+    whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed."""
+    model.requires_grad_(False)
+    if which == "all":
+        classifier = {id(p) for p in model.classifier.parameters()}
+        chosen = [p for p in model.parameters() if id(p) not in classifier]
+    else:
+        chosen = []
+        for module in model.modules():
+            if isinstance(module, (BatchStatisticsNorm, *NORM_LAYERS)):
+                chosen += [p for p in (module.weight, module.bias) if isinstance(p, nn.Parameter)]
+    unique = list({id(p): p for p in chosen}.values())
+    if not unique:
+        what = "normalisation layers with affine parameters" if which == "norm" else "parameters before its classifier"
+        raise UsageError(f"the model has no {what} to adapt; use `params` all, or `method` source or bn")
+    for p in unique:
+        p.requires_grad_(True)
+    return unique

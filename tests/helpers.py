@@ -1,0 +1,165 @@
+"""Plain helpers shared by several test files: running the CLI and checking its errors, small images, CIFAR batches."""
+
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from cafa_cli.data.preprocessing import Preprocessing
+from conftest import ASSETS, PLAIN, TINY_NET, invoke
+
+
+# --- the CLI's errors (from test_errors.py) ------------------------------------
+
+
+def no_traceback(result):
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+
+
+def fails(result, code: int, *needles: str) -> str:
+    """Exit `code`, stderr exactly one `cafa: error:` line holding every needle (after any warnings)."""
+    assert result.exit_code == code, (result.exit_code, result.stdout[-500:], result.stderr)
+    no_traceback(result)
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("cafa: error:"), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def adapt(setup, data, *args, input=None):
+    return invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, "--batch-size", "4", *args, input=input)
+
+
+def stats(setup, data, *args):
+    return invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args)
+
+
+def rows(result) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(result.stdout)))
+
+
+def factory(tmp_path: Path, body: str, name: str = "net.py") -> str:
+    """A model factory file `build()` that can use tiny_net."""
+    path = tmp_path / name
+    path.write_text(f"import sys\nsys.path.insert(0, {str(ASSETS)!r})\nimport torch\nfrom torch import nn\nimport tiny_net\n\n{body}\n")
+    return f"{path}:build"
+
+
+def stats_with_model(setup, tmp_path, model, *extra):
+    return invoke("stats", "--model", model, *extra, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+
+
+# --- images --------------------------------------------------------------------
+
+
+GREY = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
+
+
+def save(path: Path, pixels: np.ndarray, fmt: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path, format=fmt)
+    return path
+
+
+def solid(value: int, size: int = 8) -> np.ndarray:
+    return np.full((size, size), value, dtype=np.uint8)
+
+
+def _jpeg(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _bad_image(folder: Path, kind: str) -> Path:
+    png = (folder / "a" / "0000.png").read_bytes()
+    pixels = np.asarray(Image.open(folder / "a" / "0000.png"))
+    if kind == "truncated-png":
+        path, data = folder / "b" / "cut.png", png[: len(png) // 2]
+    elif kind == "truncated-jpeg":
+        jpeg = _jpeg(pixels)
+        path, data = folder / "b" / "cut.jpg", jpeg[: len(jpeg) // 2]
+    elif kind == "zero-byte":
+        path, data = folder / "b" / "empty.png", b""
+    elif kind == "not-an-image":
+        path, data = folder / "b" / "notes.png", b"these are my notes, not a picture\n"
+    elif kind == "postscript":  # Pillow knows it (EPS), but would run Ghostscript to decode it
+        path, data = folder / "b" / "page.jpg", b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nshowpage\n"
+    else:
+        raise ValueError(kind)
+    path.write_bytes(data)
+    return path
+
+
+# --- CIFAR ---------------------------------------------------------------------
+
+
+def _py2_string(b) -> bytes:
+    b = b.encode("latin1") if isinstance(b, str) else b
+    return b"U" + bytes([len(b)]) + b if len(b) < 256 else b"T" + struct.pack("<i", len(b)) + b
+
+
+def dumps_py2(obj) -> bytes:
+    """A pickle byte for byte in the style of Python 2's cPickle protocol 2, as CIFAR's
+    batches were written: str as BINSTRING, arrays via numpy.core.multiarray._reconstruct."""
+
+    def enc(o) -> bytes:
+        if o is None:
+            return b"N"
+        if isinstance(o, bool):
+            return b"\x88" if o else b"\x89"
+        if isinstance(o, int):
+            return b"K" + bytes([o]) if 0 <= o < 256 else b"J" + struct.pack("<i", o)
+        if isinstance(o, (str, bytes)):
+            return _py2_string(o)
+        if isinstance(o, tuple):
+            return b"(" + b"".join(map(enc, o)) + b"t"
+        if isinstance(o, list):
+            return b"](" + b"".join(map(enc, o)) + b"e"
+        if isinstance(o, dict):
+            return b"}(" + b"".join(enc(k) + enc(v) for k, v in o.items()) + b"u"
+        assert isinstance(o, np.ndarray) and o.dtype == np.uint8
+        dtype = b"cnumpy\ndtype\n" + enc(("u1", 0, 1)) + b"R" + enc((3, "|", None, None, None, -1, -1, 0)) + b"b"
+        head = b"cnumpy.core.multiarray\n_reconstruct\n" + b"cnumpy\nndarray\n" + enc((0,)) + enc("b") + b"\x87R"
+        return head + b"(" + enc(1) + enc(tuple(o.shape)) + dtype + b"\x89" + _py2_string(o.tobytes()) + b"tb"
+
+    return b"\x80\x02" + enc(obj) + b"."
+
+
+CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def make_cifar10(root: Path, per_batch: int = 3, style: str = "py2") -> tuple[np.ndarray, np.ndarray]:
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    protocol = {"py2": None, "py3": 4, "py3-protocol2": 2, "py3-protocol5": 5}[style]
+    dump = dumps_py2 if style == "py2" else lambda o: pickle.dumps(_bytes_keys(o), protocol=protocol)
+    all_data, all_labels = [], []
+    for b in range(1, 6):
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        labels = [int(v) for v in rng.integers(0, 10, per_batch)]
+        batch = {"batch_label": f"training batch {b} of 5", "labels": labels, "data": data, "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)]}
+        (folder / f"data_batch_{b}").write_bytes(dump(batch))
+        all_data.append(data)
+        all_labels += labels
+    meta = {"num_cases_per_batch": per_batch, "label_names": CIFAR_NAMES, "num_vis": 3072}
+    (folder / "batches.meta").write_bytes(dump(meta))
+    return np.concatenate(all_data), np.array(all_labels)
+
+
+def _bytes_keys(o):
+    """What a Python 3 re-save of the python batches holds (bytes keys and names)."""
+    if isinstance(o, dict):
+        return {k.encode(): _bytes_keys(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [x.encode() if isinstance(x, str) else x for x in o]
+    return o

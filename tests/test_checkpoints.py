@@ -1,0 +1,82 @@
+"""checkpoints.py through the CLI: weights files that are refused, and never unpickled unless trusted."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_NET, invoke
+from helpers import fails, stats_with_model
+
+
+def test_weights_that_are_a_folder_are_named_so(setup):
+    fails(invoke("adapt", "--model", TINY_NET, "--weights", setup["root"], "--method", "source", setup["train"]), 3,
+          "a folder; give the weights file in it")
+
+
+def test_weights_whose_keys_do_not_match(setup, tmp_path):
+    state = torch.load(setup["weights"])
+    state["head.9.weight"] = state.pop("head.3.weight")
+    weights = tmp_path / "renamed.pt"
+    torch.save(state, weights)
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "keys do not match", "missing head.3.weight", "unexpected head.9.weight")
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "complex"])
+def test_weights_that_are_not_dense_real_tensors(setup, tmp_path, kind):
+    state = torch.load(setup["weights"])
+    key = "head.3.weight"
+    state[key] = {"sparse": lambda t: t.to_sparse(), "meta": lambda t: t.to("meta"), "complex": lambda t: t.to(torch.complex64)}[kind](state[key])
+    weights = tmp_path / f"{kind}.pt"
+    torch.save(state, weights)
+    result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights)
+    fails(result, 3, f"{key} ({kind}", "not a dense real tensor")
+    assert "UserWarning" not in result.stderr
+
+
+class Payload:
+    """Creates a marker file when unpickled: the test fails if that file ever appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle.dump"])
+def test_checkpoint_carrying_code_is_refused_and_never_runs(setup, tmp_path, how):
+    marker = tmp_path / "payload-ran"
+    state = {**torch.load(setup["weights"]), "extra": Payload(marker)}
+    weights = tmp_path / "evil.pt"
+    if how == "torch.save":
+        torch.save(state, weights)
+        needles = ("--trust-checkpoint", "arbitrary code")
+    else:
+        with open(weights, "wb") as f:
+            pickle.dump(state, f, protocol=5)
+        needles = ("plain Python pickle, not a torch checkpoint", "arbitrary code")
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, str(weights), *needles)
+    assert not marker.exists(), "the checkpoint's code ran"
+    if how == "pickle.dump":  # trusted, it is unpickled: the error must not suggest that nothing ran
+        fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights, "--trust-checkpoint"), 3,
+              "--trust-checkpoint unpickled it, so any code it carries has run")
+        assert marker.exists()
+
+
+@pytest.mark.parametrize("name", ["net.pt", "net.safetensors"])
+def test_html_page_saved_as_a_checkpoint(setup, tmp_path, name):
+    weights = tmp_path / name
+    weights.write_text("<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body></body></html>\n")
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "this is a web page, not a checkpoint")
+
+
+@pytest.mark.parametrize("data", [b"404 Not Found\n", bytes(range(256)) * 8], ids=["text", "binary"])
+def test_other_non_checkpoint(setup, tmp_path, data):
+    weights = tmp_path / "net.pt"
+    weights.write_bytes(data)
+    message = fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "not a checkpoint torch can read")
+    assert "--trust-checkpoint" not in message, "trusting garbage cannot help"

@@ -1,0 +1,43 @@
+"""data/sources.py: what kind of --data value is opened, and the options only some kinds take."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from conftest import write_folder
+from helpers import adapt, fails
+
+from cafa_cli.data.sources import open_domain
+from cafa_cli.errors import InputError, UsageError
+
+
+def test_missing_path_and_unknown_file_type(tmp_path):
+    with pytest.raises(InputError, match="no such file or folder"):
+        open_domain(str(tmp_path / "absent"))
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(InputError, match="expected an image folder"):
+        open_domain(str(tmp_path / "x.csv"))
+
+
+@pytest.mark.parametrize("spec", ["folder", "fashion-mnist", "-"])
+def test_severity_without_a_stacked_array_is_a_usage_error(tmp_path, spec):
+    """Ignoring it would adapt on every severity while the user believes in one."""
+    write_folder(tmp_path / "folder", per_class=2)
+    with pytest.raises(UsageError) as info:
+        open_domain(str(tmp_path / spec) if spec == "folder" else spec, severity=3, stdin=io.StringIO("a.png\n"))
+    assert str(info.value) == (
+        "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
+        "for an image folder, give the folder of one severity as --data"
+    )
+    np.save(tmp_path / "cut.npy", np.zeros((10, 10), dtype=np.uint8))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:100])
+    with pytest.raises(InputError, match=r"--data .*cut\.npy: not a readable \.npy array \(EOF"):
+        open_domain(str(tmp_path / "cut.npy"))
+
+
+def test_data_that_is_a_file_not_a_folder(setup, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    fails(adapt(setup, notes), 3, str(notes), "expected an image folder")
