@@ -12,7 +12,9 @@ import torchvision
 
 import tiny_net
 from cafa_cli.method import losses
-from cafa_cli.method.adapter import METHODS, Adapter, select_parameters
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import NAMES, create
+from cafa_cli.method.methods.base import Method, select_parameters
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
@@ -96,11 +98,11 @@ def test_layer_norm_affines_are_adapted():
 @pytest.mark.parametrize("method", ["tent", "pl"])
 def test_a_model_without_normalisation_layers_is_a_usage_error_for_gradient_methods(method):
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    with pytest.raises(UsageError, match="no normalisation layers.*--params all"):
-        Adapter(FeatureClassifier(mlp), method)
-    adapter = Adapter(FeatureClassifier(copy.deepcopy(mlp)), method, params="all")
+    with pytest.raises(UsageError, match="no normalisation layers.*`params` all"):
+        Adapter(FeatureClassifier(mlp), create(method))
+    adapter = Adapter(FeatureClassifier(copy.deepcopy(mlp)), create(method), params="all")
     assert adapter.step(torch.randn(4, 3, 2, 2)).shape == (4, 3)
-    bn = Adapter(FeatureClassifier(copy.deepcopy(mlp)), "bn")
+    bn = Adapter(FeatureClassifier(copy.deepcopy(mlp)), create("bn"))
     assert bn.step(torch.randn(4, 3, 2, 2)).shape == (4, 3) and bn.batch_norms == 0  # the CLI warns: bn = source here
 
 
@@ -120,7 +122,7 @@ def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
 
 def test_batch_size_one_works_with_a_prior():
     net = FeatureClassifier(tiny_net.build()).eval()
-    adapter = Adapter(net, "tent", bn_prior=16)
+    adapter = Adapter(net, create("tent"), bn_prior=16)
     logits = adapter.step(torch.randn(1, 1, 16, 16))
     assert logits.shape == (1, 3) and torch.isfinite(logits).all()
 
@@ -132,7 +134,7 @@ def stream_error(adapter: Adapter, x, y, batch=50) -> float:
 
 def test_bn_tent_and_cafa_each_beat_source_on_a_synthetic_shift(trained):
     model, gaussians, x, y = trained
-    errors = {m: stream_error(Adapter(copy.deepcopy(model), m, gaussians, lr=1e-2), x, y) for m in ("source", "bn", "tent", "cafa")}
+    errors = {m: stream_error(Adapter(copy.deepcopy(model), create(m, gaussians), lr=1e-2), x, y) for m in ("source", "bn", "tent", "cafa")}
     assert errors["source"] > 0.4, errors
     for method in ("bn", "tent", "cafa"):
         assert errors[method] < errors["source"] - 0.2, errors
@@ -140,7 +142,7 @@ def test_bn_tent_and_cafa_each_beat_source_on_a_synthetic_shift(trained):
 
 def test_prediction_comes_from_the_forward_pass_before_the_update(trained):
     model, gaussians, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
+    adapter = Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2)
     frozen = copy.deepcopy(adapter.model)
     with torch.no_grad():
         before, _ = frozen(x[:50])
@@ -153,7 +155,7 @@ def test_prediction_comes_from_the_forward_pass_before_the_update(trained):
 
 def test_reset_restores_the_source_weights_bit_for_bit(trained):
     model, gaussians, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
+    adapter = Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2)
     source = {k: v.clone() for k, v in adapter.model.state_dict().items()}
     for i in range(0, 150, 50):
         adapter.step(x[i : i + 50])
@@ -162,11 +164,11 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
     assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in source.items())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", NAMES)
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
     """Gradient methods move the weights (finitely); source and bn never touch them."""
     model, gaussians, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), method, gaussians, lr=1e-2, steps=2)
+    adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, steps=2)
     before = [p.detach().clone() for p in adapter.model.parameters()]
     logits = adapter.step(x[:50])
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
@@ -177,8 +179,8 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
     model, gaussians, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), "tent", gaussians)
-    adapter.objective = lambda logits, features: logits.sum() * float("nan")
+    adapter = Adapter(copy.deepcopy(model), create("tent"))
+    adapter.method.loss = lambda logits, features: logits.sum() * float("nan")
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
     adapter.step(x[:10])
     assert adapter.skipped_steps == 1
@@ -188,8 +190,8 @@ def test_non_finite_loss_skips_the_step_and_is_counted(trained):
 def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_scale(trained):
     """fp16 is CUDA-only, so the scaler's logic is checked here with a CPU GradScaler."""
     model, gaussians, x, _ = trained
-    plain = Adapter(copy.deepcopy(model), "cafa", gaussians, optimizer="sgd", lr=1e-2)
-    scaled = Adapter(copy.deepcopy(model), "cafa", gaussians, optimizer="sgd", lr=1e-2)
+    plain = Adapter(copy.deepcopy(model), create("cafa", gaussians), optimizer="sgd", lr=1e-2)
+    scaled = Adapter(copy.deepcopy(model), create("cafa", gaussians), optimizer="sgd", lr=1e-2)
     assert plain.scaler is None
     scaled.scaler = torch.amp.GradScaler("cpu")
     for i in range(0, 100, 50):
@@ -200,23 +202,24 @@ def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_
     assert scaled.skipped_steps == 0
 
     before = {k: v.clone() for k, v in scaled.model.state_dict().items()}
-    objective = scaled.objective
-    scaled.objective = lambda logits, features: objective(logits, features) * 1e30  # finite, until scaled
+    loss = scaled.method.loss
+    scaled.method.loss = lambda logits, features: loss(logits, features) * 1e30  # finite, until scaled
     scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
     scaled.step(x[:50])
     assert scaled.skipped_steps == 1 and scaled.scaler.get_scale() == 2.0**126
     assert all(torch.equal(v, scaled.model.state_dict()[k]) for k, v in before.items())
 
 
-def test_cafa_without_statistics_is_a_usage_error():
-    with pytest.raises(UsageError, match="--stats"):
-        Adapter(FeatureClassifier(tiny_net.build()), "cafa")
+@pytest.mark.parametrize("method", ["cafa", "global-fa", "intra", "euclidean"])
+def test_a_method_that_needs_statistics_without_them_is_a_usage_error(method):
+    with pytest.raises(UsageError, match=f"the method {method} needs class statistics: give it the gaussians"):
+        create(method)
 
 
 def test_the_device_may_be_named_by_a_string():
-    adapter = Adapter(FeatureClassifier(tiny_net.build()), "tent", device="cpu")
+    adapter = Adapter(FeatureClassifier(tiny_net.build()), create("tent"), device="cpu")
     assert adapter.device == torch.device("cpu") and adapter.step(torch.randn(4, 1, 16, 16)).shape == (4, 3)
-    auto = Adapter(FeatureClassifier(tiny_net.build()), "tent", device="auto")  # as cafa adapt --device auto
+    auto = Adapter(FeatureClassifier(tiny_net.build()), create("tent"), device="auto")  # as cafa adapt --device auto
     assert auto.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -224,26 +227,35 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
     moments = ClassMoments(4, 6)
     moments.update(torch.randn(100, 6), torch.arange(100) % 4)
     with pytest.raises(UsageError, match="4 classes of 6-dimensional features but the model has 3 outputs"):
-        Adapter(FeatureClassifier(tiny_net.build()), "cafa", estimate(moments))
+        Adapter(FeatureClassifier(tiny_net.build()), create("cafa", estimate(moments)))
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"method": "nope"}, "--method"), ({"optimizer": "rmsprop"}, "--optimizer"), ({"steps": 0}, "--steps"), ({"lr": 0}, "--lr"), ({"params": "some"}, "--params"),
-     ({"optimizer": "nesterov", "momentum": 0}, "--optimizer nesterov needs a momentum above 0, not 0")],
+    [({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, not rmsprop"), ({"steps": 0}, "`steps`"),
+     ({"lr": 0}, "`lr` must be a positive number, not 0"), ({"params": "some"}, "`params`"),
+     ({"optimizer": "nesterov", "momentum": 0}, "`optimizer` nesterov needs a momentum above 0, not 0")],
 )
 def test_bad_settings_are_usage_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):
-        Adapter(FeatureClassifier(tiny_net.build()), **{"method": "tent", **kwargs})
+        Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **kwargs)
+
+
+def test_an_unknown_method_name_is_a_usage_error_in_library_words():
+    """`method` in backticks: the command line shows it as --method."""
+    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, not nope"):
+        create("nope")
+    with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
+        Adapter(FeatureClassifier(tiny_net.build()), "tent")
 
 
 def test_nesterov_is_sgd_with_nesterov_momentum(trained):
     """TENT's reference code adapts ImageNet-C with SGD, momentum 0.9, Nesterov."""
     model, gaussians, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), "tent", optimizer="nesterov", lr=1e-2)
+    adapter = Adapter(copy.deepcopy(model), create("tent"), optimizer="nesterov", lr=1e-2)
     reference = copy.deepcopy(adapter)
     reference.optimizer = torch.optim.SGD(reference.params, lr=1e-2, momentum=0.9, nesterov=True)
-    plain = Adapter(copy.deepcopy(model), "tent", optimizer="sgd", lr=1e-2)
+    plain = Adapter(copy.deepcopy(model), create("tent"), optimizer="sgd", lr=1e-2)
     for i in range(0, 150, 50):  # momentum acts from the second update on
         first, second, third = adapter.step(x[i : i + 50]), reference.step(x[i : i + 50]), plain.step(x[i : i + 50])
     torch.testing.assert_close(first, second)
@@ -252,12 +264,12 @@ def test_nesterov_is_sgd_with_nesterov_momentum(trained):
 
 def test_compiled_model_predicts_and_adapts_like_the_eager_one(trained):
     model, gaussians, x, _ = trained
-    eager = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2)
-    compiled = Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2, compile=True)
+    eager = Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2)
+    compiled = Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2, compile=True)
     for i in range(0, 100, 50):  # the second batch shows the update went through the compiled graph
         torch.testing.assert_close(compiled.step(x[i : i + 50]), eager.step(x[i : i + 50]), rtol=1e-4, atol=1e-5)
     compiled.reset()
-    torch.testing.assert_close(compiled.step(x[:50]), Adapter(copy.deepcopy(model), "cafa", gaussians).step(x[:50]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled.step(x[:50]), Adapter(copy.deepcopy(model), create("cafa", gaussians)).step(x[:50]), rtol=1e-4, atol=1e-5)
 
 
 def test_a_model_that_already_belongs_to_an_adapter_is_refused(trained):
@@ -265,16 +277,16 @@ def test_a_model_that_already_belongs_to_an_adapter_is_refused(trained):
     BatchNorms, and compare methods on the wrong model without a word."""
     model, gaussians, x, _ = trained
     shared = copy.deepcopy(model)
-    Adapter(shared, "cafa", gaussians, lr=1e-2).step(x[:50])
+    Adapter(shared, create("cafa", gaussians), lr=1e-2).step(x[:50])
     with pytest.raises(UsageError, match="already belongs to an Adapter; give each Adapter its own copy"):
-        Adapter(shared, "source")
+        Adapter(shared, create("source"))
 
 
 def test_the_adapter_runs_where_the_model_is_unless_told(trained):
     model, gaussians, _, _ = trained
-    assert Adapter(copy.deepcopy(model), "cafa", gaussians).device == torch.device("cpu")
+    assert Adapter(copy.deepcopy(model), create("cafa", gaussians)).device == torch.device("cpu")
     meta = copy.deepcopy(model).to("meta")  # a stand-in for a model on another device: nothing runs here
-    assert Adapter(meta, "tent", device=None).device == torch.device("meta")
+    assert Adapter(meta, create("tent"), device=None).device == torch.device("meta")
 
 
 def test_a_model_is_taken_by_its_first_adapter_whatever_the_method_and_norm_layers(trained):
@@ -282,19 +294,19 @@ def test_a_model_is_taken_by_its_first_adapter_whatever_the_method_and_norm_laye
     else a second Adapter on it would silently change the first one's baseline."""
     model, gaussians, x, _ = trained
     shared = copy.deepcopy(model)
-    Adapter(shared, "source")
+    Adapter(shared, create("source"))
     with pytest.raises(UsageError, match="already belongs to an Adapter"):
-        Adapter(shared, "cafa", gaussians)
+        Adapter(shared, create("cafa", gaussians))
     layer_norm_net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
-    Adapter(FeatureClassifier(layer_norm_net), "tent")
+    Adapter(FeatureClassifier(layer_norm_net), create("tent"))
     with pytest.raises(UsageError, match="already belongs to an Adapter"):
-        Adapter(FeatureClassifier(layer_norm_net), "tent")  # a second wrapper of the same net
+        Adapter(FeatureClassifier(layer_norm_net), create("tent"))  # a second wrapper of the same net
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_step_adapts_inside_a_callers_no_grad_or_inference_mode(trained, context):
     model, gaussians, x, _ = trained
-    plain, inside = (Adapter(copy.deepcopy(model), "cafa", gaussians, lr=1e-2) for _ in range(2))
+    plain, inside = (Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2) for _ in range(2))
     for i in range(0, 100, 50):
         expected = plain.step(x[i : i + 50])
         with context():
@@ -305,24 +317,72 @@ def test_step_adapts_inside_a_callers_no_grad_or_inference_mode(trained, context
 def test_predictions_of_every_method_are_ordinary_tensors(trained):
     model, gaussians, x, _ = trained
     for method in ("source", "bn", "tent"):
-        logits = Adapter(copy.deepcopy(model), method).step(x[:10])
+        logits = Adapter(copy.deepcopy(model), create(method)).step(x[:10])
         assert not logits.is_inference() and logits.add_(1).shape == (10, 3)  # a caller may change them in place
 
 
 @pytest.mark.parametrize("options, needle", [
-    ({"lr": "1e-3"}, "--lr must be a number, not '1e-3'"),
-    ({"steps": 2.5}, "--steps must be a whole number, not 2.5"),
-    ({"momentum": None}, "--momentum must be a number"),
-    ({"bn_prior": True}, "--bn-prior must be a number"),
+    ({"lr": "1e-3"}, "`lr` must be a number, not '1e-3'"),
+    ({"steps": 2.5}, "`steps` must be a whole number, not 2.5"),
+    ({"momentum": None}, "`momentum` must be a number"),
+    ({"bn_prior": True}, "`bn_prior` must be a number"),
 ])
 def test_adapter_options_of_the_wrong_type_are_usage_errors(trained, options, needle):
     model, gaussians, _, _ = trained
     with pytest.raises(UsageError, match=re.escape(needle)):
-        Adapter(copy.deepcopy(model), "tent", **options)
+        Adapter(copy.deepcopy(model), create("tent"), **options)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_cuda_torch_device_without_cuda_is_a_usage_error(trained):
     model, _, _, _ = trained
     with pytest.raises(UsageError, match="CUDA is not available"):
-        Adapter(copy.deepcopy(model), "bn", device=torch.device("cuda"))
+        Adapter(copy.deepcopy(model), create("bn"), device=torch.device("cuda"))
+
+
+class Recording(Method):
+    """A method of one's own: TENT's loss, and every hook call written down."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def loss(self, logits, features):
+        self.calls.append("loss")
+        return losses.entropy(logits)
+
+    def before_step(self, images):
+        self.calls.append(f"before {len(images)}")
+
+    def after_step(self, logits):
+        self.calls.append(f"after {tuple(logits.shape)}")
+
+    def reset(self):
+        self.calls.append("reset")
+
+
+def test_a_method_of_ones_own_runs_through_the_protocol_like_a_registered_one(trained):
+    model, _, x, _ = trained
+    mine, tent = Recording(), Adapter(copy.deepcopy(model), create("tent"), lr=1e-2, steps=2)
+    adapter = Adapter(copy.deepcopy(model), mine, lr=1e-2, steps=2)
+    torch.testing.assert_close(adapter.step(x[:50]), tent.step(x[:50]))
+    torch.testing.assert_close(adapter.step(x[50:100]), tent.step(x[50:100]))  # the same updates in between
+    adapter.reset()
+    assert mine.calls == ["before 50", "loss", "loss", "after (50, 3)"] * 2 + ["reset"]
+
+
+def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(trained):
+    _, gaussians, _, _ = trained
+    for name in NAMES:
+        method = create(name, gaussians)
+        assert isinstance(method, Method) and method.name == name
+        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean"))
+        assert method.trains == (name not in ("source", "bn")) and method.adapts_normalisation == (name != "source")
+
+
+def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):
+    model, gaussians, _, _ = trained
+    method = create("cafa", gaussians, device="meta")  # a stand-in for statistics put on a GPU
+    with pytest.raises(UsageError, match="the method cafa keeps its statistics on meta but adapts on cpu; create it with device='cpu'"):
+        Adapter(copy.deepcopy(model), method, device="cpu")

@@ -12,13 +12,13 @@ import torch
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
-from cafa_cli.jobs.bench import Row, parse_methods, parse_seeds
+from cafa_cli.jobs.bench import Row, parse_methods, row_config
+from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.tables import domain_label, domain_labels, markdown, summarise
 from cafa_cli.cli.app import app
 from cafa_cli.errors import UsageError
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
 from cafa_cli.checkpoints import sha256_of
-from cafa_cli.jobs.adapt import AdaptSettings
 from cafa_cli.jobs.results import DomainResult
 from conftest import PLAIN, TINY_NET, write_folder
 
@@ -39,9 +39,10 @@ def test_parse_methods_knows_variants_and_per_row_learning_rates():
         Row("cafa-dense", "cafa", "full"),
         Row("cafa-full@0.01", "cafa", "auto", 0.01, "all"),  # the paper's CAFA-Full: every feature-extractor parameter
     ]
-    base = AdaptSettings(lr=1e-3, params="norm", momentum=0.5)
-    assert rows[-1].settings(base) == AdaptSettings(method="cafa", lr=0.01, params="all", momentum=0.5)
-    assert rows[1].settings(base) == AdaptSettings(method="tent", lr=0.01, params="norm", momentum=0.5)
+    base = BenchConfig(lr=1e-3, params="norm", momentum=0.5)
+    full, tent = row_config(base, rows[-1], 0, None, None), row_config(base, rows[1], 0, None, None)
+    assert (full.method, full.lr, full.params, full.momentum) == ("cafa", 0.01, "all", 0.5)
+    assert (tent.method, tent.lr, tent.params, tent.momentum) == ("tent", 0.01, "norm", 0.5)
     with pytest.raises(UsageError, match="unknown method 'sgd'"):
         parse_methods("tent,sgd")
     with pytest.raises(UsageError, match="not a number"):
@@ -51,7 +52,7 @@ def test_parse_methods_knows_variants_and_per_row_learning_rates():
     with pytest.raises(UsageError, match=r"give the learning rate after @ \(e.g. cafa@0.001\)"):
         parse_methods("cafa@")
     assert len(parse_methods("tent,tent@0.01")) == 2  # two learning rates: two rows
-    assert parse_seeds("0, 1,2") == [0, 1, 2]
+    assert BenchConfig(seeds="0, 1,2").seed_list() == [0, 1, 2]
 
 
 def test_domain_labels_follow_the_imagenet_c_layout():
@@ -76,10 +77,10 @@ def test_domain_labels_grow_until_they_differ(tmp_path):
 
 
 def test_bad_seeds_are_usage_errors():
-    with pytest.raises(UsageError, match=r"--seeds must be 0 or more and below 2\*\*63, not -1"):
-        parse_seeds("0,-1")
+    with pytest.raises(UsageError, match=r"`seeds` must be 0 or more and below 2\*\*63, not -1"):
+        BenchConfig(seeds="0,-1")
     with pytest.raises(UsageError, match="names a seed twice"):
-        parse_seeds("1,1")
+        BenchConfig(seeds="1,1")
     with pytest.raises(UsageError, match="must be a positive number"):
         parse_methods("tent@nan")
 
@@ -254,39 +255,34 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     from types import SimpleNamespace
 
     from cafa_cli.jobs import bench
-    from cafa_cli.jobs.adapt import AdaptSettings
-    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
     from cafa_cli.jobs.monitor import Monitor
 
     calls = []
 
-    def fake_prepare(domains, stats, model, data_choice, settings):
-        calls.append((settings.method, settings.seed))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains], cautions=lambda: [])
+    def fake_prepare(config):
+        calls.append((config.method, config.seed))
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [])
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
-    plan = bench.BenchPlan(parse_methods("source,bn,tent"), ["d"], [0, 1], AdaptSettings(), ModelChoice("m"), None, DataChoice(), DataChoice())
-    mine = bench.run_grid(plan, {}, Monitor(), rank=1, world=2)
+    config, rows = BenchConfig(data=["d"], model="m"), parse_methods("source,bn,tent")
+    mine = bench.run_grid(config, rows, [0, 1], {}, None, Monitor(), rank=1, world=2)
     assert calls == [("source", 1), ("bn", 1), ("tent", 1)]  # runs 1, 3, 5 of (row, seed) in order
     assert set(mine) == {("source", "d", 1), ("bn", "d", 1), ("tent", "d", 1)}
     calls.clear()
-    assert len(bench.run_grid(plan, {}, Monitor())) == 6 and len(calls) == 6
+    assert len(bench.run_grid(config, rows, [0, 1], {}, None, Monitor())) == 6 and len(calls) == 6
 
 
 def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp_path, monkeypatch):
     from cafa_cli.jobs import bench
-    from cafa_cli.jobs.adapt import AdaptSettings
-    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
     from cafa_cli.jobs.monitor import Monitor
 
     seen = {}
-    monkeypatch.setattr(bench, "compute_statistics", lambda *args, **kwargs: seen.update(kwargs))
-    settings = AdaptSettings(batch_size=7, device="cpu", num_workers=3)
-    plan = bench.BenchPlan([], [], [0], settings, ModelChoice("m"), "train", DataChoice(), DataChoice(), bench.Sampling(per_class=5, seed=2), tmp_path)
-    path = bench.ensure_statistics(plan, "tied", Monitor())
+    monkeypatch.setattr(bench, "compute_statistics", lambda config, monitor: seen.update(vars(config)))
+    config = BenchConfig(batch_size=7, device="cpu", num_workers=1, model="m", train="train", per_class=5, workdir=str(tmp_path))
+    path = bench.ensure_statistics(config, "tied", Monitor())
     assert path == tmp_path / "stats-tied.safetensors"
-    assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "seed", "covariance")} == {
-        "device": "cpu", "batch_size": 7, "num_workers": 3, "per_class": 5, "seed": 2, "covariance": "tied"}
+    assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "covariance", "data")} == {
+        "device": "cpu", "batch_size": 7, "num_workers": 1, "per_class": 5, "covariance": "tied", "data": "train"}
 
 
 def test_bench_without_domains_is_a_usage_error():
@@ -417,19 +413,17 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
     from types import SimpleNamespace
 
     from cafa_cli.jobs import bench
-    from cafa_cli.jobs.inputs import DataChoice, ModelChoice
     from cafa_cli.jobs.monitor import Monitor
 
     ran = []
 
-    def fake_prepare(domains, stats, model, data_choice, settings):
-        ran.append((stats, settings))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in domains], cautions=lambda: [])
+    def fake_prepare(config):
+        ran.append((config.stats, config))
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [])
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
-    shared = AdaptSettings(optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
-    plan = bench.BenchPlan(parse_methods("tent@0.05,cafa-full,cafa-dense"), ["d"], [3], shared, ModelChoice("m"), None, DataChoice(), DataChoice())
-    bench.run_grid(plan, {"auto": Path("a"), "full": Path("f")}, Monitor())
+    shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
+    bench.run_grid(shared, parse_methods("tent@0.05,cafa-full,cafa-dense"), [3], {"auto": Path("a"), "full": Path("f")}, None, Monitor())
     assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
         (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
     assert all((s.optimizer, s.momentum, s.bn_prior, s.reset) == ("sgd", 0.5, 4.0, "episodic") for _, s in ran)

@@ -353,7 +353,7 @@ def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
 def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     import logging
 
-    from cafa_cli.cli.app import _stderr
+    from cafa_cli.cli.streams import stderr as _stderr
     from cafa_cli.jobs.monitor import Monitor
 
     torch_logger = logging.getLogger("torch")
@@ -373,27 +373,29 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
         torch_logger.setLevel(before)
 
 
-def test_adapt_settings_options_are_the_adapt_command_line_that_gives_them(monkeypatch):
-    """The demo prints each run as `cafa adapt ... <options()>`: parsed back, they are the settings."""
-    from dataclasses import fields
-
-    from cafa_cli.cli import commands as cli
+def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkeypatch):
+    """The demo prints each run as `cafa adapt ... <adapt_words()>`: parsed back, they are the settings."""
     from cafa_cli.errors import UsageError
-    from cafa_cli.jobs.adapt import AdaptSettings
+    from cafa_cli.jobs import adapt as adapt_job
+    from cafa_cli.jobs.adapt import RECORDED
+    from cafa_cli.jobs.config import AdaptConfig
+    from cafa_cli.jobs.demo import adapt_words
 
-    wanted = AdaptSettings(method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all", bn_prior=4.0,
-                           reset="episodic", shuffle=False, seed=3, device="cpu", precision="bf16", num_workers=1, strict=True, compile=True)
-    assert all(getattr(wanted, f.name) != f.default for f in fields(wanted))  # every option is exercised
+    wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
+                         bn_prior=4.0, reset="episodic", shuffle=False, seed=3, device="cpu", precision="bf16", num_workers=1,
+                         strict=True, compile=True, allow_weights_mismatch=True)
+    defaults = AdaptConfig()
+    assert all(getattr(wanted, name) != getattr(defaults, name) for name in RECORDED)  # every option is exercised
     seen = []
 
-    def capture(data, stats, model, data_choice, settings, allow_weights_mismatch):
-        seen.append(settings)
+    def capture(config):
+        seen.append(config)
         raise UsageError("captured")
 
-    monkeypatch.setattr(cli, "prepare_adaptation", capture)
-    runner.invoke(app, ["adapt", "--data", "x", *wanted.options()])
+    monkeypatch.setattr(adapt_job, "prepare_adaptation", capture)
+    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(wanted)])
     assert seen == [wanted]
-    assert AdaptSettings().options() == ["--method", "cafa"]
+    assert adapt_words(AdaptConfig()) == ["--method", "cafa"]
 
 
 def test_a_domain_of_one_batch_is_flagged_for_gradient_methods(setup):

@@ -21,7 +21,7 @@ from test_artifact import corrupt
 
 from cafa_cli.data.folders import read_image
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.stats import compute_statistics
+from cafa_cli.jobs.config import StatsConfig
 
 
 # --- paths -------------------------------------------------------------------------
@@ -307,10 +307,10 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--format", "xml"], "--format must be one of csv, jsonl, not xml"),
-        (["--optimizer", "lbfgs"], "--optimizer must be one of adam, sgd, nesterov, not lbfgs"),
-        (["--params", "some"], "--params must be one of norm, all, not some"),
-        (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, not fp8"),
+        (["--format", "xml"], "Invalid value for '--format': Value error, 'xml' is not one of 'csv', 'jsonl'"),
+        (["--optimizer", "lbfgs"], "Invalid value for '--optimizer': Value error, 'lbfgs' is not one of 'adam', 'sgd', 'nesterov'"),
+        (["--params", "some"], "Invalid value for '--params': Value error, 'some' is not one of 'norm', 'all'"),
+        (["--precision", "fp8"], "Invalid value for '--precision': Value error, 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
         (["--steps", "0"], "--steps must be at least 1, not 0"),
     ],
     ids=["format", "optimizer", "params", "precision", "steps"],
@@ -324,7 +324,7 @@ def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path)
     workdir = tmp_path / "work"
     result = invoke("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
                  *PLAIN, "--methods", "source,cafa", "--optimizer", "lbfgs", "--workdir", workdir)
-    fails(result, 2, "--optimizer must be one of adam, sgd, nesterov, not lbfgs")
+    fails(result, 2, "Invalid value for '--optimizer'", "'lbfgs' is not one of 'adam', 'sgd', 'nesterov'")
     assert not list(workdir.glob("*.safetensors"))
 
 
@@ -333,7 +333,7 @@ def test_stats_negative_seed(setup, tmp_path):
 
 
 def test_unknown_method(setup):
-    fails(adapt(setup, setup["train"], "--method", "magic"), 2, "--method must be one of", "not magic")
+    fails(adapt(setup, setup["train"], "--method", "magic"), 2, "Invalid value for '--method'", "'magic' is not one of 'source'")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -343,12 +343,12 @@ def test_cuda_without_cuda(setup, device):
 
 
 def test_unknown_format(setup):
-    fails(adapt(setup, setup["train"], "--format", "xml"), 2, "--format must be one of csv, jsonl, not xml")
+    fails(adapt(setup, setup["train"], "--format", "xml"), 2, "Invalid value for '--format'", "'xml' is not one of 'csv', 'jsonl'")
 
 
 def test_unknown_reset_policy(setup):
     result = adapt(setup, setup["train"], "--reset", "sometimes")
-    fails(result, 2, "--reset must be one of domain, episodic, never")
+    fails(result, 2, "Invalid value for '--reset'", "is not one of 'domain', 'episodic', 'never'")
     assert result.stdout == ""
 
 
@@ -384,7 +384,7 @@ def test_debug_shows_the_tools_own_error_not_a_crash_of_the_error_handler(setup)
     from cafa_cli.errors import UsageError
 
     result = invoke("--debug", "stats", "--data", setup["train"], "--fraction", "2", "--model", TINY_NET)
-    assert isinstance(result.exception, UsageError) and "--fraction" in str(result.exception)
+    assert isinstance(result.exception, UsageError) and "`fraction`" in str(result.exception)  # the library's words
     fails(invoke("--debug", "stats", "--data", setup["train"], "--fractoin", "1"), 2, "No such option: --fractoin")
 
 
@@ -527,7 +527,7 @@ def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
     fails(invoke(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
     fails(invoke("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
     with pytest.raises(UsageError, match="give one of them"):  # the Python API too: it dropped the fraction
-        compute_statistics(str(setup["train"]), tmp_path / "api.safetensors", fraction=0.5, per_class=10)
+        StatsConfig(data=str(setup["train"]), out=str(tmp_path / "api.safetensors"), fraction=0.5, per_class=10)
 
 
 @pytest.mark.parametrize("command", ["stats", "adapt"])

@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cafa_cli.cli.app import _command_options, app
+from cafa_cli.cli.app import app, command_options as _command_options
 from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.errors import UsageError
 from conftest import PLAIN, TINY_NET, write_folder
@@ -23,7 +23,7 @@ def test_cafa_toml_maps_option_names_to_parameters(tmp_path):
 def test_keys_are_the_long_options_even_where_the_parameter_is_named_otherwise(tmp_path):
     (tmp_path / "cafa.toml").write_text('[adapt]\nformat = "jsonl"\ncompile = true\n[bench]\ncsv = "r.csv"\n[inspect]\njson = true\n')
     assert read_defaults(tmp_path, _command_options()) == {
-        "adapt": {"fmt": "jsonl", "compile_model": True}, "bench": {"csv_out": "r.csv"}, "inspect": {"as_json": True}}
+        "adapt": {"format": "jsonl", "compile": True}, "bench": {"csv": "r.csv"}, "inspect": {"as_json": True}}
     (tmp_path / "cafa.toml").write_text('[adapt]\nfmt = "jsonl"\n')  # the Python name is not an option
     with pytest.raises(UsageError, match="has no option 'fmt'"):
         read_defaults(tmp_path, _command_options())
@@ -150,3 +150,14 @@ def test_a_value_from_the_file_that_cafa_refuses_says_where_it_was_set(tmp_path,
     assert typed.exit_code == 2 and "set in" not in typed.stderr
     stats = runner.invoke(app, ["stats", "--data", "x"], default_map=defaults)
     assert stats.exit_code == 2 and "(--fraction set in cafa.toml)" in stats.stderr
+
+
+@pytest.mark.parametrize("where", ["cafa.toml", "pyproject.toml"])
+@pytest.mark.parametrize("command, key", [("adapt", "trust-checkpoint"), ("stats", "trust_checkpoint"), ("bench", "trust-checkpoint"),
+                                          ("adapt", "allow-weights-mismatch")])
+def test_a_config_file_cannot_lift_a_safety_check(tmp_path, where, command, key):
+    """A cloned repository's cafa.toml must not make cafa unpickle a checkpoint or run a factory."""
+    table = f"[tool.cafa.{command}]" if where == "pyproject.toml" else f"[{command}]"
+    (tmp_path / where).write_text(f"{table}\n{key} = true\n")
+    with pytest.raises(UsageError, match=rf"sets '{key}', which lets code run or lifts a safety check; .*give --{key.replace('_', '-')} on the command line"):
+        read_defaults(tmp_path, _command_options())

@@ -11,7 +11,8 @@ from helpers import adapt, solid, stats
 from PIL import Image
 from torchvision.transforms import functional as TF
 
-from cafa_cli.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, parse_floats, parse_size, to_mode
+from cafa_cli.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, to_mode
+from cafa_cli.data.values import parse_floats, parse_size
 from cafa_cli.errors import UsageError
 
 
@@ -112,12 +113,12 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
     "kwargs, pattern",
     [
         ({"resize": 64}, r"^--crop 224 is larger than --resize 64: the centre crop would pad the image with black; give --crop 64 or less$"),
-        ({"channels": 2}, "--channels"),
+        ({"channels": 2}, "`channels`"),  # a value wrong by itself is named as the library names settings
         ({"mean": (0.1, 0.2)}, r"^--mean needs 1 or 3 values for 3 channels, got 2$"),
-        ({"std": (1.0, 0.0, 1.0)}, "--std values must be positive"),
-        ({"resize": 0}, "--resize"),
-        ({"crop": -3}, "--crop"),
-        ({"resize": 100_000, "crop": None}, r"^--resize must be a whole number of pixels from 1 to 4096, or 'none'; not 100000$"),
+        ({"std": (1.0, 0.0, 1.0)}, "`std` values must be positive"),
+        ({"resize": 0}, "`resize`"),
+        ({"crop": -3}, "`crop`"),
+        ({"resize": 100_000, "crop": None}, r"^`resize` must be a whole number of pixels from 1 to 4096, or 'none'; not 100000$"),
         ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^--mean needs 1 value for 1 channel, got 3$"),
         ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^--std needs 1 value for 1 channel, got 2$"),
         # the user gave no --mean: the message must not say they gave three values
@@ -133,12 +134,12 @@ def test_preprocessing_round_trip_and_parsers():
     prep = Preprocessing(resize=None, crop=28, mean=(0.3,), std=(0.2,), channels=1)
     assert Preprocessing.from_dict(json.loads(prep.to_json())) == prep
     assert prep.with_changes({"crop": None}).crop is None
-    assert parse_size("none", "--crop") is None and parse_size(" NONE ", "--crop") is None and parse_size("224", "--crop") == 224
-    with pytest.raises(UsageError, match=r"^--test-resize takes a whole number of pixels or 'none', not '1.5'$"):
-        parse_size("1.5", "--test-resize")
-    assert parse_floats("0.5,0.25", "--std") == (0.5, 0.25)
-    with pytest.raises(UsageError, match="--mean takes comma-separated numbers"):
-        parse_floats("0.5;0.2", "--mean")
+    assert parse_size("none", "crop") is None and parse_size(" NONE ", "crop") is None and parse_size("224", "crop") == 224
+    with pytest.raises(UsageError, match=r"^`test_resize` takes a whole number of pixels or 'none', not '1.5'$"):
+        parse_size("1.5", "test_resize")
+    assert parse_floats("0.5,0.25", "std") == (0.5, 0.25)
+    with pytest.raises(UsageError, match="`mean` takes comma-separated numbers"):
+        parse_floats("0.5;0.2", "mean")
 
 
 @pytest.mark.parametrize("command", ["adapt", "stats"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cafa_cli.method.distances as distances
+from cafa_cli.method import reference
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians, estimate
 from cafa_cli.method.moments import ClassMoments
@@ -34,20 +35,14 @@ def make_gaussians(covariance: str, seed: int = 0) -> ClassGaussians:
     )
 
 
-def reference(z: torch.Tensor, gaussians: ClassGaussians, metric: str = "mahalanobis") -> torch.Tensor:
-    """D[n, c] = ‖L_cᵀ(z_n − μ_c)‖² in float64, straight from the definition."""
-    z = z.double()
-    means = gaussians.means.double()
-    diff = z[:, None, :] - means[None, :, :]  # [N, C, d]
+def expected_distances(z: torch.Tensor, gaussians: ClassGaussians, metric: str = "mahalanobis") -> torch.Tensor:
+    """D[n, c] = ‖L_cᵀ(z_n − μ_c)‖² in float64, by reference.py's definition, from the stored factors."""
     if metric == "euclidean":
-        return diff.square().sum(-1)
+        return reference.euclidean(z, gaussians.means)
     factors = gaussians.factors.double()
     if gaussians.covariance == "diag":
-        return (diff * factors[None]).square().sum(-1)
-    if gaussians.covariance == "tied":
-        factors = factors.expand(C, D, D)
-    whitened = torch.einsum("ncd,cde->nce", diff, factors)
-    return whitened.square().sum(-1)
+        factors = torch.diag_embed(factors)  # the stored 1/σ_c as a diagonal factor
+    return reference.mahalanobis_from_factors(z, gaussians.means, factors.expand(C, D, D))
 
 
 def probes(seed: int = 1, n: int = N, dtype=torch.float32) -> torch.Tensor:
@@ -65,7 +60,7 @@ def test_distances_match_float64_reference(covariance, metric):
     z = probes()
     got = dist(z)
     assert got.shape == (N, C) and got.dtype == torch.float32
-    expected = reference(z, g, metric)
+    expected = expected_distances(z, g, metric)
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.max()))
     assert (got >= 0).all()
 
@@ -74,7 +69,7 @@ def test_distances_match_float64_reference(covariance, metric):
 def test_distance_to_own_mean_is_zero(covariance, metric):
     g = make_gaussians(covariance)
     got = ClassDistances(g, metric=metric)(g.means)
-    expected = reference(g.means, g, metric)
+    expected = expected_distances(g.means, g, metric)
     assert got.diagonal().abs().max() < 1e-4
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
 
@@ -94,7 +89,7 @@ def test_euclidean_ignores_the_factors():
 def test_float64_input_is_accepted():
     g = make_gaussians("full")
     z = probes(dtype=torch.float64)
-    torch.testing.assert_close(ClassDistances(g)(z).double(), reference(z, g), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ClassDistances(g)(z).double(), expected_distances(z, g), rtol=1e-4, atol=1e-5)
 
 
 def counting_chunks(monkeypatch) -> list[int]:
@@ -119,7 +114,7 @@ def test_chunked_full_path_matches_reference(monkeypatch):
     chunked = ClassDistances(g)(z)
     assert calls == [2, 2, 2, 1]
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(chunked.double(), reference(z, g), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked.double(), expected_distances(z, g), rtol=1e-4, atol=1e-5)
 
 
 def test_chunk_budget_below_one_class_still_works(monkeypatch):
@@ -127,7 +122,7 @@ def test_chunk_budget_below_one_class_still_works(monkeypatch):
     calls = counting_chunks(monkeypatch)
     monkeypatch.setattr(distances, "CHUNK_BYTES", 1)
     z = probes()
-    torch.testing.assert_close(ClassDistances(g)(z).double(), reference(z, g), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ClassDistances(g)(z).double(), expected_distances(z, g), rtol=1e-4, atol=1e-5)
     assert calls == [1] * C
 
 
@@ -140,7 +135,7 @@ def grad_check(g: ClassGaussians, metric: str = "mahalanobis"):
     (ClassDistances(g, metric=metric)(z).double() * weights).sum().backward()
     got = z.grad.clone()
     z_ref = z.detach().clone().requires_grad_(True)
-    (reference(z_ref, g, metric) * weights).sum().backward()
+    (expected_distances(z_ref, g, metric) * weights).sum().backward()
     expected = z_ref.grad
     assert got.abs().max() > 0
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
@@ -182,7 +177,7 @@ def test_gradient_closed_form_for_full():
 
 
 @pytest.mark.parametrize("covariance", ["full", "tied", "diag"])
-def test_distances_from_estimate_match_direct_inverse(covariance):
+def test_distances_from_estimate_match_the_reference(covariance):
     gen = torch.Generator().manual_seed(4)
     counts = [50, 40, 60]
     x = torch.cat([torch.randn(n, D, generator=gen, dtype=torch.float64) * (c + 1) + 3 * c for c, n in enumerate(counts)])
@@ -191,25 +186,10 @@ def test_distances_from_estimate_match_direct_inverse(covariance):
     moments.update(x.float(), y)
     lam = 0.2
     g = estimate(moments, covariance, lam)
-    xs = x.float().double()
-    covs = []
-    for c in range(3):
-        rows = xs[y == c]
-        centred = rows - rows.mean(0)
-        covs.append(centred.T @ centred / len(rows))
-    if covariance == "tied":
-        pooled = sum(cov * n for cov, n in zip(covs, counts)) / sum(counts)
-        covs = [pooled] * 3
-    z = xs[::7]
+    means, covs = reference.class_gaussians(x.float(), y, 3, lam, covariance)
+    z = x.float().double()[::7]
     got = ClassDistances(g)(z).double()
-    for c in range(3):
-        s = covs[c]
-        shrunk = (1 - lam) * s + lam * torch.trace(s) / D * torch.eye(D, dtype=torch.float64)
-        if covariance == "diag":
-            shrunk = torch.diag(shrunk.diagonal())
-        diff = z - xs[y == c].mean(0)
-        expected = torch.einsum("nd,de,ne->n", diff, torch.linalg.inv(shrunk), diff)
-        torch.testing.assert_close(got[:, c], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, reference.mahalanobis(z, means, covs), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("covariance, metric", [*CASES, ("lowrank", "mahalanobis")])
@@ -235,8 +215,8 @@ def test_distances_near_a_class_mean_keep_their_relative_accuracy(covariance, me
         expected = diff.square().sum(1)
     elif covariance == "lowrank":
         a, q, e = gaussians.isotropic[1].double(), factors[1], gaussians.spectrum[1].double()
-        precision = torch.linalg.inv(a * torch.eye(d, dtype=torch.float64) + q.T @ torch.diag(e) @ q)
-        expected = ((diff @ precision) * diff).sum(1)
+        sigma = a * torch.eye(d, dtype=torch.float64) + q.T @ torch.diag(e) @ q
+        expected = reference.mahalanobis(z64, gaussians.means[1:2], sigma[None])[:, 0]
     elif covariance == "diag":
         expected = (diff * factors[1]).square().sum(1)
     else:

@@ -229,7 +229,7 @@ def test_lowrank_constant_class_is_named():
 
 def test_lowrank_with_a_shrinkage_too_small_for_float32_says_so():
     x, y = features()
-    with pytest.raises(InputError, match=r"too small to invert in float32; use --shrinkage auto \(or a larger value\)") as info:
+    with pytest.raises(InputError, match=r"too small to invert in float32; use `shrinkage` auto \(or a larger value\)") as info:
         estimate(moments_of(x, y), "lowrank", 1e-320, NAMES)
     assert "do not vary" not in str(info.value)
 

@@ -99,9 +99,9 @@ def test_classifier_override():
 
 
 def test_classifier_override_that_is_not_a_linear():
-    with pytest.raises(UsageError, match=r"--classifier head\.2: no nn\.Linear.*head\.1, head\.3"):
+    with pytest.raises(UsageError, match=r"`classifier` head\.2: no nn\.Linear.*head\.1, head\.3"):
         find_classifier(tiny_net.build(), "head.2")
-    with pytest.raises(UsageError, match="--classifier nope"):
+    with pytest.raises(UsageError, match="`classifier` nope"):
         find_classifier(tiny_net.build(), "nope")
 
 

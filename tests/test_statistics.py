@@ -307,7 +307,7 @@ def test_zero_shrinkage_with_constant_feature_names_the_class(covariance):
     with pytest.raises(InputError, match=r"singular for dog \(N=40") as info:
         estimate(moments_of(x, y, 2), covariance, 0.0, ["cat", "dog"])
     assert "cat" not in str(info.value)
-    assert "--shrinkage" in str(info.value)
+    assert "`shrinkage`" in str(info.value)
 
 
 def test_zero_shrinkage_with_too_few_samples_names_the_class():
@@ -338,14 +338,14 @@ def test_class_with_fewer_than_two_samples_is_named():
 @pytest.mark.parametrize("covariance", ["spherical", "", "FULL"])
 def test_invalid_covariance_is_a_usage_error(covariance):
     x, y = random_features(10, [20, 20])
-    with pytest.raises(UsageError, match="--covariance"):
+    with pytest.raises(UsageError, match="`covariance` must be one of"):
         estimate(moments_of(x, y, 2), covariance, "auto")
 
 
 @pytest.mark.parametrize("shrinkage", [-0.1, 1.5, float("nan"), "lots"])
 def test_invalid_shrinkage_is_a_usage_error(shrinkage):
     x, y = random_features(11, [20, 20])
-    with pytest.raises(UsageError, match="--shrinkage"):
+    with pytest.raises(UsageError, match="`shrinkage` must be"):
         estimate(moments_of(x, y, 2), "full", shrinkage)
 
 
@@ -357,7 +357,7 @@ def test_a_variance_too_small_to_square_its_factor_is_refused(covariance):
     x = rng.normal(size=(40, D))
     x[:, 0] *= 1e-21
     y = np.repeat([0, 1], 20)
-    with pytest.raises(InputError, match="overflow float32 when squared.*raise --shrinkage"):
+    with pytest.raises(InputError, match="overflow float32 when squared.*raise `shrinkage`"):
         estimate(moments_of(x.astype(np.float32), y, 2), covariance, 0.0)
     estimate(moments_of(x.astype(np.float32), y, 2), covariance, "auto")  # shrinkage lifts it
 

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.stream import adapt_domains
@@ -26,7 +27,7 @@ def domain(name: str, x, y) -> Domain:
 def confidences(trained, method: str, reset: str, domains: list[Domain]) -> dict[str, list[float]]:
     """Each domain's per-image confidences, in stream order."""
     model, gaussians, _, _ = trained
-    adapter = Adapter(copy.deepcopy(model), method, gaussians, lr=1e-2)
+    adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
     seen: dict[str, list[float]] = {}
     adapt_domains(adapter, domains, PIXELS, batch_size=50, reset=reset, shuffle=False,
                   on_records=lambda records, so_far: seen.setdefault(so_far.data, []).extend(r.confidence for r in records))

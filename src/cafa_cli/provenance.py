@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from cafa_cli.artifact import Artifact
 from cafa_cli.errors import InputError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, factory_sha256, parameters_sha256
-from cafa_cli.jobs.inputs import ModelChoice
 
 
-def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
+def recorded_model(artifact: Artifact, given):
     """The artifact's model, with what the user gave in its place.
 
     A factory (`file.py:fn`) named by an artifact would run code from a file the
@@ -31,7 +31,8 @@ def _recorded_model(artifact: Artifact, given: ModelChoice) -> ModelChoice:
             f"or --model/--weights to use another model"
         )
     num_classes = given.num_classes or recorded.num_classes
-    return ModelChoice(recorded.model, weights, num_classes, given.classifier or recorded.classifier, given.trust_checkpoint)
+    return replace(given, model=recorded.model, weights=weights, num_classes=num_classes,
+                   classifier=given.classifier or recorded.classifier)
 
 
 def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> str | None:

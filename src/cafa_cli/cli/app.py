@@ -1,97 +1,46 @@
-"""The `cafa` command: parses options, calls one function per command (pipeline's
-stats and adapt jobs, bench, demo, inspect), and turns errors into one line on stderr
-and an exit code."""
+"""The `cafa` application: the commands with their help, the root options, and `main`,
+which installs the signal handlers and reads cafa.toml's defaults."""
 
 from __future__ import annotations
 
-import functools
-import io
-import logging
-import os
-import re
 import signal
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
+
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
+
 from cafa_cli import __version__
-from cafa_cli.cli.defaults import CommandOptions, defaults_source, read_defaults
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, UsageError, printable
-from cafa_cli.devices import GPU_OUT_OF_MEMORY
-from cafa_cli.jobs.report import ESCAPE_FOR_OUTPUT, is_utf8
-from cafa_cli.jobs.monitor import stderr_console
+from cafa_cli.cli import commands
+from cafa_cli.cli.defaults import CommandOptions, read_defaults
+from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors, reader_gone, reports_errors
+from cafa_cli.cli.options import PanelledCommand
+from cafa_cli.cli.streams import prepare_standard_streams
+from cafa_cli.errors import CafaError
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig, command_line_only
 
-
-EXIT_INTERRUPTED = 130
-
-
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
-
-
-def _stderr(quiet: bool) -> Console:
-    """The console for humans; --quiet also silences the warnings torch logs itself
-    (e.g. torch.compile's set-up) for the rest of the command."""
-    if quiet:
-        logging.getLogger("torch").setLevel(logging.ERROR)
-    return stderr_console(quiet)
-
-
-def as_flags(message: str) -> str:
-    """The library names a setting in backticks (`lr`); on the command line it is --lr."""
-    return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    """Print the tool's one-line error and return the Exit to raise."""
-    typer.echo(f"cafa: error: {printable(as_flags(message))}", err=True)
-    return typer.Exit(code=code)
-
-
-@contextmanager
-def _one_line_usage_errors():
-    """Click's own usage errors (a missing option, a value of the wrong type, an unknown
-    command) as one `cafa: error:` line and exit 2, like every other error of the tool."""
-    try:
-        yield
-    except Exception as error:
-        # typer vendors click, so its classes are matched by name; cafa's own UsageError
-        # only gets here on --debug, to show its traceback
-        usage = any(k.__name__ == "UsageError" for k in type(error).__mro__) and not isinstance(error, CafaError)
-        if not usage or type(error).__name__ == "NoArgsIsHelpError":
-            raise
-        ctx, param = getattr(error, "ctx", None), getattr(error, "param", None)
-        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        if ctx is not None and param is not None and param.name and _from_config(ctx, param.name):  # the user typed no such value: say where it is
-            hint = f" (set in {defaults_source(Path.cwd())})"
-        raise _fail(f"{error.format_message()}{hint}", error.exit_code) from None
-
-
-def _config_hint(ctx: typer.Context | None, message: str) -> str:
-    """' (--batch-size set in cafa.toml)' when the option a message starts with was not typed
-    but came from the defaults file: else the user looks for it on the command line."""
-    named = re.match(r"--[a-z][a-z-]*", message)
-    if ctx is None or named is None:
-        return ""
-    param = next((p for p in ctx.command.params if named.group() in p.opts), None)
-    return f" ({named.group()} set in {defaults_source(Path.cwd())})" if param is not None and _from_config(ctx, param.name) else ""
-
-
-def _from_config(ctx: typer.Context, name: str) -> bool:
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "DEFAULT_MAP"
+EXAMPLES = {
+    "stats": ["cafa stats --model resnet50 --weights resnet50.safetensors --data ImageNet/train --fraction 0.05",
+              "cafa stats --model fmnist-resnet --data fashion-mnist --per-class 300 --covariance tied -o tied.safetensors"],
+    "adapt": ["cafa adapt ImageNet-C/fog/5 --resize none --crop none --batch-size 64 --optimizer sgd --lr 0.0025 > fog5.csv",
+              "cafa adapt --stats tied.safetensors --method tent cafa-demo/fashion-mnist-c-300/*/3 --format jsonl"],
+    "inspect": ["cafa inspect cafa-stats.safetensors --json | jq .classes"],
+    "demo": ["cafa demo", "cafa demo --corruptions all --data-only"],
+    "bench": ["cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
+              "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors --train ImageNet/train "
+              "--test-resize none --test-crop none --methods source,bn,tent,cafa"],
+}
 
 
 class _Group(TyperGroup):
     def make_context(self, *args, **kwargs):
-        with _one_line_usage_errors():
+        with one_line_usage_errors():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx):
-        with _one_line_usage_errors():
+        with one_line_usage_errors():
             return super().invoke(ctx)
 
 
@@ -103,12 +52,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     # click's plain help: rich's boxed tables cut option names short at 80 columns
-    # (--allow-weights-m…) and show every flag as taking a <bool> value
     rich_markup_mode=None,
 )
-
-
-_debug = {"on": False}
 
 
 def _version(value: bool):
@@ -119,80 +64,33 @@ def _version(value: bool):
 
 @app.callback()
 def root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
+    debug_: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
 ):
-    _debug["on"] = debug
+    debug["on"] = debug_
 
 
-def _reader_gone() -> int:
-    """The reader of stdout went away: stop quietly, as a tool killed by SIGPIPE would,
-    with its exit code, and keep Python from failing on the final flush."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_BROKEN_PIPE
+def _examples(name: str) -> str:
+    # \b keeps click from re-wrapping the lines
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
 
 
-def reports_errors(command):
-    """Turn CafaError into one line on stderr and its exit code; Ctrl-C into exit 130."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except CafaError as error:
-            if _debug["on"]:
-                raise
-            message = as_flags(str(error))
-            raise _fail(f"{message}{_config_hint(kwargs.get('ctx'), message)}", error.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("cafa: interrupted", err=True)
-            raise typer.Exit(code=EXIT_INTERRUPTED) from None
-        except BrokenPipeError:  # `cafa adapt ... | head`
-            raise typer.Exit(code=_reader_gone()) from None
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except (MemoryError, GPU_OUT_OF_MEMORY):  # the host's or the GPU's
-            raise _fail("out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)", EXIT_RUNTIME) from None
-        except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
-            if _debug["on"]:
-                raise
-            if isinstance(error, OSError) and error.filename:
-                # a path the tool was given: missing, unreadable, not writable, or the disk is full
-                given = isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
-                raise _fail(f"{error.filename}: {error.strerror or error}", EXIT_INPUT if given else EXIT_RUNTIME) from None
-            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-            raise _fail(f"{type(error).__name__}: {first} (run with --debug for the traceback)", EXIT_RUNTIME) from None
-
-    return wrapper
+for _name, _command, _summary in [
+    ("stats", commands.stats, "Per-class feature Gaussians of training images → an artifact."),
+    ("adapt", commands.adapt, "Adapt a model online over test images; one prediction per image."),
+    ("inspect", commands.inspect, "Summarise and validate an artifact."),
+    ("demo", commands.demo, "CAFA on real corrupted images, offline: Fashion-MNIST-C."),
+    ("bench", commands.bench, "Methods × domains × seeds → a paper-style error table."),
+]:
+    app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
 
 
 def _interrupt(signum, frame):
-    if not _debug["on"]:
+    if not debug["on"]:
         # Unwinding stops the loader workers mid-transfer: the errors that background
         # threads and finalisers then raise are noise once the run is being interrupted.
         threading.excepthook = sys.unraisablehook = lambda *args: None
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-class _ClosedOutput(io.TextIOBase):
-    """Standard output closed by the shell (`>&-`): Python sets sys.stdout to None, and
-    print() then drops everything silently. A command that writes there fails instead."""
-
-    problem = "standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"
-
-    def write(self, text: str) -> int:
-        raise UsageError(self.problem)
-
-
-def _standard_streams() -> None:
-    """An output encoding other than UTF-8 (PYTHONIOENCODING=ascii, a latin-1 locale) gets
-    escapes for what it cannot encode instead of an exception in the middle of a run; a
-    closed stdout fails at its first write."""
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper) and not is_utf8(stream):
-            stream.reconfigure(errors=ESCAPE_FOR_OUTPUT)
-    if sys.stdout is None:
-        sys.stdout = _ClosedOutput()
 
 
 def main() -> None:
@@ -200,36 +98,37 @@ def main() -> None:
     # atomic write removes its temporary file and the predictions made so far are flushed.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    _standard_streams()
+    prepare_standard_streams()
     try:
-        defaults = read_defaults(Path.cwd(), _command_options())
+        defaults = read_defaults(Path.cwd(), command_options())
     except CafaError as error:
         if not {"--help", "--version"} & set(sys.argv[1:]):
-            _fail(str(error), error.exit_code)
+            fail(str(error), error.exit_code)
             raise SystemExit(error.exit_code) from None
         defaults = {}  # the help that would show how to fix the file stays readable
     try:
         app(default_map=defaults)
     except BrokenPipeError:  # --help or --version into `| head`
-        raise SystemExit(_reader_gone()) from None
+        raise SystemExit(reader_gone()) from None
     except CafaError as error:  # --help into a closed stdout (a command's own errors are handled inside it)
-        _fail(str(error), error.exit_code)
+        fail(str(error), error.exit_code)
         raise SystemExit(error.exit_code) from None
     except OSError as error:  # --help into a full disk (a command's own errors are handled inside it)
-        _fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
+        fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
         raise SystemExit(EXIT_RUNTIME) from None
 
 
-def _command_options() -> dict[str, CommandOptions]:
+SETTINGS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig}
+
+
+def command_options() -> dict[str, CommandOptions]:
     """What cafa.toml may set for each command, read off the commands themselves."""
     return {
         name: CommandOptions(
             keys={key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])},
             lists={p.name for p in command.params if p.multiple or p.nargs == -1},
             flags={p.name for p in command.params if getattr(p, "is_flag", False)},
+            command_line_only=command_line_only(SETTINGS[name]) if name in SETTINGS else set(),
         )
         for name, command in typer.main.get_command(app).commands.items()
     }
-
-
-from cafa_cli.cli import commands  # noqa: E402,F401  (registers the commands on app)

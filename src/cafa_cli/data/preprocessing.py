@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 import torch
 from PIL import Image
+from cafa_cli.data.values import check_preprocessing
 from cafa_cli.errors import UsageError
 
 
@@ -16,7 +16,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-MAX_SIDE = 4096  # pixels; --resize 100000 would ask for 10 GB per image and end out of memory
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Preprocessing:
     channels: int = 3
 
     def __post_init__(self):
-        check_values(asdict(self))
+        check_preprocessing(asdict(self))
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
@@ -116,21 +115,6 @@ def _numbers(values, name: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def check_values(values: dict) -> None:
-    """Each value wrong by itself, whatever the others: for the options a user gave, which
-    adapt combines with the artifact's for the rest (Preprocessing checks the combination)."""
-    if "channels" in values and values["channels"] not in (1, 3):
-        raise UsageError(f"--channels must be 1 or 3, not {values['channels']}")
-    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
-        raise UsageError("--mean and --std values must be finite numbers")
-    if any(s <= 0 for s in values.get("std", ())):
-        raise UsageError("--std values must be positive")
-    for name in ("resize", "crop"):
-        value = values.get(name)
-        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
-            raise UsageError(f"--{name} must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
-
-
 def to_mode(image: Image.Image, mode: str) -> Image.Image:
     """Convert any PIL image to 8-bit grey or RGB.
 
@@ -146,20 +130,3 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
     return image.convert(mode)
-
-
-def parse_size(text: str, option: str) -> int | None:
-    """'224' -> 224, 'none' -> None."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"{option} takes a whole number of pixels or 'none', not {text!r}") from None
-
-
-def parse_floats(text: str, option: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None

@@ -3,81 +3,36 @@ the Adapter, and run the online stream."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
 import torch
-from cafa_cli.method.adapter import Adapter, check_settings
+from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import NEEDS_STATISTICS, create
 from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
-from cafa_cli.data.loading import check_loading, loader_processes
+from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.devices import pick_device
-from cafa_cli.data.preprocessing import Preprocessing, check_values
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.results import DomainResult
-from cafa_cli.jobs.stream import adapt_domains, check_reset
-from cafa_cli.jobs.inputs import DataChoice, ModelChoice, _check_classes, _class_names_of, _skip_warning, check_seed, default_class_names, default_preprocessing, resolve_model
-from cafa_cli.provenance import _recorded_model, model_mismatch
+from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.distributed import launched_by_torchrun
+from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing, resolve_model
+from cafa_cli.jobs.outputs import check_outputs
+from cafa_cli.jobs.report import metrics, prediction_records, write_json
+from cafa_cli.provenance import model_mismatch, recorded_model
 
 
-@dataclass
-class AdaptSettings:
-    method: str = "cafa"
-    batch_size: int = 200
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    momentum: float = 0.9
-    steps: int = 1
-    params: str = "norm"
-    bn_prior: float = 0.0
-    reset: str = "domain"
-    shuffle: bool = True
-    seed: int = 0
-    device: str = "auto"
-    precision: str = "fp32"
-    num_workers: int | None = None  # None: data.loader_processes' default for the device
-    strict: bool = False
-    compile: bool = False
-
-    def options(self) -> list[str]:
-        """The `cafa adapt` options that give these settings: --method, then those off their defaults."""
-        words = ["--method", self.method]
-        for option in fields(self):
-            value = getattr(self, option.name)
-            if option.name == "method" or value == option.default:
-                continue
-            flag = option.name.replace("_", "-")
-            if isinstance(value, bool):
-                words.append(f"--{flag}" if value else f"--no-{flag}")
-            else:
-                words += [f"--{flag}", str(value)]
-        return words
-
-
-def check_adapt_settings(settings: AdaptSettings) -> torch.device:
-    """Every option value of an adapt run, before any model or data is read; returns the device."""
-    s = settings
-    check_seed(s.seed)
-    check_loading(s.batch_size, s.num_workers)
-    check_reset(s.reset)
-    device = pick_device(s.device)
-    check_settings(s.method, s.params, s.optimizer, s.lr, s.momentum, s.steps, s.bn_prior, s.precision, device)
-    return device
-
-
-def load_for_adaptation(
-    stats: str | None,
-    model: ModelChoice,
-    method: str,
-    allow_weights_mismatch: bool = False,
-) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
+def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
     """The model (from the artifact unless overridden) and the artifact, checked against each other."""
+    stats, model, method = config.stats, config, config.method
     artifact = None
     stats_path = DEFAULT_PATH if stats is None else stats
     if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
@@ -87,7 +42,7 @@ def load_for_adaptation(
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
-        model = _recorded_model(artifact, model)
+        model = recorded_model(artifact, model)
     try:
         net, spec = resolve_model(model)
     except UsageError as error:
@@ -103,7 +58,7 @@ def load_for_adaptation(
             )
         _check_classes(net, artifact.class_names, artifact.path,
                        "check --model and --num-classes, or compute statistics for this model with cafa stats")
-        if not allow_weights_mismatch:
+        if not config.allow_weights_mismatch:
             mismatch = model_mismatch(artifact, spec, net)
             if mismatch:
                 raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass --allow-weights-mismatch")
@@ -129,7 +84,7 @@ class Adaptation:
     domains: list[Domain]
     preprocess: Preprocessing
     class_names: list[str]
-    settings: AdaptSettings
+    config: AdaptConfig
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
 
@@ -137,7 +92,7 @@ class Adaptation:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
         notes = [note for domain in self.domains for note in domain.notes]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
-        s = self.settings
+        s = self.config
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
         batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
@@ -173,17 +128,14 @@ class Adaptation:
             monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
             on_records(batch_records)
 
-        s = self.settings
+        s = self.config
         results = adapt_domains(
             self.adapter,
             self.domains,
             self.preprocess,
-            s.batch_size,
-            s.reset,
-            s.shuffle,
-            s.seed,
-            s.num_workers,
-            s.strict,
+            **s.stream_options(),
+            num_workers=s.num_workers,
+            strict=s.strict,
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
@@ -215,69 +167,79 @@ def _short_name(name: str) -> str:
     return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)
 
 
-def prepare_adaptation(
-    data: list[str],
-    stats: str | None = None,
-    model: ModelChoice = ModelChoice(),
-    data_choice: DataChoice = DataChoice(),
-    settings: AdaptSettings = AdaptSettings(),
-    allow_weights_mismatch: bool = False,
-) -> Adaptation:
-    if not data:
-        raise UsageError("give at least one --data PATH")
-    if data.count("-") > 1:
-        raise UsageError("--data - (image paths on stdin) is given more than once; stdin can be read once")
-    device = check_adapt_settings(settings)
-    net, artifact, spec = load_for_adaptation(stats, model, settings.method, allow_weights_mismatch)
-    if artifact and data_choice.classes_file:
-        raise UsageError("--classes is for cafa stats; cafa adapt takes the class list from the artifact")
+def prepare_adaptation(config: AdaptConfig) -> Adaptation:
+    if not config.data:
+        raise UsageError("give at least one `data` PATH")
+    device = pick_device(config.device)
+    if config.precision != "fp32" and device.type != "cuda":
+        raise UsageError(f"`precision` {config.precision} is for CUDA; on the CPU use fp32")
+    net, artifact, spec = load_for_adaptation(config)
+    if artifact and config.classes:
+        raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
-    check_values(data_choice.preprocessing)  # wrong by itself: no word about where the others came from
+    changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
-        preprocess = base.with_changes(data_choice.preprocessing)
+        preprocess = base.with_changes(changes)
     except UsageError as error:
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
-    class_names = artifact.class_names if artifact else default_class_names(spec.model, data_choice)
-    domains = [open_domain(d, class_names, data_choice.labels, data_choice.severity) for d in data]
+    class_names = artifact.class_names if artifact else default_class_names(spec.model, config)
+    domains = [open_domain(d, class_names, config.labels, config.severity) for d in config.data]
     if class_names is None:
         class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
         _check_classes(net, class_names, "the data")
     elif artifact is None:  # the artifact's list was checked with it
-        _check_classes(net, class_names, f"the class list {data_choice.classes_file}" if data_choice.classes_file else f"{spec.model}'s class list")
-    adapter = Adapter(
-        net,
-        create(settings.method, artifact.gaussians if artifact else None, device),
-        device,
-        params=settings.params,
-        optimizer=settings.optimizer,
-        lr=settings.lr,
-        momentum=settings.momentum,
-        steps=settings.steps,
-        bn_prior=settings.bn_prior,
-        precision=settings.precision,
-        compile=settings.compile,
-    )
-    recorded = _recorded_settings(settings, allow_weights_mismatch, device, artifact, spec, data_choice, preprocess)
-    return Adaptation(adapter, domains, preprocess, class_names, settings, recorded, artifact.preprocessing if artifact else None)
+        _check_classes(net, class_names, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list")
+    method = create(config.method, artifact.gaussians if artifact else None, device)
+    adapter = Adapter(net, method, device, **config.adapter_options())
+    recorded = _recorded_settings(config, device, artifact, spec, preprocess)
+    return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None)
 
 
-def _recorded_settings(settings: AdaptSettings, allow_weights_mismatch: bool, device: torch.device, artifact: Artifact | None,
-                       spec: ModelSpec, data_choice: DataChoice, preprocess: Preprocessing) -> dict:
+# what the metrics JSON records of the settings, in this order
+RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "seed",
+            "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
+
+
+def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,
+                       preprocess: Preprocessing) -> dict:
     """Every setting the results depend on, as resolved, for the metrics JSON."""
     return {
-        **asdict(settings),
-        "allow_weights_mismatch": allow_weights_mismatch,
+        **{name: getattr(config, name) for name in RECORDED},
         "device": str(device),
-        "num_workers": loader_processes(settings.num_workers, device),
+        "num_workers": loader_processes(config.num_workers, device),
         # which statistics: the path as resolved, and when they were made (a path can be overwritten)
         "stats": absolute(artifact.path) if artifact else None,
         "stats_created": artifact.metadata.get("created") if artifact else None,
         "covariance": artifact.covariance if artifact else None,
         **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
-        "classes": absolute(data_choice.classes_file),
-        "labels": absolute(data_choice.labels),
-        "severity": data_choice.severity,
+        "classes": absolute(config.classes),
+        "labels": absolute(config.labels),
+        "severity": config.severity,
         "preprocessing": asdict(preprocess),
     }
+
+
+def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
+    """The whole `adapt` command: the records to `config.predictions` (stdout when None),
+    warnings to the monitor, the metrics to `config.metrics_json`; returns the results."""
+    if launched_by_torchrun():
+        raise UsageError("cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it "
+                         "again; run it without torchrun (one process per domain or GPU), or use cafa bench to spread "
+                         "domains over ranks")
+    outputs = {"`predictions`": config.predictions, "`metrics_json`": config.metrics_json}
+    check_outputs(outputs, {"`stats`": DEFAULT_PATH if config.stats is None else config.stats, "`weights`": config.weights,
+                            "`labels`": config.labels, "`classes`": config.classes, "`data`": config.data})
+    job = prepare_adaptation(config)
+    read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
+    if read_from_stdin:
+        check_outputs(outputs, {"`data` -": read_from_stdin})  # the paths stdin listed, known only now
+    with prediction_records(config.predictions, config.format, job.class_names) as writer:
+        unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
+        for caution in [*job.cautions(), *([unread] if unread else [])]:
+            monitor.warn(caution)
+        results = job.run(writer.write, monitor)
+    if config.metrics_json:
+        write_json(config.metrics_json, metrics(config.method, results, job.recorded_settings))
+    return results

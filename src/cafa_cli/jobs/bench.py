@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
@@ -20,9 +20,20 @@ from cafa_cli.errors import InputError, UsageError, printable, repeated, undecod
 from cafa_cli.files import atomic_write, make_workdir
 from cafa_cli.models import bundled_model
 from cafa_cli.checkpoints import check_weights_file
-from cafa_cli.jobs.adapt import AdaptSettings, check_adapt_settings, prepare_adaptation
-from cafa_cli.jobs.inputs import DataChoice, ModelChoice, check_seed, recorded_data, resolve_model
-from cafa_cli.jobs.stats import compute_statistics, sample_sha256, subset_size
+from cafa_cli.devices import pick_device
+from cafa_cli.jobs import tables
+from cafa_cli.jobs.adapt import prepare_adaptation
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, InputOptions, StatsConfig
+from cafa_cli.jobs.distributed import process_group, rank_device
+from cafa_cli.jobs.outputs import check_outputs
+from cafa_cli import __version__
+from cafa_cli.jobs import report
+from cafa_cli.data.loading import loader_processes
+from cafa_cli.files import absolute, open_safetensors
+from cafa_cli.models import weights_sha256
+from cafa_cli.checkpoints import sha256_of
+from cafa_cli.jobs.inputs import recipe, recorded_data, resolve_model
+from cafa_cli.jobs.stats import compute_statistics, sample_sha256
 from cafa_cli.provenance import model_mismatch
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.method.gaussians import auto_shrinkage_method, check_options
@@ -37,7 +48,6 @@ VARIANTS = {"cafa-tied": ("cafa", "tied", None), "cafa-diag": ("cafa", "diag", N
             "cafa-dense": ("cafa", "full", None), "cafa-lowrank": ("cafa", "lowrank", None)}
 
 
-DEFAULT_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 
 
 @dataclass(frozen=True)
@@ -48,8 +58,11 @@ class Row:
     lr: float | None = None  # this row's learning rate, when it differs from --lr
     params: str | None = None  # this row's --params, when it differs from the bench's
 
-    def settings(self, base: AdaptSettings) -> AdaptSettings:
-        return replace(base, method=self.method, lr=self.lr or base.lr, params=self.params or base.params)
+    def lr_of(self, config: BenchConfig) -> float:
+        return self.lr or config.lr
+
+    def params_of(self, config: BenchConfig) -> str:
+        return self.params or config.params
 
 
 def parse_methods(text: str) -> list[Row]:
@@ -80,21 +93,7 @@ def parse_methods(text: str) -> list[Row]:
     return rows
 
 
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds takes comma-separated integers, not {text!r}") from None
-    if not seeds:
-        raise UsageError("--seeds names no seed")
-    for seed in seeds:
-        check_seed(seed, "--seeds")
-    if repeated(seeds):
-        raise UsageError(f"--seeds names a seed twice: {text}")
-    return seeds
-
-
-def check_domains(domains: list[str], data_choice: DataChoice) -> None:
+def check_domains(domains: list[str], data_choice: InputOptions) -> None:
     """Each test domain given once, readable with its options and labelled, before any statistics are computed."""
     twice = repeated(domains, key=recorded_data)  # `imgs` and `./imgs/` are one domain
     if twice:
@@ -106,56 +105,39 @@ def check_domains(domains: list[str], data_choice: DataChoice) -> None:
                              f"(or an array with --labels)")
 
 
-def recipes(model: str, **choices: DataChoice) -> dict[str, dict]:
-    """The preprocessing each side used, in full, for the report: e.g. train and test."""
-    return {name: asdict(choice.recipe(model)) for name, choice in choices.items()}
+def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str) -> bool:
+    """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: the automatic
+    estimate of that covariance mode, or one fixed λ (stored as the float it was given);
+    a malformed one is not."""
+    try:
+        recorded = json.loads(metadata)
+        method, low, high = recorded["method"], recorded["min"], recorded["max"]
+    except (TypeError, ValueError, KeyError):
+        return False
+    if shrinkage == "auto":
+        return method == auto_shrinkage_method(covariance)
+    return method == "fixed" and low == high == float(shrinkage)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Which training images the statistics are computed from, and their shrinkage (as cafa stats)."""
-
-    fraction: float | None = None  # DEFAULT_FRACTION unless per_class is given
-    per_class: int | None = None
-    seed: int = 0
-    shrinkage: float | str = "auto"
-
-    def __post_init__(self):
-        fraction, per_class = subset_size(self.fraction, self.per_class)
-        object.__setattr__(self, "fraction", fraction)
-        object.__setattr__(self, "per_class", per_class)
-
-    def same_shrinkage(self, metadata: str | None, covariance: str) -> bool:
-        """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: the automatic
-        estimate of that covariance mode, or one fixed λ (stored as the float it was given);
-        a malformed one is not."""
-        try:
-            recorded = json.loads(metadata)
-            method, low, high = recorded["method"], recorded["min"], recorded["max"]
-        except (TypeError, ValueError, KeyError):
-            return False
-        if self.shrinkage == "auto":
-            return method == auto_shrinkage_method(covariance)
-        return method == "fixed" and low == high == float(self.shrinkage)
-
-    def recorded(self) -> dict:
-        return {"fraction": self.fraction, "per_class": self.per_class, "seed": self.seed}
+def shared(source, target_type, **overrides):
+    """A `target_type` settings object with every field `source` has too, then `overrides`."""
+    common = {f.name: getattr(source, f.name) for f in fields(target_type) if f.name in {g.name for g in fields(source)}}
+    return target_type(**{**common, **overrides})
 
 
-@dataclass(frozen=True)
-class BenchPlan:
-    """A benchmark: every row × test domain × seed, and what all of them share."""
+def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0) -> StatsConfig:
+    """The `cafa stats` run of one covariance mode: the bench's model, training data and
+    sampling, on its device, batch size and loader processes."""
+    return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed)
 
-    rows: list[Row]
-    domains: list[str]
-    seeds: list[int]
-    settings: AdaptSettings  # every row's options; a row sets its own method, and maybe lr and params
-    model: ModelChoice
-    train: str | None  # the training data of the statistics (as cafa stats --data)
-    train_choice: DataChoice
-    test_choice: DataChoice
-    sampling: Sampling = Sampling()
-    workdir: Path = Path("cafa-bench")
+
+def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
+    """The `cafa adapt` run of one row and seed, on the test domains with their geometry.
+    With statistics the class list comes from the artifact (made from `classes`)."""
+    return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
+                  stats=stats, classes=None if stats else classes,
+                  resize=config.resize if config.test_resize is None else config.test_resize,
+                  crop=config.crop if config.test_crop is None else config.test_crop)
 
 
 def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
@@ -169,28 +151,53 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
     return bundled.training_data
 
 
-def run_bench(plan: BenchPlan, monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult] | None:
+def run(config: BenchConfig, monitor: Monitor) -> str | None:
+    """The whole `bench` command: the grid, then the table as markdown (returned) and as
+    the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
+    rows = parse_methods(config.methods)
+    seeds = config.seed_list()
+    check_outputs({"`csv`": config.csv, "`json`": config.json, "`plot`": config.plot},
+                  {"`train`": config.train, "`weights`": config.weights, "`labels`": config.labels, "`classes`": config.classes,
+                   "`data`": config.data, "`workdir`": config.workdir})
+    target = rank_device(pick_device(config.device))
+    config = replace(config, device=str(target), train=training_data(config.train, config.model, rows))
+    with process_group(target) as (rank, world):
+        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world)
+    if results is None:
+        return None
+    table = tables.summarise(results, rows, config.data, seeds)
+    if config.csv:
+        tables.write_csv(config.csv, table, config.data)
+    if config.json:
+        write_json(config.json, config, rows, seeds, table, results)
+    if config.plot:
+        tables.plot(config.plot, table, config.data)
+    return tables.markdown(table, config.data, seeds)
+
+
+def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
+              world: int = 1) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
     the other ranks None."""
     # every check before statistics that can take hours, and before the workdir is made
-    check_domains(plan.domains, plan.test_choice)
-    for row in plan.rows:
-        check_adapt_settings(row.settings(plan.settings))
-    for covariance in covariances_needed(plan.rows):
-        check_options(covariance, plan.sampling.shrinkage)
-    if plan.model.weights:
-        check_weights_file(plan.model.weights)
-    if plan.train and plan.train not in TRAINING_SETS and not Path(on_disk(plan.train)).exists():
-        raise InputError(f"--train {plan.train}: no such file or folder")
-    make_workdir(plan.workdir)
-    artifacts = {covariance: ensure_statistics(plan, covariance, monitor) for covariance in covariances_needed(plan.rows)}
+    check_domains(config.data, config)
+    for row in rows:
+        row_config(config, row, seeds[0], None, None)
+    for covariance in covariances_needed(rows):
+        check_options(covariance, config.shrinkage_value())
+    if config.weights:
+        check_weights_file(config.weights)
+    if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
+        raise InputError(f"`train` {config.train}: no such file or folder")
+    workdir = make_workdir(config.workdir)
+    artifacts = {covariance: ensure_statistics(config, covariance, monitor) for covariance in covariances_needed(rows)}
     wait_for_all(world)  # rank 0 has written the artifacts
-    without_statistics = any(row.covariance is None for row in plan.rows)
-    classes_file = shared_class_list(plan, artifacts, write=rank == 0) if without_statistics else None
+    without_statistics = any(row.covariance is None for row in rows)
+    classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    mine = run_grid(replace(plan, test_choice=replace(plan.test_choice, classes_file=classes_file)), artifacts, monitor, rank, world)
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world)
     parts = gather_on_root(mine, rank, world)
     return None if parts is None else {key: result for part in parts for key, result in part.items()}
 
@@ -204,25 +211,23 @@ def artifact_path(workdir: Path, covariance: str) -> Path:
     return workdir / f"stats-{covariance}.safetensors"
 
 
-def ensure_statistics(plan: BenchPlan, covariance: str, monitor: Monitor) -> Path:
+def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor) -> Path:
     """The artifact for one covariance mode, re-used when it was made for the same model
-    and data; computed on the device, batch size and loader processes of the plan's settings."""
-    path = artifact_path(plan.workdir, covariance)
+    and data; computed on the device, batch size and loader processes of the bench."""
+    path = artifact_path(Path(config.workdir), covariance)
+    stats = stats_config(config, covariance, path)
     if path.is_file():
         try:
-            if _made_for(read_artifact(path, load_tensors=False), plan):
+            if _made_for(read_artifact(path, load_tensors=False), stats):
                 return path
         except InputError:
             pass
     monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
-    sampling, settings = plan.sampling, plan.settings
-    compute_statistics(plan.train, path, plan.model, plan.train_choice, fraction=sampling.fraction, per_class=sampling.per_class,
-                       seed=sampling.seed, covariance=covariance, shrinkage=sampling.shrinkage, device=settings.device,
-                       batch_size=settings.batch_size, num_workers=settings.num_workers, strict=settings.strict, monitor=monitor)
+    compute_statistics(stats, monitor)
     return path
 
 
-def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool = True) -> str | None:
+def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, Path], write: bool = True) -> str | None:
     """The class list file every row uses, so that the rows without statistics read the
     labels in the model's output order too. Without it they take the test folders'
     sorted names, which is not the order of every training set (Fashion-MNIST's is not
@@ -230,12 +235,12 @@ def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool =
     --classes or a bundled model already fix it; else the training data's order is
     written to WORKDIR/classes.txt (by `write`: rank 0 under torchrun); None when there
     is no training data to ask, or it has no class folders."""
-    if plan.train_choice.classes_file or bundled_model(plan.model.model):
-        return plan.train_choice.classes_file
+    if config.classes or bundled_model(config.model):
+        return config.classes
     if artifacts:
         names = read_artifact(next(iter(artifacts.values())), load_tensors=False).class_names
-    elif plan.train:
-        names = open_domain(plan.train, None).class_names
+    elif config.train:
+        names = open_domain(config.train, None).class_names
     else:
         return None
     if not names:
@@ -246,52 +251,48 @@ def shared_class_list(plan: BenchPlan, artifacts: dict[str, Path], write: bool =
     if unwritable:
         raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
                          f"statistics (a name that is not UTF-8, or spaces around it); rename it")
-    path = plan.workdir / "classes.txt"
+    path = workdir / "classes.txt"
     if write:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
     return str(path)
 
 
-def _made_for(artifact, plan: BenchPlan) -> bool:
+def _made_for(artifact, stats: StatsConfig) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths: a relative --train or --workdir must match on a second run) and
     as cafa adapt checks the model (the same parameters in another file are the same)."""
-    model, classes_file = plan.model, plan.train_choice.classes_file
-    wanted = {"data": recorded_data(plan.train), **plan.sampling.recorded()}
+    fraction, per_class = stats.subset()
+    wanted = {"data": recorded_data(stats.data), "fraction": fraction, "per_class": per_class, "seed": stats.seed}
     if not (
-        model.classifier in (None, artifact.model.classifier)
-        and (classes_file is None or read_class_list(classes_file) == artifact.class_names)
-        and artifact.preprocessing == plan.train_choice.recipe(model.model)
+        stats.classifier in (None, artifact.model.classifier)
+        and (stats.classes is None or read_class_list(stats.classes) == artifact.class_names)
+        and artifact.preprocessing == recipe(stats, stats.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
-        and plan.sampling.same_shrinkage(artifact.metadata.get("shrinkage"), artifact.covariance)
+        and same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance)
     ):
         return False
-    net, spec = resolve_model(model)
+    net, spec = resolve_model(stats)
     if model_mismatch(artifact, spec, net) is not None:
         return False
     # the same folder may hold other images since (added, removed, relabelled): compare the sample drawn
-    sampling = plan.sampling
-    return artifact.sampling.get("images_sha256") == sample_sha256(plan.train, model, plan.train_choice, sampling.fraction,
-                                                                   sampling.per_class, sampling.seed)
+    return artifact.sampling.get("images_sha256") == sample_sha256(stats)
 
 
-def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult]:
+def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
+             monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the (row, seed)
     runs are independent, so under torchrun each rank takes every world-th."""
     results, warned = {}, set()
-    runs = [(row, seed) for row in plan.rows for seed in plan.seeds]
+    runs = [(row, seed) for row in rows for seed in seeds]
     for row, seed in runs[rank::world]:
         stats = str(artifacts[row.covariance]) if row.covariance else None
-        settings = replace(row.settings(plan.settings), seed=seed)
-        # with statistics the class list comes from the artifact (made from --classes)
-        data_choice = replace(plan.test_choice, classes_file=None) if stats else plan.test_choice
-        job = prepare_adaptation(plan.domains, stats, plan.model, data_choice, settings)
+        job = prepare_adaptation(row_config(config, row, seed, stats, classes))
         for caution in job.cautions():
             if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
                 warned.add(caution)
                 monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
-        for domain, result in zip(plan.domains, job.run(monitor=monitor)):
+        for domain, result in zip(config.data, job.run(monitor=monitor)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             results[(row.label, domain, seed)] = result
@@ -300,3 +301,54 @@ def run_grid(plan: BenchPlan, artifacts: dict[str, Path], monitor: Monitor, rank
         del job
         gc.collect()
     return results
+
+
+# the settings every row shares, as the JSON report lists them
+SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "device", "precision",
+          "num_workers", "strict", "compile")
+
+
+def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict) -> None:
+    """The table, every run (its error, images, skips and time), what each row ran with
+    (its method, params, lr, the covariance it asked for and the form its artifact holds:
+    `auto` picks one), the artifacts by content, and the options every row shared (each
+    run's seed is under "runs")."""
+    labels = tables.domain_labels(config.data)
+    shared = {name: getattr(config, name, True) for name in SHARED}  # bench streams are shuffled
+    shared["num_workers"] = loader_processes(config.num_workers, pick_device(config.device))
+    fraction, per_class = config.subset()
+    artifacts = {covariance: _artifact_record(artifact_path(Path(config.workdir), covariance)) for covariance in covariances_needed(rows)}
+    payload = {
+        "cafa_version": __version__,
+        "versions": report.software_versions(),
+        "unit": "error %",
+        "seeds": seeds,
+        "domains": [{"data": d, "label": labels[d]} for d in config.data],
+        "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
+                                             for k, (m, s) in r["cells"].items()}} for r in table],
+        "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
+        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
+                  "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
+                  "params": r.params_of(config), "lr": r.lr_of(config)} for r in rows],
+        "artifacts": artifacts,
+        "settings": {
+            **shared, "methods": ",".join(r.label for r in rows), "train": config.train, "model": config.model,
+            "weights": absolute(config.weights),
+            "weights_sha256": weights_sha256(config.model, config.weights),
+            "classes": absolute(config.classes), "labels": absolute(config.labels),
+            "severity": config.severity,
+            "fraction": fraction, "per_class": per_class, "shrinkage": config.shrinkage_value(),
+            "preprocessing": {"train": asdict(recipe(config, config.model)),
+                              "test": asdict(recipe(config, config.model, config.test_preprocessing_changes()))},
+        },
+    }
+    report.write_json(path, payload)
+
+
+def _artifact_record(path: Path) -> dict:
+    """An artifact the grid has just read and validated, by content: the form it holds,
+    when it was made, the model parameters it was made with, and the file's sha256."""
+    with open_safetensors(path) as f:
+        metadata = f.metadata()
+    return {"path": str(path.resolve()), "sha256": sha256_of(path), "covariance": metadata["covariance"],
+            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256")}

@@ -20,6 +20,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
+from cafa_cli.data.values import check_preprocessing, parse_floats, parse_size
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import NAMES as METHODS
 
@@ -33,7 +34,6 @@ Method = Literal[METHODS]  # type: ignore[valid-type]  (the registry's names)
 
 DEFAULT_ARTIFACT = "cafa-stats.safetensors"
 DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
-MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image
 BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
 
@@ -389,38 +389,3 @@ def check_covariance(covariance: str, shrinkage: float | str) -> None:
     if shrinkage == 0 and covariance == "lowrank":
         raise UsageError("`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
                          "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full")
-
-
-def parse_size(text: str | int, name: str) -> int | None:
-    """'224' -> 224, 'none' -> None."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    if str(text).strip().lower() == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"`{name}` takes a whole number of pixels or 'none', not {text!r}") from None
-
-
-def parse_floats(text: str | float | tuple, name: str) -> tuple[float, ...]:
-    if isinstance(text, (tuple, list)):
-        text = ",".join(str(v) for v in text)
-    try:
-        return tuple(float(v) for v in str(text).split(","))
-    except ValueError:
-        raise UsageError(f"`{name}` takes comma-separated numbers, got {text!r}") from None
-
-
-def check_preprocessing(values: dict, prefix: str = "") -> None:
-    """Each value wrong by itself, whatever the others (the recipe checks the combination)."""
-    if "channels" in values and values["channels"] not in (1, 3):
-        raise UsageError(f"`{prefix}channels` must be 1 or 3, not {values['channels']}")
-    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
-        raise UsageError("`mean` and `std` values must be finite numbers")
-    if any(s <= 0 for s in values.get("std", ())):
-        raise UsageError("`std` values must be positive")
-    for name in ("resize", "crop"):
-        value = values.get(name)
-        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
-            raise UsageError(f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")

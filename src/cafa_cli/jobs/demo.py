@@ -8,61 +8,77 @@ prints their command lines, so every number can be reproduced by hand.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import fields
 from pathlib import Path
-from cafa_cli.jobs.bench import BenchPlan, Sampling, artifact_path, covariances_needed, parse_methods, run_bench
-from cafa_cli.jobs.tables import markdown, summarise
-from cafa_cli.data.fashion_mnist import check_installed
-from cafa_cli.data.fmnist_c import build_corrupted, build_training_subset, check_corruptions
-from cafa_cli.files import make_workdir
-from cafa_cli.jobs.adapt import AdaptSettings
-from cafa_cli.jobs.inputs import DataChoice, ModelChoice
-from cafa_cli.jobs.monitor import Monitor
 
+from cafa_cli.data.fashion_mnist import check_installed
+from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted, build_training_subset, check_corruptions
+from cafa_cli.files import make_workdir
+from cafa_cli.jobs import tables
+from cafa_cli.jobs.adapt import RECORDED
+from cafa_cli.jobs.bench import artifact_path, covariances_needed, parse_methods, row_config, run_bench
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig
+from cafa_cli.jobs.monitor import Monitor
 
 MODEL = "fmnist-resnet"
 
 
-@dataclass(frozen=True)
-class DemoPlan:
-    # one corruption of each ImageNet-C family: noise, blur, weather, digital
-    corruptions: tuple[str, ...] = ("gaussian_noise", "defocus_blur", "frost", "contrast")
-    severity: int = 3
-    train_per_class: int = 300
-    test_per_class: int | None = 300
-    methods: str = "source,bn,tent,cafa"
-    batch_size: int = 200
-    lr: float = 1e-3
-    seed: int = 0
+def corruption_names(config: DemoConfig) -> list[str]:
+    if config.corruptions == "all":
+        return list(BENCHMARK_CORRUPTIONS)
+    return [c.strip() for c in config.corruptions.split(",") if c.strip()]
 
 
 def command_line(*words) -> str:
     return " ".join(shlex.quote(str(w)) for w in words)
 
 
-def run_demo(workdir: str | Path, plan: DemoPlan = DemoPlan(), root: str | None = None, monitor: Monitor | None = None, echo=print) -> str:
+def adapt_words(config: AdaptConfig) -> list[str]:
+    """The `cafa adapt` options that give this run's settings: --method, then those off their defaults."""
+    words = ["--method", config.method]
+    defaults = {f.name: f.default for f in fields(AdaptConfig)}
+    for name in RECORDED:
+        value = getattr(config, name)
+        if name == "method" or value == defaults[name]:
+            continue
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            words += [f"--{flag}", str(value)]
+    return words
+
+
+def build_data_only(config: DemoConfig, monitor: Monitor) -> list[Path]:
+    """Only the corrupted image folders (e.g. the full set for cafa bench)."""
+    parse_methods(config.methods)  # a typo there is not ignored because no method runs
+    return build_corrupted(Path(config.workdir), corruption_names(config), config.severity, config.test_per_class or None,
+                           config.seed, config.fashion_mnist, on_domain=lambda name: monitor.info(f"corrupting: {name}"))
+
+
+def run_demo(config: DemoConfig = DemoConfig(), monitor: Monitor | None = None, echo=print) -> str:
     """Returns the results table (markdown); `echo` receives the command lines run."""
     monitor = monitor or Monitor()
-    rows = parse_methods(plan.methods)
-    check_corruptions(list(plan.corruptions), plan.severity, plan.test_per_class)
+    rows = parse_methods(config.methods)
+    corruptions, test_per_class, root = corruption_names(config), config.test_per_class or None, config.fashion_mnist
+    check_corruptions(corruptions, config.severity, test_per_class)
     check_installed(root)
-    workdir = make_workdir(workdir)
+    workdir = make_workdir(config.workdir)
     monitor.info(f"building data in {workdir} (re-used when already there)")
-    train = build_training_subset(workdir, plan.train_per_class, plan.seed, root)
+    train = build_training_subset(workdir, config.train_per_class, config.seed, root)
     domains = [
         str(p)
-        for p in build_corrupted(workdir, list(plan.corruptions), plan.severity, plan.test_per_class, plan.seed, root,
+        for p in build_corrupted(workdir, corruptions, config.severity, test_per_class, config.seed, root,
                                  on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
     ]
+    bench = BenchConfig(data=domains, train=str(train), model=MODEL, methods=config.methods, seeds=str(config.seed),
+                        fraction=1.0, batch_size=config.batch_size, lr=config.lr, workdir=str(workdir))
     for covariance in covariances_needed(rows):
-        echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", plan.seed,
+        echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", 0,
                           "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
-    settings = AdaptSettings(batch_size=plan.batch_size, lr=plan.lr, seed=plan.seed)
     data_args = [w for d in domains for w in ("--data", d)]
     for row in rows:
         stats_args = ["--stats", artifact_path(workdir, row.covariance)] if row.covariance else ["--model", MODEL]
-        echo(command_line("cafa", "adapt", *stats_args, *data_args, *row.settings(settings).options()))
-    bench = BenchPlan(rows, domains, [plan.seed], settings, ModelChoice(MODEL), str(train), DataChoice(), DataChoice(),
-                      Sampling(fraction=1.0, seed=plan.seed), workdir)
-    results = run_bench(bench, monitor)
-    return markdown(summarise(results, rows, domains, [plan.seed]), domains, [plan.seed])
+        echo(command_line("cafa", "adapt", *stats_args, *data_args, *adapt_words(row_config(bench, row, config.seed, None, None))))
+    results = run_bench(bench, rows, [config.seed], monitor)
+    return tables.markdown(tables.summarise(results, rows, domains, [config.seed]), domains, [config.seed])

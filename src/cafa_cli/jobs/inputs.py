@@ -3,7 +3,6 @@ order, and the preprocessing, from the options, an artifact or a bundled model."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from cafa_cli.data.domain import Domain, read_class_list
@@ -12,29 +11,13 @@ from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, resolve
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.jobs.config import InputOptions, ModelOptions
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    """What `--model`, `--weights` and friends say; None means "from the artifact"."""
-
-    model: str | None = None
-    weights: str | None = None
-    num_classes: int | None = None
-    classifier: str | None = None
-    trust_checkpoint: bool = False
-
-
-@dataclass(frozen=True)
-class DataChoice:
-    labels: str | None = None
-    severity: int | None = None
-    classes_file: str | None = None
-    preprocessing: dict = field(default_factory=dict)  # only the options given
-
-    def recipe(self, model: str | None) -> Preprocessing:
-        """The preprocessing these options give for `model`: its defaults, then the options."""
-        return default_preprocessing(model).with_changes(self.preprocessing)
+def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:
+    """The preprocessing the options give for `model`: its defaults, then the values given
+    (`changes`, when another side's geometry applies: bench's test domains)."""
+    return default_preprocessing(model).with_changes(options.preprocessing_changes() if changes is None else changes)
 
 
 def default_preprocessing(model: str | None) -> Preprocessing:
@@ -42,14 +25,14 @@ def default_preprocessing(model: str | None) -> Preprocessing:
     return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
 
 
-def default_class_names(model: str | None, data: DataChoice) -> list[str] | None:
-    if data.classes_file:
-        return read_class_list(data.classes_file)
+def default_class_names(model: str | None, options: InputOptions) -> list[str] | None:
+    if options.classes:
+        return read_class_list(options.classes)
     bundled = bundled_model(model)
     return list(bundled.class_names) if bundled else None
 
 
-def resolve_model(model: ModelChoice) -> tuple[FeatureClassifier, ModelSpec]:
+def resolve_model(model: ModelOptions) -> tuple[FeatureClassifier, ModelSpec]:
     net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
     if spec.weights is None and ":" not in spec.model and bundled_model(spec.model) is None:
         # torchvision's own initialisation is random: statistics and adaptation would
@@ -106,8 +89,3 @@ def recorded_data(data: str) -> str:
     if location == data:
         return str(Path(data).resolve()) if Path(data).exists() else data
     return data[: -len(location)] + str(Path(location).resolve())
-
-
-def check_seed(seed: int, option: str = "--seed") -> None:
-    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
-        raise UsageError(f"{option} must be 0 or more and below 2**63, not {seed}")

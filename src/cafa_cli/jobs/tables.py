@@ -6,17 +6,9 @@ from __future__ import annotations
 import csv
 import os
 import statistics as stats_lib
-from dataclasses import asdict
 from pathlib import Path
-from cafa_cli import __version__
-from cafa_cli.jobs import report
-from cafa_cli.data.loading import loader_processes
 from cafa_cli.errors import UsageError
-from cafa_cli.files import absolute, atomic_write, open_safetensors
-from cafa_cli.models import weights_sha256
-from cafa_cli.checkpoints import sha256_of
-from cafa_cli.devices import pick_device
-from cafa_cli.jobs.bench import BenchPlan, Row, artifact_path, covariances_needed, recipes
+from cafa_cli.files import atomic_write
 
 
 def domain_label(path: str) -> str:
@@ -39,7 +31,7 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
     return {**labels, "mean": "mean"}
 
 
-def summarise(results: dict, rows: list[Row], domains: list[str], seeds: list[int]) -> list[dict]:
+def summarise(results: dict, rows: list, domains: list[str], seeds: list[int]) -> list[dict]:
     """Per row: mean and std (over seeds) of the error in % per domain, and of the mean over domains."""
     errors = {key: result.error for key, result in results.items()}
     table = []
@@ -83,52 +75,6 @@ def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
                     out.writerow([row["method"], labels[key], f"{mean:.4f}", f"{std:.4f}"])
 
     atomic_write(path, write)
-
-
-def write_json(path: str, plan: BenchPlan, table: list[dict], results: dict) -> None:
-    """The table, every run (its error, images, skips and time), what each row ran with
-    (its method, params, lr, the covariance it asked for and the form its artifact holds:
-    `auto` picks one), the artifacts by content, and the options every row shared (each
-    run's seed is under "runs")."""
-    labels = domain_labels(plan.domains)
-    settings = plan.settings
-    shared = {k: v for k, v in asdict(settings).items() if k not in ("method", "seed")}
-    shared["num_workers"] = loader_processes(settings.num_workers, pick_device(settings.device))
-    model, sampling = plan.model, plan.sampling
-    artifacts = {covariance: _artifact_record(artifact_path(plan.workdir, covariance)) for covariance in covariances_needed(plan.rows)}
-    payload = {
-        "cafa_version": __version__,
-        "versions": report.software_versions(),
-        "unit": "error %",
-        "seeds": plan.seeds,
-        "domains": [{"data": d, "label": labels[d]} for d in plan.domains],
-        "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
-                                             for k, (m, s) in r["cells"].items()}} for r in table],
-        "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
-        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
-                  "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
-                  "params": r.settings(settings).params, "lr": r.settings(settings).lr} for r in plan.rows],
-        "artifacts": artifacts,
-        "settings": {
-            **shared, "methods": ",".join(r.label for r in plan.rows), "train": plan.train, "model": model.model,
-            "weights": absolute(model.weights),
-            "weights_sha256": weights_sha256(model.model, model.weights),
-            "classes": absolute(plan.train_choice.classes_file), "labels": absolute(plan.test_choice.labels),
-            "severity": plan.test_choice.severity,
-            "fraction": sampling.fraction, "per_class": sampling.per_class, "shrinkage": sampling.shrinkage,
-            "preprocessing": recipes(model.model, train=plan.train_choice, test=plan.test_choice),
-        },
-    }
-    report.write_json(path, payload)
-
-
-def _artifact_record(path: Path) -> dict:
-    """An artifact the grid has just read and validated, by content: the form it holds,
-    when it was made, the model parameters it was made with, and the file's sha256."""
-    with open_safetensors(path) as f:
-        metadata = f.metadata()
-    return {"path": str(path.resolve()), "sha256": sha256_of(path), "covariance": metadata["covariance"],
-            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256")}
 
 
 def plot(path: str, table: list[dict], domains: list[str]) -> None:

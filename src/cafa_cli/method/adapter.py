@@ -10,7 +10,6 @@ import torch
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.devices import pick_device
-from cafa_cli.method.methods import NAMES
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 
@@ -28,21 +27,19 @@ OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
 def check_settings(
-    method: str | None, params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
+    params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
     steps: int = 1, bn_prior: float = 0.0, precision: str = "fp32", device: torch.device = torch.device("cpu"),
 ) -> None:
-    """The Adapter's settings, checked before any model or data is read. `method` is a name
-    of methods.NAMES, or None when the method is given as an object (it needs no check)."""
+    """The Adapter's keyword settings, checked before it changes anything."""
     numbers = {"`lr`": lr, "`momentum`": momentum, "`bn_prior`": bn_prior}
     for option, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UsageError(f"{option} must be a number, not {value!r}")
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise UsageError(f"`steps` must be a whole number, not {steps!r}")
-    choices = {"`method`": (method, NAMES), "`params`": (params, PARAM_SETS), "`optimizer`": (optimizer, OPTIMIZERS),
-               "`precision`": (precision, tuple(PRECISIONS))}
+    choices = {"`params`": (params, PARAM_SETS), "`optimizer`": (optimizer, OPTIMIZERS), "`precision`": (precision, tuple(PRECISIONS))}
     for option, (value, allowed) in choices.items():
-        if value not in allowed and not (option == "`method`" and value is None):
+        if value not in allowed:
             raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
     if PRECISIONS[precision] is not None and device.type != "cuda":
         raise UsageError(f"`precision` {precision} is for CUDA; on the CPU use fp32")
@@ -90,7 +87,7 @@ class Adapter:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # a torch.device of another kind (mps, xla) is the caller's choice; CUDA is checked to be there
         device = pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
-        check_settings(None, params, optimizer, lr, momentum, steps, bn_prior, precision, device)
+        check_settings(params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         method.check(model, device)
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels

@@ -104,24 +104,11 @@ class ClassGaussians:
     spectrum: torch.Tensor | None = None  # lowrank: e_cj = (1 − λ_c)·eig_j(S_c) [C, k] float32, 0 as padding
 
 
-def parse_shrinkage(value: float | str) -> float | str:
-    """'auto', or λ in [0, 1] as a float (given as a number or as text)."""
-    if value == "auto":
-        return value
-    try:
-        lam = float(value)
-    except (TypeError, ValueError):
-        lam = float("nan")
-    if not 0.0 <= lam <= 1.0:
-        raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {value!r}")
-    return lam
-
-
 def check_options(covariance: str, shrinkage: float | str) -> None:
     """Reject a bad `covariance` or `shrinkage` before any image is read."""
     if covariance not in COVARIANCE_CHOICES:
         raise UsageError(f"`covariance` must be one of {', '.join(COVARIANCE_CHOICES)}, not {covariance}")
-    if parse_shrinkage(shrinkage) == 0 and covariance == "lowrank":
+    if shrinkage != "auto" and float(shrinkage) == 0 and covariance == "lowrank":
         raise UsageError(
             "`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
             "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full"

@@ -1,0 +1,46 @@
+"""Preprocessing values checked each by itself, and parsed from text; torch-free, so that
+the settings (jobs/config.py) check them without importing torch. A setting is named in
+backticks (`resize`), as the command line shows it: --resize."""
+
+from __future__ import annotations
+
+import math
+
+from cafa_cli.errors import UsageError
+
+MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image and end out of memory
+
+
+def parse_size(text: str | int, name: str) -> int | None:
+    """'224' -> 224, 'none' -> None."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if str(text).strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"`{name}` takes a whole number of pixels or 'none', not {text!r}") from None
+
+
+def parse_floats(text: str | float | tuple, name: str) -> tuple[float, ...]:
+    if isinstance(text, (tuple, list)):
+        text = ",".join(str(v) for v in text)
+    try:
+        return tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"`{name}` takes comma-separated numbers, got {text!r}") from None
+
+
+def check_preprocessing(values: dict, prefix: str = "") -> None:
+    """Each value wrong by itself, whatever the others (the recipe checks the combination)."""
+    if "channels" in values and values["channels"] not in (1, 3):
+        raise UsageError(f"`{prefix}channels` must be 1 or 3, not {values['channels']}")
+    if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
+        raise UsageError("`mean` and `std` values must be finite numbers")
+    if any(s <= 0 for s in values.get("std", ())):
+        raise UsageError("`std` values must be positive")
+    for name in ("resize", "crop"):
+        value = values.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
+            raise UsageError(f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")

@@ -1,0 +1,88 @@
+"""jobs/config.py: the settings objects are the single source of the options, their
+defaults and their checks; the command line is generated from them."""
+
+from __future__ import annotations
+
+import subprocess
+import typing
+import sys
+from dataclasses import MISSING, fields
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cafa_cli.cli.app import app
+from cafa_cli.errors import UsageError
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
+
+runner = CliRunner()
+COMMANDS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig, "demo": DemoConfig}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_setting_is_an_option_with_its_default(name):
+    command = typer.main.get_command(app).commands[name]
+    options = {p.name: p for p in command.params}
+    for f in fields(COMMANDS[name]):
+        assert f.name in options, f"{name}: no option for the setting {f.name}"
+        if f.default is not MISSING:
+            assert options[f.name].default == f.default, (name, f.name)
+    assert set(options) - {f.name for f in fields(COMMANDS[name])} <= {"quiet", "domains"}
+
+
+def _choices(command) -> dict[str, tuple]:
+    """Each option's choices, as typer offers them (from the setting's Literal type)."""
+    return {p.name: typing.get_args(p.type_descriptor.annotation) for p in command.params
+            if typing.get_origin(getattr(getattr(p, "type_descriptor", None), "annotation", None)) is typing.Literal}
+
+
+def test_choices_are_the_librarys():
+    from cafa_cli.method import adapter, gaussians
+    from cafa_cli.method.methods import NAMES
+    from cafa_cli.jobs import report, stream
+
+    hints = {f.name: f.type for f in fields(AdaptConfig)}
+    assert hints  # the Literal types, as typer lists them in --help
+    command = typer.main.get_command(app).commands["adapt"]
+    choices = _choices(command)
+    assert choices["method"] == NAMES
+    assert choices["optimizer"] == adapter.OPTIMIZERS and choices["params"] == adapter.PARAM_SETS
+    assert choices["precision"] == tuple(adapter.PRECISIONS) and choices["reset"] == stream.RESET_POLICIES
+    assert choices["format"] == report.FORMATS
+    stats_choices = _choices(typer.main.get_command(app).commands["stats"])
+    assert stats_choices["covariance"] == gaussians.COVARIANCE_CHOICES
+
+
+def test_help_lists_choices_conventional_metavars_and_panels():
+    text = runner.invoke(app, ["adapt", "--help"], terminal_width=200).stdout
+    assert "--optimizer [adam|sgd|nesterov]" in text or "--optimizer <adam|sgd|nesterov>" in text
+    assert "--lr LR" in text and "--batch-size N" in text and "--stats PATH" in text
+    for panel in ("Data:", "Model:", "Adaptation:", "Stream:", "Output:", "Runtime:", "Examples:"):
+        assert panel in text
+    assert "<str>" not in text and "<int>" not in text and "<float>" not in text
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from cafa_cli.cli.app import app; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_settings_are_checked_in_library_words_and_named_as_flags_on_the_command_line(tmp_path):
+    with pytest.raises(UsageError, match=r"^`lr` must be a positive number, not -1"):
+        AdaptConfig(lr=-1)
+    with pytest.raises(UsageError, match=r"`momentum` must be in \[0, 1\)"):
+        BenchConfig(momentum=1.5)
+    with pytest.raises(UsageError, match=r"`fraction` and `per_class` both"):
+        StatsConfig(data="x", fraction=0.1, per_class=3)
+    result = runner.invoke(app, ["adapt", "--data", str(tmp_path), "--lr", "-1"])
+    assert result.exit_code == 2 and result.stderr.strip() == "cafa: error: --lr must be a positive number, not -1.0"
+
+
+def test_adapter_options_are_the_adapters_keywords():
+    import inspect
+
+    from cafa_cli.method.adapter import Adapter
+
+    keywords = set(inspect.signature(Adapter).parameters)
+    assert set(AdaptConfig().adapter_options()) <= keywords
