@@ -178,7 +178,7 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
-    model, gaussians, x, _ = trained
+    model, _, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create("tent"))
     adapter.method.loss = lambda logits, features: logits.sum() * float("nan")
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
@@ -383,6 +383,6 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
 
 def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):
     model, gaussians, _, _ = trained
-    method = create("cafa", gaussians, device="meta")  # a stand-in for statistics put on a GPU
+    method = create("cafa", gaussians, device=torch.device("meta"))  # a stand-in for statistics put on a GPU
     with pytest.raises(UsageError, match="the method cafa keeps its statistics on meta but adapts on cpu; create it with device='cpu'"):
         Adapter(copy.deepcopy(model), method, device="cpu")

@@ -9,8 +9,7 @@ from contextlib import nullcontext
 import torch
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.devices import pick_device
-from cafa_cli.method.methods.base import Method
+from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 
 
@@ -85,8 +84,7 @@ class Adapter:
                              f"cafa_cli.method.methods.create(name, gaussians, device) makes one")
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # a torch.device of another kind (mps, xla) is the caller's choice; CUDA is checked to be there
-        device = pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
+        device = resolve_device(device)
         check_settings(params, optimizer, lr, momentum, steps, bn_prior, precision, device)
         method.check(model, device)
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps

@@ -108,7 +108,11 @@ def check_options(covariance: str, shrinkage: float | str) -> None:
     """Reject a bad `covariance` or `shrinkage` before any image is read."""
     if covariance not in COVARIANCE_CHOICES:
         raise UsageError(f"`covariance` must be one of {', '.join(COVARIANCE_CHOICES)}, not {covariance}")
-    if shrinkage != "auto" and float(shrinkage) == 0 and covariance == "lowrank":
+    # text such as "0.1" is the caller's to parse; λ outside [0, 1] would weight S negatively
+    number = isinstance(shrinkage, (int, float)) and not isinstance(shrinkage, bool)
+    if shrinkage != "auto" and not (number and 0 <= shrinkage <= 1):
+        raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {shrinkage!r}")
+    if shrinkage != "auto" and shrinkage == 0 and covariance == "lowrank":
         raise UsageError(
             "`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
             "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full"

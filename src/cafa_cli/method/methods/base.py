@@ -1,10 +1,12 @@
 """The protocol a test-time adaptation method follows.
 
-The Adapter (adapter.py) runs every method the same way. For each test batch:
+The Adapter (adapter.py) runs every method the same way. Once, when it is built:
+`method.check(model, device)`, then the parameters to train, `method.parameters(model,
+which)`. For each test batch:
 
     method.before_step(images)
     logits, features = model(images)          # the prediction reported for the batch
-    loss = method.loss(logits, features)      # then one optimiser step on method.parameters(...)
+    loss = method.loss(logits, features)      # then one optimiser step on those parameters
                                               # (`steps` times: forward, loss, step)
     method.after_step(logits)
 
@@ -16,13 +18,15 @@ what it changes with three class attributes:
   they keep the source running statistics);
 - `trains`: it has a loss and an optimiser (False: forward passes only, no gradients).
 
-A new method is a subclass in its own file, registered by name in methods/__init__.py.
+A new method is a subclass in its own file, registered by name in methods/__init__.py
+(or given to the Adapter as an object: the registry is only for names).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from cafa_cli.devices import pick_device
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
@@ -69,6 +73,12 @@ class Method:
 
     def reset(self) -> None:
         """Called when the model goes back to the source weights: drop any state kept."""
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`auto` and CUDA checked to be there (pick_device); a torch.device of another kind
+    (mps, xla, meta) is the caller's choice."""
+    return pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
 
 
 def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:

@@ -21,7 +21,7 @@ import torch
 from cafa_cli.method import losses
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.method.methods.base import Method
+from cafa_cli.method.methods.base import Method, resolve_device
 
 
 class Cafa(Method):
@@ -30,7 +30,7 @@ class Cafa(Method):
     metric = "mahalanobis"
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
-        self.gaussians, self.device = gaussians, torch.device(device)
+        self.gaussians, self.device = gaussians, resolve_device(device)
         self.distances = ClassDistances(gaussians, self.device, metric=self.metric)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

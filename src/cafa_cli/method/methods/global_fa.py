@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from cafa_cli.method import losses
 from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.method.methods.base import Method
+from cafa_cli.method.methods.base import Method, resolve_device
 
 
 class GlobalFA(Method):
@@ -24,7 +24,7 @@ class GlobalFA(Method):
     needs_statistics = True
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
-        self.gaussians, self.device = gaussians, torch.device(device)
+        self.gaussians, self.device = gaussians, resolve_device(device)
         self.mean, self.covariance = gaussians.global_mean.to(self.device), gaussians.global_covariance.to(self.device)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
