@@ -70,12 +70,12 @@ def test_loader_processes_default_to_the_cores_on_cuda_and_none_on_the_cpu(monke
 
 def test_batches_reject_bad_sizes(tmp_path):
     domain = open_domain("-", stdin=io.StringIO("x.png\n"))
-    with pytest.raises(UsageError, match="--batch-size"):
+    with pytest.raises(UsageError, match="`batch_size`"):
         batches(domain, GREY, batch_size=0)
-    with pytest.raises(UsageError, match="--num-workers"):
+    with pytest.raises(UsageError, match="`num_workers`"):
         batches(domain, GREY, batch_size=1, num_workers=-1)
     cores = len(os.sched_getaffinity(0))
-    with pytest.raises(UsageError, match=f"--num-workers {100 * cores} is more than 4 per CPU core"):  # not thousands of forks
+    with pytest.raises(UsageError, match=f"`num_workers` {100 * cores} is more than 4 per CPU core"):  # not thousands of forks
         batches(domain, GREY, batch_size=1, num_workers=100 * cores)
 
 

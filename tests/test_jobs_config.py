@@ -38,7 +38,7 @@ def _choices(command) -> dict[str, tuple]:
 
 
 def test_choices_are_the_librarys():
-    from cafa_cli.method import adapter, gaussians
+    from cafa_cli.method import adapter, gaussians, options
     from cafa_cli.method.methods import NAMES
     from cafa_cli.jobs import report, stream
 
@@ -47,8 +47,8 @@ def test_choices_are_the_librarys():
     command = typer.main.get_command(app).commands["adapt"]
     choices = _choices(command)
     assert choices["method"] == NAMES
-    assert choices["optimizer"] == adapter.OPTIMIZERS and choices["params"] == adapter.PARAM_SETS
-    assert choices["precision"] == tuple(adapter.PRECISIONS) and choices["reset"] == stream.RESET_POLICIES
+    assert choices["optimizer"] == options.OPTIMIZERS and choices["params"] == options.PARAM_SETS
+    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == stream.RESET_POLICIES
     assert choices["format"] == report.FORMATS
     stats_choices = _choices(typer.main.get_command(app).commands["stats"])
     assert stats_choices["covariance"] == gaussians.COVARIANCE_CHOICES

@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.domain import UNREADABLE
+from cafa_cli.data.values import check_batch_size, check_num_workers, usable_cores
 
 
 class _DomainImages(Dataset):
@@ -70,18 +71,6 @@ def _collate(items) -> Batch:
     return Batch(images, [i for _, i in good], failures)
 
 
-def check_loading(batch_size: int, num_workers: int | None) -> None:
-    """Also called by the pipeline's jobs before any model or data is read."""
-    if not 1 <= batch_size < 2**31:
-        raise UsageError(f"--batch-size must be at least 1 and below 2**31, not {batch_size}")
-    if num_workers is not None and num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 or more, not {num_workers}")
-    if num_workers is not None and num_workers > 4 * _usable_cores():
-        # each is a process with its own copy of the interpreter: thousands exhaust the memory
-        raise UsageError(f"--num-workers {num_workers} is more than 4 per CPU core ({_usable_cores()} here); "
-                         f"loader processes beyond the cores only compete for them: give {_usable_cores()} or fewer")
-
-
 def loader_processes(num_workers: int | None, device: torch.device) -> int:
     """`--num-workers`, or by default: on CUDA, every CPU core this process may use but
     one, shared among the ranks torchrun started on this machine (decoding images on
@@ -90,11 +79,7 @@ def loader_processes(num_workers: int | None, device: torch.device) -> int:
         return num_workers
     if device.type != "cuda":
         return 0
-    return max(_usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
 def batches(
@@ -107,7 +92,8 @@ def batches(
 ) -> DataLoader:
     """Batches of resized and cropped uint8 images in the order of `indices` (default:
     all, in order), loaded for `device` (pinned memory and loader processes on CUDA)."""
-    check_loading(batch_size, num_workers)
+    check_batch_size(batch_size)
+    check_num_workers(num_workers)
     if indices is None:
         indices = np.arange(len(domain))
     workers = loader_processes(num_workers, device)

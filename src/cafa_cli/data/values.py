@@ -1,10 +1,11 @@
-"""Preprocessing values checked each by itself, and parsed from text; torch-free, so that
-the settings (jobs/config.py) check them without importing torch. A setting is named in
-backticks (`resize`), as the command line shows it: --resize."""
+"""Preprocessing and loading values checked each by itself, and parsed from text;
+torch-free, so that the settings (jobs/config.py) check them without importing torch.
+A setting is named in backticks (`resize`), as the command line shows it: --resize."""
 
 from __future__ import annotations
 
 import math
+import os
 
 from cafa_cli.errors import UsageError
 
@@ -44,3 +45,24 @@ def check_preprocessing(values: dict, prefix: str = "") -> None:
         value = values.get(name)
         if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
             raise UsageError(f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
+
+
+def check_batch_size(batch_size: int) -> None:
+    if not 1 <= batch_size < 2**31:
+        raise UsageError(f"`batch_size` must be at least 1 and below 2**31, not {batch_size}")
+
+
+def check_num_workers(num_workers: int | None) -> None:
+    if num_workers is None:
+        return
+    if num_workers < 0:
+        raise UsageError(f"`num_workers` must be 0 or more, not {num_workers}")
+    cores = usable_cores()
+    if num_workers > 4 * cores:
+        # each is a process with its own copy of the interpreter: thousands exhaust the memory
+        raise UsageError(f"`num_workers` {num_workers} is more than 4 per CPU core ({cores} here); loader processes "
+                         f"beyond the cores only compete for them: give {cores} or fewer")
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

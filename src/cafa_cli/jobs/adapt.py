@@ -23,6 +23,7 @@ from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.results import DomainResult
 from cafa_cli.jobs.stream import adapt_domains
 from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.method.options import check_precision
 from cafa_cli.jobs.distributed import launched_by_torchrun
 from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing, resolve_model
 from cafa_cli.jobs.outputs import check_outputs
@@ -171,8 +172,7 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
     if not config.data:
         raise UsageError("give at least one `data` PATH")
     device = pick_device(config.device)
-    if config.precision != "fp32" and device.type != "cuda":
-        raise UsageError(f"`precision` {config.precision} is for CUDA; on the CPU use fp32")
+    check_precision(config.precision, device.type)  # before the model is read
     net, artifact, spec = load_for_adaptation(config)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")

@@ -15,18 +15,17 @@ This module imports neither torch nor the jobs, so that `cafa --help` stays fast
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
-from cafa_cli.data.values import check_preprocessing, parse_floats, parse_size
+from cafa_cli.data.values import check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_size
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import NAMES as METHODS
+from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
-Optimizer = Literal["adam", "sgd", "nesterov"]
-ParamSet = Literal["norm", "all"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names, as for Method below)
+ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 Reset = Literal["domain", "episodic", "never"]
 Covariance = Literal["auto", "full", "tied", "diag", "lowrank"]
 RecordFormat = Literal["csv", "jsonl"]
@@ -118,13 +117,7 @@ class RuntimeOptions:
     def _check_runtime(self) -> None:
         if self.device != "auto" and self.device.partition(":")[0] not in ("cpu", "cuda"):
             raise UsageError(f"`device` {self.device}: expected auto, cpu, cuda or cuda:N")
-        if self.num_workers is not None:
-            _at_least("num_workers", self.num_workers, 0)
-            cores = usable_cores()
-            if self.num_workers > 4 * cores:
-                # each is a process with its own copy of the interpreter: thousands exhaust the memory
-                raise UsageError(f"`num_workers` {self.num_workers} is more than 4 per CPU core ({cores} here); loader "
-                                 f"processes beyond the cores only compete for them: give {cores} or fewer")
+        check_num_workers(self.num_workers)
 
 
 @dataclass(kw_only=True)
@@ -146,16 +139,7 @@ class AdaptationOptions:
         return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
 
     def _check_adaptation(self) -> None:
-        _positive("lr", self.lr)
-        _number("momentum", self.momentum)
-        _number("bn_prior", self.bn_prior)
-        _at_least("steps", self.steps, 1)
-        if not 0 <= self.bn_prior < math.inf:
-            raise UsageError(f"`bn_prior` must be a number, 0 or more, not {self.bn_prior}")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"`momentum` must be in [0, 1), not {self.momentum}")
-        if self.optimizer == "nesterov" and self.momentum == 0:
-            raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use sgd")
+        check_adapter_options(**self.adapter_options())
 
 
 @dataclass(kw_only=True)
@@ -341,17 +325,6 @@ def command_line_only(config_type) -> set[str]:
 # --- checks and parsers shared by the groups ----------------------------------------
 
 
-def _number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UsageError(f"`{name}` must be a number, not {value!r}")
-
-
-def _positive(name: str, value) -> None:
-    _number(name, value)
-    if not 0 < value < math.inf:
-        raise UsageError(f"`{name}` must be a positive number, not {value}")
-
-
 def _at_least(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"`{name}` must be a whole number, not {value!r}")
@@ -362,15 +335,6 @@ def _at_least(name: str, value, low: int) -> None:
 def check_seed(name: str, seed: int) -> None:
     if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
         raise UsageError(f"`{name}` must be 0 or more and below 2**63, not {seed}")
-
-
-def check_batch_size(batch_size: int) -> None:
-    if not 1 <= batch_size < 2**31:
-        raise UsageError(f"`batch_size` must be at least 1 and below 2**31, not {batch_size}")
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_shrinkage(value: float | str) -> float | str:

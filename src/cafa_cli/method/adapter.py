@@ -4,54 +4,25 @@ update). It runs any method of methods/ through that protocol (methods/base.py).
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 import torch
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
+from cafa_cli.method.options import check_adapter_options, check_precision
 
 
-PARAM_SETS = ("norm", "all")
-
-
-OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
-
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
 
 
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
-def check_settings(
-    params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9,
-    steps: int = 1, bn_prior: float = 0.0, precision: str = "fp32", device: torch.device = torch.device("cpu"),
-) -> None:
-    """The Adapter's keyword settings, checked before it changes anything."""
-    numbers = {"`lr`": lr, "`momentum`": momentum, "`bn_prior`": bn_prior}
-    for option, value in numbers.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{option} must be a number, not {value!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise UsageError(f"`steps` must be a whole number, not {steps!r}")
-    choices = {"`params`": (params, PARAM_SETS), "`optimizer`": (optimizer, OPTIMIZERS), "`precision`": (precision, tuple(PRECISIONS))}
-    for option, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
-    if PRECISIONS[precision] is not None and device.type != "cuda":
-        raise UsageError(f"`precision` {precision} is for CUDA; on the CPU use fp32")
-    if steps < 1:
-        raise UsageError(f"`steps` must be at least 1, not {steps}")
-    if not 0 < lr < math.inf:
-        raise UsageError(f"`lr` must be a positive number, not {lr}")
-    if not 0 <= bn_prior < math.inf:
-        raise UsageError(f"`bn_prior` must be a number, 0 or more, not {bn_prior}")
-    if not 0 <= momentum < 1:
-        raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
-    if optimizer == "nesterov" and momentum == 0:
-        raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd")
+def check_settings(device: torch.device = torch.device("cpu"), **options) -> None:
+    """The Adapter's keyword options, and the precision against the device it runs on."""
+    check_adapter_options(**options)
+    check_precision(options.get("precision", "fp32"), device.type)
 
 
 class Adapter:
@@ -85,7 +56,8 @@ class Adapter:
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = resolve_device(device)
-        check_settings(params, optimizer, lr, momentum, steps, bn_prior, precision, device)
+        check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, bn_prior=bn_prior,
+                       precision=precision, compile=compile)
         method.check(model, device)
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels
@@ -188,4 +160,4 @@ class Adapter:
 
 
 def _autocast(device: torch.device, precision: str):
-    return nullcontext() if PRECISIONS[precision] is None else torch.autocast(device.type, dtype=PRECISIONS[precision])
+    return nullcontext() if DTYPES[precision] is None else torch.autocast(device.type, dtype=DTYPES[precision])

@@ -1,0 +1,42 @@
+"""The Adapter's keyword options by name, and their checks. Torch-free: the settings
+(jobs/config.py) check the same values with these, and `--help` lists these choices."""
+
+from __future__ import annotations
+
+import math
+
+from cafa_cli.errors import UsageError
+
+PARAM_SETS = ("norm", "all")
+OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
+                          bn_prior: float = 0.0, precision: str = "fp32", compile: bool = False) -> None:
+    """Each of the Adapter's keyword options, checked before it changes anything."""
+    numbers = {"`lr`": lr, "`momentum`": momentum, "`bn_prior`": bn_prior}
+    for option, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{option} must be a number, not {value!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise UsageError(f"`steps` must be a whole number, not {steps!r}")
+    choices = {"`params`": (params, PARAM_SETS), "`optimizer`": (optimizer, OPTIMIZERS), "`precision`": (precision, PRECISIONS)}
+    for option, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
+    if steps < 1:
+        raise UsageError(f"`steps` must be at least 1, not {steps}")
+    if not 0 < lr < math.inf:
+        raise UsageError(f"`lr` must be a positive number, not {lr}")
+    if not 0 <= bn_prior < math.inf:
+        raise UsageError(f"`bn_prior` must be a number, 0 or more, not {bn_prior}")
+    if not 0 <= momentum < 1:
+        raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
+    if optimizer == "nesterov" and momentum == 0:
+        raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd")
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    if precision != "fp32" and device_type != "cuda":
+        raise UsageError(f"`precision` {precision} is for CUDA; on the CPU use fp32")
