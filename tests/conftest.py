@@ -99,13 +99,19 @@ def trained():
 # --- shared by the test files split from test_errors.py and test_data.py -------------------
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("errors")
+def tiny_training_set(root: Path) -> tuple[Path, Path]:
+    """Six images of each class in root/train, and the tiny net's seeded weights in root/net.pt."""
     train = write_folder(root / "train", per_class=6)
     torch.manual_seed(0)
     weights = root / "net.pt"
     torch.save(tiny_net.build().state_dict(), weights)
+    return train, weights
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    train, weights = tiny_training_set(root)
     artifact = root / "s.safetensors"
     result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
     assert result.exit_code == 0, result.stderr

@@ -17,12 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-import tiny_net
 from cafa_cli.cli.app import app
-from conftest import ASSETS, PLAIN, TINY_NET, write_folder
+from conftest import ASSETS, PLAIN, TINY_NET, tiny_training_set
 
 EXIT_INTERRUPTED = 130
 
@@ -103,10 +101,7 @@ def _some_records_out(run: Run) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("interrupt")
-    train = write_folder(root / "train", per_class=6)
-    torch.manual_seed(0)
-    weights = root / "net.pt"
-    torch.save(tiny_net.build().state_dict(), weights)
+    train, weights = tiny_training_set(root)
     slow = root / "slow.py"
     slow.write_text(SLOW_NET.format(assets=str(ASSETS)))
 
