@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from conftest import PLAIN, TINY_NET, invoke
 from helpers import adapt, fails, stats
 
@@ -69,3 +72,76 @@ def test_outputs_inside_a_cifar_root_or_named_on_stdin_are_refused(setup, tmp_pa
     fails(result, 2, f"--predictions {copy} is also the --data - file")
     assert batch.read_bytes() == before and copy.read_bytes() == image.read_bytes()
     fails(adapt(setup, "-", "--data", "-", input=f"{image}\n"), 2, "--data - (image paths on stdin) is given more than once")
+
+
+def _copies(setup, tmp_path) -> dict[str, Path]:
+    """A private copy of every kind of input file a command reads."""
+    files = {"factory": tmp_path / "fac.py", "weights": tmp_path / "w.pt", "artifact": tmp_path / "s.safetensors",
+             "classes": tmp_path / "classes.txt"}
+    files["factory"].write_text(f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.rpartition(':')[0]).parent)!r})\n"
+                                f"from tiny_net import build\n")
+    files["weights"].write_bytes(Path(setup["weights"]).read_bytes())
+    files["artifact"].write_bytes(Path(setup["artifact"]).read_bytes())
+    files["classes"].write_text("a\nb\nc\n")
+    return files
+
+
+@pytest.mark.parametrize("output", ["--out", "--predictions", "--metrics-json", "--csv", "--json"])
+@pytest.mark.parametrize("input_kind", ["factory", "weights", "artifact", "classes", "labels"])
+def test_no_output_may_replace_any_input_of_its_command(setup, tmp_path, output, input_kind):
+    """Each output flag against each kind of input: refused before any work, the input byte-identical."""
+    files = _copies(setup, tmp_path)
+    model = f"{files['factory']}:build"
+    if input_kind == "labels":  # an array of images and its labels
+        images = tmp_path / "x.npy"
+        np.save(images, np.zeros((3, 16, 16), dtype=np.uint8))
+        files["labels"] = tmp_path / "y.npy"
+        np.save(files["labels"], np.arange(3))
+    data = ["--data", str(images), "--labels", str(files["labels"])] if input_kind == "labels" else ["--data", str(setup["train"])]
+    classes = ["--classes", str(files["classes"])] if input_kind == "classes" else []
+    target = str(files[input_kind])
+    if output == "--out":
+        args = ["stats", "--model", model, "--weights", files["weights"], *data, *classes, *PLAIN, "--fraction", "1"]
+        if input_kind == "artifact":
+            pytest.skip("cafa stats reads no artifact")
+    elif output in ("--predictions", "--metrics-json"):
+        args = ["adapt", "--stats", files["artifact"], "--model", model, "--weights", files["weights"], *data]
+        if input_kind == "classes":
+            pytest.skip("cafa adapt takes its classes from the artifact")
+    else:
+        args = ["bench", "--model", model, "--weights", files["weights"], "--train", str(setup["train"]), *data, *classes,
+                *PLAIN, "--workdir", str(tmp_path / "bench"), "--methods", "source"]
+        if input_kind == "artifact":
+            pytest.skip("cafa bench makes its own artifacts")
+    before = Path(target).read_bytes()
+    fails(invoke(*args, output, target), 2, f"{output} {target} is also the --{'model' if input_kind == 'factory' else input_kind.replace('artifact', 'stats')} file")
+    assert Path(target).read_bytes() == before
+
+
+def test_the_model_files_an_artifact_names_are_inputs_too(setup, tmp_path):
+    """With no --model, adapt reads the factory and weights the artifact records: no output may replace them."""
+    files = _copies(setup, tmp_path)
+    model = f"{files['factory']}:build"
+    artifact = tmp_path / "own.safetensors"
+    made = invoke("stats", "--model", model, "--weights", files["weights"], "--data", setup["train"], *PLAIN, "--fraction", "1",
+                  "--out", artifact, "--quiet")
+    assert made.exit_code == 0, made.stderr
+    for named, kind in ((files["weights"], "weights"), (files["factory"], "model")):
+        before = named.read_bytes()
+        fails(invoke("adapt", "--stats", artifact, "--trust-checkpoint", "--data", setup["train"], "--predictions", named), 2,
+              f"--predictions {named} is also the artifact's {kind} file")
+        assert named.read_bytes() == before
+
+
+@pytest.mark.parametrize("config_file", ["cafa.toml", "pyproject.toml"])
+def test_no_output_may_replace_the_config_file_it_read(setup, tmp_path, monkeypatch, config_file):
+    monkeypatch.chdir(tmp_path)
+    text = "[adapt]\nbatch-size = 4\n" if config_file == "cafa.toml" else "[project]\nname = 'x'\n\n[tool.cafa.adapt]\nbatch-size = 4\n"
+    Path(config_file).write_text(text)
+    for args in (["stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--fraction", "1",
+                  "--out", config_file],
+                 ["adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--metrics-json", config_file],
+                 ["bench", "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"], "--data", setup["train"],
+                  *PLAIN, "--methods", "source", "--csv", config_file]):
+        fails(invoke(*args), 2, f"{config_file} is also the config file")
+        assert Path(config_file).read_text() == text

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from cafa_cli import __version__
+from cafa_cli import DEFAULT_ARTIFACT, __version__
 from cafa_cli.errors import CafaError, InputError, UsageError, listing
 from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.checkpoints import HTML_MARKERS
@@ -28,7 +28,6 @@ from cafa_cli.method.gaussians import COVARIANCE_MODES, ClassGaussians
 FORMAT = "cafa-stats"
 FORMAT_VERSION = 2  # what the writer writes
 READ_VERSIONS = ("1", "2")  # 1: full, tied, diag; 2 adds lowrank
-DEFAULT_PATH = "cafa-stats.safetensors"
 _SLICE_BYTES = 256 << 20  # validate factors in pieces of about this size
 
 

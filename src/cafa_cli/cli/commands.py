@@ -7,18 +7,29 @@ wait for.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from cafa_cli.cli.defaults import defaults_file
 from cafa_cli.cli.errors import from_config
 from cafa_cli.cli.options import domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
-from cafa_cli.jobs.config import DEFAULT_ARTIFACT, AdaptConfig, BenchConfig, DemoConfig, StatsConfig
+from cafa_cli import DEFAULT_ARTIFACT
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel="Output")]
 Domains = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
                                                         help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.")]
+
+
+def keep_defaults_file(outputs: dict[str, str | None]) -> None:
+    """The file the defaults came from is an input the jobs never see: no output may replace it."""
+    from cafa_cli.jobs.outputs import check_outputs
+
+    config_file = defaults_file(Path.cwd())
+    check_outputs(outputs, {"config": str(config_file) if config_file else None})
 
 
 @with_settings(StatsConfig)
@@ -29,6 +40,7 @@ def stats(ctx: typer.Context, quiet: Quiet = False, **settings):
     from cafa_cli.jobs.stats import compute_statistics
 
     config = StatsConfig(**settings)
+    keep_defaults_file(config.outputs())
     with Monitor(stderr(quiet), quiet or torchrun_rank() > 0) as monitor:
         artifact = compute_statistics(config, monitor)
     if artifact is None:  # a torchrun rank other than 0
@@ -50,6 +62,7 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.jobs.report import summary_table
 
     config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config)})
+    keep_defaults_file(config.outputs())
     if config.predictions is None:
         stdout_needed()
     console = stderr(quiet)
@@ -103,6 +116,7 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.jobs.monitor import Monitor
 
     config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config)})
+    keep_defaults_file(config.outputs())
     stdout_needed()
     with Monitor(stderr(quiet), quiet) as monitor:
         table = bench_job.run(config, monitor)

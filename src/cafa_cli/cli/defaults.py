@@ -37,12 +37,11 @@ class CommandOptions:
 def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> dict[str, dict]:
     """{command: {parameter: value}} for typer's default_map, checked against each
     command's options, so that a misspelt key is an error rather than ignored."""
-    folder = Path(folder)
-    path, table, prefix = folder / CONFIG_FILE, None, ""
-    if path.is_file():
+    path, table, prefix = defaults_file(folder), None, ""
+    if path is not None and path.name == CONFIG_FILE:
         table = _load(path)
-    elif (folder / "pyproject.toml").is_file():
-        path, prefix = folder / "pyproject.toml", "tool.cafa."
+    elif path is not None:
+        prefix = "tool.cafa."
         tool = _load(path).get("tool", {})
         table = tool.get("cafa") if isinstance(tool, dict) else None
     if not table:
@@ -74,6 +73,11 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
                 value = ",".join(str(item) for item in value)
             defaults[command][name] = value
     return defaults
+
+
+def defaults_file(folder: str | Path) -> Path | None:
+    """The file read_defaults reads: cafa.toml, else pyproject.toml, else None."""
+    return next((Path(folder) / name for name in (CONFIG_FILE, "pyproject.toml") if (Path(folder) / name).is_file()), None)
 
 
 def defaults_source(folder: str | Path) -> str:

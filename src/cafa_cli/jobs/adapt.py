@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import NEEDS_STATISTICS, create
-from cafa_cli.artifact import DEFAULT_PATH, Artifact, read_artifact
+from cafa_cli import DEFAULT_ARTIFACT
+from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.sources import open_domain
@@ -22,7 +23,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.results import DomainResult
 from cafa_cli.jobs.stream import adapt_domains
-from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.config import AdaptConfig, factory_file
 from cafa_cli.method.options import check_precision
 from cafa_cli.jobs.distributed import launched_by_torchrun
 from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing, resolve_model
@@ -35,7 +36,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     """The model (from the artifact unless overridden) and the artifact, checked against each other."""
     stats, model, method = config.stats, config, config.method
     artifact = None
-    stats_path = DEFAULT_PATH if stats is None else stats
+    stats_path = DEFAULT_ARTIFACT if stats is None else stats
     if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
         raise UsageError(f"give the model with --model (and --weights): --method {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
@@ -70,11 +71,11 @@ def unread_default_artifact(stats: str | None, model: str | None, method: str, p
     """A warning for `cafa adapt --model M --method bn` (no --stats) beside a cafa-stats.safetensors
     that it does not read: the run then takes the default preprocessing and class names,
     not the artifact's, which for a model trained otherwise is silently another input."""
-    if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_PATH).is_file():
+    if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_ARTIFACT).is_file():
         return None
-    return (f"{DEFAULT_PATH} is here but not read (with --model, a method that needs no statistics reads an artifact only when "
+    return (f"{DEFAULT_ARTIFACT} is here but not read (with --model, a method that needs no statistics reads an artifact only when "
             f"named), so --method {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
-            f"and the model's or the data's class names; pass --stats {DEFAULT_PATH} to use the artifact's")
+            f"and the model's or the data's class names; pass --stats {DEFAULT_ARTIFACT} to use the artifact's")
 
 
 @dataclass
@@ -228,13 +229,13 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         raise UsageError("cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it "
                          "again; run it without torchrun (one process per domain or GPU), or use cafa bench to spread "
                          "domains over ranks")
-    outputs = {"`predictions`": config.predictions, "`metrics_json`": config.metrics_json}
-    check_outputs(outputs, {"`stats`": DEFAULT_PATH if config.stats is None else config.stats, "`weights`": config.weights,
-                            "`labels`": config.labels, "`classes`": config.classes, "`data`": config.data})
+    check_outputs(config.outputs(), config.inputs())
     job = prepare_adaptation(config)
-    read_from_stdin = [ref for domain in job.domains if domain.name == "-" for ref in domain.refs]
-    if read_from_stdin:
-        check_outputs(outputs, {"`data` -": read_from_stdin})  # the paths stdin listed, known only now
+    # known only now: the paths stdin listed, and the model files an artifact named
+    recorded = job.recorded_settings
+    check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
+                                     "artifact's model": factory_file(recorded["model"]),
+                                     "artifact's weights": recorded["weights"]})
     with prediction_records(config.predictions, config.format, job.class_names) as writer:
         unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
         for caution in [*job.cautions(), *([unread] if unread else [])]:

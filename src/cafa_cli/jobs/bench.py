@@ -156,9 +156,7 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
     rows = parse_methods(config.methods)
     seeds = config.seed_list()
-    check_outputs({"`csv`": config.csv, "`json`": config.json, "`plot`": config.plot},
-                  {"`train`": config.train, "`weights`": config.weights, "`labels`": config.labels, "`classes`": config.classes,
-                   "`data`": config.data, "`workdir`": config.workdir})
+    check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
     config = replace(config, device=str(target), train=training_data(config.train, config.model, rows))
     with process_group(target) as (rank, world):

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
 from cafa_cli.data.values import check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_size
+from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import NAMES as METHODS
 from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
@@ -31,7 +32,6 @@ Covariance = Literal["auto", "full", "tied", "diag", "lowrank"]
 RecordFormat = Literal["csv", "jsonl"]
 Method = Literal[METHODS]  # type: ignore[valid-type]  (the registry's names)
 
-DEFAULT_ARTIFACT = "cafa-stats.safetensors"
 DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
 BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
@@ -66,6 +66,10 @@ class ModelOptions:
     classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL)
     trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
                                      "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True)
+
+    def model_inputs(self) -> dict[str, str | None]:
+        """The files the model is read from, which no output may replace."""
+        return {"`model`": factory_file(self.model), "`weights`": self.weights}
 
     def _check_model(self) -> None:
         if self.num_classes is not None:
@@ -209,6 +213,12 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         check_batch_size(self.batch_size)
         check_covariance(self.covariance, self.shrinkage_value())
 
+    def outputs(self) -> dict[str, str | None]:
+        return {"`out`": self.out}
+
+    def inputs(self) -> dict[str, str | list[str] | None]:
+        return {**self.model_inputs(), "`classes`": self.classes, "`labels`": self.labels, "`data`": self.data}
+
 
 @dataclass(kw_only=True)
 class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, RuntimeOptions):
@@ -235,6 +245,13 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
         check_seed("seed", self.seed)
         if self.data.count("-") > 1:
             raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
+
+    def outputs(self) -> dict[str, str | None]:
+        return {"`predictions`": self.predictions, "`metrics_json`": self.metrics_json}
+
+    def inputs(self) -> dict[str, str | list[str] | None]:
+        return {"`stats`": DEFAULT_ARTIFACT if self.stats is None else self.stats, **self.model_inputs(), "`labels`": self.labels,
+                "`classes`": self.classes, "`data`": self.data}
 
     def stream_options(self) -> dict:
         return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed}
@@ -270,6 +287,13 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
         check(self)
         self.seed_list()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
+
+    def outputs(self) -> dict[str, str | None]:
+        return {"`csv`": self.csv, "`json`": self.json, "`plot`": self.plot}
+
+    def inputs(self) -> dict[str, str | list[str] | None]:
+        return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
+                "`data`": self.data, "`workdir`": self.workdir}
 
     def seed_list(self) -> list[int]:
         try:
@@ -323,6 +347,12 @@ def command_line_only(config_type) -> set[str]:
 
 
 # --- checks and parsers shared by the groups ----------------------------------------
+
+
+def factory_file(model: str | None) -> str | None:
+    """The file of a `file.py:function` model, else None: code the command reads and runs."""
+    location, _, _ = (model or "").rpartition(":")
+    return location if location.endswith(".py") else None
 
 
 def _at_least(name: str, value, low: int) -> None:

@@ -34,8 +34,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     fraction, per_class = config.subset()
     shrinkage = config.shrinkage_value()
     # before any model or data is read, and before any output is written
-    check_outputs({"`out`": str(config.out)}, {"`weights`": config.weights, "`classes`": config.classes,
-                                                "`labels`": config.labels, "`data`": config.data})
+    check_outputs(config.outputs(), config.inputs())
     target = pick_device(config.device)
     preprocess = recipe(config, config.model)
     net, spec = resolve_model(config)
