@@ -30,6 +30,7 @@ NAMES = [f"class{c}" for c in range(C)]
 SPEC = ModelSpec("resnet18", "/models/net.pt", "ab" * 32, C, "fc")
 PREP = Preprocessing(resize=None, crop=32, mean=(0.5,), std=(0.25,), channels=1)
 SAMPLING = {"data": "/data/train", "fraction": 0.5, "per_class": None, "seed": 7}
+FINGERPRINT = "cd" * 32
 
 
 def features(counts=COUNTS, dim=D, seed=0):
@@ -188,7 +189,7 @@ def test_conditioning_of_lowrank_is_exact(tmp_path, fill):
         y = torch.tensor([0] * (D + 20) + [1] * 9 + [2] * (D + 5) + [3] * 15 + [4] * 5)
         x = (torch.randn(len(y), D, generator=g) + 3 * torch.randn(C, D, generator=g)[y]).float()
     path = tmp_path / "s.safetensors"
-    write_artifact(path, estimate(moments_of(x, y), "lowrank", 0.2), NAMES, SPEC, PREP, SAMPLING)
+    write_artifact(path, estimate(moments_of(x, y), "lowrank", 0.2), NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
     conds = condition_numbers(read_artifact(path))
     expected = []
     for c in range(C):
@@ -240,7 +241,7 @@ def test_lowrank_with_a_shrinkage_too_small_for_float32_says_so():
 def write_lowrank(path: Path, shrinkage="auto"):
     x, y = features()
     g = estimate(moments_of(x, y), "lowrank", shrinkage, NAMES)
-    write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING)
+    write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
     return g
 
 
@@ -259,23 +260,10 @@ def test_v2_round_trip(tmp_path):
     assert read_artifact(path, load_tensors=False).gaussians is None
 
 
-def test_v1_artifact_still_reads(tmp_path):
-    x, y = features([50, 45, 60, 48, 52])
-    g = estimate(moments_of(x, y), "full", "auto", NAMES)
-    v2 = tmp_path / "v2.safetensors"
-    write_artifact(v2, g, NAMES, SPEC, PREP, SAMPLING)
-    v1 = rewrite(v2, tmp_path / "v1.safetensors", {"format_version": "1"})
-    a = read_artifact(v1)
-    assert a.metadata["format_version"] == "1" and a.covariance == "full"
-    assert torch.equal(a.gaussians.factors, g.factors)
-    z = probes(x)
-    torch.testing.assert_close(ClassDistances(a.gaussians)(z), ClassDistances(g)(z))
-
-
-def test_v1_cannot_hold_lowrank(tmp_path):
+def test_version_1_was_never_released_and_is_refused(tmp_path):
     path = tmp_path / "s.safetensors"
     write_lowrank(path)
-    with pytest.raises(InputError, match="says covariance 'lowrank' but format version 1"):
+    with pytest.raises(InputError, match="artifact format version '1' is not supported .* reads version 2"):
         read_artifact(rewrite(path, tmp_path / "b.safetensors", {"format_version": "1"}))
 
 

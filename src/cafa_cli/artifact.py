@@ -26,8 +26,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.method.gaussians import COVARIANCE_MODES, ClassGaussians
 
 FORMAT = "cafa-stats"
-FORMAT_VERSION = 2  # what the writer writes
-READ_VERSIONS = ("1", "2")  # 1: full, tied, diag; 2 adds lowrank
+FORMAT_VERSION = 2  # what the writer writes and the reader reads (version 1 was never released)
 _SLICE_BYTES = 256 << 20  # validate factors in pieces of about this size
 
 
@@ -54,13 +53,13 @@ class Artifact:
         return len(self.class_names)
 
     @property
-    def parameters_sha256(self) -> str | None:
-        """The model's parameter fingerprint (models.parameters_sha256); None in files written before it."""
-        return self.metadata.get("parameters_sha256")
+    def parameters_sha256(self) -> str:
+        """The model's parameter fingerprint (models.parameters_sha256)."""
+        return self.metadata["parameters_sha256"]
 
     @property
     def factory_sha256(self) -> str | None:
-        """The SHA-256 of a `file.py:fn` model's file; None for other models and older files."""
+        """The SHA-256 of a `file.py:fn` model's file; None for other models."""
         return self.metadata.get("factory_sha256")
 
 
@@ -71,7 +70,7 @@ def write_artifact(
     model: ModelSpec,
     preprocessing: Preprocessing,
     sampling: dict,
-    parameters_sha256: str | None = None,
+    parameters_sha256: str,
     factory_sha256: str | None = None,
 ) -> Artifact:
     """Write atomically: a temporary file in the same folder, read back and checked as
@@ -98,7 +97,7 @@ def write_artifact(
             }
         ),
         "model": json.dumps(asdict(model)),
-        **({"parameters_sha256": parameters_sha256} if parameters_sha256 else {}),
+        "parameters_sha256": parameters_sha256,
         **({"factory_sha256": factory_sha256} if factory_sha256 else {}),
         "preprocessing": preprocessing.to_json(),
         "sampling": json.dumps(sampling),
@@ -165,6 +164,9 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
         hint = f" (it holds {', '.join(found)})" if found else ""
         raise InputError(f"{path} is a folder; give the artifact file{hint}")
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"{path}: a symbolic link that leads nowhere (its target is missing, or the links form a loop); "
+                         f"give the artifact file itself")
     if path.exists() and not path.is_file():
         raise InputError(f"{path}: not a regular file (a device or a pipe); give the artifact file cafa stats wrote")
     if not path.is_file():
@@ -229,12 +231,13 @@ def _checked_metadata(metadata: dict, path: Path):
     if metadata.get("format") != FORMAT:
         raise _bad(path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')")
     version = metadata.get("format_version")
-    if version not in READ_VERSIONS:
-        raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (reads versions {' and '.join(READ_VERSIONS)}); re-create it or upgrade cafa")
+    if version is None:
+        raise _bad(path, "metadata field 'format_version' is missing; the file was edited or damaged: re-create it with cafa stats")
+    if version != str(FORMAT_VERSION):
+        raise _bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (it reads version "
+                         f"{FORMAT_VERSION}); re-create it or upgrade cafa")
     covariance = metadata.get("covariance")
-    if covariance not in COVARIANCE_MODES or (version == "1" and covariance == "lowrank"):
-        if covariance == "lowrank":
-            raise _bad(path, "says covariance 'lowrank' but format version 1, which has no low-rank form; re-create it with cafa stats")
+    if covariance not in COVARIANCE_MODES:
         raise _bad(path, f"unknown covariance mode {covariance!r} (expected one of {', '.join(COVARIANCE_MODES)}); re-create it with cafa stats")
     try:
         d = int(metadata["feature_dim"])
@@ -271,8 +274,9 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, "metadata 'model' has fields of the wrong type; re-create the artifact with cafa stats")
     for key in ("parameters_sha256", "factory_sha256"):
         digest = metadata.get(key)
-        if digest is not None and not re.fullmatch("[0-9a-f]{64}", digest):
-            raise _bad(path, f"metadata '{key}' is not a hex SHA-256; the file was edited or damaged: re-create it with cafa stats")
+        if (digest is not None or key == "parameters_sha256") and not re.fullmatch("[0-9a-f]{64}", digest or ""):
+            raise _bad(path, f"metadata '{key}' is {'missing' if digest is None else 'not a hex SHA-256'}; the file was edited or "
+                             f"damaged: re-create it with cafa stats")
     return covariance, C, d, class_names, model, preprocessing, sampling
 
 

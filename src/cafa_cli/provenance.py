@@ -53,14 +53,9 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
         return f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed (its sha256 differs)"
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
         return None  # the same file
-    if artifact.parameters_sha256 is None:
-        if recorded.weights_sha256 is None and recorded.weights is None and spec.weights is None:
-            return None  # from before weights were hashed: a factory's own initialisation or a bundled model
-        differ = "sha256 differs; the artifact predates parameter fingerprints, so re-saved weights are not recognised"
-    elif parameters_sha256(net.model) == artifact.parameters_sha256:
+    if parameters_sha256(net.model) == artifact.parameters_sha256:
         return None  # the same parameters from another file
-    else:
-        differ = "parameters differ"
+    differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
         what = f"the bundled {spec.model} weights have changed" if bundled_model(spec.model) else (
             f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
