@@ -631,6 +631,14 @@ def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_pat
     result = adapt(setup, flat, "--quiet", "--bn-prior", "16")  # stdout is strict UTF-8 here, as in a UTF-8 locale
     assert result.exit_code == 0, result.stderr
     assert os.fsencode(name) in result.stdout_bytes
+    # JSON has no way to hold bytes that are not UTF-8: JSONL and the metrics JSON write them as the text \xNN
+    metrics = tmp_path / "m.json"
+    result = adapt(setup, flat, "--quiet", "--bn-prior", "16", "--format", "jsonl", "--metrics-json", metrics)
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout_bytes.decode("utf-8"))  # strict UTF-8: a lone surrogate would not decode
+    assert record["path"] == str(flat / "caf\\xe9.png")
+    assert str(flat).encode() in metrics.read_bytes() and "\\ud" not in metrics.read_text(encoding="utf-8")
+    metrics.read_bytes().decode("utf-8")
 
 
 def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_path):

@@ -4,25 +4,36 @@ atomically, and safetensors files opened whatever their names' encoding."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
 import tempfile
 from pathlib import Path
-from cafa_cli.errors import InputError
+from cafa_cli.errors import CafaError, InputError
 
 
 def check_writable(path: str | Path) -> Path:
-    """A file name in an existing folder; checked before a long job as well as at the write."""
+    """A file name in an existing folder where a file can be made; checked before a long job
+    as well as at the write."""
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{target} is a folder; give a file name to write to")
     if str(path).endswith(os.sep):  # Path() drops the slash, and would write a file named as the folder
         raise InputError(f"{path} names a folder (it ends with {os.sep}); give a file name to write to")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise InputError(f"cannot write {target}: {target.parent} is a file, not a folder; give a path in a folder")
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK | os.X_OK):  # the file is made there and renamed into place
-        raise InputError(f"cannot write {target}: folder {target.parent} is not writable; give a path in a folder you can write")
+    # make a file there, as the write will: permission bits do not tell for root, a
+    # read-only mount or a kernel file system such as /sys
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise InputError(f"cannot write {target}: folder {target.parent} does not take new files ({error.strerror or error}); "
+                         f"give a path in a folder you can write") from None
+    os.close(fd)
+    os.unlink(probe)
     return target
 
 
@@ -45,7 +56,7 @@ def make_workdir(path: str | Path) -> Path:
     return folder
 
 
-def _identity(path: str) -> tuple:
+def file_identity(path: str) -> tuple:
     """The file itself, whatever its name: a hard link or symlink to an input is that input."""
     try:
         found = os.stat(path)
@@ -54,23 +65,35 @@ def _identity(path: str) -> tuple:
     return (found.st_dev, found.st_ino)
 
 
-def _is_device(path: str | Path) -> bool:
+def is_device(path: str | Path) -> bool:
     """/dev/null, /dev/stdout, a FIFO: something that exists and is not a regular file."""
     return Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir()
 
 
+# outputs this command has completed: an interrupted command names them (cli/errors.py)
+completed: list[str] = []
+
+
 def atomic_write(path: str | Path, write) -> None:
-    """Call write(temp_path), then move the result over `path`; on any failure
-    (including KeyboardInterrupt) remove the temporary file and keep the old `path`.
-    A device or FIFO (/dev/null, /dev/stdout) is written in place: renaming over it
-    would replace the device node itself. The writer gets a temporary file even then,
-    which is copied to the device, because some writers (safetensors' save_file) do
-    their own rename. A symlink's target is replaced, not the link."""
-    if _is_device(path):
+    """Call write(temp_path), then move the result over `path`; see `replacing`."""
+    with replacing(path) as tmp, naming_failures(path):
+        write(tmp)
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path):
+    """A temporary file to write, moved over `path` when the block completes; on any failure
+    (including KeyboardInterrupt) it is removed and the old `path` kept.
+
+    A device or FIFO (/dev/null, /dev/stdout) is written in place: renaming over it would
+    replace the device node itself. The writer gets a temporary file even then, which is
+    copied to the device, because some writers (safetensors' save_file) do their own
+    rename. A symlink's target is replaced, not the link."""
+    if is_device(path):
         with tempfile.TemporaryDirectory(prefix="cafa-") as folder:
             tmp = os.path.join(folder, "output")
-            write(tmp)
-            with open(tmp, "rb") as source, open(path, "wb") as device:
+            yield tmp
+            with naming_failures(path), open(tmp, "rb") as source, open(path, "wb") as device:
                 shutil.copyfileobj(source, device)
         return
     target = check_writable(Path(os.path.realpath(path)) if os.path.islink(path) else path)
@@ -80,16 +103,28 @@ def atomic_write(path: str | Path, write) -> None:
         raise InputError(f"cannot write {target}: {error.strerror or error} in folder {target.parent}") from None
     os.close(fd)
     try:
-        write(tmp)
+        yield tmp
         with contextlib.suppress(OSError):  # a file system without modes (FAT, some mounts) keeps its own
             os.chmod(tmp, _new_file_mode(target))
         try:
             os.replace(tmp, target)
         except OSError as error:  # an immutable or busy target: name it, not the temporary file
             raise InputError(f"cannot write {target}: {error.strerror or error}; check the file's permissions and attributes") from None
+        completed.append(str(path))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def naming_failures(path: str | Path):
+    """A failed write (no space left, a file size limit) as an error that names the output
+    `path`, not a temporary file or nothing at all. Only around code that writes it."""
+    try:
+        yield
+    except OSError as error:
+        fix = "; free space or give a path on another disk" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CafaError(f"cannot write {path}: {error.strerror or error}{fix}") from None
 
 
 def _new_file_mode(target: Path) -> int:

@@ -3,6 +3,7 @@ names the option (the library's `lr` is the command line's --lr), and an exit co
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -13,7 +14,8 @@ from pathlib import Path
 import typer
 
 from cafa_cli.cli.defaults import defaults_source
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, printable
+from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, printable
+from cafa_cli.files import completed
 
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
@@ -85,6 +87,7 @@ def reports_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        completed.clear()
         try:
             return command(*args, **kwargs)
         except CafaError as error:
@@ -93,7 +96,10 @@ def reports_errors(command):
             message = as_flags(str(error))
             raise fail(f"{message}{_config_hint(kwargs.get('ctx'), message)}", error.exit_code) from None
         except KeyboardInterrupt:
-            typer.echo("cafa: interrupted", err=True)
+            # an output renamed into place before the signal is whole and new; say so, as
+            # exit 130 otherwise promises every output is as it was
+            done = f" after writing {listing(completed)} completely" if completed else ""
+            typer.echo(printable(f"cafa: interrupted{done}"), err=True)
             raise typer.Exit(code=EXIT_INTERRUPTED) from None
         except BrokenPipeError:  # `cafa adapt ... | head`
             raise typer.Exit(code=reader_gone()) from None
@@ -104,6 +110,9 @@ def reports_errors(command):
                 raise fail(OUT_OF_MEMORY, EXIT_RUNTIME) from None
             if debug["on"]:
                 raise
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and not error.filename:
+                # the files cafa writes name themselves (files.naming_failures): this is stdout
+                raise fail(f"cannot write standard output: {error.strerror}", EXIT_RUNTIME) from None
             if isinstance(error, OSError) and error.filename:
                 # a path the tool was given: missing, unreadable, not writable, or the disk is full
                 given = isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))

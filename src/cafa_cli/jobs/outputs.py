@@ -8,7 +8,7 @@ from pathlib import Path
 from cafa_cli.data.folders import IMAGE_EXTENSIONS
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import UsageError
-from cafa_cli.files import _identity, _is_device, check_writable
+from cafa_cli.files import file_identity, is_device, check_writable
 
 
 IMAGE_INPUTS = ("`data`", "`train`")  # the options whose folders are searched for images
@@ -28,10 +28,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
     if empty:  # Path("") is the working directory: an unset shell variable would read or write there
         raise UsageError(f"{empty[0]} is given an empty path (an unset shell variable?); give a file or folder")
     given = [(option, on_disk(path)) for option, path in _each_path(inputs)]
-    taken = {_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
+    taken = {file_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
     for option, path in outputs.items():
-        if path is None or _is_device(path):
+        if path is None or is_device(path):
             continue
         if path == "-":
             raise UsageError(f"{option} -: only the records of cafa adapt (--predictions) go to standard output; give {option} a file name")
@@ -43,7 +43,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
         if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
             raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
-        identity = _identity(path)
+        identity = file_identity(path)
         if identity in taken:
             raise UsageError(f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} another path")
         taken[identity] = option

@@ -11,13 +11,13 @@ import math
 import platform
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 from rich.table import Table
 from rich.text import Text
 from cafa_cli import __version__
-from cafa_cli.files import atomic_write, check_writable
+from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.errors import UsageError, printable, undecodable
 from cafa_cli.jobs.results import DomainResult, Record
 
@@ -70,25 +70,23 @@ class RecordWriter:
         self.stream.flush()
 
 
-class _OpenedOnFirstWrite:
-    """A file that is only created (or truncated) when the first line comes, so a run
-    that fails before its first prediction leaves an existing file as it was."""
+class _NamedOutput:
+    """A text file whose failed writes (a full disk) name the output, not a temporary file."""
 
-    def __init__(self, path: Path):
-        self.path, self._file = path, None
+    def __init__(self, file: IO[str], path: str):
+        self.file, self.path = file, path
 
     def write(self, text: str) -> int:
-        if self._file is None:
-            self._file = open(self.path, "w", encoding="utf-8", errors="surrogateescape", newline="")
-        return self._file.write(text)
+        with naming_failures(self.path):
+            return self.file.write(text)
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        with naming_failures(self.path):
+            self.file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        with naming_failures(self.path):
+            self.file.close()
 
 
 def is_utf8(stream: io.TextIOWrapper) -> bool:
@@ -112,28 +110,39 @@ ESCAPE_FOR_OUTPUT = "cafa-escape"
 codecs.register_error(ESCAPE_FOR_OUTPUT, _escape_for_output)
 
 
-def open_output(path: str | None) -> IO[str]:
+@contextmanager
+def _records_output(path: str | None) -> Iterator[IO[str]]:
+    """stdout; a device or FIFO, written in place as the records come; or a file, written
+    beside it and renamed over it when the run completes (a failed or interrupted run
+    leaves an existing file as it was). Flushed however the run ends."""
     if path is None or path == "-":
         # a file name that is not valid UTF-8 comes out as its own bytes, as ls prints it
         if isinstance(sys.stdout, io.TextIOWrapper) and is_utf8(sys.stdout):
             sys.stdout.reconfigure(errors="surrogateescape")
-        return sys.stdout
-    return _OpenedOnFirstWrite(check_writable(path))
+        try:
+            yield sys.stdout
+        finally:
+            sys.stdout.flush()
+        return
+    with ExitStack() as stack:
+        target = path if is_device(path) else stack.enter_context(replacing(path))
+        with naming_failures(path):
+            output = _NamedOutput(open(target, "w", encoding="utf-8", errors="surrogateescape", newline=""), path)
+        stack.callback(output.close)
+        try:
+            yield output
+        finally:
+            output.flush()
 
 
 @contextmanager
 def prediction_records(path: str | None, fmt: str, class_names: Sequence[str]) -> Iterator[RecordWriter]:
     """The records' writer, on stdout or into `path`: finished (a CSV gets its header even
-    with no record) when the run completes, flushed and closed however it ends."""
-    output = open_output(path)
-    writer = RecordWriter(output, fmt, class_names)
-    try:
+    with no record) when the run completes."""
+    with _records_output(path) as output:
+        writer = RecordWriter(output, fmt, class_names)
         yield writer
         writer.finish()
-    finally:
-        output.flush()
-        if output is not sys.stdout:
-            output.close()
 
 
 def overall(results: Sequence[DomainResult]) -> dict:
@@ -180,18 +189,21 @@ def domain_record(r: DomainResult) -> dict:
 
 
 def to_json(payload, **options) -> str:
-    """Standard JSON, which has no NaN or Infinity (Python's json writes them, and jq and
-    most parsers reject them): a non-finite number is written as null."""
-    return json.dumps(_finite(payload), allow_nan=False, **options)
+    """Standard JSON that every parser reads: a non-finite number (Python's json writes NaN
+    and Infinity, which jq rejects) is null, and a file name's bytes that are not UTF-8
+    (lone surrogates, which json writes as invalid escapes) are the text `\\xNN`."""
+    return json.dumps(_standard(payload), allow_nan=False, **options)
 
 
-def _finite(value):
+def _standard(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str) and any(undecodable(ch) for ch in value):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {_standard(key): _standard(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [_standard(item) for item in value]
     return value
 
 
