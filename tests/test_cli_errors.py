@@ -691,3 +691,18 @@ def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setu
     assert done.returncode == 0, done.stderr
     assert "\\u03bb" in done.stdout or "\\xe9" in done.stdout
     assert _entry_point("inspect", artifact, env=ascii_only).returncode == 0
+
+
+def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_path):
+    """Every output would be labelled as another class, silently."""
+    from cafa_cli.zoo import BUNDLED
+
+    names = list(BUNDLED["fmnist-resnet"].class_names)
+    reversed_list = tmp_path / "reversed.txt"
+    reversed_list.write_text("\n".join(reversed(names)) + "\n")
+    result = invoke("stats", "--model", "fmnist-resnet", "--classes", reversed_list, "--data", setup["train"], "--out", tmp_path / "s.st")
+    fails(result, 3, f"the class list {reversed_list} holds fmnist-resnet's class names in another order", "leave out --classes")
+    renamed = tmp_path / "renamed.txt"  # other names are the user's own labelling: allowed
+    renamed.write_text("\n".join(f"c{i}" for i in range(len(names))) + "\n")
+    result = invoke("stats", "--model", "fmnist-resnet", "--classes", renamed, "--data", setup["train"], "--out", tmp_path / "s.st")
+    assert "another order" not in result.stderr

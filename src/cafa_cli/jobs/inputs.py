@@ -26,9 +26,14 @@ def default_preprocessing(model: str | None) -> Preprocessing:
 
 
 def default_class_names(model: str | None, options: InputOptions) -> list[str] | None:
-    if options.classes:
-        return read_class_list(options.classes)
     bundled = bundled_model(model)
+    if options.classes:
+        names = read_class_list(options.classes)
+        if bundled and names != list(bundled.class_names) and sorted(names) == sorted(bundled.class_names):
+            # the same names in another order would label every output wrongly, silently
+            raise InputError(f"the class list {options.classes} holds {model}'s class names in another order; its outputs "
+                             f"are {listing(bundled.class_names, 3)}, in that order: give them so, or leave out `classes`")
+        return names
     return list(bundled.class_names) if bundled else None
 
 
