@@ -510,7 +510,7 @@ def test_cuda_without_cuda_is_a_usage_error(device):
 
 @pytest.mark.parametrize("device", ["tpu", "gpu", "mps"])
 def test_unknown_device_is_a_usage_error(device):
-    with pytest.raises(UsageError, match="--device"):
+    with pytest.raises(UsageError, match="`device` "):
         pick_device(device)
 
 

@@ -180,7 +180,7 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
             return _read_open(f, path, load_tensors)
     except SafetensorError as error:
         if _is_torch_checkpoint(path):
-            raise _bad(path, "this is a torch checkpoint, not a cafa artifact: give it as --weights, and the file cafa stats wrote as --stats") from None
+            raise _bad(path, "this is a torch checkpoint, not a cafa artifact: give it as `weights`, and the file cafa stats wrote as `stats`") from None
         raise _bad(path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats") from None
     except (OSError, ValueError, RuntimeError, OverflowError) as error:
         raise _bad(path, f"unreadable artifact ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); re-create it with cafa stats") from None
@@ -253,7 +253,7 @@ def _checked_metadata(metadata: dict, path: Path):
         raise _bad(path, "metadata 'class_names' repeats a name")
     if unusable_class_names(class_names):
         raise _bad(path, "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
-                         "with class folders (or a --classes list) named otherwise")
+                         "with class folders (or a `classes` list) named otherwise")
     model_fields = _json(metadata, "model", path)
     prep_fields = _json(metadata, "preprocessing", path)
     sampling = _json(metadata, "sampling", path)

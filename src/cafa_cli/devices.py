@@ -20,12 +20,12 @@ def pick_device(device: str | torch.device) -> torch.device:
     try:
         chosen = torch.device(device)
     except RuntimeError:
-        raise UsageError(f"--device {device}: expected auto, cpu, cuda or cuda:N") from None
+        raise UsageError(f"`device` {device}: expected auto, cpu, cuda or cuda:N") from None
     if chosen.type == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+            raise UsageError(f"`device` {device}: CUDA is not available on this machine; use `device` cpu or auto")
         if chosen.index is not None and chosen.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise UsageError(f"`device` {device}: only {torch.cuda.device_count()} CUDA device(s) here")
     elif chosen.type != "cpu":
-        raise UsageError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+        raise UsageError(f"`device` {device}: expected auto, cpu, cuda or cuda:N")
     return chosen

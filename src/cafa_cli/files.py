@@ -48,11 +48,11 @@ def make_workdir(path: str | Path) -> Path:
     earlier run left there."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise InputError(f"--workdir {folder} is a file; give a folder (it is made when missing)")
+        raise InputError(f"`workdir` {folder} is a file; give a folder (it is made when missing)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise InputError(f"--workdir {folder}: cannot create it ({error.strerror or error})") from None
+        raise InputError(f"`workdir` {folder}: cannot create it ({error.strerror or error})") from None
     return folder
 
 

@@ -22,13 +22,13 @@ def recorded_model(artifact: Artifact, given):
     if ":" in recorded.model and given.model is None and not given.trust_checkpoint:
         raise InputError(
             f"{artifact.path} names the model factory {recorded.model}, whose code would run; "
-            f"pass --model {recorded.model} to run it (or --trust-checkpoint)"
+            f"pass `model` {recorded.model} to run it (or `trust_checkpoint`)"
         )
     weights = given.weights or recorded.weights
     if weights and given.weights is None and not Path(weights).is_file():
         raise InputError(
-            f"the artifact's weights {weights} are not there; pass --weights FILE (the same file) "
-            f"or --model/--weights to use another model"
+            f"the artifact's weights {weights} are not there; pass `weights` FILE (the same file) "
+            f"or `model`/`weights` to use another model"
         )
     num_classes = given.num_classes or recorded.num_classes
     return replace(given, model=recorded.model, weights=weights, num_classes=num_classes,
@@ -58,10 +58,10 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
         what = f"the bundled {spec.model} weights have changed" if bundled_model(spec.model) else (
-            f"{spec.model} initialised its parameters differently (it draws them at random? give --weights)")
+            f"{spec.model} initialised its parameters differently (it draws them at random? give `weights`)")
         return f"{what} since the statistics in {artifact.path} were computed ({differ})"
     if spec.weights == recorded.weights:
         return f"{spec.weights} has changed since the statistics were computed ({differ})"
-    own = "its packaged weights" if bundled_model(spec.model) else "the model's own initialisation (no --weights)"
+    own = "its packaged weights" if bundled_model(spec.model) else "the model's own initialisation (no `weights`)"
     made_with, given = recorded.weights or own, spec.weights or own
     return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
