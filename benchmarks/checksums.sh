@@ -2,7 +2,10 @@
 # Checksums of every prediction a refactor must leave byte-identical: the demo's table,
 # `cafa adapt` predictions for every method and a few stream settings, and a bench table.
 # Usage: benchmarks/checksums.sh WORKDIR  (re-uses WORKDIR/cafa-demo's data when there)
+# Ends by comparing with benchmarks/checksums.expected: the sums of bc0928b (before the
+# redesign) on the 2-core dev VM, torch 2.14.1 CPU; another CPU or torch may differ.
 set -euo pipefail
+expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
 mkdir -p "$work" && cd "$work"
 cafa demo -q > demo-table.md
@@ -19,3 +22,4 @@ cafa adapt -q --stats "$stats" --method tent --params all --steps 2 --format jso
 cafa bench -q "${domains[@]}" --methods source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-dense,cafa-lowrank,cafa-full \
   --workdir bench --per-class 300 --csv bench.csv > bench-table.md
 sha256sum demo-table.md adapt-*.csv adapt-*.jsonl bench.csv bench-table.md
+sha256sum --check "$expected"
