@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 import torch
 from PIL import Image
-from cafa_cli.data.values import check_preprocessing
+from cafa_cli.data.values import MAX_PIXELS, check_preprocessing
 from cafa_cli.errors import UsageError
 
 
@@ -77,6 +77,7 @@ class Preprocessing:
         # (inspect, --help, a mistyped option) should not pay
         from torchvision.transforms import functional as TF
 
+        self.check_size(image)
         image = to_mode(image, "L" if self.channels == 1 else "RGB")
         if self.resize is not None:
             image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode.BILINEAR)
@@ -84,15 +85,34 @@ class Preprocessing:
             image = TF.center_crop(image, self.crop)
         return TF.pil_to_tensor(image)
 
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after `resize`, as torchvision's resize sizes it."""
+        if not width or not height:
+            raise ValueError(f"an image of no pixels ({width}x{height})")
+        if self.resize is None:
+            return width, height
+        longer = int(self.resize * max(width, height) / min(width, height))
+        return (self.resize, longer) if width <= height else (longer, self.resize)
+
+    def check_size(self, image: Image.Image) -> None:
+        """Refuse, as Pillow refuses a decompression bomb, an image that the resize would
+        make larger than MAX_PIXELS (a 1 x 1,000,000 line resized to 64 on its shorter side
+        is 64 x 64,000,000): the loader skips it as unreadable, before any pixel is made.
+        An image already that large is only ever shrunk, and passes."""
+        width, height = image.size
+        new_width, new_height = self.resized_size(width, height)
+        if new_width * new_height > max(MAX_PIXELS, width * height):
+            raise Image.DecompressionBombError(
+                f"{width}x{height} pixels; resized to {self.resize} on its shorter side it would be {new_width}x{new_height}, "
+                f"{new_width * new_height:,} pixels, more than the {MAX_PIXELS:,} cafa makes of one image"
+            )
+
     def padding_note(self, image: Image.Image, where: str) -> str | None:
         """A warning when the centre crop is larger than this image after the resize:
         torchvision pads it with black, which no model has seen."""
         if self.crop is None:
             return None
-        width, height = image.size
-        if self.resize is not None:
-            longer = int(self.resize * max(width, height) / min(width, height))  # as torchvision's resize sizes it
-            width, height = (self.resize, longer) if width <= height else (longer, self.resize)
+        width, height = self.resized_size(*image.size)
         if self.crop <= min(width, height):
             return None
         return (f"{where}: --crop {self.crop} is larger than its images ({width}x{height} after --resize "

@@ -10,6 +10,10 @@ import os
 from cafa_cli.errors import UsageError
 
 MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image and end out of memory
+# The most pixels a resize may make of one image: Pillow's own decompression-bomb threshold
+# (Image.MAX_IMAGE_PIXELS). `resize` sets the shorter side, so a 1 x 1,000,000 image (1 KB as
+# a PNG) resized to 64 would be 64 x 64,000,000 pixels: 4 GB in grey, 12 GB in RGB.
+MAX_PIXELS = 89_478_485
 
 
 def parse_size(text: str | int, name: str) -> int | None:
