@@ -80,3 +80,24 @@ def test_other_non_checkpoint(setup, tmp_path, data):
     weights.write_bytes(data)
     message = fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "not a checkpoint torch can read")
     assert "--trust-checkpoint" not in message, "trusting garbage cannot help"
+
+
+def test_a_zip_checkpoint_that_would_expand_a_thousandfold_is_refused_before_it_is_read(setup, tmp_path):
+    """Issue 18, bug 4, for the other compressed input: torch.load reads deflated zip entries
+    and allocates what they announce, so 64 MB of zeros in 70 KB would load."""
+    import zipfile
+
+    plain = tmp_path / "plain.pt"
+    torch.save({**torch.load(setup["weights"]), "zeros": torch.zeros(1 << 24)}, plain)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as packed:
+        for entry in source.infolist():
+            packed.writestr(entry.filename, source.read(entry.filename))
+    assert bomb.stat().st_size < 200_000 and torch.load(bomb)["zeros"].numel() == 1 << 24  # torch itself reads it
+    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", bomb), 3,
+          f"--weights {bomb}: a zip archive whose compressed entries would expand", "torch.save stores tensors uncompressed")
+    deflated = tmp_path / "deflated.pt"  # real weights deflated by hand expand little, and load
+    with zipfile.ZipFile(setup["weights"]) as source, zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as packed:
+        for entry in source.infolist():
+            packed.writestr(entry.filename, source.read(entry.filename))
+    assert stats_with_model(setup, tmp_path, TINY_NET, "--weights", deflated).exit_code == 0

@@ -75,6 +75,62 @@ def test_truncated_gzip_raises_input_error(tmp_path):
         load_fashion_mnist(tmp_path, "train")
 
 
+ZEROS_MB = gzip.compress(bytes(1 << 20))  # 1 MiB of zeros in about 1 KB; gzip members concatenate
+
+
+def gzip_bomb(path, magic: int, dims: tuple[int, ...], zeros_mb: int) -> None:
+    """A valid idx header followed by far more zeros than it announces, a few hundred KB on disk."""
+    path.write_bytes(gzip.compress(struct.pack(f">I{len(dims)}I", magic, *dims)) + ZEROS_MB * zeros_mb)
+
+
+@pytest.mark.parametrize("kind", ["images", "labels"])
+def test_a_gzip_bomb_is_read_no_further_than_its_header_announces(tmp_path, kind):
+    """Issue 18, bug 4: 300 MB of zeros after a header that announces 60,000 images (47 MB)
+    or labels (60 KB) was read whole before being refused. Now the header is read, then what
+    it announces and one byte more, and the file is refused for the excess."""
+    import tracemalloc
+
+    images, labels = tmp_path / "train-images-idx3-ubyte.gz", tmp_path / "train-labels-idx1-ubyte.gz"
+    if kind == "images":
+        gzip_bomb(images, 0x803, (60_000, 28, 28), zeros_mb=300)
+        write_idx(labels, 0x801, (60_000,), bytes(60_000), True)
+        announced = 60_000 * 28 * 28
+    else:
+        write_idx(images, 0x803, (1, 28, 28), bytes(28 * 28), True)
+        gzip_bomb(labels, 0x801, (60_000,), zeros_mb=300)
+        announced = 60_000
+    bomb = images if kind == "images" else labels
+    assert bomb.stat().st_size < 400_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=rf"{bomb.name} is malformed: more data bytes than the {announced} the header announces"):
+            load_fashion_mnist(tmp_path, "train")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < announced + (16 << 20), peak  # the announced bytes and a few blocks; not the 300 MB
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_a_header_that_announces_billions_is_refused_before_anything_is_read(tmp_path, compress):
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", 0x803, (1, 28, 28), bytes(28 * 28), True)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", 0x801, (2**32 - 1,), bytes(100), compress)
+    if compress:
+        (tmp_path / "train-labels-idx1-ubyte").rename(tmp_path / "train-labels-idx1-ubyte.gz")
+    with pytest.raises(InputError, match=r"the header announces 4,294,967,295 items, more than the 1,000,000 cafa reads"):
+        load_fashion_mnist(tmp_path, "train")
+
+
+def test_excess_bytes_in_an_uncompressed_file_and_sizes_as_width_x_height(tmp_path):
+    write_idx(tmp_path / "train-labels-idx1-ubyte", 0x801, (1,), bytes(2), False)
+    write_idx(tmp_path / "train-images-idx3-ubyte", 0x803, (1, 28, 28), bytes(28 * 28 + 5), False)
+    with pytest.raises(InputError, match="more data bytes than the 784 the header announces"):
+        load_fashion_mnist(tmp_path, "train")
+    write_idx(tmp_path / "train-images-idx3-ubyte", 0x803, (1, 28, 14), bytes(28 * 14), False)  # 28 rows of 14
+    with pytest.raises(InputError, match="images are 14x28, expected 28x28"):
+        load_fashion_mnist(tmp_path, "train")
+
+
 def test_bundled_model_loads_and_has_the_feature_layer():
     entry = BUNDLED["fmnist-resnet"]
     assert entry.weights.stat().st_size < 2_000_000

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import warnings
+import zipfile
 from pathlib import Path
 import torch
 from torch import nn
@@ -35,6 +36,12 @@ PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's,
 
 # a MemoryError reading a file this small comes from a garbage length field, not from the weights
 SMALL_FILE = 1 << 20
+
+
+# torch.save stores a checkpoint's entries uncompressed, and float weights barely compress;
+# a zip entry that expands more than this (deflated zeros: a thousandfold) is a bomb, and
+# torch would allocate all that it announces
+MAX_EXPANSION = 10
 
 
 def sha256_of(path: str | Path) -> str:
@@ -86,6 +93,7 @@ def _looks_like_safetensors(start: bytes, size: int) -> bool:
 
 
 def _torch_load(path: Path, trust_checkpoint: bool):
+    _check_expansion(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error below says it all
             warnings.simplefilter("ignore")
@@ -124,6 +132,23 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         if trust_checkpoint and _first_bytes(path) in PLAIN_PICKLE:
             raise _ran_plain_pickle(path) from None
         raise _not_a_checkpoint(path, error) from None
+
+
+def _check_expansion(path: Path) -> None:
+    """Refuse a zip checkpoint whose compressed entries announce far more bytes than they
+    hold, before torch decompresses them (a 1 MB file could take a GB)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            packed = [entry for entry in archive.infolist() if entry.compress_type != zipfile.ZIP_STORED]
+    except Exception:  # not a zip, or a damaged one: torch.load says what it is
+        return
+    expanded, held = sum(entry.file_size for entry in packed), sum(entry.compress_size for entry in packed)
+    if expanded > MAX_EXPANSION * held + SMALL_FILE:
+        raise InputError(
+            f"`weights` {path}: a zip archive whose compressed entries would expand {expanded // max(held, 1):,}-fold, "
+            f"to {expanded:,} bytes from {held:,} (a decompression bomb?); torch.save stores tensors uncompressed: "
+            f"re-save the weights with torch.save"
+        )
 
 
 def _ran_plain_pickle(path: Path) -> InputError:

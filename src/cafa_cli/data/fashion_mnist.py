@@ -7,7 +7,9 @@ package `dataset-fashion-mnist`, so nothing is ever downloaded.
 from __future__ import annotations
 
 import gzip
+import math
 import os
+import zlib
 from pathlib import Path
 import numpy as np
 from cafa_cli.errors import InputError
@@ -54,6 +56,12 @@ LABEL_MAGIC = 0x00000801  # unsigned bytes, 1 dimension
 IMAGE_SIDE = 28
 
 
+# Images (or labels) one file may announce: Fashion-MNIST's train split has 60,000, and EMNIST
+# digits in the same format 240,000. The header is read first, and a count of billions (a
+# 20-byte file, or a small gzip of zeros) is refused before anything is allocated for it.
+MAX_ITEMS = 1_000_000
+
+
 ALL_FILE_NAMES = tuple(
     f"{prefix}-{kind}-idx{dims}-ubyte.gz"
     for prefix in SPLIT_PREFIXES.values()
@@ -75,8 +83,8 @@ def load_fashion_mnist(
     prefix = SPLIT_PREFIXES[split]
     images_path = find_idx_file(folder, f"{prefix}-images-idx3-ubyte")
     labels_path = find_idx_file(folder, f"{prefix}-labels-idx1-ubyte")
-    images = parse_images(read_bytes(images_path), images_path)
-    labels = parse_labels(read_bytes(labels_path), labels_path)
+    images = read_images(images_path)
+    labels = read_labels(labels_path)
     if len(images) != len(labels):
         raise InputError(
             f"Fashion-MNIST {split} files in {folder} disagree: {len(images)} images but "
@@ -114,52 +122,66 @@ def find_idx_file(folder: Path, stem: str) -> Path:
     )
 
 
-def read_bytes(path: Path) -> bytes:
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as stream:
-                return stream.read()
-        return path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as error:
-        raise InputError(
-            f"cannot read Fashion-MNIST file {path} ({error}); reinstall dataset-fashion-mnist "
-            f"or replace the file"
-        ) from None
+def read_images(path: Path) -> np.ndarray:
+    return read_idx(path, IMAGE_MAGIC, dims=3)
 
 
-def parse_images(data: bytes, path: Path) -> np.ndarray:
-    count, rows, cols = parse_header(data, path, IMAGE_MAGIC, dims=3)
-    if (rows, cols) != (IMAGE_SIDE, IMAGE_SIDE):
-        raise malformed(path, f"images are {rows}x{cols}, expected {IMAGE_SIDE}x{IMAGE_SIDE}")
-    pixels = payload(data, path, header_size=16, expected=count * rows * cols)
-    return pixels.reshape(count, rows, cols)
-
-
-def parse_labels(data: bytes, path: Path) -> np.ndarray:
-    (count,) = parse_header(data, path, LABEL_MAGIC, dims=1)
-    labels = payload(data, path, header_size=8, expected=count).astype(np.int64)
+def read_labels(path: Path) -> np.ndarray:
+    labels = read_idx(path, LABEL_MAGIC, dims=1).astype(np.int64)
     if labels.size and labels.max() >= len(FASHION_MNIST_CLASSES):
         raise malformed(path, f"label {labels.max()} is out of range 0-9")
     return labels
 
 
-def parse_header(data: bytes, path: Path, magic: int, dims: int) -> tuple[int, ...]:
-    """Check the big-endian magic number and return the dimension sizes."""
-    header_size = 4 + 4 * dims
-    if len(data) < header_size:
-        raise malformed(path, f"only {len(data)} bytes, shorter than the idx header")
-    fields = np.frombuffer(data, dtype=">u4", count=1 + dims)
+def read_idx(path: Path, magic: int, dims: int) -> np.ndarray:
+    """An idx file's array, uint8. The header is read and checked first (magic number, image
+    size, at most MAX_ITEMS items); then exactly what it announces, plus one byte to notice
+    excess, and never the rest: a gzip of zeros expands a thousandfold, so a few MB on disk
+    would be GBs in memory."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as stream:
+            header = _read_at_most(stream, 4 + 4 * dims)
+            sizes = _check_header(header, path, magic, dims)
+            expected = math.prod(sizes)
+            data = _read_at_most(stream, expected + 1)
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+        raise InputError(
+            f"cannot read Fashion-MNIST file {path} ({error}); reinstall dataset-fashion-mnist "
+            f"or replace the file"
+        ) from None
+    if len(data) > expected:
+        raise malformed(path, f"more data bytes than the {expected} the header announces")
+    if len(data) != expected:
+        raise malformed(path, f"{len(data)} data bytes, the header announces {expected}")
+    return data.reshape(sizes)
+
+
+def _check_header(header: np.ndarray, path: Path, magic: int, dims: int) -> tuple[int, ...]:
+    """The dimension sizes of a big-endian idx header, checked."""
+    if len(header) < 4 + 4 * dims:
+        raise malformed(path, f"only {len(header)} bytes, shorter than the idx header")
+    fields = header.view(">u4")
     if int(fields[0]) != magic:
         raise malformed(path, f"magic number 0x{int(fields[0]):08x}, expected 0x{magic:08x}")
-    return tuple(int(size) for size in fields[1:])
+    sizes = tuple(int(size) for size in fields[1:])
+    if dims == 3 and sizes[1:] != (IMAGE_SIDE, IMAGE_SIDE):  # width x height, as image sizes are given everywhere
+        raise malformed(path, f"images are {sizes[2]}x{sizes[1]}, expected {IMAGE_SIDE}x{IMAGE_SIDE}")
+    if sizes[0] > MAX_ITEMS:
+        raise malformed(path, f"the header announces {sizes[0]:,} items, more than the {MAX_ITEMS:,} cafa reads from one file")
+    return sizes
 
 
-def payload(data: bytes, path: Path, header_size: int, expected: int) -> np.ndarray:
-    actual = len(data) - header_size
-    if actual != expected:
-        raise malformed(path, f"{actual} data bytes, the header announces {expected}")
-    # Copy so callers get a writable array that does not pin the whole file buffer.
-    return np.frombuffer(data, dtype=np.uint8, offset=header_size).copy()
+def _read_at_most(stream, limit: int) -> np.ndarray:
+    """Up to `limit` bytes of a stream, in blocks: memory is only ever filled with bytes the
+    file really holds (np.empty reserves the rest without touching it)."""
+    buffer = np.empty(limit, dtype=np.uint8)
+    view, filled = memoryview(buffer), 0
+    while filled < limit:
+        read = stream.readinto(view[filled : min(limit, filled + (1 << 20))])
+        if not read:
+            break
+        filled += read
+    return buffer[:filled]
 
 
 def malformed(path: Path, detail: str) -> InputError:
