@@ -101,3 +101,28 @@ def test_a_zip_checkpoint_that_would_expand_a_thousandfold_is_refused_before_it_
         for entry in source.infolist():
             packed.writestr(entry.filename, source.read(entry.filename))
     assert stats_with_model(setup, tmp_path, TINY_NET, "--weights", deflated).exit_code == 0
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.qint8, "safetensors-int32"])
+def test_weights_that_are_not_floating_point_are_refused(setup, tmp_path, dtype):
+    """Issue 18, bug 5: torch casts integer weights on copy, and the model then predicted
+    class 0 for every image with exit 0; quantized ones failed inside load_state_dict."""
+    state = torch.load(setup["weights"])
+    if dtype == torch.qint8:
+        cast = {k: torch.quantize_per_tensor(v, 0.01, 0, torch.qint8) if v.is_floating_point() else v for k, v in state.items()}
+    else:
+        cast = {k: v.round().to(torch.int32 if dtype == "safetensors-int32" else dtype) if v.is_floating_point() else v
+                for k, v in state.items()}
+    if dtype == "safetensors-int32":
+        from safetensors.torch import save_file
+
+        weights = tmp_path / "net.safetensors"
+        save_file(cast, weights)
+    else:
+        weights = tmp_path / "net.pt"
+        torch.save(cast, weights)
+    name = "int32" if dtype == "safetensors-int32" else str(dtype).removeprefix("torch.")
+    result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights)
+    fails(result, 3, f"--weights {weights}: ", f"({name})", "not floating-point, for floating-point parameters of the model")
+    assert not (tmp_path / "s.safetensors").exists()

@@ -199,6 +199,11 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
     if odd:  # load_state_dict fails on them with a long message, or drops imaginary parts with a warning
         raise InputError(f"--weights {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
                          f"(tensor.to_dense(), real parts)")
+    integer = [f"{k} ({str(state[k].dtype).removeprefix('torch.')})" for k, v in own.items()
+               if k in state and isinstance(v, torch.Tensor) and v.is_floating_point() and not state[k].is_floating_point()]
+    if integer:  # load_state_dict casts them (int32 3 is 3.0) and every prediction is garbage; quantized ones fail in it
+        raise InputError(f"`weights` {path}: {listing(integer, 3)}: not floating-point, for floating-point parameters of the model; "
+                         f"give the float weights (dequantize a quantized checkpoint: tensor.dequantize())")
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
     if wrong:
         raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
