@@ -181,3 +181,30 @@ def test_postscript_is_a_format_pillow_would_open(tmp_path):
     path = _bad_image(write_folder(tmp_path / "d", per_class=1), "postscript")
     with Image.open(path) as image:
         assert image.format == "EPS"
+
+
+@pytest.mark.parametrize("orientation, turn", [(1, None), (3, Image.Transpose.ROTATE_180), (6, Image.Transpose.ROTATE_270),
+                                               (8, Image.Transpose.ROTATE_90)])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_an_exif_orientation_turns_the_image_as_a_viewer_shows_it(tmp_path, orientation, turn, fmt):
+    """A phone stores a photo as the sensor read it and a tag that says how to turn it;
+    the image went into the model sideways."""
+    from cafa_cli.data.folders import read_image
+
+    pixels = np.kron(np.arange(6, dtype=np.uint8).reshape(2, 3) * 40, np.ones((8, 8), np.uint8))  # 24 wide, 16 high
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels).save(tmp_path / "photo.img", fmt, exif=exif.tobytes(), **({"quality": 100} if fmt == "JPEG" else {}))
+    stored = Image.fromarray(pixels)
+    expected = np.asarray(stored.transpose(turn) if turn is not None else stored)
+    got = np.asarray(read_image(str(tmp_path / "photo.img")))
+    assert got.shape == expected.shape
+    assert np.abs(got.astype(int) - expected).max() <= (0 if fmt == "PNG" else 8)
+
+
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data")
+def test_a_damaged_exif_block_leaves_the_image_as_it_is(tmp_path):
+    from cafa_cli.data.folders import read_image
+
+    Image.fromarray(solid(90, 4)).save(tmp_path / "a.png", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")  # 65535 entries, none there
+    assert np.asarray(read_image(str(tmp_path / "a.png"))).tolist() == solid(90, 4).tolist()

@@ -59,7 +59,7 @@ def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
 def test_mixed_sizes_in_one_batch(setup, tmp_path):
     data = write_folder(tmp_path / "d", per_class=2, seed=2)
     Image.fromarray(np.zeros((20, 24), np.uint8)).save(data / "a" / "big.png")
-    fails(adapt(setup, data, "--batch-size", "100"), 3, "different sizes", "16x16", "20x24", "--resize", "--crop")
+    fails(adapt(setup, data, "--batch-size", "100"), 3, "different sizes", "16x16", "24x20", "--resize", "--crop")  # width x height, as PIL
 
 
 def test_loader_processes_default_to_the_cores_on_cuda_and_none_on_the_cpu(monkeypatch):

@@ -109,6 +109,23 @@ def test_sixteen_bit_png_is_rescaled_not_clipped(tmp_path):
     torch.testing.assert_close(out[:, 0, 2], torch.full((3,), 128 / 255))
 
 
+def test_a_float_tiff_in_0_to_1_is_scaled_not_turned_black(tmp_path):
+    """PIL's conversion of mode F clips: values in 0..1 became 0 or 1 out of 255, an all-black image."""
+    path = tmp_path / "float.tif"
+    Image.fromarray(np.array([[0.0, 0.25, 0.5, 1.0]], dtype=np.float32), "F").save(path)
+    loaded = Image.open(path)
+    assert loaded.mode == "F"
+    assert np.asarray(to_mode(loaded, "L")).tolist() == [[0, 63, 127, 255]]  # truncated, as PIL converts 0..255 floats
+    assert np.asarray(to_mode(Image.fromarray(np.array([[0.0, 63.0, 127.5, 255.0]], dtype=np.float32), "F"), "L")).tolist() == [[0, 63, 127, 255]]
+
+
+@pytest.mark.parametrize("values, message", [([-1.0, 0.5], "values from -1 to 0.5; cafa reads floats in 0..1 or 0..255"),
+                                             ([0.0, 300.0], "values from 0 to 300;"), ([float("nan"), 0.0], "NaN or infinite")])
+def test_a_float_image_outside_0_to_1_and_0_to_255_is_unreadable(tmp_path, values, message):
+    with pytest.raises(ValueError, match=message):  # the loader skips it with a warning, as any unreadable image
+        to_mode(Image.fromarray(np.array([values], dtype=np.float32), "F"), "L")
+
+
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from cafa_cli.errors import InputError, listing
 from cafa_cli.data.domain import Domain, UNLABELLED
 
@@ -67,10 +67,22 @@ def read_image(path: str) -> Image.Image:
     try:
         with Image.open(path, formats=DECODERS) as image:
             image.load()  # decode now so that truncated files fail here, not later
-            return image
+            return upright(image)
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
         raise UnidentifiedImageError("empty file (0 bytes)" if empty else f"not an image in a format cafa reads: {', '.join(DECODERS)}") from None
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says (ImageOps.exif_transpose): a phone
+    stores a photo as the sensor read it, sideways or upside down, and a tag that says how
+    to show it. Without the tag (or with a damaged EXIF block) the image is returned as it
+    is, the same object."""
+    try:
+        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+        return ImageOps.exif_transpose(image) if orientation in range(2, 9) else image
+    except Exception:  # EXIF parsing fails in many ways (SyntaxError, struct.error, KeyError...): the pixels are fine
+        return image
 
 
 def _folder_domain(root: Path) -> Domain:

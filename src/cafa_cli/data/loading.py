@@ -64,7 +64,7 @@ def _collate(items) -> Batch:
     shapes = sorted({tuple(image.shape) for image, _ in good})
     if len(shapes) > 1:
         raise InputError(
-            f"images of different sizes in one batch ({' and '.join('x'.join(map(str, s[1:])) for s in shapes[:2])}); "
+            f"images of different sizes in one batch ({' and '.join(f'{w}x{h}' for _, h, w in shapes[:2])}); "
             f"set --resize and --crop so that every image ends the same size"
         )
     images = torch.stack([image for image, _ in good]) if good else None

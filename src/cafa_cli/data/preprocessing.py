@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+import numpy as np
 import torch
 from PIL import Image
 from cafa_cli.data.values import MAX_PIXELS, check_preprocessing
@@ -139,14 +140,31 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
     """Convert any PIL image to 8-bit grey or RGB.
 
     16-bit and 32-bit integer images are rescaled to 8 bits (PIL's own conversion
-    clips them), and transparency is composited on white rather than dropped to black.
+    clips them), floating-point ones as `_float_to_grey` says, and transparency is
+    composited on white rather than dropped to black.
     """
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         image = image.point(lambda v: v / 256).convert("L")
     elif image.mode == "F":
-        image = image.convert("L")
+        image = _float_to_grey(image)
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
     return image.convert(mode)
+
+
+def _float_to_grey(image: Image.Image) -> Image.Image:
+    """A 32-bit float image (a TIFF of mode F) as 8-bit grey. Values in 0..1, as most tools
+    write floats, are scaled by 255 (PIL's own conversion rounds them to 0 or 1 out of 255:
+    an all-black image); values in 0..255 are taken as they are; so an image whose largest
+    value is at most 1 is read as 0..1. Negative, larger or non-finite values have no
+    meaning as pixels: the image is refused (ValueError: skipped as unreadable)."""
+    values = np.asarray(image)
+    if not np.isfinite(values).all():
+        raise ValueError("a floating-point image with NaN or infinite values")
+    low, high = float(values.min()), float(values.max())
+    if low < 0 or high > 255:
+        raise ValueError(f"a floating-point image with values from {low:g} to {high:g}; cafa reads floats in 0..1 "
+                         f"or 0..255: scale it to one of those, or save it as an 8- or 16-bit image")
+    return (image.point(lambda v: v * 255) if high <= 1 else image).convert("L")
