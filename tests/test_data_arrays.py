@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CIFAR_NAMES, dumps_py2, make_cifar10
+from conftest import TINY_NET, invoke
+from helpers import CIFAR_NAMES, dumps_py2, fails, make_cifar10
 
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.sources import open_domain
@@ -265,3 +266,21 @@ def test_cifar100_train_file(tmp_path):
     domain = open_domain(f"cifar100:{tmp_path}")
     assert domain.labels.tolist() == [5, 99, 0, 5] and domain.class_names == names
     assert np.array_equal(np.asarray(domain.read(1)), data[1].reshape(3, 32, 32).transpose(1, 2, 0))
+
+
+def test_hostile_or_undecodable_cifar_files_are_input_errors_naming_the_file(setup, tmp_path):
+    """They exited 1 with a bare UnicodeDecodeError or TypeError text that named no file."""
+    make_cifar10(tmp_path, style="py3")
+    folder = tmp_path / "cifar-10-batches-py"
+    # numpy.dtype('xyz', False, True): a call the sandbox admits, with an argument numpy refuses
+    (folder / "data_batch_2").write_bytes(b"\x80\x02cnumpy\ndtype\nX\x03\x00\x00\x00xyz\x89\x88\x87R.")
+    with pytest.raises(InputError, match=r"data_batch_2: not a readable CIFAR batch \(TypeError: data type 'xyz' not understood\)"):
+        open_domain(f"cifar10:{tmp_path}")
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"\xffkey": 1, b"label_names": [b"a"]}, protocol=2))
+    with pytest.raises(InputError, match=r"batches\.meta: a key is not UTF-8 text"):
+        open_domain(f"cifar10:{tmp_path}")
+    _rewrite_batch(tmp_path, "batches.meta", lambda meta: {b"label_names": [b"\xff\xfeplane", *CIFAR_NAMES[1:]]})
+    with pytest.raises(InputError, match=r"batches\.meta: a class name is not UTF-8 text \(b'\\xff\\xfeplane'\); unpack the python"):
+        open_domain(f"cifar10:{tmp_path}")
+    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", f"cifar10:{tmp_path}", "--out", tmp_path / "s.safetensors")
+    fails(result, 3, f"{folder / 'batches.meta'}: a class name is not UTF-8 text")

@@ -119,11 +119,23 @@ def _read_cifar_batch(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()
+    except MemoryError:
+        raise
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
         raise InputError(f"{path}: not a readable CIFAR batch ({error})") from None
+    except Exception as error:  # what the admitted calls raise on hostile arguments: numpy.dtype('xyz') is a TypeError
+        raise InputError(f"{path}: not a readable CIFAR batch ({type(error).__name__}: {error})") from None
     if not isinstance(batch, dict):
         raise InputError(f"{path}: not a CIFAR batch (a pickled {type(batch).__name__}, not a dict); {CIFAR_AGAIN}")
-    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+    return {_text(k, path, "a key"): v for k, v in batch.items()}
+
+
+def _text(value: bytes | str, path: Path, what: str) -> str:
+    """A Python 2 string of a CIFAR file as text; one that is not UTF-8 names the file."""
+    try:
+        return value.decode() if isinstance(value, bytes) else value
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: {what} is not UTF-8 text ({value[:40]!r}); {CIFAR_AGAIN}") from None
 
 
 def _cifar_images(path: Path, label_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +168,7 @@ def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_ke
     names = _read_cifar_batch(base / meta).get(names_key)
     if not isinstance(names, list) or not names or not all(isinstance(n, (bytes, str)) for n in names):
         raise InputError(f"{base / meta}: not CIFAR's meta file ('{names_key}' must list the class names); {CIFAR_AGAIN}")
-    names = [n.decode() if isinstance(n, bytes) else n for n in names]
+    names = [_text(n, base / meta, "a class name") for n in names]
     batches = [_cifar_images(base / f, label_key, len(names)) for f in files]
     images = np.concatenate([pixels for pixels, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     labels = np.concatenate([labels for _, labels in batches])
