@@ -244,10 +244,12 @@ def test_a_factory_model_that_is_not_float32_is_named_for_that(setup, tmp_path, 
     fails(stats_with_model(setup, tmp_path, spec), 3, f"the model's parameters are {kind}, not float32", "model.float()")
 
 
-@pytest.mark.parametrize("failure", ["torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')", "MemoryError()"])
+@pytest.mark.parametrize("failure", ["raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')", "raise MemoryError()",
+                                     "return torch.empty(1 << 50, dtype=torch.uint8)"])  # torch's CPU allocator: a RuntimeError
 def test_out_of_memory_on_the_gpu_or_the_host_gets_the_memory_advice(setup, tmp_path, failure):
-    """A GPU's OutOfMemoryError is a RuntimeError: it was reported as images the model cannot take."""
-    body = f"def fail(x):\n    raise {failure}\n\ndef build():\n    net = tiny_net.build()\n    net.forward = fail\n    return net"
+    """A GPU's OutOfMemoryError is a RuntimeError: it was reported as images the model cannot
+    take; so was the CPU allocator's "[enforce fail at alloc_cpu.cpp] ... can't allocate memory"."""
+    body = f"def fail(x):\n    {failure}\n\ndef build():\n    net = tiny_net.build()\n    net.forward = fail\n    return net"
     fails(stats_with_model(setup, tmp_path, factory(tmp_path, body)), 1, "out of memory; lower --batch-size")
 
 
@@ -311,9 +313,10 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
         (["--optimizer", "lbfgs"], "Invalid value for '--optimizer': Value error, 'lbfgs' is not one of 'adam', 'sgd', 'nesterov'"),
         (["--params", "some"], "Invalid value for '--params': Value error, 'some' is not one of 'norm', 'all'"),
         (["--precision", "fp8"], "Invalid value for '--precision': Value error, 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
-        (["--steps", "0"], "--steps must be at least 1, not 0"),
+        (["--steps", "0"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 0"),
+        (["--steps", "1000000000"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 1000000000"),  # ran for ever
     ],
-    ids=["format", "optimizer", "params", "precision", "steps"],
+    ids=["format", "optimizer", "params", "precision", "steps", "steps-huge"],
 )
 def test_adapt_option_values_checked_before_the_model_is_loaded(setup, tmp_path, args, needle):
     missing = tmp_path / "no-such-weights.pt"  # loading the model would fail on it

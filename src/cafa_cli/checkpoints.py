@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 import torch
 from torch import nn
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import InputError, listing, out_of_memory
 from cafa_cli.files import open_safetensors
 
 def is_step_counter(name: str) -> bool:
@@ -34,7 +34,7 @@ TORCH_SAVE_MARKERS = (b"PK", b"\x80")
 PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's, never torch.save's
 
 
-# a MemoryError reading a file this small comes from a garbage length field, not from the weights
+# running out of memory reading a file this small comes from a garbage length field, not from the weights
 SMALL_FILE = 1 << 20
 
 
@@ -124,11 +124,9 @@ def _torch_load(path: Path, trust_checkpoint: bool):
                 f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
             ) from None
         raise _not_a_checkpoint(path, error) from None
-    except MemoryError as error:
-        if path.stat().st_size >= SMALL_FILE:
-            raise  # a real shortage: the CLI reports it as out of memory
-        raise _not_a_checkpoint(path, error) from None
     except Exception as error:  # bytes read as pickle opcodes fail in any way: KeyError, IndexError, struct.error...
+        if out_of_memory(error) and path.stat().st_size >= SMALL_FILE:
+            raise  # a real shortage: the CLI reports it as out of memory
         if trust_checkpoint and _first_bytes(path) in PLAIN_PICKLE:
             raise _ran_plain_pickle(path) from None
         raise _not_a_checkpoint(path, error) from None

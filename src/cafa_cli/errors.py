@@ -24,6 +24,15 @@ class InputError(CafaError):
     exit_code = EXIT_INPUT
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """The host's MemoryError; the GPU's (torch.cuda.OutOfMemoryError, a RuntimeError); torch's
+    CPU allocator failing (a RuntimeError: "[enforce fail at alloc_cpu.cpp:127] err == 0.
+    DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."). Matched by name
+    and text, so that the command line need not import torch."""
+    return (isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
+            or (isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error)))
+
+
 def listing(items, limit: int = 5) -> str:
     """'a, b, c' or 'a, b, c, d, e and 7 more': names in a one-line message."""
     items = [str(item) for item in items]

@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from cafa_cli.cli.defaults import defaults_source
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, printable
+from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, out_of_memory, printable
 from cafa_cli.files import completed
 
 EXIT_INTERRUPTED = 130
@@ -76,12 +76,6 @@ def reader_gone() -> int:
     return EXIT_BROKEN_PIPE
 
 
-def _out_of_memory(error: BaseException) -> bool:
-    """The host's MemoryError or the GPU's (torch.cuda.OutOfMemoryError, a RuntimeError);
-    matched by name so that the command line need not import torch."""
-    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
-
-
 def reports_errors(command):
     """Turn CafaError into one line on stderr and its exit code; Ctrl-C into exit 130."""
 
@@ -106,7 +100,7 @@ def reports_errors(command):
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except Exception as error:  # a bug or an environment failure: one line, traceback on --debug
-            if _out_of_memory(error):
+            if out_of_memory(error):
                 raise fail(OUT_OF_MEMORY, EXIT_RUNTIME) from None
             if debug["on"]:
                 raise

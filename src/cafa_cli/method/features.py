@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, out_of_memory
 from cafa_cli.devices import DEVICE_FAILURES
 
 
@@ -60,6 +60,8 @@ class FeatureClassifier(nn.Module):
         except DEVICE_FAILURES:
             raise  # the GPU's, not the images': out of memory, a CUDA or cuDNN error
         except (RuntimeError, AssertionError) as error:
+            if out_of_memory(error):  # torch's CPU allocator: the host's memory, not the images
+                raise
             # a shape or channel mismatch surfaces deep inside a layer (torchvision's ViT
             # asserts its image size); say which input it was
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -10,6 +10,10 @@ from cafa_cli.errors import UsageError
 PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
 PRECISIONS = ("fp32", "bf16", "fp16")
+# Gradient steps on each batch. TENT and CAFA take 1, and the methods that take more take a
+# handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on
+# a one-batch domain with no output.
+MAX_STEPS = 1000
 
 
 def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
@@ -25,8 +29,8 @@ def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: flo
     for option, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
-    if steps < 1:
-        raise UsageError(f"`steps` must be at least 1, not {steps}")
+    if not 1 <= steps <= MAX_STEPS:
+        raise UsageError(f"`steps` must be from 1 to {MAX_STEPS} (gradient steps on each batch), not {steps}")
     if not 0 < lr < math.inf:
         raise UsageError(f"`lr` must be a positive number, not {lr}")
     if not 0 <= bn_prior < math.inf:
