@@ -533,6 +533,15 @@ def test_factory_file_missing(setup, tmp_path):
     fails(stats_with_model(setup, tmp_path, f"{tmp_path / 'absent.py'}:build"), 3, "no such file")
 
 
+@pytest.mark.parametrize("location, what", [("folder", "is a folder"), ("net.txt", "is not a .py file"), ("nowhere/net", "is no such file")])
+def test_a_factory_path_that_is_no_python_file_is_named_so(setup, tmp_path, monkeypatch, location, what):
+    """`--model ./dir:build` gave importlib's TypeError about relative imports."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "net.txt").write_text("def build(): pass\n")
+    monkeypatch.chdir(tmp_path)
+    fails(stats_with_model(setup, tmp_path, f"./{location}:build"), 3, f"--model ./{location}:build: ./{location} {what}; a factory is 'path/to/file.py:function'")
+
+
 def test_factory_that_does_not_import(setup, tmp_path):
     spec = factory(tmp_path, "import a_package_that_is_not_installed\n\ndef build():\n    return tiny_net.build()")
     fails(stats_with_model(setup, tmp_path, spec), 3, "could not import", "ModuleNotFoundError", "a_package_that_is_not_installed")

@@ -8,6 +8,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,11 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
     location, _, function = spec.rpartition(":")
     if not function.isidentifier():
         raise UsageError(f"--model {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
+    if not location.endswith(".py") and ("/" in location or os.sep in location or location.startswith((".", "~"))):
+        # a path, and no module name: importlib would fail with a TypeError about relative imports
+        path = Path(location)
+        what = "a folder" if path.is_dir() else "not a .py file" if path.exists() else "no such file"
+        raise InputError(f"`model` {spec}: {location} is {what}; a factory is 'path/to/file.py:function' or 'package.module:function'")
     try:
         if location.endswith(".py"):
             path = Path(location)
