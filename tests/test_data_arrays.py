@@ -64,12 +64,12 @@ def test_array_errors(tmp_path):
     with pytest.raises(InputError, match="do not split into 5 severities"):
         open_domain(str(tmp_path / "x.npy"), severity=2)
     np.save(tmp_path / "y.npy", np.zeros((10, 4, 4), dtype=np.uint8))
-    with pytest.raises(UsageError, match="--severity must be 1-5"):
+    with pytest.raises(UsageError, match="`severity` must be 1-5"):
         open_domain(str(tmp_path / "y.npy"), severity=6)
     np.save(tmp_path / "l.npy", np.zeros(3, dtype=np.int64))
     with pytest.raises(InputError, match="3 labels for 7 images"):
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "l.npy"))
-    with pytest.raises(UsageError, match="--labels is only for .npy arrays, and --data .* is not one"):
+    with pytest.raises(UsageError, match="`labels` is only for .npy arrays, and `data` .* is not one"):
         open_domain(str(tmp_path), labels=str(tmp_path / "l.npy"))
     np.save(tmp_path / "n.npy", np.array([0, -1, 1, 0, 1, 0, 1]))  # -1 would pass for "unlabelled"
     with pytest.raises(InputError, match="labels must be class indices >= 0, not -1"):
@@ -120,11 +120,11 @@ def test_npy_that_is_not_a_plain_array_never_suggests_allow_pickle(tmp_path, cas
     with pytest.raises(InputError) as info:
         open_domain(str(tmp_path / "bad.npy"))
     assert str(info.value) == (
-        f"--data {tmp_path / 'bad.npy'}: {why}; save the images with numpy.save as a uint8 array, or give an image folder"
+        f"`data` {tmp_path / 'bad.npy'}: {why}; save the images with numpy.save as a uint8 array, or give an image folder"
     )
     with pytest.raises(InputError) as info:
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "bad.npy"))
-    assert str(info.value) == f"--labels {tmp_path / 'bad.npy'}: {why}; save the labels with numpy.save as a 1-D integer array"
+    assert str(info.value) == f"`labels` {tmp_path / 'bad.npy'}: {why}; save the labels with numpy.save as a 1-D integer array"
     assert "allow_pickle" not in str(info.value)
 
 

@@ -93,5 +93,5 @@ def test_binary_class_list_is_an_input_error(tmp_path, kind):
     with pytest.raises(InputError) as info:
         read_class_list(str(path))
     assert str(info.value) == (
-        f"--classes {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line"
+        f"`classes` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line"
     )

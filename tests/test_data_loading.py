@@ -52,7 +52,7 @@ def test_batches_follow_given_indices(tmp_path):
 def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
     save(tmp_path / "m" / "a.png", solid(1, 4))
     save(tmp_path / "m" / "b.png", solid(1, 6))
-    with pytest.raises(InputError, match="different sizes.*--resize"):
+    with pytest.raises(InputError, match="different sizes.*`resize`"):
         list(batches(open_domain(str(tmp_path / "m")), GREY, batch_size=2))
 
 

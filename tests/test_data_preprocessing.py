@@ -129,17 +129,17 @@ def test_a_float_image_outside_0_to_1_and_0_to_255_is_unreadable(tmp_path, value
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"resize": 64}, r"^--crop 224 is larger than --resize 64: the centre crop would pad the image with black; give --crop 64 or less$"),
+        ({"resize": 64}, r"^`crop` 224 is larger than `resize` 64: the centre crop would pad the image with black; give `crop` 64 or less$"),
         ({"channels": 2}, "`channels`"),  # a value wrong by itself is named as the library names settings
-        ({"mean": (0.1, 0.2)}, r"^--mean needs 1 or 3 values for 3 channels, got 2$"),
+        ({"mean": (0.1, 0.2)}, r"^`mean` needs 1 or 3 values for 3 channels, got 2$"),
         ({"std": (1.0, 0.0, 1.0)}, "`std` values must be positive"),
         ({"resize": 0}, "`resize`"),
         ({"crop": -3}, "`crop`"),
         ({"resize": 100_000, "crop": None}, r"^`resize` must be a whole number of pixels from 1 to 4096, or 'none'; not 100000$"),
-        ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^--mean needs 1 value for 1 channel, got 3$"),
-        ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^--std needs 1 value for 1 channel, got 2$"),
+        ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^`mean` needs 1 value for 1 channel, got 3$"),
+        ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^`std` needs 1 value for 1 channel, got 2$"),
         # the user gave no --mean: the message must not say they gave three values
-        ({"channels": 1}, r"^--channels 1: the default --mean is ImageNet's, with one value per RGB channel; give --mean and --std"),
+        ({"channels": 1}, r"^`channels` 1: the default `mean` is ImageNet's, with one value per RGB channel; give `mean` and `std`"),
     ],
 )
 def test_preprocessing_validation(kwargs, pattern):

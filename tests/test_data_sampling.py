@@ -41,7 +41,7 @@ def test_stratified_subset_seed():
 
 def test_stratified_subset_names_classes_with_too_few():
     labels = labels_with([40, 7, 40, 3])
-    with pytest.raises(InputError, match=r"rare \(1 of 7\), few \(0 of 3\); raise --fraction/--per-class"):
+    with pytest.raises(InputError, match=r"rare \(1 of 7\), few \(0 of 3\); raise `fraction`/`per_class`"):
         stratified_subset(labels, ["common", "rare", "other", "few"], fraction=0.1, seed=0)
 
 
@@ -51,7 +51,7 @@ def test_classes_without_any_image_are_named_not_blamed_on_the_fraction():
         stratified_subset(labels, ["common", "rare", "tshirt_top", "bag"], fraction=0.1, seed=0)
     assert str(info.value) == (
         "no images of classes tshirt_top, bag in the data, and statistics need every class; "
-        "give each its folder of images (e.g. tshirt_top/ in the --data folder)"
+        "give each its folder of images (e.g. tshirt_top/ in the `data` folder)"
     )
     with pytest.raises(InputError, match=r"^no images of class bag in the data"):
         stratified_subset(labels_with([5, 5, 0]), ["a", "b", "bag"], per_class=2, seed=0)
@@ -61,5 +61,5 @@ def test_a_class_folder_that_is_missing_is_named(tmp_path):
     """The way it happens: the model's class list names a folder the data does not have."""
     write_folder(tmp_path / "d", per_class=3, classes=("a", "c"))
     domain = open_domain(str(tmp_path / "d"), class_names=["a", "b", "c"])
-    with pytest.raises(InputError, match=r"^no images of class b in the data.*\(e\.g\. b/ in the --data folder\)$"):
+    with pytest.raises(InputError, match=r"^no images of class b in the data.*\(e\.g\. b/ in the `data` folder\)$"):
         stratified_subset(domain.labels, domain.class_names, per_class=2, seed=0)

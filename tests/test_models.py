@@ -366,7 +366,7 @@ def test_pickled_objects_are_refused_unless_trusted(tmp_path):
     state = reference_state()
     path = tmp_path / "w.pt"
     torch.save({"state_dict": state, "args": argparse.Namespace(lr=0.1)}, path)
-    with pytest.raises(InputError, match="--trust-checkpoint"):
+    with pytest.raises(InputError, match="`trust_checkpoint`"):
         resolve(TINY_NET, str(path))
     wrapped, _ = resolve(TINY_NET, str(path), trust_checkpoint=True)
     assert_loaded(wrapped, state)
@@ -377,7 +377,7 @@ def test_whole_pickled_module_needs_trust(tmp_path):
     module = tiny_net.build()
     path = tmp_path / "whole.pt"
     torch.save(module, path)
-    with pytest.raises(InputError, match="--trust-checkpoint"):
+    with pytest.raises(InputError, match="`trust_checkpoint`"):
         read_state_dict(path)
     state = read_state_dict(path, trust_checkpoint=True)
     assert torch.equal(state["head.3.weight"], module.head[3].weight)
@@ -415,9 +415,9 @@ GARBAGE = {
 def test_garbage_weights_are_not_a_checkpoint(tmp_path, name, data, trust):
     path = tmp_path / name
     path.write_bytes(data)
-    with pytest.raises(InputError, match=r"--weights .*: (this is not a checkpoint torch can read \(|not a readable safetensors)") as info:
+    with pytest.raises(InputError, match=r"`weights` .*: (this is not a checkpoint torch can read \(|not a readable safetensors)") as info:
         read_state_dict(path, trust_checkpoint=trust)
-    assert "--trust-checkpoint" not in str(info.value), "trusting garbage cannot help"
+    assert "trust_checkpoint" not in str(info.value), "trusting garbage cannot help"
     assert "\n" not in str(info.value)
 
 
@@ -439,7 +439,7 @@ def test_git_lfs_pointer_as_weights(tmp_path, name):
     with pytest.raises(InputError) as info:
         read_state_dict(path)
     assert str(info.value) == (
-        f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
+        f"`weights` {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
         f"run git lfs pull in that repository, or download the file itself"
     )
 
@@ -457,7 +457,7 @@ def test_pickled_module_whose_code_is_gone(tmp_path, monkeypatch):
     with pytest.raises(InputError) as info:
         read_state_dict(path, trust_checkpoint=True)
     assert str(info.value) == (
-        f"--weights {path}: the checkpoint pickles objects whose code is not importable here (No module named 'gone_net'); "
+        f"`weights` {path}: the checkpoint pickles objects whose code is not importable here (No module named 'gone_net'); "
         f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
     )
 
@@ -474,7 +474,7 @@ def test_legacy_format_pickle_with_objects_needs_trust(tmp_path):
     state = reference_state()
     path = tmp_path / "legacy.pt"
     torch.save({"model": state, "args": argparse.Namespace(lr=0.1)}, path, _use_new_zipfile_serialization=False)
-    with pytest.raises(InputError, match="--trust-checkpoint") as info:
+    with pytest.raises(InputError, match="`trust_checkpoint`") as info:
         read_state_dict(path)
     assert "\n" not in str(info.value)
     loaded = read_state_dict(path, trust_checkpoint=True)

@@ -55,7 +55,7 @@ def sha256_of(path: str | Path) -> str:
 def check_weights_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--weights {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file"))
+        raise InputError(f"`weights` {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file"))
     return path
 
 
@@ -66,10 +66,10 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
         start = f.read(512)
     head = start.lstrip().lower()
     if head.startswith(HTML_MARKERS):
-        raise InputError(f"--weights {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
+        raise InputError(f"`weights` {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
     if head.startswith(LFS_POINTER):
         raise InputError(
-            f"--weights {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
+            f"`weights` {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
             f"run git lfs pull in that repository, or download the file itself"
         )
     if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(start, path.stat().st_size):  # the bytes decide, as for images
@@ -78,10 +78,10 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
         try:
             with open_safetensors(path) as f:
                 if (f.metadata() or {}).get("format") == "cafa-stats":
-                    raise InputError(f"--weights {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
+                    raise InputError(f"`weights` {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as `stats`)")
                 state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
         except (SafetensorError, OSError, ValueError) as error:
-            raise InputError(f"--weights {path}: not a readable safetensors file ({error})") from None
+            raise InputError(f"`weights` {path}: not a readable safetensors file ({error})") from None
     else:
         state = _torch_load(path, trust_checkpoint)
     return _unwrap(state, path)
@@ -106,12 +106,12 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
         if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
             raise InputError(
-                f"--weights {path}: the checkpoint holds Python objects beyond tensors, and loading them "
-                f"can run arbitrary code; if you trust its source, pass --trust-checkpoint (or re-save it as a state_dict)"
+                f"`weights` {path}: the checkpoint holds Python objects beyond tensors, and loading them "
+                f"can run arbitrary code; if you trust its source, pass `trust_checkpoint` (or re-save it as a state_dict)"
             ) from None
         if start in PLAIN_PICKLE:
             raise InputError(
-                f"--weights {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
+                f"`weights` {path}: a plain Python pickle, not a torch checkpoint, and unpickling it could run "
                 f"arbitrary code; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
             ) from None
         raise _not_a_checkpoint(path, error) from None
@@ -120,7 +120,7 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         detail = str(error).splitlines()[0][:200] if str(error) else ""
         if trust_checkpoint and detail and detail.isprintable():
             raise InputError(
-                f"--weights {path}: the checkpoint pickles objects whose code is not importable here ({detail}); "
+                f"`weights` {path}: the checkpoint pickles objects whose code is not importable here ({detail}); "
                 f"where that code is, re-save the weights with torch.save(model.state_dict(), ...)"
             ) from None
         raise _not_a_checkpoint(path, error) from None
@@ -151,7 +151,7 @@ def _check_expansion(path: Path) -> None:
 
 def _ran_plain_pickle(path: Path) -> InputError:
     return InputError(
-        f"--weights {path}: a plain Python pickle, not a torch checkpoint; --trust-checkpoint unpickled it, "
+        f"`weights` {path}: a plain Python pickle, not a torch checkpoint; `trust_checkpoint` unpickled it, "
         f"so any code it carries has run; save the weights with torch.save(model.state_dict(), ...) or as .safetensors"
     )
 
@@ -165,7 +165,7 @@ def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
     name = type(error).__name__
     if name == "error":  # struct.error: a bare "(error)" would read as a typo
         name = f"{type(error).__module__}.error"
-    return InputError(f"--weights {path}: this is not a checkpoint torch can read ({name})")
+    return InputError(f"`weights` {path}: this is not a checkpoint torch can read ({name})")
 
 
 def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
@@ -176,7 +176,7 @@ def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
             state = state[key]
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InputError(f"--weights {path}: expected a state_dict (names -> tensors), found {type(state).__name__}")
+        raise InputError(f"`weights` {path}: expected a state_dict (names -> tensors), found {type(state).__name__}")
     if state and all(k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     return state
@@ -192,10 +192,10 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
             parts.append(f"missing {listing(missing, 6)}")
         if unexpected:
             parts.append(f"unexpected {listing(unexpected, 6)}")
-        raise InputError(f"--weights {path}: keys do not match the model: {'; '.join(parts)}; check --model and --num-classes")
+        raise InputError(f"`weights` {path}: keys do not match the model: {'; '.join(parts)}; check `model` and `num_classes`")
     odd = [f"{k} ({_kind(v)})" for k, v in state.items() if k in own and _kind(v)]
     if odd:  # load_state_dict fails on them with a long message, or drops imaginary parts with a warning
-        raise InputError(f"--weights {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
+        raise InputError(f"`weights` {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
                          f"(tensor.to_dense(), real parts)")
     integer = [f"{k} ({str(state[k].dtype).removeprefix('torch.')})" for k, v in own.items()
                if k in state and isinstance(v, torch.Tensor) and v.is_floating_point() and not state[k].is_floating_point()]
@@ -204,7 +204,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
                          f"give the float weights (dequantize a quantized checkpoint: tensor.dequantize())")
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
     if wrong:
-        raise InputError(f"--weights {path}: shapes do not match the model: {', '.join(wrong[:3])}; check --model and --num-classes")
+        raise InputError(f"`weights` {path}: shapes do not match the model: {', '.join(wrong[:3])}; check `model` and `num_classes`")
     model.load_state_dict(state, strict=False)  # every key was checked above
 
 

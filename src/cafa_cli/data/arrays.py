@@ -16,8 +16,8 @@ NPY_MAGIC = b"\x93NUMPY"
 
 
 NPY_INSTEAD = {
-    "--data": "save the images with numpy.save as a uint8 array, or give an image folder",
-    "--labels": "save the labels with numpy.save as a 1-D integer array",
+    "`data`": "save the images with numpy.save as a uint8 array, or give an image folder",
+    "`labels`": "save the labels with numpy.save as a 1-D integer array",
 }
 
 
@@ -38,40 +38,40 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
 
 
 def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> Domain:
-    images = _load_npy(path, "--data")
+    images = _load_npy(path, "`data`")
     if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
         raise InputError(
-            f"--data {path}: expected uint8 images shaped N×H×W or N×H×W×C (C = 1 or 3), "
+            f"`data` {path}: expected uint8 images shaped N×H×W or N×H×W×C (C = 1 or 3), "
             f"got {images.dtype} {tuple(images.shape)}"
         )
     if not len(images):
-        raise InputError(f"--data {path}: the array holds no images")
+        raise InputError(f"`data` {path}: the array holds no images")
     if labels_path is None:
         labels = np.full(len(images), UNLABELLED, dtype=np.int64)
     else:
-        raw = _load_npy(Path(labels_path), "--labels")
+        raw = _load_npy(Path(labels_path), "`labels`")
         if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
-            raise InputError(f"--labels {labels_path}: expected a 1-D integer array, got {raw.dtype} {raw.shape}")
+            raise InputError(f"`labels` {labels_path}: expected a 1-D integer array, got {raw.dtype} {raw.shape}")
         # checked in the file's own type: uint64 2**63 would wrap to a negative int64
         if raw.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
-            raise InputError(f"--labels {labels_path}: labels must be class indices >= 0, not {int(raw.min())}")
+            raise InputError(f"`labels` {labels_path}: labels must be class indices >= 0, not {int(raw.min())}")
         if raw.max(initial=0) >= MAX_CLASSES:  # one name is made per class index: 2**40 of them exhaust the memory
-            raise InputError(f"--labels {labels_path}: class index {int(raw.max())} is past any classifier's outputs "
+            raise InputError(f"`labels` {labels_path}: class index {int(raw.max())} is past any classifier's outputs "
                              f"(at most {MAX_CLASSES:,}); check that the file holds class indices")
         labels = np.asarray(raw, dtype=np.int64)
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
-            raise UsageError(f"--severity must be 1-5, not {severity}")
+            raise UsageError(f"`severity` must be 1-5, not {severity}")
         if len(images) % 5:
-            raise InputError(f"--data {path}: {len(images)} rows do not split into 5 severities; "
-                             f"--severity is for arrays that stack 5 severities of equal size (CIFAR-10-C): leave it out for one")
+            raise InputError(f"`data` {path}: {len(images)} rows do not split into 5 severities; "
+                             f"`severity` is for arrays that stack 5 severities of equal size (CIFAR-10-C): leave it out for one")
         per = len(images) // 5
         rows = rows[(severity - 1) * per : severity * per]
     if len(labels) == len(images):
         labels = labels[rows]
     elif len(labels) != len(rows):
-        raise InputError(f"--labels {labels_path}: {len(labels)} labels for {len(rows)} images")
+        raise InputError(f"`labels` {labels_path}: {len(labels)} labels for {len(rows)} images")
     count = int(labels.max(initial=-1)) + 1
     refs = [f"{path}#{int(r)}" for r in rows]
 
@@ -157,7 +157,7 @@ def _cifar_images(path: Path, label_key: str, num_classes: int) -> tuple[np.ndar
 
 def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
     if root is None:
-        raise UsageError(f"give the folder that holds {folder}: e.g. --data {'cifar10' if '10' in folder else 'cifar100'}:/data")
+        raise UsageError(f"give the folder that holds {folder}: e.g. `data` {'cifar10' if '10' in folder else 'cifar100'}:/data")
     base = root / folder if (root / folder).is_dir() else root
     missing = [f for f in files + [meta] if not (base / f).is_file()]
     if missing:

@@ -64,7 +64,7 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
         hint = f" (did you mean {listing(near)}?)" if near else ""
         raise InputError(
             f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
-            f"rename them to the model's class names, or compute the statistics with their class list (cafa stats --classes)"
+            f"rename them to the model's class names, or compute the statistics with their class list (cafa stats `classes`)"
         )
     positions = [find(n) for n in domain.class_names]
     lookup = np.array([UNLABELLED if p is None else p for p in positions] + [UNLABELLED], dtype=np.int64)
@@ -96,22 +96,22 @@ def read_class_list(path: str) -> list[str]:
     file = Path(path)
     if file.exists() and not file.is_file():
         # a pipe (`--classes <(...)`) can be read only once, and the list is read more than once
-        raise InputError(f"--classes {path}: not a regular file (a folder or a pipe); write the class list to a file")
+        raise InputError(f"`classes` {path}: not a regular file (a folder or a pipe); write the class list to a file")
     if not file.is_file():
-        raise InputError(f"--classes {path}: no such file (give one class name per line, in output order)")
+        raise InputError(f"`classes` {path}: no such file (give one class name per line, in output order)")
     try:
         text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
         binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
     except UnicodeDecodeError:
         binary = True
     if binary:
-        raise InputError(f"--classes {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
+        raise InputError(f"`classes` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
-        raise InputError(f"--classes {path}: the file lists no class names")
+        raise InputError(f"`classes` {path}: the file lists no class names")
     duplicates = sorted(repeated(names))
     if duplicates:
-        raise InputError(f"--classes {path}: class names repeat: {', '.join(duplicates[:5])}")
+        raise InputError(f"`classes` {path}: class names repeat: {', '.join(duplicates[:5])}")
     return names
 
 

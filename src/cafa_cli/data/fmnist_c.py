@@ -50,14 +50,14 @@ def check_corruptions(corruptions: list[str], severity: int, per_class: int | No
     if unknown:
         raise UsageError(f"unknown corruption {unknown[0]!r}; choose from {', '.join(library.corruption_dict)}")
     if not corruptions:
-        raise UsageError("--corruptions names no corruption")
+        raise UsageError("`corruptions` names no corruption")
     twice = repeated(corruptions)
     if twice:
-        raise UsageError(f"--corruptions names {twice[0]} twice; give each once")
+        raise UsageError(f"`corruptions` names {twice[0]} twice; give each once")
     if severity not in range(1, 6):
-        raise UsageError(f"--severity must be 1-5, not {severity}")
+        raise UsageError(f"`severity` must be 1-5, not {severity}")
     if per_class is not None and per_class < 1:
-        raise UsageError(f"--test-per-class must be 0 (all) or more, not {per_class}")
+        raise UsageError(f"`test_per_class` must be 0 (all) or more, not {per_class}")
 
 
 def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) -> np.ndarray:

@@ -99,6 +99,7 @@ def _folder_domain(root: Path) -> Domain:
     notes = []
     if refs and top:
         # they have no label, and a labelled run cannot mix in unlabelled images: say so, not drop them unseen
+        # (a warning, printed as it is, not through the command line's `setting` -> --setting: the flag as typed)
         notes.append(
             f"--data {root}: ignoring {len(top)} image(s) at the top level, outside the class folders "
             f"({listing(os.path.basename(path) for path in top)}); move them into their class folders"
@@ -107,12 +108,12 @@ def _folder_domain(root: Path) -> Domain:
         if not top and class_dirs:
             shown = listing(d.name for d in class_dirs)
             raise InputError(
-                f"--data {root}: no images found in the class folders {shown} "
+                f"`data` {root}: no images found in the class folders {shown} "
                 f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
             )
         if not top:
             raise InputError(
-                f"--data {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
+                f"`data` {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
                 f"in class sub-folders and at the top level)"
             )
         refs = top
@@ -128,5 +129,5 @@ def _stdin_domain(stream) -> Domain:
     written = [ref for ref in (line.rstrip("\r\n") for line in lines) if ref.strip()]
     refs = [ref if os.path.lexists(ref) or not os.path.lexists(ref.strip()) else ref.strip() for ref in written]
     if not refs:
-        raise InputError("--data -: stdin held no image paths (give one path per line)")
+        raise InputError("`data` -: stdin held no image paths (give one path per line)")
     return Domain("-", refs, np.full(len(refs), UNLABELLED, dtype=np.int64), [], lambda i: read_image(refs[i]))

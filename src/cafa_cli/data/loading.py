@@ -54,7 +54,7 @@ def unreadable(domain: Domain, batch: Batch, strict: bool) -> list[tuple[str, st
     skipped = [(domain.refs[i], why) for i, why in batch.failures]
     if strict and skipped:
         ref, why = skipped[0]
-        raise InputError(f"{ref}: unreadable image ({why}); remove it, or drop --strict to skip such files")
+        raise InputError(f"{ref}: unreadable image ({why}); remove it, or drop `strict` to skip such files")
     return skipped
 
 
@@ -65,7 +65,7 @@ def _collate(items) -> Batch:
     if len(shapes) > 1:
         raise InputError(
             f"images of different sizes in one batch ({' and '.join(f'{w}x{h}' for _, h, w in shapes[:2])}); "
-            f"set --resize and --crop so that every image ends the same size"
+            f"set `resize` and `crop` so that every image ends the same size"
         )
     images = torch.stack([image for image, _ in good]) if good else None
     return Batch(images, [i for _, i in good], failures)

@@ -44,15 +44,15 @@ class Preprocessing:
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
-                raise UsageError(f"--channels {self.channels}: the default --{name} is ImageNet's, with one value per RGB channel; "
-                                 f"give --mean and --std for your images, one value each")
+                raise UsageError(f"`channels` {self.channels}: the default `{name}` is ImageNet's, with one value per RGB channel; "
+                                 f"give `mean` and `std` for your images, one value each")
             if len(values) not in (1, self.channels):
                 counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
-                raise UsageError(f"--{name} needs {counts}, got {len(values)}")
+                raise UsageError(f"`{name}` needs {counts}, got {len(values)}")
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise UsageError(
-                f"--crop {self.crop} is larger than --resize {self.resize}: the centre crop would pad the image with black; "
-                f"give --crop {self.resize} or less"
+                f"`crop` {self.crop} is larger than `resize` {self.resize}: the centre crop would pad the image with black; "
+                f"give `crop` {self.resize} or less"
             )
 
     def to_json(self) -> str:
@@ -110,7 +110,8 @@ class Preprocessing:
 
     def padding_note(self, image: Image.Image, where: str) -> str | None:
         """A warning when the centre crop is larger than this image after the resize:
-        torchvision pads it with black, which no model has seen."""
+        torchvision pads it with black, which no model has seen. A warning is printed as it
+        is, so it names the options as typed (--crop), not as errors do (`crop`)."""
         if self.crop is None:
             return None
         width, height = self.resized_size(*image.size)

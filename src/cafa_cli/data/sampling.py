@@ -27,7 +27,7 @@ def stratified_subset(
         noun = "class" if len(empty) == 1 else "classes"
         raise InputError(
             f"no images of {noun} {listing(empty)} in the data, and statistics need every class; "
-            f"give each its folder of images (e.g. {empty[0]}/ in the --data folder)"
+            f"give each its folder of images (e.g. {empty[0]}/ in the `data` folder)"
         )
     generator = np.random.default_rng(seed)
     chosen: list[np.ndarray] = []
@@ -43,7 +43,7 @@ def stratified_subset(
         shown = listing(too_few)
         raise InputError(
             f"classes with fewer than 2 selected images: {shown}; "
-            f"raise --fraction/--per-class or add images"
+            f"raise `fraction`/`per_class` or add images"
         )
     return np.sort(np.concatenate(chosen))
 

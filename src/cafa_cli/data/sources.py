@@ -26,11 +26,11 @@ def open_domain(
     """
     is_array = Path(spec).suffix.lower() == ".npy"
     if labels is not None and not is_array:
-        raise UsageError(f"--labels is only for .npy arrays, and --data {spec} is not one; image folders take labels from class folders")
+        raise UsageError(f"`labels` is only for .npy arrays, and `data` {spec} is not one; image folders take labels from class folders")
     if severity is not None and not is_array:
         raise UsageError(
-            "--severity is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
-            "for an image folder, give the folder of one severity as --data"
+            "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
+            "for an image folder, give the folder of one severity as `data`"
         )
     kind, _, root = spec.partition(":")
     if kind in TRAINING_SETS and (root or not Path(spec).exists()):
@@ -40,14 +40,14 @@ def open_domain(
     else:
         path = Path(spec)
         if not path.exists():
-            raise InputError(f"--data {spec}: no such file or folder")
+            raise InputError(f"`data` {spec}: no such file or folder")
         if path.is_dir():
             domain = _folder_domain(path)
         elif path.suffix.lower() == ".npy":
             domain = _array_domain(path, labels, severity)
         else:
             raise InputError(
-                f"--data {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
+                f"`data` {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
                 f"or one of {', '.join(k + ':ROOT' for k in TRAINING_SETS)}"
             )
     if class_names is not None:
