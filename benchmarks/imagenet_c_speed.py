@@ -180,10 +180,12 @@ def main() -> None:
         from safetensors.torch import save_file
         from cafa_cli.checkpoints import sha256_of
         weights = root / "resnet50-random.safetensors"
-        save_file(torchvision.models.resnet50(num_classes=classes).state_dict(), str(weights))
+        from cafa_cli.models import parameters_sha256
+        net = torchvision.models.resnet50(num_classes=classes)
+        save_file(net.state_dict(), str(weights))
         write_artifact(artifact, synthetic_gaussians(classes, 2048, "lowrank"), names,
                        ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
-                       Preprocessing(None, None), {"synthetic": True})
+                       Preprocessing(None, None), {"synthetic": True}, parameters_sha256(net))
     result["adapt"] = []
     for precision in args.precisions.split(","):
         # a line before each stage, so that a run cut off by a time limit shows where it was

@@ -99,7 +99,9 @@ def stats_part(args) -> dict:
     del moments
     start = time.perf_counter()
     spec = ModelSpec("resnet50", None, None, C, "fc")
-    write_artifact(args.artifact, gaussians, [f"n{c:08d}" for c in range(C)], spec, Preprocessing(), {"data": "synthetic", "per_class": n})
+    no_model = "0" * 64  # synthetic features: no parameters to fingerprint
+    write_artifact(args.artifact, gaussians, [f"n{c:08d}" for c in range(C)], spec, Preprocessing(),
+                   {"data": "synthetic", "per_class": n}, no_model)
     written = time.perf_counter() - start
     return {
         "covariance": gaussians.covariance,

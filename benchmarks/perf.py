@@ -197,7 +197,8 @@ def main() -> None:
         gaussians = synthetic_gaussians(C, d, covariance)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "a.safetensors"
-            write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {})
+            no_model = "0" * 64  # synthetic statistics, read back for their size: no parameters to fingerprint
+            write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {}, no_model)
             size = path.stat().st_size
             gaussians = read_artifact(path).gaussians
         key = f"cafa-{key}"
