@@ -429,3 +429,22 @@ def test_a_baseline_with_model_beside_an_unread_default_artifact_says_so(setup, 
     assert "pass --stats cafa-stats.safetensors" in result.stderr
     named = runner.invoke(app, [*base, "--stats", "cafa-stats.safetensors"])
     assert named.exit_code == 0 and "not read" not in named.stderr
+
+
+def test_weights_an_artifact_names_that_need_unpickling_are_named_without_inviting_trust(setup, tmp_path):
+    """The user gave no --weights: the error names the artifact and does not suggest
+    trusting a file the artifact chose; typing --trust-checkpoint is still the user's call."""
+    import argparse
+
+    weights = tmp_path / "objects.pt"
+    torch.save({"state_dict": torch.load(setup["weights"]), "args": argparse.Namespace(lr=0.1)}, weights)
+    artifact = tmp_path / "s.safetensors"
+    made = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--trust-checkpoint", "--data",
+                               str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    assert made.exit_code == 0, made.stderr
+    args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3
+    assert f"{artifact} names the weights {weights}, which hold Python objects beyond tensors" in result.stderr
+    assert "--trust-checkpoint" not in result.stderr and "re-save them as a state dict" in result.stderr
+    assert runner.invoke(app, [*args, "--trust-checkpoint"]).exit_code == 0

@@ -59,6 +59,10 @@ def check_weights_file(path: str | Path) -> Path:
     return path
 
 
+class UntrustedCheckpoint(InputError):
+    """A checkpoint that only loads by unpickling Python objects, which can run code."""
+
+
 def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
     path = check_weights_file(path)
@@ -105,7 +109,7 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
         # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
         if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
-            raise InputError(
+            raise UntrustedCheckpoint(
                 f"`weights` {path}: the checkpoint holds Python objects beyond tensors, and loading them "
                 f"can run arbitrary code; if you trust its source, pass `trust_checkpoint` (or re-save it as a state_dict)"
             ) from None

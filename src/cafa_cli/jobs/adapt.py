@@ -23,6 +23,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.results import DomainResult
 from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.jobs.config import AdaptConfig, factory_file
 from cafa_cli.method.options import check_precision
 from cafa_cli.jobs.distributed import launched_by_torchrun
@@ -47,10 +48,17 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
         model = recorded_model(artifact, model)
     try:
         net, spec = resolve_model(model)
+    except UntrustedCheckpoint:
+        if config.weights is not None or config.trust_checkpoint:
+            raise
+        # the user named no weights: do not invite them to trust a file the artifact chose
+        raise InputError(f"{artifact.path} names the weights {model.weights}, which hold Python objects beyond tensors "
+                         f"(unpickling them can run code); re-save them as a state dict (.safetensors) and give them "
+                         f"with `weights`") from None
     except UsageError as error:
         if not named_by_artifact:
             raise
-        # the user gave no --model: say where the name came from
+        # the user gave no `model`: say where the name came from
         raise InputError(f"the model recorded in {artifact.path}: {error}") from None
     if artifact is not None:
         if net.feature_dim != artifact.feature_dim:
