@@ -85,7 +85,7 @@ def test_top_level_images_beside_class_folders_are_noted(mixed_folder):
     domain = open_domain(str(mixed_folder), class_names=["zebra", "apple"])
     assert len(domain) == 5
     assert domain.notes == [
-        f"--data {mixed_folder}: ignoring 4 image(s) at the top level, outside the class folders "
+        f"`data` {mixed_folder}: ignoring 4 image(s) at the top level, outside the class folders "
         f"(loose0.png, loose1.png, loose2.png, top-level.png); move them into their class folders"
     ]
 

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from cafa_cli.cli.defaults import defaults_file
-from cafa_cli.cli.errors import from_config
+from cafa_cli.cli.errors import as_flags, from_config
 from cafa_cli.cli.options import domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
 from cafa_cli import DEFAULT_ARTIFACT
@@ -41,7 +41,7 @@ def stats(ctx: typer.Context, quiet: Quiet = False, **settings):
 
     config = StatsConfig(**settings)
     keep_defaults_file(config.outputs())
-    with Monitor(stderr(quiet), quiet or torchrun_rank() > 0) as monitor:
+    with Monitor(stderr(quiet), quiet or torchrun_rank() > 0, as_flags) as monitor:
         artifact = compute_statistics(config, monitor)
     if artifact is None:  # a torchrun rank other than 0
         return
@@ -68,7 +68,7 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     console = stderr(quiet)
     if "-" in config.data and sys.stdin.isatty():  # else a terminal would wait with no word of why
         console.print("reading image paths from standard input, one per line; end with Ctrl-D")
-    with Monitor(console, quiet) as monitor:
+    with Monitor(console, quiet, as_flags) as monitor:
         results = adapt_job.run(config, monitor)
     console.print(summary_table(config.method, results))
 
@@ -100,7 +100,7 @@ def demo(quiet: Quiet = False, **settings):
 
     config = DemoConfig(**settings)
     stdout_needed()
-    with Monitor(stderr(quiet), quiet) as monitor:
+    with Monitor(stderr(quiet), quiet, as_flags) as monitor:
         if config.data_only:
             for folder in build_data_only(config, monitor):
                 print(folder)
@@ -118,7 +118,7 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config)})
     keep_defaults_file(config.outputs())
     stdout_needed()
-    with Monitor(stderr(quiet), quiet) as monitor:
+    with Monitor(stderr(quiet), quiet, as_flags) as monitor:
         table = bench_job.run(config, monitor)
     if table is not None:  # None on a torchrun rank other than 0: rank 0 reports
         print(table)

@@ -99,9 +99,8 @@ def _folder_domain(root: Path) -> Domain:
     notes = []
     if refs and top:
         # they have no label, and a labelled run cannot mix in unlabelled images: say so, not drop them unseen
-        # (a warning, printed as it is, not through the command line's `setting` -> --setting: the flag as typed)
         notes.append(
-            f"--data {root}: ignoring {len(top)} image(s) at the top level, outside the class folders "
+            f"`data` {root}: ignoring {len(top)} image(s) at the top level, outside the class folders "
             f"({listing(os.path.basename(path) for path in top)}); move them into their class folders"
         )
     if not refs:

@@ -110,15 +110,14 @@ class Preprocessing:
 
     def padding_note(self, image: Image.Image, where: str) -> str | None:
         """A warning when the centre crop is larger than this image after the resize:
-        torchvision pads it with black, which no model has seen. A warning is printed as it
-        is, so it names the options as typed (--crop), not as errors do (`crop`)."""
+        torchvision pads it with black, which no model has seen."""
         if self.crop is None:
             return None
         width, height = self.resized_size(*image.size)
         if self.crop <= min(width, height):
             return None
-        return (f"{where}: --crop {self.crop} is larger than its images ({width}x{height} after --resize "
-                f"{self.resize or 'none'}), so the crop pads them with black; give --crop {min(width, height)} or less")
+        return (f"{where}: `crop` {self.crop} is larger than its images ({width}x{height} after `resize` "
+                f"{self.resize or 'none'}), so the crop pads them with black; give `crop` {min(width, height)} or less")
 
     def per_channel(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(mean, std) with one value per channel: `--mean 0.5` is `--mean 0.5,0.5,0.5` for RGB."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,9 +33,11 @@ def progress_bar(console: Console, quiet: bool = False) -> Progress:
 class Monitor:
     """Progress and warnings for a long job, on stderr; silent when `console` is quiet."""
 
-    def __init__(self, console: Console | None = None, quiet: bool = True):
+    def __init__(self, console: Console | None = None, quiet: bool = True, render: Callable[[str], str] = str):
+        """`render` turns the library's words into the reader's: the command line shows a
+        setting named `lr` as --lr (cli/errors.as_flags)."""
         self.console = console or stderr_console(quiet=True)
-        self.quiet = quiet
+        self.quiet, self.render = quiet, render
         self._progress = progress_bar(self.console, quiet)
         self._task = None
         self._started = 0.0
@@ -60,8 +63,9 @@ class Monitor:
     def warn(self, message: str) -> None:
         if not self.quiet:
             # a path may hold [brackets] that rich would read as markup
-            self.console.print(f"[yellow]warning:[/] {escape(printable(message))}", markup=True, highlight=False, soft_wrap=True)
+            self.console.print(f"[yellow]warning:[/] {escape(printable(self.render(message)))}", markup=True, highlight=False,
+                               soft_wrap=True)
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(printable(message), markup=False, highlight=False, soft_wrap=True)
+            self.console.print(printable(self.render(message)), markup=False, highlight=False, soft_wrap=True)
