@@ -448,3 +448,82 @@ def test_weights_an_artifact_names_that_need_unpickling_are_named_without_inviti
     assert f"{artifact} names the weights {weights}, which hold Python objects beyond tensors" in result.stderr
     assert "--trust-checkpoint" not in result.stderr and "re-save them as a state dict" in result.stderr
     assert runner.invoke(app, [*args, "--trust-checkpoint"]).exit_code == 0
+
+
+# --- stream settings: --order, --mix-domains, --gradual ------------------------------------
+
+
+def labels_per_batch(stdout: str, batch_size: int) -> list[set[str]]:
+    rows = list(csv.DictReader(io.StringIO(stdout)))
+    return [{row["label"] for row in rows[i : i + batch_size]} for i in range(0, len(rows), batch_size)]
+
+
+def test_label_shift_and_dirichlet_orders_give_batches_of_one_class_in_the_predictions(setup, tmp_path):
+    iid = adapt(setup, "--quiet", "--batch-size", "10")
+    assert iid.exit_code == 0, iid.stderr
+    assert sum(len(labels) == 1 for labels in labels_per_batch(iid.stdout, 10)) < 3  # an i.i.d. batch of 10 from 3 classes
+    for order, single in (("label-shift:1.0", 9), ("dirichlet:0.01", 6)):
+        metrics = tmp_path / f"{order}.json"
+        result = adapt(setup, "--quiet", "--batch-size", "10", "--order", order, "--metrics-json", str(metrics))
+        assert result.exit_code == 0, result.stderr
+        assert sum(len(labels) == 1 for labels in labels_per_batch(result.stdout, 10)) >= single, order
+        saved = json.loads(metrics.read_text())
+        assert saved["settings"]["order"] == order and saved["n"] == 90
+        again = adapt(setup, "--quiet", "--batch-size", "10", "--order", order)
+        assert again.stdout == result.stdout  # the seed decides the order
+
+
+def test_orders_by_class_need_labels(setup, tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for p in sorted(Path(setup["test"]).rglob("*.png"))[:20]:
+        (flat / f"{p.parent.name}-{p.name}").write_bytes(p.read_bytes())
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--order",
+                                 "label-shift:1.0"])
+    assert result.exit_code == 3 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"cafa: error: {flat} has no labels, and --order label-shift:1.0 orders the stream by class; give labelled data (one "
+        f"folder per class, or an array with --labels), or use --order iid"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--order", "sorted"], "--order must be iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0), not 'sorted'"),
+    (["--order", "label-shift:2"], "--order must be iid, label-shift:S"),
+    (["--order", "dirichlet:0.1", "--no-shuffle"], "--order dirichlet:0.1 shuffles in its own way"),
+    (["--mix-domains", "--gradual"], "--mix-domains and --gradual are two ways"),
+])
+def test_stream_settings_that_cannot_be_are_usage_errors(setup, args, needle):
+    result = adapt(setup, *args)
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_mixed_domains_interleave_and_report_each_domains_error(setup, tmp_path):
+    other = write_folder(tmp_path / "other", per_class=10, seed=9, shift=0.6)
+    both = ["--data", str(other), "--method", "source", "--quiet"]
+    apart, mixed = tmp_path / "apart.json", tmp_path / "mixed.json"
+    assert adapt(setup, *both, "--metrics-json", str(apart)).exit_code == 0
+    result = adapt(setup, *both, "--mix-domains", "--metrics-json", str(mixed))
+    assert result.exit_code == 0, result.stderr
+    first_batch = [row["path"] for row in list(csv.DictReader(io.StringIO(result.stdout)))[:30]]
+    assert any(str(other) in path for path in first_batch) and any(str(setup["test"]) in path for path in first_batch)
+    per_domain = [(d["data"], d["n"], d["error"]) for d in json.loads(mixed.read_text())["domains"]]
+    assert per_domain == [(d["data"], d["n"], d["error"]) for d in json.loads(apart.read_text())["domains"]]
+    assert [n for _, n, _ in per_domain] == [90, 30]
+    assert json.loads(mixed.read_text())["settings"]["mix_domains"] is True
+
+
+def test_gradual_visits_the_severities_of_each_corruption_up_and_down(setup, tmp_path):
+    corruption = tmp_path / "fog"
+    for severity in range(1, 6):
+        write_folder(corruption / str(severity), per_class=4, seed=severity, shift=0.1 * severity)
+    metrics = tmp_path / "m.json"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption / "3"), "--gradual",
+                                 "--batch-size", "6", "--quiet", "--metrics-json", str(metrics)])
+    assert result.exit_code == 0, result.stderr
+    visited = [Path(d["data"]).name for d in json.loads(metrics.read_text())["domains"]]
+    assert visited == ["1", "2", "3", "4", "5", "4", "3", "2", "1"]
+    assert len(result.stdout.splitlines()) == 1 + 9 * 12
+    shutil.rmtree(corruption / "4")
+    missing = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"])
+    assert missing.exit_code == 3 and f"--gradual visits severities 1-5 of a corruption" in missing.stderr
+    assert f"{corruption / '4'} is not a folder" in missing.stderr

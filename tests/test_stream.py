@@ -54,3 +54,43 @@ def test_domain_starts_each_domain_afresh_and_never_carries_the_weights_over(tra
     continual = confidences(trained, "cafa", "never", two_domains)
     assert per_domain["b"] == alone
     assert continual["a"] == per_domain["a"] and continual["b"] != alone
+
+
+def run(trained, method: str, domains: list[Domain], **options):
+    """Each domain's result and the records in stream order."""
+    model, gaussians, _, _ = trained
+    adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
+    records = []
+    results = adapt_domains(adapter, domains, PIXELS, batch_size=50, on_records=lambda batch, so_far: records.append(batch),
+                            **options)
+    return results, records
+
+
+def test_mixed_domains_are_one_interleaved_stream_with_an_error_per_domain(trained, two_domains):
+    """Source predicts each image alone: mixed or not, each domain's error is the same,
+    so it is counted against the domain the image came from."""
+    apart, _ = run(trained, "source", two_domains)
+    together, batches = run(trained, "source", two_domains, mix_domains=True)
+    assert [(r.data, r.n, r.labelled, r.errors) for r in together] == [(r.data, r.n, r.labelled, r.errors) for r in apart]
+    assert {record.ref.split("#")[0] for record in batches[0]} == {"a", "b"}  # interleaved, not one after the other
+    assert sorted(record.ref for batch in batches for record in batch) == sorted(two_domains[0].refs + two_domains[1].refs)
+    adapted, _ = run(trained, "tent", two_domains, mix_domains=True)
+    assert sum(r.n for r in adapted) == 300 and all(r.seconds > 0 for r in adapted)
+
+
+def test_mixed_domains_order_the_whole_stream_by_class_when_asked(trained, two_domains):
+    _, batches = run(trained, "source", two_domains, mix_domains=True, order="label-shift:1.0")
+    labels = [record.label for batch in batches for record in batch]
+    assert labels == sorted(labels)  # S = 1: the classes one after another, over both domains
+    assert {record.ref.split("#")[0] for record in batches[0]} == {"a", "b"}
+
+
+def test_groups_reset_per_group_not_per_domain(trained, two_domains):
+    """gradual: the severities of one corruption are one group, adapted continually."""
+    def confidences(**options) -> list[float]:
+        _, batches = run(trained, "cafa", two_domains, **options)
+        return [record.confidence for batch in batches for record in batch]
+
+    plain = confidences(reset="domain")
+    assert confidences(reset="domain", groups=[0, 0]) == confidences(reset="never") != plain
+    assert confidences(reset="domain", groups=[0, 1]) == plain

@@ -59,3 +59,21 @@ def on_disk(spec: str) -> str:
     """Where a --data value lies in the file system: ROOT for `cifar10:ROOT` and the like."""
     kind, _, root = spec.partition(":")
     return root if kind in TRAINING_SETS and root else spec
+
+
+# the severities a corruption is visited in by `gradual`: up from 1 to 5 and back, as in
+# CoTTA (Wang et al., CVPR 2022) and the test-time-adaptation benchmark's "gradual" setting
+GRADUAL_SEVERITIES = (1, 2, 3, 4, 5, 4, 3, 2, 1)
+
+
+def gradual_stages(spec: str) -> list[str]:
+    """The severity folders of one corruption in the gradual order. `spec` is the corruption
+    folder (`fog`, holding fog/1 ... fog/5) or one of its severities (`fog/3`)."""
+    path = Path(spec)
+    corruption = path.parent if path.name.isdigit() and path.parent != path else path
+    missing = [str(corruption / str(s)) for s in sorted(set(GRADUAL_SEVERITIES)) if not (corruption / str(s)).is_dir()]
+    if missing:
+        raise InputError(f"`data` {spec}: `gradual` visits severities 1-5 of a corruption, which needs the corruption/severity "
+                         f"layout, and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a folder; build every "
+                         f"severity (cafa demo --data-only --severity N), or drop `gradual`")
+    return [str(corruption / str(s)) for s in GRADUAL_SEVERITIES]

@@ -70,3 +70,23 @@ def check_num_workers(num_workers: int | None) -> None:
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# --order: how a domain's images follow each other in the stream (data/orders.py builds it)
+ORDER_FORMS = "iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0)"
+
+
+def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
+    """'iid' -> ('iid', None); 'label-shift:0.5' -> ('label-shift', 0.5); 'dirichlet:0.1' -> ('dirichlet', 0.1)."""
+    kind, colon, value_text = str(text).strip().partition(":")
+    if kind == "iid" and not colon:
+        return kind, None
+    try:
+        value = float(value_text) if kind in ("label-shift", "dirichlet") and colon else float("nan")
+    except ValueError:
+        value = float("nan")
+    if kind == "label-shift" and 0.0 <= value <= 1.0:
+        return kind, value
+    if kind == "dirichlet" and 0.0 < value < float("inf"):
+        return kind, value
+    raise UsageError(f"`{name}` must be {ORDER_FORMS}, not {text!r}")

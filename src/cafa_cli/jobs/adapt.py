@@ -13,7 +13,8 @@ from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import loader_processes
-from cafa_cli.data.sources import open_domain
+from cafa_cli.data.orders import check_labels
+from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
@@ -97,11 +98,13 @@ class Adaptation:
     config: AdaptConfig
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+    groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
-        notes = [note for domain in self.domains for note in domain.notes]
-        notes += [note for note in (padding_note(domain, self.preprocess) for domain in self.domains) if note]
+        domains = list({id(domain): domain for domain in self.domains}.values())  # `gradual` visits a severity twice
+        notes = [note for domain in domains for note in domain.notes]
+        notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
@@ -109,15 +112,17 @@ class Adaptation:
         if s.batch_size == 1 and batch_statistics:
             notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
                          "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
-        alone = [_short_name(d.name) for d in self.domains if len(d) % s.batch_size == 1]
+        streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
+            _short_name(d.name): len(d) for d in domains}
+        alone = [name for name, n in streams.items() if n % s.batch_size == 1]
         if s.batch_size > 1 and batch_statistics and alone:
             notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
                          f"choose a --batch-size that leaves more, or add --bn-prior 16")
-        grouped = [_short_name(d.name) for d in self.domains if _one_class_after_another(d.labels)]
+        grouped = [_short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
         if not s.shuffle and s.method != "source" and grouped:
             notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
                          f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
-        one_batch = [_short_name(d.name) for d in self.domains if 0 < len(d) <= s.batch_size]
+        one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
         if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
             notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of --batch-size {s.batch_size}, "
@@ -144,6 +149,7 @@ class Adaptation:
             self.domains,
             self.preprocess,
             **s.stream_options(),
+            groups=self.groups,
             num_workers=s.num_workers,
             strict=s.strict,
             on_records=records,
@@ -193,7 +199,11 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
     class_names = artifact.class_names if artifact else default_class_names(spec.model, config)
-    domains = [open_domain(d, class_names, config.labels, config.severity) for d in config.data]
+    paths, groups = stream_domains(config)
+    opened = {path: open_domain(path, class_names, config.labels, config.severity) for path in dict.fromkeys(paths)}
+    domains = [opened[path] for path in paths]
+    for domain in opened.values():  # before any prediction is written
+        check_labels(domain.labels, config.order, domain.name)
     if class_names is None:
         class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
@@ -203,12 +213,22 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
     method = create(config.method, artifact.gaussians if artifact else None, device)
     adapter = Adapter(net, method, device, **config.adapter_options())
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
-    return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None)
+    return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
+                      groups)
+
+
+def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None]:
+    """The domains in stream order, and with `gradual` the corruption each belongs to:
+    fog/1, fog/2, ..., fog/5, ..., fog/1 for `fog`."""
+    if not config.gradual:
+        return list(config.data), None
+    stages = [gradual_stages(path) for path in config.data]
+    return [stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption]
 
 
 # what the metrics JSON records of the settings, in this order
 RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "seed",
-            "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
+            "order", "mix_domains", "gradual", "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
 
 
 def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,

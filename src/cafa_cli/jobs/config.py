@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
-from cafa_cli.data.values import check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_size
+from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
+                                  parse_size)
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import NAMES as METHODS
@@ -153,9 +154,22 @@ class StreamOptions:
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
     reset: Reset = setting("domain", "domain (each domain from the source weights), episodic (every batch), never "
                            "(continual).", panel=STREAM)
+    order: str = setting("iid", "Order of each domain's images: iid (shuffled); label-shift:S, the paper's label shift "
+                         "(the class distribution peaks at S + (1-S)/c on one class, the peak moving through the classes "
+                         "over the stream); dirichlet:D, NOTE's and RoTTA's correlated stream (each class spread over time "
+                         "slots by Dirichlet(D); 0.1 and 0.01 usual). Both need labels; see docs/usage.md.",
+                         metavar="ORDER", panel=STREAM)
+    mix_domains: bool = setting(False, "All domains interleaved into one stream, ordered as one (the test-time-adaptation "
+                                "benchmark's mixed_domains); errors still per domain.", panel=STREAM)
+    gradual: bool = setting(False, "Each domain is a corruption (DIR holding DIR/1 ... DIR/5, or one of them), visited at "
+                            "severities 1,2,3,4,5,4,3,2,1 as in CoTTA's gradual setting; --reset domain resets per "
+                            "corruption.", panel=STREAM)
 
     def _check_stream(self) -> None:
         check_batch_size(self.batch_size)
+        parse_order(self.order)
+        if self.mix_domains and self.gradual:
+            raise UsageError("`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them")
 
 
 @dataclass(kw_only=True)
@@ -245,6 +259,9 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
         check_seed("seed", self.seed)
         if self.data.count("-") > 1:
             raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
+        if not self.shuffle and self.order != "iid":
+            raise UsageError(f"`order` {self.order} shuffles in its own way, and `shuffle` is off (the data's own order); "
+                             f"give one of them")
 
     def outputs(self) -> dict[str, str | None]:
         return {"`predictions`": self.predictions, "`metrics_json`": self.metrics_json}
@@ -254,7 +271,8 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
                 "`classes`": self.classes, "`data`": self.data}
 
     def stream_options(self) -> dict:
-        return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed}
+        return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed,
+                "order": self.order, "mix_domains": self.mix_domains}
 
 
 @dataclass(kw_only=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from cafa_cli.jobs.results import DomainResult, Record
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
+from cafa_cli.data.orders import stream_order
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.data.preprocessing import Preprocessing
 
@@ -22,10 +23,6 @@ def check_reset(reset: str) -> None:
         raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {reset}")
 
 
-def stream_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-
-
 def adapt_domains(
     adapter: Adapter,
     domains: list[Domain],
@@ -34,52 +31,94 @@ def adapt_domains(
     reset: str = "domain",
     shuffle: bool = True,
     seed: int = 0,
+    order: str = "iid",
+    mix_domains: bool = False,
+    groups: Sequence[int] | None = None,
     num_workers: int | None = None,
     strict: bool = False,
     on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None,
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
     on_domain: Callable[[Domain], None] = lambda domain: None,
 ) -> list[DomainResult]:
-    """Adapt over the domains in order, predicting each batch before updating on it.
+    """Adapt over the domains in order, predicting each batch before updating on it;
+    one result per domain.
 
     reset: `domain` starts each domain from the source weights, `episodic` restores
-    them after every batch, `never` adapts continually across domains. `on_records`
-    gets each batch's records and the domain's result so far.
+    them after every batch, `never` adapts continually across domains. With `groups`
+    (a number per domain) `domain` resets only where the number changes: at each
+    corruption of the gradual setting, not at each of its severities. `order` orders each
+    domain's images (data/orders.py). `mix_domains` makes the domains one stream, ordered
+    as one. `on_records` gets each batch's records and the result so far of their
+    domain (of the whole stream when mixed).
     """
     check_reset(reset)
+    groups = list(range(len(domains))) if groups is None else list(groups)
     # the stream order has its own generator; this one is for whatever else draws from
     # torch's (a factory model's noise, the loader's worker seeds): --seed repeats a run
     torch.manual_seed(seed)
-    results = []
-    for k, domain in enumerate(domains):
-        if reset == "domain" and k > 0:
+    results = [DomainResult(domain.name) for domain in domains]
+    streams = [list(range(len(domains)))] if mix_domains and len(domains) > 1 else [[k] for k in range(len(domains))]
+    for members in streams:
+        first = members[0]
+        if reset == "domain" and first > 0 and groups[first] != groups[first - 1]:
             adapter.reset()
+        if len(members) == 1:
+            domain, owner, so_far = domains[first], np.full(len(domains[first]), first), results[first]
+        else:
+            domain, owner = mixed([domains[k] for k in members])
+            so_far = DomainResult(domain.name)
         on_domain(domain)
-        result = DomainResult(domain.name)
-        start, skipped_before = time.perf_counter(), adapter.skipped_steps
-        order = stream_order(len(domain), shuffle, seed)
-        for batch in batches(domain, preprocess, batch_size, order, num_workers, adapter.device):
-            for ref, why in unreadable(domain, batch, strict):
-                result.skipped_images.append(ref)
+        clock = time.perf_counter()
+        positions = stream_order(domain.labels, order, shuffle, seed, domain.name)
+        for batch in batches(domain, preprocess, batch_size, positions, num_workers, adapter.device):
+            skipped_before = adapter.skipped_steps
+            for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, strict)):
+                for result in _tallies(results[owner[i]], so_far):
+                    result.skipped_images.append(ref)
                 on_skip(ref, why)
             records = _step(adapter, domain, preprocess, batch)
-            for record in records:
-                result.n += 1
-                if record.label != UNLABELLED:
-                    result.labelled += 1
-                    result.errors += record.prediction != record.label
-            on_records(records, result)
+            for i, record in zip(batch.indices, records):
+                for result in _tallies(results[owner[i]], so_far):
+                    result.n += 1
+                    if record.label != UNLABELLED:
+                        result.labelled += 1
+                        result.errors += record.prediction != record.label
+            on_records(records, so_far)
             if reset == "episodic":
                 adapter.reset()
-        if result.n == 0 and result.skipped_images:
-            raise InputError(
-                f"{domain.name}: none of its {len(result.skipped_images)} image(s) could be read (see the warnings); "
-                f"check the files, or leave the domain out"
-            )
-        result.skipped_steps = adapter.skipped_steps - skipped_before
-        result.seconds = time.perf_counter() - start
-        results.append(result)
+            # the batch's time and skipped updates go to the domains of its images
+            now, in_batch = time.perf_counter(), np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]],
+                                                             minlength=len(domains))
+            for k in np.flatnonzero(in_batch):
+                results[k].seconds += (now - clock) * in_batch[k] / in_batch.sum()
+                results[k].skipped_steps += adapter.skipped_steps - skipped_before
+            clock = now
+        for k in members:
+            if results[k].n == 0 and results[k].skipped_images:
+                raise InputError(
+                    f"{domains[k].name}: none of its {len(results[k].skipped_images)} image(s) could be read (see the "
+                    f"warnings); check the files, or leave the domain out"
+                )
     return results
+
+
+def _tallies(result: DomainResult, stream: DomainResult) -> tuple[DomainResult, ...]:
+    """Where an image counts: its domain's result, and the whole stream's when mixed."""
+    return (result,) if result is stream else (result, stream)
+
+
+def mixed(domains: list[Domain]) -> tuple[Domain, np.ndarray]:
+    """The domains as one (`mix_domains`), and the domain each of its positions comes from."""
+    owner = np.concatenate([np.full(len(domain), k) for k, domain in enumerate(domains)])
+    offsets = np.cumsum([0, *(len(domain) for domain in domains)])
+
+    def read(i: int):
+        k = owner[i]
+        return domains[k].read(int(i - offsets[k]))
+
+    whole = Domain(f"{len(domains)} domains mixed", [ref for domain in domains for ref in domain.refs],
+                   np.concatenate([domain.labels for domain in domains]), domains[0].class_names, read)
+    return whole, owner
 
 
 def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch) -> list[Record]:
