@@ -261,7 +261,7 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
     def fake_prepare(config):
         calls.append((config.method, config.seed))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [])
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [], groups=None)
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     config, rows = BenchConfig(data=["d"], model="m"), parse_methods("source,bn,tent")
@@ -362,7 +362,8 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
         "method": "tent@0.05", "seed": 0, "n": metrics["n"], "labelled": 12, "skipped_images": 0}
     assert saved["settings"]["weights_sha256"] == metrics["settings"]["weights_sha256"] == sha256_of(tiny_weights)
     assert saved["artifacts"] == {}
-    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "params": "all", "lr": 0.05}]
+    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "params": "all", "lr": 0.05,
+                              "order": "iid", "batch_size": 5}]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
     assert {k: used[k] for k in ("optimizer", "momentum", "params", "bn_prior", "reset", "device", "num_workers")} == {
@@ -419,7 +420,7 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
 
     def fake_prepare(config):
         ran.append((config.stats, config))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [])
+        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [], groups=None)
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
@@ -543,3 +544,124 @@ def test_the_progress_bar_leaves_stdout_to_the_data(capsys):
         bar.add_task("x", total=1, rate="", status="")
         print("fashion-mnist-c/fog/3")
     assert capsys.readouterr().out == "fashion-mnist-c/fog/3\n"
+
+
+# --- stream settings and the order / batch-size axes ---------------------------------------
+
+
+@pytest.fixture
+def trained_weights(trained, tmp_path) -> Path:
+    """The tiny net trained on generated images (conftest's `trained`), as a weights file."""
+    path = tmp_path / "trained.pt"
+    torch.save(trained[0].model.state_dict(), path)
+    return path
+
+
+def test_grid_rows_run_every_method_under_every_condition_and_name_only_the_axes_given():
+    from cafa_cli.jobs.bench import grid_rows
+
+    rows = parse_methods("tent,cafa")
+    assert grid_rows(BenchConfig(), rows) == rows  # no axis: the table of earlier versions
+    grid = grid_rows(BenchConfig(orders="iid,label-shift:1.0", batch_sizes="8,1"), rows)
+    assert [r.label for r in grid] == ["tent, iid, batch 8", "cafa, iid, batch 8", "tent, iid, batch 1", "cafa, iid, batch 1",
+                                       "tent, label-shift:1.0, batch 8", "cafa, label-shift:1.0, batch 8",
+                                       "tent, label-shift:1.0, batch 1", "cafa, label-shift:1.0, batch 1"]
+    assert [(r.name, r.condition) for r in grid[:2]] == [("tent", "iid, batch 8"), ("cafa", "iid, batch 8")]
+    config = BenchConfig(batch_sizes="4,2", batch_size=64)
+    cells = [row_config(config, row, 0, None, None) for row in grid_rows(config, rows)]
+    assert [(c.method, c.batch_size, c.order) for c in cells] == [("tent", 4, "iid"), ("cafa", 4, "iid"), ("tent", 2, "iid"),
+                                                                  ("cafa", 2, "iid")]
+    assert [r.label for r in grid_rows(BenchConfig(order="dirichlet:0.1", batch_sizes="2"), rows)] == ["tent, batch 2", "cafa, batch 2"]
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"orders": "iid,sorted"}, "`orders` must be iid, label-shift:S"),
+    ({"orders": "iid,iid"}, "`orders` names iid twice"),
+    ({"orders": " , "}, "`orders` names no value"),
+    ({"orders": "iid", "order": "label-shift:1"}, "`order` label-shift:1 and `orders` iid both say"),
+    ({"batch_sizes": "1,x"}, "`batch_sizes` takes comma-separated whole numbers"),
+    ({"batch_sizes": "0"}, "`batch_size` must be at least 1"),
+    ({"batch_sizes": "2,02"}, "`batch_sizes` names a batch size twice"),
+])
+def test_bad_grid_axes_are_usage_errors(options, needle):
+    with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
+        BenchConfig(**options)
+
+
+def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_path, trained_weights):
+    """One command, a table per condition and method as the paper's, the long table beside it."""
+    pytest.importorskip("matplotlib")
+    test = write_folder(tmp_path / "test", per_class=6, seed=1, shift=0.3)
+    out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
+    result = runner.invoke(app, ["bench", str(test), "--methods", "source,bn", "--model", TINY_NET, "--weights", str(trained_weights),
+                                 *PLAIN, "--orders", "iid,label-shift:1.0", "--batch-sizes", "6,3", "--seeds", "0,1",
+                                 "--workdir", str(tmp_path / "w"), "--csv", str(out["csv"]), "--json", str(out["json"]),
+                                 "--plot", str(out["png"])])
+    assert result.exit_code == 0, result.stderr
+    long_table, by_condition = result.stdout.strip().split("\n\n")
+    assert len(long_table.splitlines()) == 2 + 8 and "| bn, label-shift:1.0, batch 3 |" in long_table
+    lines = by_condition.splitlines()
+    assert lines[0] == "| condition | source | bn |"
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| iid, batch 6", "| iid, batch 3", "| label-shift:1.0, batch 6",
+                                                           "| label-shift:1.0, batch 3"]
+    rows = list(csv.DictReader(out["csv"].open()))
+    assert list(rows[0]) == ["method", "order", "batch_size", "domain", "error_mean_percent", "error_std_percent"]
+    means = {(r["method"], r["order"], r["batch_size"]): float(r["error_mean_percent"]) for r in rows if r["domain"] == "mean"}
+    assert len(means) == 8 and len({v for (m, _, _), v in means.items() if m == "source"}) == 1  # source: no batch statistics
+    assert means[("bn", "label-shift:1.0", "3")] != means[("bn", "iid", "3")]  # batches of one class normalise otherwise
+    report = json.loads(out["json"].read_text())
+    assert {(r["order"], r["batch_size"]) for r in report["rows"]} == {("iid", 6), ("iid", 3), ("label-shift:1.0", 6), ("label-shift:1.0", 3)}
+    assert report["settings"]["orders"] == "iid,label-shift:1.0" and report["settings"]["batch_sizes"] == "6,3"
+    assert len(report["runs"]) == 8 * 2
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_continual_across_domains_in_the_order_given_with_an_error_per_domain(tmp_path, trained_weights):
+    mild = write_folder(tmp_path / "mild", per_class=6, seed=1, shift=0.2)
+    harsh = write_folder(tmp_path / "harsh", per_class=6, seed=2, shift=0.7)
+    base = ["bench", "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(trained_weights), *PLAIN, "--batch-size", "6",
+            "--workdir", str(tmp_path / "w")]
+
+    def errors(*args: str) -> dict[str, float]:
+        report = tmp_path / "r.json"
+        result = runner.invoke(app, [*base, *args, "--json", str(report)])
+        assert result.exit_code == 0, result.stderr
+        saved = json.loads(report.read_text())
+        assert [d["label"] for d in saved["domains"]] == [Path(a).name for a in args if not a.startswith("-") and "/" in a]
+        return {Path(run["data"]).name: run["error"] for run in saved["runs"]}
+
+    per_domain = errors(str(harsh), str(mild))
+    continual = errors(str(harsh), str(mild), "--reset", "never")
+    assert continual["harsh"] == per_domain["harsh"]  # the first domain starts from the source weights either way
+    assert continual["mild"] != per_domain["mild"]  # the second carries the first's updates
+    assert errors(str(mild), str(harsh), "--reset", "never")["mild"] == per_domain["mild"]  # the order given is the order run
+
+
+def test_bench_mixes_domains_into_one_stream_and_still_reports_each(tmp_path, trained_weights):
+    one = write_folder(tmp_path / "one", per_class=6, seed=1, shift=0.2)
+    two = write_folder(tmp_path / "two", per_class=6, seed=2, shift=0.6)
+    base = ["bench", str(one), str(two), "--model", TINY_NET, "--weights", str(trained_weights), *PLAIN, "--batch-size", "6",
+            "--workdir", str(tmp_path / "w")]
+    apart = runner.invoke(app, [*base, "--methods", "source"])
+    mixed = runner.invoke(app, [*base, "--methods", "source", "--mix-domains"])
+    assert apart.exit_code == mixed.exit_code == 0, mixed.stderr
+    assert mixed.stdout == apart.stdout and "| one | two | mean |" in mixed.stdout  # source: per domain, the same errors
+    bn_apart = runner.invoke(app, [*base, "--methods", "bn"])
+    bn_mixed = runner.invoke(app, [*base, "--methods", "bn", "--mix-domains"])
+    assert bn_mixed.exit_code == 0 and bn_mixed.stdout != bn_apart.stdout  # batches mix both domains' statistics
+
+
+def test_bench_gradual_reports_each_corruption_over_its_severity_visits(tmp_path, tiny_weights):
+    for name in ("fog", "snow"):
+        for severity in range(1, 6):
+            write_folder(tmp_path / name / str(severity), per_class=2, seed=severity, shift=0.1 * severity)
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "snow"), "--gradual", "--methods", "bn",
+                                 "--model", TINY_NET, "--weights", str(tiny_weights), *PLAIN, "--batch-size", "3",
+                                 "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    runs = json.loads(report.read_text())["runs"]
+    assert [(Path(r["data"]).name, r["n"]) for r in runs] == [("3", 9 * 6), ("snow", 9 * 6)]
+    twice = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "fog"), "--gradual", "--methods", "bn",
+                                "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")])
+    one_error_line(twice, 2, "is given twice")

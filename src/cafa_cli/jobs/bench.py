@@ -13,7 +13,7 @@ from pathlib import Path
 from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data.arrays import TRAINING_SETS
-from cafa_cli.data.sources import on_disk, open_domain
+from cafa_cli.data.sources import gradual_stages, on_disk, open_domain
 from cafa_cli.data.domain import read_class_list
 from cafa_cli.jobs.distributed import gather_on_root, wait_for_all
 from cafa_cli.errors import InputError, UsageError, printable, repeated, undecodable
@@ -57,12 +57,41 @@ class Row:
     covariance: str | None  # artifact needed, or None
     lr: float | None = None  # this row's learning rate, when it differs from --lr
     params: str | None = None  # this row's --params, when it differs from the bench's
+    order: str | None = None  # this row's --order, on a grid with an order axis
+    batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
+    condition: str = ""  # its order and batch size as the table names them ("label-shift:0.5", "batch 8"), on such a grid
 
     def lr_of(self, config: BenchConfig) -> float:
         return self.lr or config.lr
 
     def params_of(self, config: BenchConfig) -> str:
         return self.params or config.params
+
+    def order_of(self, config: BenchConfig) -> str:
+        return self.order or config.order
+
+    def batch_size_of(self, config: BenchConfig) -> int:
+        return self.batch_size or config.batch_size
+
+    @property
+    def name(self) -> str:
+        """The --methods entry the row runs, without its condition."""
+        return self.label[: -len(self.condition) - 2] if self.condition else self.label
+
+
+def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
+    """Every method row under every (order, batch size) of the grid's axes, condition by
+    condition: `tent, batch 8`. Without axes, the rows as they are."""
+    if not config.grid_axes():
+        return rows
+    grid = []
+    for order in config.order_list():
+        for batch_size in config.batch_size_list():
+            named = [order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+            condition = ", ".join(named)
+            grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size, condition=condition)
+                     for row in rows]
+    return grid
 
 
 def parse_methods(text: str) -> list[Row]:
@@ -93,12 +122,15 @@ def parse_methods(text: str) -> list[Row]:
     return rows
 
 
-def check_domains(domains: list[str], data_choice: InputOptions) -> None:
-    """Each test domain given once, readable with its options and labelled, before any statistics are computed."""
-    twice = repeated(domains, key=recorded_data)  # `imgs` and `./imgs/` are one domain
+def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False) -> None:
+    """Each test domain given once, readable with its options and labelled, before any
+    statistics are computed; with `gradual`, each corruption and its severities."""
+    stages = {domain: gradual_stages(domain) if gradual else [domain] for domain in domains}
+    # `imgs` and `./imgs/` are one domain; with `gradual`, `fog` and `fog/3` are one corruption
+    twice = repeated(domains, key=lambda domain: recorded_data(stages[domain][0]))
     if twice:
         raise UsageError(f"test domain {twice[0]} is given twice; give each domain once")
-    for domain in domains:
+    for domain in dict.fromkeys(stage for visits in stages.values() for stage in visits):
         labels = open_domain(domain, None, data_choice.labels, data_choice.severity).labels
         if not (labels >= 0).any():
             raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
@@ -135,7 +167,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
     """The `cafa adapt` run of one row and seed, on the test domains with their geometry.
     With statistics the class list comes from the artifact (made from `classes`)."""
     return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
-                  stats=stats, classes=None if stats else classes,
+                  order=row.order_of(config), batch_size=row.batch_size_of(config), stats=stats, classes=None if stats else classes,
                   resize=config.resize if config.test_resize is None else config.test_resize,
                   crop=config.crop if config.test_crop is None else config.test_crop)
 
@@ -154,7 +186,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
-    rows = parse_methods(config.methods)
+    rows = grid_rows(config, parse_methods(config.methods))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
@@ -164,13 +196,15 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
+    axes = config.grid_axes()
     if config.csv:
-        tables.write_csv(config.csv, table, config.data)
+        tables.write_csv(config.csv, table, config.data, rows if axes else None)
     if config.json:
         write_json(config.json, config, rows, seeds, table, results)
     if config.plot:
-        tables.plot(config.plot, table, config.data)
-    return tables.markdown(table, config.data, seeds)
+        (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
+    text = tables.markdown(table, config.data, seeds)
+    return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
 
 
 def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
@@ -180,7 +214,7 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
     the other ranks None."""
     # every check before statistics that can take hours, and before the workdir is made
-    check_domains(config.data, config)
+    check_domains(config.data, config, config.gradual)
     for row in rows:
         row_config(config, row, seeds[0], None, None)
     for covariance in covariances_needed(rows):
@@ -290,7 +324,7 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
                 warned.add(caution)
                 monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
-        for domain, result in zip(config.data, job.run(monitor=monitor)):
+        for domain, result in zip(config.data, per_domain(job.run(monitor=monitor), job.groups, config.data)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             results[(row.label, domain, seed)] = result
@@ -301,9 +335,23 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
     return results
 
 
+def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:
+    """One result per bench domain: with `gradual`, a corruption's nine severity visits as one."""
+    if groups is None:
+        return results
+    merged = [DomainResult(domain) for domain in domains]
+    for group, result in zip(groups, results):
+        whole = merged[group]
+        whole.n, whole.labelled, whole.errors = whole.n + result.n, whole.labelled + result.labelled, whole.errors + result.errors
+        whole.skipped_images += result.skipped_images
+        whole.skipped_steps += result.skipped_steps
+        whole.seconds += result.seconds
+    return merged
+
+
 # the settings every row shares, as the JSON report lists them
-SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "device", "precision",
-          "num_workers", "strict", "compile")
+SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "order", "mix_domains",
+          "gradual", "orders", "batch_sizes", "device", "precision", "num_workers", "strict", "compile")
 
 
 def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict) -> None:
@@ -327,7 +375,8 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
         "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
                   "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
-                  "params": r.params_of(config), "lr": r.lr_of(config)} for r in rows],
+                  "params": r.params_of(config), "lr": r.lr_of(config), "order": r.order_of(config),
+                  "batch_size": r.batch_size_of(config)} for r in rows],
         "artifacts": artifacts,
         "settings": {
             **shared, "methods": ",".join(r.label for r in rows), "train": config.train, "model": config.model,

@@ -21,7 +21,7 @@ from typing import Literal
 from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
                                   parse_size)
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS
 from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
@@ -294,6 +294,12 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
                            "paper's CAFA-Full: --params all). NAME@LR gives a row its own learning rate.",
                            metavar="M[@LR],...", panel=ADAPTATION)
     seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM)
+    orders: str | None = setting(None, "A grid axis: stream orders (as --order), comma-separated, e.g. iid,label-shift:0.5,"
+                                 "label-shift:1.0 for the paper's label-shift table; every row runs under each. Default: "
+                                 "--order alone.", metavar="ORDER,...", panel=STREAM, show_default=False)
+    batch_sizes: str | None = setting(None, "A grid axis: adaptation batch sizes, comma-separated, e.g. 1,2,4,8 for the "
+                                      "paper's small-batch table (with --bn-prior); every row runs with each. Default: "
+                                      "--batch-size alone.", metavar="N,...", panel=STREAM, show_default=False)
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
                               "computed in batches of this size too.", metavar="N", panel=STREAM)
     workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT)
@@ -304,6 +310,8 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
     def __post_init__(self):
         check(self)
         self.seed_list()
+        self.order_list()
+        self.batch_size_list()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
 
     def outputs(self) -> dict[str, str | None]:
@@ -312,6 +320,36 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
                 "`data`": self.data, "`workdir`": self.workdir}
+
+    def order_list(self) -> list[str]:
+        """The orders the grid runs: `orders`, else `order` alone."""
+        if self.orders is None:
+            return [self.order]
+        if self.order != "iid":
+            raise UsageError(f"`order` {self.order} and `orders` {self.orders} both say which orders to run; give one of them")
+        orders = _axis(self.orders, "orders", "an order")
+        for order in orders:
+            parse_order(order, "orders")
+        return orders
+
+    def batch_size_list(self) -> list[int]:
+        """The adaptation batch sizes the grid runs: `batch_sizes`, else `batch_size` alone
+        (which also sizes the statistics' batches)."""
+        if self.batch_sizes is None:
+            return [self.batch_size]
+        try:
+            sizes = [int(size) for size in _axis(self.batch_sizes, "batch_sizes", "a batch size")]
+        except ValueError:
+            raise UsageError(f"`batch_sizes` takes comma-separated whole numbers, not {self.batch_sizes!r}") from None
+        for size in sizes:
+            check_batch_size(size)
+        if len(set(sizes)) < len(sizes):
+            raise UsageError(f"`batch_sizes` names a batch size twice: {self.batch_sizes}")
+        return sizes
+
+    def grid_axes(self) -> bool:
+        """Whether the grid has an order or batch-size axis (else the table is the plain one)."""
+        return self.orders is not None or self.batch_sizes is not None
 
     def seed_list(self) -> list[int]:
         try:
@@ -378,6 +416,17 @@ def _at_least(name: str, value, low: int) -> None:
         raise UsageError(f"`{name}` must be a whole number, not {value!r}")
     if value < low:
         raise UsageError(f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}")
+
+
+def _axis(text: str, name: str, what: str) -> list[str]:
+    """A comma-separated grid axis: its values, each once."""
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    if not values:
+        raise UsageError(f"`{name}` names no value; give {what}, or leave `{name}` out")
+    twice = repeated(values)
+    if twice:
+        raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
+    return values
 
 
 def check_seed(name: str, seed: int) -> None:

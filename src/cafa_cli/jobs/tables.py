@@ -62,23 +62,44 @@ def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: str, table: list[dict], domains: list[str]) -> None:
+def markdown_by_condition(table: list[dict], rows: list, seeds: list[int]) -> str:
+    """The paper's layout for a grid with an order or batch-size axis: a line per
+    condition, a column per method, each cell the error over all domains (mean ± std over
+    seeds), the best of each line in bold."""
+    conditions, names = list(dict.fromkeys(r.condition for r in rows)), list(dict.fromkeys(r.name for r in rows))
+    means = {(r.condition, r.name): entry["cells"]["mean"] for r, entry in zip(rows, table)}
+    lines = ["| condition | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for condition in conditions:
+        best = min(means[(condition, name)][0] for name in names)
+        cells = []
+        for name in names:
+            mean, std = means[(condition, name)]
+            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            cells.append(f"**{text}**" if mean == best else text)
+        lines.append(f"| {condition} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, table: list[dict], domains: list[str], rows: list | None = None) -> None:
+    """A line per row and domain (and the mean); on a grid with axes (`rows` given) the
+    method, order and batch size in columns of their own."""
     labels = domain_labels(domains)
 
     def write(tmp):
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
-            out.writerow(["method", "domain", "error_mean_percent", "error_std_percent"])
-            for row in table:
+            conditions = ["order", "batch_size"] if rows else []
+            out.writerow(["method", *conditions, "domain", "error_mean_percent", "error_std_percent"])
+            for k, row in enumerate(table):
+                named = [rows[k].name, rows[k].order, rows[k].batch_size] if rows else [row["method"]]
                 for key in domains + ["mean"]:
                     mean, std = row["cells"][key]
-                    out.writerow([row["method"], labels[key], f"{mean:.4f}", f"{std:.4f}"])
+                    out.writerow([*named, labels[key], f"{mean:.4f}", f"{std:.4f}"])
 
     atomic_write(path, write)
 
 
-def plot(path: str, table: list[dict], domains: list[str]) -> None:
-    """Grouped bars: one group per domain (and the mean), one bar per method."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -86,6 +107,30 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'cafa-cli[demo]'") from None
+    return plt
+
+
+def plot_conditions(path: str, table: list[dict], rows: list) -> None:
+    """A grid with axes: the error over all domains per condition, a line per method."""
+    plt = _pyplot()
+    conditions, names = list(dict.fromkeys(r.condition for r in rows)), list(dict.fromkeys(r.name for r in rows))
+    means = {(r.condition, r.name): entry["cells"]["mean"] for r, entry in zip(rows, table)}
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(conditions)), 4))
+    for name in names:
+        ax.errorbar(range(len(conditions)), [means[(c, name)][0] for c in conditions],
+                    yerr=[means[(c, name)][1] for c in conditions], marker="o", capsize=3, label=name)
+    ax.set_xticks(range(len(conditions)))
+    ax.set_xticklabels(conditions, rotation=45, ha="right")
+    ax.set_ylabel("error % (mean over domains)")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+
+
+def plot(path: str, table: list[dict], domains: list[str]) -> None:
+    """Grouped bars: one group per domain (and the mean), one bar per method."""
+    plt = _pyplot()
     keys = domains + ["mean"]
     width = 0.8 / len(table)
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(keys) * max(1, len(table) / 4)), 4))
