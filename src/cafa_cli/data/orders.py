@@ -68,12 +68,15 @@ def label_shift_order(labels: np.ndarray, severity: float, rng: np.random.Genera
 
 
 def dirichlet_order(labels: np.ndarray, concentration: float, rng: np.random.Generator) -> np.ndarray:
-    classes = np.unique(labels)
-    slots: list[list[np.ndarray]] = [[] for _ in range(min(len(classes), MAX_SLOTS))]
-    for y in classes:
-        members = rng.permutation(np.flatnonzero(labels == y))
-        shares = rng.dirichlet(np.full(len(slots), concentration))
-        cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
-        for slot, part in zip(slots, np.split(members, cuts)):
-            slot.append(part)
-    return np.concatenate([part for slot in slots for part in (slot[k] for k in rng.permutation(len(slot)))])
+    classes, ranks = np.unique(labels, return_inverse=True)
+    c, n, slots = len(classes), len(labels), min(len(classes), MAX_SLOTS)
+    grouped = np.lexsort((rng.permutation(n), ranks))  # the images class by class, each class shuffled
+    counts = np.bincount(ranks, minlength=c)
+    shares = rng.dirichlet(np.full(slots, concentration), size=c)  # a class's share of each slot, one row a class
+    cuts = (np.cumsum(shares, axis=1)[:, :-1] * counts[:, None]).astype(int)  # where its images move to the next slot
+    klass, starts = ranks[grouped], np.cumsum(counts) - counts
+    position = np.arange(n) - np.repeat(starts, counts)  # within its class
+    # its slot, as np.split(members, cuts) parts a class: the cuts of its class at or before it
+    slot = np.searchsorted((cuts + starts[:, None]).ravel(), np.arange(n), side="right") - klass * (slots - 1)
+    class_rank_in_slot = rng.random((slots, c))  # each slot takes its classes in a random order
+    return grouped[np.lexsort((position, class_rank_in_slot[slot, klass], slot))]
