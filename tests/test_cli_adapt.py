@@ -374,10 +374,13 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     from cafa_cli.jobs.demo import adapt_words
 
     wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
-                         bn_prior=4.0, reset="episodic", shuffle=False, seed=3, device="cpu", precision="bf16", num_workers=1,
-                         strict=True, compile=True, allow_weights_mismatch=True)
+                         bn_prior=4.0, reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
+                         num_workers=1, strict=True, compile=True, allow_weights_mismatch=True)
+    # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
+    streams = AdaptConfig(data=["x"], order="label-shift:0.5", gradual=True)
     defaults = AdaptConfig()
-    assert all(getattr(wanted, name) != getattr(defaults, name) for name in RECORDED)  # every option is exercised
+    assert all(getattr(wanted, name) != getattr(defaults, name) or getattr(streams, name) != getattr(defaults, name)
+               for name in RECORDED)  # every option is exercised
     seen = []
 
     def capture(config):
@@ -386,7 +389,8 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
 
     monkeypatch.setattr(adapt_job, "prepare_adaptation", capture)
     runner.invoke(app, ["adapt", "--data", "x", *adapt_words(wanted)])
-    assert seen == [wanted]
+    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(streams)])
+    assert seen == [wanted, streams]
     assert adapt_words(AdaptConfig()) == ["--method", "cafa"]
 
 
