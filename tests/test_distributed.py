@@ -105,7 +105,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rank_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert rank_device(torch.device("cpu")) == torch.device("cpu")
-    with pytest.raises(UsageError, match=r"--device cuda:0 under torchrun would put every rank on one GPU; give --device cuda"):
+    with pytest.raises(UsageError, match=r"`device` cuda:0 under torchrun would put every rank on one GPU; give `device` cuda"):
         rank_device(torch.device("cuda", 0))
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(UsageError, match=r"LOCAL_RANK=2, but this machine has 2 GPU\(s\)"):

@@ -45,7 +45,7 @@ def build_model(model: str, num_classes: int | None = None) -> nn.Module:
     if model not in names:
         hint = f" (did you mean {', '.join(close)}?)" if (close := _close_names(model, names)) else ""
         raise UsageError(
-            f"--model {model}: unknown architecture{hint}; give a torchvision classification model, "
+            f"`model` {model}: unknown architecture{hint}; give a torchvision classification model, "
             f"one of {', '.join(sorted(BUNDLED))}, or a factory 'file.py:function'"
         )
     kwargs = {"num_classes": num_classes} if num_classes is not None else {}
@@ -64,7 +64,7 @@ def _close_names(name: str, names: list[str]) -> list[str]:
 def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
     location, _, function = spec.rpartition(":")
     if not function.isidentifier():
-        raise UsageError(f"--model {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
+        raise UsageError(f"`model` {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
     if not location.endswith(".py") and ("/" in location or os.sep in location or location.startswith((".", "~"))):
         # a path, and no module name: importlib would fail with a TypeError about relative imports
         path = Path(location)
@@ -74,7 +74,7 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
         if location.endswith(".py"):
             path = Path(location)
             if not path.is_file():
-                raise InputError(f"--model {spec}: no such file {location}")
+                raise InputError(f"`model` {spec}: no such file {location}")
             module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -83,19 +83,19 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
     except InputError:
         raise
     except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
-        raise InputError(f"--model {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
+        raise InputError(f"`model` {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
                          f"at import?); keep it under if __name__ == '__main__':") from None
     except Exception as error:  # a user's file can fail in any way; report it on one line
-        raise InputError(f"--model {spec}: could not import {location} ({type(error).__name__}: {error})") from None
+        raise InputError(f"`model` {spec}: could not import {location} ({type(error).__name__}: {error})") from None
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise InputError(f"--model {spec}: {location} has no function {function}")
+        raise InputError(f"`model` {spec}: {location} has no function {function}")
     try:
         model = factory(num_classes=num_classes) if num_classes is not None else factory()
     except (Exception, SystemExit) as error:
-        raise InputError(f"--model {spec}: {function}() failed ({type(error).__name__}: {error})") from None
+        raise InputError(f"`model` {spec}: {function}() failed ({type(error).__name__}: {error})") from None
     if not isinstance(model, nn.Module):
-        raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
+        raise InputError(f"`model` {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
     return model
 
 
@@ -133,13 +133,13 @@ def resolve(
 ) -> tuple[FeatureClassifier, ModelSpec]:
     """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec."""
     if num_classes is not None and num_classes < 1:
-        raise UsageError(f"--num-classes must be at least 1, not {num_classes}")
+        raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
     net = build_model(model, num_classes)
     if weights is not None:
         load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
-        raise UsageError(f"--num-classes {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
+        raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
     spec = ModelSpec(canonical_model(model), absolute(weights), weights_sha256(model, weights), num_classes, wrapped.classifier_name)
     return wrapped, spec
 

@@ -40,7 +40,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     artifact = None
     stats_path = DEFAULT_ARTIFACT if stats is None else stats
     if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
-        raise UsageError(f"give the model with --model (and --weights): --method {method} needs no statistics, "
+        raise UsageError(f"give the model with `model` (and `weights`): `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
@@ -68,11 +68,11 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
                 f"{artifact.feature_dim}; recompute the statistics for this model"
             )
         _check_classes(net, artifact.class_names, artifact.path,
-                       "check --model and --num-classes, or compute statistics for this model with cafa stats")
+                       "check `model` and `num_classes`, or compute statistics for this model with cafa stats")
         if not config.allow_weights_mismatch:
             mismatch = model_mismatch(artifact, spec, net)
             if mismatch:
-                raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass --allow-weights-mismatch")
+                raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass `allow_weights_mismatch`")
     return net, artifact, spec
 
 
@@ -82,9 +82,9 @@ def unread_default_artifact(stats: str | None, model: str | None, method: str, p
     not the artifact's, which for a model trained otherwise is silently another input."""
     if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_ARTIFACT).is_file():
         return None
-    return (f"{DEFAULT_ARTIFACT} is here but not read (with --model, a method that needs no statistics reads an artifact only when "
-            f"named), so --method {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
-            f"and the model's or the data's class names; pass --stats {DEFAULT_ARTIFACT} to use the artifact's")
+    return (f"{DEFAULT_ARTIFACT} is here but not read (with `model`, a method that needs no statistics reads an artifact only when "
+            f"named), so `method` {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
+            f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's")
 
 
 @dataclass
@@ -107,17 +107,17 @@ class Adaptation:
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
         if s.method == "bn" and self.adapter.batch_norms == 0:
-            notes.append("the model has no BatchNorm layers, so --method bn gives the same predictions as source")
+            notes.append("the model has no BatchNorm layers, so `method` bn gives the same predictions as source")
         batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
         if s.batch_size == 1 and batch_statistics:
-            notes.append("--batch-size 1 normalises each image by its own statistics, which costs accuracy; "
-                         "add --bn-prior 16 (source statistics as a prior) or raise --batch-size")
+            notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
+                         "add `bn_prior` 16 (source statistics as a prior) or raise `batch_size`")
         streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
             _short_name(d.name): len(d) for d in domains}
         alone = [name for name, n in streams.items() if n % s.batch_size == 1]
         if s.batch_size > 1 and batch_statistics and alone:
             notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
-                         f"choose a --batch-size that leaves more, or add --bn-prior 16")
+                         f"choose a `batch_size` that leaves more, or add `bn_prior` 16")
         grouped = [_short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
         if not s.shuffle and s.method != "source" and grouped:
             notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
@@ -125,14 +125,14 @@ class Adaptation:
         one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
         if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
-            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of --batch-size {s.batch_size}, "
-                         f"predicted before any update: {s.method} cannot differ from bn there; lower --batch-size")
+            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
+                         f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
                          f"(ImageNet-C); otherwise the features will not match the statistics")
         if made and (made.channels, made.per_channel()) != (self.preprocess.channels, self.preprocess.per_channel()):
-            notes.append(f"--mean/--std/--channels differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
+            notes.append(f"`mean`/`std`/`channels` differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
                          f"{made.channels} channel(s)): the features will not match the statistics")
         return notes
 
@@ -161,7 +161,7 @@ class Adaptation:
             # skipped update means the objective itself is broken and the run is bn's
             if result.skipped_steps and s.precision != "fp16":
                 monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
-                             f"gradients were not finite; check the statistics (cafa inspect) and lower --lr")
+                             f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`")
         return results
 
 

@@ -100,25 +100,25 @@ def parse_methods(text: str) -> list[Row]:
     for label in (m.strip() for m in text.split(",") if m.strip()):
         name, at, lr_text = label.partition("@")
         if at and not lr_text:
-            raise UsageError(f"--methods: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
+            raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
         if name in VARIANTS:
             method, covariance, params = VARIANTS[name]
         elif name in METHODS:
             method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
         else:
-            raise UsageError(f"--methods: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
+            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
         try:
             lr = float(lr_text) if lr_text else None
         except ValueError:
-            raise UsageError(f"--methods: {label!r}: the learning rate after @ is not a number") from None
+            raise UsageError(f"`methods`: {label!r}: the learning rate after @ is not a number") from None
         if lr is not None and not 0 < lr < float("inf"):
-            raise UsageError(f"--methods: {label!r}: the learning rate after @ must be a positive number")
+            raise UsageError(f"`methods`: {label!r}: the learning rate after @ must be a positive number")
         rows.append(Row(label, method, covariance, lr, params))
     if not rows:
-        raise UsageError("--methods names no method")
+        raise UsageError("`methods` names no method")
     twice = repeated([row.label for row in rows])
     if twice:  # the same row twice would be run twice and fill one line of the table
-        raise UsageError(f"--methods names {twice[0]} twice; give each row once")
+        raise UsageError(f"`methods` names {twice[0]} twice; give each row once")
     return rows
 
 
@@ -134,7 +134,7 @@ def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool =
         labels = open_domain(domain, None, data_choice.labels, data_choice.severity).labels
         if not (labels >= 0).any():
             raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
-                             f"(or an array with --labels)")
+                             f"(or an array with `labels`)")
 
 
 def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str) -> bool:
@@ -178,7 +178,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
         return train
     bundled = bundled_model(model)
     if bundled is None:
-        raise UsageError(f"--train is needed for {', '.join(r.label for r in rows if r.covariance)}: "
+        raise UsageError(f"`train` is needed for {', '.join(r.label for r in rows if r.covariance)}: "
                          f"the training data to compute class statistics from")
     return bundled.training_data
 
@@ -254,7 +254,7 @@ def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor) ->
                 return path
         except InputError:
             pass
-    monitor.info(f"computing statistics (--covariance {covariance}) → {path}")
+    monitor.info(f"computing statistics (`covariance` {covariance}) → {path}")
     compute_statistics(stats, monitor)
     return path
 

@@ -73,7 +73,7 @@ def rank_device(device: torch.device) -> torch.device:
     if not (launched_by_torchrun() and device.type == "cuda"):
         return device
     if device.index is not None:  # every rank on one GPU: NCCL refuses it, and they would share its memory
-        raise UsageError(f"--device {device} under torchrun would put every rank on one GPU; give --device cuda "
+        raise UsageError(f"`device` {device} under torchrun would put every rank on one GPU; give `device` cuda "
                          f"(or auto): each rank takes the GPU of its LOCAL_RANK")
     local = _environment_number("LOCAL_RANK", 0)
     if not 0 <= local < torch.cuda.device_count():

@@ -43,8 +43,8 @@ def resolve_model(model: ModelOptions) -> tuple[FeatureClassifier, ModelSpec]:
         # torchvision's own initialisation is random: statistics and adaptation would
         # each see another network, and no result could be reproduced
         raise UsageError(
-            f"--model {spec.model} without --weights is an untrained network with random weights, different in "
-            f"every run; give --weights FILE (a state dict of this architecture)"
+            f"`model` {spec.model} without `weights` is an untrained network with random weights, different in "
+            f"every run; give `weights` FILE (a state dict of this architecture)"
         )
     _check_parameters(net.model)
     return net, spec
@@ -56,7 +56,7 @@ def _check_parameters(model: torch.nn.Module) -> None:
     kinds = {"meta" if p.is_meta else str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() or p.is_meta}
     if kinds - {"float32"}:
         raise InputError(f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
-                         f"(model.float(), with its values) — mixed precision on CUDA is --precision bf16 or fp16")
+                         f"(model.float(), with its values) — mixed precision on CUDA is `precision` bf16 or fp16")
     broken = [name for name, tensor in model.state_dict().items()
               if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if broken:
@@ -70,13 +70,13 @@ def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:
     array may lack the last classes) and unlabelled data has none."""
     folders = [d.class_names for d in domains if d.class_names and not d.indexed_labels]
     if any(names != folders[0] for names in folders):
-        raise InputError("the --data folders have different class folders; give the class list with --classes")
+        raise InputError("the `data` folders have different class folders; give the class list with `classes`")
     return folders[0] if folders else [str(i) for i in range(net.num_classes)]
 
 
 def _check_classes(
     model: FeatureClassifier, class_names: list[str], where: str,
-    fix: str = "check --num-classes, or give the class list in output order with --classes",
+    fix: str = "check `num_classes`, or give the class list in output order with `classes`",
 ) -> None:
     if model.num_classes != len(class_names):
         raise InputError(f"{where} has {len(class_names)} classes but the model's classifier has {model.num_classes} outputs; {fix}")

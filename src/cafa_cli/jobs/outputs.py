@@ -34,7 +34,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         if path is None or is_device(path):
             continue
         if path == "-":
-            raise UsageError(f"{option} -: only the records of cafa adapt (--predictions) go to standard output; give {option} a file name")
+            raise UsageError(f"{option} -: only the records of cafa adapt (`predictions`) go to standard output; give {option} a file name")
         check_writable(path)
         key = os.path.realpath(path)
         inside = [folder_option for folder_option, folder in folders if key.startswith(folder + os.sep)]

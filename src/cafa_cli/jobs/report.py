@@ -30,7 +30,7 @@ FIELDS = ("path", "prediction", "label", "confidence")
 
 def check_format(fmt: str) -> None:
     if fmt not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt}")
+        raise UsageError(f"`format` must be one of {', '.join(FORMATS)}, not {fmt}")
 
 
 class RecordWriter:

@@ -61,7 +61,7 @@ def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: i
     counts = np.bincount(labels[labels >= 0], minlength=len(class_names))
     short = [f"{name} ({counts[c]})" for c, name in enumerate(class_names) if counts[c] < per_class]
     if short:
-        monitor.warn(f"--per-class {per_class}: fewer images in {listing(short)}; all of theirs are used")
+        monitor.warn(f"`per_class` {per_class}: fewer images in {listing(short)}; all of theirs are used")
 
 
 def sample_sha256(config: StatsConfig) -> str:
@@ -83,8 +83,8 @@ def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Pr
             monitor.warn(note)
     if len(domain.labels) and (domain.labels < 0).all():
         raise InputError(
-            f"--data {data} has no labels (unlabelled images), and class statistics need them; give a folder "
-            f"with one subfolder of images per class, or an array with --labels"
+            f"`data` {data} has no labels (unlabelled images), and class statistics need them; give a folder "
+            f"with one subfolder of images per class, or an array with `labels`"
         )
     if class_names is None:
         class_names = _class_names_of([domain], net)
@@ -93,7 +93,7 @@ def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Pr
     unusable = unusable_class_names(class_names)
     if unusable:  # before the feature pass, not when the artifact is checked at its end
         raise InputError(f"class name(s) {listing(repr(name) for name in unusable)} cannot go into the predictions (blank, "
-                         f"or with a line break); rename those class folders (or --classes lines)")
+                         f"or with a line break); rename those class folders (or `classes` lines)")
     return domain, class_names
 
 

@@ -20,7 +20,7 @@ RESET_POLICIES = ("domain", "episodic", "never")
 
 def check_reset(reset: str) -> None:
     if reset not in RESET_POLICIES:
-        raise UsageError(f"--reset must be one of {', '.join(RESET_POLICIES)}, not {reset}")
+        raise UsageError(f"`reset` must be one of {', '.join(RESET_POLICIES)}, not {reset}")
 
 
 def adapt_domains(
@@ -128,8 +128,8 @@ def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Ba
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
         # -inf alone is a masked class, which some models use
-        raise InputError(f"{domain.name}: the model's outputs are NaN or infinite; check --mean and --std (a tiny --std "
-                         f"overflows) and the weights (out-of-range or non-float values), or lower --lr")
+        raise InputError(f"{domain.name}: the model's outputs are NaN or infinite; check `mean` and `std` (a tiny `std` "
+                         f"overflows) and the weights (out-of-range or non-float values), or lower `lr`")
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)
     return [

@@ -106,7 +106,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'cafa-cli[demo]'") from None
+        raise UsageError("`plot` needs matplotlib: pip install 'cafa-cli[demo]'") from None
     return plt
 
 
