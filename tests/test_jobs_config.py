@@ -38,9 +38,9 @@ def _choices(command) -> dict[str, tuple]:
 
 
 def test_choices_are_the_librarys():
-    from cafa_cli.method import adapter, gaussians, options
+    from cafa_cli.jobs import config
+    from cafa_cli.method import adapter, options
     from cafa_cli.method.methods import NAMES
-    from cafa_cli.jobs import report, stream
 
     hints = {f.name: f.type for f in fields(AdaptConfig)}
     assert hints  # the Literal types, as typer lists them in --help
@@ -48,10 +48,10 @@ def test_choices_are_the_librarys():
     choices = _choices(command)
     assert choices["method"] == NAMES
     assert choices["optimizer"] == options.OPTIMIZERS and choices["params"] == options.PARAM_SETS
-    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == stream.RESET_POLICIES
-    assert choices["format"] == report.FORMATS
+    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == config.RESET_POLICIES
+    assert choices["format"] == config.RECORD_FORMATS
     stats_choices = _choices(typer.main.get_command(app).commands["stats"])
-    assert stats_choices["covariance"] == gaussians.COVARIANCE_CHOICES
+    assert stats_choices["covariance"] == options.COVARIANCE_CHOICES
 
 
 def test_help_lists_choices_conventional_metavars_and_panels():

@@ -23,7 +23,8 @@ from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.checkpoints import HTML_MARKERS
 from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.method.gaussians import COVARIANCE_MODES, ClassGaussians
+from cafa_cli.method.gaussians import ClassGaussians
+from cafa_cli.method.options import COVARIANCE_MODES
 
 FORMAT = "cafa-stats"
 FORMAT_VERSION = 2  # what the writer writes and the reader reads (version 1 was never released)

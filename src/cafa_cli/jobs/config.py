@@ -23,14 +23,16 @@ from cafa_cli.data.values import (check_batch_size, check_num_workers, check_pre
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS
-from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
+from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names, as for Method below)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
-Reset = Literal["domain", "episodic", "never"]
-Covariance = Literal["auto", "full", "tied", "diag", "lowrank"]
-RecordFormat = Literal["csv", "jsonl"]
+RESET_POLICIES = ("domain", "episodic", "never")  # when the model goes back to the source weights
+RECORD_FORMATS = ("csv", "jsonl")
+Reset = Literal[RESET_POLICIES]  # type: ignore[valid-type]
+Covariance = Literal[COVARIANCE_CHOICES]  # type: ignore[valid-type]
+RecordFormat = Literal[RECORD_FORMATS]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]  (the registry's names)
 
 DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's

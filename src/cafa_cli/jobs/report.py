@@ -19,18 +19,18 @@ from rich.text import Text
 from cafa_cli import __version__
 from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.errors import UsageError, printable, undecodable
+from cafa_cli.jobs.config import RECORD_FORMATS
 from cafa_cli.jobs.results import DomainResult, Record
 
 
-FORMATS = ("csv", "jsonl")
 
 
 FIELDS = ("path", "prediction", "label", "confidence")
 
 
 def check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise UsageError(f"`format` must be one of {', '.join(FORMATS)}, not {fmt}")
+    if fmt not in RECORD_FORMATS:
+        raise UsageError(f"`format` must be one of {', '.join(RECORD_FORMATS)}, not {fmt}")
 
 
 class RecordWriter:

@@ -12,10 +12,10 @@ from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.jobs.config import RESET_POLICIES
 from cafa_cli.data.preprocessing import Preprocessing
 
 
-RESET_POLICIES = ("domain", "episodic", "never")
 
 
 def check_reset(reset: str) -> None:

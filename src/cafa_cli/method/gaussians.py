@@ -18,10 +18,7 @@ from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.moments import ClassMoments, SQUARABLE
 
 
-COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
-
-
-COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
+from cafa_cli.method.options import COVARIANCE_CHOICES
 
 
 def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:

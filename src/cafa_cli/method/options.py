@@ -1,5 +1,6 @@
-"""The Adapter's keyword options by name, and their checks. Torch-free: the settings
-(jobs/config.py) check the same values with these, and `--help` lists these choices."""
+"""The method's options by name: the Adapter's keywords and their checks, and the
+covariance forms of the statistics. Torch-free: the settings (jobs/config.py) check the
+same values with these, and `--help` lists these choices."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from cafa_cli.errors import UsageError
 PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
 PRECISIONS = ("fp32", "bf16", "fp16")
+COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
+COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 # Gradient steps on each batch. TENT and CAFA take 1, and the methods that take more take a
 # handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on
 # a one-batch domain with no output.
