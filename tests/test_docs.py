@@ -24,3 +24,23 @@ def test_the_docs_cite_tests_by_node_id_only():
     stale = [(doc.name, m.group()) for doc in sorted((ROOT / "docs").rglob("*.md"))
              for m in re.finditer(r"(?<![\w/.])[a-z_]+::(test_\w+|\.\.\.)", doc.read_text(encoding="utf-8"))]
     assert not stale, stale
+
+
+def _inventory_rows() -> tuple[list[str], list[str]]:
+    """(numbered rows, other rows) of the tables in docs/errors.md's Inventory."""
+    text = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    inventory = text[text.index("## Inventory"):text.index("\n## ", text.index("## Inventory") + 1)]
+    lines = inventory.splitlines()
+    rows = [line for i, line in enumerate(lines) if line.startswith("| ") and not re.match(r"\|[-: |]+\|$", line)
+            and not (i + 1 < len(lines) and re.match(r"\|[-: |]+\|$", lines[i + 1]))]  # a header is followed by |---|
+    numbered = [row for row in rows if re.match(r"\| \d+[a-z]? \|", row)]
+    return numbered, [row for row in rows if row not in numbered]
+
+
+def test_the_error_inventory_states_its_own_count_and_numbers_each_case_once():
+    numbered, other = _inventory_rows()
+    ids = [row.split("|")[1].strip() for row in numbered]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+    stated = re.search(r"\*\*(\d+) documented cases\*\*, (\d+) numbered\s+bad inputs and (\d+) other",
+                       (ROOT / "docs" / "errors.md").read_text(encoding="utf-8"))
+    assert stated and tuple(map(int, stated.groups())) == (len(numbered) + len(other), len(numbered), len(other))
