@@ -187,6 +187,50 @@ def test_non_finite_loss_skips_the_step_and_is_counted(trained):
     assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in before.items())
 
 
+def nan_loss(logits, features):
+    return logits.sum() * float("nan")
+
+
+def nan_gradient(logits, features):
+    """Finite (0), with NaN gradients: sqrt's infinite slope at 0 times abs's zero one."""
+    return (logits - logits.detach()).abs().sqrt().sum()
+
+
+@pytest.mark.parametrize("bad_loss", [nan_loss, nan_gradient], ids=["loss", "gradient"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-batch", "later-batch"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "nesterov"])
+@pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
+def test_a_skipped_update_leaves_weights_and_optimiser_state_as_if_the_batch_had_not_come(trained, bad_loss, first, optimizer, fused):
+    """Decided on the device (no host synchronisation) and still exact: the weights, the
+    moments, the momentum and Adam's step count after good, bad, good batches are bit for
+    bit those after the two good ones; with two steps a batch, the bad batch counts once."""
+    model, gaussians, x, _ = trained
+
+    def adapter():
+        made = Adapter(copy.deepcopy(model), create("cafa", gaussians), optimizer=optimizer, lr=1e-2, steps=2)
+        made._fused = fused  # CUDA's way, torch's fused optimisers, which the CPU has too
+        made.optimizer = made._new_optimizer()
+        return made
+
+    def state(made):
+        tensors = [p.detach() for p in made.model.parameters()]
+        tensors += [t for s in made.optimizer.state_dict()["state"].values() for t in s.values()]
+        return [t.clone() for t in tensors]
+
+    with_bad, without = adapter(), adapter()
+    good = [x[:50], x[50:100]]
+    loss = with_bad.method.loss
+    for i, images in enumerate(good):
+        if i == (0 if first else 1):
+            with_bad.method.loss = bad_loss
+            with_bad.step(x[100:150])
+            with_bad.method.loss = loss
+        with_bad.step(images)
+        without.step(images)
+    assert with_bad.skipped_steps == 1 and without.skipped_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(state(with_bad), state(without)))
+
+
 def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_scale(trained):
     """fp16 is CUDA-only, so the scaler's logic is checked here with a CPU GradScaler."""
     model, gaussians, x, _ = trained

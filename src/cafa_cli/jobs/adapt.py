@@ -147,6 +147,10 @@ class Adaptation:
             if result.skipped_steps and s.precision != "fp16":
                 monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
                              f"gradients were not finite; check the statistics (cafa inspect) and lower --lr")
+            if result.unrefined_batches:
+                monitor.warn(f"{_short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
+                             f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
+                             f"faster form's rounding error")
         return results
 
 

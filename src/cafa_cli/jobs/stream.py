@@ -56,7 +56,8 @@ def adapt_domains(
             adapter.reset()
         on_domain(domain)
         result = DomainResult(domain.name)
-        start, skipped_before = time.perf_counter(), adapter.skipped_steps
+        # each count is read once before and once after the domain: a read waits for the device
+        start, skipped_before, unrefined_before = time.perf_counter(), adapter.skipped_steps, adapter.unrefined_batches
         order = stream_order(len(domain), shuffle, seed)
         for batch in batches(domain, preprocess, batch_size, order, num_workers, adapter.device):
             for ref, why in unreadable(domain, batch, strict):
@@ -77,6 +78,7 @@ def adapt_domains(
                 f"check the files, or leave the domain out"
             )
         result.skipped_steps = adapter.skipped_steps - skipped_before
+        result.unrefined_batches = adapter.unrefined_batches - unrefined_before
         result.seconds = time.perf_counter() - start
         results.append(result)
     return results

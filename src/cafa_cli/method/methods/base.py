@@ -42,6 +42,9 @@ class Method:
     trains: bool = True
     gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
     device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
+    # a count on the device of batches whose loss was computed less exactly than usual (cafa:
+    # distances.refine_capacity), read by the Adapter once a domain; None: never
+    unrefined: torch.Tensor | None = None
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The scalar to minimise for one batch, from the logits [N, C] and the features
