@@ -133,38 +133,54 @@ class Adapter:
         if images.dim() == 4:
             images = images.contiguous(memory_format=self.memory_format)
         self.method.before_step(images)
-        prediction = self._update(images) if self.method.trains else self._predict(images)
+        prediction, features = self._update(images) if self.method.trains else self._predict(images)
+        with torch.no_grad():
+            prediction = self.method.output(prediction, features)
         self.method.after_step(prediction)
         return prediction
 
-    def _predict(self, images: torch.Tensor) -> torch.Tensor:
+    def _predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place
-            logits, _ = self.forward(images)
-        return logits.float()
+            logits, features = self.forward(images)
+        return logits.float(), features.float()
 
-    def _update(self, images: torch.Tensor) -> torch.Tensor:
-        prediction = skipped = None
+    def _update(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prediction = reported = skipped = None
         # a caller's evaluation loop is often under no_grad or inference_mode; the update needs gradients
         with torch.inference_mode(False), torch.enable_grad():
             if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
                 images = images.clone()
             for _ in range(self.steps):
+                if self.method.owns_update:  # SAR, CoTTA...: its own forward passes and steps (base.py)
+                    logits, features, skipped = self.method.update(self, images, skipped)
+                    if prediction is None:
+                        prediction, reported = logits.detach().float(), features.detach().float()
+                    continue
                 with self.autocast:
                     logits, features = self.forward(images)
                 if prediction is None:
-                    prediction = logits.detach().float()
+                    prediction, reported = logits.detach().float(), features.detach().float()
                 loss = self.method.loss(logits.float(), features.float())
-                skipped = self._apply(loss, skipped)
-        return prediction
+                skipped = self._apply(loss, skipped, leave_out=self.method.leave_out)
+        return prediction, reported
 
-    def _apply(self, loss: torch.Tensor, skipped: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
+              after_backward=None) -> torch.Tensor:
+        """One optimiser step on `loss`, for a method that owns its update (base.py): see _apply."""
+        return self._apply(loss, skipped, leave_out=leave_out, after_backward=after_backward)
+
+    def _apply(self, loss: torch.Tensor, skipped: torch.Tensor | None, *, leave_out: torch.Tensor | None = None,
+               after_backward=None) -> torch.Tensor:
         """One optimiser step, left out on the device when the loss or a gradient is not
         finite, so that NaN never reaches the weights; also when `skipped`, the flag of this
         batch's earlier step, is set (the batch's later steps are left out too). Returns this
         step's flag, float [1]: 1 where left out. Each batch's first left-out step is counted.
         With fp16 the loss is scaled for the backward pass and the gradients unscaled before
         the check; an overflow also halves the scale for the next step, while a loss that is
-        not finite before scaling, or a step left out after an earlier one, leaves it as it was."""
+        not finite before scaling, or a step left out after an earlier one, leaves it as it was.
+        `leave_out` (a device bool, from the method: EATA when it selected no sample) leaves
+        this step out too, without counting it as skipped; `after_backward()` runs once the
+        gradients are there, before the step (SAR puts its perturbed weights back there)."""
         self.optimizer.zero_grad(set_to_none=True)
         finite = torch.isfinite(loss)
         if self.scaler is None:
@@ -174,18 +190,23 @@ class Adapter:
             scale = (self.scaler._scale.clone(), self.scaler._growth_tracker.clone())
             scaled.backward()
             self.scaler.unscale_(self.optimizer)
+        if after_backward is not None:
+            after_backward()
         flag = finite.logical_not().float().reshape(1)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:  # one pass over all of them on the device, as torch.amp checks them (the scale is 1 here)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones_like(flag))
         earlier = torch.zeros_like(flag) if skipped is None else skipped
         flag = torch.maximum(flag, earlier)
+        held = flag if leave_out is None else torch.maximum(flag, leave_out.float().reshape(1))
         with torch.no_grad():
-            self._step(flag)
+            self._step(held)
             if self.scaler is not None:
                 self.scaler.update()
                 # as if neither the step nor the update had been tried: no backward pass, no new scale
                 untried = (finite.logical_not() | earlier.bool()).reshape(())
+                if leave_out is not None:
+                    untried = untried | leave_out.reshape(())
                 for now, before in zip((self.scaler._scale, self.scaler._growth_tracker), scale):
                     torch.where(untried, before, now, out=now)
             self._skipped += (flag - earlier).long().sum()
