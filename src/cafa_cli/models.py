@@ -61,14 +61,28 @@ def _close_names(name: str, names: list[str]) -> list[str]:
 
 
 def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
+    factory, function = import_factory(spec, "--model", "function")
+    try:
+        model = factory(num_classes=num_classes) if num_classes is not None else factory()
+    except (Exception, SystemExit) as error:
+        raise InputError(f"--model {spec}: {function}() failed ({type(error).__name__}: {error})") from None
+    if not isinstance(model, nn.Module):
+        raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
+    return model
+
+
+def import_factory(spec: str, option: str, what: str = "function"):
+    """The callable that `spec` names, 'path/to/file.py:NAME' or 'package.module:NAME',
+    imported (its code runs: only for a spec given on the command line), and NAME; each
+    failure in one line that names `option`."""
     location, _, function = spec.rpartition(":")
     if not function.isidentifier():
-        raise UsageError(f"--model {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
+        raise UsageError(f"{option} {spec}: expected 'path/to/file.py:{what}' or 'package.module:{what}'")
     try:
         if location.endswith(".py"):
             path = Path(location)
             if not path.is_file():
-                raise InputError(f"--model {spec}: no such file {location}")
+                raise InputError(f"{option} {spec}: no such file {location}")
             module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -77,20 +91,14 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
     except InputError:
         raise
     except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
-        raise InputError(f"--model {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
+        raise InputError(f"{option} {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
                          f"at import?); keep it under if __name__ == '__main__':") from None
     except Exception as error:  # a user's file can fail in any way; report it on one line
-        raise InputError(f"--model {spec}: could not import {location} ({type(error).__name__}: {error})") from None
+        raise InputError(f"{option} {spec}: could not import {location} ({type(error).__name__}: {error})") from None
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise InputError(f"--model {spec}: {location} has no function {function}")
-    try:
-        model = factory(num_classes=num_classes) if num_classes is not None else factory()
-    except (Exception, SystemExit) as error:
-        raise InputError(f"--model {spec}: {function}() failed ({type(error).__name__}: {error})") from None
-    if not isinstance(model, nn.Module):
-        raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
-    return model
+        raise InputError(f"{option} {spec}: {location} has no {what} {function}")
+    return factory, function
 
 
 def parameters_sha256(module: nn.Module) -> str:

@@ -53,11 +53,16 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
     """The method called `name`, ready for an Adapter. Those in NEEDS_STATISTICS take the
     class Gaussians (an artifact's `.gaussians`, or `estimate(moments)`) and keep what they
     need of them on `device`, which must be the Adapter's. `options` are the method's own
-    (OPTIONS: eata's `fisher_batches`, normalised source images for its Fisher term)."""
+    (OPTIONS: eata's `fisher_batches`, normalised source images for its Fisher term).
+    `name` may also be a plug-in, 'package.module:factory' or 'path/file.py:factory':
+    its module is imported (its code runs) and `factory(gaussians, device)` must return
+    a Method (base.py); give such a name only from the command line or your own code."""
     from cafa_cli.errors import UsageError
 
+    if is_plugin(name):
+        return _plugin(name, gaussians, device, options)
     if name not in NAMES:
-        raise UsageError(f"`method` must be one of {', '.join(NAMES)}, not {name}")
+        raise UsageError(f"`method` must be one of {', '.join(NAMES)}, or a plug-in module:factory, not {name}")
     if name in NEEDS_STATISTICS and gaussians is None:
         raise UsageError(f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
                          f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features")
@@ -70,3 +75,28 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
     if name in NEEDS_STATISTICS:
         return method(gaussians, device, **options)
     return method(device, **options) if name in _ON_DEVICE else method(**options)
+
+
+def is_plugin(name: str) -> bool:
+    """'package.module:factory' or 'file.py:factory': a method written against the protocol."""
+    return ":" in name
+
+
+def _plugin(spec: str, gaussians, device, options: dict) -> Method:
+    from cafa_cli.errors import InputError, UsageError
+    from cafa_cli.method.methods.base import Method
+    from cafa_cli.models import import_factory
+
+    if options:
+        raise UsageError(f"the plug-in method {spec} takes no option {', '.join(sorted(options))}")
+    factory, function = import_factory(spec, "`method`", "factory")
+    try:
+        method = factory(gaussians, device)
+    except (Exception, SystemExit) as error:  # a user's code can fail in any way; one line
+        raise InputError(f"`method` {spec}: {function}(gaussians, device) failed ({type(error).__name__}: {error})") from None
+    if not isinstance(method, Method):
+        raise InputError(f"`method` {spec}: {function}() returned {type(method).__name__}, not a Method "
+                         f"(subclass cafa_cli.method.methods.base.Method)")
+    if method.needs_statistics and gaussians is None:
+        raise UsageError(f"the plug-in method {spec} needs class statistics: give --stats (an artifact of cafa stats)")
+    return method
