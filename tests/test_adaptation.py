@@ -166,7 +166,7 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
 
 @pytest.mark.parametrize("method", NAMES)
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
-    """Gradient methods move the weights (finitely); source and bn never touch them."""
+    """Gradient methods move the weights (finitely); source, bn and the output-only ones (t3a, lame) never touch them."""
     model, gaussians, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, steps=2)
     before = [p.detach().clone() for p in adapter.model.parameters()]
@@ -174,7 +174,7 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
     moved = any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))
-    assert moved == (method not in ("source", "bn"))
+    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame"))
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
@@ -287,7 +287,8 @@ def test_bad_settings_are_usage_errors(kwargs, match):
 
 def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
-    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, not nope"):
+    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
+                                         "eata, cafa-eata, sar, t3a, lame, or a plug-in module:factory, not nope"):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
         Adapter(FeatureClassifier(tiny_net.build()), "tent")
@@ -421,8 +422,9 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
     for name in NAMES:
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
-        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean"))
-        assert method.trains == (name not in ("source", "bn")) and method.adapts_normalisation == (name != "source")
+        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata"))
+        output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
+        assert method.trains == (name not in ("bn", *output_only)) and method.adapts_normalisation == (name not in output_only)
 
 
 def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):
