@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.factories import import_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
@@ -69,36 +68,6 @@ def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec}: {function}() returned {type(model).__name__}, not a torch nn.Module")
     return model
-
-
-def import_factory(spec: str, option: str, what: str = "function"):
-    """The callable that `spec` names, 'path/to/file.py:NAME' or 'package.module:NAME',
-    imported (its code runs: only for a spec given on the command line), and NAME; each
-    failure in one line that names `option`."""
-    location, _, function = spec.rpartition(":")
-    if not function.isidentifier():
-        raise UsageError(f"{option} {spec}: expected 'path/to/file.py:{what}' or 'package.module:{what}'")
-    try:
-        if location.endswith(".py"):
-            path = Path(location)
-            if not path.is_file():
-                raise InputError(f"{option} {spec}: no such file {location}")
-            module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(location)
-    except InputError:
-        raise
-    except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
-        raise InputError(f"{option} {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
-                         f"at import?); keep it under if __name__ == '__main__':") from None
-    except Exception as error:  # a user's file can fail in any way; report it on one line
-        raise InputError(f"{option} {spec}: could not import {location} ({type(error).__name__}: {error})") from None
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise InputError(f"{option} {spec}: {location} has no {what} {function}")
-    return factory, function
 
 
 def parameters_sha256(module: nn.Module) -> str:

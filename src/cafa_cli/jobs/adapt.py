@@ -222,7 +222,7 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
 
 # what the metrics JSON records of the settings, in this order
 RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "seed",
-            "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch", "fisher_samples")
+            "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
 
 
 def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,
@@ -240,6 +240,7 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
         "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
+        "fisher_samples": config.fisher_samples,
         "severity": config.severity,
         "preprocessing": asdict(preprocess),
     }

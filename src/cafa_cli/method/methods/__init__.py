@@ -85,7 +85,7 @@ def is_plugin(name: str) -> bool:
 def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     from cafa_cli.errors import InputError, UsageError
     from cafa_cli.method.methods.base import Method
-    from cafa_cli.models import import_factory
+    from cafa_cli.factories import import_factory
 
     if options:
         raise UsageError(f"the plug-in method {spec} takes no option {', '.join(sorted(options))}")
