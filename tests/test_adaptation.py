@@ -166,7 +166,7 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
 
 @pytest.mark.parametrize("method", NAMES)
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
-    """Gradient methods move the weights (finitely); source and bn never touch them."""
+    """Gradient methods move the weights (finitely); source, bn and the output-only ones (t3a, lame) never touch them."""
     model, gaussians, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, steps=2)
     before = [p.detach().clone() for p in adapter.model.parameters()]
@@ -174,7 +174,7 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
     moved = any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))
-    assert moved == (method not in ("source", "bn"))
+    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame"))
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
@@ -185,6 +185,50 @@ def test_non_finite_loss_skips_the_step_and_is_counted(trained):
     adapter.step(x[:10])
     assert adapter.skipped_steps == 1
     assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in before.items())
+
+
+def nan_loss(logits, features):
+    return logits.sum() * float("nan")
+
+
+def nan_gradient(logits, features):
+    """Finite (0), with NaN gradients: sqrt's infinite slope at 0 times abs's zero one."""
+    return (logits - logits.detach()).abs().sqrt().sum()
+
+
+@pytest.mark.parametrize("bad_loss", [nan_loss, nan_gradient], ids=["loss", "gradient"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-batch", "later-batch"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "nesterov"])
+@pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
+def test_a_skipped_update_leaves_weights_and_optimiser_state_as_if_the_batch_had_not_come(trained, bad_loss, first, optimizer, fused):
+    """Decided on the device (no host synchronisation) and still exact: the weights, the
+    moments, the momentum and Adam's step count after good, bad, good batches are bit for
+    bit those after the two good ones; with two steps a batch, the bad batch counts once."""
+    model, gaussians, x, _ = trained
+
+    def adapter():
+        made = Adapter(copy.deepcopy(model), create("cafa", gaussians), optimizer=optimizer, lr=1e-2, steps=2)
+        made._fused = fused  # CUDA's way, torch's fused optimisers, which the CPU has too
+        made.optimizer = made._new_optimizer()
+        return made
+
+    def state(made):
+        tensors = [p.detach() for p in made.model.parameters()]
+        tensors += [t for s in made.optimizer.state_dict()["state"].values() for t in s.values()]
+        return [t.clone() for t in tensors]
+
+    with_bad, without = adapter(), adapter()
+    good = [x[:50], x[50:100]]
+    loss = with_bad.method.loss
+    for i, images in enumerate(good):
+        if i == (0 if first else 1):
+            with_bad.method.loss = bad_loss
+            with_bad.step(x[100:150])
+            with_bad.method.loss = loss
+        with_bad.step(images)
+        without.step(images)
+    assert with_bad.skipped_steps == 1 and without.skipped_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(state(with_bad), state(without)))
 
 
 def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_scale(trained):
@@ -243,7 +287,8 @@ def test_bad_settings_are_usage_errors(kwargs, match):
 
 def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
-    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, not nope"):
+    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
+                                         "eata, cafa-eata, sar, t3a, lame, or a plug-in module:factory, not nope"):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
         Adapter(FeatureClassifier(tiny_net.build()), "tent")
@@ -377,8 +422,9 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
     for name in NAMES:
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
-        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean"))
-        assert method.trains == (name not in ("source", "bn")) and method.adapts_normalisation == (name != "source")
+        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata"))
+        output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
+        assert method.trains == (name not in ("bn", *output_only)) and method.adapts_normalisation == (name not in output_only)
 
 
 def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):

@@ -11,7 +11,7 @@ import cafa_cli
 
 ROOT = Path(cafa_cli.__file__).parent
 LAYERS = {"cli": 4, "jobs": 3, "artifact": 2, "provenance": 2, "models": 2, "checkpoints": 2, "zoo": 2,
-          "method": 1, "data": 1, "errors": 0, "files": 0, "devices": 0, "__init__": 0, "__main__": 5}
+          "method": 1, "data": 1, "errors": 0, "files": 0, "factories": 0, "devices": 0, "__init__": 0, "__main__": 5}
 
 
 def _room(module: str) -> str:

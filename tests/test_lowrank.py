@@ -146,15 +146,49 @@ def test_chunked_checkpointed_lowrank_path_matches(monkeypatch):
 
 
 def test_exact_refinement_only_where_rounding_could_matter(monkeypatch):
+    """The refinement's work is fixed (here every class: C is under the batch size), so no
+    host synchronisation sizes it; its exact values replace the expanded ones only where
+    the rounding bound exceeds the tolerance."""
     x, y = features()
     g = estimate(moments_of(x, y), "lowrank", 0.001)
     refined = []
     original = distances._lowrank_exact_chunk
     monkeypatch.setattr(distances, "_lowrank_exact_chunk", lambda *a: refined.append(len(a[1])) or original(*a))
-    ClassDistances(g)(probes(x)[16:])  # points away from every class's training span
-    assert refined == []
-    ClassDistances(g)(x[y == 3][:4])  # training points of class 3: inside its span, a_3 ≪ e_3
-    assert refined == [1]
+    dist = ClassDistances(g)
+    away = probes(x)[16:]  # points away from every class's training span
+    near = x[y == 3][:4]  # training points of class 3: inside its span, a_3 ≪ e_3
+    monkeypatch.setattr(distances, "REFINE_TOLERANCE", float("inf"))  # no class at risk: the expanded form alone
+    expanded_away, expanded_near = dist(away), dist(near)
+    monkeypatch.setattr(distances, "REFINE_TOLERANCE", 1e-5)
+    assert torch.equal(dist(away), expanded_away)
+    got = dist(near)
+    exact = dist._lowrank_exact(near - dist.centre, torch.arange(C))
+    others = torch.arange(C) != 3
+    assert torch.equal(got[:, 3], exact[:, 3]) and not torch.equal(got[:, 3], expanded_near[:, 3])
+    assert torch.equal(got[:, others], expanded_near[:, others])
+    assert refined == [C] * 5 and int(dist.unrefined) == 0
+
+
+def test_more_classes_at_risk_than_the_refinement_holds_are_counted(monkeypatch):
+    """Past refine_capacity classes at risk, the most at risk are refined, the others keep
+    the expanded form, and the batch is counted in `unrefined` (on the device)."""
+    x, y = features()
+    g = estimate(moments_of(x, y), "lowrank", 0.001)
+    z = x[:2]
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 4 * len(z) * D)  # one class a chunk: capacity max(N, 1) = 2 of C = 5
+    monkeypatch.setattr(distances, "REFINE_TOLERANCE", 1e-30)  # every class at risk
+    assert distances.refine_capacity(C, len(z), D) == 2
+    dist = ClassDistances(g)
+    got = dist(z)
+    assert int(dist.unrefined) == 1
+    zc = z - dist.centre
+    exact = dist._lowrank_exact(zc, torch.arange(C))
+    monkeypatch.setattr(distances, "REFINE_TOLERANCE", float("inf"))
+    expanded = dist._lowrank(zc)
+    bound = 4 * distances._EPS32 * (zc.square().sum(1, keepdim=True) + dist.mean_norms) * dist.inv_isotropic
+    most = set((bound / expanded).amax(0).argsort(descending=True)[:2].tolist())
+    for c in range(C):
+        assert torch.equal(got[:, c], exact[:, c] if c in most else expanded[:, c])
 
 
 def test_lowrank_never_forms_a_class_scatter(monkeypatch):

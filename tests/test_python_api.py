@@ -64,7 +64,7 @@ def api_run(tmp_path, tiny_weights, monkeypatch):
 
 
 def test_the_doc_has_the_blocks_this_test_expects():
-    assert len(doc_blocks()) == 6
+    assert len(doc_blocks()) == 7
 
 
 def test_statistics_from_the_api_equal_the_cli_artifact(api_run):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create
 from cafa_cli.data.domain import Domain
@@ -94,3 +95,20 @@ def test_groups_reset_per_group_not_per_domain(trained, two_domains):
     plain = confidences(reset="domain")
     assert confidences(reset="domain", groups=[0, 0]) == confidences(reset="never") != plain
     assert confidences(reset="domain", groups=[0, 1]) == plain
+
+
+def test_each_domain_reports_its_own_skipped_steps_and_unrefined_batches(trained, monkeypatch):
+    """Both are counted on the device during the steps and read once before and once
+    after each domain."""
+    model, gaussians, x, y = trained
+    adapter = Adapter(copy.deepcopy(model), create("euclidean", gaussians), lr=1e-2)
+    loss = adapter.method.loss
+
+    def nan_in_b(domain: Domain) -> None:
+        adapter.method.loss = (lambda logits, features: logits.sum() * float("nan")) if domain.name == "b" else loss
+
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 1)  # a batch of 2 recomputes 2 of the 3 classes
+    monkeypatch.setattr(distances, "REFINE_TOLERANCE", 1e-30)  # and all 3 are at risk
+    results = adapt_domains(adapter, [domain("a", x[:6], y[:6]), domain("b", x[6:12], y[6:12])], PIXELS, batch_size=2,
+                            shuffle=False, on_domain=nan_in_b)
+    assert [(r.skipped_steps, r.unrefined_batches) for r in results] == [(0, 3), (3, 0)]

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib
-import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.factories import import_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
@@ -62,34 +60,7 @@ def _close_names(name: str, names: list[str]) -> list[str]:
 
 
 def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
-    location, _, function = spec.rpartition(":")
-    if not function.isidentifier():
-        raise UsageError(f"`model` {spec}: expected 'path/to/file.py:function' or 'package.module:function'")
-    if not location.endswith(".py") and ("/" in location or os.sep in location or location.startswith((".", "~"))):
-        # a path, and no module name: importlib would fail with a TypeError about relative imports
-        path = Path(location)
-        what = "a folder" if path.is_dir() else "not a .py file" if path.exists() else "no such file"
-        raise InputError(f"`model` {spec}: {location} is {what}; a factory is 'path/to/file.py:function' or 'package.module:function'")
-    try:
-        if location.endswith(".py"):
-            path = Path(location)
-            if not path.is_file():
-                raise InputError(f"`model` {spec}: no such file {location}")
-            module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(location)
-    except InputError:
-        raise
-    except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
-        raise InputError(f"`model` {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
-                         f"at import?); keep it under if __name__ == '__main__':") from None
-    except Exception as error:  # a user's file can fail in any way; report it on one line
-        raise InputError(f"`model` {spec}: could not import {location} ({type(error).__name__}: {error})") from None
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise InputError(f"`model` {spec}: {location} has no function {function}")
+    factory, function = import_factory(spec, "`model`", "function")
     try:
         model = factory(num_classes=num_classes) if num_classes is not None else factory()
     except (Exception, SystemExit) as error:

@@ -19,7 +19,7 @@ from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors
 from cafa_cli.cli.options import PanelledCommand
 from cafa_cli.cli.streams import prepare_standard_streams
 from cafa_cli.errors import CafaError
-from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig, command_line_only
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig, command_line_only, names_code
 
 EXAMPLES = {
     "stats": ["cafa stats --model resnet50 --weights resnet50.safetensors --data ImageNet/train --fraction 0.05",
@@ -129,6 +129,7 @@ def command_options() -> dict[str, CommandOptions]:
             lists={p.name for p in command.params if p.multiple or p.nargs == -1},
             flags={p.name for p in command.params if getattr(p, "is_flag", False)},
             command_line_only=command_line_only(SETTINGS[name]) if name in SETTINGS else set(),
+            names_code=names_code(SETTINGS[name]) if name in SETTINGS else set(),
         )
         for name, command in typer.main.get_command(app).commands.items()
     }

@@ -32,6 +32,8 @@ class CommandOptions:
     # parameters that let code run or lift a safety check: a file in the working folder
     # (a cloned repository, a downloaded results folder) must not set them for the user
     command_line_only: set[str] = field(default_factory=set)
+    # parameters whose value may name code to import (`--method module:factory`): a file may give a plain name only
+    names_code: set[str] = field(default_factory=set)
 
 
 def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> dict[str, dict]:
@@ -62,6 +64,9 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
             if name in options.command_line_only:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
                                  f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line")
+            if name in options.names_code and isinstance(value, str) and ":" in value:
+                raise UsageError(f"{path}: [{prefix}{command}] {key} = {value!r} names code to run, which a config file may "
+                                 f"not; give --{name.replace('_', '-')} {value} on the command line")
             if name in defaults[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
             if isinstance(value, bool) and name not in options.flags:

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import NEEDS_STATISTICS, create
+from cafa_cli.method.methods import NEEDS_STATISTICS, create, is_plugin
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
-from cafa_cli.data.loading import loader_processes
+from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.orders import check_labels
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.errors import InputError, UsageError, listing
@@ -28,7 +28,8 @@ from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.jobs.config import AdaptConfig, factory_file
 from cafa_cli.method.options import check_precision
 from cafa_cli.jobs.distributed import launched_by_torchrun
-from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing, resolve_model
+from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,
+                                  recorded_data, resolve_model)
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
 from cafa_cli.provenance import model_mismatch, recorded_model
@@ -43,7 +44,8 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
         raise UsageError(f"give the model with `model` (and `weights`): `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
     if stats is not None or method in NEEDS_STATISTICS or model.model is None:
-        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS)  # else only its model record is used
+        # else only its model record is used; a plug-in gets the statistics whenever an artifact is read
+        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS or is_plugin(method))
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
@@ -106,6 +108,9 @@ class Adaptation:
         notes = [note for domain in domains for note in domain.notes]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
+        if s.method == "eata" and not s.fisher_data:
+            notes.append("--method eata without --fisher-data runs as eta: its Fisher anti-forgetting term needs clean "
+                         "source images; give --fisher-data PATH (e.g. the training images)")
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so `method` bn gives the same predictions as source")
         batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
@@ -162,6 +167,10 @@ class Adaptation:
             if result.skipped_steps and s.precision != "fp16":
                 monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
                              f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`")
+            if result.unrefined_batches:
+                monitor.warn(f"{_short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
+                             f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
+                             f"faster form's rounding error")
         return results
 
 
@@ -210,7 +219,8 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
         _check_classes(net, class_names, "the data")
     elif artifact is None:  # the artifact's list was checked with it
         _check_classes(net, class_names, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list")
-    method = create(config.method, artifact.gaussians if artifact else None, device)
+    options = {"fisher_batches": fisher_batches(config, preprocess, device)} if config.method == "eata" and config.fisher_data else {}
+    method = create(config.method, artifact.gaussians if artifact else None, device, **options)
     adapter = Adapter(net, method, device, **config.adapter_options())
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
@@ -224,6 +234,19 @@ def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None]:
         return list(config.data), None
     stages = [gradual_stages(path) for path in config.data]
     return [stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption]
+
+
+def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
+    """EATA's source images: `fisher_samples` of `fisher_data` at random (seed 0), prepared
+    as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
+    domain = open_domain(config.fisher_data)
+    if len(domain) == 0:
+        raise InputError(f"`fisher_data` {config.fisher_data}: no images")
+    count = min(config.fisher_samples, len(domain))
+    indices = np.sort(np.random.default_rng(0).choice(len(domain), size=count, replace=False))
+    for batch in batches(domain, preprocess, config.batch_size, indices, config.num_workers, device):
+        if batch.images is not None:
+            yield preprocess.normalize(batch.images.to(device))
 
 
 # what the metrics JSON records of the settings, in this order
@@ -245,6 +268,8 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
+        "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
+        "fisher_samples": config.fisher_samples,
         "severity": config.severity,
         "preprocessing": asdict(preprocess),
     }

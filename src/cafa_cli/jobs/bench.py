@@ -95,9 +95,15 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
 
 
 def parse_methods(text: str) -> list[Row]:
-    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`."""
+    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`; `all`:
+    every method and variant (those also named, e.g. `all,tent@0.01`, keep their place)."""
     rows = []
-    for label in (m.strip() for m in text.split(",") if m.strip()):
+    labels = [m.strip() for m in text.split(",") if m.strip()]
+    if "all" in labels:  # every method, then every variant, in place of `all`
+        at = labels.index("all")
+        named = {label.partition("@")[0] for label in labels}
+        labels[at : at + 1] = [name for name in METHODS + tuple(VARIANTS) if name not in named]
+    for label in labels:
         name, at, lr_text = label.partition("@")
         if at and not lr_text:
             raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
@@ -168,8 +174,17 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
     With statistics the class list comes from the artifact (made from `classes`)."""
     return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
                   order=row.order_of(config), batch_size=row.batch_size_of(config), stats=stats, classes=None if stats else classes,
+                  fisher_data=fisher_data(config, row),
                   resize=config.resize if config.test_resize is None else config.test_resize,
                   crop=config.crop if config.test_crop is None else config.test_crop)
+
+
+def fisher_data(config: BenchConfig, row: Row) -> str | None:
+    """EATA's source images: --fisher-data, else the training data when the test images are
+    prepared as the training images are (no --test-resize/--test-crop)."""
+    if row.method != "eata" or config.fisher_data:
+        return config.fisher_data
+    return config.train if config.test_resize is None and config.test_crop is None else None
 
 
 def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:

@@ -22,10 +22,10 @@ from cafa_cli.data.values import (check_batch_size, check_num_workers, check_pre
                                   parse_size)
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.errors import UsageError, repeated
-from cafa_cli.method.methods import NAMES as METHODS
+from cafa_cli.method.methods import NAMES as METHODS, is_plugin
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
-Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names, as for Method below)
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
 RESET_POLICIES = ("domain", "episodic", "never")  # when the model goes back to the source weights
@@ -33,7 +33,6 @@ RECORD_FORMATS = ("csv", "jsonl")
 Reset = Literal[RESET_POLICIES]  # type: ignore[valid-type]
 Covariance = Literal[COVARIANCE_CHOICES]  # type: ignore[valid-type]
 RecordFormat = Literal[RECORD_FORMATS]  # type: ignore[valid-type]
-Method = Literal[METHODS]  # type: ignore[valid-type]  (the registry's names)
 
 DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
 BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
@@ -45,12 +44,14 @@ MODEL, DATA, ADAPTATION, STREAM, STATISTICS, OUTPUT, RUNTIME = (
 
 
 def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
-            panel: str | None = None, show_default: bool = True, command_line_only: bool = False):
+            panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False):
     """A config field with what its command-line option needs. `flags` replaces the
     generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
-    setting that lets code run or lifts a safety check, which no config file may set."""
+    setting that lets code run or lifts a safety check, which no config file may set;
+    `names_code` one whose value may name code to import (module:function), which a config
+    file may set to a plain name only."""
     metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
-                "command_line_only": command_line_only}
+                "command_line_only": command_line_only, "names_code": names_code}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -150,6 +151,20 @@ class AdaptationOptions:
 
 
 @dataclass(kw_only=True)
+class MethodDataOptions:
+    """What a method needs beyond the model, its statistics and the test data."""
+
+    fisher_data: str | None = setting(None, "eata: clean source images (a folder or array, as --data) for its Fisher "
+                                      "anti-forgetting term; without it eata runs as eta. Prepared as the test images.",
+                                      metavar="PATH", panel=ADAPTATION)
+    fisher_samples: int = setting(2000, "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
+                                  metavar="N", panel=ADAPTATION)
+
+    def _check_method_data(self) -> None:
+        _at_least("fisher_samples", self.fisher_samples, 1)
+
+
+@dataclass(kw_only=True)
 class StreamOptions:
     """The order and grouping of the test images: adapt_domains' keyword arguments."""
 
@@ -237,7 +252,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
 
 
 @dataclass(kw_only=True)
-class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, RuntimeOptions):
+class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, MethodDataOptions, StreamOptions, RuntimeOptions):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
 
     data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for "
@@ -245,7 +260,10 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
     stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}); it also names the model, "
                                 f"so --model/--weights can be left out.", flags=("--stats", "-s"), metavar="PATH",
                                 panel=MODEL)
-    method: Method = setting("cafa", "The method; see docs/usage.md for each.", panel=ADAPTATION)
+    method: str = setting("cafa", f"The method ({', '.join(METHODS)}; see docs/usage.md for each), or a plug-in "
+                          f"written against the method protocol: package.module:factory or file.py:factory (its code "
+                          f"runs; the command line only, never a config file).", metavar="NAME", panel=ADAPTATION,
+                          names_code=True)
     allow_weights_mismatch: bool = setting(False, "Use the artifact with another model or other weights than it was "
                                            "computed with.", panel=MODEL, command_line_only=True)
     shuffle: bool = setting(True, "Shuffle each domain's stream (seeded).", flags=("--shuffle/--no-shuffle",), panel=STREAM)
@@ -257,6 +275,8 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
     def __post_init__(self):
         if self.predictions == "-":  # stdout, as without the option
             self.predictions = None
+        if self.method not in METHODS and not is_plugin(self.method):
+            raise UsageError(f"`method` must be one of {', '.join(METHODS)}, or a plug-in module:factory, not {self.method}")
         check(self)
         check_seed("seed", self.seed)
         if self.data.count("-") > 1:
@@ -278,7 +298,8 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, StreamOptions, 
 
 
 @dataclass(kw_only=True)
-class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions, StreamOptions, RuntimeOptions):
+class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions, MethodDataOptions, StreamOptions,
+                  RuntimeOptions):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
     data: list[str] = setting(help="A labelled test domain (repeatable).", factory=list, flags=("--data", "-d"),
@@ -293,7 +314,8 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
                                     metavar="PX", panel=DATA)
     methods: str = setting(BENCH_METHODS, "Rows, comma-separated: a method (statistics with --covariance auto); "
                            "cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the "
-                           "paper's CAFA-Full: --params all). NAME@LR gives a row its own learning rate.",
+                           "paper's CAFA-Full: --params all); all (every method and variant). NAME@LR gives a row its own learning "
+                           "rate.",
                            metavar="M[@LR],...", panel=ADAPTATION)
     seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM)
     orders: str | None = setting(None, "A grid axis: stream orders (as --order), comma-separated, e.g. iid,label-shift:0.5,"
@@ -402,6 +424,10 @@ def check(config) -> None:
 
 def command_line_only(config_type) -> set[str]:
     return {f.name for f in fields(config_type) if f.metadata.get("command_line_only")}
+
+
+def names_code(config_type) -> set[str]:
+    return {f.name for f in fields(config_type) if f.metadata.get("names_code")}
 
 
 # --- checks and parsers shared by the groups ----------------------------------------

@@ -21,6 +21,7 @@ class DomainResult:
     errors: int = 0
     skipped_images: list[str] = field(default_factory=list)
     skipped_steps: int = 0
+    unrefined_batches: int = 0  # distances left partly in the expanded form (distances.refine_capacity)
     seconds: float = 0.0
 
     @property

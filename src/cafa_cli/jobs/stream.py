@@ -68,10 +68,11 @@ def adapt_domains(
             domain, owner = mixed([domains[k] for k in members])
             so_far = DomainResult(domain.name)
         on_domain(domain)
-        clock = time.perf_counter()
+        # the counts live on the device and are read before and after the stream (a read waits
+        # for it); a mixed stream reads them after every batch, to give each domain its batches'
+        clock, skipped_before, unrefined_before = time.perf_counter(), adapter.skipped_steps, adapter.unrefined_batches
         positions = stream_order(domain.labels, order, shuffle, seed, domain.name)
         for batch in batches(domain, preprocess, batch_size, positions, num_workers, adapter.device):
-            skipped_before = adapter.skipped_steps
             for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, strict)):
                 for result in _tallies(results[owner[i]], so_far):
                     result.skipped_images.append(ref)
@@ -86,13 +87,19 @@ def adapt_domains(
             on_records(records, so_far)
             if reset == "episodic":
                 adapter.reset()
-            # the batch's time and skipped updates go to the domains of its images
-            now, in_batch = time.perf_counter(), np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]],
-                                                             minlength=len(domains))
-            for k in np.flatnonzero(in_batch):
-                results[k].seconds += (now - clock) * in_batch[k] / in_batch.sum()
-                results[k].skipped_steps += adapter.skipped_steps - skipped_before
-            clock = now
+            if len(members) > 1:  # the batch's time and skipped updates go to the domains of its images
+                now, in_batch = time.perf_counter(), np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]],
+                                                                 minlength=len(domains))
+                skipped, unrefined = adapter.skipped_steps, adapter.unrefined_batches
+                for k in np.flatnonzero(in_batch):
+                    results[k].seconds += (now - clock) * in_batch[k] / in_batch.sum()
+                    results[k].skipped_steps += skipped - skipped_before
+                    results[k].unrefined_batches += unrefined - unrefined_before
+                clock, skipped_before, unrefined_before = now, skipped, unrefined
+        if len(members) == 1:
+            so_far.seconds = time.perf_counter() - clock
+            so_far.skipped_steps = adapter.skipped_steps - skipped_before
+            so_far.unrefined_batches = adapter.unrefined_batches - unrefined_before
         for k in members:
             if results[k].n == 0 and results[k].skipped_images:
                 raise InputError(

@@ -1,6 +1,14 @@
 """The online Adapter: normalisation layers in test mode, the parameters a method trains,
 reset to the source weights, and one step per batch (predict with the forward pass, then
-update). It runs any method of methods/ through that protocol (methods/base.py)."""
+update). It runs any method of methods/ through that protocol (methods/base.py).
+
+A step never waits for the device: a GPU runs ahead while the host queues the next
+batch's kernels. So an update that a non-finite loss or gradient must skip is still
+computed, and then left out on the device, as torch.amp's found-inf flag does: on CUDA
+torch's fused Adam and SGD take the flag and leave the parameters and their state
+(moments, momentum, Adam's step count) as they were; elsewhere the step runs as usual
+and `torch.where` puts back the parameters and state saved before it, bit for bit. The
+skipped updates are counted on the device and read only when `skipped_steps` is."""
 
 from __future__ import annotations
 
@@ -71,9 +79,12 @@ class Adapter:
         if not method.trains:
             self.model.requires_grad_(False)
         self._optimizer_kind, self._lr, self._momentum = optimizer, lr, momentum
+        # CUDA: torch's fused optimisers leave out an update on a device flag themselves; on
+        # the CPU fused Adam rounds differently from the default one, so the update is undone instead
+        self._fused = device.type == "cuda"
         self.optimizer = self._new_optimizer()
         self.source_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.skipped_steps = 0
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped updates, counted on the device
         self.autocast = _autocast(device, precision)
         # fp16 gradients underflow without loss scaling; bf16 has float32's range
         self._scaled = precision == "fp16"
@@ -83,12 +94,29 @@ class Adapter:
         self.forward = torch.compile(self.model) if compile else self.model
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped because the loss or a gradient was not finite, since the Adapter
+        was made (reset() keeps the count). Reading it waits for the device."""
+        return int(self._skipped)
+
+    @property
+    def unrefined_batches(self) -> int:
+        """Batches whose loss the method computed less exactly than usual (cafa: more classes
+        at risk of float32 rounding than distances.refine_capacity). Reading it waits for the device."""
+        return 0 if self.method.unrefined is None else int(self.method.unrefined)
+
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
+        fused = {"fused": True} if self._fused else {}
         if self._optimizer_kind in ("sgd", "nesterov"):
-            return torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum, nesterov=self._optimizer_kind == "nesterov")
-        return torch.optim.Adam(self.params, lr=self._lr)
+            optimizer = torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum,
+                                        nesterov=self._optimizer_kind == "nesterov", **fused)
+        else:
+            optimizer = torch.optim.Adam(self.params, lr=self._lr, **fused)
+        _start_state(optimizer, fused=self._fused)
+        return optimizer
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self.device.type) if self._scaled and self.params else None
@@ -105,58 +133,123 @@ class Adapter:
         if images.dim() == 4:
             images = images.contiguous(memory_format=self.memory_format)
         self.method.before_step(images)
-        prediction = self._update(images) if self.method.trains else self._predict(images)
+        prediction, features = self._update(images) if self.method.trains else self._predict(images)
+        with torch.no_grad():
+            prediction = self.method.output(prediction, features)
         self.method.after_step(prediction)
         return prediction
 
-    def _predict(self, images: torch.Tensor) -> torch.Tensor:
+    def _predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place
-            logits, _ = self.forward(images)
-        return logits.float()
+            logits, features = self.forward(images)
+        return logits.float(), features.float()
 
-    def _update(self, images: torch.Tensor) -> torch.Tensor:
-        prediction = None
+    def _update(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prediction = reported = skipped = None
         # a caller's evaluation loop is often under no_grad or inference_mode; the update needs gradients
         with torch.inference_mode(False), torch.enable_grad():
             if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
                 images = images.clone()
             for _ in range(self.steps):
+                if self.method.owns_update:  # SAR, CoTTA...: its own forward passes and steps (base.py)
+                    logits, features, skipped = self.method.update(self, images, skipped)
+                    if prediction is None:
+                        prediction, reported = logits.detach().float(), features.detach().float()
+                    continue
                 with self.autocast:
                     logits, features = self.forward(images)
                 if prediction is None:
-                    prediction = logits.detach().float()
+                    prediction, reported = logits.detach().float(), features.detach().float()
                 loss = self.method.loss(logits.float(), features.float())
-                if not self._apply(loss):
-                    break
-        return prediction
+                skipped = self._apply(loss, skipped, leave_out=self.method.leave_out)
+        return prediction, reported
 
-    def _apply(self, loss: torch.Tensor) -> bool:
-        """One optimiser step; a non-finite loss or gradient skips it (and is counted)
-        so that NaN never reaches the weights. With fp16 the loss is scaled for the
-        backward pass and the gradients unscaled before the check; an overflow also
-        halves the scale for the next step."""
+    def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
+              after_backward=None) -> torch.Tensor:
+        """One optimiser step on `loss`, for a method that owns its update (base.py): see _apply."""
+        return self._apply(loss, skipped, leave_out=leave_out, after_backward=after_backward)
+
+    def _apply(self, loss: torch.Tensor, skipped: torch.Tensor | None, *, leave_out: torch.Tensor | None = None,
+               after_backward=None) -> torch.Tensor:
+        """One optimiser step, left out on the device when the loss or a gradient is not
+        finite, so that NaN never reaches the weights; also when `skipped`, the flag of this
+        batch's earlier step, is set (the batch's later steps are left out too). Returns this
+        step's flag, float [1]: 1 where left out. Each batch's first left-out step is counted.
+        With fp16 the loss is scaled for the backward pass and the gradients unscaled before
+        the check; an overflow also halves the scale for the next step, while a loss that is
+        not finite before scaling, or a step left out after an earlier one, leaves it as it was.
+        `leave_out` (a device bool, from the method: EATA when it selected no sample) leaves
+        this step out too, without counting it as skipped; `after_backward()` runs once the
+        gradients are there, before the step (SAR puts its perturbed weights back there)."""
         self.optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
-            self.skipped_steps += 1
-            return False
+        finite = torch.isfinite(loss)
         if self.scaler is None:
             loss.backward()
         else:
-            self.scaler.scale(loss).backward()
+            scaled = self.scaler.scale(loss)  # creates the scale on the first call
+            scale = (self.scaler._scale.clone(), self.scaler._growth_tracker.clone())
+            scaled.backward()
             self.scaler.unscale_(self.optimizer)
-        # one reduction on the device and one sync, not one per parameter (ResNet-50: 106)
+        if after_backward is not None:
+            after_backward()
+        flag = finite.logical_not().float().reshape(1)
         grads = [p.grad for p in self.params if p.grad is not None]
-        finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-        elif self.scaler is None:
-            self.optimizer.step()
-        else:
-            self.scaler.step(self.optimizer)
-        if self.scaler is not None:
-            self.scaler.update()
-        return finite
+        if grads:  # one pass over all of them on the device, as torch.amp checks them (the scale is 1 here)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones_like(flag))
+        earlier = torch.zeros_like(flag) if skipped is None else skipped
+        flag = torch.maximum(flag, earlier)
+        held = flag if leave_out is None else torch.maximum(flag, leave_out.float().reshape(1))
+        with torch.no_grad():
+            self._step(held)
+            if self.scaler is not None:
+                self.scaler.update()
+                # as if neither the step nor the update had been tried: no backward pass, no new scale
+                untried = (finite.logical_not() | earlier.bool()).reshape(())
+                if leave_out is not None:
+                    untried = untried | leave_out.reshape(())
+                for now, before in zip((self.scaler._scale, self.scaler._growth_tracker), scale):
+                    torch.where(untried, before, now, out=now)
+            self._skipped += (flag - earlier).long().sum()
+        return flag
+
+    def _step(self, skip: torch.Tensor) -> None:
+        """The optimiser's step, which changes nothing where `skip` (float [1]) is 1."""
+        optimizer = self.optimizer
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = skip.reshape(())  # torch.amp's protocol (GradScaler.step sets it so too)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            return
+        # what the step may change: the parameters and the state there is (_start_state made it)
+        changed = [p for group in optimizer.param_groups for p in group["params"]]
+        changed += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        saved = [t.clone() for t in changed]
+        optimizer.step()
+        keep = skip.bool().reshape(())
+        for now, before in zip(changed, saved):
+            torch.where(keep, before, now, out=now)
+
+
+def _start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """The optimiser's state as its first step would create it, made now, so that a step
+    left out can put back what was there before (it made nothing). Adam: step 0 and zero
+    moments (fused Adam keeps its count on the device and makes its own). SGD's momentum
+    buffer: -0.0, the additive identity, so its first update, buffer·momentum + gradient,
+    is the gradient bit for bit, as torch's copy of it is; torch's fused SGD would leave a
+    left-out first step's buffer uninitialised."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"] != 0:
+                    state["momentum_buffer"] = torch.full_like(p, -0.0, memory_format=torch.preserve_format)
+            elif not fused:
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as torch's Adam
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _autocast(device: torch.device, precision: str):

@@ -22,6 +22,14 @@ negligible next to D_c unless z sits close to μ_c, or (low-rank) almost inside 
 class c's training rows with a_c small next to e_c. The classes where that bound exceeds
 REFINE_TOLERANCE·D_c are recomputed from explicit differences, in chunks, so every
 distance is within about 1e-5 of the direct form — as the full form always is.
+
+That refinement takes no host synchronisation, so that a GPU never waits for the host to
+learn how many classes need it: every batch recomputes the same number of classes,
+`refine_capacity(C, N, d)` — all C when C ≤ max(N, one chunk's classes), else that many,
+the most at risk first — and the exact values are used only where the bound says so. A
+batch with more classes at risk than that (each sample would have to sit close to
+several class means) leaves the least at risk in the expanded form; `unrefined` counts
+such batches, on the device.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class ClassDistances:
             self.inv_eigen = 1 / (isotropic[:, None] + gaussians.spectrum.to(device))  # [C, k]
             self.projected_means = torch.bmm(factors, self.means.unsqueeze(2)).squeeze(2)  # Q_c μ_c  [C, k]
             self.mean_norms = self.means.square().sum(1)  # [C]
+        # batches whose risky classes outnumbered refine_capacity, counted where the distances are
+        self.unrefined = torch.zeros((), dtype=torch.int64, device=self.means.device)
 
     @property
     def num_classes(self) -> int:
@@ -92,18 +102,18 @@ class ClassDistances:
         weighted_z = (z * z) @ p.T
         weighted_means = (p * self.means.square()).sum(1)
         dist = (weighted_z - 2 * z @ (p * self.means).T + weighted_means).clamp_min(0)
-        return _refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
+        return self._refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
 
     def _tied(self, z: torch.Tensor) -> torch.Tensor:
         whitened = z @ self.factor
         dist = _expanded_square_distance(whitened, self.whitened_means)
         magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
-        return _refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
+        return self._refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
 
     def _euclidean(self, z: torch.Tensor) -> torch.Tensor:
         dist = _expanded_square_distance(z, self.means)
         magnitude = z.detach().square().sum(1, keepdim=True) + self.means.square().sum(1)
-        return _refined(dist, magnitude, lambda classes: self._exact(z, self.means, classes))
+        return self._refined(dist, magnitude, lambda classes: self._exact(z, self.means, classes))
 
     def _exact(self, z: torch.Tensor, means: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j w_cj (z_j − μ_cj)² from explicit differences for the given classes, [N, len(classes)]."""
@@ -133,7 +143,7 @@ class ClassDistances:
             lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
         )
         magnitude = (z.detach().square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
-        return _refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes))
+        return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes))
 
     def _lowrank_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
@@ -143,16 +153,33 @@ class ClassDistances:
             lambda part: (self.means[classes[part]], self.basis[classes[part]], self.inv_isotropic[classes[part]], self.inv_eigen[classes[part]]),
         )
 
+    def _refined(self, dist: torch.Tensor, magnitude: torch.Tensor, exact) -> torch.Tensor:
+        """Replace the classes whose expanded-form distance may be off by more than
+        REFINE_TOLERANCE (its float32 rounding error is about 4·eps·magnitude, the sum of
+        the squared norms that cancelled) with `exact(classes)`, computed without cancelling.
 
-def _refined(dist: torch.Tensor, magnitude: torch.Tensor, exact) -> torch.Tensor:
-    """Replace the classes whose expanded-form distance may be off by more than
-    REFINE_TOLERANCE (its float32 rounding error is about 4·eps·magnitude, the sum of
-    the squared norms that cancelled) with `exact(classes)`, computed without cancelling."""
-    with torch.no_grad():
-        risky = (4 * _EPS32 * magnitude > REFINE_TOLERANCE * dist).any(0).nonzero().flatten()
-    if len(risky):
-        dist = dist.index_copy(1, risky, exact(risky))
-    return dist
+        No host synchronisation sizes the work: `exact` always runs on refine_capacity
+        classes, chosen on the device, most at risk first; the exact values of those not at
+        risk are not used (nor their gradients, which are zero)."""
+        n, num_classes = dist.shape
+        capacity = refine_capacity(num_classes, n, self.means.shape[1])
+        with torch.no_grad():
+            bound = 4 * _EPS32 * magnitude
+            risky = (bound > REFINE_TOLERANCE * dist).any(0)  # [C]
+            if capacity < num_classes:
+                classes = torch.argsort((bound / dist).amax(0), descending=True)[:capacity]
+                self.unrefined += risky.sum() > capacity
+                risky &= torch.zeros_like(risky).index_fill_(0, classes, True)  # those past capacity stay expanded
+            else:
+                classes = torch.arange(num_classes, device=dist.device)
+        refined = torch.zeros_like(dist).index_copy(1, classes, exact(classes))
+        return torch.where(risky, refined, dist)
+
+
+def refine_capacity(num_classes: int, batch: int, dim: int) -> int:
+    """How many classes each batch's refinement recomputes: every class when there are no
+    more than the batch's samples or than one chunk holds; else the larger of those two."""
+    return min(num_classes, max(batch, CHUNK_BYTES // (4 * batch * dim)))
 
 
 def _by_class_chunks(fn, z: torch.Tensor, num_classes: int, bytes_per_class: int, class_args) -> torch.Tensor:

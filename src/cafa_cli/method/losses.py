@@ -17,8 +17,13 @@ _MAX_DISTANCE = 1e30
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """TENT: mean Shannon entropy of the predictions."""
+    return entropies(logits).mean()
+
+
+def entropies(logits: torch.Tensor) -> torch.Tensor:
+    """Each prediction's Shannon entropy, [N] (EATA and SAR select and weight by it)."""
     log_p = logits.log_softmax(1)
-    return -(log_p.exp() * log_p).sum(1).mean()
+    return -(log_p.exp() * log_p).sum(1)
 
 
 def pseudo_label(logits: torch.Tensor) -> torch.Tensor:
@@ -32,9 +37,14 @@ def cafa(distances: torch.Tensor, pseudo_labels: torch.Tensor) -> torch.Tensor:
     `pseudo_labels` must carry no gradient; gradients reach the features through the
     distances only.
     """
+    return cafa_terms(distances, pseudo_labels).mean()
+
+
+def cafa_terms(distances: torch.Tensor, pseudo_labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's log( D_ŷ(z_n) / Σ_c D_c(z_n) ), [N] (cafa-eata weights them)."""
     log_d = distances.clamp(_MIN_DISTANCE, _MAX_DISTANCE).log()
     own = log_d.gather(1, pseudo_labels.detach().view(-1, 1)).squeeze(1)
-    return (own - torch.logsumexp(log_d, dim=1)).mean()
+    return own - torch.logsumexp(log_d, dim=1)
 
 
 def intra(distances: torch.Tensor, pseudo_labels: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,28 @@ which)`. For each test batch:
     logits, features = model(images)          # the prediction reported for the batch
     loss = method.loss(logits, features)      # then one optimiser step on those parameters
                                               # (`steps` times: forward, loss, step)
+    logits = method.output(logits, features)  # the prediction reported (T3A, LAME change it)
     method.after_step(logits)
 
-and `method.reset()` whenever the model goes back to the source weights. A method says
-what it changes with three class attributes:
+and `method.reset()` whenever the model goes back to the source weights. Three hooks let
+a method do more than a loss and a plain step (each defaults to doing nothing new):
+
+- `output(logits, features)`: the logits reported for the batch, from the forward pass's
+  (detached) logits and features: T3A's prototype classifier, LAME's Laplacian-adjusted
+  assignment (returned as log-probabilities). The default returns `logits` unchanged.
+- `leave_out`: a device bool scalar that `loss` may set, True where this batch's step
+  must be left out (EATA when its filters kept no sample): the optimiser state then stays
+  as it was, as for a non-finite loss, but the step is not counted as skipped. Sample
+  weighting and filtering themselves belong in `loss` (masks and weights on the device).
+- `owns_update = True` with `update(adapter, images, skipped) -> (logits, features, flag)`:
+  the method runs its own forward passes and steps (SAR's two-pass SAM step and recovery,
+  CoTTA's teacher and student), once for each of the Adapter's `steps`. It uses
+  `adapter.forward` (under `adapter.autocast`), `adapter.apply(loss, skipped, leave_out=,
+  after_backward=)` for a step that is left out on the device when not finite, and
+  `adapter.source_state` / `adapter.optimizer` to restore; it returns the logits and
+  features of the forward pass whose prediction is reported, and apply's flag.
+
+A method says what it changes with three class attributes:
 
 - `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`);
 - `adapts_normalisation`: BatchNorms normalise with the test batch's statistics (False:
@@ -42,6 +60,11 @@ class Method:
     trains: bool = True
     gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
     device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
+    # a count on the device of batches whose loss was computed less exactly than usual (cafa:
+    # distances.refine_capacity), read by the Adapter once a domain; None: never
+    unrefined: torch.Tensor | None = None
+    owns_update: bool = False  # True: update() replaces the Adapter's forward, loss and step
+    leave_out: torch.Tensor | None = None  # set by loss(): True leaves this batch's step out
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The scalar to minimise for one batch, from the logits [N, C] and the features
@@ -64,6 +87,16 @@ class Method:
         if self.device is not None and self.device.type != device.type:
             raise UsageError(f"the method {self.name} keeps its statistics on {self.device} but adapts on {device}; "
                              f"create it with device={str(device)!r}")
+
+    def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The logits reported for the batch, from the forward pass's logits [N, C] and
+        features [N, d] (float32, detached, under no_grad). Default: the logits as they are."""
+        return logits
+
+    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+        """For a method with `owns_update`: one update on `images` through the Adapter's
+        forward and apply(); returns (logits, features, apply's flag)."""
+        raise NotImplementedError(f"{type(self).__name__} sets owns_update, so it needs update()")
 
     def before_step(self, images: torch.Tensor) -> None:
         """Called with each batch (on the Adapter's device) before its forward pass."""

@@ -32,6 +32,7 @@ class Cafa(Method):
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
         self.gaussians, self.device = gaussians, resolve_device(device)
         self.distances = ClassDistances(gaussians, self.device, metric=self.metric)
+        self.unrefined = self.distances.unrefined
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.cafa(self.distances(features), logits.detach().argmax(1))

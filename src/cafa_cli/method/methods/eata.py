@@ -1,0 +1,138 @@
+"""EATA and ETA: efficient anti-forgetting test-time adaptation (Niu et al., "Efficient
+Test-Time Model Adaptation without Forgetting", ICML 2022).
+
+Update rule: BatchNorms use the test batch's statistics; for each batch, with E(x) the
+entropy of a prediction p(x) = softmax(logits) and E0 = 0.4·ln C (C classes),
+
+1. reliable samples: those with E(x) < E0;
+2. non-redundant ones among them: |cos(p(x), m)| < ε, where m is the moving average of
+   the mean probability vector of the samples kept so far (m ← 0.9·m + 0.1·mean p over
+   this batch's kept samples; the first batch that keeps any sets m, and filters by E alone);
+3. one optimiser step on the normalisation affines minimising, over the kept set S,
+
+       L = (1/|S|) Σ_{x∈S} E(x) / exp(E(x) − E0)   +   β Σ_i F_i (θ_i − θ⁰_i)²
+
+   (the weights 1/exp(E − E0) carry no gradient). ETA is the first term alone; EATA
+   adds the anti-forgetting term, F the diagonal Fisher information at the source
+   weights θ⁰: the mean over batches of the squared gradient of the cross-entropy against
+   the model's own predictions, on `fisher_samples` clean in-distribution images (BN on
+   batch statistics, as when adapting). Without such images EATA is ETA (the command
+   line says so in one warning). No step is taken for a batch that keeps no sample.
+
+Defaults, as the official code: E0 = 0.4·ln C, ε = 0.05, β = 2000, 2000 Fisher images
+(their code: clean ImageNet validation images, batches of 64); ImageNet-C: SGD, lr
+0.00025, momentum 0.9, batch 64. Everything stays on the device: the filters are masks
+and the "no sample kept" case leaves the step out through `leave_out` (base.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from cafa_cli.method import losses
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.methods.base import Method, resolve_device, select_parameters
+
+MARGIN = 0.4  # E0 = MARGIN · ln C
+REDUNDANCY = 0.05  # ε: a sample whose probabilities are this close (cosine) to the moving mean is redundant
+MOMENTUM = 0.9  # of the moving mean probability vector
+FISHER_ALPHA = 2000.0  # β
+FISHER_SAMPLES = 2000
+
+
+class Selection:
+    """EATA's sample selection and weighting, kept on the device: `select(logits)` gives
+    each sample's entropy (with its gradient), its weight 1/exp(E − E0) where kept and 0
+    where not (no gradient), and how many were kept (a device scalar)."""
+
+    def __init__(self, margin: float = MARGIN, redundancy: float = REDUNDANCY):
+        self.margin, self.redundancy = margin, redundancy
+        self.reset()
+
+    def reset(self) -> None:
+        self.mean_probs: torch.Tensor | None = None  # m, made on the first batch's device
+        self.started: torch.Tensor | None = None  # whether m holds a mean yet
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        e0 = self.margin * math.log(logits.shape[1])
+        entropy = losses.entropies(logits)
+        with torch.no_grad():
+            probs = logits.detach().softmax(1)
+            if self.mean_probs is None:
+                self.mean_probs = torch.zeros(logits.shape[1], device=logits.device)
+                self.started = torch.zeros((), dtype=torch.bool, device=logits.device)
+            similarity = F.cosine_similarity(self.mean_probs.unsqueeze(0), probs, dim=1)
+            keep = (entropy.detach() < e0) & ((similarity.abs() < self.redundancy) | ~self.started)
+            kept = keep.sum()
+            batch_mean = (probs * keep.unsqueeze(1)).sum(0) / kept.clamp_min(1)
+            moved = torch.where(self.started, MOMENTUM * self.mean_probs + (1 - MOMENTUM) * batch_mean, batch_mean)
+            self.mean_probs = torch.where(kept > 0, moved, self.mean_probs)
+            self.started = self.started | (kept > 0)
+            weights = keep * torch.exp(-(entropy.detach() - e0))
+        return entropy, weights, kept
+
+
+def fisher_information(model: FeatureClassifier, params: list[torch.nn.Parameter], batches: Iterable[torch.Tensor],
+                       device: torch.device) -> list[torch.Tensor]:
+    """Each parameter's diagonal Fisher information: the mean over `batches` of the squared
+    gradient of the batch's cross-entropy against the model's own predictions."""
+    fisher = [torch.zeros_like(p) for p in params]
+    count = 0
+    with torch.inference_mode(False), torch.enable_grad():
+        for images in batches:
+            logits, _ = model(images.to(device))
+            loss = F.cross_entropy(logits, logits.detach().argmax(1))
+            for total, grad in zip(fisher, torch.autograd.grad(loss, params)):
+                total += grad.square()
+            count += 1
+    return [total / max(count, 1) for total in fisher]
+
+
+class Eta(Method):
+    name = "eta"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = resolve_device(device)
+        self.selection = Selection()
+        self.fisher: list[torch.Tensor] | None = None
+
+    def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        entropy, weights, kept = self.selection.select(logits)
+        self.leave_out = kept == 0
+        return (entropy * weights).sum() / kept.clamp_min(1)
+
+    def reset(self) -> None:
+        self.selection.reset()
+
+
+class Eata(Eta):
+    """ETA plus the Fisher regulariser when `fisher_batches` (normalised images of clean
+    source data) are given; ETA otherwise."""
+
+    name = "eata"
+
+    def __init__(self, device: torch.device | str = "cpu", fisher_batches: Iterable[torch.Tensor] | None = None,
+                 fisher_alpha: float = FISHER_ALPHA):
+        super().__init__(device)
+        self.fisher_batches, self.fisher_alpha = fisher_batches, fisher_alpha
+        self.params: list[torch.nn.Parameter] = []
+        self.anchor: list[torch.Tensor] = []
+
+    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        """The parameters, and their Fisher information at the source weights (the model is
+        already as it adapts: on the device, BatchNorms on batch statistics)."""
+        self.params = select_parameters(model, which)
+        if self.fisher_batches is not None:
+            self.fisher = fisher_information(model, self.params, self.fisher_batches, self.device)
+            self.anchor = [p.detach().clone() for p in self.params]
+        return self.params
+
+    def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        loss = super().loss(logits, features)
+        if self.fisher is None:
+            return loss
+        penalty = sum((f * (p - p0).square()).sum() for f, p, p0 in zip(self.fisher, self.params, self.anchor))
+        return loss + self.fisher_alpha * penalty

@@ -1,0 +1,103 @@
+"""The methods of issue 20 through the command line: eata's source images (--fisher-data)
+and its fallback to eta, plug-in methods (--method file.py:factory) and their trust rule,
+and `cafa bench --methods all`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import fails, no_traceback, rows
+from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
+
+from cafa_cli.cli.app import app
+from cafa_cli.jobs.bench import VARIANTS, parse_methods
+from cafa_cli.method.methods import NAMES
+from conftest import TINY_NET
+
+DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
+
+
+def adapt(setup, *args, quiet: bool = True):  # noqa: F811
+    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                               "--batch-size", "30", *(["--quiet"] if quiet else []), *args])
+
+
+def warnings(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+
+
+@pytest.mark.parametrize("method", ["eta", "sar", "t3a", "lame", "cafa-eata"])
+def test_each_new_method_runs_in_cafa_adapt(setup, method):
+    result = adapt(setup, "--method", method)
+    assert result.exit_code == 0, result.stderr
+    assert len(rows(result)) == 90
+
+
+def test_eata_without_fisher_data_says_so_in_one_line_and_runs_as_eta(setup):
+    eata, eta = adapt(setup, "--method", "eata", quiet=False), adapt(setup, "--method", "eta")
+    assert eata.exit_code == eta.exit_code == 0, eata.stderr
+    said = [w for w in warnings(eata) if "eata" in w]
+    assert len(said) == 1 and "runs as eta" in said[0] and "--fisher-data" in said[0]
+    assert eata.stdout == eta.stdout
+
+
+def test_eata_with_fisher_data_adds_its_fisher_term(setup):
+    result = adapt(setup, "--method", "eata", "--fisher-data", setup["train"], "--fisher-samples", "60", "--lr", "0.05",
+                   quiet=False)
+    assert result.exit_code == 0, result.stderr
+    assert not [w for w in warnings(result) if "eata" in w]
+    assert len(rows(result)) == 90
+
+
+def test_fisher_samples_below_one_is_a_usage_error(setup):
+    fails(adapt(setup, "--method", "eata", "--fisher-data", setup["train"], "--fisher-samples", "0"), 2, "--fisher-samples")
+
+
+def test_fisher_data_that_is_not_there_is_an_input_error(setup, tmp_path):
+    fails(adapt(setup, "--method", "eata", "--fisher-data", tmp_path / "nowhere"), 3, "nowhere")
+
+
+def plugin_file(tmp_path: Path) -> Path:
+    """The plug-in of docs/python-api.md, as a file."""
+    block = next(b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if b.startswith("# my_method.py"))
+    path = tmp_path / "my_method.py"
+    path.write_text(block)
+    return path
+
+
+def test_the_documented_plugin_runs_through_cafa_adapt(setup, tmp_path):
+    result = adapt(setup, "--method", f"{plugin_file(tmp_path)}:build")
+    assert result.exit_code == 0, result.stderr
+    assert len(rows(result)) == 90
+
+
+def test_a_plugin_that_returns_no_method_is_named(setup, tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def build(gaussians, device):\n    return 42\n")
+    fails(adapt(setup, "--method", f"{path}:build"), 3, "--method", "returned int, not a Method")
+
+
+def test_a_plugin_file_that_is_not_there_is_named(setup, tmp_path):
+    fails(adapt(setup, "--method", f"{tmp_path / 'none.py'}:build"), 3, "no such file")
+
+
+def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
+    from cafa_cli.cli.app import command_options
+    from cafa_cli.cli.defaults import read_defaults
+    from cafa_cli.errors import UsageError
+
+    (tmp_path / "cafa.toml").write_text(f'[adapt]\nmethod = "{plugin_file(tmp_path)}:build"\n')
+    with pytest.raises(UsageError, match="names code to run.*on the command line"):
+        read_defaults(tmp_path, command_options())
+    (tmp_path / "cafa.toml").write_text('[adapt]\nmethod = "tent"\n')
+    assert read_defaults(tmp_path, command_options()) == {"adapt": {"method": "tent"}}
+
+
+def test_bench_methods_all_is_every_method_and_variant():
+    labels = [row.label for row in parse_methods("all")]
+    assert labels == list(NAMES) + list(VARIANTS)
+    assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata"} <= set(labels)
+    mixed = [row.label for row in parse_methods("tent@0.01,all")]
+    assert mixed[0] == "tent@0.01" and "tent" not in mixed and len(mixed) == len(labels)
