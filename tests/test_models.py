@@ -539,7 +539,7 @@ def test_a_factory_path_that_is_no_python_file_is_named_so(setup, tmp_path, monk
     (tmp_path / "folder").mkdir()
     (tmp_path / "net.txt").write_text("def build(): pass\n")
     monkeypatch.chdir(tmp_path)
-    fails(stats_with_model(setup, tmp_path, f"./{location}:build"), 3, f"--model ./{location}:build: ./{location} {what}; a factory is 'path/to/file.py:function'")
+    fails(stats_with_model(setup, tmp_path, f"./{location}:build"), 3, f"--model ./{location}:build: ./{location} {what}; give 'path/to/file.py:function'")
 
 
 def test_factory_that_does_not_import(setup, tmp_path):
