@@ -89,9 +89,14 @@ class Adapter:
         # fp16 gradients underflow without loss scaling; bf16 has float32's range
         self._scaled = precision == "fp16"
         self.scaler = self._new_scaler()
-        # torch.compile shares the module's parameters, so reset() and the optimiser
-        # act on it unchanged; the first batches pay for the compilation
-        self.forward = torch.compile(self.model) if compile else self.model
+        # torch.compile shares the module's parameters, so reset() and the optimiser act on
+        # it unchanged; the first batches pay for the compilation. A method that trains has
+        # its forward pass and loss compiled together, so torch.compile's own backward graph
+        # covers the loss too; the step is then three graphs: forward and loss, backward,
+        # and the few kernels of the optimiser's step (torch breaks graphs at backward() and
+        # around optimiser steps by design, pytorch/pytorch#104053)
+        self.forward = torch.compile(self.model) if compile and not method.trains else self.model
+        self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
     @property
@@ -149,13 +154,16 @@ class Adapter:
             if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
                 images = images.clone()
             for _ in range(self.steps):
-                with self.autocast:
-                    logits, features = self.forward(images)
+                logits, loss = self._forward_and_loss(images)
                 if prediction is None:
                     prediction = logits.detach().float()
-                loss = self.method.loss(logits.float(), features.float())
                 skipped = self._apply(loss, skipped)
         return prediction
+
+    def _forward_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.autocast:
+            logits, features = self.forward(images)
+        return logits, self.method.loss(logits.float(), features.float())
 
     def _apply(self, loss: torch.Tensor, skipped: torch.Tensor | None) -> torch.Tensor:
         """One optimiser step, left out on the device when the loss or a gradient is not
