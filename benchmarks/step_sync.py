@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from perf import synthetic_gaussians, timed  # noqa: E402
+from perf import model_arguments, synthetic_gaussians, timed  # noqa: E402
 
 from cafa_cli.devices import pick_device  # noqa: E402
 from cafa_cli.method.adapter import Adapter  # noqa: E402
@@ -59,13 +59,7 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--against", help="the commit whose step is 'before' (needs git)")
     source.add_argument("--before", help="a folder with that commit's adapter.py and distances.py")
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--classes", type=int, default=10, help="C (the model's outputs)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--size", type=int, default=224, help="input height = width")
-    parser.add_argument("--channels", type=int, default=3)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--precision", default="fp32")
+    model_arguments(parser)
     parser.add_argument("--covariances", default="lowrank")
     parser.add_argument("--repeats", type=int, default=3, help="steps a round")
     parser.add_argument("--rounds", type=int, default=5)
