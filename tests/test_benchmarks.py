@@ -89,4 +89,5 @@ def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["tent", "cafa-diag"] and "after/before" in printed
     assert all(len(row["rounds"]["before"]) == len(row["rounds"]["after"]) == 2 for row in rows.values())
+    assert all(row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"] for row in rows.values() for which in row["counted"])
     assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
