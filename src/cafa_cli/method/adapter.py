@@ -120,7 +120,8 @@ class Adapter:
                                         nesterov=self._optimizer_kind == "nesterov", **fused)
         else:
             optimizer = torch.optim.Adam(self.params, lr=self._lr, **fused)
-        _start_state(optimizer, fused=self._fused)
+        with torch.inference_mode(False):  # reset() may be called under inference_mode; the steps change this state
+            _start_state(optimizer, fused=self._fused)
         return optimizer
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
