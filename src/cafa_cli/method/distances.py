@@ -26,8 +26,9 @@ distance is within about 1e-5 of the direct form — as the full form always is.
 That refinement takes no host synchronisation, so that a GPU never waits for the host to
 learn how many classes need it: every batch recomputes the same number of classes,
 `refine_capacity` — all C when C ≤ max(N, one chunk's classes), else that many, the most
-at risk first; for the tied form, whose exact distance costs a d × d product per class,
-a chunk counts N·d² — and the exact values are used only where the bound says so. A
+at risk first, where a class counts the multiply-adds of its exact distance: N·d, N·d·k
+for the low-rank form (two products with its basis), N·d² for the tied form (one with
+L) — and the exact values are used only where the bound says so. A
 batch with more classes at risk than that (each sample would have to sit close to
 several class means) leaves the least at risk in the expanded form; `unrefined` counts
 such batches, on the device.
@@ -144,7 +145,7 @@ class ClassDistances:
             lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
         )
         magnitude = (z.detach().square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
-        return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes))
+        return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes), work=n * z.shape[1] * k)
 
     def _lowrank_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
@@ -179,9 +180,10 @@ class ClassDistances:
 
 
 def refine_capacity(num_classes: int, batch: int, work: int) -> int:
-    """How many classes each batch's refinement recomputes, given the float32 elements of
-    work each takes (N·d; N·d² for the tied form): every class when there are no more than
-    the batch's samples or than one chunk of that work holds; else the larger of those two."""
+    """How many classes each batch's refinement recomputes, given the multiply-adds each
+    takes (N·d; N·d·k low-rank; N·d² tied), counted as float32 elements against a chunk:
+    every class when there are no more than the batch's samples or than one chunk of that
+    work holds; else the larger of those two."""
     return min(num_classes, max(batch, CHUNK_BYTES // (4 * work)))
 
 
