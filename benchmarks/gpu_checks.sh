@@ -11,6 +11,10 @@
 #   perf:    C = 1000 ResNet-50: dense full (chunks kept and recomputed) and low-rank vs TENT
 #   compile: the same with torch.compile, low-rank only
 #   loader:  the data loader's images/s, uint8 batches vs per-image float, 0 to $WORKERS processes
+#   sync:    issue 22: the step without host synchronisations against the step before it,
+#            side by side (step_sync.py), C = 1000 ResNet-50, TENT and low-rank CAFA, fp32 and
+#            bf16: the CAFA / TENT ratio of both; needs the earlier step's two files in
+#            $BEFORE (default benchmarks/before-22), extracted where git is (see step_sync.py)
 #   trace:   where a C = 1000 step's time goes: torch.profiler tables of tent and low-rank cafa
 #            steps (fp32 and bf16; with cudnn.benchmark too), each loss timed alone, the distances' GEMMs computed
 #            four ways (lowrank_gemm.py), and the cafa adapt loop profiled whole on a
@@ -38,6 +42,11 @@ for stage in $STAGES; do
            # and the whole cafa adapt loop on a 6,000-image domain, fp32 and bf16, under torch.profiler
            "$PY" benchmarks/imagenet_c_speed.py --images 6400 --root /tmp/imagenet-c-small --workers "$WORKERS" \
              --no-decode --torch-profile "$OUT" 2>&1 | log ;;
+    sync) before=${BEFORE:-benchmarks/before-22}
+          if [ -f "$before/adapter.py" ] && [ -f "$before/distances.py" ]; then
+            for p in fp32 bf16; do "$PY" benchmarks/step_sync.py --before "$before" --model resnet50 --classes 1000 --batch 64 \
+              --covariances lowrank --precision $p --repeats 5 --rounds 5 --json "$OUT/sync-$p.json" 2>&1 | log; done
+          else echo "no $before/adapter.py and distances.py: extract the step before issue 22 first (step_sync.py)" | log; fi ;;
     loader) "$PY" benchmarks/loader.py --images 6400 --workers "0,4,$WORKERS" --json "$OUT/loader.json" 2>&1 | log ;;
     *) echo "unknown stage $stage" | log ;;
   esac

@@ -108,8 +108,8 @@ def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> Clas
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its inputs, device and precision (step_sync.py takes them too)."""
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--classes", type=int, default=10, help="C (the model's outputs)")
     parser.add_argument("--batch", type=int, default=8)
@@ -117,6 +117,11 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="fp32")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(parser)
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--repeats", type=int, default=5)
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything

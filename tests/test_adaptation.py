@@ -231,6 +231,20 @@ def test_a_skipped_update_leaves_weights_and_optimiser_state_as_if_the_batch_had
     assert all(torch.equal(a, b) for a, b in zip(state(with_bad), state(without)))
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_reset_and_steps_under_inference_mode(trained, optimizer):
+    """An evaluation loop under torch.inference_mode may reset the Adapter too: the fresh
+    optimiser state, made before the first step, must still take the steps' updates."""
+    model, _, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), create("tent"), optimizer=optimizer, lr=1e-2)
+    with torch.inference_mode():
+        adapter.step(x[:50])
+        adapter.reset()
+        first = adapter.step(x[50:100])
+        second = adapter.step(x[50:100])
+    assert not torch.equal(first, second) and adapter.skipped_steps == 0
+
+
 def test_fp16_loss_scaling_steps_like_fp32_and_an_overflow_skips_and_halves_the_scale(trained):
     """fp16 is CUDA-only, so the scaler's logic is checked here with a CPU GradScaler."""
     model, gaussians, x, _ = trained

@@ -75,3 +75,19 @@ def test_imagenet_c_speed_times_the_real_command_and_profiles_it(tmp_path):
                   "--root", tmp_path / "domain", "--json", out).stdout
     assert "rebuilding" in printed and "writing a synthetic 2-class" in printed
     assert json.loads(out.read_text())["adapt"][0]["images"] == 6
+
+
+def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
+    """Here 'before' is a copy of today's two files: only the script's mechanics are checked."""
+    before = tmp_path / "before"
+    before.mkdir()
+    for name in ("adapter", "distances"):
+        (before / f"{name}.py").write_text((BENCHMARKS.parent / "src/cafa_cli/method" / f"{name}.py").read_text())
+    out = tmp_path / "sync.json"
+    printed = run("step_sync.py", "--before", before, "--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1,
+                  "--covariances", "diag", "--repeats", 1, "--rounds", 2, "--device", "cpu", "--json", out).stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["tent", "cafa-diag"] and "after/before" in printed
+    assert all(len(row["rounds"]["before"]) == len(row["rounds"]["after"]) == 2 for row in rows.values())
+    assert all(row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"] for row in rows.values() for which in row["counted"])
+    assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9

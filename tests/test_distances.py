@@ -126,6 +126,17 @@ def test_chunk_budget_below_one_class_still_works(monkeypatch):
     assert calls == [1] * C
 
 
+def test_the_tied_form_refines_fewer_classes_a_batch_for_their_d_by_d_work(monkeypatch):
+    """The refinement's fixed work: N·d elements a class, N·d² for the tied form's exact
+    distance, against one chunk, and never fewer classes than the batch has samples."""
+    z = probes(n=2)
+    monkeypatch.setattr(distances, "CHUNK_BYTES", 3 * 4 * 2 * D * D)  # 3 tied classes, or 18 of the others
+    calls = counting_chunks(monkeypatch)  # the tied form's exact distances go through _full_chunk
+    ClassDistances(make_gaussians("tied"))(z)
+    assert sum(calls) == 3 and distances.refine_capacity(C, 2, 2 * D * D) == 3
+    assert distances.refine_capacity(C, 2, 2 * D) == C and distances.refine_capacity(C, 5, 5 * D * D) == 5
+
+
 # --- gradients -------------------------------------------------------------------
 
 

@@ -162,3 +162,18 @@ def test_no_optimiser_path_reads_a_device_value(trained, optimizer, fused, scale
     if scaled:
         adapter.scaler = torch.amp.GradScaler("cpu")
     assert steady_reads(adapter, x) == []
+
+
+@pytest.mark.parametrize("method, covariance", [("tent", "full"), ("global-fa", "full"), ("cafa", "full"), ("euclidean", "full"),
+                                                ("cafa", "tied"), ("cafa", "diag"), ("cafa", "lowrank")])
+def test_forward_and_loss_trace_as_one_graph(trained, method, covariance):
+    """What --compile compiles for a method that trains: with nothing read on the host, the
+    forward pass, the loss and the distances' refinement are one graph (and so is the
+    backward pass torch.compile derives from it); only tracing here, no compilation."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    model, gaussians, x, y = trained
+    statistics = gaussians if covariance == "full" else gaussians_of(model, x, y, covariance)
+    adapter = Adapter(copy.deepcopy(model), create(method, statistics), lr=1e-2)
+    dynamo.reset()
+    explained = dynamo.explain(adapter._forward_loss)(x[:50])
+    assert (explained.graph_count, explained.break_reasons) == (1, [])

@@ -177,7 +177,7 @@ def test_more_classes_at_risk_than_the_refinement_holds_are_counted(monkeypatch)
     z = x[:2]
     monkeypatch.setattr(distances, "CHUNK_BYTES", 4 * len(z) * D)  # one class a chunk: capacity max(N, 1) = 2 of C = 5
     monkeypatch.setattr(distances, "REFINE_TOLERANCE", 1e-30)  # every class at risk
-    assert distances.refine_capacity(C, len(z), D) == 2
+    assert distances.refine_capacity(C, len(z), len(z) * D) == 2
     dist = ClassDistances(g)
     got = dist(z)
     assert int(dist.unrefined) == 1

@@ -141,7 +141,7 @@ class AdaptationOptions:
     bn_prior: float = setting(0.0, "Source BN statistics count as this many samples (0: test batch only).", metavar="N",
                               panel=ADAPTATION)
     precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
-    compile: bool = setting(False, "torch.compile the model (pays a compilation on the first batches).", panel=ADAPTATION)
+    compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
 
     def adapter_options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}

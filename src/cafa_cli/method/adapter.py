@@ -89,9 +89,14 @@ class Adapter:
         # fp16 gradients underflow without loss scaling; bf16 has float32's range
         self._scaled = precision == "fp16"
         self.scaler = self._new_scaler()
-        # torch.compile shares the module's parameters, so reset() and the optimiser
-        # act on it unchanged; the first batches pay for the compilation
-        self.forward = torch.compile(self.model) if compile else self.model
+        # torch.compile shares the module's parameters, so reset() and the optimiser act on
+        # it unchanged; the first batches pay for the compilation. A method that trains has
+        # its forward pass and loss compiled together, so torch.compile's own backward graph
+        # covers the loss too; the step is then three graphs: forward and loss, backward,
+        # and the few kernels of the optimiser's step (torch breaks graphs at backward() and
+        # around optimiser steps by design, pytorch/pytorch#104053)
+        self.forward = torch.compile(self.model) if compile and not method.trains else self.model
+        self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
     @property
@@ -115,7 +120,8 @@ class Adapter:
                                         nesterov=self._optimizer_kind == "nesterov", **fused)
         else:
             optimizer = torch.optim.Adam(self.params, lr=self._lr, **fused)
-        _start_state(optimizer, fused=self._fused)
+        with torch.inference_mode(False):  # reset() may be called under inference_mode; the steps change this state
+            _start_state(optimizer, fused=self._fused)
         return optimizer
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
@@ -156,13 +162,16 @@ class Adapter:
                     if prediction is None:
                         prediction, reported = logits.detach().float(), features.detach().float()
                     continue
-                with self.autocast:
-                    logits, features = self.forward(images)
+                logits, features, loss = self._forward_and_loss(images)
                 if prediction is None:
                     prediction, reported = logits.detach().float(), features.detach().float()
-                loss = self.method.loss(logits.float(), features.float())
                 skipped = self._apply(loss, skipped, leave_out=self.method.leave_out)
         return prediction, reported
+
+    def _forward_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with self.autocast:
+            logits, features = self.forward(images)
+        return logits, features, self.method.loss(logits.float(), features.float())
 
     def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
               after_backward=None) -> torch.Tensor:

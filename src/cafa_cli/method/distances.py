@@ -25,8 +25,10 @@ distance is within about 1e-5 of the direct form — as the full form always is.
 
 That refinement takes no host synchronisation, so that a GPU never waits for the host to
 learn how many classes need it: every batch recomputes the same number of classes,
-`refine_capacity(C, N, d)` — all C when C ≤ max(N, one chunk's classes), else that many,
-the most at risk first — and the exact values are used only where the bound says so. A
+`refine_capacity` — all C when C ≤ max(N, one chunk's classes), else that many, the most
+at risk first, where a class counts the multiply-adds of its exact distance: N·d, N·d·k
+for the low-rank form (two products with its basis), N·d² for the tied form (one with
+L) — and the exact values are used only where the bound says so. A
 batch with more classes at risk than that (each sample would have to sit close to
 several class means) leaves the least at risk in the expanded form; `unrefined` counts
 such batches, on the device.
@@ -108,7 +110,7 @@ class ClassDistances:
         whitened = z @ self.factor
         dist = _expanded_square_distance(whitened, self.whitened_means)
         magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
-        return self._refined(dist, magnitude, lambda classes: self._tied_exact(z, classes))
+        return self._refined(dist, magnitude, lambda classes: self._tied_exact(z, classes), work=len(z) * z.shape[1] ** 2)
 
     def _euclidean(self, z: torch.Tensor) -> torch.Tensor:
         dist = _expanded_square_distance(z, self.means)
@@ -143,7 +145,7 @@ class ClassDistances:
             lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
         )
         magnitude = (z.detach().square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
-        return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes))
+        return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes), work=n * z.shape[1] * k)
 
     def _lowrank_exact(self, z: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
@@ -153,16 +155,17 @@ class ClassDistances:
             lambda part: (self.means[classes[part]], self.basis[classes[part]], self.inv_isotropic[classes[part]], self.inv_eigen[classes[part]]),
         )
 
-    def _refined(self, dist: torch.Tensor, magnitude: torch.Tensor, exact) -> torch.Tensor:
+    def _refined(self, dist: torch.Tensor, magnitude: torch.Tensor, exact, work: int | None = None) -> torch.Tensor:
         """Replace the classes whose expanded-form distance may be off by more than
         REFINE_TOLERANCE (its float32 rounding error is about 4·eps·magnitude, the sum of
         the squared norms that cancelled) with `exact(classes)`, computed without cancelling.
 
         No host synchronisation sizes the work: `exact` always runs on refine_capacity
         classes, chosen on the device, most at risk first; the exact values of those not at
-        risk are not used (nor their gradients, which are zero)."""
+        risk are not used (nor their gradients, which are zero). `work`: elements of work
+        per class, N·d unless said."""
         n, num_classes = dist.shape
-        capacity = refine_capacity(num_classes, n, self.means.shape[1])
+        capacity = refine_capacity(num_classes, n, work or n * self.means.shape[1])
         with torch.no_grad():
             bound = 4 * _EPS32 * magnitude
             risky = (bound > REFINE_TOLERANCE * dist).any(0)  # [C]
@@ -176,10 +179,12 @@ class ClassDistances:
         return torch.where(risky, refined, dist)
 
 
-def refine_capacity(num_classes: int, batch: int, dim: int) -> int:
-    """How many classes each batch's refinement recomputes: every class when there are no
-    more than the batch's samples or than one chunk holds; else the larger of those two."""
-    return min(num_classes, max(batch, CHUNK_BYTES // (4 * batch * dim)))
+def refine_capacity(num_classes: int, batch: int, work: int) -> int:
+    """How many classes each batch's refinement recomputes, given the multiply-adds each
+    takes (N·d; N·d·k low-rank; N·d² tied), counted as float32 elements against a chunk:
+    every class when there are no more than the batch's samples or than one chunk of that
+    work holds; else the larger of those two."""
+    return min(num_classes, max(batch, CHUNK_BYTES // (4 * work)))
 
 
 def _by_class_chunks(fn, z: torch.Tensor, num_classes: int, bytes_per_class: int, class_args) -> torch.Tensor:
