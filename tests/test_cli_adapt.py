@@ -529,5 +529,5 @@ def test_gradual_visits_the_severities_of_each_corruption_up_and_down(setup, tmp
     assert len(result.stdout.splitlines()) == 1 + 9 * 12
     shutil.rmtree(corruption / "4")
     missing = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"])
-    assert missing.exit_code == 3 and f"--gradual visits severities 1-5 of a corruption" in missing.stderr
+    assert missing.exit_code == 3 and "--gradual visits severities 1-5 of a corruption" in missing.stderr
     assert f"{corruption / '4'} is not a folder" in missing.stderr

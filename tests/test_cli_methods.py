@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import fails, no_traceback, rows
+from helpers import fails, rows
 from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
 
 from cafa_cli.cli.app import app

@@ -8,7 +8,6 @@ import os
 import struct
 import subprocess
 import sys
-import textwrap
 import zlib
 
 import numpy as np

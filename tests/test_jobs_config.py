@@ -38,7 +38,7 @@ def _choices(command) -> dict[str, tuple]:
 
 
 def test_choices_are_the_librarys():
-    from cafa_cli.jobs import config
+    from cafa_cli.jobs import settings
     from cafa_cli.method import adapter, options
     from cafa_cli.method.methods import NAMES
 
@@ -49,8 +49,8 @@ def test_choices_are_the_librarys():
     assert "method" not in choices  # a name or a plug-in (module:factory): the settings check it, the help lists the names
     assert all(name in command.params[[p.name for p in command.params].index("method")].help for name in NAMES)
     assert choices["optimizer"] == options.OPTIMIZERS and choices["params"] == options.PARAM_SETS
-    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == config.RESET_POLICIES
-    assert choices["format"] == config.RECORD_FORMATS
+    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == settings.RESET_POLICIES
+    assert choices["format"] == settings.RECORD_FORMATS
     stats_choices = _choices(typer.main.get_command(app).commands["stats"])
     assert stats_choices["covariance"] == options.COVARIANCE_CHOICES
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from cafa_cli import DEFAULT_ARTIFACT, __version__
+from cafa_cli import __version__
 from cafa_cli.errors import CafaError, InputError, UsageError, listing
 from cafa_cli.files import atomic_write, open_safetensors
 from cafa_cli.checkpoints import HTML_MARKERS

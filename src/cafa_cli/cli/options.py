@@ -14,7 +14,7 @@ import typer
 from typer.core import TyperCommand
 
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.config import ADAPTATION, DATA, MODEL, OUTPUT, RUNTIME, STATISTICS, STREAM
+from cafa_cli.jobs.settings import ADAPTATION, DATA, MODEL, OUTPUT, RUNTIME, STATISTICS, STREAM
 
 PANELS = (DATA, MODEL, STATISTICS, ADAPTATION, STREAM, OUTPUT, RUNTIME)
 OTHER = "Other options"

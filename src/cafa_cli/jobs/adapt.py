@@ -25,7 +25,8 @@ from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.results import DomainResult
 from cafa_cli.jobs.stream import adapt_domains
 from cafa_cli.checkpoints import UntrustedCheckpoint
-from cafa_cli.jobs.config import AdaptConfig, factory_file
+from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.settings import factory_file
 from cafa_cli.method.options import check_precision
 from cafa_cli.jobs.distributed import launched_by_torchrun
 from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,

@@ -23,7 +23,8 @@ from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
 from cafa_cli.jobs.adapt import prepare_adaptation
-from cafa_cli.jobs.config import AdaptConfig, BenchConfig, InputOptions, StatsConfig
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
+from cafa_cli.jobs.settings import InputOptions
 from cafa_cli.jobs.distributed import process_group, rank_device
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli import __version__

@@ -11,7 +11,7 @@ from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, resolve
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.config import InputOptions, ModelOptions
+from cafa_cli.jobs.settings import InputOptions, ModelOptions
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:

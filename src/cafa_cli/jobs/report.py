@@ -19,7 +19,7 @@ from rich.text import Text
 from cafa_cli import __version__
 from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.errors import UsageError, printable, undecodable
-from cafa_cli.jobs.config import RECORD_FORMATS
+from cafa_cli.jobs.settings import RECORD_FORMATS
 from cafa_cli.jobs.results import DomainResult, Record
 
 

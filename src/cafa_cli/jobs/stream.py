@@ -12,7 +12,7 @@ from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.jobs.config import RESET_POLICIES
+from cafa_cli.jobs.settings import RESET_POLICIES
 from cafa_cli.data.preprocessing import Preprocessing
 
 

@@ -1,0 +1,235 @@
+"""The option groups the jobs' settings are made of (jobs/config.py): which model, how
+images are read, how the method adapts, the stream, the training subset, the runtime;
+each field with its default, help, metavar and help panel (`setting`), and the checks
+that need no model or data. Torch-free, as the command line builds its options from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Literal
+
+from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
+                                  parse_size)
+from cafa_cli.errors import UsageError
+from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
+
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
+ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
+RESET_POLICIES = ("domain", "episodic", "never")  # when the model goes back to the source weights
+RECORD_FORMATS = ("csv", "jsonl")
+Reset = Literal[RESET_POLICIES]  # type: ignore[valid-type]
+Covariance = Literal[COVARIANCE_CHOICES]  # type: ignore[valid-type]
+RecordFormat = Literal[RECORD_FORMATS]  # type: ignore[valid-type]
+
+DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
+BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
+DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
+
+# help panels, in the order --help shows them
+MODEL, DATA, ADAPTATION, STREAM, STATISTICS, OUTPUT, RUNTIME = (
+    "Model", "Data", "Adaptation", "Stream", "Statistics", "Output", "Runtime")
+
+
+def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
+            panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False):
+    """A config field with what its command-line option needs. `flags` replaces the
+    generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
+    setting that lets code run or lifts a safety check, which no config file may set;
+    `names_code` one whose value may name code to import (module:function), which a config
+    file may set to a plain name only."""
+    metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
+                "command_line_only": command_line_only, "names_code": names_code}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
+
+    model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a "
+                                "factory: file.py:function or package.module:function.", flags=("--model", "-m"),
+                                metavar="NAME", panel=MODEL)
+    weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True).",
+                                  flags=("--weights", "-w"), metavar="PATH", panel=MODEL)
+    num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL)
+    classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL)
+    trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
+                                     "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True)
+
+    def model_inputs(self) -> dict[str, str | None]:
+        """The files the model is read from, which no output may replace."""
+        return {"`model`": factory_file(self.model), "`weights`": self.weights}
+
+    def _check_model(self) -> None:
+        if self.num_classes is not None:
+            at_least("num_classes", self.num_classes, 1)
+
+
+@dataclass(kw_only=True)
+class InputOptions:
+    """How images are read and preprocessed. None: the artifact's, the bundled model's, or ImageNet's."""
+
+    classes: str | None = setting(None, "File with one class name per line, in the model's output order (default: an "
+                                  "artifact's or a bundled model's list, else the sorted folder names).", metavar="PATH",
+                                  panel=DATA)
+    labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA)
+    severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout).",
+                                   metavar="N", panel=DATA)
+    resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
+                                 "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA)
+    crop: str | None = setting(None, "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
+                               "already 224x224: use --resize none --crop none.", metavar="PX", panel=DATA)
+    mean: str | None = setting(None, "Normalisation mean, one value or one per channel; default as --resize's, or "
+                               "ImageNet's.", metavar="X[,X,X]", panel=DATA)
+    std: str | None = setting(None, "Normalisation std, one value or one per channel; default as --mean's.",
+                              metavar="X[,X,X]", panel=DATA)
+    channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA)
+
+    def preprocessing_changes(self, prefix: str = "") -> dict:
+        """The preprocessing values given (None: not given), parsed and each checked by itself."""
+        texts = {"resize": (self.resize, parse_size), "crop": (self.crop, parse_size),
+                 "mean": (self.mean, parse_floats), "std": (self.std, parse_floats)}
+        changes = {key: parse(text, prefix + key) for key, (text, parse) in texts.items() if text is not None}
+        if self.channels is not None:
+            changes["channels"] = self.channels
+        check_preprocessing(changes, prefix)
+        return changes
+
+    def _check_input(self) -> None:
+        self.preprocessing_changes()
+
+
+@dataclass(kw_only=True)
+class RuntimeOptions:
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.", metavar="DEVICE", panel=RUNTIME)
+    num_workers: int | None = setting(None, "Data loading processes. Default: on CUDA the CPU cores this process may use, "
+                                      "divided among torchrun's ranks on the machine, minus one; on the CPU 0.",
+                                      metavar="N", panel=RUNTIME, show_default=False)
+    strict: bool = setting(False, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME)
+
+    def _check_runtime(self) -> None:
+        if self.device != "auto" and self.device.partition(":")[0] not in ("cpu", "cuda"):
+            raise UsageError(f"`device` {self.device}: expected auto, cpu, cuda or cuda:N")
+        check_num_workers(self.num_workers)
+
+
+@dataclass(kw_only=True)
+class AdaptationOptions:
+    """How the model adapts: the Adapter's keyword arguments, one to one."""
+
+    params: ParamSet = setting("norm", "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION)
+    optimizer: Optimizer = setting("adam", "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C "
+                                   "code).", panel=ADAPTATION)
+    lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
+    momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
+    steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
+    bn_prior: float = setting(0.0, "Source BN statistics count as this many samples (0: test batch only).", metavar="N",
+                              panel=ADAPTATION)
+    precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
+    compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
+
+    def adapter_options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
+
+    def _check_adaptation(self) -> None:
+        check_adapter_options(**self.adapter_options())
+
+
+@dataclass(kw_only=True)
+class MethodDataOptions:
+    """What a method needs beyond the model, its statistics and the test data."""
+
+    fisher_data: str | None = setting(None, "eata: clean source images (a folder or array, as --data) for its Fisher "
+                                      "anti-forgetting term; without it eata runs as eta. Prepared as the test images.",
+                                      metavar="PATH", panel=ADAPTATION)
+    fisher_samples: int = setting(2000, "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
+                                  metavar="N", panel=ADAPTATION)
+
+    def _check_method_data(self) -> None:
+        at_least("fisher_samples", self.fisher_samples, 1)
+
+
+@dataclass(kw_only=True)
+class StreamOptions:
+    """The order and grouping of the test images: adapt_domains' keyword arguments."""
+
+    batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
+    reset: Reset = setting("domain", "domain (each domain from the source weights), episodic (every batch), never "
+                           "(continual).", panel=STREAM)
+    order: str = setting("iid", "Order of each domain's images: iid (shuffled); label-shift:S, the paper's label shift "
+                         "(the class distribution peaks at S + (1-S)/c on one class, the peak moving through the classes "
+                         "over the stream); dirichlet:D, NOTE's and RoTTA's correlated stream (each class spread over time "
+                         "slots by Dirichlet(D); 0.1 and 0.01 usual). Both need labels; see docs/usage.md.",
+                         metavar="ORDER", panel=STREAM)
+    mix_domains: bool = setting(False, "All domains interleaved into one stream, ordered as one (the test-time-adaptation "
+                                "benchmark's mixed_domains); errors still per domain.", panel=STREAM)
+    gradual: bool = setting(False, "Each domain is a corruption (DIR holding DIR/1 ... DIR/5, or one of them), visited at "
+                            "severities 1,2,3,4,5,4,3,2,1 as in CoTTA's gradual setting; --reset domain resets per "
+                            "corruption.", panel=STREAM)
+
+    def _check_stream(self) -> None:
+        check_batch_size(self.batch_size)
+        parse_order(self.order)
+        if self.mix_domains and self.gradual:
+            raise UsageError("`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them")
+
+
+@dataclass(kw_only=True)
+class SamplingOptions:
+    """Which training images the statistics come from, and how they are regularised."""
+
+    fraction: float | None = setting(None, f"Stratified fraction of each class's training images, in (0, 1]; default "
+                                     f"{DEFAULT_FRACTION}.", metavar="F", panel=STATISTICS, show_default=False)
+    per_class: int | None = setting(None, "This many training images per class instead of a --fraction.", metavar="N",
+                                    panel=STATISTICS)
+    shrinkage: str = setting("auto", "'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: "
+                             "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.", metavar="auto|λ",
+                             panel=STATISTICS)
+
+    def subset(self) -> tuple[float | None, int | None]:
+        """(fraction, None) or (None, per_class): a fraction of 0.05 when neither is given."""
+        if self.fraction is not None and self.per_class is not None:
+            raise UsageError("`fraction` and `per_class` both say how many training images to use; give one of them")
+        if self.per_class is not None:
+            at_least("per_class", self.per_class, 2)
+            return None, self.per_class
+        fraction = DEFAULT_FRACTION if self.fraction is None else self.fraction
+        if not 0 < fraction <= 1:
+            raise UsageError(f"`fraction` must be in (0, 1], not {fraction}")
+        return fraction, None
+
+    def shrinkage_value(self) -> float | str:
+        """'auto', or λ in [0, 1] as a float."""
+        return parse_shrinkage(self.shrinkage)
+
+    def _check_sampling(self) -> None:
+        self.subset()
+        self.shrinkage_value()
+
+def factory_file(model: str | None) -> str | None:
+    """The file of a `file.py:function` model, else None: code the command reads and runs."""
+    location, _, _ = (model or "").rpartition(":")
+    return location if location.endswith(".py") else None
+
+
+def at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"`{name}` must be a whole number, not {value!r}")
+    if value < low:
+        raise UsageError(f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}")
+
+
+def parse_shrinkage(value: float | str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        lam = float(value)
+    except (TypeError, ValueError):
+        lam = float("nan")
+    if not 0.0 <= lam <= 1.0:
+        raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {value!r}")
+    return lam
