@@ -16,6 +16,15 @@ from cafa_cli.errors import CafaError, InputError
 def check_writable(path: str | Path) -> Path:
     """A file name in an existing folder where a file can be made; checked before a long job
     as well as at the write."""
+    target = _file_name(path)
+    fd, probe = _temporary_beside(target)
+    os.close(fd)
+    os.unlink(probe)
+    return target
+
+
+def _file_name(path: str | Path) -> Path:
+    """`path` as a file to write: not a folder, in a folder that exists."""
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{target} is a folder; give a file name to write to")
@@ -25,16 +34,17 @@ def check_writable(path: str | Path) -> Path:
         raise InputError(f"cannot write {target}: {target.parent} is a file, not a folder; give a path in a folder")
     if not target.parent.exists():
         raise InputError(f"cannot write {target}: folder {target.parent} does not exist")
-    # make a file there, as the write will: permission bits do not tell for root, a
-    # read-only mount or a kernel file system such as /sys
+    return target
+
+
+def _temporary_beside(target: Path) -> tuple[int, str]:
+    """A new file in `target`'s folder, made as the write will make its own: permission bits
+    do not tell for root, a read-only mount or a kernel file system such as /sys."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as error:
         raise InputError(f"cannot write {target}: folder {target.parent} does not take new files ({error.strerror or error}); "
                          f"give a path in a folder you can write") from None
-    os.close(fd)
-    os.unlink(probe)
-    return target
 
 
 def absolute(path: str | Path | None) -> str | None:
@@ -96,11 +106,8 @@ def replacing(path: str | Path):
             with naming_failures(path), open(tmp, "rb") as source, open(path, "wb") as device:
                 shutil.copyfileobj(source, device)
         return
-    target = check_writable(Path(os.path.realpath(path)) if os.path.islink(path) else path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as error:
-        raise InputError(f"cannot write {target}: {error.strerror or error} in folder {target.parent}") from None
+    target = _file_name(Path(os.path.realpath(path)) if os.path.islink(path) else path)
+    fd, tmp = _temporary_beside(target)
     os.close(fd)
     try:
         yield tmp

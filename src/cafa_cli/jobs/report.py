@@ -23,8 +23,6 @@ from cafa_cli.jobs.settings import RECORD_FORMATS
 from cafa_cli.jobs.results import DomainResult, Record
 
 
-
-
 FIELDS = ("path", "prediction", "label", "confidence")
 
 
