@@ -17,14 +17,16 @@ if TYPE_CHECKING:
     from cafa_cli.method.methods.base import Method
 
 
-NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar", "t3a", "lame")
+NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta")
 
 
 NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata")  # class Gaussians from cafa stats
 
 # the keyword options each method takes beyond gaussians and device (create(name, ..., **options))
 OPTIONS = {"eata": ("fisher_batches", "fisher_alpha"), "sar": ("rho", "reset_below"), "t3a": ("filter_k",),
-           "lame": ("knn", "bound_lambda", "max_steps")}
+           "lame": ("knn", "bound_lambda", "max_steps"),
+           "cotta": ("teacher_momentum", "restore_probability", "confidence_threshold", "augmentations"),
+           "rotta": ("memory_size", "update_every", "teacher_momentum", "bn_momentum", "lambda_t", "lambda_u")}
 
 # methods whose constructor takes the device although they need no statistics
 _ON_DEVICE = ("eta", "eata", "sar")
@@ -46,6 +48,8 @@ _CLASSES = {
     "sar": ("sar", "Sar"),
     "t3a": ("t3a", "T3A"),
     "lame": ("lame", "Lame"),
+    "cotta": ("cotta", "CoTTA"),
+    "rotta": ("rotta", "RoTTA"),
 }
 
 

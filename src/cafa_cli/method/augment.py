@@ -1,0 +1,83 @@
+"""Random augmentations of a normalised image batch, for the teacher-student methods
+(CoTTA's augmentation-averaged pseudo-labels, RoTTA's strong view of its memory bank).
+
+Both official codes use the same torchvision pipeline on [0, 1] pixels: colour jitter
+(brightness 0.6–1.4, contrast 0.7–1.3, saturation 0.5–1.5, hue ±0.06, gamma 0.7–1.3),
+edge padding and a random affine map (±15°, translation 1/16, scale 0.9–1.1, bilinear),
+a Gaussian blur (5×5, σ ≤ 0.5), a horizontal flip (p = 0.5), Gaussian noise (σ = 0.005)
+and clipping to [0, 1]. Here the images are already normalised and their pixel range is
+not known, so each step is its counterpart on the normalised values, computed with torch
+ops on the device, one random draw per image (theirs: one per batch) from torch's
+generator, so that a run is a function of its seed (adapt_domains seeds it):
+
+- contrast c ∈ [0.7, 1.3] and brightness b ∈ [−0.4, 0.4]: x ← m + c(x − m) + b·s, with m
+  and s each channel's mean and standard deviation over the image (brightness becomes a
+  shift by a share of the image's spread, since "black" is unknown after normalisation);
+- saturation (three channels only) σ ∈ [0.5, 1.5]: x ← g + σ(x − g), g the mean over channels;
+- one affine map for rotation, scale, translation and the flip (a single grid_sample,
+  bilinear, border padding as the official edge padding);
+- Gaussian noise of 0.02·s (0.005 of the [0, 1] range is about 0.02 of a typical
+  image's spread).
+
+Hue and gamma need pixel values and are left out, as is the blur (σ ≤ 0.5 pixel changes
+little and costs a convolution per view). Inputs that are not images ([N, d]) get the
+colour and noise steps only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CONTRAST = (0.7, 1.3)
+BRIGHTNESS = (-0.4, 0.4)  # shift, in units of the image's per-channel standard deviation
+SATURATION = (0.5, 1.5)
+DEGREES = 15.0
+TRANSLATE = 1 / 16
+SCALE = (0.9, 1.1)
+FLIP = 0.5
+NOISE = 0.02  # of the per-channel standard deviation
+
+
+def _uniform(n: int, bounds: tuple[float, float], like: torch.Tensor) -> torch.Tensor:
+    low, high = bounds
+    return torch.rand(n, device=like.device, dtype=torch.float32) * (high - low) + low
+
+
+def augment(images: torch.Tensor) -> torch.Tensor:
+    """One random view of each image of `images` ([N, C, H, W] or [N, d], normalised)."""
+    n = len(images)
+    x = images.float()
+    dims = tuple(range(2, x.dim())) or (1,)
+    spread, mean = torch.std_mean(x, dim=dims, correction=0, keepdim=True)
+    shape = (n,) + (1,) * (x.dim() - 1)
+    contrast, brightness = _uniform(n, CONTRAST, x).view(shape), _uniform(n, BRIGHTNESS, x).view(shape)
+    x = mean + contrast * (x - mean) + brightness * spread
+    if x.dim() == 4 and x.shape[1] == 3:
+        grey = x.mean(1, keepdim=True)
+        x = grey + _uniform(n, SATURATION, x).view(shape) * (x - grey)
+    if x.dim() == 4:
+        x = F.grid_sample(x, F.affine_grid(_affine(n, x), list(x.shape), align_corners=False), mode="bilinear",
+                          padding_mode="border", align_corners=False)
+    x = x + NOISE * spread * torch.randn_like(x)
+    return x.to(images.dtype).contiguous(memory_format=_memory_format(images))
+
+
+def _affine(n: int, like: torch.Tensor) -> torch.Tensor:
+    """[N, 2, 3] maps from output to input coordinates (affine_grid's convention, [-1, 1]):
+    a rotation, a scale, a translation and a horizontal flip per image."""
+    angle = _uniform(n, (-DEGREES, DEGREES), like) * (math.pi / 180)
+    scale = _uniform(n, SCALE, like)
+    shift = _uniform(2 * n, (-TRANSLATE, TRANSLATE), like).view(n, 2) * 2  # a share of the size; [-1, 1] spans 2
+    flip = torch.where(torch.rand(n, device=like.device) < FLIP, -1.0, 1.0)
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    rows = [torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)]
+    return torch.stack(rows, 1)
+
+
+def _memory_format(images: torch.Tensor) -> torch.memory_format:
+    if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format

@@ -1,0 +1,197 @@
+"""RoTTA: robust test-time adaptation (Yuan et al., "Robust Test-Time Adaptation in
+Dynamic Scenarios", CVPR 2023), for correlated (non-i.i.d.) and changing test streams.
+
+Update rule. Every BatchNorm becomes a robust BatchNorm (RBN) holding global statistics
+(μ, σ²), starting from the source running statistics. A student θ (trained) and a
+teacher θ' (its moving average) share that structure. For each batch:
+
+1. the teacher predicts it with the RBNs' global statistics; that prediction is reported;
+2. each sample is offered in turn to the memory bank (CSTU, method/memory_bank.py) with
+   the teacher's pseudo-label and the entropy −Σ p log(p + 1e-6) of its prediction;
+3. after every `update_every` samples offered (counted over the stream, so also within
+   a batch), one training step on the bank's M samples: the teacher sees them as they
+   are (weak view), the student a strong view (method/augment.py); in both, each RBN
+   normalises with μ ← (1 − α)μ + α μ_B, σ² ← (1 − α)σ² + α σ²_B (μ_B, σ²_B the biased
+   statistics of the bank's samples; the gradient flows through them) and keeps the new
+   values; the loss is the time-aware reweighted cross-entropy
+       L = (1/M) Σ_m w(A_m) · −Σ_c softmax(f_θ'(x_m))_c log softmax(f_θ(aug(x_m)))_c,
+       w(A) = exp(−A)/(1 + exp(−A)),   A = age/K;
+   then the teacher follows, θ' ← (1 − ν)θ' + νθ over the trained parameters.
+
+Defaults, as the official code: α = 0.05 (`bn_momentum`), ν = 0.001 (`teacher_momentum`
+= 1 − ν = 0.999), bank of K = 64 (`memory_size`), a step every 64 samples
+(`update_every`), λ_t = λ_u = 1 (`lambda_t`, `lambda_u`); Adam, lr 1e-3, β1 = 0.9, batch 64.
+The official code trains the RBN affines only; `params` norm (the default) trains the
+normalisation affines (LayerNorm and GroupNorm ones too), `all` the feature extractor.
+With `steps` N, each training step on the bank is N optimiser steps. Dropout stays off
+(the official code's train mode would turn it on while training on the bank).
+
+No step reads a device value: the bank is device tensors updated with torch.where, the
+schedule is a count of samples known on the host, and the bank's empty slots (it fills
+up over the first samples, and a skewed stream may leave it part empty) ride along in
+the training step with weight 0, the RBN statistics taken over the filled ones only.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from cafa_cli.errors import InputError
+from cafa_cli.method.augment import augment
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
+from cafa_cli.method.methods.base import Method, select_parameters
+from cafa_cli.method.teacher_student import (check_count, check_fraction, check_weight, follow, frozen_copy, named,
+                                             soft_cross_entropy)
+
+BN_MOMENTUM = 0.05  # α
+TEACHER_MOMENTUM = 0.999  # 1 − ν
+UPDATE_EVERY = 64
+
+
+class RobustBatchNorm(nn.Module):
+    """RoTTA's RBN: normalises with global statistics; while `weights` is set (a float
+    0/1 tensor, one per sample), first moves them toward the statistics of those samples
+    by `momentum` and normalises with the moved ones (gradients through the batch's part)."""
+
+    def __init__(self, bn: _BatchNorm, momentum: float, name: str = ""):
+        super().__init__()
+        if bn.running_mean is None:
+            raise InputError(f"rotta needs the running statistics of every BatchNorm, and {name or 'one'} keeps none "
+                             f"(track_running_stats=False); use a model trained with them, or another method")
+        self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, momentum
+        self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
+        self.register_buffer("global_var", bn.running_var.detach().clone().float())
+        self.weights: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weights is None:
+            return nn.functional.batch_norm(x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps)
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        w = self.weights.view([-1] + [1] * (x.dim() - 1))
+        xf = x.float()  # statistics in float32 under autocast too
+        count = (w.sum() * (xf[0].numel() / xf.shape[1])).clamp_min(1)
+        batch_mean = (xf * w).sum(dims) / count
+        batch_var = ((xf - batch_mean.view(shape)).square() * w).sum(dims) / count
+        mean = (1 - self.momentum) * self.global_mean + self.momentum * batch_mean
+        var = (1 - self.momentum) * self.global_var + self.momentum * batch_var
+        with torch.no_grad():  # a non-finite batch must not poison the statistics for good
+            self.global_mean.copy_(torch.where(mean.isfinite(), mean, self.global_mean))
+            self.global_var.copy_(torch.where(var.isfinite(), var, self.global_var))
+        out = (xf - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
+        if self.weight is not None:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out.to(x.dtype)
+
+
+def use_robust_batch_norm(model: nn.Module, momentum: float) -> int:
+    """Swap every BatchNorm (by type) for a RobustBatchNorm sharing its affine parameters."""
+    swaps = [(name, module) for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, RobustBatchNorm(module, momentum, name))
+    return len(swaps)
+
+
+@contextmanager
+def on_samples(model: nn.Module, weights: torch.Tensor):
+    """The model's RBNs move their statistics toward those of the samples weighted 1."""
+    layers = [m for m in model.modules() if isinstance(m, RobustBatchNorm)]
+    for layer in layers:
+        layer.weights = weights
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.weights = None
+
+
+def timeliness_weights(ages: torch.Tensor) -> torch.Tensor:
+    """w(A) = exp(−A)/(1 + exp(−A)) of each age A = age/K."""
+    return torch.exp(-ages) / (1 + torch.exp(-ages))
+
+
+class RoTTA(Method):
+    name = "rotta"
+    owns_update = True
+    adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()
+
+    def __init__(self, memory_size: int = CAPACITY, update_every: int = UPDATE_EVERY,
+                 teacher_momentum: float = TEACHER_MOMENTUM, bn_momentum: float = BN_MOMENTUM,
+                 lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
+        check_count(self.name, "memory_size", memory_size, 1)
+        check_count(self.name, "update_every", update_every, 1)
+        check_fraction(self.name, "teacher_momentum", teacher_momentum)
+        check_fraction(self.name, "bn_momentum", bn_momentum)
+        check_weight(self.name, "lambda_t", lambda_t)
+        check_weight(self.name, "lambda_u", lambda_u)
+        self.memory_size, self.update_every, self.teacher_momentum = memory_size, update_every, teacher_momentum
+        self.bn_momentum, self.lambda_t, self.lambda_u = bn_momentum, lambda_t, lambda_u
+        self.params: list[torch.nn.Parameter] = []
+        self.names: list[str] = []
+        self.student: FeatureClassifier | None = None
+        self.teacher: FeatureClassifier | None = None
+        self.bank: MemoryBank | None = None
+        self.offered = 0  # samples offered to the bank since the last reset (a host count)
+        self.fresh = False  # a new batch, not yet added (the Adapter's `steps` call update again)
+
+    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        """The parameters (chosen before the swap: the RBNs share them), the RBNs, and the teacher."""
+        self.params = select_parameters(model, which)
+        use_robust_batch_norm(model, self.bn_momentum)
+        chosen = {id(p) for p in self.params}
+        self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
+        self.student, self.teacher = model, frozen_copy(model)
+        self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
+        return self.params
+
+    def reset(self) -> None:
+        """An empty bank, and the teacher (weights and statistics) back to the source's,
+        which the Adapter has just put back in the student."""
+        self.offered = 0
+        if self.bank is not None:
+            self.bank.reset()
+            self.teacher.load_state_dict(self.student.state_dict())
+
+    def before_step(self, images: torch.Tensor) -> None:
+        self.fresh = True
+
+    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+        if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
+            return self.reported + (skipped,)
+        self.fresh = False
+        with torch.no_grad(), adapter.autocast:
+            logits, features = self.teacher(images)
+        logits, features = logits.float(), features.float()
+        self.reported = (logits, features)
+        probabilities = logits.softmax(1)
+        labels = probabilities.argmax(1)
+        uncertainties = -(probabilities * (probabilities + 1e-6).log()).sum(1)
+        flag = skipped
+        for n in range(len(images)):
+            self.bank.add(images[n], labels[n], uncertainties[n], self.offered)
+            self.offered += 1
+            if self.offered % self.update_every == 0:
+                flag = self.train_on_bank(adapter)
+        return logits, features, flag
+
+    def train_on_bank(self, adapter) -> torch.Tensor:
+        """`steps` optimiser steps on the bank, then the teacher follows the student."""
+        bank, flag = self.bank, None
+        filled = bank.occupied.float()
+        weights = timeliness_weights(bank.ages) * filled
+        for _ in range(adapter.steps):
+            strong = augment(bank.samples)
+            with torch.no_grad(), adapter.autocast, on_samples(self.teacher, filled):
+                target, _ = self.teacher(bank.samples)
+            with adapter.autocast, on_samples(adapter.model, filled):
+                student, _ = adapter.forward(strong)
+            loss = (soft_cross_entropy(student.float(), target.float()) * weights).sum() / filled.sum().clamp_min(1)
+            flag = adapter.apply(loss, flag)
+        follow(named(self.teacher, self.names), self.params, self.teacher_momentum)
+        return flag

@@ -1,0 +1,51 @@
+"""What the teacher-student methods (CoTTA, RoTTA) share: the soft cross-entropy against
+the teacher, frozen copies of the model, the teacher's moving average, option checks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from cafa_cli.errors import UsageError
+from cafa_cli.method.features import FeatureClassifier
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Each sample's −Σ_c softmax(target)_c log softmax(student)_c, [N]; the target carries no gradient."""
+    return -(target_logits.detach().softmax(1) * student_logits.log_softmax(1)).sum(1)
+
+
+def frozen_copy(model: FeatureClassifier) -> FeatureClassifier:
+    """A copy of `model` (its normalisation layers as they are) that takes no gradient."""
+    twin = copy.deepcopy(model)
+    twin.requires_grad_(False)
+    return twin
+
+
+def named(model: FeatureClassifier, names: list[str]) -> list[torch.nn.Parameter]:
+    """The parameters of `model` called `names`, in that order (the student's trained
+    ones, found in a copy of it)."""
+    own = dict(model.named_parameters())
+    return [own[name] for name in names]
+
+
+def follow(teacher: list[torch.Tensor], student: list[torch.Tensor], momentum: float) -> None:
+    """The teacher's moving average, in place: θ' ← m θ' + (1 − m) θ."""
+    with torch.no_grad():
+        torch._foreach_mul_(teacher, momentum)
+        torch._foreach_add_(teacher, [p.detach() for p in student], alpha=1 - momentum)
+
+
+def check_fraction(method: str, name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise UsageError(f"{method}'s `{name}` must be a number in [0, 1], not {value!r}")
+
+
+def check_count(method: str, name: str, value: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{method}'s `{name}` must be a whole number, {least} or more, not {value!r}")
+
+
+def check_weight(method: str, name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise UsageError(f"{method}'s `{name}` must be a number, 0 or more, not {value!r}")
