@@ -28,11 +28,27 @@ def warnings(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("warning:")]
 
 
-@pytest.mark.parametrize("method", ["eta", "sar", "t3a", "lame", "cafa-eata"])
+@pytest.mark.parametrize("method", ["eta", "sar", "t3a", "lame", "cafa-eata", "cotta", "rotta"])
 def test_each_new_method_runs_in_cafa_adapt(setup, method):
     result = adapt(setup, "--method", method)
     assert result.exit_code == 0, result.stderr
     assert len(rows(result)) == 90
+
+
+def test_cotta_and_rotta_are_functions_of_the_seed(setup):
+    for method in ("cotta", "rotta"):  # both draw augmentations (and cotta its restore masks) from torch's generator
+        first, again = adapt(setup, "--method", method, "--seed", "3"), adapt(setup, "--method", method, "--seed", "3")
+        assert first.exit_code == 0, first.stderr
+        assert first.stdout == again.stdout
+
+
+def test_rotta_without_batch_norm_running_statistics_is_named(setup, tmp_path):
+    factory = tmp_path / "no_running.py"
+    factory.write_text("from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 4, 3), "
+                       "nn.BatchNorm2d(4, track_running_stats=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n")
+    result = runner.invoke(app, ["adapt", "--model", f"{factory}:build", "--data", str(setup["test"]), "--resize", "none",
+                                 "--crop", "none", "--mean", "0", "--std", "1", "--channels", "1", "--method", "rotta", "--quiet"])
+    fails(result, 3, "rotta needs the running statistics of every BatchNorm", "the one at 1 keeps none")
 
 
 def test_eata_without_fisher_data_says_so_in_one_line_and_runs_as_eta(setup):
@@ -98,6 +114,6 @@ def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
 def test_bench_methods_all_is_every_method_and_variant():
     labels = [row.label for row in parse_methods("all")]
     assert labels == list(NAMES) + list(VARIANTS)
-    assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata"} <= set(labels)
+    assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata", "cotta", "rotta"} <= set(labels)
     mixed = [row.label for row in parse_methods("tent@0.01,all")]
     assert mixed[0] == "tent@0.01" and "tent" not in mixed and len(mixed) == len(labels)

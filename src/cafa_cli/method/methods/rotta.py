@@ -60,8 +60,8 @@ class RobustBatchNorm(nn.Module):
     def __init__(self, bn: _BatchNorm, momentum: float, name: str = ""):
         super().__init__()
         if bn.running_mean is None:
-            raise InputError(f"rotta needs the running statistics of every BatchNorm, and {name or 'one'} keeps none "
-                             f"(track_running_stats=False); use a model trained with them, or another method")
+            raise InputError(f"rotta needs the running statistics of every BatchNorm, and the one at {name or 'the top'} keeps "
+                             f"none (track_running_stats=False); use a model trained with them, or another method")
         self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, momentum
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
@@ -143,7 +143,7 @@ class RoTTA(Method):
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """The parameters (chosen before the swap: the RBNs share them), the RBNs, and the teacher."""
         self.params = select_parameters(model, which)
-        use_robust_batch_norm(model, self.bn_momentum)
+        use_robust_batch_norm(model.model, self.bn_momentum)  # on the bare net: names as its state dict has them
         chosen = {id(p) for p in self.params}
         self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
         self.student, self.teacher = model, frozen_copy(model)
