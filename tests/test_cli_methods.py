@@ -4,6 +4,7 @@ and `cafa bench --methods all`."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained ne
 from cafa_cli.cli.app import app
 from cafa_cli.jobs.bench import VARIANTS, parse_methods
 from cafa_cli.method.methods import NAMES
-from conftest import TINY_NET
+from conftest import PLAIN, TINY_NET
 
 DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 
@@ -35,20 +36,30 @@ def test_each_new_method_runs_in_cafa_adapt(setup, method):
     assert len(rows(result)) == 90
 
 
-def test_cotta_and_rotta_are_functions_of_the_seed(setup):
+def test_cotta_and_rotta_are_functions_of_the_seed(setup):  # noqa: F811
     for method in ("cotta", "rotta"):  # both draw augmentations (and cotta its restore masks) from torch's generator
         first, again = adapt(setup, "--method", method, "--seed", "3"), adapt(setup, "--method", method, "--seed", "3")
         assert first.exit_code == 0, first.stderr
         assert first.stdout == again.stdout
 
 
-def test_rotta_without_batch_norm_running_statistics_is_named(setup, tmp_path):
+def test_rotta_without_batch_norm_running_statistics_is_named(setup, tmp_path):  # noqa: F811
     factory = tmp_path / "no_running.py"
     factory.write_text("from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 4, 3), "
                        "nn.BatchNorm2d(4, track_running_stats=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n")
     result = runner.invoke(app, ["adapt", "--model", f"{factory}:build", "--data", str(setup["test"]), "--resize", "none",
                                  "--crop", "none", "--mean", "0", "--std", "1", "--channels", "1", "--method", "rotta", "--quiet"])
     fails(result, 3, "rotta needs the running statistics of every BatchNorm", "the one at 1 keeps none")
+
+
+def test_cotta_and_rotta_are_bench_rows_with_their_own_rates(setup, tmp_path):  # noqa: F811
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,cotta@0.01,rotta", "--model", TINY_NET,
+                                 "--weights", str(setup["weights"]), "--train", str(setup["train"]), *PLAIN, "--batch-size", "30",
+                                 "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
+    assert set(runs) == {"tent", "cotta@0.01", "rotta"}
 
 
 def test_eata_without_fisher_data_says_so_in_one_line_and_runs_as_eta(setup):
