@@ -3,6 +3,11 @@
 For one model, batch, class count C and device, in one process:
   - ms per adaptation step and images/s for source, bn, tent and cafa (each
     covariance mode asked for), and the CAFA / TENT step-time ratio;
+  - the same for every other method (--methods; those that need class statistics get
+    synthetic full ones), each with its ratio to the TENT row of the same run. RoTTA
+    trains on its memory bank every 64 samples, so its row times a whole number of
+    those cycles (its mean includes the bank's steps); eata has no source images here,
+    so it is eta's step;
   - `cafa stats` feature accumulation images/s next to forward-only images/s;
   - peak memory of each (CPU: peak RSS, reset between runs through
     /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated);
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import time
@@ -36,7 +42,7 @@ import torch
 
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
+from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, create
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.models import ModelSpec, resolve
 from cafa_cli.devices import pick_device
@@ -123,6 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
+    parser.add_argument("--methods", default="all", help="the other methods timed next to TENT: all (every method "
+                        "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list")
     parser.add_argument("--repeats", type=int, default=5)
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
@@ -152,13 +160,17 @@ def main() -> None:
         model, _ = resolve(args.model, num_classes=num_classes)
         adapter = Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile")
         images = x.to(device)
+        repeats = args.repeats
+        if method == "rotta":  # whole cycles of its bank's schedule: each holds the same number of training steps
+            cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, args.batch)
+            repeats = cycle * math.ceil(repeats / cycle)
         reset_peak(device)
         torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
         try:
-            seconds = timed(lambda: adapter.step(images), device, args.repeats)
+            seconds = timed(lambda: adapter.step(images), device, repeats)
         finally:
             torch.backends.cudnn.benchmark = False
-        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device)}
+        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device), "repeats": repeats}
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
@@ -195,6 +207,14 @@ def main() -> None:
     for variant in variants:
         row = result["steps"][f"tent+{variant}"] = measure_step("tent", variant=variant, name=f"tent+{variant}")
         print(f"{'tent+' + variant:12s} {row['ms']:9.1f} ms/step", flush=True)
+        save()
+    own_rows = ("source", "bn", "tent", "cafa")
+    others = {"all": [m for m in NAMES if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
+    for method in others:
+        gaussians = synthetic_gaussians(C, d, "full") if method in NEEDS_STATISTICS else None
+        row = result["steps"][method] = measure_step(method, gaussians)
+        row["ratio_to_tent"] = row["ms"] / result["steps"]["tent"]["ms"]
+        print(f"{method:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT", flush=True)
         save()
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
