@@ -4,10 +4,10 @@ For one model, batch, class count C and device, in one process:
   - ms per adaptation step and images/s for source, bn, tent and cafa (each
     covariance mode asked for), and the CAFA / TENT step-time ratio;
   - the same for every other method (--methods; those that need class statistics get
-    synthetic full ones), each with its ratio to a TENT step timed just before it. RoTTA
-    trains on its memory bank every 64 samples, so its row times a whole number of
-    those cycles (its mean includes the bank's steps); eata has no source images here,
-    so it is eta's step;
+    synthetic full ones), each timed in alternating rounds with TENT (--rounds; medians)
+    and given the ratio of the two. RoTTA trains on its memory bank every 64 samples, so
+    its rounds time a whole number of those cycles (the bank's steps are in them); eata
+    has no source images here, so it is eta's step;
   - `cafa stats` feature accumulation images/s next to forward-only images/s;
   - peak memory of each (CPU: peak RSS, reset between runs through
     /proc/self/clear_refs; CUDA: torch.cuda.max_memory_allocated);
@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--methods", default="all", help="the other methods timed next to TENT: all (every method "
                         "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of TENT and each --methods row")
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
@@ -156,14 +158,21 @@ def main() -> None:
 
     variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark)) if wanted]
 
-    def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
+    def adapter_for(method: str, gaussians=None, variant: str = "") -> Adapter:
         model, _ = resolve(args.model, num_classes=num_classes)
-        adapter = Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile")
+        return Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile")
+
+    def repeats_of(adapter: Adapter) -> int:
+        """--repeats, or for rotta whole cycles of its bank's schedule (each holds the same number of training steps)."""
+        if adapter.method.name != "rotta":
+            return args.repeats
+        cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, args.batch)
+        return cycle * math.ceil(args.repeats / cycle)
+
+    def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
+        adapter = adapter_for(method, gaussians, variant)
         images = x.to(device)
-        repeats = args.repeats
-        if method == "rotta":  # whole cycles of its bank's schedule: each holds the same number of training steps
-            cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, args.batch)
-            repeats = cycle * math.ceil(repeats / cycle)
+        repeats = repeats_of(adapter)
         reset_peak(device)
         torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
         try:
@@ -175,6 +184,27 @@ def main() -> None:
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
             row["loss_ms"] = 1000 * time_loss(adapter.method.loss)
+        return row
+
+    def measure_beside_tent(method: str, gaussians=None) -> dict:
+        """The method and TENT in alternating rounds, each round --repeats steps of each (after
+        2 warm-up steps each); the medians over the rounds and their ratio. On a shared
+        machine the load drifts during a run: a TENT row timed minutes earlier would measure
+        the drift as much as the method. Peak memory is not taken (both adapters are alive)."""
+        images = x.to(device)
+        tent, other = adapter_for("tent"), adapter_for(method, gaussians)
+        repeats = repeats_of(other)
+        for adapter in (tent, other):
+            timed(lambda: adapter.step(images), device, 2, warmup=0)
+        rounds: dict[str, list[float]] = {"tent": [], method: []}
+        for _ in range(args.rounds):
+            rounds["tent"].append(timed(lambda: tent.step(images), device, args.repeats, warmup=0))
+            rounds[method].append(timed(lambda: other.step(images), device, repeats, warmup=0))
+        seconds, tent_seconds = statistics.median(rounds[method]), statistics.median(rounds["tent"])
+        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "tent_ms": 1000 * tent_seconds,
+               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats}
+        if args.trace:
+            trace(method, lambda: other.step(images))
         return row
 
     def time_loss(loss) -> float:
@@ -212,12 +242,9 @@ def main() -> None:
     others = {"all": [m for m in NAMES if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
     for method in others:
         gaussians = synthetic_gaussians(C, d, "full") if method in NEEDS_STATISTICS else None
-        # TENT again just before: on a shared machine the load drifts over a run, and a ratio
-        # to a TENT step timed minutes earlier measures the drift as much as the method
-        tent_ms = measure_step("tent")["ms"]
-        row = result["steps"][method] = {**measure_step(method, gaussians), "tent_ms": tent_ms}
-        row["ratio_to_tent"] = row["ms"] / tent_ms
-        print(f"{method:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({tent_ms:.1f} ms just before)", flush=True)
+        row = result["steps"][method] = measure_beside_tent(method, gaussians)
+        print(f"{method:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)",
+              flush=True)
         save()
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
