@@ -303,7 +303,7 @@ def test_bad_settings_are_usage_errors(kwargs, match):
 def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
     with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
-                                         "eata, cafa-eata, sar, t3a, lame, or a plug-in module:factory, not nope"):
+                                         "eata, cafa-eata, sar, t3a, lame, cotta, rotta, or a plug-in module:factory, not nope"):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
         Adapter(FeatureClassifier(tiny_net.build()), "tent")

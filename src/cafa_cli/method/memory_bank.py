@@ -2,9 +2,9 @@
 bank of test samples, kept on the device so that adding to it reads no device value.
 
 Each stored sample has its pseudo-label c (the teacher's), its uncertainty u (the entropy
-of the teacher's prediction) and its age a (samples added since it was stored, counted
-from 1 on the step that stores it). Its heuristic score, higher meaning more worth
-replacing, is
+of the teacher's prediction) and its age a (the samples offered since it was stored, its
+own offer included: 1 right after it enters). Its heuristic score, higher meaning more
+worth replacing, is
 
     H = λ_t · 1/(1 + exp(−a/K)) + λ_u · u / ln C        (K the capacity, C the classes)
 
