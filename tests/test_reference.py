@@ -126,9 +126,10 @@ REFERENCE_LOSSES = {
 }
 
 
-# the baselines whose updates are more than a loss (filters, SAM, prototypes, output adjustment):
-# tests/test_tta_methods.py checks each against its own float64 computation
-TESTED_ELSEWHERE = ("eta", "eata", "cafa-eata", "sar", "t3a", "lame")
+# the baselines whose updates are more than a loss (filters, SAM, prototypes, output adjustment,
+# teachers and memory banks): tests/test_tta_methods.py and tests/test_tta_teacher_student.py
+# check each against its own float64 computation
+TESTED_ELSEWHERE = ("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta")
 
 
 def test_every_registered_method_has_a_reference():
