@@ -400,6 +400,8 @@ def test_a_domain_of_one_batch_is_flagged_for_gradient_methods(setup):
     assert caution in adapt(setup, "--method", "tent", "--batch-size", "90").stderr
     assert "fits in one batch" not in adapt(setup, "--method", "tent").stderr  # 3 batches of 30
     assert "fits in one batch" not in adapt(setup, "--method", "bn", "--batch-size", "90").stderr
+    # lame changes the prediction itself (no update needed): nothing to flag
+    assert "fits in one batch" not in adapt(setup, "--method", "lame", "--batch-size", "90").stderr
 
 
 def test_an_unshuffled_stream_of_class_folders_is_flagged(setup):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import NEEDS_STATISTICS, create, is_plugin
+from cafa_cli.method.methods import NEEDS_STATISTICS, PREDICT_AS_BN_BEFORE_UPDATING, create, is_plugin
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
@@ -129,7 +129,7 @@ class Adaptation:
             notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
                          f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
         one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
-        if s.method not in ("source", "bn") and s.reset == "domain" and one_batch:
+        if s.method in PREDICT_AS_BN_BEFORE_UPDATING and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
             notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
                          f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")

@@ -22,6 +22,11 @@ NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean"
 
 NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata")  # class Gaussians from cafa stats
 
+# methods whose prediction for a batch is the plain forward pass before their update, so on
+# a stream of one batch they predict exactly as bn (t3a, lame, cotta and rotta change the
+# prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
+PREDICT_AS_BN_BEFORE_UPDATING = ("pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar")
+
 # the keyword options each method takes beyond gaussians and device (create(name, ..., **options))
 OPTIONS = {"eata": ("fisher_batches", "fisher_alpha"), "sar": ("rho", "reset_below"), "t3a": ("filter_k",),
            "lame": ("knn", "bound_lambda", "max_steps"),
