@@ -156,8 +156,11 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
         if self.order != "iid":
             raise UsageError(f"`order` {self.order} and `orders` {self.orders} both say which orders to run; give one of them")
         orders = _axis(self.orders, "orders", "an order")
-        for order in orders:
-            parse_order(order, "orders")
+        # label-shift:1 and label-shift:1.0 are one order: compare what they mean, not how they are spelled
+        same = repeated(orders, key=lambda order: parse_order(order, "orders"))
+        if same:
+            spellings = [order for order in orders if parse_order(order, "orders") == parse_order(same[0], "orders")]
+            raise UsageError(f"`orders` names one order twice ({', '.join(spellings)}); give each once")
         return orders
 
     def batch_size_list(self) -> list[int]:
