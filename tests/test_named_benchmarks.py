@@ -118,6 +118,11 @@ def test_clean_prints_the_source_models_error_on_the_clean_set(setup, tmp_path):
     reference = adapt(setup, clean, "--method", "source", "--quiet", "--metrics-json", source)
     assert reference.exit_code == 0, reference.stderr
     assert measured["error"] == json.loads(source.read_text())["error"]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in sorted((clean / "a").iterdir()):
+        shutil.copy(path, flat / path.name)
+    fails(adapt(setup, setup["train"], "--clean", flat), 3, "--clean", "no labels, so no error")
 
 
 def test_bench_takes_a_benchmark_root_as_a_column_per_corruption(setup, imagenet_c, tmp_path):
