@@ -57,13 +57,17 @@ def test_imagenet_c_root_is_its_corruptions_in_the_benchmarks_order(imagenet_c):
 def test_imagenet_c_predicts_as_the_severity_folders_do(setup, imagenet_c):
     """The same predictions, preprocessing included, as the folders ROOT/<corruption>/<severity>."""
     for severity, extra in ((5, []), (3, ["--severity", "3"])):
-        named = adapt(setup, f"imagenet-c:{imagenet_c}", "--quiet", *extra)
+        named = adapt(setup, f"imagenet-c:{imagenet_c}", *extra)
         assert named.exit_code == 0, named.stderr
         folders = [str(imagenet_c / c / str(severity)) for c in ("gaussian_noise", "fog", "contrast")]
         plain = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, *folders, "--batch-size", "4", "--quiet")
         assert plain.exit_code == 0, plain.stderr
         assert named.stdout == plain.stdout
         assert {Path(row["path"]).parent.parent.name for row in rows(named)} == {str(severity)}
+        assert "ImageNet-C's images are stored 224x224" not in named.stderr  # the artifact's resize and crop are none
+    resized = adapt(setup, f"imagenet-c:{imagenet_c}", "--resize", "16", "--crop", "16")
+    assert resized.exit_code == 0, resized.stderr
+    assert "already resized and cropped; resize 16, crop 16 changes them again: give --resize none --crop none" in resized.stderr
 
 
 def test_cifar10_c_root_reads_each_stack_at_its_severity(setup, cifar10_c, tmp_path):

@@ -138,6 +138,11 @@ class Adaptation:
             # each batch is predicted before the update it gives (the online protocol)
             notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
                          f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
+        stored_cropped = [d for d in s.data if (benchmark_of(d) or ("",))[0] == "imagenet-c"]
+        if stored_cropped and (self.preprocess.resize or self.preprocess.crop):
+            # RobustBench #59: resizing and cropping them again zooms in and costs accuracy silently
+            notes.append(f"{listing(stored_cropped)}: ImageNet-C's images are stored 224x224, already resized and cropped; "
+                         f"{_geometry(self.preprocess)} changes them again: give `resize` none `crop` none")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
