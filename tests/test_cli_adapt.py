@@ -383,7 +383,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
                for name in RECORDED)  # every option is exercised
     seen = []
 
-    def capture(config):
+    def capture(config, monitor=None):
         seen.append(config)
         raise UsageError("captured")
 

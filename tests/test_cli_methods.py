@@ -13,7 +13,7 @@ from helpers import fails, rows
 from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
 
 from cafa_cli.cli.app import app
-from cafa_cli.jobs.bench import VARIANTS, parse_methods
+from cafa_cli.jobs.rows import VARIANTS, parse_methods
 from cafa_cli.method.methods import NAMES
 from conftest import PLAIN, TINY_NET
 

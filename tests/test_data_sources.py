@@ -28,8 +28,8 @@ def test_severity_without_a_stacked_array_is_a_usage_error(tmp_path, spec):
     with pytest.raises(UsageError) as info:
         open_domain(str(tmp_path / spec) if spec == "folder" else spec, severity=3, stdin=io.StringIO("a.png\n"))
     assert str(info.value) == (
-        "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
-        "for an image folder, give the folder of one severity as `data`"
+        "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C) and the named benchmarks (imagenet-c:ROOT, "
+        "cifar10-c:ROOT); for an image folder, give the folder of one severity as `data`"
     )
     np.save(tmp_path / "cut.npy", np.zeros((10, 10), dtype=np.uint8))
     (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:100])

@@ -54,6 +54,21 @@ class Artifact:
         return len(self.class_names)
 
     @property
+    def model_class_names(self) -> list[str]:
+        """The names of all the model's outputs: `class_names`, or more when the statistics
+        are of a class subset (ImageNet-R's 200 of 1,000)."""
+        return self._class_subset["model_classes"] if "class_subset" in self.metadata else self.class_names
+
+    @property
+    def outputs(self) -> list[int]:
+        """The model output of each class of the statistics (a class subset's), in order."""
+        return self._class_subset["outputs"] if "class_subset" in self.metadata else list(range(self.num_classes))
+
+    @property
+    def _class_subset(self) -> dict:
+        return json.loads(self.metadata["class_subset"])  # checked when the artifact was read
+
+    @property
     def parameters_sha256(self) -> str:
         """The model's parameter fingerprint (models.parameters_sha256)."""
         return self.metadata["parameters_sha256"]
@@ -73,10 +88,14 @@ def write_artifact(
     sampling: dict,
     parameters_sha256: str,
     factory_sha256: str | None = None,
+    model_classes: list[str] | None = None,
+    outputs: list[int] | None = None,
 ) -> Artifact:
     """Write atomically: a temporary file in the same folder, read back and checked as
     `adapt` will check it, then renamed over `path` (an invalid one never replaces a good
-    file). Returns the artifact as read, without its tensors."""
+    file). Returns the artifact as read, without its tensors. With a class subset,
+    `class_names` are its classes, `outputs` their model outputs and `model_classes` the
+    names of all the model's outputs."""
     C, d = gaussians.means.shape
     lambdas = gaussians.shrinkage
     lowrank = gaussians.covariance == "lowrank"
@@ -88,6 +107,7 @@ def write_artifact(
         "feature_dim": str(d),
         "num_classes": str(C),
         "class_names": json.dumps(class_names),
+        **({"class_subset": json.dumps({"model_classes": model_classes, "outputs": outputs})} if outputs is not None else {}),
         "shrinkage": json.dumps(
             {
                 "method": gaussians.shrinkage_method,
@@ -255,6 +275,8 @@ def _checked_metadata(metadata: dict, path: Path):
     if unusable_class_names(class_names):
         raise _bad(path, "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
                          "with class folders (or a `classes` list) named otherwise")
+    if "class_subset" in metadata:
+        _check_class_subset(_json(metadata, "class_subset", path), class_names, path)
     model_fields = _json(metadata, "model", path)
     prep_fields = _json(metadata, "preprocessing", path)
     sampling = _json(metadata, "sampling", path)
@@ -279,6 +301,22 @@ def _checked_metadata(metadata: dict, path: Path):
             raise _bad(path, f"metadata '{key}' is {'missing' if digest is None else 'not a hex SHA-256'}; the file was edited or "
                              f"damaged: re-create it with cafa stats")
     return covariance, C, d, class_names, model, preprocessing, sampling
+
+
+def _check_class_subset(subset, class_names: list[str], path: Path) -> None:
+    """A class subset's record: every model output's name, and the (increasing) output of
+    each class of the statistics, whose names they must be."""
+    model_classes = subset.get("model_classes") if isinstance(subset, dict) else None
+    outputs = subset.get("outputs") if isinstance(subset, dict) else None
+    valid = (isinstance(model_classes, list) and all(isinstance(n, str) for n in model_classes)
+             and len(set(model_classes)) == len(model_classes) and not unusable_class_names(model_classes)
+             and isinstance(outputs, list) and len(outputs) == len(class_names)
+             and all(type(o) is int and 0 <= o < len(model_classes) for o in outputs)
+             and all(a < b for a, b in zip(outputs, outputs[1:]))
+             and [model_classes[o] for o in outputs] == class_names)
+    if not valid:
+        raise _bad(path, "metadata 'class_subset' must hold the model's class names and, in increasing order, the output of "
+                         "each of 'class_names'; re-create the artifact with cafa stats")
 
 
 def _expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path):

@@ -155,9 +155,10 @@ def _cifar_images(path: Path, label_key: str, num_classes: int) -> tuple[np.ndar
     return pixels, labels.astype(np.int64)
 
 
-def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str) -> Domain:
+def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str, name: str = "") -> Domain:
+    """CIFAR's python version; `name` tells its test set from its training set ("": training)."""
     if root is None:
-        raise UsageError(f"give the folder that holds {folder}: e.g. `data` {'cifar10' if '10' in folder else 'cifar100'}:/data")
+        raise UsageError(f"give the folder that holds {folder}: e.g. `data` {'cifar10' if '10' in folder else 'cifar100'}{name}:/data")
     base = root / folder if (root / folder).is_dir() else root
     missing = [f for f in files + [meta] if not (base / f).is_file()]
     if missing:
@@ -172,8 +173,9 @@ def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_ke
     batches = [_cifar_images(base / f, label_key, len(names)) for f in files]
     images = np.concatenate([pixels for pixels, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     labels = np.concatenate([labels for _, labels in batches])
-    refs = [f"{folder}#{i}" for i in range(len(images))]
-    return Domain(f"{folder}", refs, labels, names, lambda i: Image.fromarray(images[i]))
+    domain_name = f"{folder}/{files[0]}" if name else folder  # the training set's as in earlier versions (artifacts' hashes)
+    refs = [f"{domain_name}#{i}" for i in range(len(images))]
+    return Domain(domain_name, refs, labels, names, lambda i: Image.fromarray(images[i]))
 
 
 def _cifar10(root: Path) -> Domain:
@@ -183,6 +185,15 @@ def _cifar10(root: Path) -> Domain:
 
 def _cifar100(root: Path) -> Domain:
     return _cifar(root, "cifar-100-python", ["train"], "meta", "fine_labels", "fine_label_names")
+
+
+def _cifar10_test(root: Path) -> Domain:
+    """The clean test images that CIFAR-10-C corrupts."""
+    return _cifar(root, "cifar-10-batches-py", ["test_batch"], "batches.meta", "labels", "label_names", "-test")
+
+
+def _cifar100_test(root: Path) -> Domain:
+    return _cifar(root, "cifar-100-python", ["test"], "meta", "fine_labels", "fine_label_names", "-test")
 
 
 def _fashion_mnist(root: Path | None, split: str) -> Domain:
@@ -197,6 +208,8 @@ def _fashion_mnist(root: Path | None, split: str) -> Domain:
 TRAINING_SETS: dict[str, Callable[[Path | None], Domain]] = {
     "cifar10": _cifar10,
     "cifar100": _cifar100,
+    "cifar10-test": _cifar10_test,
+    "cifar100-test": _cifar100_test,
     "fashion-mnist": lambda root: _fashion_mnist(root, "train"),
     "fashion-mnist-test": lambda root: _fashion_mnist(root, "test"),
 }

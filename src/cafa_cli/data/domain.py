@@ -4,6 +4,7 @@ of whatever folders a test set happens to have."""
 
 from __future__ import annotations
 
+import difflib
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,10 +41,11 @@ class Domain:
         return bool(len(self.labels)) and bool((self.labels != UNLABELLED).all())
 
 
-def relabel(domain: Domain, class_names: list[str]) -> Domain:
+def relabel(domain: Domain, class_names: list[str], listed_as: str = "the model's class list") -> Domain:
     """Map the domain's labels into `class_names` by name.
 
     Arrays carry label indices, not names: those are checked against the class count.
+    `listed_as` says in an error what `class_names` is (a class subset, ...).
     """
     if domain.class_names == class_names or not domain.class_names:
         return replace(domain, class_names=class_names)
@@ -59,11 +61,8 @@ def relabel(domain: Domain, class_names: list[str]) -> Domain:
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
         shown = listing(unknown_used)
-        plain = {_plain(name): name for name in class_names}
-        near = [f"{plain[_plain(n)]} for {n}" for n in unknown_used if _plain(n) in plain]
-        hint = f" (did you mean {listing(near)}?)" if near else ""
         raise InputError(
-            f"{domain.name}: class folder(s) {shown} not in the model's class list ({len(class_names)} classes){hint}; "
+            f"{domain.name}: class folder(s) {shown} not in {listed_as} ({len(class_names)} classes){did_you_mean(unknown_used, class_names)}; "
             f"rename them to the model's class names, or compute the statistics with their class list (cafa stats `classes`)"
         )
     positions = [find(n) for n in domain.class_names]
@@ -87,31 +86,46 @@ def _class_finder(class_names: list[str]) -> Callable[[str], int | None]:
     return find
 
 
+def did_you_mean(unknown: list[str], known: list[str]) -> str:
+    """' (did you mean coat for Coat?)' for the unknown names that are near a known one: the
+    same but for case, spaces, hyphens or underscores, else close in spelling (difflib); ''
+    when none is."""
+    plain = {_plain(name): name for name in known}
+    near = []
+    for name in unknown[:5]:  # as many as a message lists; difflib compares each with every known name
+        match = plain.get(_plain(name)) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+        if match is not None:
+            near.append(f"{match} for {name}")
+    return f" (did you mean {listing(near)}?)" if near else ""
+
+
 def _plain(name: str) -> str:
     """A class name without case, spaces, hyphens or underscores, to suggest near misses."""
     return "".join(ch for ch in name.lower() if ch not in " -_")
 
 
-def read_class_list(path: str) -> list[str]:
+def read_class_list(path: str, setting: str = "classes") -> list[str]:
+    """One name a line (blank lines skipped); `setting` names the option in messages."""
     file = Path(path)
     if file.exists() and not file.is_file():
         # a pipe (`--classes <(...)`) can be read only once, and the list is read more than once
-        raise InputError(f"`classes` {path}: not a regular file (a folder or a pipe); write the class list to a file")
+        raise InputError(f"`{setting}` {path}: not a regular file (a folder or a pipe); write the class list to a file")
     if not file.is_file():
-        raise InputError(f"`classes` {path}: no such file (give one class name per line, in output order)")
+        raise InputError(f"`{setting}` {path}: no such file (give one class name per line"
+                         f"{', in output order' if setting == 'classes' else ''})")
     try:
         text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
         binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
     except UnicodeDecodeError:
         binary = True
     if binary:
-        raise InputError(f"`classes` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
+        raise InputError(f"`{setting}` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
-        raise InputError(f"`classes` {path}: the file lists no class names")
+        raise InputError(f"`{setting}` {path}: the file lists no class names")
     duplicates = sorted(repeated(names))
     if duplicates:
-        raise InputError(f"`classes` {path}: class names repeat: {', '.join(duplicates[:5])}")
+        raise InputError(f"`{setting}` {path}: class names repeat: {', '.join(duplicates[:5])}")
     return names
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.arrays import TRAINING_SETS, _array_domain
+from cafa_cli.data.benchmarks import BENCHMARKS, benchmark_of, on_disk_benchmark, open_benchmark, stages_of
 from cafa_cli.data.folders import _folder_domain, _stdin_domain
 
 
@@ -24,13 +25,16 @@ def open_domain(
     artifact); labels are mapped into it by name. Without it, an image folder's
     sorted folder names become the class list.
     """
+    if benchmark_of(spec) is not None:
+        domain = open_benchmark(spec, labels, severity)
+        return domain if class_names is None else relabel(domain, list(class_names))
     is_array = Path(spec).suffix.lower() == ".npy"
     if labels is not None and not is_array:
         raise UsageError(f"`labels` is only for .npy arrays, and `data` {spec} is not one; image folders take labels from class folders")
     if severity is not None and not is_array:
         raise UsageError(
-            "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C); "
-            "for an image folder, give the folder of one severity as `data`"
+            "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C) and the named benchmarks (imagenet-c:ROOT, "
+            "cifar10-c:ROOT); for an image folder, give the folder of one severity as `data`"
         )
     kind, _, root = spec.partition(":")
     if kind in TRAINING_SETS and (root or not Path(spec).exists()):
@@ -48,7 +52,7 @@ def open_domain(
         else:
             raise InputError(
                 f"`data` {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
-                f"or one of {', '.join(k + ':ROOT' for k in TRAINING_SETS)}"
+                f"or one of {', '.join(k + ':ROOT' for k in [*TRAINING_SETS, *BENCHMARKS])}"
             )
     if class_names is not None:
         domain = relabel(domain, list(class_names))
@@ -58,7 +62,7 @@ def open_domain(
 def on_disk(spec: str) -> str:
     """Where a --data value lies in the file system: ROOT for `cifar10:ROOT` and the like."""
     kind, _, root = spec.partition(":")
-    return root if kind in TRAINING_SETS and root else spec
+    return root if kind in TRAINING_SETS and root else on_disk_benchmark(spec) or spec
 
 
 # the severities a corruption is visited in by `gradual`: up from 1 to 5 and back, as in
@@ -69,7 +73,7 @@ GRADUAL_SEVERITIES = (1, 2, 3, 4, 5, 4, 3, 2, 1)
 def gradual_stages(spec: str) -> list[str]:
     """The severity folders of one corruption in the gradual order. `spec` is the corruption
     folder (`fog`, holding fog/1 ... fog/5) or one of its severities (`fog/3`)."""
-    path = Path(spec)
+    path = Path(stages_of(spec))
     corruption = path.parent if path.name.isdigit() and path.parent != path else path
     missing = [str(corruption / str(s)) for s in sorted(set(GRADUAL_SEVERITIES)) if not (corruption / str(s)).is_dir()]
     if missing:

@@ -3,7 +3,7 @@ the Adapter, and run the online stream."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 import numpy as np
 import torch
@@ -14,7 +14,10 @@ from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.orders import check_labels
+from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benchmarks
 from cafa_cli.data.sources import gradual_stages, open_domain
+from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
+from cafa_cli.jobs.clean import clean_error, clean_summary
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
@@ -70,7 +73,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
                 f"the model's features have {net.feature_dim} dimensions but {artifact.path} was made for "
                 f"{artifact.feature_dim}; recompute the statistics for this model"
             )
-        _check_classes(net, artifact.class_names, artifact.path,
+        _check_classes(net, artifact.model_class_names, artifact.path,
                        "check `model` and `num_classes`, or compute statistics for this model with cafa stats")
         if not config.allow_weights_mismatch:
             mismatch = model_mismatch(artifact, spec, net)
@@ -102,11 +105,13 @@ class Adaptation:
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
     groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
+    notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
+    clean: dict | None = None  # the source model's error on `clean`, when given
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
         domains = list({id(domain): domain for domain in self.domains}.values())  # `gradual` visits a severity twice
-        notes = [note for domain in domains for note in domain.notes]
+        notes = [*self.notes, *(note for domain in domains for note in domain.notes)]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
         if s.method == "eata" and not s.fisher_data:
@@ -133,6 +138,11 @@ class Adaptation:
             # each batch is predicted before the update it gives (the online protocol)
             notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
                          f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
+        stored_cropped = [d for d in s.data if (benchmark_of(d) or ("",))[0] == "imagenet-c"]
+        if stored_cropped and (self.preprocess.resize or self.preprocess.crop):
+            # RobustBench #59: resizing and cropping them again zooms in and costs accuracy silently
+            notes.append(f"{listing(stored_cropped)}: ImageNet-C's images are stored 224x224, already resized and cropped; "
+                         f"{_geometry(self.preprocess)} changes them again: give `resize` none `crop` none")
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
             notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
@@ -175,6 +185,12 @@ class Adaptation:
         return results
 
 
+# what to do when the test data has another number of classes than the model's outputs
+FIX_CLASSES = "check `num_classes`, or give the class list in output order with `classes`"
+FEWER_CLASSES = (f"{FIX_CLASSES}; for a test set of some of the model's classes (ImageNet-R's or ImageNet-A's 200 of 1,000) "
+                 f"give `classes` and the test set's classes as `class_subset` (docs/usage.md, Benchmarks)")
+
+
 def _one_class_after_another(labels: np.ndarray) -> bool:
     """Labels in runs of one class each (class folders, in whatever order the folder names
     sort against the model's classes), over more than one class."""
@@ -193,7 +209,9 @@ def _short_name(name: str) -> str:
     return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)
 
 
-def prepare_adaptation(config: AdaptConfig) -> Adaptation:
+def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> Adaptation:
+    """The model, its statistics and the test domains, checked against each other; the
+    monitor shows the progress of the `clean` pass."""
     if not config.data:
         raise UsageError("give at least one `data` PATH")
     device = pick_device(config.device)
@@ -208,33 +226,89 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
     except UsageError as error:
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
-    class_names = artifact.class_names if artifact else default_class_names(spec.model, config)
-    paths, groups = stream_domains(config)
-    opened = {path: open_domain(path, class_names, config.labels, config.severity) for path in dict.fromkeys(paths)}
+    model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config)
+    subset = class_subset(config, artifact, model_classes)
+    paths, groups, notes = stream_domains(config)
+    ids = (config.subset, read_image_ids(config.subset)) if config.subset else None
+    opened = {path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
+              for path in dict.fromkeys(paths)}
     domains = [opened[path] for path in paths]
     for domain in opened.values():  # before any prediction is written
         check_labels(domain.labels, config.order, domain.name)
+    class_names = subset.names if subset else model_classes
     if class_names is None:
         class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
-        _check_classes(net, class_names, "the data")
+        _check_classes(net, class_names, "the data", FEWER_CLASSES if len(class_names) < net.num_classes else FIX_CLASSES)
     elif artifact is None:  # the artifact's list was checked with it
-        _check_classes(net, class_names, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list")
+        _check_classes(net, model_classes, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list")
+    if subset:
+        net.restrict_outputs(subset.outputs)
+    clean = None
+    if config.clean:  # the source model, before the Adapter changes it; prepared as the statistics' training images
+        clean_domain = open_test_domain(config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True)
+        clean = clean_error(net, clean_domain, artifact.preprocessing if artifact else preprocess, config.batch_size,
+                            config.num_workers, device, config.strict, monitor or Monitor())
+    gaussians = statistics_of(artifact, subset)
     options = {"fisher_batches": fisher_batches(config, preprocess, device)} if config.method == "eata" and config.fisher_data else {}
-    method = create(config.method, artifact.gaussians if artifact else None, device, **options)
+    method = create(config.method, gaussians, device, **options)
     adapter = Adapter(net, method, device, **config.adapter_options())
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
+    recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
+                                "model_outputs": len(subset.model_classes)} if subset else None
     return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
-                      groups)
+                      groups, notes, clean)
 
 
-def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None]:
-    """The domains in stream order, and with `gradual` the corruption each belongs to:
-    fog/1, fog/2, ..., fog/5, ..., fog/1 for `fog`."""
+def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:
+    """The domains in stream order (a benchmark's ROOT as its corruptions), with `gradual`
+    the corruption each belongs to: fog/1, fog/2, ..., fog/5, ..., fog/1 for `fog`; and
+    notes on benchmarks that lack corruptions."""
+    data, notes = expand_benchmarks(config.data)
     if not config.gradual:
-        return list(config.data), None
-    stages = [gradual_stages(path) for path in config.data]
-    return [stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption]
+        return data, None, notes
+    stages = [gradual_stages(path) for path in data]
+    return ([stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption],
+            notes)
+
+
+def class_subset(config: AdaptConfig, artifact: Artifact | None, model_classes: list[str] | None) -> ClassSubset | None:
+    """The classes predicted among: `class_subset`'s, within the statistics' own subset when
+    they are of one; the statistics' subset; or None (every output)."""
+    recorded = ClassSubset(artifact.class_names, artifact.outputs, artifact.model_class_names) \
+        if artifact and artifact.outputs != list(range(len(artifact.model_class_names))) else None
+    if not config.class_subset:
+        return recorded
+    if model_classes is None:
+        raise UsageError(f"`class_subset` {config.class_subset} names classes, and the model's class list is not known; give "
+                         f"the names of all its outputs in order with `classes` (ImageNet: the sorted wnids, ls train/)")
+    return read_class_subset(config.class_subset, model_classes, within=recorded)
+
+
+def open_test_domain(path: str, labels: str | None, severity: int | None, model_classes: list[str] | None,
+                     subset: ClassSubset | None, ids: tuple[str, set[str]] | None, notes: list[str], clean: bool = False) -> Domain:
+    """One test domain, its labels as the model's outputs (a subset's positions with one), and
+    only the images listed in `ids` (the `subset` file and its ids), with a note on the notes
+    for listed images it lacks. The `clean` set keeps the subset's classes only (ImageNet's
+    validation images of ImageNet-R's 200 classes); a test domain must hold no others."""
+    domain = open_domain(path, model_classes, labels, severity)
+    if subset:
+        domain = narrow(domain, subset, drop_others=clean)
+    if ids is not None:
+        domain, note = keep_listed(domain, ids[1], ids[0])
+        notes += [note] if note else []
+    return domain
+
+
+def statistics_of(artifact: Artifact | None, subset: ClassSubset | None):
+    """The artifact's Gaussians (None without them), of the subset's classes only."""
+    if artifact is None or artifact.gaussians is None or subset is None or subset.outputs == artifact.outputs:
+        return None if artifact is None else artifact.gaussians
+    where = {output: row for row, output in enumerate(artifact.outputs)}
+    missing = [name for name, output in zip(subset.names, subset.outputs) if output not in where]
+    if missing:
+        raise InputError(f"{artifact.path} holds no statistics of {listing(missing)}; compute them with those classes")
+    return artifact.gaussians.select_classes([where[output] for output in subset.outputs])
 
 
 def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
@@ -271,9 +345,15 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         "labels": absolute(config.labels),
         "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
         "fisher_samples": config.fisher_samples,
-        "severity": config.severity,
+        "severity": effective_severity(config),
         "preprocessing": asdict(preprocess),
     }
+
+
+def effective_severity(config) -> int | None:
+    """`severity`, or the named benchmarks' default when one is among the domains."""
+    named = any(benchmark_of(data) for data in config.data)
+    return DEFAULT_SEVERITY if config.severity is None and named else config.severity
 
 
 def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
@@ -284,7 +364,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
                          "again; run it without torchrun (one process per domain or GPU), or use cafa bench to spread "
                          "domains over ranks")
     check_outputs(config.outputs(), config.inputs())
-    job = prepare_adaptation(config)
+    job = prepare_adaptation(config, monitor)
     # known only now: the paths stdin listed, and the model files an artifact named
     recorded = job.recorded_settings
     check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
@@ -294,7 +374,9 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
+        if job.clean:
+            monitor.info(clean_summary(job.clean))
         results = job.run(writer.write, monitor)
     if config.metrics_json:
-        write_json(config.metrics_json, metrics(config.method, results, job.recorded_settings))
+        write_json(config.metrics_json, metrics(config.method, results, job.recorded_settings, job.clean))
     return results

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
-from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.sources import gradual_stages, on_disk, open_domain
@@ -22,7 +21,10 @@ from cafa_cli.models import bundled_model
 from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
-from cafa_cli.jobs.adapt import prepare_adaptation
+from cafa_cli.jobs.rows import Row, grid_rows, parse_methods
+from cafa_cli.jobs.adapt import effective_severity, prepare_adaptation
+from cafa_cli.jobs.clean import clean_summary
+from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.settings import InputOptions
 from cafa_cli.jobs.distributed import process_group, rank_device
@@ -39,94 +41,6 @@ from cafa_cli.provenance import model_mismatch
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.method.gaussians import auto_shrinkage_method, check_options
 from cafa_cli.jobs.results import DomainResult
-
-
-# Bench rows beyond the plain methods, as (method, covariance, params): the paper's
-# ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
-# parameter updated), and CAFA with the dense or low-rank form forced. The plain
-# methods that need statistics use `auto`, as `cafa stats` does by default.
-VARIANTS = {"cafa-tied": ("cafa", "tied", None), "cafa-diag": ("cafa", "diag", None), "cafa-full": ("cafa", "auto", "all"),
-            "cafa-dense": ("cafa", "full", None), "cafa-lowrank": ("cafa", "lowrank", None)}
-
-
-
-
-@dataclass(frozen=True)
-class Row:
-    label: str  # as shown in the table
-    method: str  # passed to cafa adapt --method
-    covariance: str | None  # artifact needed, or None
-    lr: float | None = None  # this row's learning rate, when it differs from --lr
-    params: str | None = None  # this row's --params, when it differs from the bench's
-    order: str | None = None  # this row's --order, on a grid with an order axis
-    batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
-    condition: str = ""  # its order and batch size as the table names them ("label-shift:0.5", "batch 8"), on such a grid
-
-    def lr_of(self, config: BenchConfig) -> float:
-        return self.lr or config.lr
-
-    def params_of(self, config: BenchConfig) -> str:
-        return self.params or config.params
-
-    def order_of(self, config: BenchConfig) -> str:
-        return self.order or config.order
-
-    def batch_size_of(self, config: BenchConfig) -> int:
-        return self.batch_size or config.batch_size
-
-    @property
-    def name(self) -> str:
-        """The --methods entry the row runs, without its condition."""
-        return self.label[: -len(self.condition) - 2] if self.condition else self.label
-
-
-def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
-    """Every method row under every (order, batch size) of the grid's axes, condition by
-    condition: `tent, batch 8`. Without axes, the rows as they are."""
-    if not config.grid_axes():
-        return rows
-    grid = []
-    for order in config.order_list():
-        for batch_size in config.batch_size_list():
-            named = [order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
-            condition = ", ".join(named)
-            grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size, condition=condition)
-                     for row in rows]
-    return grid
-
-
-def parse_methods(text: str) -> list[Row]:
-    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`; `all`:
-    every method and variant (those also named, e.g. `all,tent@0.01`, keep their place)."""
-    rows = []
-    labels = [m.strip() for m in text.split(",") if m.strip()]
-    if "all" in labels:  # every method, then every variant, in place of `all`
-        at = labels.index("all")
-        named = {label.partition("@")[0] for label in labels}
-        labels[at : at + 1] = [name for name in METHODS + tuple(VARIANTS) if name not in named]
-    for label in labels:
-        name, at, lr_text = label.partition("@")
-        if at and not lr_text:
-            raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
-        if name in VARIANTS:
-            method, covariance, params = VARIANTS[name]
-        elif name in METHODS:
-            method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
-        else:
-            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
-        try:
-            lr = float(lr_text) if lr_text else None
-        except ValueError:
-            raise UsageError(f"`methods`: {label!r}: the learning rate after @ is not a number") from None
-        if lr is not None and not 0 < lr < float("inf"):
-            raise UsageError(f"`methods`: {label!r}: the learning rate after @ must be a positive number")
-        rows.append(Row(label, method, covariance, lr, params))
-    if not rows:
-        raise UsageError("`methods` names no method")
-    twice = repeated([row.label for row in rows])
-    if twice:  # the same row twice would be run twice and fill one line of the table
-        raise UsageError(f"`methods` names {twice[0]} twice; give each row once")
-    return rows
 
 
 def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False) -> None:
@@ -206,9 +120,13 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
-    config = replace(config, device=str(target), train=training_data(config.train, config.model, rows))
+    domains, notes = expand_benchmarks(config.data)  # a benchmark's ROOT: a column per corruption
+    config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)
+    clean = {}
     with process_group(target) as (rank, world):
-        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world)
+        for note in notes if rank == 0 else []:
+            monitor.warn(note)
+        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world, clean)
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
@@ -216,7 +134,7 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if config.csv:
         tables.write_csv(config.csv, table, config.data, rows if axes else None)
     if config.json:
-        write_json(config.json, config, rows, seeds, table, results)
+        write_json(config.json, config, rows, seeds, table, results, clean or None)
     if config.plot:
         (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
     text = tables.markdown(table, config.data, seeds)
@@ -224,11 +142,11 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
 
 
 def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
-              world: int = 1) -> dict[tuple[str, str, int], DomainResult] | None:
+              world: int = 1, clean: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
-    the other ranks None."""
+    the other ranks None. With `clean` set, the source model's clean error goes into `clean`."""
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(config.data, config, config.gradual)
     for row in rows:
@@ -245,7 +163,7 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world)
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean)
     parts = gather_on_root(mine, rank, world)
     return None if parts is None else {key: result for part in parts for key, result in part.items()}
 
@@ -285,8 +203,8 @@ def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, P
     is no training data to ask, or it has no class folders."""
     if config.classes or bundled_model(config.model):
         return config.classes
-    if artifacts:
-        names = read_artifact(next(iter(artifacts.values())), load_tensors=False).class_names
+    if artifacts:  # the names of all the model's outputs: a class subset's artifact has the subset's as class_names
+        names = read_artifact(next(iter(artifacts.values())), load_tensors=False).model_class_names
     elif config.train:
         names = open_domain(config.train, None).class_names
     else:
@@ -309,11 +227,13 @@ def _made_for(artifact, stats: StatsConfig) -> bool:
     """Whether an artifact holds these statistics, compared as compute_statistics records
     them (absolute paths: a relative --train or --workdir must match on a second run) and
     as cafa adapt checks the model (the same parameters in another file are the same)."""
-    fraction, per_class = stats.subset()
+    fraction, per_class = stats.training_sample()
     wanted = {"data": recorded_data(stats.data), "fraction": fraction, "per_class": per_class, "seed": stats.seed}
     if not (
         stats.classifier in (None, artifact.model.classifier)
-        and (stats.classes is None or read_class_list(stats.classes) == artifact.class_names)
+        and (stats.classes is None or read_class_list(stats.classes) == artifact.model_class_names)
+        and (set(read_class_list(stats.class_subset, "class_subset")) if stats.class_subset else None)
+        == (set(artifact.class_names) if "class_subset" in artifact.metadata else None)
         and artifact.preprocessing == recipe(stats, stats.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
         and same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance)
@@ -327,14 +247,20 @@ def _made_for(artifact, stats: StatsConfig) -> bool:
 
 
 def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
-             monitor: Monitor, rank: int = 0, world: int = 1) -> dict[tuple[str, str, int], DomainResult]:
+             monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the (row, seed)
-    runs are independent, so under torchrun each rank takes every world-th."""
+    runs are independent, so under torchrun each rank takes every world-th. The first run
+    (rank 0's) also measures the source model on `clean`, into `clean`."""
     results, warned = {}, set()
     runs = [(row, seed) for row in rows for seed in seeds]
-    for row, seed in runs[rank::world]:
+    for k, (row, seed) in enumerate(runs[rank::world]):
         stats = str(artifacts[row.covariance]) if row.covariance else None
-        job = prepare_adaptation(row_config(config, row, seed, stats, classes))
+        run = row_config(config, row, seed, stats, classes)
+        job = prepare_adaptation(replace(run, clean=config.clean if k == 0 and rank == 0 else None), monitor)
+        if job.clean:
+            monitor.info(clean_summary(job.clean))
+            if clean is not None:
+                clean.update(job.clean)
         for caution in job.cautions():
             if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
                 warned.add(caution)
@@ -370,7 +296,8 @@ SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_pr
           "gradual", "orders", "batch_sizes", "device", "precision", "num_workers", "strict", "compile")
 
 
-def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict) -> None:
+def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict,
+               clean: dict | None = None) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
     `auto` picks one), the artifacts by content, and the options every row shared (each
@@ -378,7 +305,7 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
     labels = tables.domain_labels(config.data)
     shared = {name: getattr(config, name, True) for name in SHARED}  # bench streams are shuffled
     shared["num_workers"] = loader_processes(config.num_workers, pick_device(config.device))
-    fraction, per_class = config.subset()
+    fraction, per_class = config.training_sample()
     artifacts = {covariance: _artifact_record(artifact_path(Path(config.workdir), covariance)) for covariance in covariances_needed(rows)}
     payload = {
         "cafa_version": __version__,
@@ -394,12 +321,15 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
                   "params": r.params_of(config), "lr": r.lr_of(config), "order": r.order_of(config),
                   "batch_size": r.batch_size_of(config)} for r in rows],
         "artifacts": artifacts,
+        **({"clean": clean} if clean else {}),
         "settings": {
             **shared, "methods": ",".join(r.label for r in rows), "train": config.train, "model": config.model,
             "weights": absolute(config.weights),
             "weights_sha256": weights_sha256(config.model, config.weights),
             "classes": absolute(config.classes), "labels": absolute(config.labels),
-            "severity": config.severity,
+            "severity": effective_severity(config),
+            **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),
+            **({"subset": absolute(config.subset)} if config.subset else {}),
             "fraction": fraction, "per_class": per_class, "shrinkage": config.shrinkage_value(),
             "preprocessing": {"train": asdict(recipe(config, config.model)),
                               "test": asdict(recipe(config, config.model, config.test_preprocessing_changes()))},

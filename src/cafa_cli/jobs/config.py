@@ -23,7 +23,7 @@ from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS, is_plugin
 from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
-                                    RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, setting)
+                                    RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting)
 
 
 @dataclass(kw_only=True)
@@ -52,15 +52,18 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         return {"`out`": self.out}
 
     def inputs(self) -> dict[str, str | list[str] | None]:
-        return {**self.model_inputs(), "`classes`": self.classes, "`labels`": self.labels, "`data`": self.data}
+        return {**self.model_inputs(), "`classes`": self.classes, "`class_subset`": self.class_subset, "`labels`": self.labels,
+                "`data`": self.data}
 
 
 @dataclass(kw_only=True)
-class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, MethodDataOptions, StreamOptions, RuntimeOptions):
+class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions, MethodDataOptions, StreamOptions,
+                  RuntimeOptions):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
 
-    data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, or '-' for "
-                              "image paths on stdin.", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
+    data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, '-' for "
+                              "image paths on stdin, or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, cifar100-c:ROOT "
+                              "(one domain per corruption).", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
     stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}); it also names the model, "
                                 f"so --model/--weights can be left out.", flags=("--stats", "-s"), metavar="PATH",
                                 panel=MODEL)
@@ -85,6 +88,7 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, MethodDataOptio
         check_seed("seed", self.seed)
         if self.data.count("-") > 1:
             raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
+        check_gradual_severity(self)
         if not self.shuffle and self.order != "iid":
             raise UsageError(f"`order` {self.order} shuffles in its own way, and `shuffle` is off (the data's own order); "
                              f"give one of them")
@@ -94,7 +98,8 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, MethodDataOptio
 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`stats`": DEFAULT_ARTIFACT if self.stats is None else self.stats, **self.model_inputs(), "`labels`": self.labels,
-                "`classes`": self.classes, "`data`": self.data}
+                "`classes`": self.classes, "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean,
+                "`data`": self.data}
 
     def stream_options(self) -> dict:
         return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed,
@@ -102,11 +107,12 @@ class AdaptConfig(ModelOptions, InputOptions, AdaptationOptions, MethodDataOptio
 
 
 @dataclass(kw_only=True)
-class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions, MethodDataOptions, StreamOptions,
-                  RuntimeOptions):
+class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, AdaptationOptions, MethodDataOptions,
+                  StreamOptions, RuntimeOptions):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
-    data: list[str] = setting(help="A labelled test domain (repeatable).", factory=list, flags=("--data", "-d"),
+    data: list[str] = setting(help="A labelled test domain (repeatable), or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, "
+                              "cifar100-c:ROOT (one domain per corruption).", factory=list, flags=("--data", "-d"),
                               metavar="PATH", panel=DATA)
     train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
                                 "fmnist-resnet: fashion-mnist.", metavar="PATH", panel=DATA)
@@ -137,6 +143,7 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
 
     def __post_init__(self):
         check(self)
+        check_gradual_severity(self)
         self.seed_list()
         self.order_list()
         self.batch_size_list()
@@ -147,7 +154,8 @@ class BenchConfig(ModelOptions, InputOptions, SamplingOptions, AdaptationOptions
 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
-                "`data`": self.data, "`workdir`": self.workdir}
+                "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean, "`data`": self.data,
+                "`workdir`": self.workdir}
 
     def order_list(self) -> list[str]:
         """The orders the grid runs: `orders`, else `order` alone."""
@@ -253,6 +261,11 @@ def _axis(text: str, name: str, what: str) -> list[str]:
     if twice:
         raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
     return values
+
+
+def check_gradual_severity(config) -> None:
+    if config.gradual and config.severity is not None:
+        raise UsageError(f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them")
 
 
 def check_seed(name: str, seed: int) -> None:

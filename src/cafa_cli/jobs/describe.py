@@ -46,6 +46,7 @@ def describe(artifact: Artifact) -> dict:
         "rank": int(artifact.metadata["rank"]) if artifact.covariance == "lowrank" else None,
         "feature_dim": artifact.feature_dim,
         "num_classes": artifact.num_classes,
+        "model_outputs": len(artifact.model_class_names),  # more than num_classes for a class subset
         "num_images": int(g.counts.sum()),
         "shrinkage": json.loads(artifact.metadata["shrinkage"]),
         "model": vars(artifact.model),
@@ -79,7 +80,9 @@ def render(summary: dict) -> Group:
         ("model", f"{model['model']}, classifier {model['classifier']}"),
         ("weights", f"{model['weights'] or no_file}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
         ("parameters", f"sha256 {summary['parameters_sha256'][:16]}…" if summary["parameters_sha256"] else "(no fingerprint: written before cafa recorded one)"),
-        ("classes", f"{summary['num_classes']}, feature dim {summary['feature_dim']}, {summary['num_images']} images"),
+        ("classes", f"{summary['num_classes']}"
+         + (f" of the model's {summary['model_outputs']} outputs (a class subset)" if summary["model_outputs"] != summary["num_classes"] else "")
+         + f", feature dim {summary['feature_dim']}, {summary['num_images']} images"),
         ("covariance", summary["covariance"] + (f", {summary['rank']} basis rows per class (a·I + low rank, exact)" if summary.get("rank") else "")),
         ("shrinkage", f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}"),
         ("conditioning", f"cond(Σ) over {cond['classes_measured']} classes: min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g}"),

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from cafa_cli.errors import printable
 
 
@@ -23,6 +23,8 @@ def progress_bar(console: Console, quiet: bool = False) -> Progress:
         TextColumn("{task.fields[rate]:>8} img/s"),
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),  # from rich's own speed estimate over the last 30 s
         console=console,
         disable=quiet or not console.is_terminal,
         transient=False,

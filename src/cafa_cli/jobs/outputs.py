@@ -11,7 +11,7 @@ from cafa_cli.errors import UsageError
 from cafa_cli.files import file_identity, is_device, check_writable
 
 
-IMAGE_INPUTS = ("`data`", "`train`")  # the options whose folders are searched for images
+IMAGE_INPUTS = ("`data`", "`train`", "`clean`")  # the options whose folders are searched for images
 
 
 def _each_path(options: dict[str, str | list[str] | None]) -> list[tuple[str, str]]:

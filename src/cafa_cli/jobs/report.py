@@ -163,13 +163,15 @@ def software_versions() -> dict[str, str]:
             **{package: importlib.metadata.version(package) for package in ("torch", "torchvision")}}
 
 
-def metrics(method: str, results: Sequence[DomainResult], settings: dict) -> dict:
+def metrics(method: str, results: Sequence[DomainResult], settings: dict, clean: dict | None = None) -> dict:
+    """`clean`: the source model's error on the clean test set, when one was given."""
     return {
         "method": method,
         "versions": software_versions(),
         **overall(results),
         "domains": [domain_record(r) for r in results],
         "settings": settings,
+        **({"clean": clean} if clean else {}),
     }
 
 

@@ -76,8 +76,13 @@ class InputOptions:
     classes: str | None = setting(None, "File with one class name per line, in the model's output order (default: an "
                                   "artifact's or a bundled model's list, else the sorted folder names).", metavar="PATH",
                                   panel=DATA)
+    class_subset: str | None = setting(None, "File with the classes to predict among, one name (wnid) a line, e.g. "
+                                       "ImageNet-R's 200 of a 1000-class model: the logits are those classes' only, and "
+                                       "cafa stats keeps their images only (see docs/usage.md, Benchmarks).",
+                                       metavar="PATH", panel=DATA)
     labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA)
-    severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout).",
+    severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout), or of "
+                                   "imagenet-c:ROOT / cifar10-c:ROOT / cifar100-c:ROOT (default 5 there).",
                                    metavar="N", panel=DATA)
     resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
                                  "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA)
@@ -101,6 +106,18 @@ class InputOptions:
 
     def _check_input(self) -> None:
         self.preprocessing_changes()
+
+
+@dataclass(kw_only=True)
+class TestDataOptions:
+    """Which test images, beyond the domains: an image-id list, and a clean set to check the model on."""
+
+    subset: str | None = setting(None, "File of image ids to keep in each test domain, one a line: CLASS/FILE as below "
+                                 "the domain's folder, or FILE (RobustBench's 5,000-image ImageNet-C list).",
+                                 metavar="PATH", panel=DATA)
+    clean: str | None = setting(None, "The clean test set of the benchmark (ImageNet's val folder, cifar10-test:ROOT): "
+                                "the source model's error on it is printed before adapting, as a sanity check. Prepared "
+                                "as the statistics' training images.", metavar="PATH", panel=DATA)
 
 
 @dataclass(kw_only=True)
@@ -190,7 +207,7 @@ class SamplingOptions:
                              "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.", metavar="auto|λ",
                              panel=STATISTICS)
 
-    def subset(self) -> tuple[float | None, int | None]:
+    def training_sample(self) -> tuple[float | None, int | None]:
         """(fraction, None) or (None, per_class): a fraction of 0.05 when neither is given."""
         if self.fraction is not None and self.per_class is not None:
             raise UsageError("`fraction` and `per_class` both say how many training images to use; give one of them")
@@ -207,7 +224,7 @@ class SamplingOptions:
         return parse_shrinkage(self.shrinkage)
 
     def _check_sampling(self) -> None:
-        self.subset()
+        self.training_sample()
         self.shrinkage_value()
 
 def factory_file(model: str | None) -> str | None:

@@ -12,6 +12,7 @@ from cafa_cli.jobs.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.sources import open_domain
+from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
 from cafa_cli.data.sampling import stratified_subset, subset_sha256
 from cafa_cli.errors import InputError, listing
 from cafa_cli.jobs.outputs import check_outputs
@@ -31,7 +32,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     returns the artifact, the other ranks return None.
     """
     monitor = monitor or Monitor()
-    fraction, per_class = config.subset()
+    fraction, per_class = config.training_sample()
     shrinkage = config.shrinkage_value()
     # before any model or data is read, and before any output is written
     check_outputs(config.outputs(), config.inputs())
@@ -39,7 +40,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     preprocess = recipe(config, config.model)
     net, spec = resolve_model(config)
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
-    domain, class_names = _training_domain(config, net, preprocess, monitor)
+    domain, class_names, subset = _training_domain(config, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
     if per_class:
         _warn_short_classes(domain.labels, class_names, per_class, monitor)
@@ -54,7 +55,8 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     sampling = {"data": recorded_data(config.data), "fraction": fraction, "per_class": per_class, "seed": config.seed,
                 "images_sha256": subset_sha256(domain, indices), "batch_size": config.batch_size,
                 "skipped_images": moments.skipped_images}
-    return write_artifact(config.out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model))
+    return write_artifact(config.out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model),
+                          subset.model_classes if subset else None, subset.outputs if subset else None)
 
 
 def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: int, monitor: Monitor) -> None:
@@ -67,14 +69,16 @@ def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: i
 def sample_sha256(config: StatsConfig) -> str:
     """The `images_sha256` compute_statistics would record for this config, found
     without the feature pass: whether an artifact holds this sample of the data as it is now."""
-    fraction, per_class = config.subset()
+    fraction, per_class = config.training_sample()
     net, _ = resolve_model(config)
-    domain, class_names = _training_domain(config, net, recipe(config, config.model), Monitor())
+    domain, class_names, _ = _training_domain(config, net, recipe(config, config.model), Monitor())
     return subset_sha256(domain, stratified_subset(domain.labels, class_names, fraction, per_class, config.seed))
 
 
-def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Preprocessing, monitor: Monitor) -> tuple[Domain, list[str]]:
-    """The labelled training data and its class names in the model's output order."""
+def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Preprocessing,
+                     monitor: Monitor) -> tuple[Domain, list[str], ClassSubset | None]:
+    """The labelled training data and its class names in the model's output order; with a
+    `class_subset`, the images of its classes only, its names, and the subset."""
     data = config.data
     class_names = default_class_names(config.model, config)
     domain = open_domain(data, class_names, config.labels, config.severity)
@@ -94,7 +98,10 @@ def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Pr
     if unusable:  # before the feature pass, not when the artifact is checked at its end
         raise InputError(f"class name(s) {listing(repr(name) for name in unusable)} cannot go into the predictions (blank, "
                          f"or with a line break); rename those class folders (or `classes` lines)")
-    return domain, class_names
+    if not config.class_subset:
+        return domain, class_names, None
+    subset = read_class_subset(config.class_subset, class_names)
+    return narrow(domain, subset, drop_others=True), subset.names, subset
 
 
 def _accumulate(net, domain, preprocess, indices, class_names, target, config: StatsConfig, monitor):

@@ -110,39 +110,64 @@ def _pyplot():
     return plt
 
 
+# error bars in black over coloured bars, with caps: visible on any bar colour
+ERROR_BARS = {"ecolor": "black", "elinewidth": 1.2, "capsize": 3, "capthick": 1.2}
+
+
+def _colours(plt, count: int) -> list:
+    """One colour a method: tab10, or tab20 past 10 methods (the default cycle repeats after 10)."""
+    cmap = plt.get_cmap("tab10" if count <= 10 else "tab20")
+    return [cmap(k % cmap.N) for k in range(count)]
+
+
+def _legend_outside(ax) -> None:
+    """The legend right of the axes, where it covers no bar or line (the figure is saved
+    with bbox_inches="tight", which widens it to hold the legend)."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False, fontsize="small")
+
+
+def _save(plt, fig, path: str) -> None:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(fig)
+
+
 def plot_conditions(path: str, table: list[dict], rows: list) -> None:
     """A grid with axes: the error over all domains per condition, a line per method."""
     plt = _pyplot()
     conditions, names = list(dict.fromkeys(r.condition for r in rows)), list(dict.fromkeys(r.name for r in rows))
     means = {(r.condition, r.name): entry["cells"]["mean"] for r, entry in zip(rows, table)}
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(conditions)), 4))
-    for name in names:
+    for name, colour in zip(names, _colours(plt, len(names))):
         ax.errorbar(range(len(conditions)), [means[(c, name)][0] for c in conditions],
-                    yerr=[means[(c, name)][1] for c in conditions], marker="o", capsize=3, label=name)
+                    yerr=[means[(c, name)][1] for c in conditions], marker="o", color=colour, capsize=4, capthick=1.2,
+                    elinewidth=1.2, label=name)
     ax.set_xticks(range(len(conditions)))
     ax.set_xticklabels(conditions, rotation=45, ha="right")
     ax.set_ylabel("error % (mean over domains)")
-    ax.legend(fontsize="small", ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    _legend_outside(ax)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot(path: str, table: list[dict], domains: list[str]) -> None:
-    """Grouped bars: one group per domain (and the mean), one bar per method."""
+    """Grouped bars: one group per domain (and the mean), one bar per method; mean ± std
+    over the seeds as black error bars, the legend outside the axes."""
     plt = _pyplot()
     keys = domains + ["mean"]
     width = 0.8 / len(table)
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(keys) * max(1, len(table) / 4)), 4))
-    for k, row in enumerate(table):
+    for k, (row, colour) in enumerate(zip(table, _colours(plt, len(table)))):
         means = [row["cells"][key][0] for key in keys]
         stds = [row["cells"][key][1] for key in keys]
-        ax.bar([i + k * width for i in range(len(keys))], means, width, yerr=stds, label=row["method"])
+        ax.bar([i + k * width for i in range(len(keys))], means, width, color=colour, label=row["method"],
+               yerr=stds if any(stds) else None, error_kw=ERROR_BARS)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
     labels = domain_labels(domains)
     ax.set_xticklabels([labels[k] for k in keys], rotation=45, ha="right")
-    ax.set_ylabel("error %")
-    ax.legend(fontsize="small", ncol=2)
+    ax.set_ylabel("error % (mean ± std over seeds)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    _legend_outside(ax)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    plt.close(fig)
+    _save(plt, fig, path)

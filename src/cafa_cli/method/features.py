@@ -38,6 +38,27 @@ class FeatureClassifier(nn.Module):
         self._features: torch.Tensor | None = None
         self._in_forward = False
         self.classifier.register_forward_pre_hook(self._keep_features)
+        # the model outputs that are the classes (a class subset: ImageNet-R's 200 of 1000);
+        # None: all. A buffer outside the state_dict, so that it follows the model's device
+        # and leaves the weights' fingerprint and reset() alone
+        self.register_buffer("outputs", None, persistent=False)
+
+    def restrict_outputs(self, outputs: list[int]) -> None:
+        """Predict among these model outputs only: forward returns their logits, in this order,
+        so that every method's loss (entropy, pseudo-labels) sees the subset's classes alone."""
+        if not outputs or len(set(outputs)) != len(outputs) or not all(0 <= o < self.model_outputs for o in outputs):
+            raise UsageError(f"a class subset must name distinct model outputs in [0, {self.model_outputs}), not {outputs[:5]}...")
+        self.outputs = torch.as_tensor(outputs, dtype=torch.long, device=self.classifier.weight.device)
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """The classifier's logits of `features`, for the classes predicted among."""
+        logits = self.classifier(features)
+        return logits if self.outputs is None else logits.index_select(1, self.outputs)
+
+    def class_weights(self) -> torch.Tensor:
+        """The classifier's weight rows of the classes predicted among (T3A's first prototypes)."""
+        weight = self.classifier.weight
+        return weight if self.outputs is None else weight.index_select(0, self.outputs)
 
     def _keep_features(self, module, inputs):
         # only inside our own forward: a call to the bare net, or through a second wrapper
@@ -50,8 +71,13 @@ class FeatureClassifier(nn.Module):
         return self.classifier.in_features
 
     @property
-    def num_classes(self) -> int:
+    def model_outputs(self) -> int:
         return self.classifier.out_features
+
+    @property
+    def num_classes(self) -> int:
+        """The classes predicted among: the model's outputs, or those of a class subset."""
+        return self.classifier.out_features if self.outputs is None else len(self.outputs)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._in_forward = True
@@ -87,7 +113,9 @@ class FeatureClassifier(nn.Module):
             shape = f"a {type(logits).__name__}" if not isinstance(logits, torch.Tensor) else f"{logits.dtype} of shape {list(logits.shape)}"
             raise InputError(f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
                              f"give a factory whose forward returns the logits only")
-        if logits.shape[1] != self.num_classes:
-            raise InputError(f"the model returns {logits.shape[1]} logits but {self.classifier_name} has {self.num_classes} outputs, "
+        if logits.shape[1] != self.model_outputs:
+            raise InputError(f"the model returns {logits.shape[1]} logits but {self.classifier_name} has {self.model_outputs} outputs, "
                              f"so it is not the layer that makes the logits; name that one with `classifier`")
+        if self.outputs is not None:
+            logits = logits.index_select(1, self.outputs)
         return logits, features

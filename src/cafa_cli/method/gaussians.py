@@ -12,7 +12,7 @@ orthonormal basis of the class's centred rows (docs/artifact-format.md).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import torch
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.moments import ClassMoments, SQUARABLE
@@ -99,6 +99,20 @@ class ClassGaussians:
     shrinkage_method: str = "oas"
     isotropic: torch.Tensor | None = None  # lowrank: a_c = λ_c·tr(S_c)/d [C] float32
     spectrum: torch.Tensor | None = None  # lowrank: e_cj = (1 − λ_c)·eig_j(S_c) [C, k] float32, 0 as padding
+
+    def select_classes(self, rows: list[int]) -> ClassGaussians:
+        """The Gaussians of these classes only (a class subset), in this order. The tied
+        covariance and the global moments stay those of every class: they describe the source
+        features as a whole, which a subset of the classes does not change."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+
+        def per_class(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, index)
+
+        return replace(self, means=per_class(self.means), counts=per_class(self.counts),
+                       factors=self.factors if self.covariance == "tied" else per_class(self.factors),
+                       shrinkage=self.shrinkage if self.covariance == "tied" else per_class(self.shrinkage),
+                       isotropic=per_class(self.isotropic), spectrum=per_class(self.spectrum))
 
 
 def check_options(covariance: str, shrinkage: float | str) -> None:

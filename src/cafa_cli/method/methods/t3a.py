@@ -40,24 +40,25 @@ class T3A(Method):
 
             raise UsageError(f"t3a's `filter_k` must be a whole number, 1 or more, not {filter_k!r}")
         self.filter_k = filter_k
-        self.classifier: torch.nn.Linear | None = None
+        self.model: FeatureClassifier | None = None
         self.reset()
 
     def check(self, model: FeatureClassifier, device: torch.device) -> None:
         super().check(model, device)
-        self.classifier = model.classifier  # moved to the device with the model
+        self.model = model  # its classifier is moved to the device with it
 
     def reset(self) -> None:
         self.supports: torch.Tensor | None = None  # [C, M, d], normalised; zeros in empty places
         self.entropies: torch.Tensor | None = None  # [C, M]; +inf in empty places
 
     def _start(self) -> None:
-        weight = self.classifier.weight.detach().float()
+        # the weight rows and logits of the classes predicted among (a class subset's only)
+        weight = self.model.class_weights().detach().float()
         C, d = weight.shape
         self.supports = weight.new_zeros(C, self.filter_k, d)
         self.entropies = weight.new_full((C, self.filter_k), float("inf"))
         with torch.no_grad():
-            self.add(weight, self.classifier(weight).float())
+            self.add(weight, self.model.head(weight).float())
 
     def add(self, features: torch.Tensor, logits: torch.Tensor) -> None:
         """Put the features in the classes the logits predict; keep the M of lowest entropy in each."""

@@ -1,0 +1,114 @@
+"""The corruption benchmarks by name, as `data` values:
+
+- `imagenet-c:ROOT`: ImageNet-C's folders, ROOT/<corruption>/<severity>/<wnid>/*.JPEG;
+- `cifar10-c:ROOT`, `cifar100-c:ROOT`: the .npy stacks, ROOT/<corruption>.npy holding the
+  5 severities one after another (5 × 10,000 images) and ROOT/labels.npy.
+
+A ROOT stands for every one of the 15 standard corruptions it holds, one domain each, in the
+benchmark's order; `KIND:ROOT/fog` (`fog.npy`) for one of them. `severity` picks the severity
+(default 5, the one papers report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.data.arrays import _array_domain
+from cafa_cli.data.domain import Domain
+from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS
+from cafa_cli.data.folders import _folder_domain
+
+# the 15 corruptions of ImageNet-C (Hendrycks & Dietterich, ICLR 2019), in its tables' order;
+# the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)
+CORRUPTIONS = BENCHMARK_CORRUPTIONS
+FOLDERS, ARRAYS = "folders", "arrays"
+BENCHMARKS = {"imagenet-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS}
+DEFAULT_SEVERITY = 5
+
+
+def benchmark_of(spec: str) -> tuple[str, Path] | None:
+    """(kind, ROOT) of a `kind:ROOT` value, else None."""
+    kind, colon, root = spec.partition(":")
+    return (kind, Path(root)) if colon and root and kind in BENCHMARKS else None
+
+
+def expand_benchmarks(specs: list[str]) -> tuple[list[str], list[str]]:
+    """Each benchmark ROOT as its corruptions (`imagenet-c:ROOT/gaussian_noise`, ...), other
+    values as they are; and a note for each ROOT that lacks some of the 15 corruptions."""
+    domains, notes = [], []
+    for spec in specs:
+        found, missing = _corruptions_of(spec)
+        domains += found
+        if missing:
+            notes.append(f"`data` {spec}: {15 - len(missing)} of the 15 corruptions found (no {listing(missing)}); "
+                         f"those found are used")
+    return domains, notes
+
+
+def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
+    named = benchmark_of(spec)
+    if named is None:
+        return [spec], []
+    kind, root = named
+    if not root.exists():
+        raise InputError(f"`data` {spec}: no such {'file or ' if BENCHMARKS[kind] == ARRAYS else ''}folder {root}")
+    if _one_corruption(kind, root):
+        return [spec], []
+    suffix = ".npy" if BENCHMARKS[kind] == ARRAYS else ""
+    found = [c for c in CORRUPTIONS if (root / f"{c}{suffix}").exists()]
+    if not found:
+        layout = "ROOT/<corruption>.npy and ROOT/labels.npy" if suffix else "ROOT/<corruption>/<severity>/<class>/<images>"
+        raise InputError(f"`data` {spec}: none of the 15 {kind} corruptions ({listing(CORRUPTIONS, 3)}) is in {root}; "
+                         f"give the folder laid out as {layout}, or one corruption ({kind}:ROOT/fog{suffix})")
+    return [f"{kind}:{root / (c + suffix)}" for c in found], [c for c in CORRUPTIONS if c not in found]
+
+
+def _one_corruption(kind: str, path: Path) -> bool:
+    """A corruption's .npy stack, or its folder of severity folders (1 ... 5)."""
+    if BENCHMARKS[kind] == ARRAYS:
+        return path.is_file()
+    return any((path / str(s)).is_dir() for s in range(1, 6))
+
+
+def open_benchmark(spec: str, labels: str | None, severity: int | None) -> Domain:
+    """One corruption of a benchmark at `severity` (default 5)."""
+    kind, path = benchmark_of(spec)
+    if labels is not None:
+        raise UsageError(f"`labels` is for a plain .npy array; {kind} takes its labels from {kind}'s own labels.npy")
+    severity = DEFAULT_SEVERITY if severity is None else severity
+    if not 1 <= severity <= 5:
+        raise UsageError(f"`severity` must be 1-5, not {severity}")
+    if not path.exists():
+        raise InputError(f"`data` {spec}: no such {'file' if BENCHMARKS[kind] == ARRAYS else 'folder'} {path}")
+    if BENCHMARKS[kind] == FOLDERS:
+        folder = path / str(severity)
+        if not folder.is_dir():
+            raise InputError(f"`data` {spec}: no severity folder {folder} (the {kind} layout is ROOT/<corruption>/<severity>/"
+                             f"<class>/<images>); give another `severity`, or the ROOT")
+        return _folder_domain(folder)
+    if path.is_dir():
+        raise InputError(f"`data` {spec}: a folder; give ROOT, the folder that holds <corruption>.npy and labels.npy, "
+                         f"or one corruption's {kind}:ROOT/fog.npy")
+    label_file = path.parent / "labels.npy"
+    if not label_file.is_file():
+        raise InputError(f"`data` {spec}: no labels.npy beside {path.name} (the {kind} layout); put {kind}'s labels.npy in "
+                         f"{path.parent}")
+    return _array_domain(path, str(label_file), severity)
+
+
+def on_disk_benchmark(spec: str) -> str | None:
+    """Where a benchmark value lies in the file system (its ROOT or corruption), else None."""
+    named = benchmark_of(spec)
+    return None if named is None else str(named[1])
+
+
+def stages_of(spec: str) -> str:
+    """The folder of one corruption that `gradual` visits at every severity: imagenet-c's;
+    the arrays stack their severities in one file, which `gradual` does not take apart."""
+    named = benchmark_of(spec)
+    if named is None:
+        return spec
+    kind, path = named
+    if BENCHMARKS[kind] == ARRAYS:
+        raise UsageError(f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "
+                         f"file: give `severity` instead, or the corruption as folders")
+    return str(path)

@@ -1,0 +1,45 @@
+"""The source model's error on the benchmark's clean test set (`clean`): a sanity check
+before adapting. ResNet-50 on ImageNet's validation set is about 24 % wrong; 80 % means
+the weights, the class order or the preprocessing are not what they should be."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from cafa_cli.data.domain import Domain
+from cafa_cli.data.loading import batches, unreadable
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.errors import InputError
+from cafa_cli.jobs.inputs import _skip_warning
+from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.method.features import FeatureClassifier
+
+
+def clean_error(net: FeatureClassifier, domain: Domain, preprocess: Preprocessing, batch_size: int, num_workers: int | None,
+                device: torch.device, strict: bool, monitor: Monitor) -> dict:
+    """{"data", "n", "error"} of the model as it is (eval mode, its own BatchNorm
+    statistics, no update) on a labelled domain. Run before the Adapter changes the model."""
+    labelled = np.flatnonzero(domain.labels >= 0)
+    if not len(labelled):
+        raise InputError(f"`clean` {domain.name}: no labels, so no error; give the clean test set with one folder per class")
+    net = net.to(device).eval()
+    errors = seen = 0
+    monitor.start(f"clean {domain.name}", len(labelled))
+    with torch.inference_mode():
+        for batch in batches(domain, preprocess, batch_size, labelled, num_workers, device):
+            for ref, why in unreadable(domain, batch, strict):
+                monitor.warn(_skip_warning(ref, why))
+            if batch.images is not None:
+                logits, _ = net(preprocess.normalize(batch.images.to(device)))
+                truth = torch.as_tensor(domain.labels[batch.indices], device=logits.device)
+                errors += int((logits.argmax(1) != truth).sum())
+                seen += len(batch.indices)
+            monitor.advance(len(batch.indices) + len(batch.failures))
+    if not seen:
+        raise InputError(f"`clean` {domain.name}: none of its images could be read (see the warnings)")
+    return {"data": domain.name, "n": seen, "error": errors / seen}
+
+
+def clean_summary(result: dict) -> str:
+    return (f"source model's clean error on {result['data']}: {100 * result['error']:.2f}% of {result['n']:,} images "
+            f"(no adaptation; a sanity check of the weights, classes and preprocessing)")

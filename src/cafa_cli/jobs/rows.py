@@ -1,0 +1,97 @@
+"""The rows of a bench table: a method, a covariance variant or a method at its own
+learning rate, each under every condition of the grid's axes (stream order, batch size)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from cafa_cli.errors import UsageError, repeated
+from cafa_cli.jobs.config import BenchConfig
+from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS
+
+
+# Bench rows beyond the plain methods, as (method, covariance, params): the paper's
+# ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
+# parameter updated), and CAFA with the dense or low-rank form forced. The plain
+# methods that need statistics use `auto`, as `cafa stats` does by default.
+VARIANTS = {"cafa-tied": ("cafa", "tied", None), "cafa-diag": ("cafa", "diag", None), "cafa-full": ("cafa", "auto", "all"),
+            "cafa-dense": ("cafa", "full", None), "cafa-lowrank": ("cafa", "lowrank", None)}
+
+
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str  # as shown in the table
+    method: str  # passed to cafa adapt --method
+    covariance: str | None  # artifact needed, or None
+    lr: float | None = None  # this row's learning rate, when it differs from --lr
+    params: str | None = None  # this row's --params, when it differs from the bench's
+    order: str | None = None  # this row's --order, on a grid with an order axis
+    batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
+    condition: str = ""  # its order and batch size as the table names them ("label-shift:0.5", "batch 8"), on such a grid
+
+    def lr_of(self, config: BenchConfig) -> float:
+        return self.lr or config.lr
+
+    def params_of(self, config: BenchConfig) -> str:
+        return self.params or config.params
+
+    def order_of(self, config: BenchConfig) -> str:
+        return self.order or config.order
+
+    def batch_size_of(self, config: BenchConfig) -> int:
+        return self.batch_size or config.batch_size
+
+    @property
+    def name(self) -> str:
+        """The --methods entry the row runs, without its condition."""
+        return self.label[: -len(self.condition) - 2] if self.condition else self.label
+
+
+def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
+    """Every method row under every (order, batch size) of the grid's axes, condition by
+    condition: `tent, batch 8`. Without axes, the rows as they are."""
+    if not config.grid_axes():
+        return rows
+    grid = []
+    for order in config.order_list():
+        for batch_size in config.batch_size_list():
+            named = [order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+            condition = ", ".join(named)
+            grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size, condition=condition)
+                     for row in rows]
+    return grid
+
+
+def parse_methods(text: str) -> list[Row]:
+    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`; `all`:
+    every method and variant (those also named, e.g. `all,tent@0.01`, keep their place)."""
+    rows = []
+    labels = [m.strip() for m in text.split(",") if m.strip()]
+    if "all" in labels:  # every method, then every variant, in place of `all`
+        at = labels.index("all")
+        named = {label.partition("@")[0] for label in labels}
+        labels[at : at + 1] = [name for name in METHODS + tuple(VARIANTS) if name not in named]
+    for label in labels:
+        name, at, lr_text = label.partition("@")
+        if at and not lr_text:
+            raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
+        if name in VARIANTS:
+            method, covariance, params = VARIANTS[name]
+        elif name in METHODS:
+            method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
+        else:
+            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
+        try:
+            lr = float(lr_text) if lr_text else None
+        except ValueError:
+            raise UsageError(f"`methods`: {label!r}: the learning rate after @ is not a number") from None
+        if lr is not None and not 0 < lr < float("inf"):
+            raise UsageError(f"`methods`: {label!r}: the learning rate after @ must be a positive number")
+        rows.append(Row(label, method, covariance, lr, params))
+    if not rows:
+        raise UsageError("`methods` names no method")
+    twice = repeated([row.label for row in rows])
+    if twice:  # the same row twice would be run twice and fill one line of the table
+        raise UsageError(f"`methods` names {twice[0]} twice; give each row once")
+    return rows
