@@ -201,7 +201,7 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
     net, artifact, spec = load_for_adaptation(config)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
-    base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
+    base = artifact.preprocessing if artifact else default_preprocessing(spec.model, spec.weights, config.model_arguments())
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
         preprocess = base.with_changes(changes)
