@@ -33,6 +33,7 @@ from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning
                                   recorded_data, resolve_model)
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
+from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
 
 
@@ -101,6 +102,7 @@ class Adaptation:
     config: AdaptConfig
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+    statistics_sampling: dict | None = None  # the artifact's record of the images the statistics came from
     groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
 
     def cautions(self) -> list[str]:
@@ -144,6 +146,18 @@ class Adaptation:
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
         monitor = monitor or Monitor()
+        outputs_checked = []
+        statistics_size = statistics_input_size(self.statistics_preprocess, self.statistics_sampling)
+
+        def first_batch(domain, images, logits):
+            # once a stream, and the check that reads the logits (a wait for the device) once a run
+            note = size_note(_short_name(domain.name), images, statistics_size, self.statistics_preprocess)
+            if note:
+                monitor.warn(note)
+            if not outputs_checked:
+                outputs_checked.append(True)
+                if constant_outputs(logits):
+                    monitor.warn(constant_outputs_note(_short_name(domain.name), len(logits)))
 
         def records(batch_records, so_far: DomainResult):
             monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
@@ -161,6 +175,7 @@ class Adaptation:
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
+            on_first_batch=first_batch,
         )
         for result in results:
             # fp16's loss scaler skips a few steps by design while it settles; otherwise a
@@ -225,7 +240,7 @@ def prepare_adaptation(config: AdaptConfig) -> Adaptation:
     adapter = Adapter(net, method, device, **config.adapter_options())
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
-                      groups)
+                      artifact.sampling if artifact else None, groups)
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None]:
@@ -294,7 +309,9 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
+        adapted = job.adapter.adapted()
+        monitor.info(adapting_line(adapted, config.method))
         results = job.run(writer.write, monitor)
     if config.metrics_json:
-        write_json(config.metrics_json, metrics(config.method, results, job.recorded_settings))
+        write_json(config.metrics_json, {**metrics(config.method, results, job.recorded_settings), "adapted": adapted})
     return results
