@@ -9,9 +9,11 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torchvision
+from PIL import Image
 from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import factory, fails, rows
 from safetensors.torch import save_file
@@ -269,3 +271,19 @@ def test_test_images_of_another_size_than_the_statistics_get_a_warning(setup, tm
     assert result.exit_code == 0, result.stderr
     assert ("larger: its images enter the model at 24x24 pixels, the statistics' at 16x16 (resize none, crop none): "
             "the features will not match the statistics") in result.stderr
+
+
+# --- --interpolation ------------------------------------------------------------------
+
+
+def test_interpolation_is_a_setting_recorded_with_the_preprocessing(setup, tmp_path):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8))
+    resized = {mode: Preprocessing(resize=12, crop=None, interpolation=mode).pixels(image) for mode in ("bilinear", "bicubic", "nearest")}
+    assert not torch.equal(resized["bilinear"], resized["bicubic"]) and not torch.equal(resized["bilinear"], resized["nearest"])
+    assert Preprocessing.from_dict({"resize": 8, "crop": None, "mean": [0], "std": [1], "channels": 1}).interpolation == "bilinear"
+    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--resize", "12",
+                    "--interpolation", "nearest", "--fraction", "1", "--out", tmp_path / "s.safetensors", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)["preprocessing"]["interpolation"] == "nearest"
+    wrong = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], "--interpolation", "lanczos")
+    fails(wrong, 2, "--interpolation must be one of bilinear, bicubic, nearest, not 'lanczos'")
