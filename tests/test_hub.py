@@ -208,7 +208,7 @@ def test_weights_missing_from_the_cache_name_the_file_and_the_folder(setup, torc
     fails(result, 3, "--weights ResNet18_Weights.IMAGENET1K_V1: resnet18-f37072fd.pth is not in torch's hub cache",
           str(torch_home), "cafa downloads nothing")
     unknown = invoke("stats", "--model", "resnet18", "--weights", "IMAGENET1K_V9", "--data", setup["train"])
-    fails(unknown, 2, "--weights IMAGENET1K_V9: resnet18 has no such weights", "IMAGENET1K_V1")
+    fails(unknown, 2, "--weights IMAGENET1K_V9: no such file, nor weights of resnet18 by that name", "IMAGENET1K_V1")
 
 
 def test_a_cached_file_whose_sha256_differs_from_its_name_is_refused(setup, torch_home, monkeypatch):

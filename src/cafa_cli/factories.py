@@ -44,11 +44,6 @@ def parse_model_args(texts: list[str] | tuple[str, ...] | None, option: str = "`
     return dict(pairs)
 
 
-def model_arg_texts(args: dict) -> list[str]:
-    """The KEY=VALUE texts that parse_model_args reads back as `args` (repr of each value)."""
-    return [f"{key}={value!r}" for key, value in args.items()]
-
-
 def import_factory(spec: str, option: str, what: str = "function"):
     """The callable that `spec` names, 'path/to/file.py:NAME' or 'package.module:NAME',
     imported (its code runs: only for a spec given on the command line), and NAME; each

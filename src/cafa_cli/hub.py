@@ -95,8 +95,8 @@ def torchvision_weights(name: str, weights: str):
     try:
         return enum[tag]
     except KeyError:
-        raise UsageError(f"`weights` {weights}: {name} has no such weights{_did_you_mean(tag, list(enum.__members__))}; "
-                         f"torchvision has {', '.join(enum.__members__)}") from None
+        raise UsageError(f"`weights` {weights}: no such file, nor weights of {name} by that name"
+                         f"{_did_you_mean(tag, list(enum.__members__))}; torchvision has {', '.join(enum.__members__)}") from None
 
 
 def cached_torchvision_weights(member) -> CachedWeights:
@@ -177,7 +177,7 @@ def timm_config(name: str, tag: str | None = None):
     config = timm.get_pretrained_cfg(f"{architecture}.{tag}" if tag else architecture)
     if config is None:
         tags = [known.partition(".")[2] for known in timm.list_pretrained(f"{architecture}.*")]
-        raise UsageError(f"`weights` {tag}: timm has no such pretrained tag for {architecture}{_did_you_mean(tag, tags)}"
+        raise UsageError(f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{_did_you_mean(tag, tags)}"
                          + (f"; its tags: {listing(tags, 8)}" if tags else ""))
     return config
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from cafa_cli import hub
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.factories import import_factory, is_factory, model_arg_texts
+from cafa_cli.factories import import_factory, is_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
@@ -41,9 +41,9 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
     kwargs = {**(model_args or {}), **({"num_classes": num_classes} if num_classes is not None else {})}
     library, name = hub.library_of(model)
     if model in BUNDLED:
-        if kwargs:
-            raise UsageError(f"`model` {model} is a bundled model, built as it was trained; it takes no `model_arg` or `num_classes`")
-        return load_bundled(model)
+        if model_args:
+            raise UsageError(f"`model` {model} is a bundled model, built as it was trained; it takes no `model_arg`")
+        return load_bundled(model)  # a `num_classes` other than its outputs is named by resolve()
     if library == "timm":
         return hub.build_timm(name, kwargs, weights)
     if is_factory(model):
@@ -110,8 +110,10 @@ def resolve(
         if num_classes is not None and given != num_classes:
             raise UsageError(f"`num_classes` {num_classes} and `model_arg` num_classes={given!r} disagree; give it once")
         num_classes = given
-    if num_classes is not None and (type(num_classes) is not int or num_classes < 1):
-        raise UsageError(f"`num_classes` must be a whole number, at least 1, not {num_classes!r}")
+    if num_classes is not None and type(num_classes) is not int:  # --model-arg num_classes=1.5
+        raise UsageError(f"`num_classes` must be a whole number, not {num_classes!r}")
+    if num_classes is not None and num_classes < 1:
+        raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
     cached = hub.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
     net = build_model(model, num_classes, model_args, cached)
     if weights is not None and cached is None:
@@ -120,7 +122,7 @@ def resolve(
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
     recorded_weights, sha256 = (cached.name, cached.sha256) if cached else weights_record(model, weights)
-    recorded_args = dict(arg.split("=", 1) for arg in model_arg_texts(model_args)) or None
+    recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
     spec = ModelSpec(canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
     return wrapped, spec
 
