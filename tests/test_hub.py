@@ -125,14 +125,18 @@ def test_without_timm_the_error_names_the_extra_to_install(setup, monkeypatch):
     fails(result, 2, "--model timm:resnet18 needs timm, which is not installed: pip install 'cafa-cli[timm]'")
 
 
-def _hf_cache(root, repo: str, file: str, data: bytes):
-    """A Hugging Face hub cache holding one file of `repo` at revision main."""
+def _hf_cache(root, repo: str, file: str, data: bytes, blob: str | None = None):
+    """A Hugging Face hub cache holding one file of `repo` at revision main: the snapshot's
+    name links to a blob named by the file's sha256 (or `blob`), as the hub stores LFS files."""
     folder = root / f"models--{repo.replace('/', '--')}"
     (folder / "refs").mkdir(parents=True)
     (folder / "refs" / "main").write_text("0" * 40)
+    (folder / "blobs").mkdir()
+    stored = folder / "blobs" / (blob or hashlib.sha256(data).hexdigest())
+    stored.write_bytes(data)
     snapshot = folder / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
-    (snapshot / file).write_bytes(data)
+    (snapshot / file).symlink_to(stored)
 
 
 def test_timm_pretrained_weights_come_from_the_hugging_face_cache_only(tmp_path, monkeypatch):
@@ -151,6 +155,12 @@ def test_timm_pretrained_weights_come_from_the_hugging_face_cache_only(tmp_path,
     net, spec = resolve("timm:test_vit", "r160_in1k")
     assert spec.weights == "r160_in1k" and spec.weights_sha256 == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
     assert all(torch.equal(net.model.state_dict()[name], value) for name, value in state.items())
+
+    altered = tmp_path / "altered"
+    _hf_cache(altered, "timm/test_vit.r160_in1k", "model.safetensors", (tmp_path / "w.safetensors").read_bytes(), blob="ab" * 32)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(altered))
+    fails(invoke("stats", "--model", "timm:test_vit", "--weights", "r160_in1k", "--data", tmp_path), 3,
+          "has sha256", "not the abababababab... its name promises (a partial or altered download)")
 
 
 # --- torchvision weights by name ----------------------------------------------------

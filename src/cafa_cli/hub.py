@@ -195,7 +195,7 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
         for file in files:
             found = try_to_load_from_cache(config.hf_hub_id, file, cache_dir=constants.HF_HUB_CACHE)
             if isinstance(found, str):
-                return CachedWeights(recorded, Path(found), sha256_of(found))
+                return CachedWeights(recorded, Path(found), _checked_blob(Path(found), recorded))
         folder = Path(constants.HF_HUB_CACHE) / f"models--{config.hf_hub_id.replace('/', '--')}"
         raise InputError(f"`weights` {recorded}: timm's {config.hf_hub_id} ({' or '.join(files)}) is not in the Hugging Face "
                          f"hub cache {constants.HF_HUB_CACHE} (looked in {folder}); cafa downloads nothing: fetch it where there "
@@ -206,6 +206,16 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
         return CachedWeights(recorded, path, _checked_file(path, recorded, f"torch's hub cache {path.parent}",
                                                            f"timm.create_model('{config.architecture}.{recorded}', pretrained=True)"))
     raise UsageError(f"`weights` {recorded}: timm publishes no file for {config.architecture}.{recorded}; give a weights file")
+
+
+def _checked_blob(path: Path, name: str) -> str:
+    """The sha256 of a Hugging Face cache file, checked against its blob's name: the hub
+    stores a large (LFS) file under its sha256 and links the snapshot's name to it."""
+    digest, blob = sha256_of(path), path.resolve()
+    if re.fullmatch("[0-9a-f]{64}", blob.name) and blob.name != digest:
+        raise InputError(f"`weights` {name}: {blob} has sha256 {digest[:12]}..., not the {blob.name[:12]}... its name promises "
+                         f"(a partial or altered download); delete it and fetch it again")
+    return digest
 
 
 def build_timm(name: str, kwargs: dict, weights: CachedWeights | None = None) -> nn.Module:
