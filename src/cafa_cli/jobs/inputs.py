@@ -17,9 +17,10 @@ from cafa_cli.jobs.settings import InputOptions, ModelOptions
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:
-    """The preprocessing the options give for `model`: its defaults, then the values given
-    (`changes`, when another side's geometry applies: bench's test domains)."""
-    declared = default_preprocessing(model, getattr(options, "weights", None), getattr(options, "model_arguments", dict)())
+    """The preprocessing the options give for `model`: its defaults (what the model and the
+    weights the options name declare), then the values given (`changes`, when another
+    side's geometry applies: bench's test domains). `options` holds the ModelOptions too."""
+    declared = default_preprocessing(model, options.weights, options.model_arguments())
     return declared.with_changes(options.preprocessing_changes() if changes is None else changes)
 
 
