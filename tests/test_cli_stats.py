@@ -108,10 +108,12 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
     assert model["classifier"] == "head.3"
     net, _ = resolve(TINY_NET, str(weights))
     assert meta["parameters_sha256"] == parameters_sha256(net.model)
-    assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1}
+    assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1,
+                                                 "interpolation": "bilinear"}
     listed = "".join(f"{name}/{image.name}\t{label}\n" for label, name in enumerate(CLASSES) for image in sorted((data / name).iterdir()))
     assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "batch_size": 128,
-                                            "images_sha256": hashlib.sha256(listed.encode()).hexdigest(), "skipped_images": 0}
+                                            "images_sha256": hashlib.sha256(listed.encode()).hexdigest(), "skipped_images": 0,
+                                            "input_size": [16, 16]}
     assert json.loads(meta["shrinkage"])["method"] == "fixed"
     assert meta["num_images"] == str(3 * PER_CLASS) and meta["feature_dim"] == str(D)
 

@@ -390,7 +390,9 @@ def _valid_spec(m: ModelSpec) -> bool:
     """A model name, optional strings, and an optional positive class count (JSON can hold anything)."""
     strings = all(v is None or isinstance(v, str) for v in (m.weights, m.weights_sha256, m.classifier))
     count = m.num_classes is None or (type(m.num_classes) is int and m.num_classes >= 1)
-    return isinstance(m.model, str) and bool(m.model) and strings and count
+    arguments = m.model_args is None or (isinstance(m.model_args, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in m.model_args.items()))
+    return isinstance(m.model, str) and bool(m.model) and strings and count and arguments
 
 
 def _checked_factors(f, path, covariance: str, name: str, shape: tuple, keep: bool) -> torch.Tensor | None:

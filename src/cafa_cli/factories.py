@@ -4,12 +4,44 @@ layer that takes such a name."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, repeated
+
+# `--model timm:NAME` / `torchvision:NAME`: a model a library builds by name, not code to import
+HUB_PREFIXES = ("timm:", "torchvision:")
+
+
+def is_factory(model: str | None) -> bool:
+    """Whether `model` names code to import (`file.py:fn`, `package.module:fn`): not a
+    bundled or torchvision name, nor a `timm:` / `torchvision:` name."""
+    return bool(model) and ":" in model and not model.startswith(HUB_PREFIXES)
+
+
+def parse_model_args(texts: list[str] | tuple[str, ...] | None, option: str = "`model_arg`") -> dict:
+    """['image_size=64', 'drop_rate=0.1', 'act=gelu'] -> {'image_size': 64, 'drop_rate': 0.1, 'act': 'gelu'}:
+    each value a Python literal (numbers, True, None, tuples, quoted strings), else the text itself.
+    Literals only (ast.literal_eval): a value never runs code."""
+    pairs = []
+    for text in texts or ():
+        key, equals, value = str(text).partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier():
+            raise UsageError(f"{option} {text!r}: expected KEY=VALUE with KEY a keyword argument name (e.g. image_size=64)")
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            parsed = value.strip()  # a bare word: the string (act=gelu)
+        pairs.append((key, parsed))
+    twice = repeated([key for key, _ in pairs])
+    if twice:
+        raise UsageError(f"{option} gives {twice[0]} twice; give each keyword once")
+    return dict(pairs)
 
 
 def import_factory(spec: str, option: str, what: str = "function"):
@@ -33,6 +65,10 @@ def import_factory(spec: str, option: str, what: str = "function"):
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
+            # as `python -m` would find it: a module in the working folder (mymodels.py), last,
+            # so that it never shadows an installed package of the same name
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.append(os.getcwd())
             module = importlib.import_module(location)
     except InputError:
         raise

@@ -1,18 +1,19 @@
-"""A model by name: a torchvision architecture, a bundled model, or a factory
-(`file.py:fn`, `package.module:fn`), loaded with its weights and wrapped so that it
-returns its features too; and the fingerprints an artifact records of it."""
+"""A model by name: a torchvision architecture, a bundled model, `timm:NAME` /
+`torchvision:NAME` (hub.py), or a factory (`file.py:fn`, `package.module:fn`), built with
+its keyword arguments, loaded with its weights and wrapped so that it returns its
+features too; and the fingerprints an artifact records of it."""
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
+from cafa_cli import hub
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.factories import import_factory
+from cafa_cli.factories import import_factory, is_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
@@ -23,46 +24,44 @@ class ModelSpec:
     """What the artifact records so that `adapt` can rebuild the exact model."""
 
     model: str
-    weights: str | None = None  # absolute path
+    weights: str | None = None  # absolute path, or pretrained weights by name (ResNet50_Weights.IMAGENET1K_V2, a timm tag)
     weights_sha256: str | None = None
     num_classes: int | None = None
     classifier: str | None = None
+    model_args: dict[str, str] | None = None  # the constructor's or factory's keyword arguments: name -> repr(value)
 
 
-def build_model(model: str, num_classes: int | None = None) -> nn.Module:
-    """A torchvision architecture name, a bundled model name, or `file.py:fn` / `pkg.mod:fn`."""
+def build_model(model: str, num_classes: int | None = None, model_args: dict | None = None,
+                weights: hub.CachedWeights | None = None) -> nn.Module:
+    """A torchvision architecture name, a bundled model name, `timm:NAME`, `torchvision:NAME`,
+    or `file.py:fn` / `pkg.mod:fn`, called with `model_args` (and `num_classes`);
+    `weights` are pretrained weights by name, which the library's builder loads."""
     from cafa_cli.zoo import BUNDLED, load_bundled
 
+    kwargs = {**(model_args or {}), **({"num_classes": num_classes} if num_classes is not None else {})}
+    library, name = hub.library_of(model)
     if model in BUNDLED:
-        return load_bundled(model)
-    if ":" in model:
-        return _from_factory(model, num_classes)
-    import torchvision
-
-    names = torchvision.models.list_models(module=torchvision.models)
-    if model not in names:
-        hint = f" (did you mean {', '.join(close)}?)" if (close := _close_names(model, names)) else ""
+        if model_args:
+            raise UsageError(f"`model` {model} is a bundled model, built as it was trained; it takes no `model_arg`")
+        return load_bundled(model)  # a `num_classes` other than its outputs is named by resolve()
+    if library == "timm":
+        return hub.build_timm(name, kwargs, weights)
+    if is_factory(model):
+        return _from_factory(model, kwargs)
+    if library is None and model not in hub.torchvision_names():
+        names = hub.torchvision_names()
+        hint = f" (did you mean {', '.join(close)}?)" if (close := hub.close_names(model, names)) else ""
         raise UsageError(
             f"`model` {model}: unknown architecture{hint}; give a torchvision classification model, "
-            f"one of {', '.join(sorted(BUNDLED))}, or a factory 'file.py:function'"
+            f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, or a factory 'file.py:function'"
         )
-    kwargs = {"num_classes": num_classes} if num_classes is not None else {}
-    return torchvision.models.get_model(model, weights=None, **kwargs)
+    return hub.build_torchvision(name, kwargs, weights)
 
 
-def _close_names(name: str, names: list[str]) -> list[str]:
-    """Architectures a mistyped --model may mean: the names that contain it, or spell it
-    nearly alike, ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
-    plain = {n.replace("_", ""): n for n in names}
-    wanted = name.lower().replace("-", "").replace("_", "")
-    containing = [n for key, n in plain.items() if wanted in key]
-    return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
-
-
-def _from_factory(spec: str, num_classes: int | None) -> nn.Module:
+def _from_factory(spec: str, kwargs: dict) -> nn.Module:
     factory, function = import_factory(spec, "`model`", "function")
     try:
-        model = factory(num_classes=num_classes) if num_classes is not None else factory()
+        model = factory(**kwargs)
     except (Exception, SystemExit) as error:
         raise InputError(f"`model` {spec}: {function}() failed ({type(error).__name__}: {error})") from None
     if not isinstance(model, nn.Module):
@@ -101,18 +100,39 @@ def resolve(
     num_classes: int | None = None,
     classifier: str | None = None,
     trust_checkpoint: bool = False,
+    model_args: dict | None = None,
 ) -> tuple[FeatureClassifier, ModelSpec]:
-    """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec."""
+    """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec.
+    `model_args` are the keyword arguments of its constructor or factory (parsed values)."""
+    model_args = dict(model_args or {})
+    if "num_classes" in model_args:  # --model-arg num_classes=10 is --num-classes 10, recorded as such
+        given = model_args.pop("num_classes")
+        if num_classes is not None and given != num_classes:
+            raise UsageError(f"`num_classes` {num_classes} and `model_arg` num_classes={given!r} disagree; give it once")
+        num_classes = given
+    if num_classes is not None and type(num_classes) is not int:  # --model-arg num_classes=1.5
+        raise UsageError(f"`num_classes` must be a whole number, not {num_classes!r}")
     if num_classes is not None and num_classes < 1:
         raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
-    net = build_model(model, num_classes)
-    if weights is not None:
+    cached = hub.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
+    net = build_model(model, num_classes, model_args, cached)
+    if weights is not None and cached is None:
         load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
-    spec = ModelSpec(canonical_model(model), absolute(weights), weights_sha256(model, weights), num_classes, wrapped.classifier_name)
+    recorded_weights, sha256 = (cached.name, cached.sha256) if cached else weights_record(model, weights)
+    recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
+    spec = ModelSpec(canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
     return wrapped, spec
+
+
+def pretrained_by_name(model: str | None, weights: str | None) -> bool:
+    """Whether `weights` names pretrained weights of a library's model (IMAGENET1K_V2, a timm
+    tag) rather than a file: only for timm:, torchvision: and torchvision names."""
+    if not model or weights is None or not hub.is_weights_name(weights) or is_factory(model) or bundled_model(model):
+        return False
+    return hub.library_of(model)[0] is not None or model in hub.torchvision_names()
 
 
 def factory_sha256(model: str) -> str | None:
@@ -121,9 +141,20 @@ def factory_sha256(model: str) -> str | None:
     return sha256_of(location) if location.endswith(".py") and Path(location).is_file() else None
 
 
+def weights_record(model: str, weights: str | None) -> tuple[str | None, str | None]:
+    """The weights as an artifact and the metrics record them, and their sha256: a file by
+    its absolute path, pretrained weights by their full name (ResNet50_Weights.IMAGENET1K_V2)."""
+    if pretrained_by_name(model, weights):
+        cached = hub.cached_weights(model, weights)
+        return cached.name, cached.sha256
+    return absolute(weights), weights_sha256(model, weights)
+
+
 def weights_sha256(model: str, weights: str | None) -> str | None:
     """What an artifact records to notice changed weights: the sha256 of the weights file,
     or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""
+    if pretrained_by_name(model, weights):
+        return hub.cached_weights(model, weights).sha256
     if weights is not None:
         return sha256_of(weights)
     bundled = bundled_model(model)

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from cafa_cli.artifact import Artifact
 from cafa_cli.errors import InputError
+from cafa_cli.factories import is_factory
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, factory_sha256, parameters_sha256
 
@@ -19,20 +20,22 @@ def recorded_model(artifact: Artifact, given):
     (or passes --trust-checkpoint).
     """
     recorded = artifact.model
-    if ":" in recorded.model and given.model is None and not given.trust_checkpoint:
+    if is_factory(recorded.model) and given.model is None and not given.trust_checkpoint:
         raise InputError(
             f"{artifact.path} names the model factory {recorded.model}, whose code would run; "
             f"pass `model` {recorded.model} to run it (or `trust_checkpoint`)"
         )
     weights = given.weights or recorded.weights
-    if weights and given.weights is None and not Path(weights).is_file():
+    # a file is recorded by its absolute path; pretrained weights by name are found in the cache
+    if weights and given.weights is None and Path(weights).is_absolute() and not Path(weights).is_file():
         raise InputError(
             f"the artifact's weights {weights} are not there; pass `weights` FILE (the same file) "
             f"or `model`/`weights` to use another model"
         )
     num_classes = given.num_classes or recorded.num_classes
     return replace(given, model=recorded.model, weights=weights, num_classes=num_classes,
-                   classifier=given.classifier or recorded.classifier)
+                   classifier=given.classifier or recorded.classifier,
+                   model_args=given.model_args or [f"{key}={value}" for key, value in (recorded.model_args or {}).items()])
 
 
 def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> str | None:
@@ -48,6 +51,10 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     if spec.model != recorded.model and not (same_code and same_function):  # a factory file copied elsewhere is the same model
         # its code may compute other features from the same parameters
         return f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}"
+    if (spec.model_args or {}) != (recorded.model_args or {}):
+        # other constructor arguments build another network (image_size, depth, ...)
+        return (f"{artifact.path} holds statistics of {recorded.model} with `model_arg` {_args(recorded.model_args)}, "
+                f"not {_args(spec.model_args)}")
     if artifact.factory_sha256 is not None and not same_code:
         # the same parameters through edited code can give other features
         return f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed (its sha256 differs)"
@@ -65,3 +72,7 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     own = "its packaged weights" if bundled_model(spec.model) else "the model's own initialisation (no `weights`)"
     made_with, given = recorded.weights or own, spec.weights or own
     return f"{artifact.path} holds statistics of {spec.model} with {made_with}, not with {given} ({differ})"
+
+
+def _args(model_args: dict | None) -> str:
+    return " ".join(f"{key}={value}" for key, value in (model_args or {}).items()) or "(none)"

@@ -38,6 +38,7 @@ class Preprocessing:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     channels: int = 3
+    interpolation: str = "bilinear"  # of the resize: bilinear, bicubic or nearest (timm's models declare bicubic)
 
     def __post_init__(self):
         check_preprocessing(asdict(self))
@@ -66,6 +67,7 @@ class Preprocessing:
             mean=_numbers(d["mean"], "mean"),
             std=_numbers(d["std"], "std"),
             channels=int(d["channels"]),
+            interpolation=d.get("interpolation", "bilinear"),  # artifacts made before it was a setting: bilinear
         )
 
     def with_changes(self, changes: dict) -> Preprocessing:
@@ -81,7 +83,7 @@ class Preprocessing:
         self.check_size(image)
         image = to_mode(image, "L" if self.channels == 1 else "RGB")
         if self.resize is not None:
-            image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode.BILINEAR)
+            image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode(self.interpolation))
         if self.crop is not None:
             image = TF.center_crop(image, self.crop)
         return TF.pil_to_tensor(image)

@@ -37,8 +37,13 @@ def parse_floats(text: str | float | tuple, name: str) -> tuple[float, ...]:
         raise UsageError(f"`{name}` takes comma-separated numbers, got {text!r}") from None
 
 
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")  # the resize filters (torchvision's InterpolationMode values)
+
+
 def check_preprocessing(values: dict, prefix: str = "") -> None:
     """Each value wrong by itself, whatever the others (the recipe checks the combination)."""
+    if "interpolation" in values and values["interpolation"] not in INTERPOLATIONS:
+        raise UsageError(f"`{prefix}interpolation` must be one of {', '.join(INTERPOLATIONS)}, not {values['interpolation']!r}")
     if "channels" in values and values["channels"] not in (1, 3):
         raise UsageError(f"`{prefix}channels` must be 1 or 3, not {values['channels']}")
     if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):

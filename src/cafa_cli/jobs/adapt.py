@@ -36,6 +36,7 @@ from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning
                                   recorded_data, resolve_model)
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
+from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
 
 
@@ -104,6 +105,7 @@ class Adaptation:
     config: AdaptConfig
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
+    statistics_sampling: dict | None = None  # the artifact's record of the images the statistics came from
     groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
     notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
     clean: dict | None = None  # the source model's error on `clean`, when given
@@ -154,6 +156,18 @@ class Adaptation:
 
     def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
         monitor = monitor or Monitor()
+        outputs_checked = []
+        statistics_size = statistics_input_size(self.statistics_preprocess, self.statistics_sampling)
+
+        def first_batch(domain, images, logits):
+            # once a stream, and the check that reads the logits (a wait for the device) once a run
+            note = size_note(_short_name(domain.name), images, statistics_size, self.statistics_preprocess)
+            if note:
+                monitor.warn(note)
+            if not outputs_checked:
+                outputs_checked.append(True)
+                if constant_outputs(logits):
+                    monitor.warn(constant_outputs_note(_short_name(domain.name), len(logits)))
 
         def records(batch_records, so_far: DomainResult):
             monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
@@ -171,6 +185,7 @@ class Adaptation:
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
+            on_first_batch=first_batch,
         )
         for result in results:
             # fp16's loss scaler skips a few steps by design while it settles; otherwise a
@@ -219,7 +234,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     net, artifact, spec = load_for_adaptation(config)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
-    base = artifact.preprocessing if artifact else default_preprocessing(spec.model)
+    base = artifact.preprocessing if artifact else default_preprocessing(spec.model, spec.weights, config.model_arguments())
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
         preprocess = base.with_changes(changes)
@@ -257,7 +272,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
                                 "model_outputs": len(subset.model_classes)} if subset else None
     return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
-                      groups, notes, clean)
+                      artifact.sampling if artifact else None, groups, notes, clean)
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:
@@ -374,9 +389,11 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
+        adapted = job.adapter.adapted()
+        monitor.info(adapting_line(adapted, config.method))
         if job.clean:
             monitor.info(clean_summary(job.clean))
         results = job.run(writer.write, monitor)
     if config.metrics_json:
-        write_json(config.metrics_json, metrics(config.method, results, job.recorded_settings, job.clean))
+        write_json(config.metrics_json, {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted})
     return results

@@ -33,7 +33,7 @@ from cafa_cli import __version__
 from cafa_cli.jobs import report
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.files import absolute, open_safetensors
-from cafa_cli.models import weights_sha256
+from cafa_cli.models import pretrained_by_name, weights_record
 from cafa_cli.checkpoints import sha256_of
 from cafa_cli.jobs.inputs import recipe, recorded_data, resolve_model
 from cafa_cli.jobs.stats import compute_statistics, sample_sha256
@@ -153,7 +153,7 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
         row_config(config, row, seeds[0], None, None)
     for covariance in covariances_needed(rows):
         check_options(covariance, config.shrinkage_value())
-    if config.weights:
+    if config.weights and not pretrained_by_name(config.model, config.weights):
         check_weights_file(config.weights)
     if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
         raise InputError(f"`train` {config.train}: no such file or folder")
@@ -324,8 +324,8 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
         **({"clean": clean} if clean else {}),
         "settings": {
             **shared, "methods": ",".join(r.label for r in rows), "train": config.train, "model": config.model,
-            "weights": absolute(config.weights),
-            "weights_sha256": weights_sha256(config.model, config.weights),
+            **dict(zip(("weights", "weights_sha256"), weights_record(config.model, config.weights))),
+            "model_args": config.model_args,
             "classes": absolute(config.classes), "labels": absolute(config.labels),
             "severity": effective_severity(config),
             **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),

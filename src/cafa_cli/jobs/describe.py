@@ -77,7 +77,8 @@ def render(summary: dict) -> Group:
     rows = [
         ("artifact", summary["path"]),
         ("format", f"{summary['format']} (cafa {summary['cafa_version']}, {summary['created']})"),
-        ("model", f"{model['model']}, classifier {model['classifier']}"),
+        ("model", f"{model['model']}, classifier {model['classifier']}"
+                  + "".join(f", {key}={value}" for key, value in (model.get("model_args") or {}).items())),
         ("weights", f"{model['weights'] or no_file}" + (f"  sha256 {model['weights_sha256'][:16]}…" if model["weights_sha256"] else "")),
         ("parameters", f"sha256 {summary['parameters_sha256'][:16]}…" if summary["parameters_sha256"] else "(no fingerprint: written before cafa recorded one)"),
         ("classes", f"{summary['num_classes']}"

@@ -9,20 +9,29 @@ from cafa_cli.data.domain import Domain, read_class_list
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.features import FeatureClassifier
+from cafa_cli import hub
+from cafa_cli.factories import is_factory
 from cafa_cli.models import ModelSpec, bundled_model, resolve
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.settings import InputOptions, ModelOptions
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:
-    """The preprocessing the options give for `model`: its defaults, then the values given
-    (`changes`, when another side's geometry applies: bench's test domains)."""
-    return default_preprocessing(model).with_changes(options.preprocessing_changes() if changes is None else changes)
+    """The preprocessing the options give for `model`: its defaults (what the model and the
+    weights the options name declare), then the values given (`changes`, when another
+    side's geometry applies: bench's test domains). `options` holds the ModelOptions too."""
+    declared = default_preprocessing(model, options.weights, options.model_arguments())
+    return declared.with_changes(options.preprocessing_changes() if changes is None else changes)
 
 
-def default_preprocessing(model: str | None) -> Preprocessing:
+def default_preprocessing(model: str | None, weights: str | None = None, model_args: dict | None = None) -> Preprocessing:
+    """The bundled model's preprocessing, or the one a timm model or torchvision weights
+    named by enum declare (hub.py), else ImageNet's at 256/224, bilinear."""
     bundled = bundled_model(model)
-    return Preprocessing.from_dict(bundled.preprocessing) if bundled else Preprocessing()
+    if bundled:
+        return Preprocessing.from_dict(bundled.preprocessing)
+    declared = hub.declared_preprocessing(model, weights, model_args or {}) if model else None
+    return Preprocessing(**declared) if declared else Preprocessing()
 
 
 def default_class_names(model: str | None, options: InputOptions) -> list[str] | None:
@@ -38,13 +47,15 @@ def default_class_names(model: str | None, options: InputOptions) -> list[str] |
 
 
 def resolve_model(model: ModelOptions) -> tuple[FeatureClassifier, ModelSpec]:
-    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint)
-    if spec.weights is None and ":" not in spec.model and bundled_model(spec.model) is None:
-        # torchvision's own initialisation is random: statistics and adaptation would
-        # each see another network, and no result could be reproduced
+    net, spec = resolve(model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint,
+                        model.model_arguments())
+    if spec.weights is None and not is_factory(spec.model) and bundled_model(spec.model) is None:
+        # torchvision's and timm's own initialisation is random: statistics and adaptation
+        # would each see another network, and no result could be reproduced
         raise UsageError(
             f"`model` {spec.model} without `weights` is an untrained network with random weights, different in "
-            f"every run; give `weights` FILE (a state dict of this architecture)"
+            f"every run; give `weights` FILE (a state dict of this architecture), or pretrained weights by name from "
+            f"the local cache (IMAGENET1K_V2, a timm tag)"
         )
     _check_parameters(net.model)
     return net, spec

@@ -12,6 +12,7 @@ from typing import Literal
 from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
                                   parse_size)
 from cafa_cli.errors import UsageError
+from cafa_cli.factories import parse_model_args
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
@@ -50,11 +51,17 @@ def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[st
 class ModelOptions:
     """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
 
-    model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), or a "
-                                "factory: file.py:function or package.module:function.", flags=("--model", "-m"),
+    model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), "
+                                "timm:NAME (pip install 'cafa-cli[timm]'), torchvision:NAME, or a factory: file.py:function "
+                                "or package.module:function.", flags=("--model", "-m"),
                                 metavar="NAME", panel=MODEL)
-    weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True).",
-                                  flags=("--weights", "-w"), metavar="PATH", panel=MODEL)
+    weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True); or "
+                                  "pretrained weights by name from the local cache, never downloaded: a torchvision weights "
+                                  "enum (IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT) or a timm tag (a1_in1k).",
+                                  flags=("--weights", "-w"), metavar="PATH|NAME", panel=MODEL)
+    model_args: list[str] = setting(help="A keyword argument of the model's constructor or factory, KEY=VALUE "
+                                    "(repeatable): image_size=64, drop_rate=0.1; a value is a Python literal, else text.",
+                                    factory=list, flags=("--model-arg",), metavar="KEY=VALUE", panel=MODEL)
     num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL)
     classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL)
     trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
@@ -64,9 +71,15 @@ class ModelOptions:
         """The files the model is read from, which no output may replace."""
         return {"`model`": factory_file(self.model), "`weights`": self.weights}
 
+    def model_arguments(self) -> dict:
+        """`model_args` parsed: {KEY: value}."""
+        return parse_model_args(self.model_args, "`model_arg`")
+
     def _check_model(self) -> None:
+        self.model_args = list(self.model_args or [])  # none given on the command line: None
         if self.num_classes is not None:
             at_least("num_classes", self.num_classes, 1)
+        self.model_arguments()
 
 
 @dataclass(kw_only=True)
@@ -93,6 +106,9 @@ class InputOptions:
     std: str | None = setting(None, "Normalisation std, one value or one per channel; default as --mean's.",
                               metavar="X[,X,X]", panel=DATA)
     channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA)
+    interpolation: str | None = setting(None, "Resize filter: bilinear, bicubic or nearest. Default: the artifact's "
+                                        "(adapt), the model's own (timm, torchvision weights by name), or bilinear.",
+                                        metavar="MODE", panel=DATA)
 
     def preprocessing_changes(self, prefix: str = "") -> dict:
         """The preprocessing values given (None: not given), parsed and each checked by itself."""
@@ -101,6 +117,8 @@ class InputOptions:
         changes = {key: parse(text, prefix + key) for key, (text, parse) in texts.items() if text is not None}
         if self.channels is not None:
             changes["channels"] = self.channels
+        if self.interpolation is not None:
+            changes["interpolation"] = self.interpolation
         check_preprocessing(changes, prefix)
         return changes
 

@@ -54,7 +54,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     gaussians = estimate(moments, config.covariance, shrinkage, class_names)
     sampling = {"data": recorded_data(config.data), "fraction": fraction, "per_class": per_class, "seed": config.seed,
                 "images_sha256": subset_sha256(domain, indices), "batch_size": config.batch_size,
-                "skipped_images": moments.skipped_images}
+                "skipped_images": moments.skipped_images, "input_size": getattr(moments, "input_size", None)}
     return write_artifact(config.out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model),
                           subset.model_classes if subset else None, subset.outputs if subset else None)
 
@@ -108,10 +108,12 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, config: S
     labels = torch.as_tensor(domain.labels)
     monitor.start("stats", len(indices))
 
-    skipped = 0
+    skipped, input_size = 0, None
 
     def on_batch(batch):
-        nonlocal skipped
+        nonlocal skipped, input_size
+        if input_size is None and batch.images is not None:  # [height, width] entering the model: adapt compares its own
+            input_size = list(batch.images.shape[-2:])
         for ref, why in unreadable(domain, batch, config.strict):
             skipped += 1
             monitor.warn(_skip_warning(ref, why))
@@ -122,5 +124,5 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, config: S
 
     loader = batches(domain, preprocess, config.batch_size, indices, config.num_workers, target)
     gathered = accumulate_features(net_on_pixels, loader, labels, len(class_names), net.feature_dim, target, on_batch)
-    gathered.skipped_images = skipped
+    gathered.skipped_images, gathered.input_size = skipped, input_size
     return gathered

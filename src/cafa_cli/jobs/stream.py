@@ -39,6 +39,7 @@ def adapt_domains(
     on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None,
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
     on_domain: Callable[[Domain], None] = lambda domain: None,
+    on_first_batch: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it;
     one result per domain.
@@ -49,7 +50,8 @@ def adapt_domains(
     corruption of the gradual setting, not at each of its severities. `order` orders each
     domain's images (data/orders.py). `mix_domains` makes the domains one stream, ordered
     as one. `on_records` gets each batch's records and the result so far of their
-    domain (of the whole stream when mixed).
+    domain (of the whole stream when mixed). `on_first_batch` gets each stream's first
+    batch of images (uint8 pixels) and their logits, before their records are made.
     """
     check_reset(reset)
     groups = list(range(len(domains))) if groups is None else list(groups)
@@ -72,12 +74,14 @@ def adapt_domains(
         # for it); a mixed stream reads them after every batch, to give each domain its batches'
         clock, skipped_before, unrefined_before = time.perf_counter(), adapter.skipped_steps, adapter.unrefined_batches
         positions = stream_order(domain.labels, order, shuffle, seed, domain.name)
+        first = on_first_batch
         for batch in batches(domain, preprocess, batch_size, positions, num_workers, adapter.device):
             for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, strict)):
                 for result in _tallies(results[owner[i]], so_far):
                     result.skipped_images.append(ref)
                 on_skip(ref, why)
-            records = _step(adapter, domain, preprocess, batch)
+            records = _step(adapter, domain, preprocess, batch, first)
+            first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
                 for result in _tallies(results[owner[i]], so_far):
                     result.n += 1
@@ -128,10 +132,13 @@ def mixed(domains: list[Domain]) -> tuple[Domain, np.ndarray]:
     return whole, owner
 
 
-def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch) -> list[Record]:
+def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch,
+          on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None) -> list[Record]:
     if batch.images is None:
         return []
     logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
+    if on_logits is not None:
+        on_logits(domain, batch.images, logits)
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
         # -inf alone is a masked class, which some models use

@@ -99,6 +99,21 @@ class Adapter:
         self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
+    def adapted(self) -> dict:
+        """What the updates change: the number of tensors and of values, and the layer
+        types they belong to ({"BatchNorm2d": tensors, ...}, most first); `batch_norms`, the
+        BatchNorm layers normalising with test-batch statistics. Read from shapes only: no
+        wait for the device."""
+        trained = {id(p) for p in self.params}
+        layers: dict[str, int] = {}
+        for module in self.model.modules():
+            own = sum(id(p) in trained for p in module.parameters(recurse=False))
+            if own:
+                kind = getattr(module, "source_type", type(module).__name__)
+                layers[kind] = layers.get(kind, 0) + own
+        return {"tensors": len(self.params), "parameters": sum(p.numel() for p in self.params),
+                "layers": dict(sorted(layers.items(), key=lambda item: -item[1])), "batch_norms": self.batch_norms}
+
     @property
     def skipped_steps(self) -> int:
         """Updates skipped because the loss or a gradient was not finite, since the Adapter

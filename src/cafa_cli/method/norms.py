@@ -21,6 +21,7 @@ class BatchStatisticsNorm(nn.Module):
 
     def __init__(self, bn: _BatchNorm, prior: float = 0.0):
         super().__init__()
+        self.source_type = type(bn).__name__  # what it replaced (BatchNorm2d), for saying which layers adapt
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
         self.prior = prior if bn.running_mean is not None else 0.0
         if bn.running_mean is not None:
