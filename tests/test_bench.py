@@ -614,6 +614,7 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
     report = json.loads(out["json"].read_text())
     assert {(r["order"], r["batch_size"]) for r in report["rows"]} == {("iid", 6), ("iid", 3), ("label-shift:1.0", 6), ("label-shift:1.0", 3)}
     assert report["settings"]["orders"] == "iid,label-shift:1.0" and report["settings"]["batch_sizes"] == "6,3"
+    assert report["settings"]["methods"] == "source,bn"  # the rows asked for, not each row under each condition
     assert len(report["runs"]) == 8 * 2
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -95,3 +95,24 @@ def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
     assert all(len(row["rounds"]["before"]) == len(row["rounds"]["after"]) == 2 for row in rows.values())
     assert all(row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"] for row in rows.values() for which in row["counted"])
     assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
+
+
+def test_combine_tables_puts_each_bench_condition_in_its_own_column(tmp_path):
+    def report(rows, means, seeds=(0,), **settings):
+        return {"seeds": list(seeds), "settings": {"order": "iid", "reset": "domain", "batch_sizes": None, **settings},
+                "rows": rows, "table": [{"method": r["label"], "mean": {"mean": m, "std": 0.25}} for r, m in zip(rows, means)]}
+
+    orders = report([{"label": "tent, iid", "order": "iid", "batch_size": 200},
+                     {"label": "tent, label-shift:1.0", "order": "label-shift:1.0", "batch_size": 200},
+                     {"label": "lame, iid", "order": "iid", "batch_size": 200}], [27.0, 72.5, 41.4], orders="iid,label-shift:1.0")
+    continual = report([{"label": "tent", "order": "iid", "batch_size": 200}], [30.74], seeds=(0, 1), reset="never")
+    paths = []
+    for k, saved in enumerate((orders, continual)):
+        paths.append(tmp_path / f"{k}.json")
+        paths[-1].write_text(json.dumps(saved))
+    assert run("combine_tables.py", *paths).stdout.splitlines() == [
+        "| method | iid | label-shift:1.0 | iid, continual |",
+        "|---|---:|---:|---:|",
+        "| tent | 27.00 | 72.50 | 30.74 ± 0.25 |",
+        "| lame | 41.40 | — | — |",
+    ]

@@ -323,7 +323,7 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
         "artifacts": artifacts,
         **({"clean": clean} if clean else {}),
         "settings": {
-            **shared, "methods": ",".join(r.label for r in rows), "train": config.train, "model": config.model,
+            **shared, "methods": ",".join(dict.fromkeys(r.name for r in rows)), "train": config.train, "model": config.model,
             **dict(zip(("weights", "weights_sha256"), weights_record(config.model, config.weights))),
             "model_args": config.model_args,
             "classes": absolute(config.classes), "labels": absolute(config.labels),
