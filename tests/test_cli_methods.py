@@ -100,6 +100,20 @@ def test_the_documented_plugin_runs_through_cafa_adapt(setup, tmp_path):
     assert len(rows(result)) == 90
 
 
+def test_a_plugin_is_a_bench_row_that_runs_as_in_cafa_adapt(setup, tmp_path):  # noqa: F811
+    plugin = f"{plugin_file(tmp_path)}:build"
+    common = ["--model", TINY_NET, "--weights", str(setup["weights"]), *PLAIN, "--batch-size", "30"]
+    report, metrics = tmp_path / "r.json", tmp_path / "m.json"
+    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", f"tent,{plugin}@0.01", *common, "--fraction", "1", "--train",
+                                 str(setup["train"]), "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    assert result.exit_code == 0, result.stderr
+    runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
+    alone = runner.invoke(app, ["adapt", "--data", str(setup["test"]), "--method", plugin, "--lr", "0.01", *common,
+                                "--metrics-json", str(metrics)])
+    assert alone.exit_code == 0, alone.stderr
+    assert runs[f"{plugin}@0.01"] == pytest.approx(json.loads(metrics.read_text())["domains"][0]["error"])
+
+
 def test_a_plugin_that_returns_no_method_is_named(setup, tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def build(gaussians, device):\n    return 42\n")
@@ -116,6 +130,9 @@ def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
     from cafa_cli.errors import UsageError
 
     (tmp_path / "cafa.toml").write_text(f'[adapt]\nmethod = "{plugin_file(tmp_path)}:build"\n')
+    with pytest.raises(UsageError, match="names code to run.*on the command line"):
+        read_defaults(tmp_path, command_options())
+    (tmp_path / "cafa.toml").write_text(f'[bench]\nmethods = "tent,{plugin_file(tmp_path)}:build"\n')
     with pytest.raises(UsageError, match="names code to run.*on the command line"):
         read_defaults(tmp_path, command_options())
     (tmp_path / "cafa.toml").write_text('[adapt]\nmethod = "tent"\n')

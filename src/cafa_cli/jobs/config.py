@@ -124,9 +124,10 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                                     metavar="PX", panel=DATA)
     methods: str = setting(BENCH_METHODS, "Rows, comma-separated: a method (statistics with --covariance auto); "
                            "cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the "
-                           "paper's CAFA-Full: --params all); all (every method and variant). NAME@LR gives a row its own learning "
-                           "rate.",
-                           metavar="M[@LR],...", panel=ADAPTATION)
+                           "paper's CAFA-Full: --params all); all (every method and variant); a plug-in file.py:factory or "
+                           "package.module:factory (as cafa adapt --method; the command line only). NAME@LR gives a row its own "
+                           "learning rate.",
+                           metavar="M[@LR],...", panel=ADAPTATION, names_code=True)
     seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM)
     orders: str | None = setting(None, "A grid axis: stream orders (as --order), comma-separated, e.g. iid,label-shift:0.5,"
                                  "label-shift:1.0 for the paper's label-shift table; every row runs under each. Default: "
@@ -220,7 +221,7 @@ class DemoConfig:
     severity: int = setting(3, "Corruption severity 1-5.", metavar="N", panel=DATA)
     train_per_class: int = setting(300, "Training images per class for the statistics.", metavar="N", panel=DATA)
     test_per_class: int = setting(300, "Test images per class and domain (0: all 1,000).", metavar="N", panel=DATA)
-    methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=ADAPTATION)
+    methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=ADAPTATION, names_code=True)
     batch_size: int = setting(200, "Images per adaptation batch.", metavar="N", panel=ADAPTATION)
     lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
     seed: int = setting(0, "Seed of the data, the subset and the stream.", metavar="N", panel=ADAPTATION)

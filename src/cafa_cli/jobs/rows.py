@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS
+from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS, is_plugin
 
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
@@ -64,8 +64,9 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
 
 
 def parse_methods(text: str) -> list[Row]:
-    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant, optionally `@lr`; `all`:
-    every method and variant (those also named, e.g. `all,tent@0.01`, keep their place)."""
+    """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant or a plug-in
+    (`file.py:factory`, given the statistics as `cafa adapt` gives them), optionally `@lr`;
+    `all`: every method and variant (those also named, e.g. `all,tent@0.01`, keep their place)."""
     rows = []
     labels = [m.strip() for m in text.split(",") if m.strip()]
     if "all" in labels:  # every method, then every variant, in place of `all`
@@ -73,15 +74,18 @@ def parse_methods(text: str) -> list[Row]:
         named = {label.partition("@")[0] for label in labels}
         labels[at : at + 1] = [name for name in METHODS + tuple(VARIANTS) if name not in named]
     for label in labels:
-        name, at, lr_text = label.partition("@")
+        name, at, lr_text = label.rpartition("@") if "@" in label else (label, "", "")  # a plug-in's path may hold an @
         if at and not lr_text:
             raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
         if name in VARIANTS:
             method, covariance, params = VARIANTS[name]
         elif name in METHODS:
             method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
+        elif is_plugin(name):
+            method, covariance, params = name, "auto", None
         else:
-            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}")
+            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}, "
+                             f"or give a plug-in 'file.py:factory'")
         try:
             lr = float(lr_text) if lr_text else None
         except ValueError:
