@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load, save_file
 
 import cafa_cli.artifact as artifact_module
+import cafa_cli.artifact_format as artifact_format
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.files import atomic_write
 from cafa_cli.errors import CafaError, InputError
@@ -101,7 +102,7 @@ def test_factors_are_validated_in_slices(tmp_path, monkeypatch):
     path = tmp_path / "s.safetensors"
     write(path)
     per_class = 4 * D * D
-    monkeypatch.setattr(artifact_module, "_SLICE_BYTES", per_class)  # one class per slice
+    monkeypatch.setattr(artifact_format, "_SLICE_BYTES", per_class)  # one class per slice
     assert torch.equal(read_artifact(path).gaussians.factors, gaussians().factors)
     bad = tmp_path / "bad.safetensors"
     corrupt(path, bad, factors=lambda f: f[2, 0].__setitem__(1, 0.5))  # only the last class is wrong

@@ -13,7 +13,7 @@ from conftest import PLAIN, TINY_NET, invoke, write_folder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import cafa_cli.artifact as artifact_module
+import cafa_cli.artifact_format as artifact_format
 import cafa_cli.method.distances as distances
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.method.distances import ClassDistances
@@ -352,7 +352,7 @@ def test_lowrank_validation_errors(tmp_path, case, metadata, edit, pattern):
 def test_lowrank_basis_is_validated_in_slices(tmp_path, monkeypatch):
     path = tmp_path / "s.safetensors"
     g = write_lowrank(path)
-    monkeypatch.setattr(artifact_module, "_SLICE_BYTES", 4 * g.factors[0].numel())  # one class per slice
+    monkeypatch.setattr(artifact_format, "_SLICE_BYTES", 4 * g.factors[0].numel())  # one class per slice
     assert torch.equal(read_artifact(path).gaussians.factors, g.factors)
     bad = rewrite(path, tmp_path / "bad.safetensors", edit=_set("lowrank_basis", (C - 1, 0, 0), float("inf")))
     with pytest.raises(InputError, match="'lowrank_basis' holds NaN"):

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.moments import accumulate_features
-from cafa_cli.artifact import Artifact, unusable_class_names, write_artifact
+from cafa_cli.artifact import Artifact, write_artifact
+from cafa_cli.artifact_format import unusable_class_names
 from cafa_cli.jobs.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
