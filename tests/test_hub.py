@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.factories import parse_model_args
 from cafa_cli.jobs.inputs import default_preprocessing
+from cafa_cli.errors import UsageError
 from cafa_cli.models import resolve
 
 RGB = ["--resize", "none", "--crop", "none", "--mean", "0.5", "--std", "0.25", "--channels", "3"]
@@ -155,6 +156,8 @@ def test_timm_pretrained_weights_come_from_the_hugging_face_cache_only(tmp_path,
     net, spec = resolve("timm:test_vit", "r160_in1k")
     assert spec.weights == "r160_in1k" and spec.weights_sha256 == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
     assert all(torch.equal(net.model.state_dict()[name], value) for name, value in state.items())
+    with pytest.raises(UsageError, match="has 1000 outputs, and `num_classes` 10 would put an untrained, random classifier"):
+        resolve("timm:test_vit", "r160_in1k", num_classes=10)  # timm would drop the pretrained head for a random one
 
     altered = tmp_path / "altered"
     _hf_cache(altered, "timm/test_vit.r160_in1k", "model.safetensors", (tmp_path / "w.safetensors").read_bytes(), blob="ab" * 32)

@@ -226,6 +226,13 @@ def build_timm(name: str, kwargs: dict, weights: CachedWeights | None = None) ->
     full = f"{config.architecture}.{config.tag}" if config.tag else config.architecture
     if weights is None:
         return _built(f"timm:{name}", lambda: timm.create_model(full, pretrained=False, **kwargs))
+    outputs = kwargs.get("num_classes")
+    if outputs is not None and config.num_classes and outputs != config.num_classes:
+        # timm would load the rest and leave a fresh random head: predictions would be noise,
+        # and another head every run (adapt could not rebuild the model the artifact records)
+        raise UsageError(f"`model` timm:{name} with `weights` {weights.name} has {config.num_classes} outputs, and `num_classes` "
+                         f"{outputs} would put an untrained, random classifier on it; leave `num_classes` out, or give "
+                         f"`weights` a state dict file trained for {outputs} classes")
     state = read_state_dict(weights.path)
     net = _built(f"timm:{name}", lambda: timm.create_model(full, pretrained=True, pretrained_cfg_overlay={"state_dict": state},
                                                          **kwargs))
