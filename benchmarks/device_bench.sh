@@ -7,14 +7,9 @@
 # (CAFA_FASHION_MNIST or Debian's package). Results land in $OUT (default ./bench-out).
 set -euo pipefail
 OUT=${OUT:-bench-out}; WORK=${WORK:-/tmp/fmnist-c}; WORKERS=${WORKERS:-4}
-TEST_PER_CLASS=${TEST_PER_CLASS:-0}; SEEDS=${SEEDS:-0,1,2}; SEVERITY=${SEVERITY:-3}
-REPORTED=${REPORTED:-"gaussian_noise shot_noise impulse_noise defocus_blur glass_blur motion_blur zoom_blur snow frost fog brightness contrast elastic_transform pixelate jpeg_compression"}
-HELD_OUT=${HELD_OUT:-"speckle_noise gaussian_blur spatter saturate"}
-PY=${PY:-python3}
+TEST_PER_CLASS=${TEST_PER_CLASS:-0}; SEEDS=${SEEDS:-0,1,2}
+source "$(dirname "$0")/fmnist_c.sh"
 mkdir -p "$OUT"
-cafa() { "$PY" -m cafa_cli "$@"; }
-sub=$([ "$TEST_PER_CLASS" = 0 ] && echo fashion-mnist-c || echo "fashion-mnist-c-$TEST_PER_CLASS")
-domains() { for c in $1; do echo "--data $WORK/$sub/$c/$SEVERITY"; done; }
 
 start=$(date +%s)
 builds=()

@@ -13,17 +13,12 @@ set -euo pipefail
 OUT=${OUT:-methods-out}; WORK=${WORK:-/tmp/fmnist-c}; WORKERS=${WORKERS:-0}
 TEST_PER_CLASS=${TEST_PER_CLASS:-300}; SEEDS=${SEEDS:-0}
 TUNED=${TUNED:-"tent cafa eta eata cafa-eata sar rotta"}  # rows whose learning rate is chosen
-EXTRA=${EXTRA:-cotta@0.001}  # rows at a given rate: CoTTA's step costs 36 TENT steps on a CPU (docs/performance.md)
-REPORTED="gaussian_noise shot_noise impulse_noise defocus_blur glass_blur motion_blur zoom_blur snow frost fog brightness contrast elastic_transform pixelate jpeg_compression"
-HELD_OUT="speckle_noise gaussian_blur spatter saturate"
-PY=${PY:-python3}
+EXTRA=${EXTRA-cotta@0.001}  # rows at a given rate (EXTRA= for none): CoTTA's step costs 36 TENT steps on a CPU (docs/performance.md)
+source "$(dirname "$0")/fmnist_c.sh"
 mkdir -p "$OUT"
-cafa() { "$PY" -m cafa_cli "$@"; }
-sub=$([ "$TEST_PER_CLASS" = 0 ] && echo fashion-mnist-c || echo "fashion-mnist-c-$TEST_PER_CLASS")
-domains() { for c in $1; do echo "$WORK/$sub/$c/3"; done; }
 start=$(date +%s)
 
-cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $REPORTED $HELD_OUT | tr ' ' ,)" --severity 3 \
+cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $REPORTED $HELD_OUT | tr ' ' ,)" --severity "$SEVERITY" \
   --test-per-class "$TEST_PER_CLASS" --quiet > /dev/null
 
 grid=source,bn
