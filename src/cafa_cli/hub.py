@@ -57,7 +57,7 @@ def is_weights_name(weights: str) -> bool:
             and not weights.lower().endswith(WEIGHT_FILE_SUFFIXES))
 
 
-def close_names(name: str, names: list[str]) -> list[str]:
+def _close_names(name: str, names: list[str]) -> list[str]:
     """Names a mistyped one may mean: those that contain it, or spell it nearly alike,
     ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
     plain = {n.replace("_", ""): n for n in names}
@@ -66,8 +66,8 @@ def close_names(name: str, names: list[str]) -> list[str]:
     return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
 
 
-def _did_you_mean(name: str, names: list[str]) -> str:
-    close = close_names(name, names)
+def did_you_mean(name: str, names: list[str]) -> str:
+    close = _close_names(name, names)
     return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
@@ -96,7 +96,7 @@ def torchvision_weights(name: str, weights: str):
         return enum[tag]
     except KeyError:
         raise UsageError(f"`weights` {weights}: no such file, nor weights of {name} by that name"
-                         f"{_did_you_mean(tag, list(enum.__members__))}; torchvision has {', '.join(enum.__members__)}") from None
+                         f"{did_you_mean(tag, list(enum.__members__))}; torchvision has {', '.join(enum.__members__)}") from None
 
 
 def cached_torchvision_weights(member) -> CachedWeights:
@@ -127,7 +127,7 @@ def build_torchvision(name: str, kwargs: dict, weights: CachedWeights | None = N
     import torchvision
 
     if name not in torchvision_names():
-        raise UsageError(f"`model` torchvision:{name}: no such torchvision classification model{_did_you_mean(name, torchvision_names())}")
+        raise UsageError(f"`model` torchvision:{name}: no such torchvision classification model{did_you_mean(name, torchvision_names())}")
     if weights is None:
         return _built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
     member = torchvision.models.get_weight(weights.name)
@@ -170,14 +170,14 @@ def timm_config(name: str, tag: str | None = None):
     timm = import_timm(f"timm:{name}")
     architecture, _, own_tag = name.partition(".")
     if not timm.is_model(architecture):
-        raise UsageError(f"`model` timm:{name}: no such timm model{_did_you_mean(architecture, timm.list_models())}")
+        raise UsageError(f"`model` timm:{name}: no such timm model{did_you_mean(architecture, timm.list_models())}")
     if tag and own_tag and tag != own_tag:
         raise UsageError(f"`model` timm:{name} names the pretrained tag {own_tag}, and `weights` {tag}; give the tag once")
     tag = tag or own_tag
     config = timm.get_pretrained_cfg(f"{architecture}.{tag}" if tag else architecture)
     if config is None:
         tags = [known.partition(".")[2] for known in timm.list_pretrained(f"{architecture}.*")]
-        raise UsageError(f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{_did_you_mean(tag, tags)}"
+        raise UsageError(f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{did_you_mean(tag, tags)}"
                          + (f"; its tags: {listing(tags, 8)}" if tags else ""))
     return config
 

@@ -49,10 +49,8 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
     if is_factory(model):
         return _from_factory(model, kwargs)
     if library is None and model not in hub.torchvision_names():
-        names = hub.torchvision_names()
-        hint = f" (did you mean {', '.join(close)}?)" if (close := hub.close_names(model, names)) else ""
         raise UsageError(
-            f"`model` {model}: unknown architecture{hint}; give a torchvision classification model, "
+            f"`model` {model}: unknown architecture{hub.did_you_mean(model, hub.torchvision_names())}; give a torchvision classification model, "
             f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, or a factory 'file.py:function'"
         )
     return hub.build_torchvision(name, kwargs, weights)
