@@ -47,3 +47,21 @@ def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: flo
 def check_precision(precision: str, device_type: str) -> None:
     if precision != "fp32" and device_type != "cuda":
         raise UsageError(f"`precision` {precision} is for CUDA; on the CPU use fp32")
+
+
+# --- a method's own options (create(name, **options)) ---------------------------------
+
+
+def check_fraction(method: str, name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise UsageError(f"{method}'s `{name}` must be a number in [0, 1], not {value!r}")
+
+
+def check_count(method: str, name: str, value: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{method}'s `{name}` must be a whole number, {least} or more, not {value!r}")
+
+
+def check_weight(method: str, name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise UsageError(f"{method}'s `{name}` must be a number, 0 or more, not {value!r}")

@@ -1,12 +1,11 @@
 """What the teacher-student methods (CoTTA, RoTTA) share: the soft cross-entropy against
-the teacher, frozen copies of the model, the teacher's moving average, option checks."""
+the teacher, frozen copies of the model, the teacher's moving average."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
-from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 
 
@@ -35,17 +34,3 @@ def follow(teacher: list[torch.Tensor], student: list[torch.Tensor], momentum: f
         torch._foreach_mul_(teacher, momentum)
         torch._foreach_add_(teacher, [p.detach() for p in student], alpha=1 - momentum)
 
-
-def check_fraction(method: str, name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise UsageError(f"{method}'s `{name}` must be a number in [0, 1], not {value!r}")
-
-
-def check_count(method: str, name: str, value: int, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise UsageError(f"{method}'s `{name}` must be a whole number, {least} or more, not {value!r}")
-
-
-def check_weight(method: str, name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise UsageError(f"{method}'s `{name}` must be a number, 0 or more, not {value!r}")

@@ -42,7 +42,8 @@ import torch
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.teacher_student import check_count, check_fraction, follow, frozen_copy, named, soft_cross_entropy
+from cafa_cli.method.options import check_count, check_fraction
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
 TEACHER_MOMENTUM = 0.999  # α
 RESTORE_PROBABILITY = 0.01  # p

@@ -44,8 +44,8 @@ from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
 from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.teacher_student import (check_count, check_fraction, check_weight, follow, frozen_copy, named,
-                                             soft_cross_entropy)
+from cafa_cli.method.options import check_count, check_fraction, check_weight
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
 BN_MOMENTUM = 0.05  # α
 TEACHER_MOMENTUM = 0.999  # 1 − ν

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method
+from cafa_cli.method.options import check_count
 
 FILTER_K = 100
 
@@ -35,10 +36,7 @@ class T3A(Method):
     trains = False
 
     def __init__(self, filter_k: int = FILTER_K):
-        if isinstance(filter_k, bool) or not isinstance(filter_k, int) or filter_k < 1:
-            from cafa_cli.errors import UsageError
-
-            raise UsageError(f"t3a's `filter_k` must be a whole number, 1 or more, not {filter_k!r}")
+        check_count("t3a", "filter_k", filter_k, 1)
         self.filter_k = filter_k
         self.model: FeatureClassifier | None = None
         self.reset()
