@@ -113,7 +113,7 @@ def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
     x = torch.randn(8, 3, 4, 4) * 2 + 1
     out = BatchStatisticsNorm(bn)(x)
     assert out.mean((0, 2, 3)).abs().max() < 1e-5  # normalised by the batch, not by the source stats
-    mixed = BatchStatisticsNorm(bn, prior=8.0)(x)
+    mixed = BatchStatisticsNorm(bn, "prior:8")(x)
     mean = (8 * 5.0 + 8 * x.mean((0, 2, 3))) / 16
     var = (8 * 4.0 + 8 * x.var((0, 2, 3), unbiased=False)) / 16
     expected = (x - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt()
@@ -122,7 +122,7 @@ def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
 
 def test_batch_size_one_works_with_a_prior():
     net = FeatureClassifier(tiny_net.build()).eval()
-    adapter = Adapter(net, create("tent"), bn_prior=16)
+    adapter = Adapter(net, create("tent"), norm="prior:16")
     logits = adapter.step(torch.randn(1, 1, 16, 16))
     assert logits.shape == (1, 3) and torch.isfinite(logits).all()
 
@@ -385,7 +385,7 @@ def test_predictions_of_every_method_are_ordinary_tensors(trained):
     ({"lr": "1e-3"}, "`lr` must be a number, not '1e-3'"),
     ({"steps": 2.5}, "`steps` must be a whole number, not 2.5"),
     ({"momentum": None}, "`momentum` must be a number"),
-    ({"bn_prior": True}, "`bn_prior` must be a number"),
+    ({"norm": "prior:x"}, "`norm` must be batch, prior:N"),
 ])
 def test_adapter_options_of_the_wrong_type_are_usage_errors(trained, options, needle):
     model, gaussians, _, _ = trained

@@ -347,7 +347,7 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
 def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_path, tiny_weights):
     """A bench cell is the cafa adapt run with the same options; the JSON says which options those were."""
     test = write_folder(tmp_path / "test", per_class=4, seed=1, shift=0.3)
-    options = ["--optimizer", "sgd", "--momentum", "0.5", "--params", "all", "--bn-prior", "4", "--reset", "episodic", "--batch-size", "5"]
+    options = ["--optimizer", "sgd", "--momentum", "0.5", "--params", "all", "--norm", "prior:4", "--reset", "episodic", "--batch-size", "5"]
     report = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", str(test), "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(tiny_weights),
                                  *PLAIN, *options, "--device", "cpu", "--workdir", str(tmp_path / "w"), "--json", str(report)])
@@ -367,8 +367,8 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
                               "order": "iid", "batch_size": 5}]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
-    assert {k: used[k] for k in ("optimizer", "momentum", "params", "bn_prior", "reset", "device", "num_workers")} == {
-        "optimizer": "sgd", "momentum": 0.5, "params": "all", "bn_prior": 4.0, "reset": "episodic", "device": "cpu", "num_workers": 0}
+    assert {k: used[k] for k in ("optimizer", "momentum", "params", "norm", "reset", "device", "num_workers")} == {
+        "optimizer": "sgd", "momentum": 0.5, "params": "all", "norm": "prior:4", "reset": "episodic", "device": "cpu", "num_workers": 0}
 
 
 def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, tiny_weights):
@@ -424,11 +424,11 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
         return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [], groups=None, clean=None)
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
-    shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, bn_prior=4.0, reset="episodic", lr=1e-3)
+    shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, norm="prior:4", reset="episodic", lr=1e-3)
     bench.run_grid(shared, parse_methods("tent@0.05,cafa-full,cafa-dense"), [3], {"auto": Path("a"), "full": Path("f")}, None, Monitor())
     assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
         (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
-    assert all((s.optimizer, s.momentum, s.bn_prior, s.reset) == ("sgd", 0.5, 4.0, "episodic") for _, s in ran)
+    assert all((s.optimizer, s.momentum, s.norm, s.reset) == ("sgd", 0.5, "prior:4", "episodic") for _, s in ran)
 
 
 def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):

@@ -313,9 +313,9 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, result.stderr
-    assert "--batch-size 1" in warnings[0] and "--bn-prior" in warnings[0]
+    assert "--batch-size 1" in warnings[0] and "--norm prior:16" in warnings[0]
     assert "resize 20, crop 16 differ from the statistics' (resize none, crop none)" in warnings[1]
-    assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--bn-prior", "16").stderr
+    assert "warning:" not in adapt(setup, "--method", "bn", "--batch-size", "1", "--norm", "prior:16").stderr
     result = adapt(setup, "--method", "bn", "--batch-size", "89", "--mean", "0.5")  # 90 images: 89 + 1
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert result.exit_code == 0 and len(warnings) == 2, result.stderr
@@ -374,7 +374,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     from cafa_cli.jobs.demo import adapt_words
 
     wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
-                         bn_prior=4.0, reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
+                         norm="prior:4", reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
                          num_workers=1, strict=True, compile=True, allow_weights_mismatch=True)
     # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
     streams = AdaptConfig(data=["x"], order="label-shift:0.5", gradual=True)

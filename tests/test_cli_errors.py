@@ -295,10 +295,10 @@ def test_batch_size_below_one(setup, tmp_path, command):
         (["--seed", str(2**64)], "--seed must be 0 or more and below 2**63"),
         (["--lr", "nan"], "--lr must be a positive number, not nan"),
         (["--lr", "inf"], "--lr must be a positive number, not inf"),
-        (["--bn-prior", "nan"], "--bn-prior must be a number, 0 or more, not nan"),
+        (["--norm", "prior:nan"], "--norm must be batch, prior:N"),
         (["--momentum", "5"], "--momentum must be in [0, 1), not 5.0"),
     ],
-    ids=["seed", "seed-huge", "lr-nan", "lr-inf", "bn-prior-nan", "momentum"],
+    ids=["seed", "seed-huge", "lr-nan", "lr-inf", "norm-prior-nan", "momentum"],
 )
 def test_adapt_option_values_checked_before_any_output(setup, args, needle):
     result = adapt(setup, setup["train"], *args)
@@ -629,15 +629,15 @@ def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_pat
     name = flat / os.fsdecode(b"caf\xe9.png")
     name.write_bytes(image.read_bytes())
     out = tmp_path / "p.csv"
-    result = adapt(setup, flat, "--quiet", "--bn-prior", "16", "--predictions", out)
+    result = adapt(setup, flat, "--quiet", "--norm", "prior:16", "--predictions", out)
     assert result.exit_code == 0, result.stderr
     assert os.fsencode(name) in out.read_bytes()
-    result = adapt(setup, flat, "--quiet", "--bn-prior", "16")  # stdout is strict UTF-8 here, as in a UTF-8 locale
+    result = adapt(setup, flat, "--quiet", "--norm", "prior:16")  # stdout is strict UTF-8 here, as in a UTF-8 locale
     assert result.exit_code == 0, result.stderr
     assert os.fsencode(name) in result.stdout_bytes
     # JSON has no way to hold bytes that are not UTF-8: JSONL and the metrics JSON write them as the text \xNN
     metrics = tmp_path / "m.json"
-    result = adapt(setup, flat, "--quiet", "--bn-prior", "16", "--format", "jsonl", "--metrics-json", metrics)
+    result = adapt(setup, flat, "--quiet", "--norm", "prior:16", "--format", "jsonl", "--metrics-json", metrics)
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout_bytes.decode("utf-8"))  # strict UTF-8: a lone surrogate would not decode
     assert record["path"] == str(flat / "caf\\xe9.png")

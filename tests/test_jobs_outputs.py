@@ -68,7 +68,7 @@ def test_outputs_inside_a_cifar_root_or_named_on_stdin_are_refused(setup, tmp_pa
     image = next((Path(setup["train"]) / "a").glob("*.png"))
     copy = tmp_path / "x.png"
     copy.write_bytes(image.read_bytes())
-    result = adapt(setup, "-", "--predictions", copy, "--bn-prior", "16", input=f"{image}\n{copy}\n")
+    result = adapt(setup, "-", "--predictions", copy, "--norm", "prior:16", input=f"{image}\n{copy}\n")
     fails(result, 2, f"--predictions {copy} is also the --data - file")
     assert batch.read_bytes() == before and copy.read_bytes() == image.read_bytes()
     fails(adapt(setup, "-", "--data", "-", input=f"{image}\n"), 2, "--data - (image paths on stdin) is given more than once")

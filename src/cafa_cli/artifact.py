@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -23,7 +24,7 @@ from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.artifact_format import (FORMAT, FORMAT_VERSION, bad, check_layout, check_small_tensors, checked_factors,
-                                      checked_metadata, expected_tensors, read_json)
+                                      checked_metadata, expected_tensors, norm_layers, read_json)
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Artifact:
     sampling: dict
     metadata: dict[str, str]
     gaussians: ClassGaussians | None  # None when read with load_tensors=False
+    # {BatchNorm name: (means, variances) [C, channels]} of each class's input to it in the
+    # source data (cafa stats --norm-moments), for `norm` class-balanced; None: not recorded or not loaded
+    norm_moments: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def covariance(self) -> str:
@@ -85,12 +89,14 @@ def write_artifact(
     factory_sha256: str | None = None,
     model_classes: list[str] | None = None,
     outputs: list[int] | None = None,
+    norm_moments: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Artifact:
     """Write atomically: a temporary file in the same folder, read back and checked as
     `adapt` will check it, then renamed over `path` (an invalid one never replaces a good
     file). Returns the artifact as read, without its tensors. With a class subset,
     `class_names` are its classes, `outputs` their model outputs and `model_classes` the
-    names of all the model's outputs."""
+    names of all the model's outputs. `norm_moments`: {BatchNorm name: (means, variances)
+    [C, channels]}, the classes' moments of each BatchNorm's input, for `norm` class-balanced."""
     C, d = gaussians.means.shape
     lambdas = gaussians.shrinkage
     lowrank = gaussians.covariance == "lowrank"
@@ -117,6 +123,7 @@ def write_artifact(
         **({"factory_sha256": factory_sha256} if factory_sha256 else {}),
         "preprocessing": preprocessing.to_json(),
         "sampling": json.dumps(sampling),
+        **({"norm_layers": json.dumps({name: int(mean.shape[1]) for name, (mean, _) in norm_moments.items()})} if norm_moments else {}),
         "num_images": str(int(gaussians.counts.sum())),
         "cafa_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -134,6 +141,8 @@ def write_artifact(
         "global_mean": gaussians.global_mean,
         "global_covariance": gaussians.global_covariance,
     }
+    for name, (mean, var) in (norm_moments or {}).items():
+        tensors[f"norm.{name}.mean"], tensors[f"norm.{name}.var"] = mean.float(), var.float()
     written = []
 
     def write_and_check(tmp: str) -> None:
@@ -222,4 +231,8 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             isotropic=small.get("lowrank_isotropic"),
             spectrum=small.get("lowrank_spectrum"),
         )
-    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians)
+    moments = None
+    if load_tensors and "norm_layers" in metadata:
+        moments = {name: (small[f"norm.{name}.mean"], small[f"norm.{name}.var"]) for name in norm_layers(metadata, path)}
+    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians,
+                    moments)

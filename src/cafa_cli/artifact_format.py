@@ -137,7 +137,21 @@ def expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path
         "global_mean": ((d,), torch.float32),
         "global_covariance": ((d, d), torch.float32),
     }
+    for name, channels in norm_layers(metadata, path).items():
+        expected[f"norm.{name}.mean"] = expected[f"norm.{name}.var"] = ((C, channels), torch.float32)
     return factor_name, factor_shape, expected
+
+
+def norm_layers(metadata: dict, path: Path) -> dict[str, int]:
+    """{BatchNorm name: channels} whose class moments the artifact holds (`cafa stats
+    --norm-moments`), from the optional metadata field 'norm_layers'; {} without it."""
+    if "norm_layers" not in metadata:
+        return {}
+    layers = read_json(metadata, "norm_layers", path)
+    if not (isinstance(layers, dict) and all(isinstance(k, str) and type(v) is int and v >= 1 for k, v in layers.items())):
+        raise bad(path, "metadata 'norm_layers' must map each BatchNorm's name to its channel count; re-create the artifact "
+                        "with cafa stats --norm-moments")
+    return layers
 
 
 def check_layout(f, expected: dict, path: Path) -> None:
@@ -166,6 +180,9 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
     if metadata.get("num_images") != str(int(small["counts"].sum())):
         raise bad(path, f"metadata 'num_images' ({metadata.get('num_images')}) is not the sum of the tensor 'counts' "
                          f"({int(small['counts'].sum())}); the file was edited or damaged: re-create it with cafa stats")
+    negative = [name for name, tensor in small.items() if name.startswith("norm.") and name.endswith(".var") and (tensor < 0).any()]
+    if negative:
+        raise bad(path, f"tensor '{negative[0]}' has negative variances")
     if ((small["shrinkage"] < 0) | (small["shrinkage"] > 1)).any():
         raise bad(path, "tensor 'shrinkage' has values outside [0, 1]")
     if covariance == "lowrank":

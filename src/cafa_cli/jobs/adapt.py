@@ -30,7 +30,7 @@ from cafa_cli.jobs.stream import adapt_domains
 from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.settings import factory_file
-from cafa_cli.method.options import check_precision
+from cafa_cli.method.options import check_precision, parse_norm
 from cafa_cli.jobs.distributed import launched_by_torchrun
 from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,
                                   recorded_data, resolve_model)
@@ -45,12 +45,13 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     stats, model, method = config.stats, config, config.method
     artifact = None
     stats_path = DEFAULT_ARTIFACT if stats is None else stats
-    if model.model is None and stats is None and method not in NEEDS_STATISTICS and not Path(stats_path).exists():
+    needed = needs_artifact(config)
+    if model.model is None and stats is None and not needed and not Path(stats_path).exists():
         raise UsageError(f"give the model with `model` (and `weights`): `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
-    if stats is not None or method in NEEDS_STATISTICS or model.model is None:
+    if stats is not None or needed or model.model is None:
         # else only its model record is used; a plug-in gets the statistics whenever an artifact is read
-        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS or is_plugin(method))
+        artifact = read_artifact(stats_path, load_tensors=needed or is_plugin(method))
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
@@ -83,12 +84,18 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     return net, artifact, spec
 
 
+def needs_artifact(config: AdaptConfig) -> bool:
+    """Whether the run reads an artifact's tensors: the method's class Gaussians, or the class
+    moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
+    return config.method in NEEDS_STATISTICS or parse_norm(config.norm)[0] == "class-balanced"
+
+
 def unread_default_artifact(stats: str | None, model: str | None, method: str, preprocess: Preprocessing) -> str | None:
     """A warning for `cafa adapt --model M --method bn` (no --stats) beside a cafa-stats.safetensors
     that it does not read: the run then takes the default preprocessing and class names,
     not the artifact's, which for a model trained otherwise is silently another input."""
     if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_ARTIFACT).is_file():
-        return None
+        return None  # (`norm` class-balanced reads it: prepare_adaptation checks that before this is asked)
     return (f"{DEFAULT_ARTIFACT} is here but not read (with `model`, a method that needs no statistics reads an artifact only when "
             f"named), so `method` {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
             f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's")
@@ -121,16 +128,20 @@ class Adaptation:
                          "source images; give --fisher-data PATH (e.g. the training images)")
         if s.method == "bn" and self.adapter.batch_norms == 0:
             notes.append("the model has no BatchNorm layers, so `method` bn gives the same predictions as source")
-        batch_statistics = s.bn_prior == 0 and s.method != "source" and self.adapter.batch_norms > 0
+        if s.norm != "batch" and not self.adapter.batch_norms:
+            notes.append(f"`norm` {s.norm} changes nothing here: "
+                         + ("the model has no BatchNorm layers" if self.adapter.method.adapts_normalisation
+                            else f"`method` {s.method} keeps its own normalisation statistics"))
+        batch_statistics = parse_norm(s.norm) in (("batch", None), ("prior", 0.0)) and self.adapter.batch_norms > 0
         if s.batch_size == 1 and batch_statistics:
             notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
-                         "add `bn_prior` 16 (source statistics as a prior) or raise `batch_size`")
+                         "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`")
         streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
             _short_name(d.name): len(d) for d in domains}
         alone = [name for name, n in streams.items() if n % s.batch_size == 1]
         if s.batch_size > 1 and batch_statistics and alone:
             notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
-                         f"choose a `batch_size` that leaves more, or add `bn_prior` 16")
+                         f"choose a `batch_size` that leaves more, or add `norm` prior:16")
         grouped = [_short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
         if not s.shuffle and s.method != "source" and grouped:
             notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
@@ -267,7 +278,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     gaussians = statistics_of(artifact, subset)
     options = {"fisher_batches": fisher_batches(config, preprocess, device)} if config.method == "eata" and config.fisher_data else {}
     method = create(config.method, gaussians, device, **options)
-    adapter = Adapter(net, method, device, **config.adapter_options())
+    adapter = Adapter(net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset))
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
                                 "model_outputs": len(subset.model_classes)} if subset else None
@@ -326,6 +337,20 @@ def statistics_of(artifact: Artifact | None, subset: ClassSubset | None):
     return artifact.gaussians.select_classes([where[output] for output in subset.outputs])
 
 
+def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: ClassSubset | None) -> dict | None:
+    """The class moments of the BatchNorms' inputs, of the subset's classes, for `norm`
+    class-balanced (None for the other settings)."""
+    if parse_norm(config.norm)[0] != "class-balanced" or artifact is None:
+        return None
+    if artifact.norm_moments is None:
+        raise InputError(f"{artifact.path} holds no class moments of the BatchNorms' inputs, which `norm` class-balanced "
+                         f"corrects with; re-create it with cafa stats --norm-moments, or choose another `norm`")
+    if subset is None or subset.outputs == artifact.outputs:
+        return artifact.norm_moments
+    rows = torch.as_tensor([artifact.outputs.index(output) for output in subset.outputs])  # statistics_of checked they are there
+    return {name: (mean[rows], var[rows]) for name, (mean, var) in artifact.norm_moments.items()}
+
+
 def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
     """EATA's source images: `fisher_samples` of `fisher_data` at random (seed 0), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
@@ -340,7 +365,7 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
 
 
 # what the metrics JSON records of the settings, in this order
-RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "seed",
+RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "seed",
             "order", "mix_domains", "gradual", "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
 
 

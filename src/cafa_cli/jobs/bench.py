@@ -21,7 +21,8 @@ from cafa_cli.models import bundled_model
 from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
-from cafa_cli.jobs.rows import Row, grid_rows, parse_methods
+from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statistics
+from cafa_cli.method.options import parse_norm
 from cafa_cli.jobs.adapt import effective_severity, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
 from cafa_cli.data.benchmarks import expand_benchmarks
@@ -81,7 +82,8 @@ def shared(source, target_type, **overrides):
 def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0) -> StatsConfig:
     """The `cafa stats` run of one covariance mode: the bench's model, training data and
     sampling, on its device, batch size and loader processes."""
-    return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed)
+    return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed,
+                  norm_moments=parse_norm(config.norm)[0] == "class-balanced")
 
 
 def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
@@ -116,7 +118,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
-    rows = grid_rows(config, parse_methods(config.methods))
+    rows = with_norm_statistics(config, grid_rows(config, parse_methods(config.methods)))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
@@ -237,6 +239,7 @@ def _made_for(artifact, stats: StatsConfig) -> bool:
         and artifact.preprocessing == recipe(stats, stats.model)
         and all(artifact.sampling.get(key) == value for key, value in wanted.items())
         and same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance)
+        and ("norm_layers" in artifact.metadata or not stats.norm_moments)
     ):
         return False
     net, spec = resolve_model(stats)
@@ -292,7 +295,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
 
 
 # the settings every row shares, as the JSON report lists them
-SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "bn_prior", "reset", "shuffle", "order", "mix_domains",
+SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
           "gradual", "orders", "batch_sizes", "device", "precision", "num_workers", "strict", "compile")
 
 

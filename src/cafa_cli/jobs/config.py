@@ -38,6 +38,8 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
     covariance: Covariance = setting("auto", "auto (lowrank when every class has fewer images than feature dimensions, "
                                      "else full), full (per class), lowrank (exact, a·I + low rank per class), tied "
                                      "(one pooled), or diag.", panel=STATISTICS)
+    norm_moments: bool = setting(False, "Also record each class's mean and variance of every BatchNorm's input, which "
+                                 "adapt --norm class-balanced needs (2·C·channels values a layer).", panel=STATISTICS)
     batch_size: int = setting(128, "Images per forward pass.", metavar="N", panel=RUNTIME)
     out: str = setting(DEFAULT_ARTIFACT, "Artifact to write (atomically).", flags=("--out", "-o"), metavar="PATH",
                        panel=OUTPUT)

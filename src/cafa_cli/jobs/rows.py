@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS, is_plugin
+from cafa_cli.method.options import parse_norm
 
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
@@ -61,6 +62,14 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
             grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size, condition=condition)
                      for row in rows]
     return grid
+
+
+def with_norm_statistics(config: BenchConfig, rows: list[Row]) -> list[Row]:
+    """Under `norm` class-balanced every row reads the class moments of the BatchNorms' inputs
+    from an artifact: a row without statistics of its own takes the `auto` one."""
+    if parse_norm(config.norm)[0] != "class-balanced":
+        return rows
+    return [row if row.covariance else replace(row, covariance="auto") for row in rows]
 
 
 def parse_methods(text: str) -> list[Row]:

@@ -162,8 +162,10 @@ class AdaptationOptions:
     lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
     momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
     steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
-    bn_prior: float = setting(0.0, "Source BN statistics count as this many samples (0: test batch only).", metavar="N",
-                              panel=ADAPTATION)
+    norm: str = setting("batch", "The statistics BatchNorms normalise with: batch (the test batch's); prior:N (the source's "
+                        "count as N samples, for small batches); source (frozen; only the affines adapt); ema:M (running, "
+                        "moved by momentum M, as RoTTA's); class-balanced (ema corrected for the batch's class mix, for "
+                        "label shift; needs cafa stats --norm-moments). See docs/usage.md.", metavar="NORM", panel=ADAPTATION)
     precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
     compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
 

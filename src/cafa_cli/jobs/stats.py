@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.moments import accumulate_features
+from cafa_cli.method.moments import NormInputMoments, accumulate_features
 from cafa_cli.artifact import Artifact, write_artifact
 from cafa_cli.artifact_format import unusable_class_names
 from cafa_cli.jobs.distributed import merge_on_root, process_group, rank_device
@@ -56,8 +56,11 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     sampling = {"data": recorded_data(config.data), "fraction": fraction, "per_class": per_class, "seed": config.seed,
                 "images_sha256": subset_sha256(domain, indices), "batch_size": config.batch_size,
                 "skipped_images": moments.skipped_images, "input_size": getattr(moments, "input_size", None)}
+    norm_moments = moments.norm_inputs.moments() if moments.norm_inputs is not None else None
+    if config.norm_moments and not norm_moments:
+        monitor.warn("`norm_moments`: the model has no BatchNorm layers, so there are no class moments of their inputs to record")
     return write_artifact(config.out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model),
-                          subset.model_classes if subset else None, subset.outputs if subset else None)
+                          subset.model_classes if subset else None, subset.outputs if subset else None, norm_moments or None)
 
 
 def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: int, monitor: Monitor) -> None:
@@ -110,11 +113,14 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, config: S
     monitor.start("stats", len(indices))
 
     skipped, input_size = 0, None
+    norm_inputs = NormInputMoments(net.model, len(class_names), target) if config.norm_moments else None
 
     def on_batch(batch):
         nonlocal skipped, input_size
         if input_size is None and batch.images is not None:  # [height, width] entering the model: adapt compares its own
             input_size = list(batch.images.shape[-2:])
+        if norm_inputs is not None and batch.images is not None:
+            norm_inputs.update(labels[batch.indices])
         for ref, why in unreadable(domain, batch, config.strict):
             skipped += 1
             monitor.warn(_skip_warning(ref, why))
@@ -126,4 +132,7 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, config: S
     loader = batches(domain, preprocess, config.batch_size, indices, config.num_workers, target)
     gathered = accumulate_features(net_on_pixels, loader, labels, len(class_names), net.feature_dim, target, on_batch)
     gathered.skipped_images, gathered.input_size = skipped, input_size
+    if norm_inputs is not None:
+        norm_inputs.close()
+        gathered.norm_inputs = norm_inputs
     return gathered

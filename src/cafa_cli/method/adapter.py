@@ -17,7 +17,8 @@ import torch
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
-from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
+from cafa_cli.method.norms import RUNNING, BatchStatisticsNorm, balance_histogram, norm_layers, use_test_batch_norm
+from cafa_cli.method.options import parse_norm
 from cafa_cli.method.options import check_adapter_options, check_precision
 
 
@@ -36,7 +37,9 @@ def check_settings(device: torch.device = torch.device("cpu"), **options) -> Non
 class Adapter:
     """A model adapting online with `method` (methods.create(name, ...), or any Method):
     `step(images)` returns the logits of the forward pass that also computed the loss (the
-    prediction is made before the update)."""
+    prediction is made before the update). `norm` says which statistics the BatchNorms
+    normalise with (norms.py); `class_moments`, {BatchNorm name: (means, variances) [C,
+    channels]} of the source classes (an artifact's `norm_moments`), is for `class-balanced`."""
 
     def __init__(
         self,
@@ -49,9 +52,10 @@ class Adapter:
         lr: float = 1e-3,
         momentum: float = 0.9,
         steps: int = 1,
-        bn_prior: float = 0.0,
+        norm: str = "batch",
         precision: str = "fp32",
         compile: bool = False,
+        class_moments: dict | None = None,
     ):
         if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
             # its BatchNorms may be swapped and its weights adapted: a second Adapter would
@@ -64,9 +68,12 @@ class Adapter:
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = resolve_device(device)
-        check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, bn_prior=bn_prior,
+        check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, norm=norm,
                        precision=precision, compile=compile)
         method.check(model, device)
+        if parse_norm(norm)[0] in RUNNING and not method.running_norms:
+            raise UsageError(f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
+                             f"cannot (it copies the model); use `norm` batch, prior:N or source")
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels
         self.memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
@@ -74,7 +81,9 @@ class Adapter:
         # Eval mode throughout: BatchStatisticsNorm uses the batch statistics regardless, and
         # dropout / stochastic depth would only add noise to the predictions.
         self.model.eval()
-        self.batch_norms = use_test_batch_norm(self.model, bn_prior) if method.adapts_normalisation else 0
+        self.batch_norms = use_test_batch_norm(self.model.model, norm, class_moments) if method.adapts_normalisation else 0
+        self.norms = norm_layers(self.model)  # the swapped ones
+        self._balanced = parse_norm(norm)[0] == "class-balanced" and bool(self.norms)
         self.params = method.parameters(self.model, params) if method.trains else []
         if not method.trains:
             self.model.requires_grad_(False)
@@ -147,18 +156,40 @@ class Adapter:
         self.model.load_state_dict(self.source_state)
         self.optimizer = self._new_optimizer()
         self.scaler = self._new_scaler()
+        for layer in self.norms:
+            layer.start()
         self.method.reset()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
         if images.dim() == 4:
             images = images.contiguous(memory_format=self.memory_format)
+        self._new_batch(images)
         self.method.before_step(images)
         prediction, features = self._update(images) if self.method.trains else self._predict(images)
         with torch.no_grad():
             prediction = self.method.output(prediction, features)
         self.method.after_step(prediction)
         return prediction
+
+    def _new_batch(self, images: torch.Tensor) -> None:
+        """Running statistics move once a batch; class-balanced first predicts the batch with
+        them, as they are, for its class histogram (norms.py)."""
+        for layer in self.norms:
+            layer.new_batch()
+        if not self._balanced:
+            return
+        for layer in self.norms:
+            layer.predicting = True
+        try:
+            with torch.no_grad(), self.autocast:
+                logits, _ = self.forward(images)
+        finally:
+            for layer in self.norms:
+                layer.predicting = False
+        histogram = balance_histogram(logits.float().softmax(1).mean(0), len(images))
+        for layer in self.norms:
+            layer.histogram = histogram
 
     def _predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place

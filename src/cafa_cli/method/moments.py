@@ -30,6 +30,7 @@ class ClassMoments:
         self.pending_rows = [0] * num_classes
         self.skipped_images = 0  # unreadable images passed over while streaming
         self.consumed = False  # set by estimate(), which frees the scatters
+        self.norm_inputs: NormInputMoments | None = None  # cafa stats --norm-moments: the BatchNorms' inputs per class
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         if self.consumed:
@@ -81,6 +82,8 @@ class ClassMoments:
     def absorb(self, other: ClassMoments) -> None:
         """Add another shard's moments (e.g. another rank's under torchrun)."""
         self.skipped_images += other.skipped_images
+        if self.norm_inputs is not None and other.norm_inputs is not None:
+            self.norm_inputs.absorb(other.norm_inputs)
         for c in range(self.num_classes):
             if int(other.count[c]):
                 self._merge(c, int(other.count[c]), other.mean[c], other.scatter[c])
@@ -115,6 +118,63 @@ class ClassMoments:
         """Forget a class's scatter (and buffered rows) once its factor is made."""
         self.scatter.pop(c, None)
         self.pending[c] = []
+
+
+class NormInputMoments:
+    """Per class, the mean and variance of each BatchNorm's input, per channel over a
+    class's images and positions (`norm` class-balanced's source moments), streamed in
+    float64 on the device. Hooks on the BatchNorms keep each forward pass's per-image
+    channel means; `update(labels)` after the pass adds them to the labels' classes."""
+
+    def __init__(self, net: torch.nn.Module, num_classes: int, device: torch.device):
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        self.layers = {name: m for name, m in net.named_modules() if isinstance(m, _BatchNorm)}
+        self.counts = torch.zeros(num_classes, dtype=torch.float64, device=device)
+        self.sums = {name: torch.zeros(num_classes, m.num_features, dtype=torch.float64, device=device) for name, m in self.layers.items()}
+        self.squares = {name: torch.zeros_like(t) for name, t in self.sums.items()}
+        self.batch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hooks = [m.register_forward_pre_hook(self._keeper(name)) for name, m in self.layers.items()]
+
+    def _keeper(self, name: str):
+        def keep(module, inputs):
+            x = inputs[0].detach().float()
+            dims = list(range(2, x.dim()))
+            self.batch[name] = (x.mean(dims) if dims else x, x.square().mean(dims) if dims else x.square())
+        return keep
+
+    def update(self, labels: torch.Tensor) -> None:
+        labels = labels.to(self.counts.device)
+        self.counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64, device=labels.device))
+        for name, (mean, square) in self.batch.items():
+            self.sums[name].index_add_(0, labels, mean.double())
+            self.squares[name].index_add_(0, labels, square.double())
+        self.batch = {}
+
+    def close(self) -> None:
+        """Remove the hooks, and move the sums to the CPU (to be gathered or written)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.layers = [], {}
+        self.counts = self.counts.cpu()
+        self.sums = {name: t.cpu() for name, t in self.sums.items()}
+        self.squares = {name: t.cpu() for name, t in self.squares.items()}
+
+    def absorb(self, other: NormInputMoments) -> None:
+        self.counts += other.counts
+        for name in self.sums:
+            self.sums[name] += other.sums[name]
+            self.squares[name] += other.squares[name]
+
+    def moments(self, rows: list[int] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer: (means, variances) [C, channels]} in float64 (of `rows`' classes only, when given)."""
+        counts = self.counts.clamp_min(1)[:, None]
+        out = {}
+        for name in self.sums:
+            mean = self.sums[name] / counts
+            var = (self.squares[name] / counts - mean.square()).clamp_min(0)
+            out[name] = (mean, var) if rows is None else (mean[rows], var[rows])
+        return out
 
 
 def accumulate_features(

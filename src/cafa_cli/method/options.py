@@ -17,12 +17,15 @@ COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 # handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on
 # a one-batch domain with no output.
 MAX_STEPS = 1000
+NORMS = ("batch", "prior:N", "source", "ema:M", "class-balanced")  # the statistics BatchNorms normalise with (norms.py)
+NORM_FORMS = "batch, prior:N (N ≥ 0), source, ema:M (M in (0, 1]) or class-balanced"
 
 
 def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
-                          bn_prior: float = 0.0, precision: str = "fp32", compile: bool = False) -> None:
+                          norm: str = "batch", precision: str = "fp32", compile: bool = False) -> None:
     """Each of the Adapter's keyword options, checked before it changes anything."""
-    numbers = {"`lr`": lr, "`momentum`": momentum, "`bn_prior`": bn_prior}
+    parse_norm(norm)
+    numbers = {"`lr`": lr, "`momentum`": momentum}
     for option, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UsageError(f"{option} must be a number, not {value!r}")
@@ -36,12 +39,24 @@ def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: flo
         raise UsageError(f"`steps` must be from 1 to {MAX_STEPS} (gradient steps on each batch), not {steps}")
     if not 0 < lr < math.inf:
         raise UsageError(f"`lr` must be a positive number, not {lr}")
-    if not 0 <= bn_prior < math.inf:
-        raise UsageError(f"`bn_prior` must be a number, 0 or more, not {bn_prior}")
     if not 0 <= momentum < 1:
         raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
     if optimizer == "nesterov" and momentum == 0:
         raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd")
+
+
+def parse_norm(text: str) -> tuple[str, float | None]:
+    """'batch' -> ('batch', None); 'prior:16' -> ('prior', 16.0); 'ema:0.05' -> ('ema', 0.05)."""
+    kind, colon, value_text = str(text).strip().partition(":")
+    if kind in ("batch", "source", "class-balanced") and not colon:
+        return kind, None
+    try:
+        value = float(value_text) if kind in ("prior", "ema") and colon else math.nan
+    except ValueError:
+        value = math.nan
+    if kind == "prior" and 0 <= value < math.inf or kind == "ema" and 0 < value <= 1:
+        return kind, value
+    raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
 
 
 def check_precision(precision: str, device_type: str) -> None:

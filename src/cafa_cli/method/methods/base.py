@@ -34,7 +34,9 @@ A method says what it changes with three class attributes:
 - `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`);
 - `adapts_normalisation`: BatchNorms normalise with the test batch's statistics (False:
   they keep the source running statistics);
-- `trains`: it has a loss and an optimiser (False: forward passes only, no gradients).
+- `trains`: it has a loss and an optimiser (False: forward passes only, no gradients);
+- `running_norms`: the Adapter's `norm` may keep statistics from batch to batch (ema:M,
+  class-balanced) in its BatchNorms (False: CoTTA, whose teacher copies them).
 
 A new method is a subclass in its own file, registered by name in methods/__init__.py
 (or given to the Adapter as an object: the registry is only for names).
@@ -58,6 +60,7 @@ class Method:
     needs_statistics: bool = False
     adapts_normalisation: bool = True
     trains: bool = True
+    running_norms: bool = True
     gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
     device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
     # a count on the device of batches whose loss was computed less exactly than usual (cafa:

@@ -53,6 +53,7 @@ AUGMENTATIONS = 32  # K
 
 class CoTTA(Method):
     name = "cotta"
+    running_norms = False  # its teacher and anchor are copies of the model, BatchNorms included
     owns_update = True
 
     def __init__(self, teacher_momentum: float = TEACHER_MOMENTUM, restore_probability: float = RESTORE_PROBABILITY,
