@@ -1,0 +1,284 @@
+"""The normalisation settings (`norm`): the class-balanced correction against float64
+computations on constructed batches, the skew gate, the running statistics' once-a-batch
+update and reset, the artifact's class moments, and the command line around them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import PLAIN, TINY_NET, invoke, tiny_training_set, write_folder
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.methods import create
+from cafa_cli.method.norms import (BatchStatisticsNorm, balance_histogram, balanced_statistics, correction_strength,
+                                   iid_distance)
+from cafa_cli.method.options import parse_norm
+from cafa_cli.errors import UsageError
+
+import tiny_net
+
+
+def moments64(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per channel of [n, channels] rows, float64."""
+    return rows.mean(0), rows.var(0, unbiased=False)
+
+
+def source_classes(seed: int = 0):
+    """Three source classes of [n, 4] 'BatchNorm inputs' with different means and spreads,
+    and their moments (float64), as cafa stats --norm-moments records them."""
+    g = torch.Generator().manual_seed(seed)
+    classes = [torch.randn(n, 4, generator=g, dtype=torch.float64) * s + m
+               for n, s, m in ((12, 1.0, -2.0), (9, 0.5, 1.0), (6, 2.0, 3.0))]
+    means = torch.stack([c.mean(0) for c in classes])
+    variances = torch.stack([c.var(0, unbiased=False) for c in classes])
+    return classes, means, variances
+
+
+def balanced_population(classes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of the mixture that weights every class equally, computed from the rows."""
+    means = [c.mean(0) for c in classes]
+    second = [c.square().mean(0) for c in classes]
+    mean = sum(means) / len(classes)
+    return mean, sum(second) / len(classes) - mean.square()
+
+
+MIXES = {"one class": [(12, 1), (0, 0), (0, 0)], "two classes 9:1": [(9, 3), (3, 1), (0, 0)], "another class": [(0, 0), (0, 0), (6, 1)]}
+
+
+@pytest.mark.parametrize("mix", MIXES.values(), ids=MIXES.keys())
+def test_the_correction_gives_a_balanced_batch_under_the_same_shift(mix):
+    """A batch of source rows, (rows, copies) of each class (class 0 alone; 9 rows of class
+    0 three times to 3 of class 1, 9:1; class 2 alone), under the covariate shift
+    x -> a·x + b, corrected with its true class shares: its statistics are those of the
+    class-balanced population under that shift, computed directly from the transformed rows."""
+    classes, _, _ = source_classes()
+    classes = [c[:rows] if rows else c for c, (rows, _) in zip(classes, mix)]  # the source moments are of the rows used
+    a, b = torch.tensor([2.0, 0.5, 1.5, 3.0], dtype=torch.float64), torch.tensor([1.0, -4.0, 0.0, 2.5], dtype=torch.float64)
+    shifted = [c * a + b for c in classes]
+    batch = torch.cat([torch.cat([c] * copies) for c, (_, copies) in zip(shifted, mix) if copies])
+    shares = torch.tensor([rows * copies for rows, copies in mix], dtype=torch.float64) / len(batch)
+    means = torch.stack([c.mean(0) for c in classes])
+    variances = torch.stack([c.var(0, unbiased=False) for c in classes])
+    balanced_mean, balanced_var = balanced_population(classes)
+    mean_b, var_b = moments64(batch)
+    mean, var = balanced_statistics(mean_b, var_b, shares, means, variances + means.square(), balanced_mean, balanced_var, eps=0.0)
+    want_mean, want_var = balanced_population(shifted)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(var, want_var, rtol=1e-12, atol=1e-12)
+
+
+def test_with_uniform_shares_the_batch_keeps_its_own_statistics():
+    _, means, variances = source_classes()
+    balanced_mean = means.mean(0)
+    balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
+    mean_b, var_b = torch.tensor([0.3, 7.0, -1.0, 2.0], dtype=torch.float64), torch.tensor([0.2, 4.0, 1.0, 9.0], dtype=torch.float64)
+    for eps in (0.0, 1e-5):
+        mean, var = balanced_statistics(mean_b, var_b, torch.full((3,), 1 / 3, dtype=torch.float64), means,
+                                        variances + means.square(), balanced_mean, balanced_var, eps)
+        torch.testing.assert_close(mean, mean_b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(var, var_b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_expected_histogram_distance_of_an_iid_batch_matches_a_simulation():
+    rng = np.random.default_rng(0)
+    for classes, n in ((10, 200), (10, 16), (3, 30)):
+        labels = rng.integers(0, classes, size=(20000, n))
+        counts = np.stack([(labels == k).sum(1) for k in range(classes)], 1) / n
+        simulated = 0.5 * np.abs(counts - 1 / classes).sum(1).mean()
+        assert iid_distance(classes, n) == pytest.approx(simulated, rel=0.01)
+    assert iid_distance(1, 5) == 0.0
+
+
+def test_the_gate_leaves_iid_batches_alone_and_corrects_one_class_batches_fully():
+    uniform = torch.full((10,), 0.1)
+    assert float(correction_strength(uniform, 200)) == 0.0
+    torch.testing.assert_close(balance_histogram(uniform, 200), uniform)
+    one = torch.nn.functional.one_hot(torch.tensor(4), 10).float()
+    assert float(correction_strength(one, 200)) == 1.0
+    torch.testing.assert_close(balance_histogram(one, 200), one)
+    # a batch of 200 drawn i.i.d.: its histogram's own noise does not open the gate
+    labels = torch.from_numpy(np.random.default_rng(1).integers(0, 10, 200))
+    assert float(correction_strength(torch.bincount(labels, minlength=10).float() / 200, 200)) == 0.0
+    # the same distance counts as less skew in a small batch, whose i.i.d. histograms are noisier
+    half = torch.tensor([0.35, 0.35] + [0.0375] * 8)  # 0.5 from uniform
+    assert float(correction_strength(half, 8)) < float(correction_strength(half, 200))
+
+
+def bn_with_source(channels: int = 4) -> torch.nn.BatchNorm2d:
+    bn = torch.nn.BatchNorm2d(channels).eval()
+    bn.running_mean.copy_(torch.linspace(-1, 1, channels))
+    bn.running_var.copy_(torch.linspace(0.5, 2, channels))
+    return bn
+
+
+def test_ema_moves_once_a_batch_however_many_passes_it_takes():
+    torch.manual_seed(0)
+    layer = BatchStatisticsNorm(bn_with_source(), "ema:0.25")
+    x = torch.randn(8, 4, 3, 3) * 2 + 5
+    layer.new_batch()
+    first = layer(x)
+    second = layer(x)  # a second pass of the same batch (steps 2, SAR's second pass)
+    torch.testing.assert_close(first, second)
+    var, mean = torch.var_mean(x.double(), [0, 2, 3], unbiased=False)
+    source_mean, source_var = layer.source_mean.double(), layer.source_var.double()
+    torch.testing.assert_close(layer.running_mean.double(), 0.75 * source_mean + 0.25 * mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.running_var.double(), 0.75 * source_var + 0.25 * var, rtol=1e-6, atol=1e-6)
+    layer.new_batch()
+    layer(x)
+    torch.testing.assert_close(layer.running_mean.double(), 0.75 ** 2 * source_mean + (1 - 0.75 ** 2) * mean, rtol=1e-6, atol=1e-6)
+
+
+def test_source_normalises_with_the_source_statistics_and_ema_1_with_the_batch():
+    torch.manual_seed(0)
+    bn = bn_with_source()
+    x = torch.randn(8, 4, 3, 3) * 2 + 5
+    torch.testing.assert_close(BatchStatisticsNorm(bn, "source")(x), bn(x))
+    torch.testing.assert_close(BatchStatisticsNorm(bn, "ema:1")(x), BatchStatisticsNorm(bn, "batch")(x), rtol=1e-5, atol=1e-5)
+
+
+def adapter(trained, norm: str, method: str = "tent", class_moments=None, **options):
+    model, gaussians, _, _ = trained
+    import copy
+
+    return Adapter(copy.deepcopy(model), create(method, gaussians if method == "cafa" else None), "cpu", norm=norm,
+                   class_moments=class_moments, **options)
+
+
+def class_moments_of(model: FeatureClassifier, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The classes' moments of every BatchNorm's input, straight from hooks, float64."""
+    seen = {}
+    layers = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0].double())) for name, m in layers.items()]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for name, a in seen.items():
+        rows = [a[y == k].transpose(0, 1).reshape(a.shape[1], -1) for k in range(int(y.max()) + 1)]
+        out[name] = (torch.stack([r.mean(1) for r in rows]), torch.stack([r.var(1, unbiased=False) for r in rows]))
+    return out
+
+
+def test_class_balanced_with_uniform_shares_is_batch_and_reset_goes_back_to_the_source(trained):
+    """A batch whose class mix looks i.i.d. is normalised with its own statistics; the
+    running statistics (for the next batch's mix) start again from the source's on reset."""
+    model, _, x, y = trained
+    moments = class_moments_of(model, x, y)
+    name, bn = next((n, m) for n, m in model.model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
+    layer, batch = BatchStatisticsNorm(bn, "class-balanced", moments[name]), BatchStatisticsNorm(bn, "batch")
+    inputs = torch.randn(16, bn.num_features, 5, 5) * 3 + 1
+    layer.new_batch()
+    layer.histogram = balance_histogram(torch.full((3,), 1 / 3), 16)
+    torch.testing.assert_close(layer(inputs), batch(inputs), rtol=1e-5, atol=1e-5)
+    balanced = adapter(trained, "class-balanced", class_moments=moments)
+    for images in x[:120].split(60):
+        balanced.step(images)
+    first = balanced.norms[0]
+    assert first.batches == 2 and not torch.equal(first.running_mean, first.source_mean.float())
+    balanced.reset()
+    assert first.batches == 0 and torch.equal(first.running_mean, first.source_mean.float())
+
+
+def test_class_balanced_resists_a_batch_of_one_class_that_batch_statistics_break(trained):
+    """One class a batch: batch statistics normalise the class away; the class-balanced
+    correction keeps most predictions right (bn, so that no update blurs the comparison)."""
+    model, _, x, y = trained
+    moments = class_moments_of(model, x, y)
+    errors = {}
+    for norm in ("batch", "class-balanced", "source"):
+        run = adapter(trained, norm, "bn", class_moments=moments if norm == "class-balanced" else None)
+        wrong = 0
+        for k in range(3):
+            images = x[y == k]
+            wrong += int((run.step(images).argmax(1) != k).sum())
+        errors[norm] = wrong / len(x)
+    assert errors["class-balanced"] < errors["batch"] - 0.2, errors
+
+
+def test_class_balanced_needs_the_class_moments_and_cotta_cannot_keep_running_statistics(trained):
+    with pytest.raises(UsageError, match="cafa stats --norm-moments"):
+        adapter(trained, "class-balanced")
+    with pytest.raises(UsageError, match="cotta"):
+        adapter(trained, "ema:0.05", "cotta")
+    adapter(trained, "prior:4", "cotta")  # settings without running statistics are fine
+
+
+@pytest.mark.parametrize("text", ["prior", "prior:-1", "prior:inf", "ema:0", "ema:1.5", "ema", "batch:1", "balanced"])
+def test_norm_values_are_checked(text):
+    with pytest.raises(UsageError, match="`norm` must be batch, prior:N"):
+        parse_norm(text)
+
+
+@pytest.fixture(scope="module")
+def stats_with_moments(tmp_path_factory):
+    root = tmp_path_factory.mktemp("norm")
+    train, weights = tiny_training_set(root)
+    artifacts = {}
+    for name, extra in (("plain", []), ("moments", ["--norm-moments"])):
+        artifacts[name] = root / f"{name}.safetensors"
+        result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1",
+                        "--out", artifacts[name], "--quiet", *extra)
+        assert result.exit_code == 0, result.stderr
+    test = write_folder(root / "test", per_class=8, seed=3, shift=0.3)
+    return {"root": root, "train": train, "weights": weights, "test": test, **artifacts}
+
+
+def test_stats_records_each_class_moments_of_every_batch_norm_input(stats_with_moments):
+    """The artifact's norm tensors equal the moments computed here from the same images,
+    through hooks on the tiny net, in float64."""
+    from cafa_cli.artifact import read_artifact
+    from cafa_cli.data.sources import open_domain
+
+    s = stats_with_moments
+    artifact = read_artifact(s["moments"])
+    net = tiny_net.build()
+    net.load_state_dict(torch.load(s["weights"], weights_only=True))
+    model = FeatureClassifier(net).eval()
+    domain = open_domain(str(s["train"]), None)
+    names = artifact.class_names
+    x = torch.stack([torch.from_numpy(np.asarray(domain.read(i), dtype=np.float32) / 255)[None] for i in range(len(domain))])  # PLAIN: pixels / 255
+    y = torch.as_tensor([names.index(domain.class_names[label]) for label in domain.labels])
+    want = class_moments_of(model, x, y)
+    assert set(artifact.norm_moments) == set(want) and want
+    for name, (mean, var) in artifact.norm_moments.items():
+        torch.testing.assert_close(mean.double(), want[name][0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(var.double(), want[name][1], rtol=1e-4, atol=1e-3)
+    with safe_open(s["moments"], "pt") as f:
+        assert json.loads(f.metadata()["norm_layers"]) == {name: int(m.shape[1]) for name, (m, _) in want.items()}
+    assert read_artifact(s["plain"]).norm_moments is None  # optional: an artifact without them reads as before
+
+
+def test_adapt_with_class_balanced_runs_and_without_the_moments_says_how_to_get_them(stats_with_moments, tmp_path):
+    s = stats_with_moments
+    base = ["adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6", "--method", "tent",
+            "--order", "label-shift:1.0", "--quiet"]
+    metrics = tmp_path / "m.json"
+    ok = invoke(*base, "--stats", s["moments"], "--norm", "class-balanced", "--metrics-json", metrics)
+    assert ok.exit_code == 0, ok.stderr
+    assert len(ok.stdout.splitlines()) == 1 + 24 and json.loads(metrics.read_text())["settings"]["norm"] == "class-balanced"
+    plain = invoke(*base, "--stats", s["plain"], "--norm", "class-balanced")
+    assert plain.exit_code == 3 and plain.stdout == ""
+    assert "holds no class moments" in plain.stderr and "cafa stats --norm-moments" in plain.stderr
+    assert len(plain.stderr.strip().splitlines()) == 1
+    no_stats = invoke(*[a for a in base], "--norm", "class-balanced")  # no artifact: the default file is missing
+    assert no_stats.exit_code != 0 and "Traceback" not in no_stats.stderr
+
+
+def test_a_norm_that_the_method_ignores_gets_a_warning(stats_with_moments):
+    s = stats_with_moments
+    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
+                    "--method", "t3a", "--norm", "source", "--stats", s["plain"])
+    assert result.exit_code == 0, result.stderr
+    assert "`norm`" not in result.stderr and "--norm source changes nothing here: --method t3a keeps its own" in result.stderr
+
+
+def test_the_old_bn_prior_option_is_gone_with_a_one_line_error(stats_with_moments):
+    s = stats_with_moments
+    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--bn-prior", "4")
+    assert result.exit_code == 2 and "--bn-prior" in result.stderr and "Traceback" not in result.stderr
