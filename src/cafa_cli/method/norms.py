@@ -24,6 +24,7 @@ statistics move once a batch, from where they were before it (`new_batch`).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -174,6 +175,7 @@ def correction_strength(histogram: torch.Tensor, batch_size: int) -> torch.Tenso
     return ((skew - SKEW_START) / (SKEW_FULL - SKEW_START)).clamp(0, 1)
 
 
+@lru_cache(maxsize=64)
 def iid_distance(classes: int, batch_size: int) -> float:
     """The expected total-variation distance from uniform of the label histogram of
     `batch_size` labels drawn uniformly from `classes`: ½·C·E|X/n − 1/C|, X ~ Bin(n, 1/C)."""
