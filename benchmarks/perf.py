@@ -115,6 +115,13 @@ def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> Clas
     )
 
 
+def synthetic_norm_moments(net: torch.nn.Module, classes: int) -> dict:
+    """Class moments of every BatchNorm's input, random but valid, for `norm` class-balanced."""
+    g = torch.Generator().manual_seed(0)
+    return {name: (torch.randn(classes, m.num_features, generator=g), torch.rand(classes, m.num_features, generator=g) + 0.5)
+            for name, m in net.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+
+
 def model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, its inputs, device and precision (step_sync.py takes them too)."""
     parser.add_argument("--model", default="resnet50")
@@ -132,6 +139,8 @@ def main() -> None:
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
     parser.add_argument("--methods", default="all", help="the other methods timed next to TENT: all (every method "
                         "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list")
+    parser.add_argument("--norms", default="", help="BatchNorm statistics settings (--norm) to time tent and cafa "
+                        "with, beside TENT with batch statistics: e.g. ema:0.05,class-balanced (synthetic class moments)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of TENT and each --methods row")
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
@@ -158,9 +167,11 @@ def main() -> None:
 
     variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark)) if wanted]
 
-    def adapter_for(method: str, gaussians=None, variant: str = "") -> Adapter:
+    def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:
         model, _ = resolve(args.model, num_classes=num_classes)
-        return Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile")
+        moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
+        return Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile",
+                       norm=norm, class_moments=moments)
 
     def repeats_of(adapter: Adapter) -> int:
         """--repeats, or for rotta whole cycles of its bank's schedule (each holds the same number of training steps)."""
@@ -186,21 +197,21 @@ def main() -> None:
             row["loss_ms"] = 1000 * time_loss(adapter.method.loss)
         return row
 
-    def measure_beside_tent(method: str, gaussians=None) -> dict:
+    def measure_beside_tent(method: str, gaussians=None, norm: str = "batch") -> dict:
         """The method and TENT in alternating rounds, each round --repeats steps of each (after
         2 warm-up steps each); the medians over the rounds and their ratio. On a shared
         machine the load drifts during a run: a TENT row timed minutes earlier would measure
         the drift as much as the method. Peak memory is not taken (both adapters are alive)."""
         images = x.to(device)
-        tent, other = adapter_for("tent"), adapter_for(method, gaussians)
+        tent, other = adapter_for("tent"), adapter_for(method, gaussians, norm=norm)
         repeats = repeats_of(other)
         for adapter in (tent, other):
             timed(lambda: adapter.step(images), device, 2, warmup=0)
-        rounds: dict[str, list[float]] = {"tent": [], method: []}
+        rounds: dict[str, list[float]] = {"tent": [], "row": []}  # "row": the method (tent too, under another --norm)
         for _ in range(args.rounds):
             rounds["tent"].append(timed(lambda: tent.step(images), device, args.repeats, warmup=0))
-            rounds[method].append(timed(lambda: other.step(images), device, repeats, warmup=0))
-        seconds, tent_seconds = statistics.median(rounds[method]), statistics.median(rounds["tent"])
+            rounds["row"].append(timed(lambda: other.step(images), device, repeats, warmup=0))
+        seconds, tent_seconds = statistics.median(rounds["row"]), statistics.median(rounds["tent"])
         row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "tent_ms": 1000 * tent_seconds,
                "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats}
         if args.trace:
@@ -246,6 +257,14 @@ def main() -> None:
         print(f"{method:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)",
               flush=True)
         save()
+    for norm in filter(None, args.norms.split(",")):
+        for method in ("tent", "cafa"):
+            gaussians = synthetic_gaussians(C, d, "full") if method == "cafa" else None
+            name = f"{method} --norm {norm}"
+            row = result["steps"][name] = measure_beside_tent(method, gaussians, norm)
+            print(f"{name:30s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)",
+                  flush=True)
+            save()
     for key in args.covariances.split(","):
         covariance, _, variant = key.partition("-")
         distances.KEEP_BYTES = 0 if variant == "recompute" else KEEP_BYTES

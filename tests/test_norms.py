@@ -109,6 +109,39 @@ def test_the_gate_leaves_iid_batches_alone_and_corrects_one_class_batches_fully(
     assert float(correction_strength(half, 8)) < float(correction_strength(half, 200))
 
 
+def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
+    """The layer's fused form (a change of the affine parameters) against normalising with
+    balanced_statistics' mean and variance explicitly, in float64; gradients too."""
+    torch.manual_seed(0)
+    _, means, variances = source_classes()
+    bn = bn_with_source()
+    bn.weight.data.uniform_(0.5, 2)
+    bn.bias.data.uniform_(-1, 1)
+    layer = BatchStatisticsNorm(bn, "class-balanced", (means.float(), variances.float()))
+    x = (torch.randn(12, 4, 3, 3) * 3 + 2).requires_grad_(True)
+    shares = torch.tensor([0.7, 0.3, 0.0])
+    layer.new_batch()
+    layer.histogram = shares
+    out = layer(x)
+    x64 = x.detach().double().requires_grad_(True)
+    weight, bias = bn.weight.detach().double().requires_grad_(True), bn.bias.detach().double().requires_grad_(True)
+    var_b, mean_b = torch.var_mean(x64, [0, 2, 3], unbiased=False)
+    balanced_mean = means.mean(0)
+    balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
+    mean, var = balanced_statistics(mean_b, var_b, shares.double(), means, variances + means.square(), balanced_mean, balanced_var,
+                                    bn.eps)
+    want = (x64 - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt() * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    probe = torch.randn_like(want)
+    (out.double() * probe).sum().backward()
+    (want * probe).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(bn.weight.grad.double(), weight.grad, rtol=1e-3, atol=1e-3)
+    # the running statistics moved (first batch: 1/t = 1) to the corrected ones
+    torch.testing.assert_close(layer.running_mean.double(), mean.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.running_var.double(), var.detach(), rtol=1e-4, atol=1e-4)
+
+
 def bn_with_source(channels: int = 4) -> torch.nn.BatchNorm2d:
     bn = torch.nn.BatchNorm2d(channels).eval()
     bn.running_mean.copy_(torch.linspace(-1, 1, channels))

@@ -103,6 +103,8 @@ class BatchStatisticsNorm(nn.Module):
             return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
         if self.predicting:
             return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, training=False, eps=self.eps)
+        if self.kind == "class-balanced":
+            return self._class_balanced(x)
         dims = [0] + list(range(2, x.dim()))
         # in float32 under autocast too, as the fused kernel keeps them: a bf16 mean has ~3
         # significant digits, and an fp16 variance overflows above 65504
@@ -112,26 +114,37 @@ class BatchStatisticsNorm(nn.Module):
             mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
             var = (self.prior * self.source_var + n * var) / (self.prior + n)
         else:
-            mean, var = self._running(x, mean, var)
+            if self.before is None:  # used outside an Adapter, which calls new_batch()
+                self.new_batch()
+            mean, var = self._move(mean, var, self.momentum)
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (x - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
         if self.weight is not None:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out
 
-    def _running(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The statistics to normalise this batch with, and the running ones moved toward
-        this batch's, kept for the next. ema: the moved ones. class-balanced: the batch's
-        own, corrected for its class mix; the running ones (moved toward the corrected ones)
-        serve only the pass that predicts the next batch's class mix."""
+    def _class_balanced(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch normalised with its statistics corrected for its class mix
+        (balanced_statistics), μ and σ², by the fused kernel: with r = √((v_h + ε)/(σ̄² + ε))
+        and δ = μ̄ − m_h,
+            (x − μ)/√(σ² + ε) = r·(x − μ_B)/√(σ²_B + ε) − δ/√(σ̄² + ε),
+        so the correction is a change of the affine parameters that needs no batch
+        statistic. The kernel also returns μ_B and σ²_B, from which the corrected
+        statistics move the running ones (max(0.05, 1/t)) for the next batch's class mix."""
         if self.before is None:  # used outside an Adapter, which calls new_batch()
             self.new_batch()
-        if self.kind == "class-balanced":
-            mean, var = balanced_statistics(mean, var, self.histogram, self.class_means, self.class_second,
-                                            self.balanced_mean, self.balanced_var, self.eps)
-            self._move(mean, var, max(self.momentum, 1 / self.batches))
-            return mean, var
-        return self._move(mean, var, self.momentum)
+        mix_mean, mix_var = class_mix_moments(self.histogram, self.class_means, self.class_second,
+                                              self.balanced_mean, self.balanced_var)
+        spread = (self.balanced_var + self.eps).rsqrt()
+        scale, shift = (mix_var + self.eps).sqrt() * spread, (self.balanced_mean - mix_mean) * spread
+        weight, bias = (scale, -shift) if self.weight is None else (self.weight * scale, self.bias - self.weight * shift)
+        batch_mean, batch_var = torch.zeros_like(self.running_mean), torch.zeros_like(self.running_var)  # the kernel fills them
+        out = nn.functional.batch_norm(x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=self.eps)
+        n = x.numel() // x.shape[1]
+        mean, var = balanced_statistics(batch_mean, batch_var * ((n - 1) / n), self.histogram, self.class_means,
+                                        self.class_second, self.balanced_mean, self.balanced_var, self.eps)
+        self._move(mean, var, max(self.momentum, 1 / self.batches))
+        return out
 
     def _move(self, mean: torch.Tensor, var: torch.Tensor, momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The running statistics from before this batch, moved toward (mean, var) by `momentum`: kept, and returned."""
@@ -156,11 +169,19 @@ def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, histogram: torch.
     With h uniform (or None) they are the batch's own. h carries no gradient."""
     if histogram is None:
         return mean, var
-    h = histogram.detach().to(class_means.dtype)
-    m_h = h @ class_means
-    v_h = (h @ class_second - m_h.square()).clamp_min(0)
+    m_h, v_h = class_mix_moments(histogram, class_means, class_second, balanced_mean, balanced_var)
     scale = ((var + eps) / (v_h + eps)).sqrt()
     return mean + scale * (balanced_mean - m_h), (scale.square() * (balanced_var + eps) - eps).clamp_min(0)
+
+
+def class_mix_moments(histogram: torch.Tensor | None, class_means: torch.Tensor, class_second: torch.Tensor,
+                      balanced_mean: torch.Tensor, balanced_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m_h, v_h): the source's mean and variance of a batch with class shares h (None: uniform)."""
+    if histogram is None:
+        return balanced_mean, balanced_var
+    h = histogram.detach().to(class_means.dtype)
+    m_h = h @ class_means
+    return m_h, (h @ class_second - m_h.square()).clamp_min(0)
 
 
 def correction_strength(histogram: torch.Tensor, batch_size: int) -> torch.Tensor:
