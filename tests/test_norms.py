@@ -315,3 +315,25 @@ def test_the_old_bn_prior_option_is_gone_with_a_one_line_error(stats_with_moment
     s = stats_with_moments
     result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--bn-prior", "4")
     assert result.exit_code == 2 and "--bn-prior" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t, m: m.update(norm_layers='{"stem.1": 0}'), "metadata 'norm_layers' must map"),
+    (lambda t, m: m.update(norm_layers="[1, 2]"), "metadata 'norm_layers' must map"),
+    (lambda t, m: t.pop("norm.stem.1.var"), "tensors missing: norm.stem.1.var"),
+    (lambda t, m: t.update({"norm.stem.1.mean": t["norm.stem.1.mean"][:, :2].contiguous()}), "tensor 'norm.stem.1.mean' has shape"),
+    (lambda t, m: t["norm.stem.1.var"].sub_(100), "tensor 'norm.stem.1.var' has negative variances"),
+    (lambda t, m: t["norm.stem.1.mean"].fill_(float("nan")), "tensor 'norm.stem.1.mean' holds NaN"),
+], ids=["zero channels", "not a map", "a tensor missing", "another shape", "negative variance", "nan"])
+def test_damaged_class_moments_are_refused_when_the_artifact_is_read(stats_with_moments, tmp_path, damage, message):
+    from safetensors.torch import save_file
+    from cafa_cli.artifact import read_artifact
+    from cafa_cli.errors import InputError
+
+    with safe_open(stats_with_moments["moments"], "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k).clone() for k in f.keys()}, dict(f.metadata())
+    damage(tensors, metadata)
+    path = tmp_path / "damaged.safetensors"
+    save_file(tensors, path, metadata=metadata)
+    with pytest.raises(InputError, match=message):
+        read_artifact(path)
