@@ -177,3 +177,14 @@ def test_forward_and_loss_trace_as_one_graph(trained, method, covariance):
     dynamo.reset()
     explained = dynamo.explain(adapter._forward_loss)(x[:50])
     assert (explained.graph_count, explained.break_reasons) == (1, [])
+
+
+@pytest.mark.parametrize("norm", ["prior:16", "source", "ema:0.05", "class-balanced"])
+def test_no_normalisation_setting_reads_a_device_value(trained, norm):
+    """The running statistics, the class-mix pass and its gate stay on the device."""
+    from test_norms import class_moments_of
+
+    model, gaussians, x, y = trained
+    moments = class_moments_of(model, x, y) if norm == "class-balanced" else None
+    adapter = Adapter(copy.deepcopy(model), create("cafa", gaussians), lr=1e-2, norm=norm, class_moments=moments)
+    assert steady_reads(adapter, x) == []
