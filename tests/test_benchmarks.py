@@ -97,22 +97,33 @@ def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
     assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
 
 
-def test_combine_tables_puts_each_bench_condition_in_its_own_column(tmp_path):
-    def report(rows, means, seeds=(0,), **settings):
-        return {"seeds": list(seeds), "settings": {"order": "iid", "reset": "domain", "batch_sizes": None, **settings},
-                "rows": rows, "table": [{"method": r["label"], "mean": {"mean": m, "std": 0.25}} for r, m in zip(rows, means)]}
+def test_combine_tables_puts_each_bench_condition_in_its_own_column_and_pools_seeds(tmp_path):
+    def report(rows, errors, **settings):
+        """A bench JSON: `errors` {(label, seed): [error % of domain a, of domain b]}."""
+        runs = [{"method": label, "seed": seed, "data": domain, "error": e / 100}
+                for (label, seed), values in errors.items() for domain, e in zip("ab", values)]
+        return {"settings": {"order": "iid", "reset": "domain", "batch_sizes": None, **settings}, "rows": rows, "runs": runs}
 
-    orders = report([{"label": "tent, iid", "order": "iid", "batch_size": 200},
-                     {"label": "tent, label-shift:1.0", "order": "label-shift:1.0", "batch_size": 200},
-                     {"label": "lame, iid", "order": "iid", "batch_size": 200}], [27.0, 72.5, 41.4], orders="iid,label-shift:1.0")
-    continual = report([{"label": "tent", "order": "iid", "batch_size": 200}], [30.74], seeds=(0, 1), reset="never")
+    def row(label, order="iid"):
+        return {"label": label, "order": order, "batch_size": 200}
+
+    orders = report([row("tent, iid"), row("tent, label-shift:1.0", "label-shift:1.0"), row("lame, iid")],
+                    {("tent, iid", 0): [26, 28], ("tent, label-shift:1.0", 0): [70, 75], ("lame, iid", 0): [40, 42.8]},
+                    orders="iid,label-shift:1.0")
+    more_seeds = report([row("tent, label-shift:1.0", "label-shift:1.0")],
+                        {("tent, label-shift:1.0", 1): [72, 75], ("tent, label-shift:1.0", 2): [74, 75]}, orders="label-shift:1.0")
+    continual = report([row("tent")], {("tent", 0): [30, 31], ("tent", 1): [31, 32]}, reset="never")
+    balanced = report([row("tent")], {("tent", 0): [25, 27]}, norm="class-balanced")
     paths = []
-    for k, saved in enumerate((orders, continual)):
+    for k, saved in enumerate((orders, more_seeds, continual, balanced)):
         paths.append(tmp_path / f"{k}.json")
         paths[-1].write_text(json.dumps(saved))
     assert run("combine_tables.py", *paths).stdout.splitlines() == [
         "| method | iid | label-shift:1.0 | iid, continual |",
         "|---|---:|---:|---:|",
-        "| tent | 27.00 | 72.50 | 30.74 ± 0.25 |",
+        "| tent | 27.00 | 73.50 ± 1.00 | 31.00 ± 0.71 |",  # label shift: seeds 0, 1, 2 from two files (72.5, 73.5, 74.5)
         "| lame | 41.40 | — | — |",
+        "| tent --norm class-balanced | 26.00 | — | — |",
     ]
+    twice = subprocess.run([sys.executable, str(BENCHMARKS / "combine_tables.py"), paths[1], paths[1]], capture_output=True, text=True)
+    assert twice.returncode != 0 and "seed 1, a: given twice" in twice.stderr
