@@ -174,6 +174,26 @@ def test_sar_takes_one_sharpness_aware_step_from_the_source_weights():
     assert float(method.ema) == pytest.approx(float(ents2[kept2].mean()), rel=1e-5)
 
 
+def test_sar_scales_its_first_pass_as_fp16_does_without_changing_the_step(trained):
+    """Under fp16 the Adapter scales losses (GradScaler); SAR's first backward pass, for ε,
+    is scaled too, so that small gradients do not flush to zero. A power-of-two scale is
+    exact in float32, and ε = ρ·g/‖g‖ ignores it: the weights after each step are those of
+    the unscaled run, bit for bit. (fp16 itself runs on CUDA only; this checks the scaling
+    on the CPU, through a CPU GradScaler with a huge scale.)"""
+    model, _, x, _ = trained
+    plain = Adapter(copy.deepcopy(model), create("sar", reset_below=-1.0), lr=1e-2)
+    scaled = Adapter(copy.deepcopy(model), create("sar", reset_below=-1.0), lr=1e-2)
+    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    seen = []
+    original = scaled.scaler.scale
+    scaled.scaler.scale = lambda loss: seen.append(float(loss)) or original(loss)
+    for batch in x[:90].split(30):
+        torch.testing.assert_close(scaled.step(batch), plain.step(batch), rtol=0, atol=0)
+    assert len(seen) == 6  # both losses of each of the 3 batches went through the scaler
+    for a, b in zip(scaled.params, plain.params):
+        assert torch.equal(a, b)
+
+
 def test_sar_recovers_the_source_model_and_a_fresh_optimiser_when_the_loss_average_is_low(trained):
     model, _, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create("sar", reset_below=100.0), lr=1e-2)  # every EMA is below 100

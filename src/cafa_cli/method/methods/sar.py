@@ -67,7 +67,10 @@ class Sar(Method):
         with adapter.autocast:
             logits, features = adapter.forward(images)
         first, keep = reliable_entropy(logits.float())
-        grads = torch.autograd.grad(first, self.params, allow_unused=True)
+        # fp16: scaled as the Adapter scales its losses, or small gradients flush to zero;
+        # ε = ρ·g/‖g‖ is the same for any scale of g
+        scaled = first if adapter.scaler is None else adapter.scaler.scale(first)
+        grads = torch.autograd.grad(scaled, self.params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
         saved = [p.detach().clone() for p in self.params]
         with torch.no_grad():
