@@ -337,3 +337,12 @@ def test_damaged_class_moments_are_refused_when_the_artifact_is_read(stats_with_
     save_file(tensors, path, metadata=metadata)
     with pytest.raises(InputError, match=message):
         read_artifact(path)
+
+
+def test_inspect_says_whether_the_artifact_holds_class_moments(stats_with_moments):
+    with_moments = invoke("inspect", stats_with_moments["moments"], "--json")
+    assert with_moments.exit_code == 0, with_moments.stderr
+    assert json.loads(with_moments.stdout)["norm_layers"] == {"stem.1": 8, "block.bn": 16, "block.downsample.1": 16}
+    assert json.loads(invoke("inspect", stats_with_moments["plain"], "--json").stdout)["norm_layers"] is None
+    text = invoke("inspect", stats_with_moments["moments"]).stdout
+    assert "3 BatchNorm inputs" in text

@@ -53,6 +53,8 @@ def describe(artifact: Artifact) -> dict:
         "parameters_sha256": artifact.parameters_sha256,
         "preprocessing": json.loads(artifact.preprocessing.to_json()),
         "sampling": artifact.sampling,
+        # for --norm class-balanced: {BatchNorm: channels}, or None when the artifact was made without --norm-moments
+        "norm_layers": json.loads(artifact.metadata["norm_layers"]) if "norm_layers" in artifact.metadata else None,
         "conditioning": {
             "classes_measured": len(conds),
             "min": conds[0],
@@ -89,6 +91,8 @@ def render(summary: dict) -> Group:
         ("conditioning", f"cond(Σ) over {cond['classes_measured']} classes: min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g}"),
         ("preprocessing", json.dumps(summary["preprocessing"])),
         ("sampling", json.dumps(summary["sampling"])),
+        ("norm moments", f"{len(summary['norm_layers'])} BatchNorm inputs, each class's mean and variance (for --norm class-balanced)"
+         if summary.get("norm_layers") else "none (cafa stats --norm-moments records them, for --norm class-balanced)"),
     ]
     for key, value in rows:
         facts.add_row(key, Text(printable(str(value)), overflow="fold"))  # a long hash wraps, never cut to "…"
