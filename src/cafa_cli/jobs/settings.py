@@ -164,7 +164,7 @@ class AdaptationOptions:
     steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
     norm: str = setting("batch", "The statistics BatchNorms normalise with: batch (the test batch's); prior:N (the source's "
                         "count as N samples, for small batches); source (frozen; only the affines adapt); ema:M (running, "
-                        "moved by momentum M, as RoTTA's); class-balanced (ema corrected for the batch's class mix, for "
+                        "moved by momentum M, as RoTTA's); class-balanced (the batch's, corrected for its class mix: for "
                         "label shift; needs cafa stats --norm-moments). See docs/usage.md.", metavar="NORM", panel=ADAPTATION)
     precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
     compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
