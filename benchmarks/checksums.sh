@@ -17,7 +17,7 @@ for m in source bn pl tent cafa global-fa intra euclidean; do
   cafa adapt -q --stats "$stats" --method "$m" "${data[@]}" > "adapt-$m.csv"
 done
 cafa adapt -q --stats "$stats" --reset never --optimizer sgd --lr 0.01 "${data[@]}" > adapt-cafa-never-sgd.csv
-cafa adapt -q --stats "$stats" --reset episodic --bn-prior 16 --batch-size 50 "${data[@]}" > adapt-cafa-episodic-prior.csv
+cafa adapt -q --stats "$stats" --reset episodic --norm prior:16 --batch-size 50 "${data[@]}" > adapt-cafa-episodic-prior.csv
 cafa adapt -q --stats "$stats" --method tent --params all --steps 2 --format jsonl "${data[@]}" > adapt-tent-all.jsonl
 cafa bench -q "${domains[@]}" --methods source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-dense,cafa-lowrank,cafa-full \
   --workdir bench --per-class 300 --csv bench.csv > bench-table.md
