@@ -346,3 +346,11 @@ def test_inspect_says_whether_the_artifact_holds_class_moments(stats_with_moment
     assert json.loads(invoke("inspect", stats_with_moments["plain"], "--json").stdout)["norm_layers"] is None
     text = invoke("inspect", stats_with_moments["moments"]).stdout
     assert "3 BatchNorm inputs" in text
+
+
+def test_class_balanced_with_batches_of_one_image_is_warned_as_batch_statistics_are(stats_with_moments):
+    s = stats_with_moments
+    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "1",
+                    "--method", "bn", "--norm", "class-balanced", "--stats", s["moments"])
+    assert result.exit_code == 0, result.stderr
+    assert "--batch-size 1 normalises each image by its own statistics" in result.stderr

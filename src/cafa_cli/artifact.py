@@ -37,7 +37,7 @@ class Artifact:
     metadata: dict[str, str]
     gaussians: ClassGaussians | None  # None when read with load_tensors=False
     # {BatchNorm name: (means, variances) [C, channels]} of each class's input to it in the
-    # source data (cafa stats --norm-moments), for `norm` class-balanced; None: not recorded or not loaded
+    # source data (cafa stats --norm-moments), for `norm` class-balanced; None: not recorded
     norm_moments: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -231,8 +231,8 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
             isotropic=small.get("lowrank_isotropic"),
             spectrum=small.get("lowrank_spectrum"),
         )
-    moments = None
-    if load_tensors and "norm_layers" in metadata:
+    moments = None  # read with the metadata, whatever load_tensors: small, and checked with the other small tensors
+    if "norm_layers" in metadata:
         moments = {name: (small[f"norm.{name}.mean"], small[f"norm.{name}.var"]) for name in norm_layers(metadata, path)}
     return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians,
                     moments)

@@ -51,7 +51,8 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
                          f"and there is no {stats_path} to name it")
     if stats is not None or needed or model.model is None:
         # else only its model record is used; a plug-in gets the statistics whenever an artifact is read
-        artifact = read_artifact(stats_path, load_tensors=needed or is_plugin(method))
+        # the Gaussians (GBs at ImageNet scale) for the methods that use them; the class moments come with any read
+        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS or is_plugin(method))
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
@@ -85,8 +86,8 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
 
 
 def needs_artifact(config: AdaptConfig) -> bool:
-    """Whether the run reads an artifact's tensors: the method's class Gaussians, or the class
-    moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
+    """Whether the run must read an artifact: for the method's class Gaussians, or for the
+    class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
     return config.method in NEEDS_STATISTICS or parse_norm(config.norm)[0] == "class-balanced"
 
 
@@ -132,7 +133,9 @@ class Adaptation:
             notes.append(f"`norm` {s.norm} changes nothing here: "
                          + ("the model has no BatchNorm layers" if self.adapter.method.adapts_normalisation
                             else f"`method` {s.method} keeps its own normalisation statistics"))
-        batch_statistics = parse_norm(s.norm) in (("batch", None), ("prior", 0.0)) and self.adapter.batch_norms > 0
+        # each batch normalised by its own statistics (class-balanced: corrected, but its own)
+        kind, prior = parse_norm(self.adapter.norm)
+        batch_statistics = (kind in ("batch", "class-balanced") or prior == 0.0) and self.adapter.batch_norms > 0
         if s.batch_size == 1 and batch_statistics:
             notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
                          "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`")

@@ -71,6 +71,7 @@ class Adapter:
         check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, norm=norm,
                        precision=precision, compile=compile)
         method.check(model, device)
+        self.norm = norm  # the setting in force
         if parse_norm(norm)[0] in RUNNING and not method.running_norms:
             raise UsageError(f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
                              f"cannot (it copies the model); use `norm` batch, prior:N or source")
