@@ -125,5 +125,9 @@ def test_combine_tables_puts_each_bench_condition_in_its_own_column_and_pools_se
         "| lame | 41.40 | — | — |",
         "| tent --norm class-balanced | 26.00 | — | — |",
     ]
-    twice = subprocess.run([sys.executable, str(BENCHMARKS / "combine_tables.py"), paths[1], paths[1]], capture_output=True, text=True)
-    assert twice.returncode != 0 and "seed 1, a: given twice" in twice.stderr
+    assert run("combine_tables.py", *paths, paths[1]).stdout == run("combine_tables.py", *paths).stdout  # the same runs again
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(report([row("tent, label-shift:1.0", "label-shift:1.0")], {("tent, label-shift:1.0", 1): [71, 75]},
+                                       orders="label-shift:1.0")))
+    twice = subprocess.run([sys.executable, str(BENCHMARKS / "combine_tables.py"), paths[1], other], capture_output=True, text=True)
+    assert twice.returncode != 0 and "seed 1, a: given twice, with errors 72.00 and 71.00" in twice.stderr
