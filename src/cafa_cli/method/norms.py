@@ -65,6 +65,10 @@ class BatchStatisticsNorm(nn.Module):
         if self.kind in RUNNING:  # in the state dict, so that the Adapter's reset() puts the source's back
             self.register_buffer("running_mean", bn.running_mean.detach().clone().float())
             self.register_buffer("running_var", bn.running_var.detach().clone().float())
+            # this batch's momentum and 1 − it, as device scalars that new_batch fills: a Python
+            # number that changes every batch would make torch.compile compile every batch again
+            self.register_buffer("rate", torch.full((), self.momentum, device=bn.running_mean.device), persistent=False)
+            self.register_buffer("keep", torch.full((), 1 - self.momentum, device=bn.running_mean.device), persistent=False)
         if self.kind == "class-balanced":
             if class_moments is None:
                 raise UsageError(f"`norm` class-balanced needs the source class moments of the BatchNorm at {name or 'the top'}")
@@ -91,6 +95,10 @@ class BatchStatisticsNorm(nn.Module):
         if self.kind in RUNNING:
             self.batches += 1
             self.before = (self.running_mean.clone(), self.running_var.clone())
+            if self.kind == "class-balanced":
+                rate = max(self.momentum, 1 / self.batches)
+                self.rate.fill_(rate)
+                self.keep.fill_(1 - rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[1] and hasattr(self, "source_mean"):
@@ -116,7 +124,7 @@ class BatchStatisticsNorm(nn.Module):
         else:
             if self.before is None:  # used outside an Adapter, which calls new_batch()
                 self.new_batch()
-            mean, var = self._move(mean, var, self.momentum)
+            mean, var = self._move(mean, var)
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (x - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
         if self.weight is not None:
@@ -143,14 +151,15 @@ class BatchStatisticsNorm(nn.Module):
         n = x.numel() // x.shape[1]
         mean, var = balanced_statistics(batch_mean, batch_var * ((n - 1) / n), self.histogram, self.class_means,
                                         self.class_second, self.balanced_mean, self.balanced_var, self.eps)
-        self._move(mean, var, max(self.momentum, 1 / self.batches))
+        self._move(mean, var)
         return out
 
-    def _move(self, mean: torch.Tensor, var: torch.Tensor, momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The running statistics from before this batch, moved toward (mean, var) by `momentum`: kept, and returned."""
+    def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running statistics from before this batch, moved toward (mean, var) by this
+        batch's momentum (`rate`): kept, and returned."""
         before_mean, before_var = self.before
-        mean = (1 - momentum) * before_mean + momentum * mean
-        var = (1 - momentum) * before_var + momentum * var
+        mean = self.keep * before_mean + self.rate * mean
+        var = self.keep * before_var + self.rate * var
         with torch.no_grad():  # a non-finite batch must not poison the statistics for good
             self.running_mean.copy_(torch.where(mean.isfinite(), mean, before_mean))
             self.running_var.copy_(torch.where(var.isfinite(), var, before_var))
