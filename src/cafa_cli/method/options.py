@@ -17,8 +17,7 @@ COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 # handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on
 # a one-batch domain with no output.
 MAX_STEPS = 1000
-NORMS = ("batch", "prior:N", "source", "ema:M", "class-balanced")  # the statistics BatchNorms normalise with (norms.py)
-NORM_FORMS = "batch, prior:N (N ≥ 0), source, ema:M (M in (0, 1]) or class-balanced"
+NORM_FORMS = "batch, prior:N (N ≥ 0), source, ema:M (M in (0, 1]) or class-balanced"  # the statistics BatchNorms use (norms.py)
 
 
 def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
