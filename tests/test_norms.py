@@ -354,3 +354,18 @@ def test_class_balanced_with_batches_of_one_image_is_warned_as_batch_statistics_
                     "--method", "bn", "--norm", "class-balanced", "--stats", s["moments"])
     assert result.exit_code == 0, result.stderr
     assert "--batch-size 1 normalises each image by its own statistics" in result.stderr
+
+
+def test_class_balanced_reads_the_default_artifact_and_does_not_call_it_unread(stats_with_moments, tmp_path, monkeypatch):
+    import shutil
+
+    s = stats_with_moments
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(s["moments"], tmp_path / "cafa-stats.safetensors")
+    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
+                    "--method", "bn", "--norm", "class-balanced", *PLAIN)
+    assert result.exit_code == 0, result.stderr
+    assert "not read" not in result.stderr
+    unread = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
+                    "--method", "bn", *PLAIN)
+    assert "cafa-stats.safetensors is here but not read" in unread.stderr

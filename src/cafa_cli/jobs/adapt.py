@@ -50,8 +50,8 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
         raise UsageError(f"give the model with `model` (and `weights`): `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
     if stats is not None or needed or model.model is None:
-        # else only its model record is used; a plug-in gets the statistics whenever an artifact is read
-        # the Gaussians (GBs at ImageNet scale) for the methods that use them; the class moments come with any read
+        # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods
+        # that use them, and for a plug-in whenever an artifact is read; the class moments come with any read
         artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS or is_plugin(method))
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
@@ -91,12 +91,13 @@ def needs_artifact(config: AdaptConfig) -> bool:
     return config.method in NEEDS_STATISTICS or parse_norm(config.norm)[0] == "class-balanced"
 
 
-def unread_default_artifact(stats: str | None, model: str | None, method: str, preprocess: Preprocessing) -> str | None:
+def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> str | None:
     """A warning for `cafa adapt --model M --method bn` (no --stats) beside a cafa-stats.safetensors
     that it does not read: the run then takes the default preprocessing and class names,
     not the artifact's, which for a model trained otherwise is silently another input."""
-    if stats is not None or model is None or method in NEEDS_STATISTICS or not Path(DEFAULT_ARTIFACT).is_file():
-        return None  # (`norm` class-balanced reads it: prepare_adaptation checks that before this is asked)
+    stats, model, method = config.stats, config.model, config.method
+    if stats is not None or model is None or needs_artifact(config) or not Path(DEFAULT_ARTIFACT).is_file():
+        return None
     return (f"{DEFAULT_ARTIFACT} is here but not read (with `model`, a method that needs no statistics reads an artifact only when "
             f"named), so `method` {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
             f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's")
@@ -414,7 +415,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
                                      "artifact's model": factory_file(recorded["model"]),
                                      "artifact's weights": recorded["weights"]})
     with prediction_records(config.predictions, config.format, job.class_names) as writer:
-        unread = unread_default_artifact(config.stats, config.model, config.method, job.preprocess)
+        unread = unread_default_artifact(config, job.preprocess)
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
         adapted = job.adapter.adapted()
