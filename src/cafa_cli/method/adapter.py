@@ -18,8 +18,7 @@ from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import RUNNING, BatchStatisticsNorm, balance_histogram, norm_layers, use_test_batch_norm
-from cafa_cli.method.options import parse_norm
-from cafa_cli.method.options import check_adapter_options, check_precision
+from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
 
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
