@@ -15,7 +15,7 @@ from conftest import PLAIN, TINY_NET, invoke, tiny_training_set, write_folder
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods import create
-from cafa_cli.method.norms import (BatchStatisticsNorm, balance_histogram, balanced_statistics, correction_strength,
+from cafa_cli.method.norms import (BatchStatisticsNorm, balance_histogram, balanced_statistics, class_mix_moments, correction_strength,
                                    iid_distance)
 from cafa_cli.method.options import parse_norm
 from cafa_cli.errors import UsageError
@@ -66,7 +66,8 @@ def test_the_correction_gives_a_balanced_batch_under_the_same_shift(mix):
     variances = torch.stack([c.var(0, unbiased=False) for c in classes])
     balanced_mean, balanced_var = balanced_population(classes)
     mean_b, var_b = moments64(batch)
-    mean, var = balanced_statistics(mean_b, var_b, shares, means, variances + means.square(), balanced_mean, balanced_var, eps=0.0)
+    mix = class_mix_moments(shares, means, variances + means.square(), balanced_mean, balanced_var)
+    mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, eps=0.0)
     want_mean, want_var = balanced_population(shifted)
     torch.testing.assert_close(mean, want_mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(var, want_var, rtol=1e-12, atol=1e-12)
@@ -78,8 +79,9 @@ def test_with_uniform_shares_the_batch_keeps_its_own_statistics():
     balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
     mean_b, var_b = torch.tensor([0.3, 7.0, -1.0, 2.0], dtype=torch.float64), torch.tensor([0.2, 4.0, 1.0, 9.0], dtype=torch.float64)
     for eps in (0.0, 1e-5):
-        mean, var = balanced_statistics(mean_b, var_b, torch.full((3,), 1 / 3, dtype=torch.float64), means,
-                                        variances + means.square(), balanced_mean, balanced_var, eps)
+        mix = class_mix_moments(torch.full((3,), 1 / 3, dtype=torch.float64), means, variances + means.square(), balanced_mean,
+                                balanced_var)
+        mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, eps)
         torch.testing.assert_close(mean, mean_b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(var, var_b, rtol=1e-12, atol=1e-12)
 
@@ -128,8 +130,8 @@ def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
     var_b, mean_b = torch.var_mean(x64, [0, 2, 3], unbiased=False)
     balanced_mean = means.mean(0)
     balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
-    mean, var = balanced_statistics(mean_b, var_b, shares.double(), means, variances + means.square(), balanced_mean, balanced_var,
-                                    bn.eps)
+    mix = class_mix_moments(shares.double(), means, variances + means.square(), balanced_mean, balanced_var)
+    mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, bn.eps)
     want = (x64 - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt() * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     probe = torch.randn_like(want)

@@ -334,11 +334,16 @@ def statistics_of(artifact: Artifact | None, subset: ClassSubset | None):
     """The artifact's Gaussians (None without them), of the subset's classes only."""
     if artifact is None or artifact.gaussians is None or subset is None or subset.outputs == artifact.outputs:
         return None if artifact is None else artifact.gaussians
+    return artifact.gaussians.select_classes(subset_rows(artifact, subset))
+
+
+def subset_rows(artifact: Artifact, subset: ClassSubset) -> list[int]:
+    """The artifact's row of each of the subset's classes; an error naming those it lacks."""
     where = {output: row for row, output in enumerate(artifact.outputs)}
     missing = [name for name, output in zip(subset.names, subset.outputs) if output not in where]
     if missing:
         raise InputError(f"{artifact.path} holds no statistics of {listing(missing)}; compute them with those classes")
-    return artifact.gaussians.select_classes([where[output] for output in subset.outputs])
+    return [where[output] for output in subset.outputs]
 
 
 def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: ClassSubset | None) -> dict | None:
@@ -351,7 +356,7 @@ def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: Clas
                          f"corrects with; re-create it with cafa stats --norm-moments, or choose another `norm`")
     if subset is None or subset.outputs == artifact.outputs:
         return artifact.norm_moments
-    rows = torch.as_tensor([artifact.outputs.index(output) for output in subset.outputs])  # statistics_of checked they are there
+    rows = torch.as_tensor(subset_rows(artifact, subset))
     return {name: (mean[rows], var[rows]) for name, (mean, var) in artifact.norm_moments.items()}
 
 

@@ -122,8 +122,6 @@ class BatchStatisticsNorm(nn.Module):
             mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
             var = (self.prior * self.source_var + n * var) / (self.prior + n)
         else:
-            if self.before is None:  # used outside an Adapter, which calls new_batch()
-                self.new_batch()
             mean, var = self._move(mean, var)
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (x - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
@@ -139,8 +137,6 @@ class BatchStatisticsNorm(nn.Module):
         so the correction is a change of the affine parameters that needs no batch
         statistic. The kernel also returns μ_B and σ²_B, from which the corrected
         statistics move the running ones (max(0.05, 1/t)) for the next batch's class mix."""
-        if self.before is None:  # used outside an Adapter, which calls new_batch()
-            self.new_batch()
         mix_mean, mix_var = class_mix_moments(self.histogram, self.class_means, self.class_second,
                                               self.balanced_mean, self.balanced_var)
         spread = (self.balanced_var + self.eps).rsqrt()
@@ -149,14 +145,17 @@ class BatchStatisticsNorm(nn.Module):
         batch_mean, batch_var = torch.zeros_like(self.running_mean), torch.zeros_like(self.running_var)  # the kernel fills them
         out = nn.functional.batch_norm(x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=self.eps)
         n = x.numel() // x.shape[1]
-        mean, var = balanced_statistics(batch_mean, batch_var * ((n - 1) / n), self.histogram, self.class_means,
-                                        self.class_second, self.balanced_mean, self.balanced_var, self.eps)
+        mean, var = batch_mean, batch_var * ((n - 1) / n)
+        if self.histogram is not None:  # else the batch's own
+            mean, var = balanced_statistics(mean, var, mix_mean, mix_var, self.balanced_mean, self.balanced_var, self.eps)
         self._move(mean, var)
         return out
 
     def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The running statistics from before this batch, moved toward (mean, var) by this
         batch's momentum (`rate`): kept, and returned."""
+        if self.before is None:  # used outside an Adapter, which calls new_batch()
+            self.new_batch()
         before_mean, before_var = self.before
         mean = self.keep * before_mean + self.rate * mean
         var = self.keep * before_var + self.rate * var
@@ -166,26 +165,23 @@ class BatchStatisticsNorm(nn.Module):
         return mean, var
 
 
-def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, histogram: torch.Tensor | None, class_means: torch.Tensor,
-                        class_second: torch.Tensor, balanced_mean: torch.Tensor, balanced_var: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, m_h: torch.Tensor, v_h: torch.Tensor,
+                        balanced_mean: torch.Tensor, balanced_var: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's statistics (mean, var [channels]) as a class-balanced batch under the same
-    covariate shift would have them (docs/design.md). With class shares h the source's
-    moments of such a batch are m_h = Σ h_k μ_k and v_h = Σ h_k E_k[x²] − m_h²; read the
-    batch's as an affine change of those, a = √((σ²_B + ε)/(v_h + ε)) and μ_B − a·m_h,
-    and apply the change to the balanced source moments μ̄, σ̄²:
+    covariate shift would have them (docs/design.md). The source's moments of a batch of
+    its class mix are m_h and v_h (class_mix_moments); read the batch's as an affine change
+    of those, a = √((σ²_B + ε)/(v_h + ε)) and μ_B − a·m_h, and apply the change to the
+    balanced source moments μ̄, σ̄²:
         μ = μ_B + a·(μ̄ − m_h),   σ² = a²·(σ̄² + ε) − ε.
-    With h uniform (or None) they are the batch's own. h carries no gradient."""
-    if histogram is None:
-        return mean, var
-    m_h, v_h = class_mix_moments(histogram, class_means, class_second, balanced_mean, balanced_var)
+    With a uniform mix they are the batch's own."""
     scale = ((var + eps) / (v_h + eps)).sqrt()
     return mean + scale * (balanced_mean - m_h), (scale.square() * (balanced_var + eps) - eps).clamp_min(0)
 
 
 def class_mix_moments(histogram: torch.Tensor | None, class_means: torch.Tensor, class_second: torch.Tensor,
                       balanced_mean: torch.Tensor, balanced_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m_h, v_h): the source's mean and variance of a batch with class shares h (None: uniform)."""
+    """(m_h, v_h): the source's mean and variance of a batch with class shares h (None:
+    uniform), m_h = Σ h_k μ_k and v_h = Σ h_k E_k[x²] − m_h². h carries no gradient."""
     if histogram is None:
         return balanced_mean, balanced_var
     h = histogram.detach().to(class_means.dtype)
