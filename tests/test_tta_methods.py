@@ -146,7 +146,7 @@ def test_sar_takes_one_sharpness_aware_step_from_the_source_weights():
         net.classifier.weight.mul_(6)  # confident enough that some samples pass E0 = 0.4 ln 3
     source = copy.deepcopy(net).double()
     lr, rho = 0.1, 0.05
-    method = Sar(rho=rho, reset_below=-1.0)  # no recovery here
+    method = Sar(rho=rho, reset_below=0.0)  # no recovery here (the entropy is never below 0)
     adapter = Adapter(net, method, optimizer="sgd", momentum=0.0, lr=lr)
     reported = adapter.step(x)
 
@@ -181,8 +181,8 @@ def test_sar_scales_its_first_pass_as_fp16_does_without_changing_the_step(traine
     the unscaled run, bit for bit. (fp16 itself runs on CUDA only; this checks the scaling
     on the CPU, through a CPU GradScaler with a huge scale.)"""
     model, _, x, _ = trained
-    plain = Adapter(copy.deepcopy(model), create("sar", reset_below=-1.0), lr=1e-2)
-    scaled = Adapter(copy.deepcopy(model), create("sar", reset_below=-1.0), lr=1e-2)
+    plain = Adapter(copy.deepcopy(model), create("sar", reset_below=0.0), lr=1e-2)
+    scaled = Adapter(copy.deepcopy(model), create("sar", reset_below=0.0), lr=1e-2)
     scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
     seen = []
     original = scaled.scaler.scale
@@ -271,7 +271,7 @@ def test_lame_reports_the_laplacian_regularised_assignment():
     z = torch.cat([torch.randn(10, 4) * 0.3 + 2, torch.randn(10, 4) * 0.3 - 2])
     logits = torch.cat([torch.tensor([[1.0, 0.0]]).repeat(10, 1), torch.tensor([[0.0, 1.0]]).repeat(10, 1)])
     logits[:3] = torch.tensor([0.0, 0.6])
-    got = Lame().output(logits, z).softmax(1)
+    got = Lame(affinity="knn", symmetric=True).output(logits, z).softmax(1)
     expected = lame_reference(logits.softmax(1), z)
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
     assert (got[:3].argmax(1) == 0).all()  # the neighbours pulled the outliers to their cluster
@@ -290,5 +290,8 @@ def test_output_only_methods_leave_the_model_unchanged(trained):
 def test_a_method_option_it_does_not_take_is_named():
     from cafa_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match="takes no option fisher_batches"):
+    with pytest.raises(UsageError, match=r"sar has no option fisher_batches \(its options: entropy_margin, rho, "
+                                         r"reset_below, frozen\)"):
         create("sar", fisher_batches=[])
+    with pytest.raises(UsageError, match=r"the method tent has no option epsilon \(it takes none\)"):
+        create("tent", epsilon=0.4)

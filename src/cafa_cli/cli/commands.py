@@ -14,7 +14,7 @@ import typer
 
 from cafa_cli.cli.defaults import defaults_file
 from cafa_cli.cli.errors import as_flags, from_config
-from cafa_cli.cli.options import domains_given, with_settings
+from cafa_cli.cli.options import chosen_settings, domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
@@ -61,7 +61,8 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.jobs.monitor import Monitor
     from cafa_cli.jobs.report import summary_table
 
-    config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config)})
+    config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
+                            "given": chosen_settings(ctx, settings)})
     keep_defaults_file(config.outputs())
     if config.predictions is None:
         stdout_needed()
@@ -115,7 +116,8 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.jobs import bench as bench_job
     from cafa_cli.jobs.monitor import Monitor
 
-    config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config)})
+    config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
+                            "given": chosen_settings(ctx, settings)})
     keep_defaults_file(config.outputs())
     stdout_needed()
     with Monitor(stderr(quiet), quiet, as_flags) as monitor:

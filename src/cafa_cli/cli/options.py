@@ -48,7 +48,7 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
     hints = typing.get_type_hints(config_type)
     parameters = []
     for f in fields(config_type):
-        if f.name in skip:
+        if f.name in skip or not f.metadata.get("option", True):
             continue
         meta = f.metadata
         names = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
@@ -93,3 +93,11 @@ def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str]
     if not given:
         raise UsageError(f"give the test domains: cafa {ctx.info_name} DOMAIN... (or --data DOMAIN, repeated)")
     return given
+
+
+
+def chosen_settings(ctx: typer.Context, settings: dict) -> tuple[str, ...]:
+    """The settings the user chose, on the command line or in cafa.toml (any value that is
+    not the option's default): a recipe leaves them as they are."""
+    sources = {name: ctx.get_parameter_source(name) for name in settings}
+    return tuple(sorted(name for name, source in sources.items() if source is not None and source.name != "DEFAULT"))

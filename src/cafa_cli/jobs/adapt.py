@@ -3,7 +3,7 @@ the Adapter, and run the online stream."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 import numpy as np
 import torch
@@ -36,8 +36,9 @@ from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning
                                   recorded_data, resolve_model)
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
-from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, constant_outputs_note, size_note, statistics_input_size
+from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, recipe_line, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
+from cafa_cli.recipes import Recipe, recipe_for
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -118,6 +119,7 @@ class Adaptation:
     groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
     notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
     clean: dict | None = None  # the source model's error on `clean`, when given
+    recipe: Recipe | None = None  # the published setting the run took what the user did not choose from
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
@@ -247,6 +249,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     device = pick_device(config.device)
     check_precision(config.precision, device.type)  # before the model is read
     net, artifact, spec = load_for_adaptation(config)
+    config, recipe = with_recipe(config, net.num_classes)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
     base = artifact.preprocessing if artifact else default_preprocessing(spec.model, spec.weights, config.model_arguments())
@@ -280,14 +283,37 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         clean = clean_error(net, clean_domain, artifact.preprocessing if artifact else preprocess, config.batch_size,
                             config.num_workers, device, config.strict, monitor or Monitor())
     gaussians = statistics_of(artifact, subset)
-    options = {"fisher_batches": fisher_batches(config, preprocess, device)} if config.method == "eata" and config.fisher_data else {}
-    method = create(config.method, gaussians, device, **options)
+    options = {**(recipe.options if recipe else {}), **config.method_options()}
+    if config.method == "eata" and config.fisher_data:
+        options["fisher_batches"] = fisher_batches(config, preprocess, device)
+    try:
+        method = create(config.method, gaussians, device, **options)
+    except UsageError as error:  # `method_option` was checked with the settings: a recipe's own option is wrong
+        if recipe is None:
+            raise
+        raise InputError(f"{error} (in the recipe {recipe.origin})") from None
     adapter = Adapter(net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset))
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
                                 "model_outputs": len(subset.model_classes)} if subset else None
+    recorded["recipe"] = {"requested": config.recipe, **(recipe.record() if recipe else {"name": None})}
+    recorded["method_options"] = {option.name: getattr(method, option.name) for option in method.options} or (
+        config.method_options() if is_plugin(config.method) else {})
     return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
-                      artifact.sampling if artifact else None, groups, notes, clean)
+                      artifact.sampling if artifact else None, groups, notes, clean, recipe)
+
+
+def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Recipe | None]:
+    """`config` with its recipe's settings in place of those the user did not choose
+    (`config.chosen()`), and the recipe; as it is and None when `recipe` gives none."""
+    recipe = recipe_for(config.recipe, config.method, config.data, num_classes)
+    if recipe is None:
+        return config, None
+    kept = config.chosen()
+    try:
+        return replace(config, **{k: v for k, v in recipe.settings.items() if k not in kept}, given=tuple(sorted(kept))), recipe
+    except UsageError as error:
+        raise InputError(f"the recipe {recipe.origin}: {error}") from None
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:
@@ -424,6 +450,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
         adapted = job.adapter.adapted()
+        monitor.info(recipe_line(config.method, job.recorded_settings))
         monitor.info(adapting_line(adapted, config.method))
         if job.clean:
             monitor.info(clean_summary(job.clean))

@@ -27,7 +27,7 @@ from cafa_cli.jobs.adapt import effective_severity, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
 from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
-from cafa_cli.jobs.settings import InputOptions
+from cafa_cli.jobs.settings import InputOptions, parse_method_options
 from cafa_cli.jobs.distributed import process_group, rank_device
 from cafa_cli.jobs.outputs import check_outputs
 from cafa_cli import __version__
@@ -88,12 +88,40 @@ def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: i
 
 def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
     """The `cafa adapt` run of one row and seed, on the test domains with their geometry.
-    With statistics the class list comes from the artifact (made from `classes`)."""
+    With statistics the class list comes from the artifact (made from `classes`). The
+    row's recipe fills what neither the bench's options nor the row itself (NAME@LR,
+    cafa-full's params, a grid axis) chose; its method options are those of `method_option`
+    that name its method or that it takes."""
+    own = {"lr": row.lr, "params": row.params, "order": row.order, "batch_size": row.batch_size}
     return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
                   order=row.order_of(config), batch_size=row.batch_size_of(config), stats=stats, classes=None if stats else classes,
                   fisher_data=fisher_data(config, row),
                   resize=config.resize if config.test_resize is None else config.test_resize,
-                  crop=config.crop if config.test_crop is None else config.test_crop)
+                  crop=config.crop if config.test_crop is None else config.test_crop,
+                  method_option=row_method_options(config, row.method),
+                  given=tuple(sorted(config.chosen() | {name for name, value in own.items() if value is not None})))
+
+
+def row_method_options(config: BenchConfig, method: str) -> list[str]:
+    """The `method_option` entries for a row of `method`, as NAME=VALUE: those scoped to
+    it (METHOD.NAME=VALUE) and the plain ones it takes."""
+    from cafa_cli.method.methods import is_plugin, options_of
+
+    takes = set() if is_plugin(method) else {option.name for option in options_of(method)}
+    return [f"{name}={value}" for scope, name, value in parse_method_options(config.method_option)
+            if scope == method or (scope is None and name in takes)]
+
+
+def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
+    """Each `method_option` entry is taken by some row: a misspelt method or option is named."""
+    methods = {row.method for row in rows}
+    for scope, name, value in parse_method_options(config.method_option):
+        entry = f"{scope + '.' if scope else ''}{name}={value}"
+        if scope is not None and scope not in methods:
+            raise UsageError(f"`method_option` {entry}: no row runs the method {scope} (rows: {', '.join(sorted(methods))})")
+        if scope is None and not any(f"{name}={value}" in row_method_options(config, method) for method in methods):
+            raise UsageError(f"`method_option` {entry}: no row's method takes the option {name}; cafa methods NAME lists "
+                             f"a method's options")
 
 
 def fisher_data(config: BenchConfig, row: Row) -> str | None:
@@ -124,11 +152,11 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     target = rank_device(pick_device(config.device))
     domains, notes = expand_benchmarks(config.data)  # a benchmark's ROOT: a column per corruption
     config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)
-    clean = {}
+    clean, settings = {}, {}
     with process_group(target) as (rank, world):
         for note in notes if rank == 0 else []:
             monitor.warn(note)
-        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world, clean)
+        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world, clean, settings)
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
@@ -136,7 +164,7 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if config.csv:
         tables.write_csv(config.csv, table, config.data, rows if axes else None)
     if config.json:
-        write_json(config.json, config, rows, seeds, table, results, clean or None)
+        write_json(config.json, config, rows, seeds, table, results, clean or None, settings)
     if config.plot:
         (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
     text = tables.markdown(table, config.data, seeds)
@@ -144,13 +172,16 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
 
 
 def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
-              world: int = 1, clean: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
+              world: int = 1, clean: dict | None = None,
+              settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
-    the other ranks None. With `clean` set, the source model's clean error goes into `clean`."""
+    the other ranks None. With `clean` set, the source model's clean error goes into `clean`;
+    with `settings`, each row's settings as its runs resolved them (ROW_SETTINGS), on rank 0."""
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(config.data, config, config.gradual)
+    check_method_options(config, rows)
     for row in rows:
         row_config(config, row, seeds[0], None, None)
     for covariance in covariances_needed(rows):
@@ -165,9 +196,14 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean)
-    parts = gather_on_root(mine, rank, world)
-    return None if parts is None else {key: result for part in parts for key, result in part.items()}
+    resolved = {}
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved)
+    parts = gather_on_root((mine, resolved), rank, world)
+    if parts is None:
+        return None
+    if settings is not None:
+        settings.update({label: row for _, part in parts for label, row in part.items()})
+    return {key: result for part, _ in parts for key, result in part.items()}
 
 
 def covariances_needed(rows: list[Row]) -> list[str]:
@@ -250,10 +286,12 @@ def _made_for(artifact, stats: StatsConfig) -> bool:
 
 
 def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
-             monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
+             monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None,
+             settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the (row, seed)
     runs are independent, so under torchrun each rank takes every world-th. The first run
-    (rank 0's) also measures the source model on `clean`, into `clean`."""
+    (rank 0's) also measures the source model on `clean`, into `clean`; each row's
+    resolved settings (its recipe's and the bench's) go into `settings`."""
     results, warned = {}, set()
     runs = [(row, seed) for row in rows for seed in seeds]
     for k, (row, seed) in enumerate(runs[rank::world]):
@@ -269,6 +307,8 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
                 warned.add(caution)
                 monitor.warn(caution)
         monitor.info(f"{row.label} seed {seed}")
+        if settings is not None:
+            settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
         for domain, result in zip(config.data, per_domain(job.run(monitor=monitor), job.groups, config.data)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
@@ -295,12 +335,16 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
 
 
 # the settings every row shares, as the JSON report lists them
-SHARED = ("batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
+SHARED = ("recipe", "method_option", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
           "gradual", "orders", "batch_sizes", "device", "precision", "num_workers", "strict", "compile")
 
 
+# what the JSON report records of each row's settings, as its runs resolved them
+ROW_SETTINGS = ("recipe", "optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples", "method_options")
+
+
 def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict,
-               clean: dict | None = None) -> None:
+               clean: dict | None = None, settings: dict | None = None) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
     `auto` picks one), the artifacts by content, and the options every row shared (each
@@ -321,8 +365,9 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
         "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
                   "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
-                  "params": r.params_of(config), "lr": r.lr_of(config), "order": r.order_of(config),
-                  "batch_size": r.batch_size_of(config)} for r in rows],
+                  "order": r.order_of(config),
+                  **(settings or {}).get(r.label, {"params": r.params_of(config), "lr": r.lr_of(config),
+                                                   "batch_size": r.batch_size_of(config)})} for r in rows],
         "artifacts": artifacts,
         **({"clean": clean} if clean else {}),
         "settings": {

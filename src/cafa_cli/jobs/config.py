@@ -23,6 +23,7 @@ from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS, is_plugin
 from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
+                                    RecipeOptions, parse_method_options,
                                     RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting)
 
 
@@ -59,8 +60,8 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
 
 
 @dataclass(kw_only=True)
-class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions, MethodDataOptions, StreamOptions,
-                  RuntimeOptions):
+class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions, RecipeOptions, MethodDataOptions,
+                  StreamOptions, RuntimeOptions):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
 
     data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, '-' for "
@@ -91,6 +92,7 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
         if self.data.count("-") > 1:
             raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
         check_gradual_severity(self)
+        self.method_options()
         if not self.shuffle and self.order != "iid":
             raise UsageError(f"`order` {self.order} shuffles in its own way, and `shuffle` is off (the data's own order); "
                              f"give one of them")
@@ -101,7 +103,23 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`stats`": DEFAULT_ARTIFACT if self.stats is None else self.stats, **self.model_inputs(), "`labels`": self.labels,
                 "`classes`": self.classes, "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean,
-                "`data`": self.data}
+                "`data`": self.data, "`recipe`": self.recipe_file()}
+
+    def method_options(self) -> dict:
+        """`method_option` as {option: value} for `method`, each checked against the
+        options a built-in method declares (a plug-in's are checked when it is made)."""
+        given = {}
+        for method, name, value in parse_method_options(self.method_option):
+            if method not in (None, self.method):
+                raise UsageError(f"`method_option` {method}.{name}={value} is for the method {method}, and `method` is "
+                                 f"{self.method}; give it as {name}={value} with `method` {method}, or drop it")
+            given[name] = value
+        if given and not is_plugin(self.method):
+            from cafa_cli.method.methods import options_of
+            from cafa_cli.method.options import resolve_options
+
+            resolve_options(self.method, options_of(self.method), given)
+        return given
 
     def stream_options(self) -> dict:
         return {"batch_size": self.batch_size, "reset": self.reset, "shuffle": self.shuffle, "seed": self.seed,
@@ -109,7 +127,8 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
 
 
 @dataclass(kw_only=True)
-class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, AdaptationOptions, MethodDataOptions,
+class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, AdaptationOptions, RecipeOptions,
+                  MethodDataOptions,
                   StreamOptions, RuntimeOptions):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
@@ -158,7 +177,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
                 "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean, "`data`": self.data,
-                "`workdir`": self.workdir}
+                "`workdir`": self.workdir, "`recipe`": self.recipe_file()}
 
     def order_list(self) -> list[str]:
         """The orders the grid runs: `orders`, else `order` alone."""

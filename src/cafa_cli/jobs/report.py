@@ -183,6 +183,7 @@ def domain_record(r: DomainResult) -> dict:
         "error": r.error,
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
+        **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
         "seconds": round(r.seconds, 3),
         "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
     }

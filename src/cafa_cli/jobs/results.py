@@ -22,6 +22,7 @@ class DomainResult:
     skipped_images: list[str] = field(default_factory=list)
     skipped_steps: int = 0
     unrefined_batches: int = 0  # distances left partly in the expanded form (distances.refine_capacity)
+    kept_samples: int | None = None  # samples a filtering method (EATA, SAR) kept for its updates; None: it keeps all
     seconds: float = 0.0
 
     @property

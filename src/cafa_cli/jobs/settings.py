@@ -34,14 +34,15 @@ MODEL, DATA, ADAPTATION, STREAM, STATISTICS, OUTPUT, RUNTIME = (
 
 
 def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
-            panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False):
+            panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False,
+            option: bool = True):
     """A config field with what its command-line option needs. `flags` replaces the
     generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
     setting that lets code run or lifts a safety check, which no config file may set;
     `names_code` one whose value may name code to import (module:function), which a config
-    file may set to a plain name only."""
+    file may set to a plain name only; `option` False, a field the command fills itself."""
     metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
-                "command_line_only": command_line_only, "names_code": names_code}
+                "command_line_only": command_line_only, "names_code": names_code, "option": option}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -174,6 +175,56 @@ class AdaptationOptions:
 
     def _check_adaptation(self) -> None:
         check_adapter_options(**self.adapter_options())
+
+
+@dataclass(kw_only=True)
+class RecipeOptions:
+    """Which published setting a method runs with, and its own options beyond it."""
+
+    recipe: str = setting("auto", "The methods' published settings (recipes/*.toml; cafa methods NAME --recipe R prints "
+                          "one): imagenet-c, cifar10-c, cifar100-c; auto (from a named benchmark among the domains, else "
+                          "the model's 10, 100 or 1000 classes; other models: none); none (the defaults shown here); or a "
+                          ".toml file of method tables. Options given (command line, cafa.toml) win over it, one by one.",
+                          metavar="NAME|FILE", panel=ADAPTATION)
+    method_option: list[str] = setting(help="One of the method's own options, NAME=VALUE (repeatable), over its recipe's: "
+                                       "redundancy_margin=0.4, affinity=knn, frozen=layer4,layer3; METHOD.NAME=VALUE for "
+                                       "one method of a bench. cafa methods NAME lists them.", factory=list,
+                                       flags=("--method-option",), metavar="NAME=VALUE", panel=ADAPTATION)
+    # the settings the user chose, which a recipe does not replace (the command line fills it);
+    # None: those that differ from their defaults
+    given: tuple[str, ...] | None = setting(None, option=False)
+
+    def recipe_file(self) -> str | None:
+        return self.recipe if self.recipe.endswith(".toml") else None
+
+    def chosen(self) -> set[str]:
+        """The settings a recipe leaves as they are."""
+        if self.given is not None:
+            return set(self.given)
+        return {f.name for f in fields(self) if f.default is not MISSING and getattr(self, f.name) != f.default}
+
+    def _check_recipe(self) -> None:
+        from cafa_cli.recipes import check_name
+
+        self.method_option = list(self.method_option or [])  # none given on the command line: None
+        check_name(self.recipe)
+        parse_method_options(self.method_option)
+
+
+def parse_method_options(entries: list[str]) -> list[tuple[str | None, str, str]]:
+    """`--method-option` entries as (method or None, option, value text)."""
+    parsed = []
+    for entry in entries:
+        key, equals, value = str(entry).partition("=")
+        method, dot, name = key.strip().rpartition(".")
+        if not equals or not name.isidentifier() or (dot and not method):
+            raise UsageError(f"`method_option` {entry!r}: expected NAME=VALUE (e.g. redundancy_margin=0.4), or "
+                             f"METHOD.NAME=VALUE for one method of a bench")
+        parsed.append((method or None, name, value.strip()))
+    twice = [f"{m + '.' if m else ''}{n}" for k, (m, n, _) in enumerate(parsed) if (m, n) in [(a, b) for a, b, _ in parsed[:k]]]
+    if twice:
+        raise UsageError(f"`method_option` gives {twice[0]} twice; give each once")
+    return parsed
 
 
 @dataclass(kw_only=True)

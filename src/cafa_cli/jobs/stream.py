@@ -72,7 +72,7 @@ def adapt_domains(
         on_domain(domain)
         # the counts live on the device and are read before and after the stream (a read waits
         # for it); a mixed stream reads them after every batch, to give each domain its batches'
-        clock, skipped_before, unrefined_before = time.perf_counter(), adapter.skipped_steps, adapter.unrefined_batches
+        clock, before = time.perf_counter(), _counts(adapter)
         positions = stream_order(domain.labels, order, shuffle, seed, domain.name)
         first = on_first_batch
         for batch in batches(domain, preprocess, batch_size, positions, num_workers, adapter.device):
@@ -94,16 +94,14 @@ def adapt_domains(
             if len(members) > 1:  # the batch's time and skipped updates go to the domains of its images
                 now, in_batch = time.perf_counter(), np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]],
                                                                  minlength=len(domains))
-                skipped, unrefined = adapter.skipped_steps, adapter.unrefined_batches
+                counts = _counts(adapter)
                 for k in np.flatnonzero(in_batch):
                     results[k].seconds += (now - clock) * in_batch[k] / in_batch.sum()
-                    results[k].skipped_steps += skipped - skipped_before
-                    results[k].unrefined_batches += unrefined - unrefined_before
-                clock, skipped_before, unrefined_before = now, skipped, unrefined
+                    _add_counts(results[k], counts, before)
+                clock, before = now, counts
         if len(members) == 1:
             so_far.seconds = time.perf_counter() - clock
-            so_far.skipped_steps = adapter.skipped_steps - skipped_before
-            so_far.unrefined_batches = adapter.unrefined_batches - unrefined_before
+            _add_counts(so_far, _counts(adapter), before)
         for k in members:
             if results[k].n == 0 and results[k].skipped_images:
                 raise InputError(
@@ -150,3 +148,17 @@ def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Ba
         Record(domain.refs[i], int(p), int(domain.labels[i]), float(c))
         for i, p, c in zip(batch.indices, prediction.tolist(), confidence.tolist())
     ]
+
+
+COUNTS = ("skipped_steps", "unrefined_batches", "kept_samples")  # the Adapter's device counts a DomainResult sums
+
+
+def _counts(adapter: Adapter) -> dict[str, int | None]:
+    return {name: getattr(adapter, name) for name in COUNTS}
+
+
+def _add_counts(result: DomainResult, counts: dict, before: dict) -> None:
+    """The counts since `before` added to a domain's; kept_samples stays None for a method that filters nothing."""
+    for name in COUNTS:
+        if counts[name] is not None:
+            setattr(result, name, (getattr(result, name) or 0) + counts[name] - before[name])

@@ -62,3 +62,21 @@ def size_note(where: str, images: torch.Tensor, statistics: tuple[int, int] | No
     return (f"{where}: its images enter the model at {size[1]}x{size[0]} pixels, the statistics' at "
             f"{statistics[1]}x{statistics[0]}{recipe}: the features will not match the statistics; give `resize`/`crop` "
             f"that make them {statistics[1]}x{statistics[0]}, or compute statistics at this size")
+
+
+def recipe_line(method: str, recorded: dict) -> str:
+    """'recipe cifar10-c for eata: optimizer adam, lr 0.001, ...; redundancy_margin 0.4, ...':
+    the settings the run took, as resolved (the user's choices included)."""
+    recipe, options = recorded["recipe"], recorded["method_options"]
+    values = ", ".join(f"{key} {recorded[key]}" for key in ("optimizer", "lr", "momentum", "batch_size", "params")
+                       if key in recorded and (recipe["name"] is None or key in recipe.get("settings", {})))
+    chosen = "; ".join(filter(None, [values, ", ".join(f"{key} {_plain(value)}" for key, value in options.items())]))
+    if recipe.get("origin") is None:
+        why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"
+        return f"no recipe for {method} ({why}): {chosen}"
+    name = recipe["name"] or recipe["origin"]
+    return f"recipe {name} for {method}: {chosen}"
+
+
+def _plain(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

@@ -135,6 +135,14 @@ class Adapter:
         at risk of float32 rounding than distances.refine_capacity). Reading it waits for the device."""
         return 0 if self.method.unrefined is None else int(self.method.unrefined)
 
+    @property
+    def kept_samples(self) -> int | None:
+        """Samples the method's filter kept for its updates since the Adapter was made (EATA,
+        SAR: methods that set `filters_samples`); None for the others. Reading it waits for the device."""
+        if not self.method.filters_samples:
+            return None
+        return 0 if self.method.kept is None else int(self.method.kept)
+
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None

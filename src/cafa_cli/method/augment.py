@@ -3,7 +3,9 @@
 
 Both official codes use the same torchvision pipeline on [0, 1] pixels: colour jitter
 (brightness 0.6–1.4, contrast 0.7–1.3, saturation 0.5–1.5, hue ±0.06, gamma 0.7–1.3),
-edge padding and a random affine map (±15°, translation 1/16, scale 0.9–1.1, bilinear),
+edge padding by half the size on each side, a random affine map of the padded image
+(±15°, translation 1/16 of its size, scale 0.9–1.1, bilinear) and a centre crop back to
+the size, so a translation of up to 1/8 of the image itself,
 a Gaussian blur (5×5, σ ≤ 0.5), a horizontal flip (p = 0.5), Gaussian noise (σ = 0.005)
 and clipping to [0, 1]. Here the images are already normalised and their pixel range is
 not known, so each step is its counterpart on the normalised values, computed with torch
@@ -35,7 +37,7 @@ CONTRAST = (0.7, 1.3)
 BRIGHTNESS = (-0.4, 0.4)  # shift, in units of the image's per-channel standard deviation
 SATURATION = (0.5, 1.5)
 DEGREES = 15.0
-TRANSLATE = 1 / 16
+TRANSLATE = 1 / 8  # of the image: the official 1/16 of an image padded to twice its size
 SCALE = (0.9, 1.1)
 FLIP = 0.5
 NOISE = 0.02  # of the per-channel standard deviation

@@ -5,6 +5,7 @@ same values with these, and `--help` lists these choices."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from cafa_cli.errors import UsageError
 
@@ -63,19 +64,112 @@ def check_precision(precision: str, device_type: str) -> None:
         raise UsageError(f"`precision` {precision} is for CUDA; on the CPU use fp32")
 
 
-# --- a method's own options (create(name, **options)) ---------------------------------
+# --- a method's own options, declared by the method and set by a recipe or the user ---
 
 
-def check_fraction(method: str, name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise UsageError(f"{method}'s `{name}` must be a number in [0, 1], not {value!r}")
+@dataclass(frozen=True)
+class Option:
+    """One of a method's own options: its name (a constructor keyword), default, one line
+    of help, and what it accepts (`kind`, see OPTION_KINDS). A method lists its options in
+    `Method.options`; recipes and `--method-option NAME=VALUE` set them by name."""
+
+    name: str
+    default: object
+    help: str
+    kind: str  # a key of OPTION_KINDS
+    choices: tuple[str, ...] = ()  # for kind "choice"
+
+    def accepts(self) -> str:
+        return ", ".join(self.choices) if self.kind == "choice" else OPTION_KINDS[self.kind]
+
+    def value(self, method: str, value):
+        """`value` (from TOML, or the text after NAME= on the command line) as the method
+        takes it; a UsageError naming the method, the option and what it accepts."""
+        converted = _CONVERT[self.kind](value, self.choices)
+        if converted is _INVALID:
+            raise UsageError(f"{method}'s option `{self.name}` must be {self.accepts()}, not {value!r}")
+        return converted
 
 
-def check_count(method: str, name: str, value: int, least: int) -> None:
+OPTION_KINDS = {
+    "fraction": "a number in [0, 1]",
+    "weight": "a number, 0 or more",
+    "positive": "a number above 0",
+    "count": "a whole number, 1 or more",
+    "count0": "a whole number, 0 or more",
+    "count_or_all": "a whole number, 1 or more, or all",
+    "positive_or_auto": "a number above 0, or auto",
+    "flag": "true or false",
+    "names": "module names, comma-separated (or a TOML list)",
+    "choice": "one of the choices",
+}
+_INVALID = object()
+
+
+def _number(value):
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return _INVALID
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return _INVALID
+    return value
+
+
+def _whole(value, least: int):
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            return _INVALID
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise UsageError(f"{method}'s `{name}` must be a whole number, {least} or more, not {value!r}")
+        return _INVALID
+    return value
 
 
-def check_weight(method: str, name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise UsageError(f"{method}'s `{name}` must be a number, 0 or more, not {value!r}")
+def _in_range(value, low: float, high: float, open_low: bool = False):
+    value = _number(value)
+    if value is _INVALID or value < low or value > high or (open_low and value == low):
+        return _INVALID
+    return value
+
+
+def _flag(value):
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return {"true": True, "false": False, "1": True, "0": False}.get(text, _INVALID)
+
+
+def _names(value):
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        return _INVALID
+    names = tuple(item.strip() for item in items if item.strip())
+    return names if all(all(part.isidentifier() or part.isdigit() for part in name.split(".")) for name in names) else _INVALID
+
+
+_CONVERT = {
+    "fraction": lambda v, _: _in_range(v, 0, 1),
+    "weight": lambda v, _: _in_range(v, 0, math.inf),
+    "positive": lambda v, _: _in_range(v, 0, math.inf, open_low=True),
+    "count": lambda v, _: _whole(v, 1),
+    "count0": lambda v, _: _whole(v, 0),
+    "count_or_all": lambda v, _: "all" if str(v).strip() == "all" else _whole(v, 1),
+    "positive_or_auto": lambda v, _: "auto" if str(v).strip() == "auto" else _in_range(v, 0, math.inf, open_low=True),
+    "flag": lambda v, _: _flag(v),
+    "names": lambda v, _: _names(v),
+    "choice": lambda v, choices: str(v).strip() if str(v).strip() in choices else _INVALID,
+}
+
+
+def resolve_options(method: str, declared: tuple[Option, ...], given: dict) -> dict:
+    """Every option of `method`: its default, replaced by those `given` (each checked); an
+    option it does not take is a UsageError that lists those it does."""
+    known = {option.name: option for option in declared}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = f"its options: {', '.join(known)}" if known else "it takes none"
+        raise UsageError(f"the method {method} has no option {', '.join(unknown)} ({takes})")
+    return {name: option.value(method, given[name]) if name in given else option.default for name, option in known.items()}

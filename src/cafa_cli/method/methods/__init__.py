@@ -27,12 +27,6 @@ NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata")  # c
 # prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
 PREDICT_AS_BN_BEFORE_UPDATING = ("pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar")
 
-# the keyword options each method takes beyond gaussians and device (create(name, ..., **options))
-OPTIONS = {"eata": ("fisher_batches", "fisher_alpha"), "sar": ("rho", "reset_below"), "t3a": ("filter_k",),
-           "lame": ("knn", "bound_lambda", "max_steps"),
-           "cotta": ("teacher_momentum", "restore_probability", "confidence_threshold", "augmentations"),
-           "rotta": ("memory_size", "update_every", "teacher_momentum", "bn_momentum", "lambda_t", "lambda_u")}
-
 # methods whose constructor takes the device although they need no statistics
 _ON_DEVICE = ("eta", "eata", "sar")
 
@@ -62,11 +56,15 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
     """The method called `name`, ready for an Adapter. Those in NEEDS_STATISTICS take the
     class Gaussians (an artifact's `.gaussians`, or `estimate(moments)`) and keep what they
     need of them on `device`, which must be the Adapter's. `options` are the method's own
-    (OPTIONS: eata's `fisher_batches`, normalised source images for its Fisher term).
-    `name` may also be a plug-in, 'package.module:factory' or 'path/file.py:factory':
-    its module is imported (its code runs) and `factory(gaussians, device)` must return
-    a Method (base.py); give such a name only from the command line or your own code."""
+    (options_of(name): eata's `redundancy_margin`, lame's `affinity`, ...; text values
+    are converted), and the data some take (eata's `fisher_batches`, normalised source
+    images for its Fisher term). `name` may also be a plug-in, 'package.module:factory'
+    or 'path/file.py:factory': its module is imported (its code runs) and
+    `factory(gaussians, device, **options)` must return a Method (base.py), the options
+    those its `options` attribute declares as a Method's are; give such a name only from
+    the command line or your own code."""
     from cafa_cli.errors import UsageError
+    from cafa_cli.method.options import resolve_options
 
     if is_plugin(name):
         return _plugin(name, gaussians, device, options)
@@ -75,15 +73,23 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
     if name in NEEDS_STATISTICS and gaussians is None:
         raise UsageError(f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
                          f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features")
-    unknown = sorted(set(options) - set(OPTIONS.get(name, ())))
-    if unknown:
-        raise UsageError(f"the method {name} takes no option {', '.join(unknown)}"
-                         + (f" (its options: {', '.join(OPTIONS[name])})" if name in OPTIONS else ""))
-    module, cls = _CLASSES[name]
-    method = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    method = method_class(name)
+    inputs = {key: options.pop(key) for key in method.inputs if key in options}
+    options = {**resolve_options(name, method.options, options), **inputs}
     if name in NEEDS_STATISTICS:
         return method(gaussians, device, **options)
     return method(device, **options) if name in _ON_DEVICE else method(**options)
+
+
+def method_class(name: str) -> type[Method]:
+    """The class of a built-in method (its module imported: this imports torch)."""
+    module, cls = _CLASSES[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def options_of(name: str) -> tuple:
+    """The options.Option tuple a built-in method declares (its own options, with defaults)."""
+    return method_class(name).options
 
 
 def is_plugin(name: str) -> bool:
@@ -94,13 +100,16 @@ def is_plugin(name: str) -> bool:
 def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     from cafa_cli.errors import InputError, UsageError
     from cafa_cli.method.methods.base import Method
+    from cafa_cli.method.options import Option, resolve_options
     from cafa_cli.factories import import_factory
 
-    if options:
-        raise UsageError(f"the plug-in method {spec} takes no option {', '.join(sorted(options))}")
     factory, function = import_factory(spec, "`method`", "factory")
+    declared = getattr(factory, "options", ())
+    if not isinstance(declared, tuple) or not all(isinstance(option, Option) for option in declared):
+        raise InputError(f"`method` {spec}: {function}.options must be a tuple of cafa_cli.method.options.Option")
+    options = resolve_options(spec, declared, options) if declared or options else {}
     try:
-        method = factory(gaussians, device)
+        method = factory(gaussians, device, **options)
     except (Exception, SystemExit) as error:  # a user's code can fail in any way; one line
         raise InputError(f"`method` {spec}: {function}(gaussians, device) failed ({type(error).__name__}: {error})") from None
     if not isinstance(method, Method):

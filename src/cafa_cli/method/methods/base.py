@@ -38,6 +38,13 @@ A method says what it changes with three class attributes:
 - `running_norms`: the Adapter's `norm` may keep statistics from batch to batch (ema:M,
   class-balanced) in its BatchNorms (False: CoTTA, whose teacher copies them).
 
+A method's own options (EATA's margins, LAME's affinity, ...) are `options`, a tuple of
+options.Option: name, default, help and what it accepts. The constructor takes them as
+keywords (and checks them with `set_options`); recipes (recipes/*.toml) and
+`--method-option NAME=VALUE` set them by name. A method whose filter keeps some samples
+for its update sets `filters_samples` and counts them in `kept`, a device scalar the
+Adapter reads once a domain.
+
 A new method is a subclass in its own file, registered by name in methods/__init__.py
 (or given to the Adapter as an object: the registry is only for names).
 """
@@ -51,6 +58,7 @@ from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.norms import BatchStatisticsNorm, NORM_LAYERS
+from cafa_cli.method.options import Option, resolve_options
 
 
 class Method:
@@ -68,6 +76,19 @@ class Method:
     unrefined: torch.Tensor | None = None
     owns_update: bool = False  # True: update() replaces the Adapter's forward, loss and step
     leave_out: torch.Tensor | None = None  # set by loss(): True leaves this batch's step out
+    options: tuple[Option, ...] = ()  # its own options, set by keyword in the constructor
+    inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)
+    filters_samples: bool = False  # True: `kept` counts the samples its filter kept, on the device
+    kept: torch.Tensor | None = None
+
+    def set_options(self, **values) -> None:
+        """Each of `options`, checked, as an attribute of the same name."""
+        for name, value in resolve_options(self.name or type(self).__name__, type(self).options, values).items():
+            setattr(self, name, value)
+
+    def count_kept(self, kept: torch.Tensor) -> None:
+        """Add a batch's kept-sample count (a device scalar) to `kept`, without a host sync."""
+        self.kept = kept.detach().to(torch.int64) if self.kept is None else self.kept + kept.detach()
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The scalar to minimise for one batch, from the logits [N, C] and the features
@@ -117,10 +138,12 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
 
 
-def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+def select_parameters(model: FeatureClassifier, which: str = "norm", frozen: tuple[str, ...] = ()) -> list[nn.Parameter]:
     """Freeze everything, then unfreeze the normalisation affines (`norm`) or the
-    whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed."""
+    whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed,
+    and so do the modules that `frozen` names (in_frozen)."""
     model.requires_grad_(False)
+    held = {id(p) for name, module in model.named_modules() if in_frozen(name, frozen) for p in module.parameters()}
     if which == "all":
         classifier = {id(p) for p in model.classifier.parameters()}
         chosen = [p for p in model.parameters() if id(p) not in classifier]
@@ -129,10 +152,20 @@ def select_parameters(model: FeatureClassifier, which: str = "norm") -> list[nn.
         for module in model.modules():
             if isinstance(module, (BatchStatisticsNorm, *NORM_LAYERS)):
                 chosen += [p for p in (module.weight, module.bias) if isinstance(p, nn.Parameter)]
-    unique = list({id(p): p for p in chosen}.values())
+    unique = [p for p in {id(p): p for p in chosen}.values() if id(p) not in held]
     if not unique:
         what = "normalisation layers with affine parameters" if which == "norm" else "parameters before its classifier"
         raise UsageError(f"the model has no {what} to adapt; use `params` all, or `method` source or bn")
     for p in unique:
         p.requires_grad_(True)
     return unique
+
+
+def in_frozen(module_name: str, frozen: tuple[str, ...]) -> bool:
+    """Whether a module lies in one that `frozen` names: a name matches whole dotted
+    components anywhere in the module's (`layer4` holds `model.layer4.0.bn1`; `blocks.9`
+    holds `blocks.9.norm1`, not `blocks.90`; `norm` holds `norm`, not `norm1`), so that the
+    same names find a torchvision ResNet's top stage inside any wrapper. SAR's official code
+    skips by substring (`'layer4' in name`), which these names match alike on ResNets and ViTs."""
+    padded = f".{module_name}."
+    return any(f".{name}." in padded for name in frozen)

@@ -10,7 +10,8 @@ w(x) = 1/exp(E(x) − E0) (no gradient), and one step minimises
 
 the CAFA term of each kept sample (cafa.py, the class Gaussians of `cafa stats`). No
 Fisher term (that is EATA's, and needs source images); no step when S is empty.
-Defaults: CAFA's (Adam, lr 1e-3, batch 200) with EATA's E0 and ε.
+Options: EATA's `entropy_margin` and `redundancy_margin` (eata.py); its recipes are
+CAFA's with EATA's margins for the benchmark family (recipes/cafa-eata.toml).
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ from __future__ import annotations
 import torch
 from cafa_cli.method import losses
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.methods.eata import Selection
+from cafa_cli.method.methods.eata import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
 
 
 class CafaEata(Cafa):
     name = "cafa-eata"
+    options = SELECTION_OPTIONS
+    filters_samples = True
 
-    def __init__(self, gaussians, device: torch.device | str = "cpu"):
+    def __init__(self, gaussians, device: torch.device | str = "cpu", entropy_margin: float = MARGIN,
+                 redundancy_margin: float = REDUNDANCY):
         super().__init__(gaussians, device)
-        self.selection = Selection()
+        self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin)
+        self.selection = Selection(self.entropy_margin, self.redundancy_margin)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         _, weights, kept = self.selection.select(logits)
         self.leave_out = kept == 0
+        self.count_kept(kept)
         terms = losses.cafa_terms(self.distances(features), logits.detach().argmax(1))
         return (terms * weights).sum() / kept.clamp_min(1)
 

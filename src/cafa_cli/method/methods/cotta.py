@@ -9,8 +9,11 @@ source model (the anchor). For each batch x:
 1. the anchor's confidence: a = mean over the batch of max_c softmax(f_source(x))_c;
 2. the pseudo-label: the teacher's logits on x when a ≥ τ, otherwise the mean of the
    teacher's logits on K random views of x (method/augment.py): ỹ = softmax(of those);
-3. one optimiser step on the student with the cross-entropy against it,
-       L = (1/N) Σ_n −Σ_c ỹ_nc log softmax(f_θ(x_n))_c;
+3. one optimiser step on the student with the cross-entropy against it (`loss` ce),
+       L = (1/N) Σ_n −Σ_c ỹ_nc log softmax(f_θ(x_n))_c,
+   or, as the official ImageNet-C code (`loss` sce), its symmetric form with s_n =
+   softmax(f_θ(x_n)) and the target's logits t_n (both directions, the gradient through s):
+       L = (1/N) Σ_n −½ Σ_c [ ỹ_nc log s_nc + s_nc log softmax(t_n)_c ];
 4. the teacher follows: θ' ← α θ' + (1 − α) θ (the trained parameters; the others are
    the source's in both);
 5. stochastic restore: each element of each trained parameter goes back to its source
@@ -19,16 +22,16 @@ source model (the anchor). For each batch x:
 The prediction reported is the pseudo-label's logits of step 2 (the teacher's, or the
 augmentation average), made before the update, as in the paper.
 
-Defaults, the official CIFAR10-C ones: α = 0.999 (`teacher_momentum`), p = 0.01
-(`restore_probability`), τ = 0.92 (`confidence_threshold`), K = 32 (`augmentations`);
-Adam, lr 1e-3, batch 200. The official code sets, per dataset: CIFAR10-C τ = 0.92,
+Options and their defaults, the official CIFAR10-C ones: α = 0.999 (`teacher_momentum`),
+p = 0.01 (`restore_probability`), τ = 0.92 (`confidence_threshold`), K = 32
+(`augmentations`), `loss` ce. The official code sets, per dataset: CIFAR10-C τ = 0.92,
 p = 0.01; CIFAR100-C τ = 0.72, p = 0.01 (Adam, lr 1e-3, batch 200); ImageNet-C τ = 0.1,
-p = 0.001, SGD lr 0.01, momentum 0.9, batch 64, and there a symmetric cross-entropy
-(the mean of both directions; not offered here). α = 0.999 everywhere.
+p = 0.001, SGD lr 0.01, momentum 0.9, batch 64 and the symmetric cross-entropy; α = 0.999
+everywhere. recipes/cotta.toml holds them.
 
-`params`: `all` is the official code's choice, every parameter of the model, the
-classifier included (cafa's other methods keep the classifier fixed under `all`); the
-default `norm` trains the normalisation affines only, as TENT, for a fraction of the cost.
+`params`: `all` is the official code's choice and the recipes', every parameter of the
+model, the classifier included (cafa's other methods keep the classifier fixed under
+`all`); `norm` trains the normalisation affines only, as TENT, for a fraction of the cost.
 
 Cost: K + 3 forward passes and one backward pass a batch. The official CIFAR code also
 computes the K views on every batch and then picks; the choice is made here with
@@ -42,28 +45,41 @@ import torch
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.options import check_count, check_fraction
+from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
 TEACHER_MOMENTUM = 0.999  # α
 RESTORE_PROBABILITY = 0.01  # p
 CONFIDENCE_THRESHOLD = 0.92  # τ, CIFAR10-C
 AUGMENTATIONS = 32  # K
+LOSSES = ("ce", "sce")
+
+
+def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Each sample's −½ Σ_c [softmax(t)_c log softmax(s)_c + softmax(s)_c log softmax(t)_c],
+    [N]: the official ImageNet-C loss; the target t carries no gradient."""
+    target = target_logits.detach()
+    return 0.5 * soft_cross_entropy(student_logits, target) - 0.5 * (student_logits.softmax(1) * target.log_softmax(1)).sum(1)
 
 
 class CoTTA(Method):
     name = "cotta"
     running_norms = False  # its teacher and anchor are copies of the model, BatchNorms included
     owns_update = True
+    options = (
+        Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),
+        Option("restore_probability", RESTORE_PROBABILITY, "p: each trained value goes back to the source's with it",
+               "fraction"),
+        Option("confidence_threshold", CONFIDENCE_THRESHOLD, "τ: below this mean source confidence the pseudo-label "
+               "averages the augmented views", "fraction"),
+        Option("augmentations", AUGMENTATIONS, "K, the augmented views (0: the teacher's prediction always)", "count0"),
+        Option("loss", "ce", "ce, or sce (the official ImageNet-C symmetric cross-entropy)", "choice", LOSSES),
+    )
 
     def __init__(self, teacher_momentum: float = TEACHER_MOMENTUM, restore_probability: float = RESTORE_PROBABILITY,
-                 confidence_threshold: float = CONFIDENCE_THRESHOLD, augmentations: int = AUGMENTATIONS):
-        check_fraction(self.name, "teacher_momentum", teacher_momentum)
-        check_fraction(self.name, "restore_probability", restore_probability)
-        check_fraction(self.name, "confidence_threshold", confidence_threshold)
-        check_count(self.name, "augmentations", augmentations, 0)
-        self.teacher_momentum, self.restore_probability = teacher_momentum, restore_probability
-        self.confidence_threshold, self.augmentations = confidence_threshold, augmentations
+                 confidence_threshold: float = CONFIDENCE_THRESHOLD, augmentations: int = AUGMENTATIONS, loss: str = "ce"):
+        self.set_options(teacher_momentum=teacher_momentum, restore_probability=restore_probability,
+                         confidence_threshold=confidence_threshold, augmentations=augmentations, loss=loss)
         self.params: list[torch.nn.Parameter] = []
         self.names: list[str] = []  # the trained parameters' names, shared by the three copies
         self.teacher: FeatureClassifier | None = None
@@ -92,7 +108,8 @@ class CoTTA(Method):
             target, features = self.pseudo_label(images)
         with adapter.autocast:
             student, _ = adapter.forward(images)
-        loss = soft_cross_entropy(student.float(), target).mean()
+        criterion = symmetric_cross_entropy if self.loss == "sce" else soft_cross_entropy
+        loss = criterion(student.float(), target).mean()
         flag = adapter.apply(loss, skipped)
         with torch.no_grad():
             self.follow_student()

@@ -2,7 +2,8 @@
 Test-Time Model Adaptation without Forgetting", ICML 2022).
 
 Update rule: BatchNorms use the test batch's statistics; for each batch, with E(x) the
-entropy of a prediction p(x) = softmax(logits) and E0 = 0.4·ln C (C classes),
+entropy of a prediction p(x) = softmax(logits) and E0 = e·ln C (C classes; e =
+`entropy_margin`),
 
 1. reliable samples: those with E(x) < E0;
 2. non-redundant ones among them: |cos(p(x), m)| < ε, where m is the moving average of
@@ -19,10 +20,14 @@ entropy of a prediction p(x) = softmax(logits) and E0 = 0.4·ln C (C classes),
    batch statistics, as when adapting). Without such images EATA is ETA (the command
    line says so in one warning). No step is taken for a batch that keeps no sample.
 
-Defaults, as the official code: E0 = 0.4·ln C, ε = 0.05, β = 2000, 2000 Fisher images
-(their code: clean ImageNet validation images, batches of 64); ImageNet-C: SGD, lr
-0.00025, momentum 0.9, batch 64. Everything stays on the device: the filters are masks
-and the "no sample kept" case leaves the step out through `leave_out` (base.py).
+Options (`options`) and their defaults, the official ImageNet code's: `entropy_margin`
+e = 0.4, `redundancy_margin` ε = 0.05, `fisher_alpha` β = 2000 (Fisher images: the
+`fisher_samples` setting, 2000). With C = 10 an ε of 0.05 keeps almost nothing after the
+first batch (the cosine between a softmax and a near-uniform mean is at least about 0.3),
+which is why the CIFAR recipes (recipes/eata.toml) use ε = 0.4 and 0.1. The recipes hold
+the optimiser, rate and batch size. Everything stays on the device: the filters are
+masks, the kept samples are counted in `kept`, and the "no sample kept" case leaves the
+step out through `leave_out` (base.py).
 """
 
 from __future__ import annotations
@@ -35,12 +40,18 @@ import torch.nn.functional as F
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device, select_parameters
+from cafa_cli.method.options import Option
 
 MARGIN = 0.4  # E0 = MARGIN · ln C
 REDUNDANCY = 0.05  # ε: a sample whose probabilities are this close (cosine) to the moving mean is redundant
 MOMENTUM = 0.9  # of the moving mean probability vector
 FISHER_ALPHA = 2000.0  # β
-FISHER_SAMPLES = 2000
+
+SELECTION_OPTIONS = (
+    Option("entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"),
+    Option("redundancy_margin", REDUNDANCY, "ε: a sample is redundant when the cosine of its probabilities and their "
+           "moving mean is ε or more", "weight"),
+)
 
 
 class Selection:
@@ -93,15 +104,20 @@ def fisher_information(model: FeatureClassifier, params: list[torch.nn.Parameter
 
 class Eta(Method):
     name = "eta"
+    options = SELECTION_OPTIONS
+    filters_samples = True
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", entropy_margin: float = MARGIN,
+                 redundancy_margin: float = REDUNDANCY):
         self.device = resolve_device(device)
-        self.selection = Selection()
+        self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin)
+        self.selection = Selection(self.entropy_margin, self.redundancy_margin)
         self.fisher: list[torch.Tensor] | None = None
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         entropy, weights, kept = self.selection.select(logits)
         self.leave_out = kept == 0
+        self.count_kept(kept)
         return (entropy * weights).sum() / kept.clamp_min(1)
 
     def reset(self) -> None:
@@ -113,11 +129,15 @@ class Eata(Eta):
     source data) are given; ETA otherwise."""
 
     name = "eata"
+    options = (*SELECTION_OPTIONS, Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting "
+                                          "term", "weight"))
+    inputs = ("fisher_batches",)
 
     def __init__(self, device: torch.device | str = "cpu", fisher_batches: Iterable[torch.Tensor] | None = None,
-                 fisher_alpha: float = FISHER_ALPHA):
-        super().__init__(device)
-        self.fisher_batches, self.fisher_alpha = fisher_batches, fisher_alpha
+                 entropy_margin: float = MARGIN, redundancy_margin: float = REDUNDANCY, fisher_alpha: float = FISHER_ALPHA):
+        super().__init__(device, entropy_margin, redundancy_margin)
+        self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin, fisher_alpha=fisher_alpha)
+        self.fisher_batches = fisher_batches
         self.params: list[torch.nn.Parameter] = []
         self.anchor: list[torch.Tensor] = []
 

@@ -3,19 +3,27 @@ Online Test-time Adaptation", CVPR 2022).
 
 Update rule: the model is not changed (no gradient; BatchNorms keep their source
 statistics); only its outputs are. For a batch with source probabilities p_n and
-L2-normalised features z_n, with the kNN affinity W_nm = 1 when z_m is among the k nearest
-neighbours of z_n (itself excluded), symmetrised W ← (W + Wᵀ)/2, LAME minimises over the
-assignments Y (rows on the simplex)
+L2-normalised features z_n, an affinity W [N, N] (`affinity`):
+
+- rbf (the default, the official code's): W_nm = exp(−‖z_n − z_m‖² / 2σ²), σ the mean over
+  the batch of each sample's distance to its k-th nearest neighbour, itself counted as the
+  first (`sigma` auto; or a fixed σ);
+- knn: W_nm = 1 when z_m is among the k nearest neighbours of z_n, itself excluded;
+- linear: W_nm = z_n·z_m;
+
+made symmetric, W ← (W + Wᵀ)/2, only with `symmetric` (the official default leaves it).
+LAME minimises over the assignments Y (rows on the simplex)
 
     E(Y) = Σ_n [ −Y_nᵀ log p_n + Y_nᵀ log Y_n ] − λ Σ_{n,m} W_nm Y_nᵀ Y_m
 
 by the fixed-point (bound-optimisation) iterations Y_n ← softmax(log p_n + λ Σ_m W_nm Y_m),
 from Y = p, stopping when E changes by at most 1e-8·|E| (after the third iteration) or
-after 100 iterations. Y is reported (as log Y, whose softmax is Y).
+after `max_steps` iterations. Y is reported (as log Y, whose softmax is Y).
 
-Defaults, as the official code: k = 5, λ = 1, 100 iterations, log p = log(p + 1e-10).
-The stop is made on the device: iterations after convergence leave Y as it was, so the
-result is the official one without reading a value back.
+Defaults, as the official code: rbf, k = 5 (`knn`), not symmetric, λ = 1
+(`bound_lambda`), 100 iterations, log p = log(p + 1e-10). The stop is made on the device:
+iterations after convergence leave Y as it was, so the result is the official one without
+reading a value back.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from cafa_cli.method.methods.base import Method
+from cafa_cli.method.options import Option
 
+AFFINITIES = ("rbf", "knn", "linear")
 KNN = 5
 LAMBDA = 1.0
 MAX_STEPS = 100
@@ -35,6 +45,27 @@ def knn_affinity(features: torch.Tensor, k: int = KNN) -> torch.Tensor:
     distances = torch.cdist(features, features)
     neighbours = distances.topk(min(k + 1, n), dim=1, largest=False).indices[:, 1:]
     return features.new_zeros(n, n).scatter_(1, neighbours, 1.0)
+
+
+def rbf_affinity(features: torch.Tensor, k: int = KNN, sigma: float | str = "auto") -> torch.Tensor:
+    """W [N, N] = exp(−d²/2σ²) of the Euclidean distances d; σ `auto` is the batch's mean
+    distance to the k-th nearest neighbour, counting each point as its own first."""
+    distances = torch.cdist(features, features)
+    if sigma == "auto":
+        sigma = distances.topk(min(k, len(features)), dim=1, largest=False).values[:, -1].mean()
+    return torch.exp(-distances.square() / (2 * sigma**2))
+
+
+def affinity_matrix(features: torch.Tensor, kind: str = "rbf", k: int = KNN, sigma: float | str = "auto",
+                    symmetric: bool = False) -> torch.Tensor:
+    """The affinity `kind` of the (normalised) features, made symmetric when asked."""
+    if kind == "rbf":
+        kernel = rbf_affinity(features, k, sigma)
+    elif kind == "knn":
+        kernel = knn_affinity(features, k)
+    else:
+        kernel = features @ features.T
+    return (kernel + kernel.T) / 2 if symmetric else kernel
 
 
 def laplacian_assignment(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = LAMBDA,
@@ -58,13 +89,22 @@ class Lame(Method):
     name = "lame"
     adapts_normalisation = False
     trains = False
+    options = (
+        Option("affinity", "rbf", "the affinity of the batch's features", "choice", AFFINITIES),
+        Option("knn", KNN, "k: rbf's σ is the mean distance to the k-th neighbour; knn's neighbours", "count"),
+        Option("sigma", "auto", "rbf's σ: auto (from knn, as the official code), or a fixed one", "positive_or_auto"),
+        Option("symmetric", False, "make the affinity symmetric, (W + Wᵀ)/2", "flag"),
+        Option("bound_lambda", LAMBDA, "λ, the weight of the Laplacian term", "weight"),
+        Option("max_steps", MAX_STEPS, "the most fixed-point iterations a batch", "count"),
+    )
 
-    def __init__(self, knn: int = KNN, bound_lambda: float = LAMBDA, max_steps: int = MAX_STEPS):
-        self.knn, self.bound_lambda, self.max_steps = knn, bound_lambda, max_steps
+    def __init__(self, affinity: str = "rbf", knn: int = KNN, sigma: float | str = "auto", symmetric: bool = False,
+                 bound_lambda: float = LAMBDA, max_steps: int = MAX_STEPS):
+        self.set_options(affinity=affinity, knn=knn, sigma=sigma, symmetric=symmetric, bound_lambda=bound_lambda,
+                         max_steps=max_steps)
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         unary = -(logits.softmax(1) + 1e-10).log()
-        kernel = knn_affinity(F.normalize(features, dim=1), self.knn)
-        kernel = (kernel + kernel.T) / 2
+        kernel = affinity_matrix(F.normalize(features, dim=1), self.affinity, self.knn, self.sigma, self.symmetric)
         assignment = laplacian_assignment(unary, kernel, self.bound_lambda, self.max_steps)
         return assignment.clamp_min(torch.finfo(assignment.dtype).tiny).log()

@@ -44,7 +44,7 @@ from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
 from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.options import check_count, check_fraction, check_weight
+from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
 BN_MOMENTUM = 0.05  # α
@@ -120,18 +120,20 @@ class RoTTA(Method):
     name = "rotta"
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()
+    options = (
+        Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
+        Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many samples", "count"),
+        Option("teacher_momentum", TEACHER_MOMENTUM, "1 − ν: the teacher's moving average θ' ← (1 − ν)θ' + νθ", "fraction"),
+        Option("bn_momentum", BN_MOMENTUM, "α, the robust BatchNorms' momentum", "fraction"),
+        Option("lambda_t", LAMBDA_T, "λ_t, the weight of a sample's age in the bank's replacement score", "weight"),
+        Option("lambda_u", LAMBDA_U, "λ_u, the weight of a sample's uncertainty in that score", "weight"),
+    )
 
     def __init__(self, memory_size: int = CAPACITY, update_every: int = UPDATE_EVERY,
                  teacher_momentum: float = TEACHER_MOMENTUM, bn_momentum: float = BN_MOMENTUM,
                  lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
-        check_count(self.name, "memory_size", memory_size, 1)
-        check_count(self.name, "update_every", update_every, 1)
-        check_fraction(self.name, "teacher_momentum", teacher_momentum)
-        check_fraction(self.name, "bn_momentum", bn_momentum)
-        check_weight(self.name, "lambda_t", lambda_t)
-        check_weight(self.name, "lambda_u", lambda_u)
-        self.memory_size, self.update_every, self.teacher_momentum = memory_size, update_every, teacher_momentum
-        self.bn_momentum, self.lambda_t, self.lambda_u = bn_momentum, lambda_t, lambda_u
+        self.set_options(memory_size=memory_size, update_every=update_every, teacher_momentum=teacher_momentum,
+                         bn_momentum=bn_momentum, lambda_t=lambda_t, lambda_u=lambda_u)
         self.params: list[torch.nn.Parameter] = []
         self.names: list[str] = []
         self.student: FeatureClassifier | None = None

@@ -3,10 +3,10 @@ Test-Time Adaptation in Dynamic Wild World", ICLR 2023).
 
 Update rule: BatchNorms use the test batch's statistics (the paper recommends group- or
 layer-normalised models for batch size 1 and label shift); for each batch, with E(x) the
-prediction's entropy and E0 = 0.4·ln C:
+prediction's entropy and E0 = e·ln C (e = `entropy_margin`):
 
 1. reliable entropy: L(θ) = mean of E(x) over the samples with E(x) < E0;
-2. sharpness-aware step (SAM, ρ = 0.05): ε = ρ·g/‖g‖ with g = ∇L(θ) over the trained
+2. sharpness-aware step (SAM, ρ = `rho`): ε = ρ·g/‖g‖ with g = ∇L(θ) over the trained
    parameters; a second forward pass at θ + ε, whose samples are filtered again (those
    kept in 1. whose new entropy is below E0); the optimiser steps from θ with the
    gradient of that second loss;
@@ -15,12 +15,14 @@ prediction's entropy and E0 = 0.4·ln C:
    buffers and the optimiser's state go back to the source ones. As in the official
    code, e itself is kept, so recovery repeats until e rises again.
 
-The prediction reported is the first forward pass's. Defaults, as the official code:
-E0 = 0.4·ln C, ρ = 0.05, recovery below 0.2; SGD, lr 0.00025 × batch/64, momentum 0.9
-(ImageNet-C, batch 64). The official code leaves the last ResNet stage (layer4) and a
-ViT's last blocks out of the update; here the `params` option chooses (all
-normalisation affines by default). Recovery is made on the device with torch.where, so
-no step reads a device value.
+The prediction reported is the first forward pass's. Options and their defaults, the
+official code's: `entropy_margin` e = 0.4, `rho` ρ = 0.05, `reset_below` 0.2, and
+`frozen`, the modules whose parameters stay fixed: a ResNet's top stage (layer4) and a
+ViT-Base's last three blocks and final norm, as the official code skips them by name
+(base.in_frozen; a model with none of those names adapts every normalisation layer, as
+the official code does with a WideResNet). The optimiser SAM steps with is the
+Adapter's: the recipes (recipes/sar.toml) give the official SGD with momentum 0.9.
+Recovery is made on the device with torch.where, so no step reads a device value.
 """
 
 from __future__ import annotations
@@ -31,17 +33,21 @@ import torch
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device, select_parameters
+from cafa_cli.method.options import Option
 
 MARGIN = 0.4  # E0 = MARGIN · ln C
 RHO = 0.05
 RESET_BELOW = 0.2
 EMA_MOMENTUM = 0.9
+# the official code's skipped modules: ResNet's layer4, ViT-Base's blocks 9-11 and final norm
+FROZEN = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm")
 
 
-def reliable_entropy(logits: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean entropy of the samples below E0 (and in `keep`), and that mask; 0 when none."""
+def reliable_entropy(logits: torch.Tensor, keep: torch.Tensor | None = None,
+                     margin: float = MARGIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean entropy of the samples below E0 = margin·ln C (and in `keep`), and that mask; 0 when none."""
     entropy = losses.entropies(logits)
-    below = entropy.detach() < MARGIN * math.log(logits.shape[1])
+    below = entropy.detach() < margin * math.log(logits.shape[1])
     mask = below if keep is None else below & keep
     return (entropy * mask).sum() / mask.sum().clamp_min(1), mask
 
@@ -49,14 +55,25 @@ def reliable_entropy(logits: torch.Tensor, keep: torch.Tensor | None = None) -> 
 class Sar(Method):
     name = "sar"
     owns_update = True
+    filters_samples = True
+    options = (
+        Option("entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"),
+        Option("rho", RHO, "ρ, the radius of the sharpness-aware perturbation", "positive"),
+        Option("reset_below", RESET_BELOW, "recover the source model when the loss's moving average falls below this",
+               "weight"),
+        Option("frozen", FROZEN, "modules left out of the update, by name (whole dotted components); empty: none",
+               "names"),
+    )
 
-    def __init__(self, device: torch.device | str = "cpu", rho: float = RHO, reset_below: float = RESET_BELOW):
-        self.device, self.rho, self.reset_below = resolve_device(device), rho, reset_below
+    def __init__(self, device: torch.device | str = "cpu", entropy_margin: float = MARGIN, rho: float = RHO,
+                 reset_below: float = RESET_BELOW, frozen: tuple[str, ...] = FROZEN):
+        self.device = resolve_device(device)
+        self.set_options(entropy_margin=entropy_margin, rho=rho, reset_below=reset_below, frozen=frozen)
         self.params: list[torch.nn.Parameter] = []
         self.reset()
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        self.params = select_parameters(model, which)
+        self.params = select_parameters(model, which, self.frozen)
         return self.params
 
     def reset(self) -> None:
@@ -66,7 +83,7 @@ class Sar(Method):
     def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
         with adapter.autocast:
             logits, features = adapter.forward(images)
-        first, keep = reliable_entropy(logits.float())
+        first, keep = reliable_entropy(logits.float(), margin=self.entropy_margin)
         # fp16: scaled as the Adapter scales its losses, or small gradients flush to zero;
         # ε = ρ·g/‖g‖ is the same for any scale of g
         scaled = first if adapter.scaler is None else adapter.scaler.scale(first)
@@ -79,7 +96,8 @@ class Sar(Method):
                 p.add_(g * scale)
         with adapter.autocast:
             perturbed, _ = adapter.forward(images)
-        second, kept = reliable_entropy(perturbed.float(), keep)
+        second, kept = reliable_entropy(perturbed.float(), keep, self.entropy_margin)
+        self.count_kept(kept.sum())
 
         def restore():  # the step is taken from θ with the gradient at θ + ε
             with torch.no_grad():

@@ -13,9 +13,12 @@ model predicts for them, then each S_c keeps the M supports of lowest prediction
 (the entropy of the model's own softmax when the support was added). The batch is
 classified after its own features were added, as in the official code.
 
-Defaults: M = 100 (`filter_k`, the official code's default filter_K; its search range is
-1, 5, 20, 50, 100, all). The supports live on the device as a [C, M, d] tensor (C = 1000,
-d = 2048: 0.8 GB) and are merged with topk, so no step reads a device value.
+Option: M = `filter_k`, 100 by default (the official code's default filter_K; the authors
+choose it per dataset by validation from 1, 5, 20, 50, 100, all), or `all` (their −1:
+no filter, every support kept). The supports live on the device as a [C, M, d] tensor
+(C = 1000, d = 2048: 0.8 GB) and are merged with topk, so no step reads a device value;
+with `all` a prototype is the normalised sum of every support its class received, so
+only that sum [C, d] is kept.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method
-from cafa_cli.method.options import check_count
+from cafa_cli.method.options import Option
 
 FILTER_K = 100
 
@@ -34,10 +37,11 @@ class T3A(Method):
     name = "t3a"
     adapts_normalisation = False
     trains = False
+    options = (Option("filter_k", FILTER_K, "M, the supports kept per class (lowest entropy first), or all",
+                      "count_or_all"),)
 
-    def __init__(self, filter_k: int = FILTER_K):
-        check_count("t3a", "filter_k", filter_k, 1)
-        self.filter_k = filter_k
+    def __init__(self, filter_k: int | str = FILTER_K):
+        self.set_options(filter_k=filter_k)
         self.model: FeatureClassifier | None = None
         self.reset()
 
@@ -46,20 +50,26 @@ class T3A(Method):
         self.model = model  # its classifier is moved to the device with it
 
     def reset(self) -> None:
-        self.supports: torch.Tensor | None = None  # [C, M, d], normalised; zeros in empty places
-        self.entropies: torch.Tensor | None = None  # [C, M]; +inf in empty places
+        self.supports: torch.Tensor | None = None  # [C, M, d], normalised; zeros in empty places (`all`: their sum, [C, d])
+        self.entropies: torch.Tensor | None = None  # [C, M]; +inf in empty places (`all`: None)
 
     def _start(self) -> None:
         # the weight rows and logits of the classes predicted among (a class subset's only)
         weight = self.model.class_weights().detach().float()
         C, d = weight.shape
-        self.supports = weight.new_zeros(C, self.filter_k, d)
-        self.entropies = weight.new_full((C, self.filter_k), float("inf"))
+        if self.filter_k == "all":
+            self.supports = weight.new_zeros(C, d)
+        else:
+            self.supports = weight.new_zeros(C, self.filter_k, d)
+            self.entropies = weight.new_full((C, self.filter_k), float("inf"))
         with torch.no_grad():
             self.add(weight, self.model.head(weight).float())
 
     def add(self, features: torch.Tensor, logits: torch.Tensor) -> None:
         """Put the features in the classes the logits predict; keep the M of lowest entropy in each."""
+        if self.filter_k == "all":
+            self.supports = self.supports.index_add(0, logits.argmax(1), F.normalize(features, dim=1))
+            return
         C, M, d = self.supports.shape
         entropy = losses.entropies(logits).nan_to_num(nan=float("inf"))
         mine = logits.argmax(1).unsqueeze(0) == torch.arange(C, device=logits.device).unsqueeze(1)  # [C, N]
@@ -75,5 +85,5 @@ class T3A(Method):
         if self.supports is None:
             self._start()
         self.add(features, logits)
-        prototypes = F.normalize(self.supports.sum(1), dim=1)  # [C, d]
+        prototypes = F.normalize(self.supports if self.filter_k == "all" else self.supports.sum(1), dim=1)  # [C, d]
         return features @ prototypes.T

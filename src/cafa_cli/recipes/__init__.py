@@ -1,0 +1,182 @@
+"""Recipes: each method's published setting for a benchmark family, as data.
+
+One TOML file per method (recipes/<method>.toml): a `[method]` table that describes it
+(summary, paper, what it adapts, its step cost ÷ TENT's on the CPU from benchmarks/perf.py),
+then one table per family (imagenet-c, cifar10-c, cifar100-c) holding `source` (where the
+values come from), the settings the method was run with (SETTINGS: optimiser, learning
+rate, momentum, batch size, steps, which parameters adapt, EATA's Fisher images) and its
+own options (`options`, as the method declares them: methods/base.py).
+
+A user's recipe file (`--recipe my.toml`) has one table per method, named by the method,
+with the same keys; `cafa methods NAME --recipe R` prints one to start from.
+
+`auto` picks the family from a named benchmark among the test domains (imagenet-c:ROOT),
+else from the model's class count (10, 100, 1000); `none` uses no recipe (the settings'
+own defaults). Settings the user chose (on the command line or in cafa.toml) win over a
+recipe's, one by one. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from cafa_cli.errors import InputError, UsageError
+
+FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
+NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
+SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples")  # what a recipe may set
+FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
+DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One method's setting: the settings and options it gives, and where they come from."""
+
+    method: str
+    family: str | None  # None for a user's table that names none
+    source: str
+    settings: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    origin: str = "shipped"  # or the user's file
+
+    def record(self) -> dict:
+        """What the metrics and bench JSON keep of it."""
+        return {"name": self.family, "origin": self.origin, "source": self.source, "settings": dict(self.settings),
+                "options": dict(self.options)}
+
+
+def description(method: str) -> dict:
+    """A built-in method's [method] table: summary, paper, adapts, cost (absent keys: None)."""
+    table = _shipped_file(method).get("method", {})
+    return {key: table.get(key) for key in DESCRIPTION}
+
+
+def shipped(method: str, family: str) -> Recipe | None:
+    """The recipe the tool ships for `method` on `family`; None when it ships none."""
+    table = _shipped_file(method).get(family)
+    return None if table is None else _recipe(method, family, table, "shipped", f"recipes/{method}.toml [{family}]")
+
+
+def check_name(name: str) -> None:
+    """A `recipe` value: a name of NAMES, or a readable TOML file of method tables."""
+    if name in NAMES:
+        return
+    if not str(name).endswith(".toml"):
+        raise UsageError(f"`recipe` must be one of {', '.join(NAMES)}, or a .toml file of method tables, not {name!r}")
+    read_file(name)
+
+
+def read_file(path: str) -> dict[str, Recipe]:
+    """A user's recipe file: {method: Recipe}, each table checked for its keys."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise InputError(f"`recipe` {path}: cannot read it ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"`recipe` {path}: not a UTF-8 text file") from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise InputError(f"`recipe` {path}: not valid TOML ({error})") from None
+    if not document:
+        raise InputError(f"`recipe` {path}: holds no method table; write one per method, e.g. [eata] (cafa methods eata "
+                         f"--recipe cifar10-c prints one)")
+    recipes = {}
+    for method, table in document.items():
+        if not isinstance(table, dict):
+            raise InputError(f"`recipe` {path}: {method} = {table!r} must be a table of settings, e.g. [{method}]")
+        family = table.get("family")
+        if family is not None and family not in FAMILIES:
+            raise InputError(f"`recipe` {path}: [{method}] family {family!r} must be one of {', '.join(FAMILIES)}")
+        recipes[method] = _recipe(method, family, table, str(path), f"{path} [{method}]", extra=("family",))
+    return recipes
+
+
+def family_for(data: list[str], num_classes: int | None) -> str | None:
+    """`auto`'s family: that of the named benchmarks among `data` (one kind), else the class count's."""
+    kinds = {spec.partition(":")[0] for spec in data if spec.partition(":")[0] in FAMILIES and spec.partition(":")[2]}
+    if len(kinds) == 1:
+        return kinds.pop()
+    return FAMILY_BY_CLASSES.get(num_classes)
+
+
+def recipe_for(name: str, method: str, data: list[str], num_classes: int | None) -> Recipe | None:
+    """The recipe `name` (NAMES, or a file) gives `method`, for a run on `data` with a model of
+    `num_classes` outputs; None where it gives none (`none`, `auto` without a family, a
+    plug-in under a shipped family). A named family or file without the method is an error."""
+    if name == "none":
+        return None
+    if name.endswith(".toml"):
+        recipes = read_file(name)
+        if method not in recipes:
+            raise UsageError(f"`recipe` {name} has no table for the method {method} (it has {', '.join(recipes)}); add "
+                             f"[{method}], or choose another `recipe`")
+        return recipes[method]
+    family = family_for(data, num_classes) if name == "auto" else name
+    if family is None or ":" in method:  # a plug-in brings no shipped recipe
+        if ":" in method and name != "auto":
+            raise UsageError(f"the plug-in method {method} has no shipped `recipe` {name}; give its settings as options, "
+                             f"or a recipe file with a [{method!r}] table")
+        return None
+    recipe = shipped(method, family)
+    if recipe is None:
+        raise UsageError(f"the method {method} has no recipe for {family}; choose `recipe` none")
+    return recipe
+
+
+def to_toml(method: str, settings: dict, options: dict, *, family: str | None = None, source: str | None = None,
+            comments: dict[str, str] | None = None) -> str:
+    """A recipe as the TOML a user's file holds (`--recipe FILE` reads it back), an option's
+    help from `comments` after it."""
+    table = _key(method)
+    lines = [f"[{table}]"]
+    lines += [f"family = {_value(family)}"] if family else []
+    lines += [f"source = {_value(source)}"] if source else []
+    lines += [f"{key} = {_value(settings[key])}" for key in SETTINGS if key in settings]
+    if options:
+        lines += ["", f"[{table}.options]"]
+        for key, value in options.items():
+            note = (comments or {}).get(key)
+            lines.append(f"{key} = {_value(value)}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _recipe(method: str, family: str | None, table: dict, origin: str, where: str, extra: tuple[str, ...] = ()) -> Recipe:
+    allowed = (*SETTINGS, "source", "options", *extra)
+    unknown = [key for key in table if key not in allowed]
+    if unknown:
+        raise InputError(f"recipe {where}: no setting {', '.join(map(repr, unknown))}; a recipe sets {', '.join(allowed)}")
+    options = table.get("options", {})
+    if not isinstance(options, dict):
+        raise InputError(f"recipe {where}: options must be a table (options = {{ name = value }}), not {options!r}")
+    settings = {key: table[key] for key in SETTINGS if key in table}
+    return Recipe(method, family, str(table.get("source", "")), settings, dict(options), origin)
+
+
+def _shipped_file(method: str) -> dict:
+    if ":" in method or "/" in method or not method:  # a plug-in: no file of ours
+        return {}
+    path = resources.files(__name__) / f"{method}.toml"
+    if not path.is_file():
+        return {}
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _key(name: str) -> str:
+    return name if name.replace("-", "").replace("_", "").isalnum() else _value(name)
+
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else _value(str(value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(item) for item in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
