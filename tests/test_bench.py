@@ -363,8 +363,11 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
         "method": "tent@0.05", "seed": 0, "n": metrics["n"], "labelled": 12, "skipped_images": 0}
     assert saved["settings"]["weights_sha256"] == metrics["settings"]["weights_sha256"] == sha256_of(tiny_weights)
     assert saved["artifacts"] == {}
-    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "params": "all", "lr": 0.05,
-                              "order": "iid", "batch_size": 5}]
+    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "order": "iid",
+                              "recipe": {"requested": "auto", "name": None}, "optimizer": "sgd", "lr": 0.05, "momentum": 0.5,
+                              "batch_size": 5, "steps": 1, "params": "all", "fisher_samples": 2000, "method_options": {}}]
+    assert [saved["rows"][0][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")] == [
+        metrics["settings"][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
     assert {k: used[k] for k in ("optimizer", "momentum", "params", "norm", "reset", "device", "num_workers")} == {

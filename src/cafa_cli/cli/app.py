@@ -28,6 +28,8 @@ EXAMPLES = {
               "cafa adapt --stats tied.safetensors --method tent cafa-demo/fashion-mnist-c-300/*/3 --format jsonl"],
     "inspect": ["cafa inspect cafa-stats.safetensors --json | jq .classes"],
     "demo": ["cafa demo", "cafa demo --corruptions all --data-only"],
+    "methods": ["cafa methods", "cafa methods eata --recipe cifar10-c > my.toml   # edit, then: cafa adapt --method eata "
+                "--recipe my.toml ..."],
     "bench": ["cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
               "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors --train ImageNet/train "
               "--test-resize none --test-crop none --methods source,bn,tent,cafa"],
@@ -49,7 +51,7 @@ app = typer.Typer(
     name="cafa",
     help="Test-time adaptation of image classifiers with Class-Aware Feature Alignment (CAFA, ICCV 2023).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion: method and recipe names complete (cli/completion.py)
     pretty_exceptions_enable=False,
     # click's plain help: rich's boxed tables cut option names short at 80 columns
     rich_markup_mode=None,
@@ -81,6 +83,7 @@ for _name, _command, _summary in [
     ("inspect", commands.inspect, "Summarise and validate an artifact."),
     ("demo", commands.demo, "CAFA on real corrupted images, offline: Fashion-MNIST-C."),
     ("bench", commands.bench, "Methods × domains × seeds → a paper-style error table."),
+    ("methods", commands.methods, "The methods, their options and their published recipes."),
 ]:
     app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
 

@@ -16,6 +16,7 @@ from cafa_cli.cli.defaults import defaults_file
 from cafa_cli.cli.errors import as_flags, from_config
 from cafa_cli.cli.options import chosen_settings, domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
+from cafa_cli.cli.completion import complete_method, complete_recipe
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
 
@@ -90,6 +91,27 @@ def inspect(
         print(to_json(summary, indent=2))
     else:
         Console(highlight=False).print(render(summary))
+
+
+def methods(
+    name: Annotated[Optional[str], typer.Argument(metavar="[METHOD]", show_default=False, autocompletion=complete_method,
+                                                  help="A method: print its options and a recipe as TOML.")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", metavar="NAME|FILE", autocompletion=complete_recipe,
+                                        help="With METHOD: the recipe to print, imagenet-c, cifar10-c, cifar100-c, a "
+                                             ".toml file, or none (the settings' own defaults).")] = "none",
+    as_json: Annotated[bool, typer.Option("--json", help="Without METHOD: the table as JSON.")] = False,
+):
+    """List the methods (what each does, its paper, what it adapts, whether it needs an
+    artifact, its step cost); with METHOD, its options and a recipe as TOML for --recipe."""
+    from cafa_cli.jobs.methods import markdown, method_recipe, methods_table
+    from cafa_cli.jobs.report import to_json
+
+    stdout_needed()
+    if name is None:
+        rows = methods_table()
+        print(to_json(rows, indent=2) if as_json else markdown(rows))
+    else:
+        print(method_recipe(name, recipe), end="")
 
 
 @with_settings(DemoConfig)

@@ -13,10 +13,12 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
+from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.settings import ADAPTATION, DATA, MODEL, OUTPUT, RUNTIME, STATISTICS, STREAM
 
 PANELS = (DATA, MODEL, STATISTICS, ADAPTATION, STREAM, OUTPUT, RUNTIME)
+COMPLETIONS = {"method": complete_method, "methods": complete_methods, "recipe": complete_recipe}  # by setting
 OTHER = "Other options"
 
 
@@ -60,7 +62,7 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
         else:
             default = ...  # required
         option = typer.Option(*names, help=meta["help"], metavar=meta["metavar"], rich_help_panel=meta["panel"],
-                              show_default=meta["show_default"])
+                              show_default=meta["show_default"], autocompletion=COMPLETIONS.get(f.name))
         parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                             annotation=Annotated[hint, option]))
     return parameters

@@ -450,7 +450,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         for caution in [*job.cautions(), *([unread] if unread else [])]:
             monitor.warn(caution)
         adapted = job.adapter.adapted()
-        monitor.info(recipe_line(config.method, job.recorded_settings))
+        monitor.info(recipe_line(config.method, job.recorded_settings, job.adapter.method.trains))
         monitor.info(adapting_line(adapted, config.method))
         if job.clean:
             monitor.info(clean_summary(job.clean))

@@ -64,12 +64,14 @@ def size_note(where: str, images: torch.Tensor, statistics: tuple[int, int] | No
             f"that make them {statistics[1]}x{statistics[0]}, or compute statistics at this size")
 
 
-def recipe_line(method: str, recorded: dict) -> str:
+def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
     """'recipe cifar10-c for eata: optimizer adam, lr 0.001, ...; redundancy_margin 0.4, ...':
-    the settings the run took, as resolved (the user's choices included)."""
+    the settings the run took, as resolved (the user's choices included); those of the
+    optimiser only for a method that `trains`."""
     recipe, options = recorded["recipe"], recorded["method_options"]
-    values = ", ".join(f"{key} {recorded[key]}" for key in ("optimizer", "lr", "momentum", "batch_size", "params")
-                       if key in recorded and (recipe["name"] is None or key in recipe.get("settings", {})))
+    keys = ("optimizer", "lr", "momentum", "batch_size", "params") if trains else ("batch_size",)
+    values = ", ".join(f"{key} {recorded[key]}" for key in keys
+                       if recipe.get("origin") is None or key in recipe.get("settings", {}))
     chosen = "; ".join(filter(None, [values, ", ".join(f"{key} {_plain(value)}" for key, value in options.items())]))
     if recipe.get("origin") is None:
         why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"

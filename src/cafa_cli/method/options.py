@@ -87,7 +87,7 @@ class Option:
         takes it; a UsageError naming the method, the option and what it accepts."""
         converted = _CONVERT[self.kind](value, self.choices)
         if converted is _INVALID:
-            raise UsageError(f"{method}'s option `{self.name}` must be {self.accepts()}, not {value!r}")
+            raise UsageError(f"{method}'s option {self.name} must be {self.accepts()}, not {value!r}")
         return converted
 
 

@@ -1,0 +1,93 @@
+"""`cafa methods`: every method with what it does, its paper, what it adapts, whether it
+needs an artifact and its step cost; one method's options and a recipe as TOML."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from cafa_cli.errors import UsageError
+from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, method_class
+from cafa_cli.recipes import FAMILIES, SETTINGS, description, read_file, shipped, to_toml
+
+COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "step ÷ TENT (CPU)")
+TRAINING_SETTINGS = ("optimizer", "lr", "momentum", "steps", "params")  # meaningless for a method that does not train
+
+
+def methods_table() -> list[dict]:
+    """One row per built-in method: the [method] table of its recipe file, and whether it
+    needs an artifact (cafa stats)."""
+    rows = []
+    for name in NAMES:
+        about = description(name)
+        cost = about["cost"]
+        rows.append({"method": name, "summary": about["summary"], "paper": about["paper"], "adapts": about["adapts"],
+                     "artifact": name in NEEDS_STATISTICS, "step ÷ TENT (CPU)": None if cost is None else float(cost)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table as markdown, one method a line."""
+    def cell(value) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:.2f}"
+        return "—" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(row[column]) for column in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def method_recipe(name: str, recipe: str = "none") -> str:
+    """`name`'s options and the setting `recipe` gives it (a family, a file, or none: the
+    settings' own defaults), as TOML that `--recipe FILE` reads back: the method described
+    in comments, each option's help after its value."""
+    if name not in NAMES:
+        raise UsageError(f"no method {name!r}; the methods: {', '.join(NAMES)}")
+    if recipe == "auto":
+        raise UsageError("`recipe` auto chooses a family from the test data and the model; name one: "
+                         f"{', '.join(FAMILIES)} (or none, or a .toml file)")
+    method = method_class(name)
+    if recipe == "none":
+        chosen, family, source = None, None, "none: the settings' own defaults"
+    elif recipe.endswith(".toml"):
+        chosen = read_file(recipe).get(name)
+        if chosen is None:
+            raise UsageError(f"`recipe` {recipe} has no table for the method {name}")
+        family, source = chosen.family, chosen.source
+    elif recipe in FAMILIES:
+        chosen = shipped(name, recipe)
+        if chosen is None:
+            raise UsageError(f"the method {name} has no recipe for {recipe}")
+        family, source = recipe, chosen.source
+    else:
+        raise UsageError(f"`recipe` must be one of {', '.join(FAMILIES)}, none, or a .toml file, not {recipe!r}")
+    defaults = {f.name: f.default for f in fields(AdaptConfig) if f.name in SETTINGS}
+    relevant = [key for key in SETTINGS if (method.trains or key not in TRAINING_SETTINGS)
+                and (key != "fisher_samples" or name == "eata")]
+    settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
+    options = {option.name: option.default for option in method.options}
+    for key, value in (chosen.options if chosen else {}).items():
+        options[key] = _option(method, key).value(name, value)
+    about = description(name)
+    header = [f"# {name}: {about['summary']}", f"# paper: {about['paper']}", f"# adapts: {about['adapts']}",
+              f"# needs an artifact (cafa stats): {'yes' if name in NEEDS_STATISTICS else 'no'}",
+              f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
+              "# each option: its value here, then what it does and accepts (default)"]
+    comments = {option.name: f"{option.help}; {option.accepts()} (default {_shown(option.default)})"
+                for option in method.options}
+    return "\n".join(header) + "\n\n" + to_toml(name, settings, options, family=family, source=source, comments=comments)
+
+
+def _option(method, key: str):
+    found = {option.name: option for option in method.options}.get(key)
+    if found is None:
+        raise UsageError(f"the recipe gives {method.name} an option {key} it does not take")
+    return found
+
+
+def _shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).lower() if isinstance(value, bool) \
+        else str(value)

@@ -1,0 +1,204 @@
+"""Recipes (recipes/*.toml) and the methods' own options: every shipped recipe is valid for
+its method; `--recipe` resolves (a family, auto, a file), explicit options win one by one,
+and the metrics and bench JSON record what ran; `--method-option`; `cafa methods`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from helpers import fails
+from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
+
+from cafa_cli.cli.app import app, command_options
+from cafa_cli.cli.defaults import read_defaults
+from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
+from cafa_cli.errors import UsageError
+from cafa_cli.method.methods import NAMES, method_class
+from cafa_cli.method.options import resolve_options
+from cafa_cli.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
+from conftest import TINY_NET
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_ships_a_valid_recipe_for_every_family(name):
+    method = method_class(name)
+    about = description(name)
+    assert about["summary"] and about["paper"] and about["adapts"]
+    for family in FAMILIES:
+        recipe = shipped(name, family)
+        assert recipe is not None and recipe.source, (name, family)
+        assert set(recipe.settings) <= set(SETTINGS)
+        resolve_options(name, method.options, recipe.options)  # each option declared and valid
+        if method.trains:
+            assert {"optimizer", "lr", "batch_size", "params"} <= set(recipe.settings), (name, family)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_options_default_is_its_constructors(name):
+    method = method_class(name)
+    signature = inspect.signature(method.__init__).parameters
+    for option in method.options:
+        assert signature[option.name].default == option.default, (name, option.name)
+
+
+def test_the_published_values_the_methods_issue_names():
+    assert shipped("eata", "cifar10-c").options["redundancy_margin"] == 0.4
+    assert shipped("eata", "cifar100-c").options["redundancy_margin"] == 0.1
+    assert shipped("eata", "cifar10-c").options["fisher_alpha"] == 1.0
+    assert shipped("eata", "imagenet-c").settings == {"optimizer": "sgd", "lr": 0.00025, "momentum": 0.9, "batch_size": 64,
+                                                       "params": "norm", "fisher_samples": 2000}
+    assert shipped("sar", "imagenet-c").options["frozen"][0] == "layer4"
+    assert shipped("sar", "cifar10-c").settings["optimizer"] == "sgd"  # SAM over SGD, whatever the yaml says
+    assert shipped("lame", "cifar10-c").options["affinity"] == "rbf"
+    assert shipped("cotta", "cifar10-c").settings["params"] == "all"
+    assert shipped("cotta", "imagenet-c").options["loss"] == "sce"
+    assert shipped("cafa", "imagenet-c").settings["lr"] == 0.0025
+
+
+def test_auto_takes_the_named_benchmarks_family_else_the_class_counts():
+    assert family_for(["imagenet-c:/data/ImageNet-C/fog"], 10) == "imagenet-c"
+    assert family_for(["folder"], 100) == "cifar100-c"
+    assert family_for(["folder"], 10) == "cifar10-c"
+    assert family_for(["folder"], 3) is None
+    assert recipe_for("auto", "tent", ["folder"], 3) is None  # no family: the settings' defaults
+    assert recipe_for("none", "tent", ["folder"], 1000) is None
+    assert recipe_for("auto", "plug.py:make", ["folder"], 10) is None  # a plug-in brings its own
+    with pytest.raises(UsageError, match="has no shipped `recipe` cifar10-c"):
+        recipe_for("cifar10-c", "plug.py:make", ["folder"], 10)
+
+
+def adapt(setup, *args):  # noqa: F811
+    metrics = setup["root"] / "recipe-metrics.json"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--quiet", "--metrics-json", str(metrics), *args])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(metrics.read_text())["settings"]
+
+
+def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  # noqa: F811
+    settings = adapt(setup, "--method", "eata", "--recipe", "cifar10-c")
+    assert (settings["optimizer"], settings["lr"], settings["batch_size"]) == ("adam", 0.001, 200)
+    assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.4, "fisher_alpha": 1.0}
+    assert settings["recipe"]["requested"] == "cifar10-c" and settings["recipe"]["name"] == "cifar10-c"
+    assert "cifar10_c/eata.yaml" in settings["recipe"]["source"]
+    # the user's options win, one by one; the rest stay the recipe's
+    settings = adapt(setup, "--method", "eata", "--recipe", "imagenet-c", "--lr", "0.01", "--batch-size", "30",
+                     "--method-option", "redundancy_margin=0.3")
+    assert (settings["optimizer"], settings["lr"], settings["momentum"], settings["batch_size"]) == ("sgd", 0.01, 0.9, 30)
+    assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.3, "fisher_alpha": 2000.0}
+
+
+def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # noqa: F811
+    (tmp_path / "cafa.toml").write_text('[adapt]\nrecipe = "imagenet-c"\nlr = 0.02\n')
+    defaults = read_defaults(tmp_path, command_options())
+    metrics = tmp_path / "m.json"
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "tent", "--quiet", "--metrics-json", str(metrics)], default_map=defaults)
+    assert result.exit_code == 0, result.stderr
+    settings = json.loads(metrics.read_text())["settings"]
+    assert (settings["optimizer"], settings["lr"], settings["batch_size"]) == ("nesterov", 0.02, 64)
+
+
+def test_a_printed_recipe_read_back_runs_the_same_settings(setup, tmp_path):  # noqa: F811
+    printed = runner.invoke(app, ["methods", "sar", "--recipe", "cifar10-c"])
+    assert printed.exit_code == 0, printed.stderr
+    mine = tmp_path / "my.toml"
+    mine.write_text(printed.stdout)
+    assert read_file(str(mine))["sar"].options["frozen"] == ["layer4", "blocks.9", "blocks.10", "blocks.11", "norm"]
+    shipped_run = adapt(setup, "--method", "sar", "--recipe", "cifar10-c")
+    file_run = adapt(setup, "--method", "sar", "--recipe", str(mine))
+    keys = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "method_options")
+    assert {k: file_run[k] for k in keys} == {k: shipped_run[k] for k in keys}
+    assert file_run["recipe"]["origin"] == str(mine)
+
+
+def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa: F811
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "lame"])
+    assert result.exit_code == 0, result.stderr
+    assert "no recipe for lame (no family for this model's class count): batch_size 200; affinity rbf" in result.stderr
+    assert "optimizer" not in result.stderr  # lame trains nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "eata", "--method-option", "epsilon=0.4"],
+     "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha)"),
+    (["--method", "eata", "--method-option", "redundancy_margin=lots"],
+     "eata's option redundancy_margin must be a number, 0 or more, not 'lots'"),
+    (["--method", "lame", "--method-option", "affinity=cosine"], "lame's option affinity must be rbf, knn, linear"),
+    (["--method", "t3a", "--method-option", "filter_k=0"], "t3a's option filter_k must be a whole number, 1 or more, or all"),
+    (["--method", "tent", "--method-option", "eata.fisher_alpha=1"], "is for the method eata, and --method is tent"),
+    (["--method", "tent", "--method-option", "=1"], "expected NAME=VALUE"),
+    (["--method", "tent", "--recipe", "cifar11-c"], "--recipe must be one of auto, none, imagenet-c"),
+])
+def test_a_bad_recipe_or_method_option_is_one_line_naming_what_is_valid(setup, args, message):  # noqa: F811
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 *args])
+    fails(result, 2, message)
+
+
+def test_a_recipe_file_with_an_unknown_setting_or_option_is_named(setup, tmp_path):  # noqa: F811
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[eata]\nlearning_rate = 0.1\n')
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "eata", "--recipe", str(bad)])
+    fails(result, 3, "no setting 'learning_rate'; a recipe sets optimizer, lr")
+    bad.write_text('[eata]\noptions = { margin = 0.1 }\n')
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "eata", "--recipe", str(bad)])
+    fails(result, 3, "the method eata has no option margin")
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "tent", "--recipe", str(bad)])
+    fails(result, 2, "has no table for the method tent (it has eata)")
+
+
+def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path):  # noqa: F811
+    report = tmp_path / "b.json"
+    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "eta,lame", "--model", TINY_NET, "--weights",
+                                 str(setup["weights"]), "--train", str(setup["train"]), "--resize", "none", "--crop", "none",
+                                 "--mean", "0", "--std", "1", "--channels", "1", "--recipe", "cifar100-c", "--batch-size", "45",
+                                 "--method-option", "lame.affinity=knn", "--method-option", "entropy_margin=0.5",
+                                 "--workdir", str(tmp_path / "w"), "--json", str(report), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
+    assert (rows["eta"]["optimizer"], rows["eta"]["batch_size"]) == ("adam", 45)  # --batch-size chosen: it wins
+    assert rows["eta"]["method_options"] == {"entropy_margin": 0.5, "redundancy_margin": 0.1}
+    assert rows["lame"]["method_options"]["affinity"] == "knn" and rows["lame"]["recipe"]["name"] == "cifar100-c"
+    kept = [run.get("kept_samples") for run in json.loads(report.read_text())["runs"]]
+    assert kept[0] is not None and kept[1] is None  # eta filters samples; lame keeps none out
+
+
+def test_a_bench_option_no_row_takes_is_named(setup, tmp_path):  # noqa: F811
+    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,bn", "--model", TINY_NET, "--weights",
+                                 str(setup["weights"]), "--method-option", "rho=0.1", "--workdir", str(tmp_path / "w")])
+    fails(result, 2, "--method-option rho=0.1: no row's method takes the option rho")
+    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,bn", "--model", TINY_NET, "--weights",
+                                 str(setup["weights"]), "--method-option", "sar.rho=0.1", "--workdir", str(tmp_path / "w")])
+    fails(result, 2, "no row runs the method sar")
+
+
+def test_cafa_methods_lists_every_method_and_prints_a_recipe():
+    listed = runner.invoke(app, ["methods", "--json"])
+    assert listed.exit_code == 0, listed.stderr
+    rows = {row["method"]: row for row in json.loads(listed.stdout)}
+    assert list(rows) == list(NAMES)
+    assert rows["cafa"]["artifact"] is True and rows["tent"]["artifact"] is False
+    assert rows["tent"]["step ÷ TENT (CPU)"] == 1.0 and "layer4" in rows["sar"]["adapts"]
+    table = runner.invoke(app, ["methods"]).stdout
+    assert table.count("\n") == len(NAMES) + 2 and "| cotta |" in table
+    printed = runner.invoke(app, ["methods", "eata", "--recipe", "cifar10-c"]).stdout
+    assert "redundancy_margin = 0.4  # ε: a sample is redundant" in printed and "(default 0.05)" in printed
+    assert 'optimizer = "adam"' in printed and "fisher_samples = 2000" in printed
+    fails(runner.invoke(app, ["methods", "nope"]), 2, "no method 'nope'; the methods: source, bn")
+    fails(runner.invoke(app, ["methods", "eata", "--recipe", "auto"]), 2, "name one: imagenet-c, cifar10-c, cifar100-c")
+
+
+def test_method_and_recipe_names_complete(tmp_path, monkeypatch):
+    assert complete_method("e") == ["euclidean", "eta", "eata"]
+    assert complete_methods("tent,ca") == ["tent,cafa", "tent,cafa-eata"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.toml").write_text("")
+    assert complete_recipe("ci") == ["cifar10-c", "cifar100-c"]
+    assert complete_recipe("mi") == ["mine.toml"]
