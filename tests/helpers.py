@@ -25,10 +25,10 @@ def no_traceback(result):
 
 def fails(result, code: int, *needles: str) -> str:
     """Exit `code`, stderr exactly one `cafa: error:` line holding every needle (after any warnings, and
-    adapt's line on what it adapts)."""
+    adapt's lines on its recipe and on what it adapts)."""
     assert result.exit_code == code, (result.exit_code, result.stdout[-500:], result.stderr)
     no_traceback(result)
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(("warning:", "adapting "))]
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(("warning:", "adapting ", "recipe ", "no recipe "))]
     assert len(lines) == 1 and lines[0].startswith("cafa: error:"), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])

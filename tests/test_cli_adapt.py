@@ -372,6 +372,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     from cafa_cli.jobs.adapt import RECORDED
     from cafa_cli.jobs.config import AdaptConfig
     from cafa_cli.jobs.demo import adapt_words
+    from dataclasses import replace
 
     wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
                          norm="prior:4", reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
@@ -388,9 +389,11 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
         raise UsageError("captured")
 
     monkeypatch.setattr(adapt_job, "prepare_adaptation", capture)
+    recipe = AdaptConfig(data=["x"], method="eata", recipe="imagenet-c", method_option=["redundancy_margin=0.2"])
     runner.invoke(app, ["adapt", "--data", "x", *adapt_words(wanted)])
     runner.invoke(app, ["adapt", "--data", "x", *adapt_words(streams)])
-    assert seen == [wanted, streams]
+    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(recipe)])
+    assert [replace(config, given=None) for config in seen] == [wanted, streams, recipe]  # `given`: the options typed
     assert adapt_words(AdaptConfig()) == ["--method", "cafa"]
 
 

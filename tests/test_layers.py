@@ -1,5 +1,5 @@
 """The package's layers: cli → jobs → (artifact, artifact_format, provenance, models, hub, checkpoints, zoo) →
-(method | data) → (errors, files, devices). Nothing imports a layer above its own, and
+(method | data | recipes) → (errors, files, devices). Nothing imports a layer above its own, and
 method/ and data/ do not import each other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import cafa_cli
 
 ROOT = Path(cafa_cli.__file__).parent
 LAYERS = {"cli": 4, "jobs": 3, "artifact": 2, "artifact_format": 2, "provenance": 2, "models": 2, "hub": 2, "checkpoints": 2, "zoo": 2,
-          "method": 1, "data": 1, "errors": 0, "files": 0, "factories": 0, "devices": 0, "__init__": 0, "__main__": 5}
+          "method": 1, "data": 1, "recipes": 1, "errors": 0, "files": 0, "factories": 0, "devices": 0, "__init__": 0, "__main__": 5}
 
 
 def _room(module: str) -> str:

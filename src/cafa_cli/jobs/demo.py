@@ -34,12 +34,15 @@ def command_line(*words) -> str:
 
 
 def adapt_words(config: AdaptConfig) -> list[str]:
-    """The `cafa adapt` options that give this run's settings: --method, then those off their defaults."""
+    """The `cafa adapt` options that give this run's settings: --method, then those chosen
+    (off their defaults, or named in `given`: a recipe leaves those), its recipe and method options."""
     words = ["--method", config.method]
-    defaults = {f.name: f.default for f in fields(AdaptConfig)}
+    defaults, chosen = {f.name: f.default for f in fields(AdaptConfig)}, config.chosen()
+    words += ["--recipe", config.recipe] if config.recipe != defaults["recipe"] else []
+    words += [word for entry in config.method_option for word in ("--method-option", entry)]
     for name in RECORDED:
         value = getattr(config, name)
-        if name == "method" or value == defaults[name]:
+        if name == "method" or (value == defaults[name] and name not in chosen):
             continue
         flag = name.replace("_", "-")
         if isinstance(value, bool):
