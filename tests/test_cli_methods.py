@@ -100,6 +100,16 @@ def test_the_documented_plugin_runs_through_cafa_adapt(setup, tmp_path):
     assert len(rows(result)) == 90
 
 
+def test_a_plugins_declared_option_is_set_and_checked_from_the_command_line(setup, tmp_path):
+    plugin = f"{plugin_file(tmp_path)}:build"
+    never = adapt(setup, "--method", plugin, "--method-option", "threshold=1.0")  # no sample is that confident: no step
+    assert never.exit_code == 0, never.stderr
+    assert rows(never) == rows(adapt(setup, "--method", "bn"))
+    assert rows(adapt(setup, "--method", plugin)) != rows(never)
+    fails(adapt(setup, "--method", plugin, "--method-option", "threshold=2"), 2, "option threshold must be a number in [0, 1]")
+    fails(adapt(setup, "--method", plugin, "--method-option", "margin=2"), 2, "has no option margin (its options: threshold)")
+
+
 def test_a_plugin_is_a_bench_row_that_runs_as_in_cafa_adapt(setup, tmp_path):  # noqa: F811
     plugin = f"{plugin_file(tmp_path)}:build"
     common = ["--model", TINY_NET, "--weights", str(setup["weights"]), *PLAIN, "--batch-size", "30"]
