@@ -9,7 +9,8 @@ collect_params) and sam.py; fiveai/LAME src/adaptation/lame.py (rbf_affinity,
 laplacian_optimization); matsuolab/T3A domainbed/adapt_algorithms.py (T3A, select_supports,
 with Benchmark-TTA's fix of filter_K = -1); qinenergy/cotta cifar/cotta.py and
 imagenet/cotta.py (forward_and_adapt, update_ema_variables, the symmetric loss).
-RoTTA's step is transcribed in test_tta_teacher_student.py (a rotta step on the bank).
+RoTTA's step is transcribed in test_tta_teacher_student.py (a rotta step on the bank),
+with the options at their defaults, which its recipes hold (checked below).
 """
 
 from __future__ import annotations
@@ -392,3 +393,17 @@ def test_cotta_under_its_recipe_trains_every_parameter_as_the_authors(recipe, mo
     assert set(mine) == set(final)  # the classifier trains too
     for name, p in final.items():
         torch.testing.assert_close(mine[name].detach().double(), p.detach(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --- RoTTA (BIT-DA/RoTTA configs/adapter/rotta.yaml) ------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["imagenet-c", "cifar10-c", "cifar100-c"])
+def test_rottas_recipes_hold_the_options_its_float64_step_test_runs_with(recipe):
+    """test_tta_teacher_student.py::test_a_rotta_step_on_the_bank_matches_float64 runs RoTTA at its
+    defaults: the authors' memory 64, a step every 64 samples, ν 0.001, α 0.05, λ_t = λ_u = 1."""
+    r = shipped("rotta", recipe)
+    defaults = {option.name: option.default for option in create("rotta").options}
+    assert r.options == defaults == {"memory_size": 64, "update_every": 64, "teacher_momentum": 0.999, "bn_momentum": 0.05,
+                                     "lambda_t": 1.0, "lambda_u": 1.0}
+    assert (r.settings["optimizer"], r.settings["lr"], r.settings["batch_size"]) == ("adam", 0.001, 64)

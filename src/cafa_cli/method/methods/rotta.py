@@ -18,9 +18,10 @@ teacher θ' (its moving average) share that structure. For each batch:
        w(A) = exp(−A)/(1 + exp(−A)),   A = age/K;
    then the teacher follows, θ' ← (1 − ν)θ' + νθ over the trained parameters.
 
-Defaults, as the official code: α = 0.05 (`bn_momentum`), ν = 0.001 (`teacher_momentum`
-= 1 − ν = 0.999), bank of K = 64 (`memory_size`), a step every 64 samples
-(`update_every`), λ_t = λ_u = 1 (`lambda_t`, `lambda_u`); Adam, lr 1e-3, β1 = 0.9, batch 64.
+Options and their defaults, the official code's: α = 0.05 (`bn_momentum`), ν = 0.001
+(`teacher_momentum` = 1 − ν = 0.999), bank of K = 64 (`memory_size`), a step every 64
+samples (`update_every`), λ_t = λ_u = 1 (`lambda_t`, `lambda_u`); its recipes
+(recipes/rotta.toml) add the official Adam, lr 1e-3, batch 64.
 The official code trains the RBN affines only; `params` norm (the default) trains the
 normalisation affines (LayerNorm and GroupNorm ones too), `all` the feature extractor.
 With `steps` N, each training step on the bank is N optimiser steps. Dropout stays off
