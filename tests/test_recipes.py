@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import fails
@@ -202,3 +206,20 @@ def test_method_and_recipe_names_complete(tmp_path, monkeypatch):
     (tmp_path / "mine.toml").write_text("")
     assert complete_recipe("ci") == ["cifar10-c", "cifar100-c"]
     assert complete_recipe("mi") == ["mine.toml"]
+
+
+def test_the_shell_completes_method_and_recipe_names_through_the_commands():
+    """As bash asks the installed `cafa` (what --install-completion sets up)."""
+    cafa = Path(sys.executable).parent / "cafa"
+    if not cafa.exists():
+        pytest.skip("no installed cafa script beside this Python")
+
+    def values(line: str) -> list[str]:
+        words = line.split(" ")
+        env = {**os.environ, "_CAFA_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(words) - 1)}
+        return subprocess.run([str(cafa)], env=env, capture_output=True, text=True, timeout=60).stdout.split()
+
+    assert values("cafa adapt --method e") == ["euclidean", "eta", "eata"]
+    assert values("cafa bench --methods tent,r") == ["tent,rotta"]
+    assert values("cafa bench --recipe image") == ["imagenet-c"]
+    assert values("cafa methods co") == ["cotta"]
