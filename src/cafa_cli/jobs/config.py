@@ -154,7 +154,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                                  "label-shift:1.0 for the paper's label-shift table; every row runs under each. Default: "
                                  "--order alone.", metavar="ORDER,...", panel=STREAM, show_default=False)
     batch_sizes: str | None = setting(None, "A grid axis: adaptation batch sizes, comma-separated, e.g. 1,2,4,8 for the "
-                                      "paper's small-batch table (with --bn-prior); every row runs with each. Default: "
+                                      "paper's small-batch table (with --norm prior:N); every row runs with each. Default: "
                                       "--batch-size alone.", metavar="N,...", panel=STREAM, show_default=False)
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
                               "computed in batches of this size too.", metavar="N", panel=STREAM)
