@@ -161,3 +161,56 @@ def test_a_config_file_cannot_lift_a_safety_check(tmp_path, where, command, key)
     (tmp_path / where).write_text(f"{table}\n{key} = true\n")
     with pytest.raises(UsageError, match=rf"sets '{key}', which lets code run or lifts a safety check; .*give --{key.replace('_', '-')} on the command line"):
         read_defaults(tmp_path, _command_options())
+
+
+# --- code is named on the command line only (issue 31, class 1) --------------------------
+
+EVIL = "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('imported')\ndef build(*a, **k):\n    raise SystemExit(9)\n"
+
+
+@pytest.mark.parametrize("table, key, value", [
+    ("adapt", "method", '["evilm:build"]'),  # a TOML array, joined after the check before
+    ("adapt", "method", '"evil.py:build"'),
+    ("bench", "methods", '["tent", "evilm:build"]'),
+    ("bench", "methods", '"tent,evilm:build@0.01"'),
+    ("demo", "methods", '["tent", "evil.py:build"]'),  # [demo] was not checked at all
+    ("stats", "model", '"./evil.py:build"'),
+    ("adapt", "model", '"evilm:build"'),
+    ("bench", "model", '["evil.py:build"]'),
+    ("adapt", "method", '{ a = "evilm:build" }'),
+])
+@pytest.mark.parametrize("where", ["cafa.toml", "pyproject.toml"])
+def test_a_config_file_naming_code_is_refused_in_any_spelling(tmp_path, table, key, value, where):
+    (tmp_path / "evil.py").write_text(EVIL)
+    (tmp_path / "evilm.py").write_text(EVIL)
+    header = f"[{table}]" if where == "cafa.toml" else f"[tool.cafa.{table}]"
+    (tmp_path / where).write_text(f"{header}\n{key} = {value}\n")
+    with pytest.raises(UsageError, match="names code to run, which a config file may not"):
+        read_defaults(tmp_path, _command_options())
+
+
+@pytest.mark.parametrize("value", ['"timm:resnet50"', '"torchvision:resnet18"', '"resnet50"'])
+def test_a_config_file_may_name_a_model_that_is_no_code(tmp_path, value):
+    (tmp_path / "cafa.toml").write_text(f"[stats]\nmodel = {value}\n")
+    assert read_defaults(tmp_path, _command_options())["stats"]["model"] == value.strip('"')
+
+
+@pytest.mark.parametrize("config", ['[adapt]\nmethod = ["evilm:build"]\n', '[stats]\nmodel = "evilm:build"\n'])
+def test_the_command_refuses_it_before_importing_anything(tmp_path, config):
+    (tmp_path / "evilm.py").write_text(EVIL)
+    (tmp_path / "cafa.toml").write_text(config)
+    command = "adapt" if "adapt" in config else "stats"
+    result = subprocess.run([sys.executable, "-m", "cafa_cli", command, "--data", "x"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "names code to run" in result.stderr, result.stderr
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_python_m_cafa_cli_does_not_import_modules_from_the_working_folder(tmp_path):
+    """`python -m` puts the working folder first on the path: a timm.py there must not stand in for timm."""
+    for name in ("timm", "torchvision", "safetensors"):
+        (tmp_path / f"{name}.py").write_text(EVIL)
+    result = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--model", "timm:resnet18", "--method", "source",
+                             "--data", "x"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0  # x is no data; what matters is what ran before
+    assert not (tmp_path / "RAN").exists(), result.stderr

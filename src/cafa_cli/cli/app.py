@@ -19,7 +19,7 @@ from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors
 from cafa_cli.cli.options import PanelledCommand
 from cafa_cli.cli.streams import prepare_standard_streams
 from cafa_cli.errors import CafaError
-from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig, command_line_only, names_code
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig, command_line_only, names_code
 
 EXAMPLES = {
     "stats": ["cafa stats --model resnet50 --weights resnet50.safetensors --data ImageNet/train --fraction 0.05",
@@ -121,7 +121,7 @@ def main() -> None:
         raise SystemExit(EXIT_RUNTIME) from None
 
 
-SETTINGS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig}
+SETTINGS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig, "demo": DemoConfig}
 
 
 def command_options() -> dict[str, CommandOptions]:

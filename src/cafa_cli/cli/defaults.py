@@ -17,6 +17,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from cafa_cli.errors import UsageError
+from cafa_cli.factories import is_factory
 
 
 CONFIG_FILE = "cafa.toml"
@@ -64,9 +65,10 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
             if name in options.command_line_only:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
                                  f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line")
-            if name in options.names_code and isinstance(value, str) and ":" in value:
+            if name in options.names_code and names_code(value):
                 raise UsageError(f"{path}: [{prefix}{command}] {key} = {value!r} names code to run, which a config file may "
-                                 f"not; give --{name.replace('_', '-')} {value} on the command line")
+                                 f"not (code runs only when named on the command line); remove it and give "
+                                 f"--{name.replace('_', '-')} on the command line")
             if name in defaults[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
             if isinstance(value, bool) and name not in options.flags:
@@ -78,6 +80,17 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
                 value = ",".join(str(item) for item in value)
             defaults[command][name] = value
     return defaults
+
+
+def names_code(value) -> bool:
+    """Whether a config value names code to import, in any type or spelling: a text, a
+    list's items, a table's keys and values, each comma-separated entry of a text, that is
+    a factory or plug-in (`file.py:fn`, `module:fn`; `timm:NAME` names no code)."""
+    if isinstance(value, dict):
+        return any(names_code(item) for pair in value.items() for item in pair)
+    if isinstance(value, (list, tuple)):
+        return any(names_code(item) for item in value)
+    return any(is_factory(entry.strip()) for entry in str(value).split(","))
 
 
 def defaults_file(folder: str | Path) -> Path | None:

@@ -34,7 +34,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
     data: str = setting(help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT "
                         "/ fashion-mnist:ROOT.", flags=("--data", "-d"), metavar="PATH", panel=DATA)
     model: str | None = setting("resnet50", ModelOptions.__dataclass_fields__["model"].metadata["help"],
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL)
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
     seed: int = setting(0, "Seed of the stratified subset.", metavar="N", panel=STATISTICS)
     covariance: Covariance = setting("auto", "auto (lowrank when every class has fewer images than feature dimensions, "
                                      "else full), full (per class), lowrank (exact, a·I + low rank per class), tied "
@@ -138,7 +138,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
     train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
                                 "fmnist-resnet: fashion-mnist.", metavar="PATH", panel=DATA)
     model: str | None = setting("fmnist-resnet", ModelOptions.__dataclass_fields__["model"].metadata["help"],
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL)
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
     test_resize: str | None = setting(None, "--resize for the test domains only (default: --resize). ImageNet-C: none.",
                                       metavar="PX", panel=DATA)
     test_crop: str | None = setting(None, "--crop for the test domains only (default: --crop). ImageNet-C: none.",

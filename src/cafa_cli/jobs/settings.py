@@ -54,8 +54,8 @@ class ModelOptions:
 
     model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), "
                                 "timm:NAME (pip install 'cafa-cli[timm]'), torchvision:NAME, or a factory: file.py:function "
-                                "or package.module:function.", flags=("--model", "-m"),
-                                metavar="NAME", panel=MODEL)
+                                "or package.module:function (its code runs; the command line only, never a config file).",
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
     weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True); or "
                                   "pretrained weights by name from the local cache, never downloaded: a torchvision weights "
                                   "enum (IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT) or a timm tag (a1_in1k).",
