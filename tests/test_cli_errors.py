@@ -667,6 +667,18 @@ def test_weights_holding_nan_are_refused_before_any_prediction(setup, tmp_path):
         assert result.stdout == ""
 
 
+def test_a_negative_batchnorm_running_variance_is_named_not_blamed_on_mean_and_std(setup, tmp_path):
+    state = torch.load(setup["weights"])
+    name = next(k for k in state if k.endswith("running_var"))
+    state[name].view(-1)[0] = -1.0
+    broken = tmp_path / "negvar.pt"
+    torch.save(state, broken)
+    for method in ("source", "lame"):  # methods that normalise with the source statistics
+        result = invoke("adapt", "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, "--method", method)
+        fails(result, 3, f"BatchNorm running variances are negative in {name.removesuffix('.running_var')}")
+        assert "--mean" not in result.stderr and result.stdout == ""
+
+
 def _entry_point(*args, shell_redirect: str = "", env: dict | None = None):
     """The real `python -m cafa_cli`, with a shell redirection such as `>&-`."""
     import subprocess

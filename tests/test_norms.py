@@ -244,7 +244,8 @@ def test_class_balanced_needs_the_class_moments_and_cotta_cannot_keep_running_st
     adapter(trained, "prior:4", "cotta")  # settings without running statistics are fine
 
 
-@pytest.mark.parametrize("text", ["prior", "prior:-1", "prior:inf", "ema:0", "ema:1.5", "ema", "batch:1", "balanced"])
+@pytest.mark.parametrize("text", ["prior", "prior:-1", "prior:inf", "prior:1e39", "prior:1.5e9", "ema:0", "ema:1.5", "ema",
+                                  "batch:1", "balanced"])
 def test_norm_values_are_checked(text):
     with pytest.raises(UsageError, match="`norm` must be batch, prior:N"):
         parse_norm(text)

@@ -73,6 +73,13 @@ def _check_parameters(model: torch.nn.Module) -> None:
     if broken:
         raise InputError(f"the model's weights hold NaN or infinite values in {listing(broken)}; "
                          f"the checkpoint is damaged or was saved after training diverged: use another")
+    # a variance below 0 normalises to NaN: every prediction of a method on the source
+    # statistics would be NaN, which a check of the outputs would blame on `mean`/`std`
+    negative = [name for name, module in model.named_modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+                and module.running_var is not None and bool((module.running_var < 0).any())]
+    if negative:
+        raise InputError(f"the model's BatchNorm running variances are negative in {listing(negative)}; the checkpoint "
+                         f"is damaged (a variance is never below 0): use another")
 
 
 def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:

@@ -18,7 +18,8 @@ COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 # handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on
 # a one-batch domain with no output.
 MAX_STEPS = 1000
-NORM_FORMS = "batch, prior:N (N ≥ 0), source, ema:M (M in (0, 1]) or class-balanced"  # the statistics BatchNorms use (norms.py)
+MAX_PRIOR = 1e9  # prior:N beyond this is the source statistics alone (use `source`), and N·μ would overflow float32
+NORM_FORMS = "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]) or class-balanced"  # the statistics BatchNorms use (norms.py)
 
 
 def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
@@ -54,7 +55,7 @@ def parse_norm(text: str) -> tuple[str, float | None]:
         value = float(value_text) if kind in ("prior", "ema") and colon else math.nan
     except ValueError:
         value = math.nan
-    if kind == "prior" and 0 <= value < math.inf or kind == "ema" and 0 < value <= 1:
+    if kind == "prior" and 0 <= value <= MAX_PRIOR or kind == "ema" and 0 < value <= 1:
         return kind, value
     raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
 
