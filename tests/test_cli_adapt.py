@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import fails
 import torch
 from typer.testing import CliRunner
 
@@ -536,3 +537,12 @@ def test_gradual_visits_the_severities_of_each_corruption_up_and_down(setup, tmp
     missing = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"])
     assert missing.exit_code == 3 and "--gradual visits severities 1-5 of a corruption" in missing.stderr
     assert f"{corruption / '4'} is not a folder" in missing.stderr
+
+
+@pytest.mark.parametrize("spellings", [("{t}", "{t}"), ("{t}", "{t}/"), ("{t}", "./{rel}")])
+def test_mixing_a_domain_with_itself_is_refused(setup, spellings, monkeypatch):
+    """Interleaved with itself, every image was read and predicted twice."""
+    monkeypatch.chdir(setup["test"].parent)
+    given = [s.format(t=setup["test"], rel=setup["test"].name) for s in spellings]
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, *given, "--mix-domains"])
+    fails(result, 2, "--mix-domains: the domain", "is given twice")

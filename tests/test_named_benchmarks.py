@@ -158,6 +158,9 @@ def test_benchmark_layout_errors(imagenet_c, cifar10_c, tmp_path):
         open_domain(f"cifar10-c:{cifar10_c}/fog.npy")
     with pytest.raises(InputError, match="no such folder"):
         expand_benchmarks([f"imagenet-c:{tmp_path / 'nowhere'}"])
+    (tmp_path / "contrast").write_text("not a folder")  # it said "none of the 15 corruptions is in .../contrast"
+    with pytest.raises(InputError, match="contrast is a file; imagenet-c is folders"):
+        expand_benchmarks([f"imagenet-c:{tmp_path / 'contrast'}"])
 
 
 def test_gradual_on_a_benchmark_needs_folders_and_no_severity(setup, imagenet_c, cifar10_c):

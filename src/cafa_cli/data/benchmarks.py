@@ -51,6 +51,9 @@ def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
     kind, root = named
     if not root.exists():
         raise InputError(f"`data` {spec}: no such {'file or ' if BENCHMARKS[kind] == ARRAYS else ''}folder {root}")
+    if BENCHMARKS[kind] == FOLDERS and not root.is_dir():
+        raise InputError(f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<corruption>/<severity>/<class>/<images>: "
+                         f"give ROOT or one corruption's folder ({kind}:ROOT/fog)")
     if _one_corruption(kind, root):
         return [spec], []
     suffix = ".npy" if BENCHMARKS[kind] == ARRAYS else ""

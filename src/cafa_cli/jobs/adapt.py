@@ -18,7 +18,7 @@ from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benc
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
 from cafa_cli.jobs.clean import clean_error, clean_summary
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import InputError, UsageError, listing, repeated
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, canonical_model
@@ -321,6 +321,10 @@ def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, li
     the corruption each belongs to: fog/1, fog/2, ..., fog/5, ..., fog/1 for `fog`; and
     notes on benchmarks that lack corruptions."""
     data, notes = expand_benchmarks(config.data)
+    twice = repeated([d for d in data if d != "-"], key=recorded_data) if config.mix_domains else []
+    if twice:  # interleaved with itself, every image would be read and predicted twice
+        raise UsageError(f"`mix_domains`: the domain {twice[0]} is given twice (also as a relative and an absolute path, "
+                         f"or with a trailing /); give each domain once")
     if not config.gradual:
         return data, None, notes
     stages = [gradual_stages(path) for path in data]
