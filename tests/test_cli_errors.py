@@ -184,6 +184,16 @@ def _damaged(setup, tmp_path, damage: str) -> Path:
         return corrupt(source, target, factors=lambda f: f[0, 0].__setitem__(5, 0.5))
     if damage == "diagonal":
         return corrupt(source, target, factors=lambda f: f[2, 3].__setitem__(3, -0.1))
+    if damage == "global-negative":  # global-fa ran on these
+        return corrupt(source, target, global_covariance=-g.global_covariance)
+    if damage == "global-asymmetric":
+        asymmetric = g.global_covariance.clone()
+        asymmetric[0, 1] += 1.0
+        return corrupt(source, target, global_covariance=asymmetric)
+    if damage == "global-indefinite":  # symmetric, a positive diagonal, one negative eigenvalue
+        values, vectors = torch.linalg.eigh(g.global_covariance.double())
+        values[0] = -values[-1]
+        return corrupt(source, target, global_covariance=(vectors @ torch.diag(values) @ vectors.T).float())
     raise ValueError(damage)
 
 
@@ -196,6 +206,9 @@ def _damaged(setup, tmp_path, damage: str) -> Path:
         ("shape", "has shape (3, 6), metadata implies (3, 8)"),
         ("upper-triangle", "not lower-triangular"),
         ("diagonal", "non-positive diagonal"),
+        ("global-negative", "'global_covariance' is not positive semi-definite"),
+        ("global-asymmetric", "'global_covariance' is not symmetric"),
+        ("global-indefinite", "'global_covariance' is not positive semi-definite"),
     ],
 )
 def test_bad_artifact(setup, tmp_path, damage, needle):

@@ -183,6 +183,7 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
     negative = [name for name, tensor in small.items() if name.startswith("norm.") and name.endswith(".var") and (tensor < 0).any()]
     if negative:
         raise bad(path, f"tensor '{negative[0]}' has negative variances")
+    _check_covariance(small["global_covariance"], path)
     if ((small["shrinkage"] < 0) | (small["shrinkage"] > 1)).any():
         raise bad(path, "tensor 'shrinkage' has values outside [0, 1]")
     if covariance == "lowrank":
@@ -193,6 +194,22 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
 
 
 _ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank basis
+_SYMMETRY_TOLERANCE = 1e-5  # |Σ − Σᵀ| allowed, relative to the largest |Σ| (float32 rounding)
+
+
+def _check_covariance(sigma: torch.Tensor, path) -> None:
+    """Global FA's covariance: symmetric and positive semi-definite, as the factors are checked
+    (a Cholesky factorisation with a jitter of 1e-6 of the mean variance, which a singular
+    but valid covariance passes and an indefinite one fails)."""
+    scale = float(sigma.abs().amax()) or 1.0
+    if float((sigma - sigma.T).abs().amax()) > _SYMMETRY_TOLERANCE * scale:
+        raise bad(path, "tensor 'global_covariance' is not symmetric; re-create the artifact with cafa stats")
+    sigma64 = sigma.double()
+    jitter = 1e-6 * max(float(sigma64.diagonal().mean()), 0.0) + 1e-30
+    _, info = torch.linalg.cholesky_ex(sigma64 + jitter * torch.eye(len(sigma64), dtype=torch.float64))
+    if int(info) != 0 or (sigma64.diagonal() < 0).any():
+        raise bad(path, "tensor 'global_covariance' is not positive semi-definite (a covariance never is otherwise); "
+                        "re-create the artifact with cafa stats")
 
 
 def _valid_spec(m: ModelSpec) -> bool:
