@@ -129,7 +129,7 @@ def test_the_model_files_an_artifact_names_are_inputs_too(setup, tmp_path):
     for named, kind in ((files["weights"], "weights"), (files["factory"], "model")):
         before = named.read_bytes()
         fails(invoke("adapt", "--stats", artifact, "--trust-checkpoint", "--data", setup["train"], "--predictions", named), 2,
-              f"--predictions {named} is also the artifact's {kind} file")
+              f"--predictions {named} is also --{kind}'s file {named}, which this command reads")
         assert named.read_bytes() == before
 
 
@@ -145,3 +145,82 @@ def test_no_output_may_replace_the_config_file_it_read(setup, tmp_path, monkeypa
                   *PLAIN, "--methods", "source", "--csv", config_file]):
         fails(invoke(*args), 2, f"{config_file} is also the config file")
         assert Path(config_file).read_text() == text
+
+
+# --- every file a command reads, as it opens it (issue 31, class 2) ------------------------
+
+PLUGIN = "from cafa_cli.method.methods.tent import Tent\ndef build(gaussians, device):\n    return Tent()\n"
+
+
+def _module_factory(folder: Path, name: str) -> str:
+    (folder / f"{name}.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.rpartition(':')[0]).parent)!r})\n"
+                                       f"from tiny_net import build\n")
+    return f"{name}:build"
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink", "hardlink"])
+def test_no_output_replaces_a_module_factory_or_a_plugin_source(setup, tmp_path, monkeypatch, spelling):
+    """The files a module:fn or file.py:fn name resolves to: a factory (stats --out), a plug-in (adapt --metrics-json,
+    bench --csv / --json), by their own name, relative, through a symlink or a hard link."""
+    monkeypatch.chdir(tmp_path)
+    netmod, plugm = f"netmod_{spelling}", f"plugm_{spelling}"  # one name a case: this process keeps imported modules
+    model = _module_factory(tmp_path, netmod)
+    (tmp_path / f"{plugm}.py").write_text(PLUGIN)
+    (tmp_path / "plug.py").write_text(PLUGIN)
+
+    def output_for(source: str) -> Path:
+        if spelling == "same":
+            return tmp_path / source
+        if spelling == "relative":
+            return Path(source)
+        other = tmp_path / f"other-{source}"
+        (other.symlink_to if spelling == "symlink" else other.hardlink_to)(tmp_path / source)
+        return other
+
+    cases = [
+        (["stats", "--model", model, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--fraction", "1", "--out"],
+         f"{netmod}.py"),
+        (["adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--method", f"{plugm}:build",
+          "--metrics-json"], f"{plugm}.py"),
+        (["adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--method", "./plug.py:build",
+          "--predictions"], "plug.py"),
+        (["bench", setup["train"], "--methods", f"bn,{plugm}:build", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN,
+          "--train", setup["train"], "--fraction", "1", "--workdir", tmp_path / "w", "--csv"], f"{plugm}.py"),
+    ]
+    for args, source in cases:
+        before = (tmp_path / source).read_bytes()
+        output = output_for(source)
+        result = invoke(*args, output)
+        fails(result, 2, f"{output} is also", "writing it would destroy that")
+        assert (tmp_path / source).read_bytes() == before, args[0]
+        if output.is_symlink() or spelling == "hardlink":
+            output.unlink()
+
+
+def test_no_output_replaces_eatas_fisher_images(setup, tmp_path):
+    fish = tmp_path / "fish.npy"
+    np.save(fish, np.zeros((4, 16, 16), dtype=np.uint8))
+    linked = tmp_path / "fish-link.npy"
+    os.link(fish, linked)
+    before = fish.read_bytes()
+    for output in (fish, linked):
+        result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--method", "eata",
+                        "--fisher-data", fish, "--metrics-json", output)
+        fails(result, 2, f"--metrics-json {output} is also", "writing it would destroy that")
+    assert fish.read_bytes() == before
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz").is_file(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_no_output_replaces_a_data_set_found_through_its_environment_variable(setup, tmp_path, monkeypatch):
+    """CAFA_FASHION_MNIST=/x cafa stats --data fashion-mnist --out /x/train-labels-idx1-ubyte.gz"""
+    root = tmp_path / "fm"
+    root.mkdir()
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+        (root / name).symlink_to(Path("/usr/share/datasets/fashion-mnist") / name)
+    monkeypatch.setenv("CAFA_FASHION_MNIST", str(root))
+    target = root / "train-labels-idx1-ubyte.gz"
+    before = target.read_bytes()
+    result = invoke("stats", "--model", "fmnist-resnet", "--data", "fashion-mnist", "--per-class", "2", "--out", target)
+    fails(result, 2, f"--out {target} is also a data set's file", "which this command reads")
+    assert target.is_symlink() and target.read_bytes() == before

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from cafa_cli import __version__
 from cafa_cli.errors import CafaError, InputError
-from cafa_cli.files import atomic_write, open_safetensors
+from cafa_cli.files import atomic_write, open_safetensors, reading
 from cafa_cli.checkpoints import HTML_MARKERS
 from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
@@ -179,6 +179,7 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         raise InputError(f"{path}: not a regular file (a device or a pipe); give the artifact file cafa stats wrote")
     if not path.is_file():
         raise InputError(f"{path}: no such artifact; create one with cafa stats, or give the path of one")
+    reading(path, "`stats`")
     with open(path, "rb") as f:
         head = f.read(512).lstrip().lower()
     if head.startswith(HTML_MARKERS):

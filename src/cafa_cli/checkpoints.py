@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from cafa_cli.errors import InputError, listing, out_of_memory
 from cafa_cli.files import open_safetensors
+from cafa_cli.files import reading
 
 def is_step_counter(name: str) -> bool:
     """BatchNorm's num_batches_tracked: it counts training steps and changes nothing the
@@ -66,6 +67,7 @@ class UntrustedCheckpoint(InputError):
 def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """A state_dict from .safetensors or a torch checkpoint, unwrapped and de-prefixed."""
     path = check_weights_file(path)
+    reading(path, "`weights`")
     with open(path, "rb") as f:
         start = f.read(512)
     head = start.lstrip().lower()

@@ -20,6 +20,11 @@ class UsageError(CafaError):
     exit_code = EXIT_USAGE
 
 
+class WouldOverwrite(UsageError):
+    """An output that is a file the command reads (files.reading): the user's choice of
+    output, however deep the reading that found it."""
+
+
 class InputError(CafaError):
     exit_code = EXIT_INPUT
 

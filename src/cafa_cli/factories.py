@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
 from cafa_cli.errors import InputError, UsageError, repeated
+from cafa_cli.files import reading
 
 # `--model timm:NAME` / `torchvision:NAME`: a model a library builds by name, not code to import
 HUB_PREFIXES = ("timm:", "torchvision:")
@@ -21,6 +23,26 @@ def is_factory(model: str | None) -> bool:
     """Whether `model` names code to import (`file.py:fn`, `package.module:fn`): not a
     bundled or torchvision name, nor a `timm:` / `torchvision:` name."""
     return bool(model) and ":" in model and not model.startswith(HUB_PREFIXES)
+
+
+def code_file(spec: str | None) -> str | None:
+    """The file a factory or plug-in name resolves to, found without running it (a dotted
+    module's parent packages are imported to find it), as import_factory would import it:
+    `file.py:fn` its file, `module:fn` the module's file on the import path, then in the
+    working folder; None for a name that is no code, or a module not found."""
+    if not is_factory(spec):
+        return None
+    location = spec.rpartition(":")[0]
+    if location.endswith(".py"):
+        return location
+    try:
+        if "." in location:
+            found = importlib.util.find_spec(location)
+        else:
+            found = importlib.machinery.PathFinder.find_spec(location, [*sys.path, os.getcwd()])
+    except (ImportError, ValueError, AttributeError):
+        return None
+    return found.origin if found is not None and found.has_location else None
 
 
 def parse_model_args(texts: list[str] | tuple[str, ...] | None, option: str = "`model_arg`") -> dict:
@@ -61,6 +83,7 @@ def import_factory(spec: str, option: str, what: str = "function"):
             path = Path(location)
             if not path.is_file():
                 raise InputError(f"{option} {spec}: no such file {location}")
+            reading(path, option)
             module_spec = importlib.util.spec_from_file_location(f"cafa_user_model_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -70,7 +93,8 @@ def import_factory(spec: str, option: str, what: str = "function"):
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.append(os.getcwd())
             module = importlib.import_module(location)
-    except InputError:
+            reading(getattr(module, "__file__", None), option)  # the file `location` resolved to
+    except (InputError, UsageError):
         raise
     except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
         raise InputError(f"{option} {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "

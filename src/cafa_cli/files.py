@@ -10,7 +10,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from cafa_cli.errors import CafaError, InputError
+from cafa_cli.errors import CafaError, InputError, UsageError, WouldOverwrite
 
 
 def check_writable(path: str | Path) -> Path:
@@ -64,6 +64,38 @@ def make_workdir(path: str | Path) -> Path:
     except OSError as error:
         raise InputError(f"`workdir` {folder}: cannot create it ({error.strerror or error})") from None
     return folder
+
+
+# The outputs of the job running (option -> path), while it runs (`writing`): every input
+# opened through `reading` is compared with them, so that an input the up-front check
+# (jobs/outputs.check_outputs) could not know (a module's file, a data set found through an
+# environment variable, a plug-in's source) can no more be overwritten than a declared one.
+_OUTPUTS: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def writing(outputs: dict[str, str | None]):
+    """While the block runs, the files it will write are `outputs` (None, `-` and devices aside)."""
+    before = dict(_OUTPUTS)
+    _OUTPUTS.update({option: path for option, path in outputs.items() if path and path != "-" and not is_device(path)})
+    try:
+        yield
+    finally:
+        _OUTPUTS.clear()
+        _OUTPUTS.update(before)
+
+
+def reading(path: str | Path | None, what: str) -> None:
+    """The command is about to read the file `path` (as `what`): a UsageError, before any
+    output is written, when one of its outputs is that file (by name, through a symlink,
+    or as a hard link)."""
+    if path is None or not _OUTPUTS:
+        return
+    identity, name = file_identity(str(path)), os.path.realpath(path)
+    for option, output in _OUTPUTS.items():
+        if file_identity(output) == identity or os.path.realpath(output) == name:
+            raise WouldOverwrite(f"{option} {output} is also {what}'s file {path}, which this command reads; writing it would "
+                             f"destroy that: give {option} another path")
 
 
 def file_identity(path: str) -> tuple:

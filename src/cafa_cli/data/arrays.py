@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.data.domain import Domain, MAX_CLASSES, UNLABELLED
+from cafa_cli.files import reading
 
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -24,6 +25,7 @@ NPY_INSTEAD = {
 def _load_npy(path: Path, what: str) -> np.ndarray:
     # numpy's own errors for these advise allow_pickle=, which would let the file run code
     instead = NPY_INSTEAD[what]
+    reading(path, what)
     try:
         with open(path, "rb") as f:
             magic = f.read(len(NPY_MAGIC))
@@ -116,6 +118,7 @@ CIFAR_AGAIN = "unpack the python version of the dataset again"
 
 
 def _read_cifar_batch(path: Path) -> dict:
+    reading(path, "a data set")
     try:
         with open(path, "rb") as f:
             batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()

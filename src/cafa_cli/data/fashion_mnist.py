@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 import numpy as np
 from cafa_cli.errors import InputError
+from cafa_cli.files import reading
 
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
@@ -138,6 +139,7 @@ def read_idx(path: Path, magic: int, dims: int) -> np.ndarray:
     size, at most MAX_ITEMS items); then exactly what it announces, plus one byte to notice
     excess, and never the rest: a gzip of zeros expands a thousandfold, so a few MB on disk
     would be GBs in memory."""
+    reading(path, "a data set")
     try:
         with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as stream:
             header = _read_at_most(stream, 4 + 4 * dims)

@@ -18,7 +18,7 @@ from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benc
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
 from cafa_cli.jobs.clean import clean_error, clean_summary
-from cafa_cli.errors import InputError, UsageError, listing, repeated
+from cafa_cli.errors import InputError, UsageError, WouldOverwrite, listing, repeated
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, canonical_model
@@ -34,7 +34,7 @@ from cafa_cli.method.options import check_precision, parse_norm
 from cafa_cli.jobs.distributed import launched_by_torchrun
 from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,
                                   recorded_data, resolve_model)
-from cafa_cli.jobs.outputs import check_outputs
+from cafa_cli.jobs.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
 from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, recipe_line, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
@@ -67,7 +67,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
                          f"(unpickling them can run code); re-save them as a state dict (.safetensors) and give them "
                          f"with `weights`") from None
     except UsageError as error:
-        if not named_by_artifact:
+        if not named_by_artifact or isinstance(error, WouldOverwrite):
             raise
         # the user gave no `model`: say where the name came from
         raise InputError(f"the model recorded in {artifact.path}: {error}") from None
@@ -435,6 +435,7 @@ def effective_severity(config) -> int | None:
     return DEFAULT_SEVERITY if config.severity is None and named else config.severity
 
 
+@guards_outputs
 def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
     """The whole `adapt` command: the records to `config.predictions` (stdout when None),
     warnings to the monitor, the metrics to `config.metrics_json`; returns the results."""

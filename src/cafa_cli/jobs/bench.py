@@ -29,7 +29,7 @@ from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.settings import InputOptions, parse_method_options
 from cafa_cli.jobs.distributed import process_group, rank_device
-from cafa_cli.jobs.outputs import check_outputs
+from cafa_cli.jobs.outputs import check_outputs, guards_outputs
 from cafa_cli import __version__
 from cafa_cli.jobs import report
 from cafa_cli.data.loading import loader_processes
@@ -143,6 +143,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
     return bundled.training_data
 
 
+@guards_outputs
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""

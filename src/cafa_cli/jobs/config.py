@@ -24,7 +24,7 @@ from cafa_cli.method.methods import NAMES as METHODS, is_plugin
 from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
                                     RecipeOptions, parse_method_options,
-                                    RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting)
+                                    RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting, factory_file)
 
 
 @dataclass(kw_only=True)
@@ -103,7 +103,8 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`stats`": DEFAULT_ARTIFACT if self.stats is None else self.stats, **self.model_inputs(), "`labels`": self.labels,
                 "`classes`": self.classes, "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean,
-                "`data`": self.data, "`recipe`": self.recipe_file()}
+                "`data`": self.data, "`recipe`": self.recipe_file(), "`method`": factory_file(self.method),
+                "`fisher_data`": self.fisher_data}
 
     def method_options(self) -> dict:
         """`method_option` as {option: value} for `method`, each checked against the
@@ -177,7 +178,9 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
                 "`class_subset`": self.class_subset, "`subset`": self.subset, "`clean`": self.clean, "`data`": self.data,
-                "`workdir`": self.workdir, "`recipe`": self.recipe_file()}
+                "`workdir`": self.workdir, "`recipe`": self.recipe_file(), "`fisher_data`": self.fisher_data,
+                "`methods`": [file for file in (factory_file(label.strip().rpartition("@")[0] or label.strip())
+                                                for label in self.methods.split(",")) if file]}
 
     def order_list(self) -> list[str]:
         """The orders the grid runs: `orders`, else `order` alone."""

@@ -3,12 +3,13 @@ what the command reads, nor land in a folder it reads images from."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from cafa_cli.data.folders import IMAGE_EXTENSIONS
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import UsageError
-from cafa_cli.files import file_identity, is_device, check_writable
+from cafa_cli.files import check_writable, file_identity, is_device, writing
 
 
 IMAGE_INPUTS = ("`data`", "`train`", "`clean`")  # the options whose folders are searched for images
@@ -47,3 +48,14 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         if identity in taken:
             raise UsageError(f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} another path")
         taken[identity] = option
+
+
+def guards_outputs(job):
+    """A job `job(config, ...)` during which every input it opens (files.reading) is checked
+    against `config.outputs()`: the inputs that check_outputs, before the work, cannot know."""
+    @functools.wraps(job)
+    def run(config, *args, **kwargs):
+        with writing(config.outputs()):
+            return job(config, *args, **kwargs)
+
+    return run

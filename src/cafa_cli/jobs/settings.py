@@ -12,7 +12,7 @@ from typing import Literal
 from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
                                   parse_size)
 from cafa_cli.errors import UsageError
-from cafa_cli.factories import parse_model_args
+from cafa_cli.factories import code_file, parse_model_args
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
@@ -298,10 +298,10 @@ class SamplingOptions:
         self.training_sample()
         self.shrinkage_value()
 
-def factory_file(model: str | None) -> str | None:
-    """The file of a `file.py:function` model, else None: code the command reads and runs."""
-    location, _, _ = (model or "").rpartition(":")
-    return location if location.endswith(".py") else None
+def factory_file(spec: str | None) -> str | None:
+    """The file of a `file.py:function` or `module:function` model or plug-in, else None:
+    code the command reads and runs."""
+    return code_file(spec)
 
 
 def at_least(name: str, value, low: int) -> None:

@@ -16,7 +16,7 @@ from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
 from cafa_cli.data.sampling import stratified_subset, subset_sha256
 from cafa_cli.errors import InputError, listing
-from cafa_cli.jobs.outputs import check_outputs
+from cafa_cli.jobs.outputs import check_outputs, guards_outputs
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import factory_sha256, parameters_sha256
 from cafa_cli.devices import pick_device
@@ -26,6 +26,7 @@ from cafa_cli.jobs.config import StatsConfig
 from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, recipe, recorded_data, resolve_model
 
 
+@guards_outputs
 def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> Artifact | None:
     """Stream a stratified subset of `config.data` through the model; write the artifact.
 

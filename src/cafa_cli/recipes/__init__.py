@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.files import reading
 
 FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
 NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
@@ -73,6 +74,7 @@ def check_name(name: str) -> None:
 
 def read_file(path: str) -> dict[str, Recipe]:
     """A user's recipe file: {method: Recipe}, each table checked for its keys."""
+    reading(path, "`recipe`")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
