@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.data.domain import Domain, UNLABELLED
 
 
@@ -61,12 +62,56 @@ def _holds(folder: str, inner: str) -> bool:
 DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
 
 
+# Decoding budget: the most memory one image's decoded pixels may take, per loader
+# process (CAFA_DECODE_BUDGET_MB, default 150 MB: 50 megapixels of 8-bit RGB). The header
+# is read first; a JPEG above the budget is decoded at 1/2, 1/4 or 1/8 of its size by its
+# own DCT scaling (Image.draft), anything else is skipped as unreadable with its size named.
+# Pillow's own limit (about 179 megapixels) would let a 373 KB PNG take gigabytes.
+BUDGET_VARIABLE = "CAFA_DECODE_BUDGET_MB"
+DEFAULT_BUDGET_MB = 150
+BYTES_PER_PIXEL = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "La": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4,
+                   "RGBa": 4, "RGBX": 4, "CMYK": 4, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}
+
+
+def decode_budget() -> int:
+    """The decoding budget in bytes, from CAFA_DECODE_BUDGET_MB (a positive number of MB)."""
+    text = os.environ.get(BUDGET_VARIABLE)
+    try:
+        megabytes = float(text) if text else DEFAULT_BUDGET_MB
+    except ValueError:
+        megabytes = math.nan
+    if not 0 < megabytes < math.inf:
+        raise UsageError(f"{BUDGET_VARIABLE}={text!r}: give the decoding budget in MB, a positive number (default "
+                         f"{DEFAULT_BUDGET_MB})")
+    return int(megabytes * 2**20)
+
+
+def within_budget(image: Image.Image, budget: int) -> Image.Image:
+    """The opened (not yet decoded) image, set to decode within `budget` bytes: as it is, a
+    JPEG reduced by its DCT scaling, or an error (DecompressionBombError: skipped as unreadable)."""
+    width, height = image.size
+    per_pixel = BYTES_PER_PIXEL.get(image.mode, 4)
+    if width * height * per_pixel <= budget:
+        return image
+    if image.format == "JPEG":
+        scale = next((s for s in (2, 4, 8) if math.ceil(width / s) * math.ceil(height / s) * per_pixel <= budget), None)
+        if scale is not None:
+            # draft picks the largest scale whose result is at least the size asked: ask the floor
+            image.draft(image.mode, (max(1, width // scale), max(1, height // scale)))
+            if image.size[0] * image.size[1] * per_pixel <= budget:
+                return image
+    raise Image.DecompressionBombError(
+        f"{width}x{height} pixels ({image.mode}) would take {width * height * per_pixel / 2**20:,.0f} MB decoded, above the "
+        f"decoding budget of {budget / 2**20:,.0f} MB ({BUDGET_VARIABLE}); shrink the image, or raise the budget")
+
+
 def read_image(path: str) -> Image.Image:
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block or never end
         raise UnidentifiedImageError("not a regular file")
+    budget = decode_budget()
     try:
         with Image.open(path, formats=DECODERS) as image:
-            image.load()  # decode now so that truncated files fail here, not later
+            within_budget(image, budget).load()  # decode now so that truncated files fail here, not later
             return upright(image)
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
