@@ -735,3 +735,23 @@ def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_p
     renamed.write_text("\n".join(f"c{i}" for i in range(len(names))) + "\n")
     result = invoke("stats", "--model", "fmnist-resnet", "--classes", renamed, "--data", setup["train"], "--out", tmp_path / "s.st")
     assert "another order" not in result.stderr
+
+
+@pytest.mark.parametrize("depth", ["16-bit png", "32-bit tiff of 0..255", "32-bit tiff of 0..65535", "32-bit tiff, full range"])
+def test_an_integer_image_predicts_as_the_8_bit_picture_it_holds(setup, tmp_path, depth):
+    """Every integer image was divided by 256: a 32-bit TIFF holding 0..255 turned black."""
+    eight = write_folder(tmp_path / "eight", per_class=2, seed=2)
+    wide = tmp_path / "wide"
+    shutil.copytree(eight, wide)
+    for path in sorted(wide.rglob("*.png")):
+        pixels = np.asarray(Image.open(path).convert("L")).astype(np.int64)
+        scale = {"16-bit png": 257, "32-bit tiff of 0..255": 1, "32-bit tiff of 0..65535": 257,
+                 "32-bit tiff, full range": 8421504}[depth]
+        if depth == "16-bit png":
+            Image.fromarray((pixels * scale).astype(np.uint16)).save(path)
+        else:
+            path.unlink()
+            Image.fromarray((pixels * scale).astype(np.int32)).save(path.with_suffix(".tif"))
+    eight_rows, wide_rows = rows(adapt(setup, eight, "--method", "source")), rows(adapt(setup, wide, "--method", "source"))
+    assert len(eight_rows) == len(wide_rows) == 6
+    assert [(r["prediction"], r["confidence"]) for r in eight_rows] == [(r["prediction"], r["confidence"]) for r in wide_rows]

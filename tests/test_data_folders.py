@@ -208,3 +208,16 @@ def test_a_damaged_exif_block_leaves_the_image_as_it_is(tmp_path):
 
     Image.fromarray(solid(90, 4)).save(tmp_path / "a.png", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")  # 65535 entries, none there
     assert np.asarray(read_image(str(tmp_path / "a.png"))).tolist() == solid(90, 4).tolist()
+
+
+def test_a_folder_finds_every_format_a_list_of_paths_may_name(tmp_path):
+    """TIFF and GIF were read from stdin's paths but not found in folders."""
+    from PIL import Image
+
+    from cafa_cli.data.sources import open_domain
+
+    for k, suffix in enumerate((".tif", ".tiff", ".gif", ".png", ".jpg", ".bmp", ".webp")):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        Image.new("L", (8, 8), 10 * k).save(tmp_path / "a" / f"{k}{suffix}")
+    domain = open_domain(str(tmp_path))
+    assert sorted(Path(ref).suffix for ref in domain.refs) == sorted((".tif", ".tiff", ".gif", ".png", ".jpg", ".bmp", ".webp"))

@@ -11,7 +11,21 @@ from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.data.domain import Domain, UNLABELLED
 
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+# Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
+# name: without this list a PostScript file named .jpg in an untrusted folder would be
+# handed to Ghostscript (EPS), a program outside this process.
+DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
+
+
+def _extensions_of(formats: tuple[str, ...]) -> set[str]:
+    Image.init()  # every plug-in registered, so that the table is complete
+    return {extension for extension, name in Image.registered_extensions().items() if name in formats}
+
+
+# The files a folder's images are found by: the extensions Pillow gives those formats
+# (.tif and .gif too), so that a folder holds what a list of paths on stdin may name.
+IMAGE_EXTENSIONS = _extensions_of(DECODERS)
+LOOKED_FOR = f"files of {', '.join(DECODERS)} by their extensions"
 
 
 
@@ -56,10 +70,6 @@ def _holds(folder: str, inner: str) -> bool:
     return os.path.commonpath([real, inner]) == real
 
 
-# Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
-# name: without this list a PostScript file named .jpg in an untrusted folder would be
-# handed to Ghostscript (EPS), a program outside this process.
-DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
 
 
 # Decoding budget: the most memory one image's decoded pixels may take, per loader
@@ -153,12 +163,11 @@ def _folder_domain(root: Path) -> Domain:
             shown = listing(d.name for d in class_dirs)
             raise InputError(
                 f"`data` {root}: no images found in the class folders {shown} "
-                f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})"
+                f"(looked for {LOOKED_FOR})"
             )
         if not top:
             raise InputError(
-                f"`data` {root}: no images found (looked for {', '.join(sorted(IMAGE_EXTENSIONS))} "
-                f"in class sub-folders and at the top level)"
+                f"`data` {root}: no images found (looked for {LOOKED_FOR}, in class sub-folders and at the top level)"
             )
         refs = top
         labels = [UNLABELLED] * len(refs)

@@ -141,12 +141,12 @@ def _numbers(values, name: str) -> tuple[float, ...]:
 def to_mode(image: Image.Image, mode: str) -> Image.Image:
     """Convert any PIL image to 8-bit grey or RGB.
 
-    16-bit and 32-bit integer images are rescaled to 8 bits (PIL's own conversion
+    Integer images are rescaled to 8 bits as `_integer_to_grey` says (PIL's own conversion
     clips them), floating-point ones as `_float_to_grey` says, and transparency is
     composited on white rather than dropped to black.
     """
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        image = image.point(lambda v: v / 256).convert("L")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        image = _integer_to_grey(image)
     elif image.mode == "F":
         image = _float_to_grey(image)
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
@@ -154,6 +154,25 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
     return image.convert(mode)
+
+
+INTEGER_RANGES = (255, 65535, 2**31 - 1)  # the largest value of 8 and 16 bits, and of mode I (signed 32 bits)
+
+
+def _integer_to_grey(image: Image.Image) -> Image.Image:
+    """A 16- or 32-bit integer image as 8-bit grey, each value scaled by 255/max of its range.
+    A 16-bit mode (I;16) declares 0..65535. The 32-bit mode I holds what files store in
+    8, 16 or 32 bits (Pillow reads integer TIFFs as I): its range is the smallest of
+    0..255, 0..65535, 0..2³¹−1 (mode I is signed) that holds its largest value, so that an
+    8-bit picture stored in 32 bits is not divided into black. Negative values have no
+    meaning as pixels: the image is refused (ValueError: skipped as unreadable)."""
+    low, high = image.getextrema()
+    if low < 0:
+        raise ValueError(f"an integer image with negative values (down to {low}); save it with values of 0 or more")
+    top = 65535 if image.mode.startswith("I;16") else next(r for r in INTEGER_RANGES if high <= r)
+    if top == 255:
+        return image.convert("L") if image.mode == "I" else image.point(lambda v: v).convert("L")
+    return image.point(lambda v: v * (255 / top) + 0.5).convert("L")
 
 
 def _float_to_grey(image: Image.Image) -> Image.Image:
