@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from cafa_cli.data.folders import BYTES_PER_PIXEL, DEFAULT_BUDGET_MB, read_image, within_budget
+from cafa_cli.data.folders import read_image, within_budget
+from cafa_cli.data.values import BYTES_PER_PIXEL, DEFAULT_BUDGET_MB
 
 BUDGET = DEFAULT_BUDGET_MB * 2**20
 PILLOW_LIMIT = 2 * Image.MAX_IMAGE_PIXELS  # beyond it Pillow refuses the header itself

@@ -199,13 +199,14 @@ _SYMMETRY_TOLERANCE = 1e-5  # |Σ − Σᵀ| allowed, relative to the largest |�
 
 def _check_covariance(sigma: torch.Tensor, path) -> None:
     """Global FA's covariance: symmetric and positive semi-definite, as the factors are checked
-    (a Cholesky factorisation with a jitter of 1e-6 of the mean variance, which a singular
-    but valid covariance passes and an indefinite one fails)."""
+    (a Cholesky factorisation with a jitter of d·1e-7 of its largest entry, the most that
+    float32 rounding of a singular covariance can push an eigenvalue below 0: a valid one
+    passes, one with an eigenvalue of the order of -max|Σ| fails)."""
     scale = float(sigma.abs().amax()) or 1.0
     if float((sigma - sigma.T).abs().amax()) > _SYMMETRY_TOLERANCE * scale:
         raise bad(path, "tensor 'global_covariance' is not symmetric; re-create the artifact with cafa stats")
     sigma64 = sigma.double()
-    jitter = 1e-6 * max(float(sigma64.diagonal().mean()), 0.0) + 1e-30
+    jitter = len(sigma64) * 1e-7 * scale
     _, info = torch.linalg.cholesky_ex(sigma64 + jitter * torch.eye(len(sigma64), dtype=torch.float64))
     if int(info) != 0 or (sigma64.diagonal() < 0).any():
         raise bad(path, "tensor 'global_covariance' is not positive semi-definite (a covariance never is otherwise); "

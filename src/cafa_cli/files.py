@@ -10,7 +10,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from cafa_cli.errors import CafaError, InputError, UsageError, WouldOverwrite
+from cafa_cli.errors import CafaError, InputError, WouldOverwrite
 
 
 def check_writable(path: str | Path) -> Path:

@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli.cli import commands
 from cafa_cli.cli.defaults import CommandOptions, read_defaults
-from cafa_cli.data.folders import decode_budget
+from cafa_cli.data.values import decode_budget
 from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors, reader_gone, reports_errors
 from cafa_cli.cli.options import PanelledCommand
 from cafa_cli.cli.streams import prepare_standard_streams

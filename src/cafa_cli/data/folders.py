@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import InputError, listing
 from cafa_cli.data.domain import Domain, UNLABELLED
+from cafa_cli.data.values import BUDGET_VARIABLE, BYTES_PER_PIXEL, decode_budget
 
 
 # Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
@@ -70,30 +71,6 @@ def _holds(folder: str, inner: str) -> bool:
     return os.path.commonpath([real, inner]) == real
 
 
-
-
-# Decoding budget: the most memory one image's decoded pixels may take, per loader
-# process (CAFA_DECODE_BUDGET_MB, default 150 MB: 50 megapixels of 8-bit RGB). The header
-# is read first; a JPEG above the budget is decoded at 1/2, 1/4 or 1/8 of its size by its
-# own DCT scaling (Image.draft), anything else is skipped as unreadable with its size named.
-# Pillow's own limit (about 179 megapixels) would let a 373 KB PNG take gigabytes.
-BUDGET_VARIABLE = "CAFA_DECODE_BUDGET_MB"
-DEFAULT_BUDGET_MB = 150
-BYTES_PER_PIXEL = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "La": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4,
-                   "RGBa": 4, "RGBX": 4, "CMYK": 4, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}
-
-
-def decode_budget() -> int:
-    """The decoding budget in bytes, from CAFA_DECODE_BUDGET_MB (a positive number of MB)."""
-    text = os.environ.get(BUDGET_VARIABLE)
-    try:
-        megabytes = float(text) if text else DEFAULT_BUDGET_MB
-    except ValueError:
-        megabytes = math.nan
-    if not 0 < megabytes < math.inf:
-        raise UsageError(f"{BUDGET_VARIABLE}={text!r}: give the decoding budget in MB, a positive number (default "
-                         f"{DEFAULT_BUDGET_MB})")
-    return int(megabytes * 2**20)
 
 
 def within_budget(image: Image.Image, budget: int) -> Image.Image:

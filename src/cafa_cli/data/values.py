@@ -95,3 +95,27 @@ def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
     if kind == "dirichlet" and 0.0 < value < float("inf"):
         return kind, value
     raise UsageError(f"`{name}` must be {ORDER_FORMS}, not {text!r}")
+
+
+# Decoding budget: the most memory one image's decoded pixels may take, per loader
+# process (CAFA_DECODE_BUDGET_MB, default 150 MB: 50 megapixels of 8-bit RGB). The header
+# is read first; a JPEG above the budget is decoded at 1/2, 1/4 or 1/8 of its size by its
+# own DCT scaling (Image.draft), anything else is skipped as unreadable with its size named.
+# Pillow's own limit (about 179 megapixels) would let a 373 KB PNG take gigabytes.
+BUDGET_VARIABLE = "CAFA_DECODE_BUDGET_MB"
+DEFAULT_BUDGET_MB = 150
+BYTES_PER_PIXEL = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "La": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4,
+                   "RGBa": 4, "RGBX": 4, "CMYK": 4, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}
+
+
+def decode_budget() -> int:
+    """The decoding budget in bytes, from CAFA_DECODE_BUDGET_MB (a positive number of MB)."""
+    text = os.environ.get(BUDGET_VARIABLE)
+    try:
+        megabytes = float(text) if text else DEFAULT_BUDGET_MB
+    except ValueError:
+        megabytes = math.nan
+    if not 0 < megabytes < math.inf:
+        raise UsageError(f"{BUDGET_VARIABLE}={text!r}: give the decoding budget in MB, a positive number (default "
+                         f"{DEFAULT_BUDGET_MB})")
+    return int(megabytes * 2**20)
