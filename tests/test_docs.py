@@ -44,3 +44,12 @@ def test_the_error_inventory_states_its_own_count_and_numbers_each_case_once():
     stated = re.search(r"\*\*(\d+) documented cases\*\*, (\d+) numbered\s+bad inputs and (\d+) other",
                        (ROOT / "docs" / "errors.md").read_text(encoding="utf-8"))
     assert stated and tuple(map(int, stated.groups())) == (len(numbered) + len(other), len(numbered), len(other))
+
+
+def test_the_license_is_the_spdx_string_setuptools_builds_without_a_deprecation_warning():
+    """`make demo` printed setuptools' warning (with a date after which builds break) for the TOML-table form."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "MIT" and project["project"]["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in project["build-system"]["requires"]
