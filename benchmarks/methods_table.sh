@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every method under four stream settings on Fashion-MNIST-C (docs/results.md, "Every method
-# under four stream settings"), end to end:
+# Every method under four stream settings on Fashion-MNIST-C, before the recipes (docs/results.md, "Every method
+# under four stream settings, before the recipes"), end to end; recipes_table.sh runs the current table:
 #   1. build the 15 benchmark and 4 held-out corruptions at severity 3
 #   2. choose each method's learning rate from {1e-3, 3e-3, 1e-2} on the 4 held-out ones (seed 0)
 #   3. run the chosen rows on the 15 under iid, label-shift:1.0 and dirichlet:0.01 (one bench),

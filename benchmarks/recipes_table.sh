@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The methods table of docs/results.md ("Every method under four stream settings") with every
+# The methods table of docs/results.md ("Every method at its published recipe") with every
 # row at its published recipe (recipes/*.toml, cifar10-c: the family `auto` picks for the
 # bundled 10-class fmnist-resnet): no learning rate is chosen, the recipe gives it.
 #   1. build the 15 benchmark corruptions at severity 3
