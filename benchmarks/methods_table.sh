@@ -6,7 +6,8 @@
 #   3. run the chosen rows on the 15 under iid, label-shift:1.0 and dirichlet:0.01 (one bench),
 #      and as one continual stream (--reset never, a second bench beside the first)
 #   4. print one methods x settings table (benchmarks/combine_tables.py)
-# Every bench runs with --recipe none: the command line's settings for every method, as that table did.
+# Every bench runs with --recipe none: the command line's settings for every method, as that table did
+# (since then LAME's default affinity is rbf, that table's was knn, symmetric; CoTTA's views translate 1/8).
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 # TEST_PER_CLASS=0 gives the full 10,000-image domains (hours on a 2-core CPU; the table in
 # docs/results.md used 300, 3,000 images a domain). Results land in $OUT.
