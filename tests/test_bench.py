@@ -262,7 +262,8 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
     def fake_prepare(config, monitor=None):
         calls.append((config.method, config.seed))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [], groups=None, clean=None)
+        return SimpleNamespace(run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [],
+                               groups=None, clean=None)
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     config, rows = BenchConfig(data=["d"], model="m"), parse_methods("source,bn,tent")
@@ -424,7 +425,8 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
 
     def fake_prepare(config, monitor=None):
         ran.append((config.stats, config))
-        return SimpleNamespace(run=lambda monitor: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [], groups=None, clean=None)
+        return SimpleNamespace(run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [],
+                               groups=None, clean=None)
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, norm="prior:4", reset="episodic", lr=1e-3)

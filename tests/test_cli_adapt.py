@@ -320,8 +320,9 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
     result = adapt(setup, "--method", "bn", "--batch-size", "89", "--mean", "0.5")  # 90 images: 89 + 1
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert result.exit_code == 0 and len(warnings) == 2, result.stderr
-    assert "the last batch of test holds 1 image" in warnings[0]
-    assert "--mean/--std/--channels differ from the statistics' (mean [0.0], std [1.0], 1 channel(s))" in warnings[1]
+    # the settings' warnings first; the batch caution at the first batch read
+    assert "--mean/--std/--channels differ from the statistics' (mean [0.0], std [1.0], 1 channel(s))" in warnings[0]
+    assert "the last batch of test holds 1 image" in warnings[1]
 
 
 def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics():

@@ -755,3 +755,13 @@ def test_an_integer_image_predicts_as_the_8_bit_picture_it_holds(setup, tmp_path
     eight_rows, wide_rows = rows(adapt(setup, eight, "--method", "source")), rows(adapt(setup, wide, "--method", "source"))
     assert len(eight_rows) == len(wide_rows) == 6
     assert [(r["prediction"], r["confidence"]) for r in eight_rows] == [(r["prediction"], r["confidence"]) for r in wide_rows]
+
+
+def test_a_domain_whose_only_image_is_unreadable_gets_its_error_without_batch_warnings(setup, tmp_path):
+    """The batch-size cautions (a last batch of one image, one batch) are said at the first batch read: none here."""
+    data = tmp_path / "d" / "a"
+    data.mkdir(parents=True)
+    (data / "x.png").write_text("not an image")
+    result = adapt(setup, data.parent, "--method", "tent", "--batch-size", "200")
+    fails(result, 3, "none of its 1 image(s) could be read")
+    assert "holds 1 image" not in result.stderr and "fits in one batch" not in result.stderr

@@ -136,27 +136,13 @@ class Adaptation:
             notes.append(f"`norm` {s.norm} changes nothing here: "
                          + ("the model has no BatchNorm layers" if self.adapter.method.adapts_normalisation
                             else f"`method` {s.method} keeps its own normalisation statistics"))
-        # each batch normalised by its own statistics (class-balanced: corrected, but its own)
-        kind, prior = parse_norm(self.adapter.norm)
-        batch_statistics = (kind in ("batch", "class-balanced") or prior == 0.0) and self.adapter.batch_norms > 0
-        if s.batch_size == 1 and batch_statistics:
+        if s.batch_size == 1 and self._batch_statistics():
             notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
                          "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`")
-        streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
-            _short_name(d.name): len(d) for d in domains}
-        alone = [name for name, n in streams.items() if n % s.batch_size == 1]
-        if s.batch_size > 1 and batch_statistics and alone:
-            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
-                         f"choose a `batch_size` that leaves more, or add `norm` prior:16")
         grouped = [_short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
         if not s.shuffle and s.method != "source" and grouped:
             notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
                          f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
-        one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
-        if s.method in PREDICT_AS_BN_BEFORE_UPDATING and s.reset == "domain" and one_batch:
-            # each batch is predicted before the update it gives (the online protocol)
-            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
-                         f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
         stored_cropped = [d for d in s.data if (benchmark_of(d) or ("",))[0] == "imagenet-c"]
         if stored_cropped and (self.preprocess.resize or self.preprocess.crop):
             # RobustBench #59: resizing and cropping them again zooms in and costs accuracy silently
@@ -171,8 +157,36 @@ class Adaptation:
                          f"{made.channels} channel(s)): the features will not match the statistics")
         return notes
 
-    def run(self, on_records=lambda records: None, monitor: Monitor | None = None) -> list[DomainResult]:
+    def _batch_statistics(self) -> bool:
+        """Whether each batch is normalised by its own statistics (class-balanced: corrected, but its own)."""
+        kind, prior = parse_norm(self.adapter.norm)
+        return (kind in ("batch", "class-balanced") or prior == 0.0) and self.adapter.batch_norms > 0
+
+    def batch_cautions(self) -> list[str]:
+        """The cautions about how the domains' images fall into batches (a last batch of one
+        image, a domain of one batch): said at the first batch read, so that a domain none
+        of whose images can be read gets its error alone."""
+        s, notes = self.config, []
+        domains = list({id(domain): domain for domain in self.domains}.values())
+        streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
+            _short_name(d.name): len(d) for d in domains}
+        alone = [name for name, n in streams.items() if n % s.batch_size == 1]
+        if s.batch_size > 1 and self._batch_statistics() and alone:
+            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
+                         f"choose a `batch_size` that leaves more, or add `norm` prior:16")
+        one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
+        if s.method in PREDICT_AS_BN_BEFORE_UPDATING and s.reset == "domain" and one_batch:
+            # each batch is predicted before the update it gives (the online protocol)
+            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
+                         f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
+        return notes
+
+    def run(self, on_records=lambda records: None, monitor: Monitor | None = None,
+            warned: set[str] | None = None) -> list[DomainResult]:
+        """The stream; warnings to `monitor`, each of the batch cautions once (not again when in
+        `warned`, which gets them: a bench's runs share one)."""
         monitor = monitor or Monitor()
+        warned = set() if warned is None else warned
         outputs_checked = []
         statistics_size = statistics_input_size(self.statistics_preprocess, self.statistics_sampling)
 
@@ -183,6 +197,10 @@ class Adaptation:
                 monitor.warn(note)
             if not outputs_checked:
                 outputs_checked.append(True)
+                for caution in self.batch_cautions():
+                    if caution not in warned:
+                        warned.add(caution)
+                        monitor.warn(caution)
                 if constant_outputs(logits):
                     monitor.warn(constant_outputs_note(_short_name(domain.name), len(logits)))
 

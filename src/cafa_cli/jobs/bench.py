@@ -310,7 +310,7 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
         monitor.info(f"{row.label} seed {seed}")
         if settings is not None:
             settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
-        for domain, result in zip(config.data, per_domain(job.run(monitor=monitor), job.groups, config.data)):
+        for domain, result in zip(config.data, per_domain(job.run(monitor=monitor, warned=warned), job.groups, config.data)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             results[(row.label, domain, seed)] = result
