@@ -97,7 +97,6 @@ def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str]
     return given
 
 
-
 def chosen_settings(ctx: typer.Context, settings: dict) -> tuple[str, ...]:
     """The settings the user chose, on the command line or in cafa.toml (any value that is
     not the option's default): a recipe leaves them as they are."""

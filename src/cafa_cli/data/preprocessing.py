@@ -170,8 +170,8 @@ def _integer_to_grey(image: Image.Image) -> Image.Image:
     if low < 0:
         raise ValueError(f"an integer image with negative values (down to {low}); save it with values of 0 or more")
     top = 65535 if image.mode.startswith("I;16") else next(r for r in INTEGER_RANGES if high <= r)
-    if top == 255:
-        return image.convert("L") if image.mode == "I" else image.point(lambda v: v).convert("L")
+    if top == 255:  # mode I only: a 16-bit mode's range is 65535
+        return image.convert("L")
     return image.point(lambda v: v * (255 / top) + 0.5).convert("L")
 
 

@@ -105,11 +105,15 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
 def row_method_options(config: BenchConfig, method: str) -> list[str]:
     """The `method_option` entries for a row of `method`, as NAME=VALUE: those scoped to
     it (METHOD.NAME=VALUE) and the plain ones it takes."""
+    return [f"{name}={value}" for scope, name, value in parse_method_options(config.method_option)
+            if scope == method or (scope is None and name in _options_taken(method))]
+
+
+def _options_taken(method: str) -> set[str]:
+    """The names of a built-in method's own options; a plug-in's are known when it is made."""
     from cafa_cli.method.methods import is_plugin, options_of
 
-    takes = set() if is_plugin(method) else {option.name for option in options_of(method)}
-    return [f"{name}={value}" for scope, name, value in parse_method_options(config.method_option)
-            if scope == method or (scope is None and name in takes)]
+    return set() if is_plugin(method) else {option.name for option in options_of(method)}
 
 
 def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
@@ -119,7 +123,7 @@ def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
         entry = f"{scope + '.' if scope else ''}{name}={value}"
         if scope is not None and scope not in methods:
             raise UsageError(f"`method_option` {entry}: no row runs the method {scope} (rows: {', '.join(sorted(methods))})")
-        if scope is None and not any(f"{name}={value}" in row_method_options(config, method) for method in methods):
+        if scope is None and not any(name in _options_taken(method) for method in methods):
             raise UsageError(f"`method_option` {entry}: no row's method takes the option {name}; cafa methods NAME lists "
                              f"a method's options")
 

@@ -8,7 +8,8 @@ from dataclasses import fields
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, method_class
-from cafa_cli.recipes import FAMILIES, SETTINGS, description, read_file, shipped, to_toml
+from cafa_cli.method.options import resolve_options, shown
+from cafa_cli.recipes import FAMILIES, SETTINGS, description, recipe_for, shipped, to_toml
 
 COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "step ÷ TENT (CPU)")
 TRAINING_SETTINGS = ("optimizer", "lr", "momentum", "steps", "params")  # meaningless for a method that does not train
@@ -49,45 +50,22 @@ def method_recipe(name: str, recipe: str = "none") -> str:
     if recipe == "auto":
         raise UsageError("`recipe` auto chooses a family from the test data and the model; name one: "
                          f"{', '.join(FAMILIES)} (or none, or a .toml file)")
-    method = method_class(name)
-    if recipe == "none":
-        chosen, family, source = None, None, "none: the settings' own defaults"
-    elif recipe.endswith(".toml"):
-        chosen = read_file(recipe).get(name)
-        if chosen is None:
-            raise UsageError(f"`recipe` {recipe} has no table for the method {name}")
-        family, source = chosen.family, chosen.source
-    elif recipe in FAMILIES:
-        chosen = shipped(name, recipe)
-        if chosen is None:
-            raise UsageError(f"the method {name} has no recipe for {recipe}")
-        family, source = recipe, chosen.source
-    else:
+    if recipe not in (*FAMILIES, "none") and not recipe.endswith(".toml"):
         raise UsageError(f"`recipe` must be one of {', '.join(FAMILIES)}, none, or a .toml file, not {recipe!r}")
+    chosen = recipe_for(recipe, name, [], None)  # None for `none`
+    method = method_class(name)
     defaults = {f.name: f.default for f in fields(AdaptConfig) if f.name in SETTINGS}
     relevant = [key for key in SETTINGS if (method.trains or key not in TRAINING_SETTINGS)
                 and (key != "fisher_samples" or name == "eata")]
     settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
-    options = {option.name: option.default for option in method.options}
-    for key, value in (chosen.options if chosen else {}).items():
-        options[key] = _option(method, key).value(name, value)
+    options = resolve_options(name, method.options, chosen.options if chosen else {})
     about = description(name)
     header = [f"# {name}: {about['summary']}", f"# paper: {about['paper']}", f"# adapts: {about['adapts']}",
               f"# needs an artifact (cafa stats): {'yes' if name in NEEDS_STATISTICS else 'no'}",
               f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
               "# each option: its value here, then what it does and accepts (default)"]
-    comments = {option.name: f"{option.help}; {option.accepts()} (default {_shown(option.default)})"
+    comments = {option.name: f"{option.help}; {option.accepts()} (default {shown(option.default)})"
                 for option in method.options}
-    return "\n".join(header) + "\n\n" + to_toml(name, settings, options, family=family, source=source, comments=comments)
-
-
-def _option(method, key: str):
-    found = {option.name: option for option in method.options}.get(key)
-    if found is None:
-        raise UsageError(f"the recipe gives {method.name} an option {key} it does not take")
-    return found
-
-
-def _shown(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).lower() if isinstance(value, bool) \
-        else str(value)
+    source = chosen.source if chosen else "none: the settings' own defaults"
+    return "\n".join(header) + "\n\n" + to_toml(name, settings, options, family=chosen and chosen.family, source=source,
+                                                 comments=comments)

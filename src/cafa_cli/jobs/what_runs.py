@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.method.options import shown
 
 
 def adapting_line(adapted: dict, method: str) -> str:
@@ -72,13 +73,9 @@ def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
     keys = ("optimizer", "lr", "momentum", "batch_size", "params") if trains else ("batch_size",)
     values = ", ".join(f"{key} {recorded[key]}" for key in keys
                        if recipe.get("origin") is None or key in recipe.get("settings", {}))
-    chosen = "; ".join(filter(None, [values, ", ".join(f"{key} {_plain(value)}" for key, value in options.items())]))
+    chosen = "; ".join(filter(None, [values, ", ".join(f"{key} {shown(value)}" for key, value in options.items())]))
     if recipe.get("origin") is None:
         why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"
         return f"no recipe for {method} ({why}): {chosen}"
     name = recipe["name"] or recipe["origin"]
     return f"recipe {name} for {method}: {chosen}"
-
-
-def _plain(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

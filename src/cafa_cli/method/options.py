@@ -165,6 +165,13 @@ _CONVERT = {
 }
 
 
+def shown(value) -> str:
+    """An option's value as the command line writes it: `layer4,blocks.9`, `false`."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def resolve_options(method: str, declared: tuple[Option, ...], given: dict) -> dict:
     """Every option of `method`: its default, replaced by those `given` (each checked); an
     option it does not take is a UsageError that lists those it does."""

@@ -107,7 +107,7 @@ def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     declared = getattr(factory, "options", ())
     if not isinstance(declared, tuple) or not all(isinstance(option, Option) for option in declared):
         raise InputError(f"`method` {spec}: {function}.options must be a tuple of cafa_cli.method.options.Option")
-    options = resolve_options(spec, declared, options) if declared or options else {}
+    options = resolve_options(spec, declared, options)
     try:
         method = factory(gaussians, device, **options)
     except (Exception, SystemExit) as error:  # a user's code can fail in any way; one line
