@@ -4,6 +4,7 @@ must be right the first time, since a device session rarely gets a second call."
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,18 +83,22 @@ def test_imagenet_c_speed_times_the_real_command_and_profiles_it(tmp_path):
 
 
 def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
-    """Here 'before' is a copy of today's two files: only the script's mechanics are checked."""
-    before = tmp_path / "before"
-    before.mkdir()
-    for name in ("adapter", "distances"):
-        (before / f"{name}.py").write_text((BENCHMARKS.parent / "src/cafa_cli/method" / f"{name}.py").read_text())
+    """Here 'before' is a copy of today's package: only the script's mechanics are checked
+    (the copy is imported as a second package, beside today's). Then today's step alone."""
+    shutil.copytree(BENCHMARKS.parent / "src" / "cafa_cli", tmp_path / "before" / "cafa_cli")
     out = tmp_path / "sync.json"
-    printed = run("step_sync.py", "--before", before, "--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1,
-                  "--covariances", "diag", "--repeats", 1, "--rounds", 2, "--device", "cpu", "--json", out).stdout
+    common = ("--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1, "--covariances", "diag", "--repeats", 1,
+              "--rounds", 2, "--device", "cpu", "--json", out)
+    printed = run("step_sync.py", "--before", tmp_path / "before", *common).stdout
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["tent", "cafa-diag"] and "after/before" in printed
     assert all(len(row["rounds"]["before"]) == len(row["rounds"]["after"]) == 2 for row in rows.values())
     assert all(row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"] for row in rows.values() for which in row["counted"])
+    assert all(row["counted"]["before"] == row["counted"]["after"] for row in rows.values())  # the same code, both sides
+    assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
+    run("step_sync.py", *common)  # no earlier commit: today's step, counted
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows["tent"]["counted"]) == {"after"} and "before" not in rows["cafa-diag"]["rounds"]
     assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
 
 
