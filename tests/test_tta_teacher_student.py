@@ -203,7 +203,7 @@ def test_the_memory_bank_replaces_as_cstu_does(K, C):
     labels = [0] * 10 + [1] * 3 + [0] * 4 + [c % C for c in [2, 1, 0, 2, 2, 2, 1, 0, 1, 1, 2, 0]] + skewed
     for ident, c in enumerate(labels):
         u = float(torch.rand((), generator=g))
-        bank.add(torch.full((2,), float(ident)), torch.tensor(c), torch.tensor(u), ident)
+        bank.add(torch.full((1, 2), float(ident)), torch.tensor([c]), torch.tensor([u]), ident)
         reference.add(c, u, ident)
         filled = bank.occupied
         got = sorted(zip(bank.labels[filled].tolist(), bank.samples[filled][:, 0].long().tolist(),
@@ -212,10 +212,121 @@ def test_the_memory_bank_replaces_as_cstu_does(K, C):
     assert int(bank.occupied.sum()) == K
 
 
+class DeviceBank:
+    """The bank as it was before the host bookkeeping: every sample decided on the device
+    with torch.where, one sample at a time (the reference the batched bank must match bit for bit)."""
+
+    def __init__(self, C: int, K: int, lambda_t: float = 1.0, lambda_u: float = 1.0):
+        self.C, self.K, self.lambda_t, self.lambda_u, self.per_class = C, K, lambda_t, lambda_u, K / C
+        self.slots = None
+
+    def scores(self, ages, uncertainties):
+        return (self.lambda_t / (1 + torch.exp(-ages.double() / self.K))
+                + self.lambda_u * uncertainties.double() / math.log(self.C))
+
+    def add(self, sample, label, uncertainty, arrival):
+        K = self.K
+        if self.slots is None:
+            self.slots = sample.new_zeros((K + 1, *sample.shape))
+            self.labels = torch.full((K,), -1, dtype=torch.int64)
+            self.uncertainties = torch.zeros(K, dtype=torch.float64)
+            self.age_counts = torch.zeros(K, dtype=torch.int64)
+            self.arrivals = torch.zeros(K, dtype=torch.int64)
+        occupied = self.labels >= 0
+        counts = ((self.labels.unsqueeze(1) == torch.arange(self.C)) & occupied.unsqueeze(1)).sum(0)
+        own = counts.gather(0, label.view(1)).squeeze(0)
+        room_in_class = own < self.per_class
+        room = occupied.sum() < K
+        majority = (counts == counts.max()).gather(0, self.labels.clamp_min(0))
+        candidates = occupied & torch.where(room_in_class, majority, self.labels == label)
+        scores = torch.where(candidates, self.scores(self.age_counts, self.uncertainties), -math.inf)
+        best = scores.max()
+        ties = candidates & (scores == best)
+        victim = torch.where(ties, self.labels * (1 << 40) + self.arrivals, -1).argmax()
+        new_score = self.scores(torch.zeros_like(self.age_counts[0]), uncertainty)
+        replace = ~(room_in_class & room) & (best > new_score)
+        enters = (room_in_class & room) | replace
+        first_empty = (~occupied).int().argmax()
+        slot = torch.where(replace, victim, first_empty)
+        self.slots.index_copy_(0, torch.where(enters, slot, K).view(1), sample.unsqueeze(0))
+        here = enters & (torch.arange(K) == slot)
+        self.labels = torch.where(here, label, self.labels)
+        self.uncertainties = torch.where(here, uncertainty.double(), self.uncertainties)
+        self.arrivals = torch.where(here, arrival, self.arrivals)
+        self.age_counts = torch.where(here, 0, self.age_counts) + (self.labels >= 0).long()
+
+
+@pytest.mark.parametrize("K, C, batch, every, lambda_t", [(64, 10, 16, 64, 1.0), (64, 10, 64, 64, 1.0), (10, 3, 7, 5, 1.0),
+                                                          (5, 3, 4, 0, 1.0), (12, 12, 9, 4, 1.0), (64, 1000, 32, 64, 1.0),
+                                                          (10, 3, 8, 8, 0.0), (64, 10, 16, 64, 0.0)])
+def test_the_batched_bank_keeps_what_the_device_bank_kept(K, C, batch, every, lambda_t):
+    """Offered a batch at a time (decided on the host), the bank holds exactly what the
+    per-sample device bank holds at every pause: labels, ages, samples, bit for bit; on a
+    skewed stream with runs of one class, tied uncertainties and a NaN (λ_t = 0: ties of
+    the score itself, which distinct ages otherwise rule out)."""
+    g = torch.Generator().manual_seed(K * 1000 + C)
+    bank, reference = MemoryBank(C, K, lambda_t), DeviceBank(C, K, lambda_t)
+    arrival, offered = 0, 0
+    for b in range(40):
+        labels = torch.multinomial(torch.linspace(1, 0.05, C) ** 2, batch, replacement=True, generator=g)
+        if b % 5 == 1:
+            labels[:] = labels[0]  # a run of one class
+        u = torch.rand(batch, generator=g) * math.log(C)
+        if b % 3 == 0:
+            u = (u * 4).round() / 4  # ties
+        if b == 7:
+            u[batch // 2] = float("nan")
+        samples = torch.randn(batch, 3, 2, 2, generator=g)
+        pauses = []
+        for number in bank.offer(samples, labels, u, arrival, every):
+            pauses.append(number)
+        for n in range(batch):
+            reference.add(samples[n], labels[n], u[n], arrival + n)
+            offered += 1
+            if every and offered % every == 0:
+                assert offered in pauses
+        arrival += batch
+        assert torch.equal(bank.labels, reference.labels), b
+        assert torch.equal(bank.age_counts, reference.age_counts), b
+        assert torch.equal(bank.samples, reference.slots[:K]), b
+        assert bank.ages.dtype == torch.float32 and torch.equal(bank.occupied, reference.labels >= 0)
+    assert bank.filled == int((reference.labels >= 0).sum())
+
+
+def test_the_pauses_show_the_bank_as_the_paused_at_sample_left_it():
+    """A training step within a batch sees the bank after exactly the samples before it."""
+    g = torch.Generator().manual_seed(2)
+    labels, u = torch.randint(0, 3, (11,), generator=g), torch.rand(11, generator=g)
+    samples = torch.randn(11, 2, generator=g)
+    bank, reference = MemoryBank(3, 5), DeviceBank(3, 5)
+    seen, done = [], 0
+    for number in bank.offer(samples, labels, u, 1, every=4):  # samples 2..12: pauses after 4, 8 and 12
+        seen.append(number)
+        for n in range(done, number - 1):  # the reference up to the paused-at sample
+            reference.add(samples[n], labels[n], u[n], 1 + n)
+        done = number - 1
+        assert torch.equal(bank.labels, reference.labels) and torch.equal(bank.age_counts, reference.age_counts)
+        assert torch.equal(bank.samples, reference.slots[:5])
+    assert seen == [4, 8, 12]
+
+
+@pytest.mark.parametrize("K", [5, 64, 100])
+def test_the_timeliness_table_is_what_the_device_computes_in_place(K):
+    """The host reads the timeliness term from a table made once on the device; it is the
+    value the scores of a [K] slot tensor hold, for any age (saturated past 40·K)."""
+    bank = MemoryBank(10, K)
+    bank.add(torch.zeros(1, 2), torch.tensor([0]), torch.tensor([0.0]), 0)
+    ages = torch.randint(0, 60 * K, (50, K))
+    for row in ages:
+        expected = bank.scores(row, torch.zeros(K)).tolist()
+        assert [bank.timeliness[min(a, len(bank.timeliness) - 1)] for a in row.tolist()] == expected
+    assert bank.timeliness[-1] == 1.0 and bank.timeliness[0] == 0.5
+
+
 def test_the_memory_bank_balances_the_classes_of_a_skewed_stream():
     bank = MemoryBank(3, 6)
     for ident, c in enumerate([0] * 20 + [1, 2] * 4):  # a long run of class 0, then the others
-        bank.add(torch.zeros(2), torch.tensor(c), torch.tensor(0.5), ident)
+        bank.add(torch.zeros(1, 2), torch.tensor([c]), torch.tensor([0.5]), ident)
     counts = [int((bank.labels == c).sum()) for c in range(3)]
     assert counts == [2, 2, 2]  # K/C each: class 0 kept only its share
 
@@ -223,7 +334,7 @@ def test_the_memory_bank_balances_the_classes_of_a_skewed_stream():
 def test_the_first_run_of_one_class_fills_only_its_share():
     bank = MemoryBank(3, 6)
     for ident in range(10):  # ten samples of class 0, certain ones (u = 0): old ones are replaced
-        bank.add(torch.zeros(2), torch.tensor(0), torch.tensor(0.0), ident)
+        bank.add(torch.zeros(1, 2), torch.tensor([0]), torch.tensor([0.0]), ident)
     assert int(bank.occupied.sum()) == 2  # K/C = 2 for class 0
     assert sorted(bank.age_counts[bank.occupied].tolist()) == [1, 2]  # the newest two, as each old one scores higher
 

@@ -1,5 +1,5 @@
 """RoTTA's category-balanced sampling with timeliness and uncertainty (CSTU): a memory
-bank of test samples, kept on the device so that adding to it reads no device value.
+bank of test samples on the device, whose bookkeeping is kept on the host.
 
 Each stored sample has its pseudo-label c (the teacher's), its uncertainty u (the entropy
 of the teacher's prediction) and its age a (the samples offered since it was stored, its
@@ -16,24 +16,36 @@ and a new sample (a = 0) of class c enters when:
 otherwise it is dropped. Ties go to the last in the official code's order (by class,
 then by arrival). Then every stored sample ages by one.
 
+Whether a sample enters depends on the bank as the previous one left it, so the samples
+of a batch are decided one after the other, but on the host: the batch's labels and
+λ_u·u/ln C come over in one transfer, the timeliness term is a table of every age's value
+made once on the device (past 40·K ages it is λ_t exactly: exp(−40) vanishes next to 1),
+and each decision is arithmetic on Python numbers. The same device ops make both terms as
+before and their sum is one IEEE addition, on the host as on the device, so the bank
+keeps exactly the samples it kept when it decided on the device. The samples are then
+written with one index_copy_, and the labels and ages the training step reads with one
+host-to-device copy.
+
 Defaults, as the official code: K = 64, λ_t = λ_u = 1.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
 CAPACITY = 64
 LAMBDA_T = 1.0
 LAMBDA_U = 1.0
-_CLASS_KEY = 1 << 40  # (class, arrival) as one integer: arrival counts stay far below it
+SATURATION = 40  # ages of SATURATION·K and more: exp(−a/K) < 2^−53, so 1 + it rounds to 1
 
 
 class MemoryBank:
-    """The CSTU bank: `add(sample, label, uncertainty, arrival)` one sample at a time,
-    `samples`/`occupied`/`ages` for a training step. Slots are allocated on the first add."""
+    """The CSTU bank: `offer(samples, labels, uncertainties, arrival, every)` for a batch
+    (`add` when no step interleaves), `samples`/`occupied`/`ages` for a training step.
+    Slots are allocated on the first offer."""
 
     def __init__(self, num_classes: int, capacity: int = CAPACITY, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
         self.num_classes, self.capacity, self.lambda_t, self.lambda_u = num_classes, capacity, lambda_t, lambda_u
@@ -41,22 +53,27 @@ class MemoryBank:
         self.reset()
 
     def reset(self) -> None:
-        self.slots: torch.Tensor | None = None  # [K + 1, ...]: the last one takes the samples that do not enter
+        self.slots: torch.Tensor | None = None  # [K, ...] on the device
+        K = self.capacity
+        # the host's bookkeeping, per slot: pseudo-label (-1: empty), λ_u·u/ln C, arrival, and
+        # the offers made before it entered (its age is `clock` minus that)
+        self.host_labels, self.host_terms, self.host_arrivals, self.entered = [-1] * K, [0.0] * K, [0] * K, [0] * K
+        self.class_counts = [0] * self.num_classes
+        self.filled = 0
+        self.clock = 0  # offers made
 
-    def _allocate(self, sample: torch.Tensor) -> None:
-        K, device = self.capacity, sample.device
-        self.slots = sample.new_zeros((K + 1, *sample.shape))
+    def _allocate(self, samples: torch.Tensor) -> None:
+        K, device = self.capacity, samples.device
+        self.slots = samples.new_zeros((K, *samples.shape[1:]))
         self.labels = torch.full((K,), -1, dtype=torch.int64, device=device)  # -1: empty
-        self.uncertainties = torch.zeros(K, dtype=torch.float64, device=device)
         self.age_counts = torch.zeros(K, dtype=torch.int64, device=device)
-        self.arrivals = torch.zeros(K, dtype=torch.int64, device=device)
-        self.slot_numbers = torch.arange(K, device=device)
-        self.class_numbers = torch.arange(self.num_classes, device=device)
+        ages = torch.arange(SATURATION * K + 1, device=device)
+        self.timeliness = self.timeliness_terms(ages).tolist()  # one transfer per bank
 
     @property
     def samples(self) -> torch.Tensor:
         """[K, ...]: the stored samples (zeros where empty)."""
-        return self.slots[: self.capacity]
+        return self.slots
 
     @property
     def occupied(self) -> torch.Tensor:
@@ -67,34 +84,101 @@ class MemoryBank:
         """Each slot's age over the capacity, a/K (float32, as the official weights take it)."""
         return self.age_counts.float() / self.capacity
 
-    def scores(self, ages: torch.Tensor, uncertainties: torch.Tensor) -> torch.Tensor:
-        return (self.lambda_t / (1 + torch.exp(-ages.double() / self.capacity))
-                + self.lambda_u * uncertainties.double() / math.log(self.num_classes))
+    def timeliness_terms(self, ages: torch.Tensor) -> torch.Tensor:
+        """λ_t · 1/(1 + exp(−a/K)) of each age (float64)."""
+        return self.lambda_t / (1 + torch.exp(-ages.double() / self.capacity))
 
-    def add(self, sample: torch.Tensor, label: torch.Tensor, uncertainty: torch.Tensor, arrival: int) -> None:
-        """Offer one sample (its pseudo-label and uncertainty: 0-d device tensors); `arrival`
-        numbers it among all samples offered (a host count)."""
+    def uncertainty_terms(self, uncertainties: torch.Tensor) -> torch.Tensor:
+        """λ_u · u / ln C of each uncertainty (float64)."""
+        return self.lambda_u * uncertainties.double() / math.log(self.num_classes)
+
+    def scores(self, ages: torch.Tensor, uncertainties: torch.Tensor) -> torch.Tensor:
+        """H of each (age, uncertainty), on the device."""
+        return self.timeliness_terms(ages) + self.uncertainty_terms(uncertainties)
+
+    def add(self, samples: torch.Tensor, labels: torch.Tensor, uncertainties: torch.Tensor, arrival: int) -> None:
+        """Offer `samples` [B, ...] in order (pseudo-labels and uncertainties [B], device tensors);
+        `arrival` numbers the first among all samples offered (a host count)."""
+        for _ in self.offer(samples, labels, uncertainties, arrival):
+            pass
+
+    def offer(self, samples: torch.Tensor, labels: torch.Tensor, uncertainties: torch.Tensor, arrival: int,
+              every: int = 0) -> Iterator[int]:
+        """As `add`, pausing after each sample whose number (arrival + 1 for the first) is a
+        multiple of `every` (0: never), with the bank as that sample left it: yields that
+        number. The samples are all offered once the iterator is exhausted."""
         if self.slots is None:
-            self._allocate(sample)
-        occupied = self.occupied
-        counts = ((self.labels.unsqueeze(1) == self.class_numbers) & occupied.unsqueeze(1)).sum(0)  # [C]
-        own = counts.gather(0, label.view(1)).squeeze(0)
-        room_in_class = own < self.per_class
-        room = occupied.sum() < self.capacity
-        majority = (counts == counts.max()).gather(0, self.labels.clamp_min(0))
-        candidates = occupied & torch.where(room_in_class, majority, self.labels == label)
-        scores = torch.where(candidates, self.scores(self.age_counts, self.uncertainties), -math.inf)
-        best = scores.max()
-        ties = candidates & (scores == best)
-        victim = torch.where(ties, self.labels * _CLASS_KEY + self.arrivals, -1).argmax()
-        new_score = self.scores(torch.zeros_like(self.age_counts[0]), uncertainty)
-        replace = ~(room_in_class & room) & (best > new_score)
-        enters = (room_in_class & room) | replace
-        first_empty = (~occupied).int().argmax()
-        slot = torch.where(replace, victim, first_empty)
-        self.slots.index_copy_(0, torch.where(enters, slot, self.capacity).view(1), sample.unsqueeze(0).to(self.slots.dtype))
-        here = enters & (self.slot_numbers == slot)
-        self.labels = torch.where(here, label, self.labels)
-        self.uncertainties = torch.where(here, uncertainty.double(), self.uncertainties)
-        self.arrivals = torch.where(here, arrival, self.arrivals)
-        self.age_counts = torch.where(here, 0, self.age_counts) + self.occupied.long()  # all age, the new one to 1
+            self._allocate(samples)
+        both = torch.stack([labels.double(), self.uncertainty_terms(uncertainties)])
+        new_labels, new_terms = both.tolist()  # the one device-to-host transfer
+        written: dict[int, int] = {}  # slot: index in `samples` of what goes there
+        for n, (c, term) in enumerate(zip(new_labels, new_terms)):
+            slot = self._decide(int(c), term, arrival + n)
+            if slot is not None:
+                written[slot] = n
+            number = arrival + n + 1
+            if every and number % every == 0:
+                self._write(samples, written)
+                written = {}
+                yield number
+        if len(samples) and not (every and (arrival + len(samples)) % every == 0):
+            self._write(samples, written)
+
+    def _decide(self, c: int, term: float, arrival: int) -> int | None:
+        """Decide one sample of class c (and λ_u·u/ln C `term`) on the host: the slot it
+        takes, or None; then every stored sample ages by one (the clock moves)."""
+        labels = self.host_labels
+        room_in_class = self.class_counts[c] < self.per_class
+        if room_in_class and self.filled < self.capacity:
+            slot = labels.index(-1)  # the first empty one
+        else:
+            slot = self._victim(c, room_in_class, self.timeliness[0] + term)
+        if slot is not None:
+            old = labels[slot]
+            if old >= 0:
+                self.class_counts[old] -= 1
+            else:
+                self.filled += 1
+            self.class_counts[c] += 1
+            labels[slot], self.host_terms[slot], self.host_arrivals[slot], self.entered[slot] = c, term, arrival, self.clock
+        self.clock += 1
+        return slot
+
+    def _victim(self, c: int, room_in_class: bool, new_score: float) -> int | None:
+        """The slot of highest H among the candidates (the classes holding the most samples
+        when c is below its share, else c's own), ties to the highest (class, arrival),
+        if that H is above the new sample's. A NaN among them blocks, as max does on the device."""
+        labels, table, last = self.host_labels, self.timeliness, len(self.timeliness) - 1
+        if room_in_class:
+            most = max(self.class_counts)
+            pool = {k for k, n in enumerate(self.class_counts) if n == most}
+        else:
+            pool = {c}
+        best, victim, key = -math.inf, None, (-1, -1)
+        for k, label in enumerate(labels):
+            if label not in pool:  # empty slots (-1) too
+                continue
+            score = table[min(self.clock - self.entered[k], last)] + self.host_terms[k]
+            if score != score:  # NaN
+                return None
+            if score > best or score == best and (label, self.host_arrivals[k]) > key:
+                best, victim, key = score, k, (label, self.host_arrivals[k])
+        return victim if best > new_score else None
+
+    @property
+    def host_ages(self) -> list[int]:
+        return [self.clock - e if label >= 0 else 0 for label, e in zip(self.host_labels, self.entered)]
+
+    def _write(self, samples: torch.Tensor, written: dict[int, int]) -> None:
+        """The decided samples into their slots, and the labels and ages to the device, in
+        one host-to-device copy (asynchronous on a GPU)."""
+        K, device = self.capacity, samples.device
+        host = torch.tensor(list(written) + list(written.values()) + self.host_labels + self.host_ages, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        moved = host.to(device, non_blocking=True)
+        m = len(written)
+        if m:
+            slots, sources = moved[:m], moved[m : 2 * m]
+            self.slots.index_copy_(0, slots, samples.index_select(0, sources).to(self.slots.dtype))
+        self.labels, self.age_counts = moved[2 * m : 2 * m + K], moved[2 * m + K :]

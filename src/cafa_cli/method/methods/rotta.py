@@ -27,7 +27,8 @@ normalisation affines (LayerNorm and GroupNorm ones too), `all` the feature extr
 With `steps` N, each training step on the bank is N optimiser steps. Dropout stays off
 (the official code's train mode would turn it on while training on the bank).
 
-No step reads a device value: the bank is device tensors updated with torch.where, the
+A step reads one device value: the batch's pseudo-labels and uncertainties, in one
+transfer, after which the bank decides each sample on the host (memory_bank.py); the
 schedule is a count of samples known on the host, and the bank's empty slots (it fills
 up over the first samples, and a skewed stream may leave it part empty) ride along in
 the training step with weight 0, the RBN statistics taken over the filled ones only.
@@ -176,11 +177,9 @@ class RoTTA(Method):
         labels = probabilities.argmax(1)
         uncertainties = -(probabilities * (probabilities + 1e-6).log()).sum(1)
         flag = skipped
-        for n in range(len(images)):
-            self.bank.add(images[n], labels[n], uncertainties[n], self.offered)
-            self.offered += 1
-            if self.offered % self.update_every == 0:
-                flag = self.train_on_bank(adapter)
+        for _ in self.bank.offer(images, labels, uncertainties, self.offered, self.update_every):
+            flag = self.train_on_bank(adapter)
+        self.offered += len(images)
         return logits, features, flag
 
     def train_on_bank(self, adapter) -> torch.Tensor:
