@@ -25,16 +25,34 @@ The pseudo-covariance `full-recompute` is the dense form with its chunks recompu
 in the backward pass (distances.KEEP_BYTES = 0), as it runs past that memory budget.
 Synthetic images and class statistics, real model code paths.
 
+History. By default every row runs in one process, one after another, and a row's cost
+can depend on the rows before it (on an H100, CAFA low-rank / TENT measured 1.03x in a
+process of its own and 1.37x after other methods' rows; issue 33). --fresh times each
+row in a process of its own (this script again, with --rows naming that row alone) and
+gathers the rows; a row that fails there is reported and the others still run. In one
+process, --between-rows clean undoes what it can between rows (garbage collection,
+torch.cuda.empty_cache, cudnn.benchmark off, torch._dynamo reset), and --tent-again
+times TENT once more just before the cafa rows, after the same history as they. Every
+step row records `state`: the process's state as the row began (cuDNN and TF32
+switches, Adapters still alive, global module hooks; on CUDA the allocator's pool and
+counters) and, on CUDA, the allocator's cudaMalloc/cudaFree calls and retries during
+its timed steps. --rows picks rows by name. `ratio_to_tent` of a cafa row is over the
+TENT row of the same run (in --fresh, TENT's own process).
+
     python benchmarks/perf.py --model resnet50 --classes 10 --batch 8 --json perf.json
+    python benchmarks/perf.py --model resnet50 --classes 1000 --batch 64 --fresh --rows tent,cafa-lowrank --covariances lowrank
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -133,6 +151,83 @@ def model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="fp32")
 
 
+def process_state(device: torch.device) -> dict:
+    """What a process carries from one row to the next that could change a step's cost: the
+    cuDNN and TF32 switches, Adapters still alive (and the memory they hold), global module
+    hooks, and on CUDA the caching allocator's pool and its counters (a cudaMalloc or a
+    freeing retry inside timed steps is a synchronisation and a slow path)."""
+    from torch.nn.modules import module
+
+    hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    state = {"cudnn_benchmark": torch.backends.cudnn.benchmark, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+             "tf32_cudnn": torch.backends.cudnn.allow_tf32, "float32_matmul_precision": torch.get_float32_matmul_precision(),
+             "live_adapters": sum(issubclass(type(o), Adapter) for o in gc.get_objects()),  # type(): isinstance reads __class__, which some lazy objects warn on
+             "global_module_hooks": sum(len(getattr(module, name, {})) for name in hooks)}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        state.update({"allocated_bytes": stats.get("allocated_bytes.all.current", 0), "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+                      "segments": stats.get("segment.all.current", 0), **allocator_counters(device)})
+    return state
+
+
+def allocator_counters(device: torch.device) -> dict:
+    """The CUDA caching allocator's calls to cudaMalloc and cudaFree and its retries after
+    freeing its pool (none on the CPU)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def timed_counting(fn, device, repeats: int, warmup: int = 2) -> tuple[float, dict]:
+    """timed(), and on CUDA what the allocator did during the timed steps (after the warm-up)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    before = allocator_counters(device)
+    seconds = timed(fn, device, repeats, warmup=0)
+    return seconds, {f"{k}_in_timed_steps": v - before[k] for k, v in allocator_counters(device).items()}
+
+
+def clean_state(device: torch.device) -> None:
+    """--between-rows clean: what one process can undo of an earlier row (a fresh process,
+    --fresh, undoes everything, the GPU's clocks and temperature aside)."""
+    gc.collect()  # adapters kept alive by reference cycles (hooks, closures) until the collector runs
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the caching allocator's pool, as an earlier row left it
+    torch.backends.cudnn.benchmark = False
+    if "torch._dynamo" in sys.modules:  # compiled graphs and their guards (counted against recompile limits)
+        sys.modules["torch._dynamo"].reset()
+
+
+def add_ratios(steps: dict) -> None:
+    """Each cafa-<covariance> row (and its +variant rows) over TENT timed the same way, and over
+    tent-again where it was timed. Rows timed beside TENT (tent_ms) carry their own ratio."""
+    for name, row in steps.items():
+        if not name.startswith("cafa-") or "tent_ms" in row:
+            continue
+        _, plus, variant = name.partition("+")
+        against = [(f"tent{plus}{variant}", "ratio_to_tent")] + ([("tent-again", "ratio_to_tent_again")] if not plus else [])
+        for tent, key in against:
+            if tent in steps:
+                row[key] = row["ms"] / steps[tent]["ms"]
+
+
+def describe(name: str, row: dict) -> str:
+    """The row's printed line."""
+    line = f"{name:12s} {row['ms']:9.1f} ms/step"
+    if "tent_ms" in row:  # timed beside TENT, in alternating rounds
+        return f"{name:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)"
+    if "ratio_to_tent" in row:
+        line += f"  ×{row['ratio_to_tent']:.2f} TENT" + (f"+{name.partition('+')[2]}" if "+" in name else "")
+    if "ratio_to_tent_again" in row:
+        line += f" (×{row['ratio_to_tent_again']:.2f} tent-again)"
+    if "artifact_bytes" in row:
+        line += f"  artifact {row['artifact_bytes'] / 1e6:.1f} MB  loss alone {row['loss_ms']:.1f} ms"
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
@@ -141,12 +236,25 @@ def main() -> None:
                         "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list")
     parser.add_argument("--norms", default="", help="BatchNorm statistics settings (--norm) to time tent and cafa "
                         "with, beside TENT with batch statistics: e.g. ema:0.05,class-balanced (synthetic class moments)")
+    parser.add_argument("--statistics", default="full", choices=("full", "tied", "diag", "lowrank"),
+                        help="the covariance form of the synthetic class statistics that --methods and --norms rows get "
+                        "(at C = 1000, full is 16.8 GB made on the host: lowrank is the form ImageNet's artifact has)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of TENT and each --methods row")
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="also time tent and each cafa row with cudnn.benchmark on")
+    parser.add_argument("--tent-again", action="store_true", help="time TENT once more just before the cafa rows (row "
+                        "tent-again; each cafa row gets ratio_to_tent_again): TENT and CAFA after the same history")
+    parser.add_argument("--rows", help="only these rows, comma-separated, by their names in the JSON (tent, cafa-lowrank, "
+                        "tent+compile, lame, 'tent --norm class-balanced', stats, ...)")
+    parser.add_argument("--fresh", action="store_true", help="time each row in a process of its own (this script again, "
+                        "for that row alone), so that no row's cost depends on the rows before it")
+    parser.add_argument("--between-rows", choices=("keep", "clean"), default="keep",
+                        help="in one process, between rows: keep the state an earlier row left, or clean it (garbage "
+                        "collection, torch.cuda.empty_cache, cudnn.benchmark off, torch._dynamo reset)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --fresh's process for one row
     parser.add_argument("--trace", help="write torch.profiler tables of tent and each cafa row's steps here")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -157,9 +265,11 @@ def main() -> None:
     num_classes = None if args.model == "fmnist-resnet" else args.classes
     probe, _ = resolve(args.model, num_classes=num_classes)
     C, d = probe.num_classes, probe.feature_dim
+    del probe
     result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "size": args.size, "device": str(device),
               "precision": args.precision, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {}}
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {},
+              "fresh": args.fresh, "between_rows": args.between_rows}
 
     def save() -> None:  # after every row: a run cut off by a time limit keeps what it measured
         if args.json:
@@ -181,16 +291,19 @@ def main() -> None:
         return cycle * math.ceil(args.repeats / cycle)
 
     def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
+        state = process_state(device)  # before this row's adapter exists: what earlier rows left
         adapter = adapter_for(method, gaussians, variant)
         images = x.to(device)
         repeats = repeats_of(adapter)
         reset_peak(device)
         torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
         try:
-            seconds = timed(lambda: adapter.step(images), device, repeats)
+            seconds, counted = timed_counting(lambda: adapter.step(images), device, repeats)
         finally:
             torch.backends.cudnn.benchmark = False
-        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device), "repeats": repeats}
+        state.update(counted)
+        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device), "repeats": repeats,
+               "state": state}
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
@@ -202,6 +315,7 @@ def main() -> None:
         2 warm-up steps each); the medians over the rounds and their ratio. On a shared
         machine the load drifts during a run: a TENT row timed minutes earlier would measure
         the drift as much as the method. Peak memory is not taken (both adapters are alive)."""
+        state = process_state(device)
         images = x.to(device)
         tent, other = adapter_for("tent"), adapter_for(method, gaussians, norm=norm)
         repeats = repeats_of(other)
@@ -213,7 +327,7 @@ def main() -> None:
             rounds["row"].append(timed(lambda: other.step(images), device, repeats, warmup=0))
         seconds, tent_seconds = statistics.median(rounds["row"]), statistics.median(rounds["tent"])
         row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "tent_ms": 1000 * tent_seconds,
-               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats}
+               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats, "state": state}
         if args.trace:
             trace(method, lambda: other.step(images))
         return row
@@ -239,96 +353,119 @@ def main() -> None:
                 out.write(f"== {title}: 3 steps, by device time\n{table(sort_by='self_device_time_total', row_limit=20)}\n")
             out.write(f"== {title}: 3 steps, by host time\n{table(sort_by='self_cpu_time_total', row_limit=15)}\n")
 
-    if args.trace:
-        Path(args.trace).write_text("")  # this run's tables only
-    for method in ("source", "bn", "tent"):
-        result["steps"][method] = measure_step(method)
-        print(f"{method:12s} {result['steps'][method]['ms']:9.1f} ms/step", flush=True)
-        save()
-    for variant in variants:
-        row = result["steps"][f"tent+{variant}"] = measure_step("tent", variant=variant, name=f"tent+{variant}")
-        print(f"{'tent+' + variant:12s} {row['ms']:9.1f} ms/step", flush=True)
-        save()
+    artifacts: dict = {}  # the last covariance's statistics read back from an artifact, and its size
+
+    def artifact_gaussians(covariance: str):
+        if covariance not in artifacts:
+            artifacts.clear()  # a dense C = 1000 form is 16.8 GB: one at a time
+            gaussians = synthetic_gaussians(C, d, covariance)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "a.safetensors"
+                no_model = "0" * 64  # synthetic statistics, read back for their size: no parameters to fingerprint
+                write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {}, no_model)
+                artifacts[covariance] = read_artifact(path).gaussians, path.stat().st_size
+        return artifacts[covariance]
+
+    def cafa_row(key: str, variant: str = "") -> dict:
+        covariance, _, form = key.partition("-")
+        distances.KEEP_BYTES = 0 if form == "recompute" else KEEP_BYTES
+        try:
+            gaussians, size = artifact_gaussians(covariance)
+            if variant:
+                return measure_step("cafa", gaussians, variant=variant, name=f"cafa-{key}+{variant}")
+            row = {**measure_step("cafa", gaussians, name=f"cafa-{key}"), "artifact_bytes": size}
+        finally:
+            distances.KEEP_BYTES = KEEP_BYTES
+        card = next((k for k in HBM_BYTES_PER_S if k in (result["gpu"] or "")), None)
+        if card:
+            # every factor is read in the forward and the backward pass, and once more if recomputed
+            reads = 3 if form == "recompute" else 2
+            row["bandwidth_floor_ms"] = 1000 * reads * gaussians.factors.numel() * 4 / HBM_BYTES_PER_S[card]  # the basis, for lowrank
+        return row
+
+    def stats_row() -> dict:
+        """The real `cafa stats` loop over the same batches, against plain no-grad inference."""
+        artifacts.clear()
+        model, _ = resolve(args.model, num_classes=num_classes)
+        model = model.to(device).eval()
+        images = x.to(device)
+        stream = [Batch(images, [i % C for i in range(args.batch)], [])] * args.stats_batches
+        labels = torch.arange(C)
+
+        def forward():
+            with torch.no_grad():
+                for batch in stream:
+                    model(batch.images)
+
+        def accumulate():
+            accumulate_features(model, stream, labels, C, d, device)
+
+        reset_peak(device)
+        forward_s = timed(forward, device, 1, warmup=1) / args.stats_batches
+        forward_peak = peak_bytes(device)
+        reset_peak(device)
+        stats_s = timed(accumulate, device, 1, warmup=1) / args.stats_batches
+        return {"forward_images_per_s": args.batch / forward_s, "stats_images_per_s": args.batch / stats_s,
+                "stats_over_forward": forward_s / stats_s, "forward_peak_bytes": forward_peak, "stats_peak_bytes": peak_bytes(device)}
+
+    def statistics_for(method: str):
+        return synthetic_gaussians(C, d, args.statistics) if method in NEEDS_STATISTICS else None
+
+    # every row by its name in the JSON, in the order a run in one process times them
+    plan: list[tuple[str, object]] = [(m, lambda m=m: measure_step(m)) for m in ("source", "bn", "tent")]
+    plan += [(f"tent+{v}", lambda v=v: measure_step("tent", variant=v, name=f"tent+{v}")) for v in variants]
     own_rows = ("source", "bn", "tent", "cafa")
     others = {"all": [m for m in NAMES if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
-    for method in others:
-        gaussians = synthetic_gaussians(C, d, "full") if method in NEEDS_STATISTICS else None
-        row = result["steps"][method] = measure_beside_tent(method, gaussians)
-        print(f"{method:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)",
-              flush=True)
-        save()
-    for norm in filter(None, args.norms.split(",")):
-        for method in ("tent", "cafa"):
-            gaussians = synthetic_gaussians(C, d, "full") if method == "cafa" else None
-            name = f"{method} --norm {norm}"
-            row = result["steps"][name] = measure_beside_tent(method, gaussians, norm)
-            print(f"{name:30s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT ({row['tent_ms']:.1f} ms, alternating)",
-                  flush=True)
-            save()
+    plan += [(m, lambda m=m: measure_beside_tent(m, statistics_for(m))) for m in others]
+    plan += [(f"{m} --norm {norm}", lambda m=m, norm=norm: measure_beside_tent(m, statistics_for(m), norm))
+             for norm in filter(None, args.norms.split(",")) for m in ("tent", "cafa")]
+    if args.tent_again:
+        plan.append(("tent-again", lambda: measure_step("tent", name="tent-again")))
     for key in args.covariances.split(","):
-        covariance, _, variant = key.partition("-")
-        distances.KEEP_BYTES = 0 if variant == "recompute" else KEEP_BYTES
-        gaussians = synthetic_gaussians(C, d, covariance)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "a.safetensors"
-            no_model = "0" * 64  # synthetic statistics, read back for their size: no parameters to fingerprint
-            write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {}, no_model)
-            size = path.stat().st_size
-            gaussians = read_artifact(path).gaussians
-        key = f"cafa-{key}"
-        result["steps"][key] = {**measure_step("cafa", gaussians, name=key), "artifact_bytes": size}
-        step = result["steps"][key]
-        step["ratio_to_tent"] = step["ms"] / result["steps"]["tent"]["ms"]
-        factor_bytes = gaussians.factors.numel() * 4  # the basis, for lowrank
-        if device.type == "cuda":
-            card = next((k for k in HBM_BYTES_PER_S if k in result["gpu"]), None)
-            if card:
-                # every factor is read in the forward and the backward pass, and once more if recomputed
-                reads = 3 if variant == "recompute" else 2
-                step["bandwidth_floor_ms"] = 1000 * reads * factor_bytes / HBM_BYTES_PER_S[card]
-        print(f"{key:12s} {step['ms']:9.1f} ms/step  ×{step['ratio_to_tent']:.2f} TENT  artifact {size / 1e6:.1f} MB  "
-              f"loss alone {step['loss_ms']:.1f} ms", flush=True)
+        plan.append((f"cafa-{key}", lambda key=key: cafa_row(key)))
+        plan += [(f"cafa-{key}+{v}", lambda key=key, v=v: cafa_row(key, v)) for v in variants]
+    plan.append(("stats", stats_row))
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = [name for name in wanted if name not in dict(plan)]
+        if unknown:
+            raise SystemExit(f"--rows: no row {', '.join(unknown)} with these arguments; the rows are {', '.join(n for n, _ in plan)}")
+        plan = [(name, run) for name, run in plan if name in wanted]
+
+    if args.trace and not args.child:
+        Path(args.trace).write_text("")  # this run's tables only (a --fresh row's process adds its own)
+    failed = {}
+    for name, run in plan:
+        if args.fresh and not args.child:
+            with tempfile.TemporaryDirectory() as tmp:
+                # the same arguments, and then this row alone into a file of its own (argparse takes the last of each)
+                command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", "--rows", name, "--json", f"{tmp}/row.json"]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    failed[name] = done.stderr[-3000:]
+                    print(f"{name}: failed in its own process (exit {done.returncode}): "
+                          f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}", flush=True)
+                    continue
+                child = json.loads(Path(f"{tmp}/row.json").read_text())
+            row = child["stats"] if name == "stats" else child["steps"][name]
+        else:
+            row = run()
+        if name == "stats":
+            result["stats"] = row
+            print(f"stats {row['stats_images_per_s']:.1f} img/s vs forward {row['forward_images_per_s']:.1f} img/s "
+                  f"(×{row['stats_over_forward']:.2f})", flush=True)
+        else:
+            result["steps"][name] = row
+            add_ratios(result["steps"])
+            print(describe(name, row), flush=True)
+        if args.between_rows == "clean" and not args.fresh:
+            clean_state(device)
+        if failed:
+            result["failed"] = failed
         save()
-        for variant in variants:
-            row = result["steps"][f"{key}+{variant}"] = measure_step("cafa", gaussians, variant=variant, name=f"{key}+{variant}")
-            row["ratio_to_tent"] = row["ms"] / result["steps"][f"tent+{variant}"]["ms"]
-            print(f"{key + '+' + variant:12s} {row['ms']:9.1f} ms/step  ×{row['ratio_to_tent']:.2f} TENT+{variant}", flush=True)
-            save()
-        del gaussians
-    distances.KEEP_BYTES = KEEP_BYTES
-
-    model, _ = resolve(args.model, num_classes=num_classes)
-    model = model.to(device).eval()
-    images = x.to(device)
-    # the real `cafa stats` loop over the same batches, against plain no-grad inference
-    stream = [Batch(images, [i % C for i in range(args.batch)], [])] * args.stats_batches
-    labels = torch.arange(C)
-
-    def forward():
-        with torch.no_grad():
-            for batch in stream:
-                model(batch.images)
-
-    def accumulate():
-        accumulate_features(model, stream, labels, C, d, device)
-
-    reset_peak(device)
-    forward_s = timed(forward, device, 1, warmup=1) / args.stats_batches
-    forward_peak = peak_bytes(device)
-    reset_peak(device)
-    stats_s = timed(accumulate, device, 1, warmup=1) / args.stats_batches
-    result["stats"] = {
-        "forward_images_per_s": args.batch / forward_s,
-        "stats_images_per_s": args.batch / stats_s,
-        "stats_over_forward": forward_s / stats_s,
-        "forward_peak_bytes": forward_peak,
-        "stats_peak_bytes": peak_bytes(device),
-    }
-    print(f"stats {result['stats']['stats_images_per_s']:.1f} img/s vs forward {result['stats']['forward_images_per_s']:.1f} img/s "
-          f"(×{result['stats']['stats_over_forward']:.2f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    if failed:
+        raise SystemExit(f"rows that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

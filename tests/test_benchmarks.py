@@ -65,6 +65,27 @@ def test_perf_rows_ratios_losses_and_trace_tables(tmp_path):
     assert titles == ["== " + key for key in steps if key not in ("source", "bn")]
 
 
+def test_perf_times_rows_in_fresh_processes_or_after_a_cleaned_history(tmp_path):
+    out = tmp_path / "perf.json"
+    common = ("--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1, "--repeats", 1, "--covariances", "diag",
+              "--methods", "none", "--device", "cpu", "--json", out)
+    printed = run("perf.py", *common, "--fresh", "--rows", "tent,cafa-diag").stdout  # each row in a process of its own
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert list(steps) == ["tent", "cafa-diag"] and "stats" not in result and result["fresh"]
+    assert abs(steps["cafa-diag"]["ratio_to_tent"] - steps["cafa-diag"]["ms"] / steps["tent"]["ms"]) < 1e-9
+    assert "cafa-diag " in printed and "×" in printed and "loss alone" in printed
+    assert all(row["state"]["live_adapters"] == 0 for row in steps.values())  # nothing before them in their processes
+    run("perf.py", *common, "--tent-again", "--between-rows", "clean", "--rows", "tent,tent-again,cafa-diag")
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["tent", "tent-again", "cafa-diag"]
+    assert abs(steps["cafa-diag"]["ratio_to_tent_again"] - steps["cafa-diag"]["ms"] / steps["tent-again"]["ms"]) < 1e-9
+    assert steps["cafa-diag"]["state"]["live_adapters"] == 0  # the earlier rows' adapters were collected
+    wrong = subprocess.run([sys.executable, str(BENCHMARKS / "perf.py"), *map(str, common), "--rows", "tent,cafa-full"],
+                           capture_output=True, text=True)
+    assert wrong.returncode != 0 and "no row cafa-full" in wrong.stderr
+
+
 def test_imagenet_c_speed_times_the_real_command_and_profiles_it(tmp_path):
     """Its CPU path end to end on a tiny domain: 3 classes, 2 JPEGs each, ResNet-50."""
     out = tmp_path / "speed.json"
