@@ -1,4 +1,5 @@
-"""`torchrun -m cafa_cli stats` on 2 CPU processes (gloo) gives the one-process artifact."""
+"""`torchrun -m cafa_cli` on 2 CPU processes (gloo) gives what one process gives: the stats
+artifact, the bench table and report, adapt's records and metrics."""
 
 from __future__ import annotations
 
@@ -61,15 +62,104 @@ def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, 
     assert multi.stdout == single.stdout  # the same table, printed once (by rank 0)
 
 
-def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch):
+def torchrun(*args, ranks: int = 2) -> subprocess.CompletedProcess:
+    """`cafa ARGS` under torchrun on `ranks` CPU processes (gloo); one process when `ranks` is 1."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
+    done = subprocess.run([*launcher, "-m", "cafa_cli", *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def four_domains(tmp_path):
+    """Four small labelled test domains, d0 to d3, with 1 to 4 more images of class a than of
+    the others: each has its own error even where the model predicts one class for all."""
+    domains = []
+    for k in range(4):
+        domain = write_folder(tmp_path / f"d{k}", per_class=3, seed=k, shift=0.2 * k)
+        extra = write_folder(tmp_path / f"extra{k}", per_class=k + 1, classes=("a",), seed=9 + k)
+        for i, image in enumerate(sorted((extra / "a").iterdir())):
+            image.rename(domain / "a" / f"extra{i}.png")
+        domains.append(domain)
+    return domains
+
+
+def without_times(report: dict) -> dict:
+    """A bench or metrics report without what differs from run to run: times, the device's rank."""
+    return json.loads(json.dumps(report), object_hook=lambda d: {k: v for k, v in d.items() if k not in ("seconds", "images_per_second", "created")})
+
+
+def test_torchrun_bench_spreads_the_domains_of_a_run_under_reset_domain(tmp_path, tiny_weights):
+    """One (method, seed) run over 4 domains: each rank adapts 2 of them, from the source weights,
+    and rank 0 prints the one-process table, CSV and JSON runs in the one-process order."""
+    domains = four_domains(tmp_path)
+    args = ["bench", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--methods", "tent", "--seeds", "0",
+            "--batch-size", "4", "--reset", "domain", *domains]
+    out = {ranks: {kind: tmp_path / f"{ranks}.{kind}" for kind in ("csv", "json")} for ranks in (1, 2)}
+    single, multi = (torchrun(*args, "--workdir", tmp_path / f"w{ranks}", "--csv", out[ranks]["csv"], "--json", out[ranks]["json"],
+                              ranks=ranks) for ranks in (1, 2))
+    assert multi.stdout == single.stdout and single.stdout.count("| tent |") == 1
+    assert out[2]["csv"].read_text() == out[1]["csv"].read_text()
+    one, two = (json.loads(out[ranks]["json"].read_text()) for ranks in (1, 2))
+    assert [run["data"] for run in two["runs"]] == [str(d) for d in domains]
+    assert without_times(two["runs"]) == without_times(one["runs"]) and two["table"] == one["table"]
+    assert len({run["error"] for run in one["runs"]}) > 1  # the domains differ: a mixed-up order would show
+    # rank 0 says what it ran as it goes, and what rank 1 ran after gathering: every other domain each
+    assert "tent seed 0: d0, d2\n" in multi.stderr and "rank 1: tent seed 0: d1, d3\n" in multi.stderr, multi.stderr
+    assert "tent seed 0\n" in single.stderr and "rank 1" not in single.stderr
+
+
+@pytest.mark.parametrize(("reset", "methods", "domains", "runs"), [
+    ("domain", "bn,tent", ["a", "b"], [("bn", "a"), ("bn", "b"), ("tent", "a"), ("tent", "b")]),
+    ("episodic", "bn", ["a", "b"], [("bn", "a"), ("bn", "b")]),
+    ("never", "bn,tent", ["a", "b"], [("bn", None), ("tent", None)]),  # the weights go on from a to b
+    ("domain", "cotta,bn", ["a", "b"], [("cotta", None), ("bn", "a"), ("bn", "b")]),  # its random draws go on from a to b
+    ("domain", "bn", ["a"], [("bn", None)]),
+])
+def test_a_bench_spreads_the_domains_of_the_runs_whose_domains_are_independent(reset, methods, domains, runs):
+    from cafa_cli.jobs.bench import grid_runs
+    from cafa_cli.jobs.config import BenchConfig
+    from cafa_cli.jobs.rows import parse_methods
+
+    config = BenchConfig(data=domains, model="m", reset=reset)
+    assert [(row.label, None if k is None else domains[k]) for row, seed, k in grid_runs(config, parse_methods(methods), [0])] == runs
+
+
+def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
+    from cafa_cli.jobs.distributed import block
+
+    assert [list(block(5, rank, 2)) for rank in range(2)] == [[0, 1], [2, 3, 4]]
+    assert [list(block(1, rank, 3)) for rank in range(3)] == [[], [], [0]]
+
+
+def test_torchrun_adapt_spreads_the_domains_and_rank_0_prints_every_record_in_order(tmp_path, tiny_weights):
+    domains = four_domains(tmp_path)
+    args = ["adapt", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--method", "tent", "--batch-size", "4",
+            *domains]
+    single, multi = (torchrun(*args, "--metrics-json", tmp_path / f"{ranks}.json", ranks=ranks) for ranks in (1, 2))
+    assert multi.stdout == single.stdout and single.stdout.count("\n") == 1 + 9 * 4 + 1 + 2 + 3 + 4  # printed once, by rank 0
+    one, two = (json.loads((tmp_path / f"{ranks}.json").read_text()) for ranks in (1, 2))
+    assert without_times(two) == without_times(one)
+    assert "adapting d0, d1\n" in multi.stderr and "rank 1: adapting d2, d3\n" in multi.stderr, multi.stderr
+    assert "adapting d0" not in single.stderr
+
+
+@pytest.mark.parametrize(("option", "needle"), [
+    (["--reset", "never"], "but --reset never carries the weights from one domain into the next: give --reset domain, or run"),
+    (["--mix-domains"], "but --mix-domains makes the domains one stream: drop --mix-domains, or run it without torchrun"),
+    (["--method", "cotta"], "but --method cotta draws random numbers, each domain from where the one before left them: run it"),
+])
+def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch, option, needle):
+    """Refused where the domains depend on each other (docs/errors.md, 66, cites this name)."""
     from typer.testing import CliRunner
 
     from cafa_cli.cli.app import app
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET])
-    assert result.exit_code == 2
-    assert "cafa adapt runs in one process" in result.stderr and result.stdout == ""
+    result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET, *option])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "cafa adapt under torchrun spreads the domains over the ranks, but" in result.stderr and needle in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.parametrize(("environment", "needle"), [

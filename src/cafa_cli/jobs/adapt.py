@@ -31,7 +31,8 @@ from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.settings import factory_file
 from cafa_cli.method.options import check_precision, parse_norm
-from cafa_cli.jobs.distributed import launched_by_torchrun
+from cafa_cli.jobs.distributed import (RankMonitor, block, gather_on_root, launched_by_torchrun, process_group, rank_device,
+                                     show_other_ranks, why_domains_depend)
 from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,
                                   recorded_data, resolve_model)
 from cafa_cli.jobs.outputs import check_outputs, guards_outputs
@@ -233,6 +234,23 @@ class Adaptation:
                              f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
                              f"faster form's rounding error")
         return results
+
+
+def stream_units(job: Adaptation) -> int:
+    """How many parts the stream starts afresh at under `reset` domain: its corruptions with
+    `gradual` (each a run of severities), else its domains."""
+    return len(set(job.groups)) if job.groups is not None else len(job.domains)
+
+
+def part_of(job: Adaptation, units) -> Adaptation:
+    """The job on the domains of `units` only (stream_units' numbers, in stream order), the
+    same adapter starting afresh at each unit as the whole stream does at `reset` domain;
+    with `gradual`, each unit's severities numbered as a corruption of the part."""
+    units = list(units)
+    groups = job.groups if job.groups is not None else range(len(job.domains))
+    kept = [k for k, group in enumerate(groups) if group in units]
+    return replace(job, domains=[job.domains[k] for k in kept],
+                   groups=[units.index(groups[k]) for k in kept] if job.groups is not None else None)
 
 
 # what to do when the test data has another number of classes than the model's outputs
@@ -456,28 +474,57 @@ def effective_severity(config) -> int | None:
 @guards_outputs
 def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
     """The whole `adapt` command: the records to `config.predictions` (stdout when None),
-    warnings to the monitor, the metrics to `config.metrics_json`; returns the results."""
+    warnings to the monitor, the metrics to `config.metrics_json`; returns the results.
+    Under torchrun each rank adapts its share of the domains (they are independent with
+    `reset` domain); rank 0 writes every record in stream order and the metrics, and
+    returns every result; the other ranks write nothing and return none."""
     if launched_by_torchrun():
-        raise UsageError("cafa adapt runs in one process: under torchrun every rank would adapt the same stream and print it "
-                         "again; run it without torchrun (one process per domain or GPU), or use cafa bench to spread "
-                         "domains over ranks")
+        check_spread(config)
+        config = replace(config, device=str(rank_device(pick_device(config.device))))
     check_outputs(config.outputs(), config.inputs())
-    job = prepare_adaptation(config, monitor)
-    # known only now: the paths stdin listed, and the model files an artifact named
-    recorded = job.recorded_settings
-    check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
-                                     "artifact's model": factory_file(recorded["model"]),
-                                     "artifact's weights": recorded["weights"]})
-    with prediction_records(config.predictions, config.format, job.class_names) as writer:
-        unread = unread_default_artifact(config, job.preprocess)
-        for caution in [*job.cautions(), *([unread] if unread else [])]:
-            monitor.warn(caution)
-        adapted = job.adapter.adapted()
-        monitor.info(recipe_line(config.method, job.recorded_settings, job.adapter.method.trains))
-        monitor.info(adapting_line(adapted, config.method))
-        if job.clean:
-            monitor.info(clean_summary(job.clean))
-        results = job.run(writer.write, monitor)
+    with process_group(pick_device(config.device)) as (rank, world):
+        said = RankMonitor(monitor if rank == 0 else None)
+        job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
+        # known only now: the paths stdin listed, and the model files an artifact named
+        recorded = job.recorded_settings
+        check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
+                                         "artifact's model": factory_file(recorded["model"]),
+                                         "artifact's weights": recorded["weights"]})
+        part = job
+        if world > 1:
+            part = part_of(job, block(stream_units(job), rank, world))
+            said.info(f"adapting {', '.join(dict.fromkeys(_short_name(domain.name) for domain in part.domains)) or 'nothing'}")
+        if rank > 0:
+            kept = []  # this rank's records, batch by batch, for rank 0 to write after its own
+            gather_on_root((kept, part.run(kept.append, said), said.said()), rank, world)
+            return []
+        with prediction_records(config.predictions, config.format, job.class_names) as writer:
+            unread = unread_default_artifact(config, job.preprocess)
+            for caution in [*job.cautions(), *([unread] if unread else [])]:
+                said.warn(caution)
+            adapted = job.adapter.adapted()
+            said.info(recipe_line(config.method, job.recorded_settings, job.adapter.method.trains))
+            said.info(adapting_line(adapted, config.method))
+            if job.clean:
+                said.info(clean_summary(job.clean))
+            results = part.run(writer.write, said)
+            others = gather_on_root(([], results, said.said()), rank, world)[1:]
+            for kept, _, _ in others:
+                for records in kept:
+                    writer.write(records)
+        results = [*results, *(result for _, theirs, _ in others for result in theirs)]
+        show_other_ranks(said, [said.said(), *(theirs for _, _, theirs in others)])
     if config.metrics_json:
         write_json(config.metrics_json, {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted})
     return results
+
+
+def check_spread(config: AdaptConfig) -> None:
+    """Under torchrun the domains are spread over the ranks: each must be independent of those before it."""
+    why = why_domains_depend(config.method, config.reset, config.mix_domains)
+    if why is None and "-" in config.data:
+        why = "every rank would read `data` - (paths on standard input)", "give the folders or files"
+    if why:
+        problem, fix = why
+        raise UsageError(f"cafa adapt under torchrun spreads the domains over the ranks, but {problem}: "
+                         f"{fix + ', or ' if fix else ''}run it without torchrun")

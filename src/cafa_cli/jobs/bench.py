@@ -2,6 +2,8 @@
 
 Every (row, seed) is one `cafa adapt` run over all the domains, through the same
 functions as the CLI. Statistics are computed once per covariance mode and re-used.
+Under torchrun the runs are spread over the ranks, and so are the domains of a run
+whose domains are independent (`reset` domain).
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import gc
 import json
 from dataclasses import asdict, fields, replace
+from itertools import groupby
 from pathlib import Path
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.sources import gradual_stages, on_disk, open_domain
 from cafa_cli.data.domain import read_class_list
-from cafa_cli.jobs.distributed import gather_on_root, wait_for_all
+from cafa_cli.jobs.distributed import RankMonitor, gather_on_root, show_other_ranks, wait_for_all, why_domains_depend
 from cafa_cli.errors import InputError, UsageError, printable, repeated, undecodable
 from cafa_cli.files import atomic_write, make_workdir
 from cafa_cli.models import bundled_model
@@ -23,7 +26,7 @@ from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
 from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statistics
 from cafa_cli.method.options import parse_norm
-from cafa_cli.jobs.adapt import effective_severity, prepare_adaptation
+from cafa_cli.jobs.adapt import effective_severity, part_of, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
 from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
@@ -161,7 +164,7 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     with process_group(target) as (rank, world):
         for note in notes if rank == 0 else []:
             monitor.warn(note)
-        results = run_bench(config, rows, seeds, monitor if rank == 0 else Monitor(), rank, world, clean, settings)
+        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings)
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
@@ -182,8 +185,10 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
-    the other ranks None. With `clean` set, the source model's clean error goes into `clean`;
-    with `settings`, each row's settings as its runs resolved them (ROW_SETTINGS), on rank 0."""
+    the other ranks None, and shows what the other ranks' runs said. With `clean` set, the
+    source model's clean error goes into `clean`; with `settings`, each row's settings as its
+    runs resolved them (ROW_SETTINGS), on rank 0."""
+    monitor = RankMonitor(monitor if rank == 0 else None)
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(config.data, config, config.gradual)
     check_method_options(config, rows)
@@ -203,12 +208,15 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     wait_for_all(world)  # and the class list
     resolved = {}
     mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved)
-    parts = gather_on_root((mine, resolved), rank, world)
+    parts = gather_on_root((mine, resolved, monitor.said()), rank, world)
     if parts is None:
         return None
+    show_other_ranks(monitor, [said for _, _, said in parts])
     if settings is not None:
-        settings.update({label: row for _, part in parts for label, row in part.items()})
-    return {key: result for part, _ in parts for key, result in part.items()}
+        settings.update({label: row for _, part, _ in parts for label, row in part.items()})
+    gathered = {key: result for part, _, _ in parts for key, result in part.items()}
+    # in the order one process runs them: the JSON report lists the runs in this order
+    return {(row.label, domain, seed): gathered[(row.label, domain, seed)] for row in rows for seed in seeds for domain in config.data}
 
 
 def covariances_needed(rows: list[Row]) -> list[str]:
@@ -293,13 +301,15 @@ def _made_for(artifact, stats: StatsConfig) -> bool:
 def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
              monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None,
              settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
-    """The result of every (row label, domain, seed) this rank runs: the (row, seed)
-    runs are independent, so under torchrun each rank takes every world-th. The first run
-    (rank 0's) also measures the source model on `clean`, into `clean`; each row's
+    """The result of every (row label, domain, seed) this rank runs: the grid's runs
+    (grid_runs) are independent, so under torchrun each rank takes every world-th, and
+    adapts those of one (row, seed) in one stream, starting afresh at each domain. The
+    first (rank 0's) also measures the source model on `clean`, into `clean`; each row's
     resolved settings (its recipe's and the bench's) go into `settings`."""
     results, warned = {}, set()
-    runs = [(row, seed) for row in rows for seed in seeds]
-    for k, (row, seed) in enumerate(runs[rank::world]):
+    labels = tables.domain_labels(config.data)
+    mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
+    for k, ((row, seed), share) in enumerate(mine):
         stats = str(artifacts[row.covariance]) if row.covariance else None
         run = row_config(config, row, seed, stats, classes)
         job = prepare_adaptation(replace(run, clean=config.clean if k == 0 and rank == 0 else None), monitor)
@@ -311,18 +321,32 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
             if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
                 warned.add(caution)
                 monitor.warn(caution)
-        monitor.info(f"{row.label} seed {seed}")
+        domains = [domain for _, _, domain in share]
+        whole = domains == [None] or len(domains) == len(config.data)
+        data = config.data if whole else [config.data[domain] for domain in domains]
+        monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
         if settings is not None:
             settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
-        for domain, result in zip(config.data, per_domain(job.run(monitor=monitor, warned=warned), job.groups, config.data)):
+        part = job if whole else part_of(job, domains)
+        for domain, result in zip(data, per_domain(part.run(monitor=monitor, warned=warned), part.groups, data)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             results[(row.label, domain, seed)] = result
         # free this run's model and statistics before the next is built (16.8 GB of dense
         # factors at ImageNet scale); the feature hook makes a reference cycle, so collect
-        del job
+        del job, part
         gc.collect()
     return results
+
+
+def grid_runs(config: BenchConfig, rows: list[Row], seeds: list[int]) -> list[tuple[Row, int, int | None]]:
+    """The grid's independent runs in the order one process runs them: (row, seed, the
+    index of the domain it adapts), one per domain where each starts from the source
+    weights by itself (`reset` domain), else one (row, seed, None) over every domain."""
+    apart = len(config.data) > 1
+    return [(row, seed, domain) for row in rows for seed in seeds
+            for domain in (range(len(config.data)) if apart and not why_domains_depend(row.method, config.reset, config.mix_domains)
+                           else [None])]
 
 
 def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:

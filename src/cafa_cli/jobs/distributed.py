@@ -1,6 +1,8 @@
 """`torchrun` support. `cafa stats`: each rank streams its share of the subset, then
 rank 0 merges the class moments and writes the artifact. `cafa bench`: the
-(method, seed) runs are spread over the ranks and rank 0 prints the table.
+(method, seed) runs are spread over the ranks, and with `reset` domain each run's
+domains too; rank 0 prints the table. `cafa adapt` (`reset` domain): each rank adapts
+its share of the domains and rank 0 writes every record, in stream order.
 
     torchrun --nproc-per-node 4 -m cafa_cli stats --data ... --out stats.safetensors
 """
@@ -13,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from cafa_cli.errors import UsageError
+from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.method.methods import is_plugin
 from cafa_cli.method.moments import ClassMoments
 
 
@@ -105,3 +109,75 @@ def merge_on_root(moments: ClassMoments, rank: int, world: int) -> ClassMoments 
 def wait_for_all(world: int) -> None:
     if world > 1:
         dist.barrier()
+
+
+# The methods whose updates draw from torch's generator (CoTTA's restores and augmented
+# views, RoTTA's strong views). A domain's draws go on from where the domains before it
+# left the generator, so adapted by itself on another rank it would draw other numbers.
+DRAW_RANDOM_NUMBERS = ("cotta", "rotta")
+
+
+def why_domains_depend(method: str, reset: str, mix_domains: bool) -> tuple[str, str | None] | None:
+    """Why a stream's domains must run one after another in one process, and the setting that
+    would free them (None where none would); None when each domain can run by itself (on any
+    rank) and give what it gives in the whole stream: it starts from the source weights and
+    draws no random numbers that the domains before it drew."""
+    if reset not in ("domain", "episodic"):
+        return f"`reset` {reset} carries the weights from one domain into the next", "give `reset` domain"
+    if mix_domains:
+        return "`mix_domains` makes the domains one stream", "drop `mix_domains`"
+    if method in DRAW_RANDOM_NUMBERS or is_plugin(method):
+        # a plug-in may draw too: nothing says it does not
+        return f"`method` {method} draws random numbers, each domain from where the one before left them", None
+    return None
+
+
+def block(count: int, rank: int, world: int) -> range:
+    """This rank's share of `count` items in order, as one run of consecutive items: rank 0
+    the first ones, so what it writes as it goes comes first."""
+    return range(count * rank // world, count * (rank + 1) // world)
+
+
+class RankMonitor(Monitor):
+    """A rank's monitor. Rank 0's shows what it is told as it comes (through `shown`);
+    another rank's shows nothing and keeps its notes and warnings (`said`) for rank 0 to
+    show once the ranks' results are gathered (show_other_ranks). Each keeps its warnings."""
+
+    def __init__(self, shown: Monitor | None):
+        super().__init__()
+        self.shown, self.notes, self.warnings = shown, [], []
+
+    def start(self, description: str, total: int) -> None:
+        if self.shown:
+            self.shown.start(description, total)
+
+    def advance(self, images: int, status: str = "") -> None:
+        if self.shown:
+            self.shown.advance(images, status)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        if self.shown:
+            self.shown.warn(message)
+
+    def info(self, message: str) -> None:
+        if self.shown:
+            self.shown.info(message)
+        else:
+            self.notes.append(message)
+
+    def said(self) -> tuple[list[str], list[str]]:
+        return self.notes, self.warnings
+
+
+def show_other_ranks(root: RankMonitor, said: list[tuple[list[str], list[str]]]) -> None:
+    """On rank 0, what every rank said (`said`, in rank order): the other ranks' notes under
+    their rank, their warnings once each (not those rank 0 has already given)."""
+    given = set(root.warnings)
+    for rank, (notes, warnings) in enumerate(said[1:], start=1):
+        for note in notes:
+            root.info(f"rank {rank}: {note}")
+        for warning in warnings:
+            if warning not in given:
+                given.add(warning)
+                root.warn(warning)
