@@ -92,6 +92,97 @@ def test_cotta_averages_the_teachers_logits_over_views_when_the_anchor_is_unsure
     torch.testing.assert_close(reports[0.0].double(), plain, rtol=1e-5, atol=1e-6)
 
 
+def conv_net(seed: int = 0, classes: int = 5) -> FeatureClassifier:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 8, 3, stride=2),
+                        nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(8),
+                        nn.Linear(8, classes))
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d):
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-1, 1)
+    return FeatureClassifier(net)
+
+
+def reference_augment(images: torch.Tensor) -> torch.Tensor:
+    """augment as it was, one view a call: the draw order the batched views keep."""
+    from cafa_cli.method import augment as a
+
+    n, x = len(images), images.float()
+    dims = tuple(range(2, x.dim())) or (1,)
+    spread, mean = torch.std_mean(x, dim=dims, correction=0, keepdim=True)
+    shape = (n,) + (1,) * (x.dim() - 1)
+    contrast, brightness = a._uniform(n, a.CONTRAST, x).view(shape), a._uniform(n, a.BRIGHTNESS, x).view(shape)
+    x = mean + contrast * (x - mean) + brightness * spread
+    if x.dim() == 4 and x.shape[1] == 3:
+        grey = x.mean(1, keepdim=True)
+        x = grey + a._uniform(n, a.SATURATION, x).view(shape) * (x - grey)
+    if x.dim() == 4:
+        angle = a._uniform(n, (-a.DEGREES, a.DEGREES), x) * (math.pi / 180)
+        scale = a._uniform(n, a.SCALE, x)
+        shift = a._uniform(2 * n, (-a.TRANSLATE, a.TRANSLATE), x).view(n, 2) * 2
+        flip = torch.where(torch.rand(n) < a.FLIP, -1.0, 1.0)
+        theta = a._affine(angle, scale, shift, flip)
+        x = nn.functional.grid_sample(x, nn.functional.affine_grid(theta, list(x.shape), align_corners=False),
+                                      mode="bilinear", padding_mode="border", align_corners=False)
+    x = x + a.NOISE * spread * torch.randn_like(x)
+    return x.to(images.dtype).contiguous(memory_format=a._memory_format(images))
+
+
+@pytest.mark.parametrize("shape, channels_last", [((5, 3, 12, 12), False), ((5, 3, 12, 12), True), ((4, 1, 9, 7), False),
+                                                  ((6, 7), False)])
+def test_views_drawn_at_once_are_the_views_drawn_one_a_call(shape, channels_last):
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    torch.manual_seed(1)
+    views = augment(x, 4)
+    torch.manual_seed(1)
+    one_a_call = torch.stack([reference_augment(x) for _ in range(4)], 1).flatten(0, 1)  # row n·4 + v: view v of image n
+    assert torch.equal(views, one_a_call)
+    assert views.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("norm, channels_last, per_pass", [("batch", False, 512), ("batch", False, 3), ("batch", True, 512),
+                                                           ("prior:8", False, 512), ("source", False, 512)])
+def test_cotta_views_in_one_pass_are_the_views_one_pass_each(monkeypatch, norm, channels_last, per_pass):
+    """The teacher's mean over views, several views a forward pass (each normalised with
+    its own batch statistics), is the mean of one forward pass a view, within float
+    tolerance (a convolution's kernel may depend on the batch size; here, on this CPU,
+    the values came out identical except where a copy reorders the batch)."""
+    from cafa_cli.method.methods import cotta as cotta_module
+
+    monkeypatch.setattr(cotta_module, "VIEW_IMAGES", per_pass * 6)
+    x = torch.randn(6, 3, 10, 10) * 2 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    method = CoTTA(augmentations=7)
+    Adapter(conv_net(), method, norm=norm, lr=1e-3)
+    assert cotta_module.groupable(method.teacher) == (norm != "prior:8")
+    torch.manual_seed(2)
+    with torch.no_grad():
+        batched = method.views_mean(x)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        looped = sum(method.teacher(augment(x))[0].float() for _ in range(7)) / 7
+    torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
+    assert all("forward" not in vars(m) for m in method.teacher.modules())  # the layers are themselves again
+
+
+def test_a_one_image_view_of_one_value_per_channel_takes_the_source_statistics():
+    method = CoTTA(augmentations=3)
+    Adapter(conv_net(4), method, lr=1e-3)
+    x = torch.randn(1, 3, 6, 6)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        batched = method.views_mean(x)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        looped = sum(method.teacher(augment(x))[0].float() for _ in range(3)) / 3
+    torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
+
+
 def test_cotta_restores_each_element_to_the_source_with_probability_p():
     net = FeatureClassifier(nn.Sequential(nn.Linear(100, 100), nn.BatchNorm1d(100), nn.Linear(100, 3)))
     method = CoTTA(restore_probability=0.2)

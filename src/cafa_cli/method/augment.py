@@ -48,32 +48,54 @@ def _uniform(n: int, bounds: tuple[float, float], like: torch.Tensor) -> torch.T
     return torch.rand(n, device=like.device, dtype=torch.float32) * (high - low) + low
 
 
-def augment(images: torch.Tensor) -> torch.Tensor:
-    """One random view of each image of `images` ([N, C, H, W] or [N, d], normalised)."""
+def augment(images: torch.Tensor, views: int = 1) -> torch.Tensor:
+    """`views` random views of each image of `images` ([N, C, H, W] or [N, d], normalised):
+    [N·views, ...], each image's views together (row n·views + v is view v of image n).
+    The random numbers are drawn view after view, in the order `views` calls of
+    augment(images) draw them, so view v is what the v-th of those calls returns; the
+    rest is computed once for all the views."""
     n = len(images)
     x = images.float()
     dims = tuple(range(2, x.dim())) or (1,)
     spread, mean = torch.std_mean(x, dim=dims, correction=0, keepdim=True)
-    shape = (n,) + (1,) * (x.dim() - 1)
-    contrast, brightness = _uniform(n, CONTRAST, x).view(shape), _uniform(n, BRIGHTNESS, x).view(shape)
-    x = mean + contrast * (x - mean) + brightness * spread
-    if x.dim() == 4 and x.shape[1] == 3:
-        grey = x.mean(1, keepdim=True)
-        x = grey + _uniform(n, SATURATION, x).view(shape) * (x - grey)
-    if x.dim() == 4:
-        x = F.grid_sample(x, F.affine_grid(_affine(n, x), list(x.shape), align_corners=False), mode="bilinear",
-                          padding_mode="border", align_corners=False)
-    x = x + NOISE * spread * torch.randn_like(x)
+    colour, image = x.dim() == 4 and x.shape[1] == 3, x.dim() == 4
+    draws = [_draws(n, x, colour, image) for _ in range(views)]
+    # [N, views, ...]: per-image values along dim 1, each draw's tensor one column
+    grid = (n, views) + (1,) * (x.dim() - 1)
+    contrast, brightness = (torch.stack([d[k] for d in draws], 1).view(grid) for k in ("contrast", "brightness"))
+    spread, mean = spread.unsqueeze(1), mean.unsqueeze(1)
+    x = mean + contrast * (x.unsqueeze(1) - mean) + brightness * spread
+    if colour:
+        grey = x.mean(2, keepdim=True)
+        x = grey + torch.stack([d["saturation"] for d in draws], 1).view(grid) * (x - grey)
+    x = x.flatten(0, 1)
+    if image:
+        angle, scale, shift, flip = (torch.stack([d[k] for d in draws], 1).flatten(0, 1)
+                                     for k in ("angle", "scale", "shift", "flip"))
+        x = F.grid_sample(x, F.affine_grid(_affine(angle, scale, shift, flip), list(x.shape), align_corners=False),
+                          mode="bilinear", padding_mode="border", align_corners=False)
+    x = x.unflatten(0, (n, views)) + NOISE * spread * torch.stack([d["noise"] for d in draws], 1)
+    x = x.flatten(0, 1)
     return x.to(images.dtype).contiguous(memory_format=_memory_format(images))
 
 
-def _affine(n: int, like: torch.Tensor) -> torch.Tensor:
+def _draws(n: int, x: torch.Tensor, colour: bool, image: bool) -> dict[str, torch.Tensor]:
+    """One view's random numbers, in the order the steps use them."""
+    draws = {"contrast": _uniform(n, CONTRAST, x), "brightness": _uniform(n, BRIGHTNESS, x)}
+    if colour:
+        draws["saturation"] = _uniform(n, SATURATION, x)
+    if image:
+        draws["angle"] = _uniform(n, (-DEGREES, DEGREES), x) * (math.pi / 180)
+        draws["scale"] = _uniform(n, SCALE, x)
+        draws["shift"] = _uniform(2 * n, (-TRANSLATE, TRANSLATE), x).view(n, 2) * 2  # a share of the size; [-1, 1] spans 2
+        draws["flip"] = torch.where(torch.rand(n, device=x.device) < FLIP, -1.0, 1.0)
+    draws["noise"] = torch.randn(x.shape, device=x.device, dtype=torch.float32)  # as randn_like(x) of the image grid_sample returns
+    return draws
+
+
+def _affine(angle: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
     """[N, 2, 3] maps from output to input coordinates (affine_grid's convention, [-1, 1]):
     a rotation, a scale, a translation and a horizontal flip per image."""
-    angle = _uniform(n, (-DEGREES, DEGREES), like) * (math.pi / 180)
-    scale = _uniform(n, SCALE, like)
-    shift = _uniform(2 * n, (-TRANSLATE, TRANSLATE), like).view(n, 2) * 2  # a share of the size; [-1, 1] spans 2
-    flip = torch.where(torch.rand(n, device=like.device) < FLIP, -1.0, 1.0)
     cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
     rows = [torch.stack([cos * flip, -sin, shift[:, 0]], 1), torch.stack([sin * flip, cos, shift[:, 1]], 1)]
     return torch.stack(rows, 1)

@@ -33,18 +33,27 @@ everywhere. recipes/cotta.toml holds them.
 model, the classifier included (cafa's other methods keep the classifier fixed under
 `all`); `norm` trains the normalisation affines only, as TENT, for a fraction of the cost.
 
-Cost: K + 3 forward passes and one backward pass a batch. The official CIFAR code also
-computes the K views on every batch and then picks; the choice is made here with
-torch.where on the device, and the restore mask is drawn there too, so no step reads a
-device value. `augmentations` 0 uses the teacher's own prediction always (3 passes).
+Cost: the teacher sees K + 1 batches and the anchor and the student one each, with one
+backward pass a batch. The official CIFAR code also computes the K views on every batch
+and then picks; the choice is made here with torch.where on the device, and the restore
+mask is drawn there too, so no step reads a device value. The K views go through the
+teacher several at a time (up to VIEW_IMAGES images a pass), each still normalised with
+its own batch statistics (views_as_groups), their random draws made in the order of one
+view at a time. `augmentations` 0 uses the teacher's own prediction always (3 passes).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from functools import partial
+
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, select_parameters
+from cafa_cli.method.norms import BatchStatisticsNorm
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
@@ -53,6 +62,53 @@ RESTORE_PROBABILITY = 0.01  # p
 CONFIDENCE_THRESHOLD = 0.92  # τ, CIFAR10-C
 AUGMENTATIONS = 32  # K
 LOSSES = ("ce", "sce")
+VIEW_IMAGES = 512  # augmented images in one teacher forward pass: 8 views of a batch of 64
+
+
+def _uses_the_batch(layer: nn.Module) -> bool:
+    """Whether a normalisation layer takes statistics from the batch (a BatchNorm in
+    training mode, or without running statistics; the Adapter's with `norm` batch or prior)."""
+    if isinstance(layer, BatchStatisticsNorm):
+        return layer.kind != "source"
+    return isinstance(layer, _BatchNorm) and (layer.training or layer.running_mean is None)
+
+
+def groupable(model: nn.Module) -> bool:
+    """Whether views_as_groups can stand in for one forward pass a group: every layer that
+    takes batch statistics is a BatchStatisticsNorm with the batch's own (`norm` batch)."""
+    return all(not _uses_the_batch(m) or isinstance(m, BatchStatisticsNorm)
+               and (m.kind == "batch" or m.kind == "prior" and m.prior == 0)
+               for m in model.modules())
+
+
+@contextmanager
+def views_as_groups(model: nn.Module, groups: int):
+    """The model's batch-statistics BatchNorms normalise a batch of N·groups rows (row
+    n·groups + g: group g of sample n) with each group's own statistics, as `groups`
+    forward passes of N rows each would (groupable() says when that is all the batch
+    dependence there is). One BatchNorm over the rows seen as [N, groups·channels, ...]:
+    a view, no copy, for a contiguous batch."""
+    layers = [m for m in model.modules() if isinstance(m, BatchStatisticsNorm) and _uses_the_batch(m)] if groups > 1 else []
+    for layer in layers:
+        layer.forward = partial(_grouped_batch_norm, layer, groups)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _grouped_batch_norm(layer: BatchStatisticsNorm, groups: int, x: torch.Tensor) -> torch.Tensor:
+    channels = x.shape[1]
+    if x.numel() == channels * groups and hasattr(layer, "source_mean"):
+        # one value per channel in each group: the source statistics stand in, as the layer does
+        return nn.functional.batch_norm(x, layer.source_mean, layer.source_var, layer.weight, layer.bias, training=False,
+                                        eps=layer.eps)
+    grouped = x.reshape(x.shape[0] // groups, groups * channels, *x.shape[2:])
+    weight = None if layer.weight is None else layer.weight.repeat(groups)
+    bias = None if layer.bias is None else layer.bias.repeat(groups)
+    out = nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=layer.eps)
+    return out.view(x.shape)
 
 
 def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -124,8 +180,23 @@ class CoTTA(Method):
         if self.augmentations == 0:
             return logits, features.float()
         confidence = self.anchor(images)[0].float().softmax(1).amax(1).mean()
-        views = sum(self.teacher(augment(images))[0].float() for _ in range(self.augmentations)) / self.augmentations
+        views = self.views_mean(images)
         return torch.where(confidence < self.confidence_threshold, views, logits), features.float()
+
+    def views_mean(self, images: torch.Tensor) -> torch.Tensor:
+        """The mean of the teacher's logits over K random views of `images`, each view
+        normalised with its own batch statistics as a forward pass of its own would; up to
+        VIEW_IMAGES images a forward pass (several views of each image in one batch, the
+        batch-statistics BatchNorms told the groups: views_as_groups)."""
+        n, total = len(images), 0
+        per_pass = max(1, VIEW_IMAGES // max(n, 1)) if groupable(self.teacher) else 1
+        for start in range(0, self.augmentations, per_pass):
+            views = min(per_pass, self.augmentations - start)
+            with views_as_groups(self.teacher, views):
+                logits = self.teacher(augment(images, views))[0].float().unflatten(0, (n, views))
+            for v in range(views):  # summed view after view, as one pass a view sums them
+                total = total + logits[:, v]
+        return total / self.augmentations
 
     def follow_student(self) -> None:
         """θ' ← α θ' + (1 − α) θ over the trained parameters."""
