@@ -132,6 +132,18 @@ def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
     assert [list(block(1, rank, 3)) for rank in range(3)] == [[], [], [0]]
 
 
+def test_a_share_of_a_gradual_stream_keeps_whole_corruptions_each_starting_afresh():
+    from cafa_cli.jobs.adapt import Adaptation, part_of, stream_units
+
+    stages = ["fog/1", "fog/2", "fog/1", "snow/1", "snow/2", "snow/1", "frost/1"]
+    job = Adaptation(None, stages, None, [], None, {}, groups=[0, 0, 0, 1, 1, 1, 2])
+    assert stream_units(job) == 3
+    part = part_of(job, [0, 2])
+    assert part.domains == ["fog/1", "fog/2", "fog/1", "frost/1"] and part.groups == [0, 0, 0, 1]  # reset at frost only
+    plain = part_of(Adaptation(None, ["a", "b", "c"], None, [], None, {}), range(1, 3))
+    assert plain.domains == ["b", "c"] and plain.groups is None
+
+
 def test_torchrun_adapt_spreads_the_domains_and_rank_0_prints_every_record_in_order(tmp_path, tiny_weights):
     domains = four_domains(tmp_path)
     args = ["adapt", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--method", "tent", "--batch-size", "4",
