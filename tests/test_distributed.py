@@ -132,6 +132,32 @@ def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
     assert [list(block(1, rank, 3)) for rank in range(3)] == [[], [], [0]]
 
 
+def test_rank_0_shows_the_other_ranks_notes_under_their_rank_and_each_warning_once():
+    from cafa_cli.jobs.distributed import RankMonitor, show_other_ranks
+    from cafa_cli.jobs.monitor import Monitor
+
+    class Shown(Monitor):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def info(self, message):
+            self.lines.append(message)
+
+        def warn(self, message):
+            self.lines.append(f"warning: {message}")
+
+    shown = Shown()
+    root, other = RankMonitor(shown), RankMonitor(None)
+    root.warn("x")
+    other.info("tent seed 0: b")
+    for warning in ("x", "y", "y"):
+        other.warn(warning)
+    assert shown.lines == ["warning: x"]  # another rank's words wait for the gathering
+    show_other_ranks(root, [root.said(), other.said()])
+    assert shown.lines == ["warning: x", "rank 1: tent seed 0: b", "warning: y"]
+
+
 def test_a_share_of_a_gradual_stream_keeps_whole_corruptions_each_starting_afresh():
     from cafa_cli.jobs.adapt import Adaptation, part_of, stream_units
 
@@ -160,6 +186,7 @@ def test_torchrun_adapt_spreads_the_domains_and_rank_0_prints_every_record_in_or
     (["--reset", "never"], "but --reset never carries the weights from one domain into the next: give --reset domain, or run"),
     (["--mix-domains"], "but --mix-domains makes the domains one stream: drop --mix-domains, or run it without torchrun"),
     (["--method", "cotta"], "but --method cotta draws random numbers, each domain from where the one before left them: run it"),
+    (["--data", "-"], "but every rank would read --data - (paths on standard input): give the folders or files, or run"),
 ])
 def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch, option, needle):
     """Refused where the domains depend on each other (docs/errors.md, 66, cites this name)."""
