@@ -128,8 +128,9 @@ def test_a_bench_spreads_the_domains_of_the_runs_whose_domains_are_independent(r
 def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
     from cafa_cli.jobs.distributed import block
 
-    assert [list(block(5, rank, 2)) for rank in range(2)] == [[0, 1], [2, 3, 4]]
-    assert [list(block(1, rank, 3)) for rank in range(3)] == [[], [], [0]]
+    assert [list(block(5, rank, 2)) for rank in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(block(4, rank, 3)) for rank in range(3)] == [[0, 1], [2], [3]]
+    assert [list(block(1, rank, 3)) for rank in range(3)] == [[0], [], []]
 
 
 def test_rank_0_shows_the_other_ranks_notes_under_their_rank_and_each_warning_once():

@@ -134,8 +134,9 @@ def why_domains_depend(method: str, reset: str, mix_domains: bool) -> tuple[str,
 
 def block(count: int, rank: int, world: int) -> range:
     """This rank's share of `count` items in order, as one run of consecutive items: rank 0
-    the first ones, so what it writes as it goes comes first."""
-    return range(count * rank // world, count * (rank + 1) // world)
+    the first ones, and the larger shares first, so that what rank 0 writes as it goes
+    comes first and is as much as can be."""
+    return range(-(-count * rank // world), -(-count * (rank + 1) // world))
 
 
 class RankMonitor(Monitor):
