@@ -6,7 +6,16 @@ JPEGs at quality 85 (random smooth images; the real data is not available here) 
 and a synthetic low-rank artifact for a ResNet-50 with 1000 classes, then times the
 real command, `python -m cafa_cli adapt ...`, as a subprocess (start-up included).
 
+With --domains K, one `cafa adapt` process adapts K domains one after another (each from
+the source model: --reset domain), the first one and K - 1 copies of it made of hard
+links (other names, the same files: warm in the page cache, as a domain read twice is).
+Each domain's loop time comes from --metrics-json; the marginal domain time is the
+median of the domains after the first (what one more domain adds to a run, between-domain
+resets aside, which count as outside the loop), and `imagenet_c_estimate_s` is what the
+whole ImageNet-C (75 domains) would take at that rate: outside + first + 74 x marginal.
+
     python benchmarks/imagenet_c_speed.py --images 50000 --workers 14 --json speed.json
+    python benchmarks/imagenet_c_speed.py --images 50000 --workers 14 --domains 3 --json speed.json
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -74,7 +84,29 @@ sys.exit(code)
 """
 
 
-def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batch: int,
+# other corruptions' names for the copies of the domain (--domains)
+CORRUPTIONS = ("snow", "frost", "contrast", "brightness", "elastic_transform", "pixelate", "jpeg_compression", "gaussian_noise",
+               "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur", "zoom_blur")
+
+
+def domain_copies(domain: Path, count: int) -> list[Path]:
+    """`count` copies of the domain beside it (ROOT/<corruption>/5), of hard links: made in a
+    second or two, no disk, and a copy left by an earlier run of another domain is made again."""
+    if count > len(CORRUPTIONS):
+        raise SystemExit(f"--domains: at most {len(CORRUPTIONS) + 1}")
+    images = sorted(p.relative_to(domain) for p in domain.rglob("*.JPEG"))
+    copies = []
+    for name in CORRUPTIONS[:count]:
+        copy = domain.parent.parent / name / domain.name
+        if not copy.is_dir() or sorted(p.relative_to(copy) for p in copy.rglob("*.JPEG")) != images or \
+                any(not (copy / i).samefile(domain / i) for i in images[:1]):
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(domain, copy, copy_function=os.link)
+        copies.append(copy)
+    return copies
+
+
+def timed_adapt(artifact: Path, domains: list[Path], workers: int, precision: str, batch: int,
                 profile: Path | None = None, torch_profile: Path | None = None) -> dict:
     # under cProfile the main process's time splits into start-up, waiting on the loader
     # and waiting on the GPU (the loader processes are not profiled); torch.profiler
@@ -83,19 +115,27 @@ def timed_adapt(artifact: Path, domain: Path, workers: int, precision: str, batc
         program = ["-c", TORCH_PROFILED, str(torch_profile / f"adapt-{precision}-torch.txt")]
     else:
         program = [*(["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []), "-m", "cafa_cli"]
-    command = [sys.executable, *program, "adapt", "--stats", str(artifact), "--data", str(domain),
+    metrics_json = domains[0].parent / f"m-{precision}.json"
+    command = [sys.executable, *program, "adapt", "--stats", str(artifact), *(a for d in domains for a in ("--data", str(d))),
                "--batch-size", str(batch), "--optimizer", "sgd", "--lr", "0.0025", "--num-workers", str(workers),
-               "--precision", precision, "--quiet", "--metrics-json", str(domain.parent / f"m-{precision}.json")]
+               "--precision", precision, "--quiet", "--metrics-json", str(metrics_json)]
     start = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(done.stderr)
-    metrics = json.loads((domain.parent / f"m-{precision}.json").read_text())
-    # outside the loop: start-up (imports, CUDA, model, artifact, listing the folder) and shut-down
-    return {"precision": precision, "wall_s": wall, "images": metrics["n"], "loop_s": metrics["seconds"],
-            "outside_loop_s": wall - metrics["seconds"], "images_per_s_wall": metrics["n"] / wall,
-            "images_per_s_loop": metrics["n"] / metrics["seconds"]}
+    metrics = json.loads(metrics_json.read_text())
+    # outside the loop: start-up (imports, CUDA, model, artifact, listing the folder), shut-down,
+    # and with several domains what lies between them (resetting the model, listing the next)
+    row = {"precision": precision, "wall_s": wall, "images": metrics["n"], "loop_s": metrics["seconds"],
+           "outside_loop_s": wall - metrics["seconds"], "images_per_s_wall": metrics["n"] / wall,
+           "images_per_s_loop": metrics["n"] / metrics["seconds"], "domains": len(domains)}
+    if len(domains) > 1:
+        loops = [record["seconds"] for record in metrics["domains"]]
+        row["domain_loop_s"] = loops
+        row["marginal_domain_s"] = statistics.median(loops[1:])
+        row["imagenet_c_estimate_s"] = row["outside_loop_s"] + loops[0] + 74 * row["marginal_domain_s"]
+    return row
 
 
 def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64) -> dict:
@@ -151,6 +191,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--classes", type=int, default=1000, help="class folders (ImageNet-C: 1000)")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--domains", type=int, default=1, help="domains adapted in one process (the first and copies "
+                        "of it): the marginal domain time")
     parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
     parser.add_argument("--profile", type=Path, help="run each adapt under cProfile, writing adapt-PRECISION.prof here")
     parser.add_argument("--torch-profile", type=Path,
@@ -186,14 +228,18 @@ def main() -> None:
         write_artifact(artifact, synthetic_gaussians(classes, 2048, "lowrank"), names,
                        ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
                        Preprocessing(None, None), {"synthetic": True}, parameters_sha256(net))
+    domains = [domain, *domain_copies(domain, args.domains - 1)]
     result["adapt"] = []
     for precision in args.precisions.split(","):
         # a line before each stage, so that a run cut off by a time limit shows where it was
-        print(f"adapt {precision}: running cafa adapt ...", flush=True)
-        row = timed_adapt(artifact, domain, args.workers, precision, args.batch, args.profile, args.torch_profile)
+        print(f"adapt {precision}: running cafa adapt over {len(domains)} domain(s) ...", flush=True)
+        row = timed_adapt(artifact, domains, args.workers, precision, args.batch, args.profile, args.torch_profile)
         result["adapt"].append(row)
         print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
               f"({row['loop_s']:.1f} s in the loop, {row['outside_loop_s']:.1f} s outside it; {row['images_per_s_wall']:.0f} img/s)", flush=True)
+        if "marginal_domain_s" in row:
+            print(f"adapt {row['precision']}: each domain's loop {', '.join(f'{s:.1f}' for s in row['domain_loop_s'])} s; "
+                  f"marginal domain {row['marginal_domain_s']:.1f} s; 75 domains ~{row['imagenet_c_estimate_s']:.0f} s", flush=True)
         if args.json:  # what is measured so far survives a later stage's time-out
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if torch.cuda.is_available() and not args.no_decode:

@@ -13,6 +13,7 @@ import torch
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+from imagenet_c_speed import domain_copies  # noqa: E402
 from lowrank_gemm import SplitKProjection  # noqa: E402
 
 
@@ -101,6 +102,22 @@ def test_imagenet_c_speed_times_the_real_command_and_profiles_it(tmp_path):
                   "--root", tmp_path / "domain", "--json", out).stdout
     assert "rebuilding" in printed and "writing a synthetic 2-class" in printed
     assert json.loads(out.read_text())["adapt"][0]["images"] == 6
+
+
+def test_imagenet_c_speed_copies_the_domain_as_hard_links_and_makes_stale_copies_again(tmp_path):
+    domain = tmp_path / "fog" / "5"
+    for c in ("n0", "n1"):
+        (domain / c).mkdir(parents=True)
+        (domain / c / "0.JPEG").write_bytes(c.encode())
+    copies = domain_copies(domain, 2)
+    assert [c.relative_to(tmp_path).as_posix() for c in copies] == ["snow/5", "frost/5"]
+    assert all((c / "n1" / "0.JPEG").samefile(domain / "n1" / "0.JPEG") for c in copies)
+    for c in ("n0", "n1"):  # the domain built again (another --images): its copies follow
+        (domain / c / "0.JPEG").unlink()
+        (domain / c / "1.JPEG").write_bytes(c.encode())
+    (copy,) = domain_copies(domain, 1)
+    assert sorted(p.name for p in copy.rglob("*.JPEG")) == ["1.JPEG", "1.JPEG"]
+    assert (copy / "n0" / "1.JPEG").samefile(domain / "n0" / "1.JPEG")
 
 
 def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
