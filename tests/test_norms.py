@@ -4,6 +4,7 @@ update and reset, the artifact's class moments, and the command line around them
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -16,7 +17,7 @@ from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods import create
 from cafa_cli.method.norms import (BatchStatisticsNorm, balance_histogram, balanced_statistics, class_mix_moments, correction_strength,
-                                   iid_distance)
+                                   class_balanced_norms, iid_distance, use_test_batch_norm)
 from cafa_cli.method.options import parse_norm
 from cafa_cli.errors import UsageError
 
@@ -119,12 +120,14 @@ def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
     bn = bn_with_source()
     bn.weight.data.uniform_(0.5, 2)
     bn.bias.data.uniform_(-1, 1)
-    layer = BatchStatisticsNorm(bn, "class-balanced", (means.float(), variances.float()))
+    net = torch.nn.Sequential(bn)
+    use_test_batch_norm(net, "class-balanced", {"0": (means.float(), variances.float())})
+    layer, balanced = net[0], class_balanced_norms(net)
     x = (torch.randn(12, 4, 3, 3) * 3 + 2).requires_grad_(True)
     shares = torch.tensor([0.7, 0.3, 0.0])
-    layer.new_batch()
-    layer.histogram = shares
-    out = layer(x)
+    balanced.new_batch()
+    balanced.histogram = shares
+    out = net(x)
     x64 = x.detach().double().requires_grad_(True)
     weight, bias = bn.weight.detach().double().requires_grad_(True), bn.bias.detach().double().requires_grad_(True)
     var_b, mean_b = torch.var_mean(x64, [0, 2, 3], unbiased=False)
@@ -144,8 +147,48 @@ def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
     torch.testing.assert_close(layer.running_var.double(), var.detach(), rtol=1e-4, atol=1e-4)
 
 
-def bn_with_source(channels: int = 4) -> torch.nn.BatchNorm2d:
-    bn = torch.nn.BatchNorm2d(channels).eval()
+def test_every_layer_is_corrected_with_its_own_moments_when_all_are_corrected_at_once():
+    """Layers of different widths and ε, corrected together (their channels laid end to
+    end): each layer's output and running statistics against its own correction, float64,
+    from the input that reached it; a second batch moves them by 1/2 from the first's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(bn_with_source(4), torch.nn.Conv2d(4, 6, 1), bn_with_source(6, eps=1e-3), torch.nn.ReLU(),
+                              torch.nn.Conv2d(6, 3, 1), bn_with_source(3, eps=0.1))
+    moments = {str(i): (torch.randn(5, m.num_features), torch.rand(5, m.num_features) + 0.5)
+               for i, m in enumerate(net) if isinstance(m, torch.nn.BatchNorm2d)}
+    use_test_batch_norm(net, "class-balanced", moments)
+    balanced = class_balanced_norms(net)
+    inputs, outputs = {}, {}
+
+    def seen(module, args, out, name):
+        inputs[name], outputs[name] = args[0].detach().double(), out.detach().double()
+
+    for name in moments:
+        net[int(name)].register_forward_hook(lambda m, a, out, name=name: seen(m, a, out, name))
+    shares = torch.tensor([0.6, 0.1, 0.1, 0.2, 0.0])
+    running = {}
+    for t, x in enumerate((torch.randn(10, 4, 3, 3) * 2 + 1, torch.randn(10, 4, 3, 3) - 1), start=1):
+        balanced.new_batch()
+        balanced.histogram = shares
+        net(x)
+        for name, (means, variances) in moments.items():
+            layer, means, variances = net[int(name)], means.double(), variances.double()
+            var_b, mean_b = torch.var_mean(inputs[name], [0, 2, 3], unbiased=False)
+            balanced_mean = means.mean(0)
+            balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
+            mix = class_mix_moments(shares.double(), means, variances + means.square(), balanced_mean, balanced_var)
+            mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, layer.eps)
+            want = (inputs[name] - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + layer.eps).sqrt()
+            want = want * layer.weight.double().view(1, -1, 1, 1) + layer.bias.double().view(1, -1, 1, 1)
+            torch.testing.assert_close(outputs[name], want, rtol=1e-4, atol=1e-4)
+            before = running.get(name, (layer.source_mean.double(), layer.source_var.double()))
+            running[name] = ((1 - 1 / t) * before[0] + mean / t, (1 - 1 / t) * before[1] + var / t)
+            torch.testing.assert_close(layer.running_mean.double(), running[name][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer.running_var.double(), running[name][1], rtol=1e-4, atol=1e-4)
+
+
+def bn_with_source(channels: int = 4, eps: float = 1e-5) -> torch.nn.BatchNorm2d:
+    bn = torch.nn.BatchNorm2d(channels, eps=eps).eval()
     bn.running_mean.copy_(torch.linspace(-1, 1, channels))
     bn.running_var.copy_(torch.linspace(0.5, 2, channels))
     return bn
@@ -178,8 +221,6 @@ def test_source_normalises_with_the_source_statistics_and_ema_1_with_the_batch()
 
 def adapter(trained, norm: str, method: str = "tent", class_moments=None, **options):
     model, gaussians, _, _ = trained
-    import copy
-
     return Adapter(copy.deepcopy(model), create(method, gaussians if method == "cafa" else None), "cpu", norm=norm,
                    class_moments=class_moments, **options)
 
@@ -206,18 +247,19 @@ def test_class_balanced_with_uniform_shares_is_batch_and_reset_goes_back_to_the_
     model, _, x, y = trained
     moments = class_moments_of(model, x, y)
     name, bn = next((n, m) for n, m in model.model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
-    layer, batch = BatchStatisticsNorm(bn, "class-balanced", moments[name]), BatchStatisticsNorm(bn, "batch")
+    net, batch = torch.nn.Sequential(copy.deepcopy(bn)), BatchStatisticsNorm(bn, "batch")
+    use_test_batch_norm(net, "class-balanced", {"0": moments[name]})
     inputs = torch.randn(16, bn.num_features, 5, 5) * 3 + 1
-    layer.new_batch()
-    layer.histogram = balance_histogram(torch.full((3,), 1 / 3), 16)
-    torch.testing.assert_close(layer(inputs), batch(inputs), rtol=1e-5, atol=1e-5)
+    class_balanced_norms(net).new_batch()
+    class_balanced_norms(net).histogram = balance_histogram(torch.full((3,), 1 / 3), 16)
+    torch.testing.assert_close(net(inputs), batch(inputs), rtol=1e-5, atol=1e-5)
     balanced = adapter(trained, "class-balanced", class_moments=moments)
     for images in x[:120].split(60):
         balanced.step(images)
     first = balanced.norms[0]
-    assert first.batches == 2 and not torch.equal(first.running_mean, first.source_mean.float())
+    assert balanced.balanced.batches == 2 and not torch.equal(first.running_mean, first.source_mean.float())
     balanced.reset()
-    assert first.batches == 0 and torch.equal(first.running_mean, first.source_mean.float())
+    assert balanced.balanced.batches == 0 and torch.equal(first.running_mean, first.source_mean.float())
 
 
 def test_class_balanced_resists_a_batch_of_one_class_that_batch_statistics_break(trained):

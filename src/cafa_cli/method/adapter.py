@@ -17,7 +17,8 @@ import torch
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
-from cafa_cli.method.norms import RUNNING, BatchStatisticsNorm, balance_histogram, norm_layers, use_test_batch_norm
+from cafa_cli.method.norms import (RUNNING, BatchStatisticsNorm, balance_histogram, class_balanced_norms, norm_layers,
+                                   use_test_batch_norm)
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
 
 
@@ -83,7 +84,7 @@ class Adapter:
         self.model.eval()
         self.batch_norms = use_test_batch_norm(self.model.model, norm, class_moments) if method.adapts_normalisation else 0
         self.norms = norm_layers(self.model)  # the swapped ones
-        self._balanced = parse_norm(norm)[0] == "class-balanced" and bool(self.norms)
+        self.balanced = class_balanced_norms(self.model)  # None unless `norm` is class-balanced
         self.params = method.parameters(self.model, params) if method.trains else []
         if not method.trains:
             self.model.requires_grad_(False)
@@ -166,6 +167,8 @@ class Adapter:
         self.scaler = self._new_scaler()
         for layer in self.norms:
             layer.start()
+        if self.balanced is not None:
+            self.balanced.start()
         self.method.reset()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
@@ -183,21 +186,14 @@ class Adapter:
     def _new_batch(self, images: torch.Tensor) -> None:
         """Running statistics move once a batch; class-balanced first predicts the batch with
         them, as they are, for its class histogram (norms.py)."""
-        for layer in self.norms:
-            layer.new_batch()
-        if not self._balanced:
-            return
-        for layer in self.norms:
-            layer.predicting = True
-        try:
-            with torch.no_grad(), self.autocast:
-                logits, _ = self.forward(images)
-        finally:
+        if self.balanced is None:
             for layer in self.norms:
-                layer.predicting = False
-        histogram = balance_histogram(logits.float().softmax(1).mean(0), len(images))
-        for layer in self.norms:
-            layer.histogram = histogram
+                layer.new_batch()
+            return
+        self.balanced.new_batch()
+        with torch.no_grad(), self.autocast, self.balanced.predicting_with_running_statistics():
+            logits, _ = self.forward(images)
+        self.balanced.histogram = balance_histogram(logits.float().softmax(1).mean(0), len(images))
 
     def _predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place

@@ -15,7 +15,8 @@
   the corrected statistics of the batches so far, averaged (momentum max(0.05, 1/t) at
   the t-th batch), from the source's. It needs each class's moments of every BatchNorm's
   input in the source data (`cafa stats --norm-moments`). A batch whose class mix looks
-  i.i.d. is normalised with exactly its own statistics, as `batch`.
+  i.i.d. is normalised with exactly its own statistics, as `batch`. The correction is
+  computed for all the layers at once (ClassBalancedNorms).
 
 A batch may take several forward passes (`steps`, SAR's two passes): the running
 statistics move once a batch, from where they were before it (`new_batch`).
@@ -24,6 +25,7 @@ statistics move once a batch, from where they were before it (`new_batch`).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -45,11 +47,10 @@ SKEW_START, SKEW_FULL = 0.25, 0.65
 
 class BatchStatisticsNorm(nn.Module):
     """A BatchNorm (its affine parameters shared) that normalises with the statistics
-    `norm` says (module docstring). `class_moments`: (means, variances), each [C, channels],
-    of the layer's input per source class, for `class-balanced`."""
+    `norm` says (module docstring). Under `class-balanced` it belongs to the net's
+    ClassBalancedNorms (`balanced`), which use_test_batch_norm makes."""
 
-    def __init__(self, bn: _BatchNorm, norm: str = "batch", class_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 name: str = ""):
+    def __init__(self, bn: _BatchNorm, norm: str = "batch", name: str = ""):
         super().__init__()
         self.source_type = type(bn).__name__  # what it replaced (BatchNorm2d), for saying which layers adapt
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
@@ -58,61 +59,43 @@ class BatchStatisticsNorm(nn.Module):
             raise UsageError(f"`norm` {norm} needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
                              f"keeps none (track_running_stats=False); use `norm` batch")
         self.prior = value if self.kind == "prior" else 0.0
-        self.momentum = value if self.kind == "ema" else BALANCED_MOMENTUM
         if bn.running_mean is not None:
             self.register_buffer("source_mean", bn.running_mean.detach().clone())
             self.register_buffer("source_var", bn.running_var.detach().clone())
         if self.kind in RUNNING:  # in the state dict, so that the Adapter's reset() puts the source's back
             self.register_buffer("running_mean", bn.running_mean.detach().clone().float())
             self.register_buffer("running_var", bn.running_var.detach().clone().float())
-            # this batch's momentum and 1 − it, as device scalars that new_batch fills: a Python
-            # number that changes every batch would make torch.compile compile every batch again
-            self.register_buffer("rate", torch.full((), self.momentum, device=bn.running_mean.device), persistent=False)
-            self.register_buffer("keep", torch.full((), 1 - self.momentum, device=bn.running_mean.device), persistent=False)
-        if self.kind == "class-balanced":
-            if class_moments is None:
-                raise UsageError(f"`norm` class-balanced needs the source class moments of the BatchNorm at {name or 'the top'}")
-            means, variances = (m.detach().float().to(bn.running_mean.device) for m in class_moments)
-            if means.shape != variances.shape or means.dim() != 2 or means.shape[1] != bn.running_mean.numel():
-                raise UsageError(f"the class moments of the BatchNorm at {name or 'the top'} are {list(means.shape)}, not "
-                                 f"[classes, {bn.running_mean.numel()}]; compute them with this model (cafa stats --norm-moments)")
-            # constants: outside the state dict, which reset() loads
-            self.register_buffer("class_means", means, persistent=False)
-            self.register_buffer("class_second", variances + means.square(), persistent=False)  # E[x²] of each class
-            self.register_buffer("balanced_mean", means.mean(0), persistent=False)
-            self.register_buffer("balanced_var", (self.class_second.mean(0) - means.mean(0).square()).clamp_min(0), persistent=False)
-        self.batches = 0  # batches since the start (new_batch), for class-balanced's 1/t momentum
-        self.before: tuple[torch.Tensor, torch.Tensor] | None = None  # running statistics before this batch
-        self.histogram: torch.Tensor | None = None  # class-balanced: this batch's class shares, [C]
-        self.predicting = False  # the pass that finds the histogram: running statistics as they are
+        if self.kind == "ema":
+            # its momentum and 1 − it, as device scalars: a Python number would make
+            # torch.compile compile again for every value
+            self.register_buffer("rate", torch.full((), value, device=bn.running_mean.device), persistent=False)
+            self.register_buffer("keep", torch.full((), 1 - value, device=bn.running_mean.device), persistent=False)
+        self.before: tuple[torch.Tensor, torch.Tensor] | None = None  # ema: running statistics before this batch
+        self.balanced: ClassBalancedNorms | None = None
+        self.index = 0  # its place among the balanced layers
 
     def start(self) -> None:
         """A new stream from the source statistics (the Adapter's reset() puts back the buffers)."""
-        self.batches, self.before, self.histogram = 0, None, None
+        self.before = None
 
     def new_batch(self) -> None:
         """The next forward passes are of a new batch."""
-        if self.kind in RUNNING:
-            self.batches += 1
+        if self.kind == "ema":
             self.before = (self.running_mean.clone(), self.running_var.clone())
-            if self.kind == "class-balanced":
-                rate = max(self.momentum, 1 / self.batches)
-                self.rate.fill_(rate)
-                self.keep.fill_(1 - rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[1] and hasattr(self, "source_mean"):
             # one value per channel (one image, 1×1 maps) has no variance: the source statistics stand in
+            if self.balanced is not None:
+                self.balanced.fell_back.add(self.index)
             return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
         if self.kind == "batch" or self.kind == "prior" and self.prior == 0:
             # the fused kernel: normalise by the batch's statistics, gradients through them
             return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
         if self.kind == "source":
             return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
-        if self.predicting:
-            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, training=False, eps=self.eps)
         if self.kind == "class-balanced":
-            return self._class_balanced(x)
+            return self.balanced.normalise(self, x)
         dims = [0] + list(range(2, x.dim()))
         # in float32 under autocast too, as the fused kernel keeps them: a bf16 mean has ~3
         # significant digits, and an fp16 variance overflows above 65504
@@ -129,40 +112,149 @@ class BatchStatisticsNorm(nn.Module):
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out
 
-    def _class_balanced(self, x: torch.Tensor) -> torch.Tensor:
-        """The batch normalised with its statistics corrected for its class mix
-        (balanced_statistics), μ and σ², by the fused kernel: with r = √((v_h + ε)/(σ̄² + ε))
-        and δ = μ̄ − m_h,
-            (x − μ)/√(σ² + ε) = r·(x − μ_B)/√(σ²_B + ε) − δ/√(σ̄² + ε),
-        so the correction is a change of the affine parameters that needs no batch
-        statistic. The kernel also returns μ_B and σ²_B, from which the corrected
-        statistics move the running ones (max(0.05, 1/t)) for the next batch's class mix."""
-        mix_mean, mix_var = class_mix_moments(self.histogram, self.class_means, self.class_second,
-                                              self.balanced_mean, self.balanced_var)
-        spread = (self.balanced_var + self.eps).rsqrt()
-        scale, shift = (mix_var + self.eps).sqrt() * spread, (self.balanced_mean - mix_mean) * spread
-        weight, bias = (scale, -shift) if self.weight is None else (self.weight * scale, self.bias - self.weight * shift)
-        batch_mean, batch_var = torch.zeros_like(self.running_mean), torch.zeros_like(self.running_var)  # the kernel fills them
-        out = nn.functional.batch_norm(x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=self.eps)
-        n = x.numel() // x.shape[1]
-        mean, var = batch_mean, batch_var * ((n - 1) / n)
-        if self.histogram is not None:  # else the batch's own
-            mean, var = balanced_statistics(mean, var, mix_mean, mix_var, self.balanced_mean, self.balanced_var, self.eps)
-        self._move(mean, var)
-        return out
-
     def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The running statistics from before this batch, moved toward (mean, var) by this
-        batch's momentum (`rate`): kept, and returned."""
+        """ema: the running statistics from before this batch moved toward (mean, var): kept, and returned."""
         if self.before is None:  # used outside an Adapter, which calls new_batch()
             self.new_batch()
-        before_mean, before_var = self.before
-        mean = self.keep * before_mean + self.rate * mean
-        var = self.keep * before_var + self.rate * var
-        with torch.no_grad():  # a non-finite batch must not poison the statistics for good
-            self.running_mean.copy_(torch.where(mean.isfinite(), mean, before_mean))
-            self.running_var.copy_(torch.where(var.isfinite(), var, before_var))
-        return mean, var
+        moved = moved_statistics(self.before, (mean, var), self.keep, self.rate)
+        with torch.no_grad():
+            torch._foreach_copy_([self.running_mean, self.running_var], finite_or(moved, self.before))
+        return moved[0], moved[1]
+
+
+class ClassBalancedNorms:
+    """`class-balanced` (module docstring) for every swapped BatchNorm of a net at once. A
+    batch's correction is the same few maps in every layer, so they run once on the
+    layers' channels laid end to end ([Σ channels] tensors) instead of once a layer: a
+    step then launches about what a plain step launches, where 53 layers × a dozen small
+    operators left a GPU waiting on the host. Hooks on the net bracket each forward pass:
+    the layers' batch statistics land in one flat tensor, and after the pass the running
+    statistics move toward the batch's corrected ones, all layers together.
+
+    Per layer the correction is a change of the affine parameters of the fused kernel
+    (so no batch statistic is needed for it): with r = √((v_h + ε)/(σ̄² + ε)) and δ = μ̄ − m_h,
+        (x − μ)/√(σ² + ε) = r·(x − μ_B)/√(σ²_B + ε) − δ/√(σ̄² + ε),
+    where μ, σ² are the corrected statistics (balanced_statistics), m_h, v_h the source
+    moments of the batch's class mix and μ̄, σ̄² those of a balanced one."""
+
+    def __init__(self, net: nn.Module, layers: list[BatchStatisticsNorm], moments: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.layers, self.sizes = layers, [layer.running_mean.numel() for layer in layers]
+        device = layers[0].running_mean.device
+        means = [m.detach().float().to(device) for m, _ in moments]
+        seconds = [v.detach().float().to(device) + m.square() for m, v in zip(means, (v for _, v in moments))]  # E[x²]
+        # each layer's own, then laid end to end: a mean over the classes of a wider table rounds differently
+        self.class_means, self.class_second = torch.cat(means, 1), torch.cat(seconds, 1)
+        self.balanced_mean = torch.cat([m.mean(0) for m in means])
+        self.balanced_var = torch.cat([(second.mean(0) - m.mean(0).square()).clamp_min(0) for m, second in zip(means, seconds)])
+        self.eps = torch.cat([torch.full((n,), layer.eps, device=device) for n, layer in zip(self.sizes, layers)])
+        self.spread = (self.balanced_var + self.eps).rsqrt()
+        # the fused kernels write each layer's batch mean and (unbiased) variance into its part
+        self.batch_mean, self.batch_var = torch.zeros_like(self.eps), torch.zeros_like(self.eps)
+        self.outputs = list(zip(self.batch_mean.split(self.sizes), self.batch_var.split(self.sizes)))
+        # a layer without affine parameters: 1 and 0 stand in
+        self.affine_parts = [(layer.weight, layer.bias) if layer.weight is not None else
+                             (torch.ones(n, device=device), torch.zeros(n, device=device)) for n, layer in zip(self.sizes, layers)]
+        # this batch's momentum max(0.05, 1/t) and 1 − it, as device scalars (BatchStatisticsNorm's rate)
+        self.rate, self.keep = torch.zeros((), device=device), torch.zeros((), device=device)
+        self._unbias: dict[tuple[int, ...], torch.Tensor] = {}
+        self.counts = [0] * len(layers)  # values a channel in each layer's input this pass
+        for index, layer in enumerate(layers):
+            layer.balanced, layer.index = self, index
+        self.start()
+        net.register_forward_pre_hook(self._pass_starts)
+        net.register_forward_hook(self._pass_ends)
+
+    def start(self) -> None:
+        """A new stream (the Adapter's reset() puts back the running statistics)."""
+        self.batches, self.before, self.histogram = 0, None, None
+        self.predicting, self.affines, self.fell_back = False, None, set()
+
+    def new_batch(self) -> None:
+        """The next forward passes are of a new batch: the running statistics move once a
+        batch, from where they are now, with momentum max(0.05, 1/t) at the t-th."""
+        self.batches += 1
+        self.before = (torch.cat([layer.running_mean for layer in self.layers]),
+                       torch.cat([layer.running_var for layer in self.layers]))
+        rate = max(BALANCED_MOMENTUM, 1 / self.batches)
+        self.rate.fill_(rate)
+        self.keep.fill_(1 - rate)
+
+    @contextmanager
+    def predicting_with_running_statistics(self):
+        """Forward passes that normalise with the running statistics as they are (to find the
+        batch's class mix) and leave them so."""
+        self.predicting = True
+        try:
+            yield
+        finally:
+            self.predicting = False
+
+    def normalise(self, layer: BatchStatisticsNorm, x: torch.Tensor) -> torch.Tensor:
+        if self.predicting:
+            return nn.functional.batch_norm(x, layer.running_mean, layer.running_var, layer.weight, layer.bias,
+                                            training=False, eps=layer.eps)
+        if self.affines is None:  # a pass the hooks did not start (a layer called on its own)
+            self._prepare()
+        weight, bias = self.affines[layer.index]
+        batch_mean, batch_var = self.outputs[layer.index]
+        self.counts[layer.index] = x.numel() // x.shape[1]
+        return nn.functional.batch_norm(x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=layer.eps)
+
+    def _pass_starts(self, module, inputs) -> None:
+        if not self.predicting:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """This pass's affine parameters of every layer (they carry the gradient to the
+        shared ones), for the batch's class mix."""
+        self.mix = class_mix_moments(self.histogram, self.class_means, self.class_second, self.balanced_mean, self.balanced_var)
+        mix_mean, mix_var = self.mix
+        scale, shift = (mix_var + self.eps).sqrt() * self.spread, (self.balanced_mean - mix_mean) * self.spread
+        weight, bias = (torch.cat(part) for part in zip(*self.affine_parts))
+        weights, biases = (weight * scale).split(self.sizes), (bias - weight * shift).split(self.sizes)
+        self.affines = list(zip(weights, biases))
+        torch._foreach_zero_([self.batch_mean, self.batch_var])  # a non-finite batch's leftovers would stay: 0·NaN is NaN
+        self.fell_back = set()
+
+    def _pass_ends(self, module, inputs, output) -> None:
+        """The running statistics of every layer, from before this batch, moved toward the
+        batch's corrected statistics (the batch's own without a class mix); a layer that
+        fell back to the source's keeps its own."""
+        if self.predicting or self.affines is None:
+            return
+        self.affines = None  # nor their graph kept to the next pass
+        if self.before is None:  # used outside an Adapter, which calls new_batch()
+            self.new_batch()
+        with torch.no_grad():
+            mean, var = self.batch_mean, self.batch_var * self._unbiasing()
+            if self.histogram is not None:
+                mean, var = balanced_statistics(mean, var, *self.mix, self.balanced_mean, self.balanced_var, self.eps)
+            moved = finite_or(moved_statistics(self.before, (mean, var), self.keep, self.rate), self.before)
+            for kept, new in zip(self.before, moved):
+                for index in self.fell_back:
+                    new.split(self.sizes)[index].copy_(kept.split(self.sizes)[index])
+            for attribute, new in zip(("running_mean", "running_var"), moved):
+                torch._foreach_copy_([getattr(layer, attribute) for layer in self.layers], new.split(self.sizes))
+
+    def _unbiasing(self) -> torch.Tensor:
+        """(n − 1)/n of each channel, n the values a channel of its layer's input this pass:
+        the kernel's variance is the unbiased one."""
+        counts = tuple(self.counts)
+        if counts not in self._unbias:  # the same for every batch of one size
+            factors = [(n - 1) / n if n else 1.0 for n in counts]
+            self._unbias[counts] = torch.cat([torch.full((size,), f, device=self.eps.device) for size, f in zip(self.sizes, factors)])
+        return self._unbias[counts]
+
+
+def moved_statistics(before: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor,
+                     rate: torch.Tensor) -> list[torch.Tensor]:
+    """The running (mean, var) from before a batch moved toward `new` by `rate`: keep·old + rate·new."""
+    return [keep * old + rate * value for old, value in zip(before, new)]
+
+
+def finite_or(values: list[torch.Tensor], fallback: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Each value where finite, else the fallback's: a non-finite batch must not poison the statistics for good."""
+    return [torch.where(value.isfinite(), value, old) for value, old in zip(values, fallback)]
 
 
 def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, m_h: torch.Tensor, v_h: torch.Tensor,
@@ -230,12 +322,31 @@ def use_test_batch_norm(model: nn.Module, norm: str = "batch", class_moments: di
             raise UsageError(f"`norm` class-balanced needs the source class moments of every BatchNorm's input, and "
                              f"{'none are' if len(missing) == len(swaps) else f'{len(missing)} layer(s) lack them, e.g. ' + missing[0] + ','} "
                              f"given; make the statistics with cafa stats --norm-moments")
+    layers = []
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, BatchStatisticsNorm(module, norm, (class_moments or {}).get(name), name))
+        layers.append(BatchStatisticsNorm(module, norm, name))
+        setattr(parent, child, layers[-1])
+    if parse_norm(norm)[0] == "class-balanced" and layers:
+        ClassBalancedNorms(model, layers, [checked_moments(class_moments[name], layer, name)
+                                           for (name, _), layer in zip(swaps, layers)])
     return len(swaps)
+
+
+def checked_moments(moments: tuple[torch.Tensor, torch.Tensor], layer: BatchStatisticsNorm, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(means, variances) of the layer's input per source class, each [C, channels], or a UsageError."""
+    means, variances = moments
+    if means.shape != variances.shape or means.dim() != 2 or means.shape[1] != layer.running_mean.numel():
+        raise UsageError(f"the class moments of the BatchNorm at {name or 'the top'} are {list(means.shape)}, not "
+                         f"[classes, {layer.running_mean.numel()}]; compute them with this model (cafa stats --norm-moments)")
+    return means, variances
 
 
 def norm_layers(model: nn.Module) -> list[BatchStatisticsNorm]:
     return [m for m in model.modules() if isinstance(m, BatchStatisticsNorm)]
+
+
+def class_balanced_norms(model: nn.Module) -> ClassBalancedNorms | None:
+    """The ClassBalancedNorms of a net whose BatchNorms use_test_batch_norm swapped under `class-balanced`."""
+    return next((m.balanced for m in model.modules() if isinstance(m, BatchStatisticsNorm) and m.balanced), None)
