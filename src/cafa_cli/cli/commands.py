@@ -72,7 +72,8 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
         console.print("reading image paths from standard input, one per line; end with Ctrl-D")
     with Monitor(console, quiet, as_flags) as monitor:
         results = adapt_job.run(config, monitor)
-    console.print(summary_table(config.method, results))
+    if results is not None:  # None: a torchrun rank other than 0, whose results rank 0 shows
+        console.print(summary_table(config.method, results))
 
 
 def inspect(

@@ -472,12 +472,12 @@ def effective_severity(config) -> int | None:
 
 
 @guards_outputs
-def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
+def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
     """The whole `adapt` command: the records to `config.predictions` (stdout when None),
     warnings to the monitor, the metrics to `config.metrics_json`; returns the results.
     Under torchrun each rank adapts its share of the domains (they are independent with
     `reset` domain); rank 0 writes every record in stream order and the metrics, and
-    returns every result; the other ranks write nothing and return none."""
+    returns every result; the other ranks write nothing and return None."""
     if launched_by_torchrun():
         check_spread(config)
         config = replace(config, device=str(rank_device(pick_device(config.device))))
@@ -497,7 +497,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult]:
         if rank > 0:
             kept = []  # this rank's records, batch by batch, for rank 0 to write after its own
             gather_on_root((kept, part.run(kept.append, said), said.said()), rank, world)
-            return []
+            return None
         with prediction_records(config.predictions, config.format, job.class_names) as writer:
             unread = unread_default_artifact(config, job.preprocess)
             for caution in [*job.cautions(), *([unread] if unread else [])]:
