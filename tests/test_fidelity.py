@@ -27,6 +27,7 @@ from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods import create
 from cafa_cli.method.methods import cotta as cotta_module
+from cafa_cli.method.methods.lame import affinity_matrix, laplacian_assignment, stopping_iteration
 from cafa_cli.recipes import shipped
 
 C = 10  # classes: the CIFAR-10-C recipes' E0 = 0.4·ln 10
@@ -291,6 +292,51 @@ def test_lame_under_its_recipe_is_the_authors_rbf_laplacian_assignment():
     torch.testing.assert_close(got.double(), lame_reference(logits.softmax(1), feats), rtol=1e-4, atol=1e-6)
 
 
+def stopping_loop(unary: torch.Tensor, kernel: torch.Tensor, max_steps: int) -> tuple[torch.Tensor, int]:
+    """The solver as it was, a loop that stops as the official one does: (Y, iterations run)."""
+    Y = (-unary).softmax(-1)
+    old = torch.tensor(float("inf"))
+    for i in range(max_steps):
+        pairwise = kernel.matmul(Y)
+        Y = (pairwise - unary).softmax(-1)
+        E = (unary * Y - pairwise * Y + Y * torch.log(Y.clip(1e-20))).sum()
+        if i > 1 and (E - old).abs() <= 1e-8 * old.abs():
+            return Y, i + 1
+        old = E
+    return Y, max_steps
+
+
+def test_lame_runs_every_iteration_and_returns_the_one_the_loop_stops_at():
+    """The solver launches all max_steps iterations (no read of the energy between them)
+    and picks the iterate where the loop breaks: the same assignment whether it stops
+    early, late or never (bit for bit where the batch is small enough that a stack's sums
+    round as one iterate's do)."""
+    stopped_early = 0
+    for seed, (n, classes, max_steps) in enumerate([(24, 10, 100), (64, 1000, 100), (7, 3, 100), (24, 10, 5), (24, 10, 3),
+                                                    (40, 10, 2), (16, 100, 100), (200, 10, 100)]):
+        g = torch.Generator().manual_seed(seed)
+        feats = F.normalize(torch.randn(n, 16, generator=g), dim=1)
+        unary = -((torch.randn(n, classes, generator=g) * 3).softmax(1) + 1e-10).log()
+        kernel = affinity_matrix(feats, "rbf")
+        want, ran = stopping_loop(unary, kernel, max_steps)
+        got = laplacian_assignment(unary, kernel, max_steps=max_steps)
+        if n * classes <= 2000:
+            assert torch.equal(got, want), (n, classes, max_steps)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        stopped_early += ran < max_steps
+    assert stopped_early >= 3
+
+
+@pytest.mark.parametrize(("energy", "stop"), [
+    ([5.0, 4.0, 3.0, 3.0, 2.0], 3),  # the first repeat from the third iteration on
+    ([5.0, 5.0, 4.0, 3.0], 3),  # a repeat before the third iteration does not count; none after: the last
+    ([9.0, 8.0, 7.0, 7.0 + 7e-8, 7.0], 3),  # within 1e-8 relative
+    ([9.0, 8.0, 7.0, 7.0 + 2e-6, 7.0 + 2e-6], 4),
+])
+def test_lame_stops_at_the_first_iteration_whose_energy_stopped_changing(energy, stop):
+    assert int(stopping_iteration(torch.tensor(energy, dtype=torch.float64))) == stop
+
+
 # --- T3A (matsuolab/T3A adapt_algorithms.py; Benchmark-TTA's filter_K = -1) --------------
 
 
@@ -379,8 +425,8 @@ def cotta_reference(net, xs, views, lr, mt, rst, ap, n_aug, symmetric: bool, see
 
 @pytest.mark.parametrize("recipe", ["cifar10-c", "imagenet-c"])
 def test_cotta_under_its_recipe_trains_every_parameter_as_the_authors(recipe, monkeypatch):
-    def views(x):  # a fixed view in place of the random ones, the same in both
-        return x.flip(3) * 0.9
+    def views(x, count=1):  # a fixed view in place of the random ones, the same in both (count of each image, together)
+        return (x.flip(3) * 0.9).repeat_interleave(count, 0)
 
     monkeypatch.setattr(cotta_module, "augment", views)
     net, xs = tiny(sharp=20.0), batches(3)

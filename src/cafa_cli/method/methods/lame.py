@@ -21,9 +21,9 @@ from Y = p, stopping when E changes by at most 1e-8·|E| (after the third iterat
 after `max_steps` iterations. Y is reported (as log Y, whose softmax is Y).
 
 Defaults, as the official code: rbf, k = 5 (`knn`), not symmetric, λ = 1
-(`bound_lambda`), 100 iterations, log p = log(p + 1e-10). The stop is made on the device:
-iterations after convergence leave Y as it was, so the result is the official one without
-reading a value back.
+(`bound_lambda`), 100 iterations, log p = log(p + 1e-10). The stop is found on the device,
+after all the iterations have run, so the result is the official one without reading a
+value back.
 """
 
 from __future__ import annotations
@@ -70,19 +70,37 @@ def affinity_matrix(features: torch.Tensor, kind: str = "rbf", k: int = KNN, sig
 
 def laplacian_assignment(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = LAMBDA,
                          max_steps: int = MAX_STEPS) -> torch.Tensor:
-    """LAME's fixed-point iterations from Y = softmax(−unary); see the module's docstring."""
+    """LAME's fixed-point iterations from Y = softmax(−unary); see the module's docstring.
+    Every iteration runs (three operators each: a launch apiece on a GPU, where a check
+    between them would wait for the device), and the energies and the stop are found
+    after them, for all at once: the result is the iterate at which the official loop
+    stops, since until then the iterations are the same. (Summed over a stack of
+    iterates, an energy may round differently from the loop's sum of one, as that sum
+    does with the thread count: where two iterations' energies differ by about 1e-8, the
+    stop may move by an iteration, past convergence.)"""
+    weighted = bound_lambda * kernel
     assignment = (-unary).softmax(1)
-    done = torch.zeros((), dtype=torch.bool, device=unary.device)
-    previous = torch.full((), float("inf"), device=unary.device)
-    for i in range(max_steps):
-        pairwise = bound_lambda * kernel @ assignment
-        updated = (pairwise - unary).softmax(1)
-        energy = (unary * updated - bound_lambda * pairwise * updated + updated * updated.clamp_min(1e-20).log()).sum()
-        assignment = torch.where(done, assignment, updated)
-        if i > 1:
-            done = done | ((energy - previous).abs() <= 1e-8 * previous.abs())
-        previous = energy
-    return assignment
+    iterates, pairwises = [], []
+    for _ in range(max_steps):
+        pairwise = weighted @ assignment
+        assignment = (pairwise - unary).softmax(1)
+        iterates.append(assignment)
+        pairwises.append(pairwise)
+    if max_steps < 3:  # the stop is tried from the third iteration
+        return assignment
+    assignments, pairwise = torch.stack(iterates), torch.stack(pairwises)  # [steps, N, C]
+    energy = (unary * assignments - bound_lambda * pairwise * assignments
+              + assignments * assignments.clamp_min(1e-20).log()).sum((1, 2))
+    return assignments[stopping_iteration(energy)]
+
+
+def stopping_iteration(energy: torch.Tensor) -> torch.Tensor:
+    """The index of the iteration at which the official loop breaks, given every
+    iteration's energy E_i: the first i ≥ 2 with |E_i − E_{i−1}| ≤ 1e-8·|E_{i−1}|, else the
+    last (a device scalar: nothing is read back)."""
+    previous = energy[1:-1]
+    converged = (energy[2:] - previous).abs() <= 1e-8 * previous.abs()
+    return torch.where(converged.any(), converged.int().argmax() + 2, len(energy) - 1)
 
 
 class Lame(Method):
