@@ -702,6 +702,24 @@ def _entry_point(*args, shell_redirect: str = "", env: dict | None = None):
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
+@pytest.mark.parametrize("args", [("adapt", "--bogus"), ("inspect", "/nonexistent.safetensors"), ("bench",), ("methods", "nope")])
+def test_python_m_and_the_cafa_script_behave_alike(args):
+    """Same exit code, stdout and stderr; the only difference is the program the usage
+    and the help hint name, the one the user typed."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "cafa"
+    if not script.exists():
+        pytest.skip("the cafa script is not installed beside this Python")
+    by_module = _entry_point(*args)
+    by_script = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=300)
+    assert by_module.returncode == by_script.returncode != 0
+    assert by_module.stdout == by_script.stdout
+    assert by_module.stderr.replace("python -m cafa_cli", "cafa") == by_script.stderr
+    assert by_script.stderr.startswith("cafa: error:") or by_script.stderr.startswith("Usage: cafa"), by_script.stderr
+
+
 def test_a_closed_stdout_is_an_error_for_commands_that_write_there(setup):
     """Python sets sys.stdout to None under `>&-` and print() then drops everything. bench
     prints its table at the end: it must fail before the work (its domain is not even read)."""

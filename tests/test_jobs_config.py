@@ -63,6 +63,9 @@ def test_help_lists_choices_conventional_metavars_and_panels():
     for panel in ("Data:", "Model:", "Adaptation:", "Stream:", "Output:", "Runtime:", "Examples:"):
         assert panel in text
     assert "<str>" not in text and "<int>" not in text and "<float>" not in text
+    for command in ("adapt", "bench"):  # the domains as a person reads them, not a Python type
+        text = runner.invoke(app, [command, "--help"], terminal_width=200).stdout
+        assert "  DOMAIN...  Test domains" in text and "list[str]" not in text
 
 
 def test_help_does_not_import_torch():

@@ -33,7 +33,8 @@ class PanelledCommand(TyperCommand):
             if record is None:
                 continue
             if param.param_type_name == "argument":
-                arguments.append(record)
+                # typer writes an argument's Python type beside it (DOMAIN <list[str]>): its name says enough
+                arguments.append((param.display_name_raw + ("..." if param.nargs != 1 else ""), record[1]))
             else:
                 panels.setdefault(getattr(param, "rich_help_panel", None) or OTHER, []).append(record)
         if arguments:
