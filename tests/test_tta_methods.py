@@ -206,6 +206,21 @@ def test_sar_recovers_the_source_model_and_a_fresh_optimiser_when_the_loss_avera
     assert any(not torch.equal(v, source[k]) for k, v in adapter.model.state_dict().items())
 
 
+def test_sar_recovery_puts_back_the_running_statistics_too(trained):
+    """Recovery restores what a step can change, trained parameters and buffers (here the
+    running statistics of `norm` ema), and leaves every entry as the source's."""
+    model, _, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), create("sar", reset_below=100.0), norm="ema:0.5", optimizer="sgd",
+                      momentum=0.9, lr=1e-2)
+    source = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    assert any("running_mean" in k for k in source)
+    for i in range(2):
+        adapter.step(x[50 * i : 50 * i + 50])
+        assert all(torch.equal(v, source[k]) for k, v in adapter.model.state_dict().items())
+        buffers = [s["momentum_buffer"] for s in adapter.optimizer.state.values()]
+        assert buffers and all(not b.any() and b.signbit().all() for b in buffers)  # -0.0, as a fresh buffer
+
+
 def t3a_reference(weight, bias, batches, k):
     """The support set as lists, sorted per class by entropy and cut to k, as T3A states it."""
     weight, bias = weight.double(), bias.double()

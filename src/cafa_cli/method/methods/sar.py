@@ -74,11 +74,14 @@ class Sar(Method):
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         self.params = select_parameters(model, which, self.frozen)
+        self.saved = None
         return self.params
 
     def reset(self) -> None:
         self.ema: torch.Tensor | None = None  # the moving average of the loss, on the device
         self.started: torch.Tensor | None = None
+        self.saved: list[torch.Tensor] | None = None  # θ while the step is taken at θ + ε
+        self.starts: dict[tuple, torch.Tensor] = {}
 
     def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
         with adapter.autocast:
@@ -89,11 +92,12 @@ class Sar(Method):
         scaled = first if adapter.scaler is None else adapter.scaler.scale(first)
         grads = torch.autograd.grad(scaled, self.params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
-        saved = [p.detach().clone() for p in self.params]
         with torch.no_grad():
-            scale = self.rho / (torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) + 1e-12)
-            for p, g in zip(self.params, grads):
-                p.add_(g * scale)
+            if self.saved is None:
+                self.saved = [torch.empty_like(p) for p in self.params]
+            torch._foreach_copy_(self.saved, self.params)
+            scale = self.rho / (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) + 1e-12)
+            torch._foreach_add_(self.params, torch._foreach_mul(grads, scale))
         with adapter.autocast:
             perturbed, _ = adapter.forward(images)
         second, kept = reliable_entropy(perturbed.float(), keep, self.entropy_margin)
@@ -101,8 +105,7 @@ class Sar(Method):
 
         def restore():  # the step is taken from θ with the gradient at θ + ε
             with torch.no_grad():
-                for p, s in zip(self.params, saved):
-                    p.copy_(s)
+                torch._foreach_copy_(self.params, self.saved)
 
         flag = adapter.apply(second, skipped, after_backward=restore)
         with torch.no_grad():
@@ -118,11 +121,22 @@ class Sar(Method):
         self.ema = torch.where(valid, moved, self.ema)
         self.started = self.started | valid
         collapsed = self.started & (self.ema < self.reset_below)
-        state = adapter.model.state_dict()
+        # what a step can change: the trained parameters and the buffers (running statistics);
+        # the other parameters are the source's already
+        trained = {id(p) for p in self.params}
+        state = adapter.model.state_dict(keep_vars=True)
         for name, tensor in state.items():
-            torch.where(collapsed, adapter.source_state[name], tensor, out=tensor)
+            if id(tensor) in trained or not isinstance(tensor, torch.nn.Parameter):
+                torch.where(collapsed, adapter.source_state[name], tensor, out=tensor)
         for slots in adapter.optimizer.state.values():  # as a new optimiser's: no step, no moments
             for key, tensor in slots.items():
                 if isinstance(tensor, torch.Tensor):
-                    start = -0.0 if key == "momentum_buffer" else 0.0
-                    torch.where(collapsed.to(tensor.device), torch.full_like(tensor, start), tensor, out=tensor)
+                    start = self._start(-0.0 if key == "momentum_buffer" else 0.0, tensor)
+                    torch.where(collapsed.to(tensor.device), start, tensor, out=tensor)
+
+    def _start(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        """A 0-d tensor of `value` with the dtype and device of `like`, made once."""
+        key = (value, like.dtype, like.device)
+        if key not in self.starts:
+            self.starts[key] = torch.full((), value, dtype=like.dtype, device=like.device)
+        return self.starts[key]
