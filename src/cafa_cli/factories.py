@@ -15,8 +15,9 @@ from pathlib import Path
 from cafa_cli.errors import InputError, UsageError, repeated
 from cafa_cli.files import reading
 
-# `--model timm:NAME` / `torchvision:NAME`: a model a library builds by name, not code to import
-HUB_PREFIXES = ("timm:", "torchvision:")
+# `--model timm:NAME` / `torchvision:NAME` / `robustbench:DATASET/NAME`: a model built by
+# name, not code to import
+HUB_PREFIXES = ("timm:", "torchvision:", "robustbench:")
 
 
 def is_factory(model: str | None) -> bool:

@@ -27,6 +27,7 @@ from torch import nn
 from cafa_cli.checkpoints import read_state_dict, sha256_of
 from cafa_cli.data.values import INTERPOLATIONS
 from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.zoo import robustbench
 
 # what a weights *file* is called; anything else without a folder in it may be a name
 WEIGHT_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt", ".tar", ".pkl")
@@ -274,7 +275,10 @@ def cached_weights(model: str, weights: str) -> CachedWeights:
 
 def declared_preprocessing(model: str | None, weights: str | None, kwargs: dict) -> dict | None:
     """The preprocessing the model declares: a timm model's pretrained config (with or
-    without weights: it is the architecture's), torchvision weights named by enum; else None."""
+    without weights: it is the architecture's), torchvision weights named by enum, a
+    `robustbench:` model's own (zoo/robustbench.py); else None."""
+    if robustbench.is_robustbench(model):
+        return dict(robustbench.lookup(model).preprocessing)
     library, name = library_of(model or "")
     named = weights is not None and is_weights_name(weights)
     if library == "timm":

@@ -1,5 +1,5 @@
 """A model by name: a torchvision architecture, a bundled model, `timm:NAME` /
-`torchvision:NAME` (hub.py), or a factory (`file.py:fn`, `package.module:fn`), built with
+`torchvision:NAME` (hub.py), `robustbench:DATASET/NAME` (zoo/robustbench.py), or a factory (`file.py:fn`, `package.module:fn`), built with
 its keyword arguments, loaded with its weights and wrapped so that it returns its
 features too; and the fingerprints an artifact records of it."""
 
@@ -17,6 +17,7 @@ from cafa_cli.factories import import_factory, is_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
+from cafa_cli.zoo import robustbench
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class ModelSpec:
 def build_model(model: str, num_classes: int | None = None, model_args: dict | None = None,
                 weights: hub.CachedWeights | None = None) -> nn.Module:
     """A torchvision architecture name, a bundled model name, `timm:NAME`, `torchvision:NAME`,
-    or `file.py:fn` / `pkg.mod:fn`, called with `model_args` (and `num_classes`);
-    `weights` are pretrained weights by name, which the library's builder loads."""
+    `robustbench:DATASET/NAME`, or `file.py:fn` / `pkg.mod:fn`, called with `model_args`
+    (and `num_classes`); `weights` are pretrained weights by name, which the library's
+    builder loads."""
     from cafa_cli.zoo import BUNDLED, load_bundled
 
     kwargs = {**(model_args or {}), **({"num_classes": num_classes} if num_classes is not None else {})}
@@ -44,6 +46,8 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
         if model_args:
             raise UsageError(f"`model` {model} is a bundled model, built as it was trained; it takes no `model_arg`")
         return load_bundled(model)  # a `num_classes` other than its outputs is named by resolve()
+    if robustbench.is_robustbench(model):
+        return robustbench.build(model, model_args)  # its weights are read by resolve(), as a --weights file
     if library == "timm":
         return hub.build_timm(name, kwargs, weights)
     if is_factory(model):
@@ -51,7 +55,7 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
     if library is None and model not in hub.torchvision_names():
         raise UsageError(
             f"`model` {model}: unknown architecture{hub.did_you_mean(model, hub.torchvision_names())}; give a torchvision classification model, "
-            f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, or a factory 'file.py:function'"
+            f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, robustbench:DATASET/NAME, or a factory 'file.py:function'"
         )
     return hub.build_torchvision(name, kwargs, weights)
 
@@ -112,10 +116,14 @@ def resolve(
         raise UsageError(f"`num_classes` must be a whole number, not {num_classes!r}")
     if num_classes is not None and num_classes < 1:
         raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
+    weights = model_weights(model, weights)
     cached = hub.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
     net = build_model(model, num_classes, model_args, cached)
     if weights is not None and cached is None:
-        load_weights(net, read_state_dict(weights, trust_checkpoint), weights)
+        state = read_state_dict(weights, trust_checkpoint)
+        if robustbench.is_robustbench(model):
+            state = robustbench.checkpoint_state(model, state, weights)
+        load_weights(net, state, weights)
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
@@ -123,6 +131,12 @@ def resolve(
     recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
     spec = ModelSpec(canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
     return wrapped, spec
+
+
+def model_weights(model: str | None, weights: str | None) -> str | None:
+    """`weights` as given; for a `robustbench:` model without them, the file RobustBench
+    keeps its checkpoint in (which must exist: nothing is downloaded)."""
+    return robustbench.weights_file(model, weights) if robustbench.is_robustbench(model) else weights
 
 
 def pretrained_by_name(model: str | None, weights: str | None) -> bool:
@@ -142,6 +156,7 @@ def factory_sha256(model: str) -> str | None:
 def weights_record(model: str, weights: str | None) -> tuple[str | None, str | None]:
     """The weights as an artifact and the metrics record them, and their sha256: a file by
     its absolute path, pretrained weights by their full name (ResNet50_Weights.IMAGENET1K_V2)."""
+    weights = model_weights(model, weights)
     if pretrained_by_name(model, weights):
         cached = hub.cached_weights(model, weights)
         return cached.name, cached.sha256
@@ -151,6 +166,7 @@ def weights_record(model: str, weights: str | None) -> tuple[str | None, str | N
 def weights_sha256(model: str, weights: str | None) -> str | None:
     """What an artifact records to notice changed weights: the sha256 of the weights file,
     or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""
+    weights = model_weights(model, weights)
     if pretrained_by_name(model, weights):
         return hub.cached_weights(model, weights).sha256
     if weights is not None:
