@@ -134,6 +134,9 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
         (["--corruptions", "fog,fog", "--data-only"], 2, "--corruptions names fog twice"),
         (["--methods", "magic", "--data-only"], 2, "unknown method 'magic'"),
         (["--fashion-mnist", "/nonexistent"], 3, "Fashion-MNIST not found"),
+        (["--severities", "1,2"], 2, "--severities builds the test folders of several severities, with --data-only"),
+        (["--severities", "1,7", "--data-only"], 2, "--severities: a severity is 1-5, not 7"),
+        (["--severities", "2,2", "--data-only"], 2, "--severities names 2 twice"),
     ],
 )
 def test_demo_rejects_bad_options_before_building_anything(tmp_path, args, code, needle):
@@ -194,6 +197,22 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     assert pngs[0].stat().st_mtime_ns == stamp
     assert "corrupting" not in again.stderr
     assert "computing statistics (--covariance tied)" in result.stderr and "computing" not in again.stderr
+
+
+@needs_fashion_mnist
+def test_demo_data_only_builds_every_severity_asked_for(tmp_path):
+    """The folders cafa bench imagenet-c:ROOT --severities reads, at each severity."""
+    pytest.importorskip("corrupt_tta")
+    args = ["demo", "--data-only", "--workdir", str(tmp_path), "--corruptions", "contrast", "--test-per-class", "2"]
+    result = runner.invoke(app, [*args, "--severities", "1,5"])
+    assert result.exit_code == 0, result.stderr
+    root = tmp_path / "fashion-mnist-c-2"
+    assert result.stdout.splitlines() == [str(root / "contrast" / "1"), str(root / "contrast" / "5")]
+    assert "corrupting: contrast/1" in result.stderr
+    mild, harsh = (sorted((root / "contrast" / s).rglob("*.png")) for s in ("1", "5"))
+    assert len(mild) == len(harsh) == 20 and mild[0].read_bytes() != harsh[0].read_bytes()
+    alone = runner.invoke(app, [*args, "--severity", "5"])  # the folder a single severity builds, re-used
+    assert alone.exit_code == 0 and alone.stdout.splitlines() == [str(root / "contrast" / "5")] and "corrupting" not in alone.stderr
 
 
 @needs_fashion_mnist
@@ -589,6 +608,11 @@ def test_grid_rows_run_every_method_under_every_condition_and_name_only_the_axes
     ({"batch_sizes": "1,x"}, "`batch_sizes` takes comma-separated whole numbers"),
     ({"batch_sizes": "0"}, "`batch_size` must be at least 1"),
     ({"batch_sizes": "2,02"}, "`batch_sizes` names a batch size twice"),
+    ({"severities": "1,x"}, "`severities` takes comma-separated whole numbers 1-5"),
+    ({"severities": "0,5"}, "`severities`: a severity is 1-5, not 0"),
+    ({"severities": "3,03"}, "`severities` names a severity twice"),
+    ({"severities": "3", "severity": 5}, "`severity` 5 and `severities` 3 both say which severities to run"),
+    ({"severities": "3", "gradual": True}, "`severities` 3 runs each severity apart, and `gradual` visits all five"),
 ])
 def test_bad_grid_axes_are_usage_errors(options, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):

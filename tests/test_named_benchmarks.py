@@ -4,12 +4,14 @@ laid out as the real ones are."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cafa_cli.data.benchmarks import CORRUPTIONS, expand_benchmarks
 from cafa_cli.data.sources import open_domain
@@ -179,3 +181,44 @@ def test_a_misspelt_class_folder_gets_a_did_you_mean(setup, tmp_path):
     (named / "cherry").rename(named / "chery")
     fails(invoke("adapt", "--stats", tmp_path / "s.safetensors", "--model", TINY_NET, "--data", named), 3,
           "class folder(s) chery not in the model's class list (3 classes) (did you mean cherry for chery?)")
+
+
+def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, imagenet_c, trained, tmp_path):
+    """One command, a row per method and severity; each row's errors are those of a bench at that `--severity`."""
+    out = {k: tmp_path / f"r.{k}" for k in ("csv", "json")}
+    weights = tmp_path / "trained.pt"  # a net that tells the classes apart, so that harder images cost it
+    torch.save(trained[0].model.state_dict(), weights)
+    base = ["bench", f"imagenet-c:{imagenet_c}", "--model", TINY_NET, "--weights", weights, "--train", setup["train"],
+            *PLAIN, "--methods", "source,bn", "--batch-size", "4", "--workdir", tmp_path / "w"]
+    result = invoke(*base, "--severities", "3,5", "--csv", out["csv"], "--json", out["json"])
+    assert result.exit_code == 0, result.stderr
+    long_table, by_condition = result.stdout.strip().split("\n\n")
+    assert [line.split(" | ")[0] for line in long_table.splitlines()[2:]] == [
+        "| source, severity 3", "| bn, severity 3", "| source, severity 5", "| bn, severity 5"]
+    assert by_condition.splitlines()[0] == "| condition | source | bn |"
+    assert [line.split(" | ")[0] for line in by_condition.splitlines()[2:]] == ["| severity 3", "| severity 5"]
+    table = list(csv.DictReader(out["csv"].open()))
+    assert list(table[0]) == ["method", "order", "batch_size", "severity", "domain", "error_mean_percent", "error_std_percent"]
+    errors = {(r["method"], r["severity"], r["domain"]): r["error_mean_percent"] for r in table}
+    # the severity folders hold other images (the fixture's seeds and shifts differ): so do the errors
+    assert [errors[("source", "3", d)] for d in FOUND] != [errors[("source", "5", d)] for d in FOUND]
+    for severity in ("3", "5"):
+        alone = invoke(*base, "--severity", severity, "--quiet")
+        assert alone.exit_code == 0, alone.stderr
+        for line in alone.stdout.splitlines()[2:]:
+            method, *cells = [cell.strip(" *") for cell in line.strip("|").split("|")]
+            assert cells == [f"{float(errors[(method, severity, d)]):.2f}" for d in (*FOUND, "mean")]
+    report = json.loads(out["json"].read_text())
+    assert [(r["label"], r["severity"]) for r in report["rows"]] == [
+        ("source, severity 3", 3), ("bn, severity 3", 3), ("source, severity 5", 5), ("bn, severity 5", 5)]
+    assert (report["settings"]["severities"], report["settings"]["severity"]) == ("3,5", None)
+
+
+def test_a_severity_axis_needs_data_with_severities(setup, imagenet_c, tmp_path):
+    base = ["bench", "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"], *PLAIN, "--methods", "source",
+            "--workdir", tmp_path / "w"]
+    fails(invoke(*base, setup["train"], "--severities", "3,5"), 2, "--severity is only for .npy arrays that stack 5 severities")
+    fails(invoke(*base, f"imagenet-c:{imagenet_c}", "--severities", "3,4"), 3, "no severity folder", "gaussian_noise/4")
+    fails(invoke(*base, f"imagenet-c:{imagenet_c}", "--severities", "3,5", "--severity", "3"), 2,
+          "--severity 3 and --severities 3,5 both say which severities to run")
+    assert not (tmp_path / "w").exists()  # refused before any statistics

@@ -1,6 +1,9 @@
 """The corruption benchmarks by name, as `data` values:
 
 - `imagenet-c:ROOT`: ImageNet-C's folders, ROOT/<corruption>/<severity>/<wnid>/*.JPEG;
+- `fashion-mnist-c:ROOT`: the bundled demo's, in the same layout (cafa demo --data-only:
+  ROOT is WORKDIR/fashion-mnist-c-N), named apart so that `recipe` auto takes the family
+  of its 10 classes, not ImageNet-C's;
 - `cifar10-c:ROOT`, `cifar100-c:ROOT`: the .npy stacks, ROOT/<corruption>.npy holding the
   5 severities one after another (5 × 10,000 images) and ROOT/labels.npy.
 
@@ -21,7 +24,7 @@ from cafa_cli.data.folders import _folder_domain
 # the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)
 CORRUPTIONS = BENCHMARK_CORRUPTIONS
 FOLDERS, ARRAYS = "folders", "arrays"
-BENCHMARKS = {"imagenet-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS}
+BENCHMARKS = {"imagenet-c": FOLDERS, "fashion-mnist-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS}
 DEFAULT_SEVERITY = 5
 
 

@@ -218,6 +218,7 @@ class Adaptation:
             groups=self.groups,
             num_workers=s.num_workers,
             strict=s.strict,
+            oracle=s.oracle,
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
@@ -304,6 +305,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     domains = [opened[path] for path in paths]
     for domain in opened.values():  # before any prediction is written
         check_labels(domain.labels, config.order, domain.name)
+        if config.oracle:
+            check_oracle_labels(domain.name, domain.labels)
     class_names = subset.names if subset else model_classes
     if class_names is None:
         class_names = _class_names_of(domains, net)
@@ -328,6 +331,9 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         if recipe is None:
             raise
         raise InputError(f"{error} (in the recipe {recipe.origin})") from None
+    if config.oracle and not method.takes_labels:  # a plug-in: known once made
+        raise UsageError(f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
+                         f"does not say it takes them (a Method's takes_labels, read through class_labels())")
     adapter = Adapter(net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset))
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
@@ -366,6 +372,15 @@ def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, li
     stages = [gradual_stages(path) for path in data]
     return ([stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption],
             notes)
+
+
+def check_oracle_labels(name: str, labels: np.ndarray) -> None:
+    """`oracle` gives the loss each image's true label: every image of the domain needs one."""
+    missing = int((labels < 0).sum())
+    if missing:
+        raise UsageError(f"{name}: `oracle` gives the loss each image's true label, and {missing} of its {len(labels)} "
+                         f"image(s) have none; give labelled data (one folder per class, or an array with `labels`), or drop "
+                         f"`oracle`")
 
 
 def class_subset(config: AdaptConfig, artifact: Artifact | None, model_classes: list[str] | None) -> ClassSubset | None:
@@ -461,6 +476,7 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
         "fisher_samples": config.fisher_samples,
         "severity": effective_severity(config),
+        "oracle": config.oracle,
         "preprocessing": asdict(preprocess),
     }
 

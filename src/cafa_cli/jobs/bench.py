@@ -24,9 +24,9 @@ from cafa_cli.models import bundled_model
 from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
-from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statistics
+from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statistics, with_oracle
 from cafa_cli.method.options import parse_norm
-from cafa_cli.jobs.adapt import effective_severity, part_of, prepare_adaptation
+from cafa_cli.jobs.adapt import check_oracle_labels, effective_severity, part_of, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
 from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
@@ -47,8 +47,10 @@ from cafa_cli.method.gaussians import auto_shrinkage_method, check_options
 from cafa_cli.jobs.results import DomainResult
 
 
-def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False) -> None:
-    """Each test domain given once, readable with its options and labelled, before any
+def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False,
+                  severities: list[int | None] | None = None, oracle: bool = False) -> None:
+    """Each test domain given once, readable with its options and labelled (at each of
+    `severities`, default `severity`; every image, for the `oracle` rows), before any
     statistics are computed; with `gradual`, each corruption and its severities."""
     stages = {domain: gradual_stages(domain) if gradual else [domain] for domain in domains}
     # `imgs` and `./imgs/` are one domain; with `gradual`, `fog` and `fog/3` are one corruption
@@ -56,10 +58,13 @@ def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool =
     if twice:
         raise UsageError(f"test domain {twice[0]} is given twice; give each domain once")
     for domain in dict.fromkeys(stage for visits in stages.values() for stage in visits):
-        labels = open_domain(domain, None, data_choice.labels, data_choice.severity).labels
-        if not (labels >= 0).any():
-            raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
-                             f"(or an array with `labels`)")
+        for severity in severities or [data_choice.severity]:
+            labels = open_domain(domain, None, data_choice.labels, severity).labels
+            if not (labels >= 0).any():
+                raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
+                                 f"(or an array with `labels`)")
+            if oracle:
+                check_oracle_labels(domain, labels)
 
 
 def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str) -> bool:
@@ -95,9 +100,10 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
     row's recipe fills what neither the bench's options nor the row itself (NAME@LR,
     cafa-full's params, a grid axis) chose; its method options are those of `method_option`
     that name its method or that it takes."""
-    own = {"lr": row.lr, "params": row.params, "order": row.order, "batch_size": row.batch_size}
+    own = {"lr": row.lr, "params": row.params, "order": row.order, "batch_size": row.batch_size, "severity": row.severity}
     return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
-                  order=row.order_of(config), batch_size=row.batch_size_of(config), stats=stats, classes=None if stats else classes,
+                  order=row.order_of(config), batch_size=row.batch_size_of(config), severity=row.severity_of(config),
+                  oracle=row.oracle, stats=stats, classes=None if stats else classes,
                   fisher_data=fisher_data(config, row),
                   resize=config.resize if config.test_resize is None else config.test_resize,
                   crop=config.crop if config.test_crop is None else config.test_crop,
@@ -154,7 +160,7 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
-    rows = with_norm_statistics(config, grid_rows(config, parse_methods(config.methods)))
+    rows = with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods))))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
@@ -190,7 +196,7 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     runs resolved them (ROW_SETTINGS), on rank 0."""
     monitor = RankMonitor(monitor if rank == 0 else None)
     # every check before statistics that can take hours, and before the workdir is made
-    check_domains(config.data, config, config.gradual)
+    check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
     check_method_options(config, rows)
     for row in rows:
         row_config(config, row, seeds[0], None, None)
@@ -365,7 +371,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
 
 # the settings every row shares, as the JSON report lists them
 SHARED = ("recipe", "method_option", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
-          "gradual", "orders", "batch_sizes", "device", "precision", "num_workers", "strict", "compile")
+          "gradual", "orders", "batch_sizes", "severities", "oracle", "device", "precision", "num_workers", "strict", "compile")
 
 
 # what the JSON report records of each row's settings, as its runs resolved them
@@ -395,16 +401,18 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
                   "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
                   "order": r.order_of(config),
+                  # on a severity axis or with the oracle twins, each row's own
+                  **({"severity": r.severity} if config.severities else {}), **({"oracle": r.oracle} if config.oracle else {}),
                   **(settings or {}).get(r.label, {"params": r.params_of(config), "lr": r.lr_of(config),
                                                    "batch_size": r.batch_size_of(config)})} for r in rows],
         "artifacts": artifacts,
         **({"clean": clean} if clean else {}),
         "settings": {
-            **shared, "methods": ",".join(dict.fromkeys(r.name for r in rows)), "train": config.train, "model": config.model,
+            **shared, "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)), "train": config.train, "model": config.model,
             **dict(zip(("weights", "weights_sha256"), weights_record(config.model, config.weights))),
             "model_args": config.model_args,
             "classes": absolute(config.classes), "labels": absolute(config.labels),
-            "severity": effective_severity(config),
+            "severity": None if config.severities else effective_severity(config),  # else each row's
             **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),
             **({"subset": absolute(config.subset)} if config.subset else {}),
             "fraction": fraction, "per_class": per_class, "shrinkage": config.shrinkage_value(),

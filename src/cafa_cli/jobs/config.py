@@ -23,7 +23,7 @@ from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS, is_plugin
 from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
-                                    RecipeOptions, parse_method_options,
+                                    OracleOptions, RecipeOptions, check_oracle, parse_method_options,
                                     RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting, factory_file)
 
 
@@ -61,7 +61,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
 
 @dataclass(kw_only=True)
 class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions, RecipeOptions, MethodDataOptions,
-                  StreamOptions, RuntimeOptions):
+                  OracleOptions, StreamOptions, RuntimeOptions):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
 
     data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, '-' for "
@@ -93,6 +93,8 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
             raise UsageError("`data` - (image paths on stdin) is given more than once; stdin can be read once")
         check_gradual_severity(self)
         self.method_options()
+        if self.oracle:
+            check_oracle(self.method)
         if not self.shuffle and self.order != "iid":
             raise UsageError(f"`order` {self.order} shuffles in its own way, and `shuffle` is off (the data's own order); "
                              f"give one of them")
@@ -129,7 +131,7 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
 
 @dataclass(kw_only=True)
 class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, AdaptationOptions, RecipeOptions,
-                  MethodDataOptions,
+                  MethodDataOptions, OracleOptions,
                   StreamOptions, RuntimeOptions):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
@@ -157,6 +159,10 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
     batch_sizes: str | None = setting(None, "A grid axis: adaptation batch sizes, comma-separated, e.g. 1,2,4,8 for the "
                                       "paper's small-batch table (with --norm prior:N); every row runs with each. Default: "
                                       "--batch-size alone.", metavar="N,...", panel=STREAM, show_default=False)
+    severities: str | None = setting(None, "A grid axis: corruption severities 1-5, comma-separated, e.g. 1,2,3,4,5 for the "
+                                     "paper's table per severity; every row runs at each (as --severity: named benchmarks "
+                                     "and stacked arrays). Default: --severity alone.", metavar="N,...", panel=DATA,
+                                     show_default=False)
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
                               "computed in batches of this size too.", metavar="N", panel=STREAM)
     workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT)
@@ -170,6 +176,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
         self.seed_list()
         self.order_list()
         self.batch_size_list()
+        self.severity_list()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
 
     def outputs(self) -> dict[str, str | None]:
@@ -211,9 +218,21 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
             raise UsageError(f"`batch_sizes` names a batch size twice: {self.batch_sizes}")
         return sizes
 
+    def severity_list(self) -> list[int | None]:
+        """The severities the grid runs: `severities`, else `severity` alone (None: the data's own)."""
+        if self.severities is None:
+            return [self.severity]
+        if self.severity is not None:
+            raise UsageError(f"`severity` {self.severity} and `severities` {self.severities} both say which severities to "
+                             f"run; give one of them")
+        if self.gradual:
+            raise UsageError(f"`severities` {self.severities} runs each severity apart, and `gradual` visits all five in "
+                             f"one stream; give one of them")
+        return parse_severities(self.severities, "severities")
+
     def grid_axes(self) -> bool:
-        """Whether the grid has an order or batch-size axis (else the table is the plain one)."""
-        return self.orders is not None or self.batch_sizes is not None
+        """Whether the grid has an order, batch-size or severity axis (else the table is the plain one)."""
+        return self.orders is not None or self.batch_sizes is not None or self.severities is not None
 
     def seed_list(self) -> list[int]:
         try:
@@ -243,6 +262,9 @@ class DemoConfig:
     corruptions: str = setting(DEMO_CORRUPTIONS, "Comma-separated corrupt-tta corruptions, or 'all' (the 15 of "
                                "ImageNet-C).", metavar="NAME,...", panel=DATA)
     severity: int = setting(3, "Corruption severity 1-5.", metavar="N", panel=DATA)
+    severities: str | None = setting(None, "With --data-only: build each of these severities, comma-separated (1,2,3,4,5 "
+                                     "for cafa bench --severities), in place of --severity.", metavar="N,...", panel=DATA,
+                                     show_default=False)
     train_per_class: int = setting(300, "Training images per class for the statistics.", metavar="N", panel=DATA)
     test_per_class: int = setting(300, "Test images per class and domain (0: all 1,000).", metavar="N", panel=DATA)
     methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=ADAPTATION, names_code=True)
@@ -252,6 +274,16 @@ class DemoConfig:
     data_only: bool = setting(False, "Only build the image folders (e.g. the full set for cafa bench).", panel=OUTPUT)
     fashion_mnist: str | None = setting(None, "Folder with the Fashion-MNIST idx files (default: $CAFA_FASHION_MNIST, "
                                         "else /usr/share/datasets/fashion-mnist).", metavar="DIR", panel=DATA)
+
+    def severity_list(self) -> list[int]:
+        """The severities to build: `severities` (with `data_only`), else `severity` alone."""
+        if self.severities is None:
+            return [self.severity]
+        if not self.data_only:
+            raise UsageError(f"`severities` builds the test folders of several severities, with `data_only`; then compare "
+                             f"them with cafa bench imagenet-c:{self.workdir}/fashion-mnist-c-N --severities "
+                             f"{self.severities}")
+        return parse_severities(self.severities, "severities")
 
 
 def check(config) -> None:
@@ -286,6 +318,20 @@ def _axis(text: str, name: str, what: str) -> list[str]:
     if twice:
         raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
     return values
+
+
+def parse_severities(text: str, name: str) -> list[int]:
+    """Comma-separated corruption severities, each 1-5 and once."""
+    try:
+        severities = [int(value) for value in _axis(text, name, "a severity")]
+    except ValueError:
+        raise UsageError(f"`{name}` takes comma-separated whole numbers 1-5, not {text!r}") from None
+    wrong = [s for s in severities if not 1 <= s <= 5]
+    if wrong:
+        raise UsageError(f"`{name}`: a severity is 1-5, not {wrong[0]}")
+    if len(set(severities)) < len(severities):
+        raise UsageError(f"`{name}` names a severity twice: {text}")
+    return severities
 
 
 def check_gradual_severity(config) -> None:

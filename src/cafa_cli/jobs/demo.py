@@ -53,16 +53,24 @@ def adapt_words(config: AdaptConfig) -> list[str]:
 
 
 def build_data_only(config: DemoConfig, monitor: Monitor) -> list[Path]:
-    """Only the corrupted image folders (e.g. the full set for cafa bench)."""
+    """Only the corrupted image folders (e.g. the full set for cafa bench), at each severity
+    asked for: corruption by corruption within a severity."""
     parse_methods(config.methods)  # a typo there is not ignored because no method runs
-    return build_corrupted(Path(config.workdir), corruption_names(config), config.severity, config.test_per_class or None,
-                           config.seed, config.fashion_mnist, on_domain=lambda name: monitor.info(f"corrupting: {name}"))
+    severities, corruptions = config.severity_list(), corruption_names(config)
+    for severity in severities:  # every value checked before the first image is built
+        check_corruptions(corruptions, severity, config.test_per_class or None)
+    return [folder for severity in severities
+            for folder in build_corrupted(Path(config.workdir), corruptions, severity, config.test_per_class or None,
+                                          config.seed, config.fashion_mnist,
+                                          on_domain=lambda name, s=severity: monitor.info(
+                                              f"corrupting: {name}" + (f"/{s}" if len(severities) > 1 else "")))]
 
 
 def run_demo(config: DemoConfig = DemoConfig(), monitor: Monitor | None = None, echo=print) -> str:
     """Returns the results table (markdown); `echo` receives the command lines run."""
     monitor = monitor or Monitor()
     rows = parse_methods(config.methods)
+    config.severity_list()  # `severities` is for `data_only`
     corruptions, test_per_class, root = corruption_names(config), config.test_per_class or None, config.fashion_mnist
     check_corruptions(corruptions, config.severity, test_per_class)
     check_installed(root)

@@ -1,11 +1,13 @@
 """The rows of a bench table: a method, a covariance variant or a method at its own
-learning rate, each under every condition of the grid's axes (stream order, batch size)."""
+learning rate (with `oracle`, each class-aware row's CAFA-Oracle twin after it), each under
+every condition of the grid's axes (stream order, batch size, severity)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
+from cafa_cli.jobs.settings import oracle_methods
 from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS, is_plugin
 from cafa_cli.method.options import parse_norm
 
@@ -29,7 +31,9 @@ class Row:
     params: str | None = None  # this row's --params, when it differs from the bench's
     order: str | None = None  # this row's --order, on a grid with an order axis
     batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
-    condition: str = ""  # its order and batch size as the table names them ("label-shift:0.5", "batch 8"), on such a grid
+    severity: int | None = None  # this row's --severity, on a grid with a severity axis
+    condition: str = ""  # its order, batch size and severity as the table names them ("label-shift:0.5, batch 8"), on such a grid
+    oracle: bool = False  # CAFA-Oracle: the true labels in the class-aware loss
 
     def lr_of(self, config: BenchConfig) -> float:
         return self.lr or config.lr
@@ -43,6 +47,9 @@ class Row:
     def batch_size_of(self, config: BenchConfig) -> int:
         return self.batch_size or config.batch_size
 
+    def severity_of(self, config: BenchConfig) -> int | None:
+        return self.severity or config.severity
+
     @property
     def name(self) -> str:
         """The --methods entry the row runs, without its condition."""
@@ -50,18 +57,42 @@ class Row:
 
 
 def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
-    """Every method row under every (order, batch size) of the grid's axes, condition by
-    condition: `tent, batch 8`. Without axes, the rows as they are."""
+    """Every method row under every (order, batch size, severity) of the grid's axes,
+    condition by condition: `tent, batch 8`, `tent, severity 3`. Without axes, the rows as they are."""
     if not config.grid_axes():
         return rows
     grid = []
     for order in config.order_list():
         for batch_size in config.batch_size_list():
-            named = [order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
-            condition = ", ".join(named)
-            grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size, condition=condition)
-                     for row in rows]
+            for severity in config.severity_list():
+                named = ([order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+                         + [f"severity {severity}"] * (config.severities is not None))
+                condition = ", ".join(named)
+                grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size,
+                                 severity=severity if config.severities is not None else None, condition=condition)
+                         for row in rows]
     return grid
+
+
+def with_oracle(config: BenchConfig, rows: list[Row]) -> list[Row]:
+    """Under `oracle`, each row whose method's loss uses the predicted class followed by its
+    CAFA-Oracle twin (`cafa-oracle`, `cafa-tied-oracle@0.01`), so that one table compares
+    them; refused when no row has one. A plug-in's row gets none (its method is known
+    only when it is made)."""
+    if not config.oracle:
+        return rows
+    takers = oracle_methods()
+    takes = [row for row in rows if row.method in takers]
+    if not takes:
+        raise UsageError(f"`oracle` adds a CAFA-Oracle row after each row whose loss uses the predicted class "
+                         f"({', '.join(takers)}, and cafa's variants); `methods` {config.methods} has none")
+    twins = []
+    for row in rows:
+        twins.append(row)
+        if row in takes:
+            name, at, lr = row.label.partition("@")
+            twins.append(replace(row, label=f"{name}-oracle{at}{lr}", oracle=True))
+    return twins
 
 
 def with_norm_statistics(config: BenchConfig, rows: list[Row]) -> list[Row]:

@@ -267,6 +267,33 @@ class StreamOptions:
 
 
 @dataclass(kw_only=True)
+class OracleOptions:
+    """An analysis of labelled streams: the paper's CAFA-Oracle."""
+
+    oracle: bool = setting(False, "CAFA-Oracle, an analysis for labelled streams: the class-aware loss takes each image's "
+                           "true label in place of the model's prediction (its pseudo-label); the predictions reported are "
+                           "still the model's. For cafa, intra and euclidean; cafa bench adds a NAME-oracle row after each "
+                           "row of those (cafa-tied-oracle, ...).", panel=ADAPTATION)
+
+
+def oracle_methods() -> list[str]:
+    """The built-in methods whose loss uses the predicted class, which `oracle` replaces."""
+    from cafa_cli.method.methods import NAMES, method_class
+
+    return [name for name in NAMES if method_class(name).takes_labels]
+
+
+def check_oracle(method: str) -> None:
+    """`oracle` replaces the pseudo-labels of a class-aware loss: a built-in method whose loss
+    takes none is refused here (a plug-in when it is made, by the same class attribute)."""
+    from cafa_cli.method.methods import is_plugin
+
+    if not is_plugin(method) and method not in oracle_methods():
+        raise UsageError(f"`oracle` gives the true labels to a loss that uses the predicted class ({', '.join(oracle_methods())}); "
+                         f"`method` {method} uses none, so the oracle would change nothing")
+
+
+@dataclass(kw_only=True)
 class SamplingOptions:
     """Which training images the statistics come from, and how they are regularised."""
 

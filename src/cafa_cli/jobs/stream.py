@@ -36,6 +36,7 @@ def adapt_domains(
     groups: Sequence[int] | None = None,
     num_workers: int | None = None,
     strict: bool = False,
+    oracle: bool = False,
     on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None,
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
     on_domain: Callable[[Domain], None] = lambda domain: None,
@@ -49,7 +50,8 @@ def adapt_domains(
     (a number per domain) `domain` resets only where the number changes: at each
     corruption of the gradual setting, not at each of its severities. `order` orders each
     domain's images (data/orders.py). `mix_domains` makes the domains one stream, ordered
-    as one. `on_records` gets each batch's records and the result so far of their
+    as one. `oracle` gives the method each batch's true labels for its loss (CAFA-Oracle;
+    every image must be labelled). `on_records` gets each batch's records and the result so far of their
     domain (of the whole stream when mixed). `on_first_batch` gets each stream's first
     batch of images (uint8 pixels) and their logits, before their records are made.
     """
@@ -80,7 +82,7 @@ def adapt_domains(
                 for result in _tallies(results[owner[i]], so_far):
                     result.skipped_images.append(ref)
                 on_skip(ref, why)
-            records = _step(adapter, domain, preprocess, batch, first)
+            records = _step(adapter, domain, preprocess, batch, first, oracle)
             first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
                 for result in _tallies(results[owner[i]], so_far):
@@ -131,9 +133,12 @@ def mixed(domains: list[Domain]) -> tuple[Domain, np.ndarray]:
 
 
 def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch,
-          on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None) -> list[Record]:
+          on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None, oracle: bool = False) -> list[Record]:
     if batch.images is None:
         return []
+    if oracle:  # the labels of the images read, in the batch's order; only the method's loss reads them
+        adapter.method.oracle_labels = torch.as_tensor(domain.labels[batch.indices], dtype=torch.int64).to(adapter.device,
+                                                                                                            non_blocking=True)
     logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
     if on_logits is not None:
         on_logits(domain, batch.images, logits)

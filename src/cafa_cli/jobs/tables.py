@@ -82,16 +82,17 @@ def markdown_by_condition(table: list[dict], rows: list, seeds: list[int]) -> st
 
 def write_csv(path: str, table: list[dict], domains: list[str], rows: list | None = None) -> None:
     """A line per row and domain (and the mean); on a grid with axes (`rows` given) the
-    method, order and batch size in columns of their own."""
+    method, order and batch size in columns of their own, and the severity on a severity axis."""
     labels = domain_labels(domains)
+    severities = bool(rows) and any(row.severity is not None for row in rows)
 
     def write(tmp):
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
-            conditions = ["order", "batch_size"] if rows else []
+            conditions = ["order", "batch_size", *["severity"] * severities] if rows else []
             out.writerow(["method", *conditions, "domain", "error_mean_percent", "error_std_percent"])
             for k, row in enumerate(table):
-                named = [rows[k].name, rows[k].order, rows[k].batch_size] if rows else [row["method"]]
+                named = [rows[k].name, rows[k].order, rows[k].batch_size, *[rows[k].severity] * severities] if rows else [row["method"]]
                 for key in domains + ["mean"]:
                     mean, std = row["cells"][key]
                     out.writerow([*named, labels[key], f"{mean:.4f}", f"{std:.4f}"])

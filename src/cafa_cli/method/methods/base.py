@@ -80,6 +80,24 @@ class Method:
     inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)
     filters_samples: bool = False  # True: `kept` counts the samples its filter kept, on the device
     kept: torch.Tensor | None = None
+    # CAFA-Oracle (`oracle`): a method whose loss uses the predicted class sets `takes_labels`
+    # and reads it from `class_labels`; the stream then puts each batch's true labels (on the
+    # device) in `oracle_labels` before its step, so that only the loss sees them
+    takes_labels: bool = False
+    oracle_labels: torch.Tensor | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # `takes_labels` speaks for the loss written beside it: a subclass with a loss of its own
+        # that does not say so again takes none (cafa-eata's loss finds its classes itself), so
+        # that `oracle` is refused rather than silently changing nothing
+        if "loss" in vars(cls) and "takes_labels" not in vars(cls):
+            cls.takes_labels = False
+
+    def class_labels(self, logits: torch.Tensor) -> torch.Tensor:
+        """The class of each sample that the loss aligns it with: the model's prediction (no
+        gradient), or the true label under `oracle`."""
+        return logits.detach().argmax(1) if self.oracle_labels is None else self.oracle_labels
 
     def set_options(self, **values) -> None:
         """Each of `options`, checked, as an attribute of the same name."""

@@ -13,6 +13,9 @@ away from the others. Defaults, as the paper's CIFAR runs: Adam, lr 1e-3, batch 
 Ablations from the paper: `intra` minimises D_ŷn(z_n) alone (pulls toward the predicted
 class, pushes from none); `euclidean` is CAFA with D_c(z) = ‖z − μ_c‖² (Σ_c = I). The
 covariance ablations (tied, diagonal) are CAFA given Gaussians estimated in that form.
+
+CAFA-Oracle (`oracle`, the paper's analysis of how many training samples suffice): ŷ_n is
+the image's true label instead of the prediction; the reported predictions do not change.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from cafa_cli.method.methods.base import Method, resolve_device
 class Cafa(Method):
     name = "cafa"
     needs_statistics = True
+    takes_labels = True  # CAFA-Oracle: the true labels in place of ŷ (base.py)
     metric = "mahalanobis"
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
@@ -35,14 +39,15 @@ class Cafa(Method):
         self.unrefined = self.distances.unrefined
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return losses.cafa(self.distances(features), logits.detach().argmax(1))
+        return losses.cafa(self.distances(features), self.class_labels(logits))
 
 
 class IntraOnly(Cafa):
     name = "intra"
+    takes_labels = True
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return losses.intra(self.distances(features), logits.detach().argmax(1))
+        return losses.intra(self.distances(features), self.class_labels(logits))
 
 
 class Euclidean(Cafa):
