@@ -126,11 +126,21 @@ def test_the_recorder_sees_each_kind_of_read():
     assert mode.reads == []
 
 
+# RoTTA's memory bank decides on the host which samples it keeps, each after the one
+# before, from one transfer of the batch's pseudo-labels and uncertainties (memory_bank.py):
+# that one read a batch and no other (it replaced ~1,300 small device operators a step)
+ONE_READ_A_BATCH = {"rotta": "Tensor.tolist at memory_bank.py"}
+
+
 @pytest.mark.parametrize("method", NAMES)
 def test_no_step_of_any_method_reads_a_device_value(trained, method):
     model, gaussians, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
-    assert steady_reads(adapter, x) == []
+    reads = steady_reads(adapter, x)
+    if method in ONE_READ_A_BATCH:
+        assert len(reads) == 2 and all(read.startswith(ONE_READ_A_BATCH[method]) for read in reads), reads  # two steps
+    else:
+        assert reads == []
 
 
 @pytest.mark.parametrize("covariance", ["tied", "diag", "lowrank"])

@@ -91,7 +91,7 @@ def laplacian_assignment(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda
     assignments, pairwise = torch.stack(iterates), torch.stack(pairwises)  # [steps, N, C]
     energy = (unary * assignments - bound_lambda * pairwise * assignments
               + assignments * assignments.clamp_min(1e-20).log()).sum((1, 2))
-    return assignments[stopping_iteration(energy)]
+    return assignments.index_select(0, stopping_iteration(energy).reshape(1))[0]  # indexing by a tensor would read it
 
 
 def stopping_iteration(energy: torch.Tensor) -> torch.Tensor:
