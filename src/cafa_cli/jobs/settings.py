@@ -53,7 +53,9 @@ class ModelOptions:
     """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
 
     model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), "
-                                "timm:NAME (pip install 'cafa-cli[timm]'), torchvision:NAME, or a factory: file.py:function "
+                                "timm:NAME (pip install 'cafa-cli[timm]'), torchvision:NAME, robustbench:DATASET/NAME (RobustBench's "
+                                "corruption models, e.g. robustbench:cifar10/Standard; checkpoint from --weights or "
+                                "./models/DATASET/corruptions/NAME.pt), or a factory: file.py:function "
                                 "or package.module:function (its code runs; the command line only, never a config file).",
                                 flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
     weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True); or "
