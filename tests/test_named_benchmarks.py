@@ -214,6 +214,15 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
     assert (report["settings"]["severities"], report["settings"]["severity"]) == ("3,5", None)
 
 
+def test_bench_severity_is_the_test_domains_not_the_training_datas(setup, imagenet_c, tmp_path):
+    """`--severity` reached the statistics' training folder too, which refused it (an image folder has none)."""
+    result = invoke("bench", f"imagenet-c:{imagenet_c}", "--severity", "3", "--methods", "cafa", "--model", TINY_NET, "--weights",
+                    setup["weights"], "--train", setup["train"], *PLAIN, "--fraction", "1", "--batch-size", "4",
+                    "--workdir", tmp_path / "w", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "| method | gaussian_noise | fog | contrast | mean |"
+
+
 def test_a_severity_axis_needs_data_with_severities(setup, imagenet_c, tmp_path):
     base = ["bench", "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"], *PLAIN, "--methods", "source",
             "--workdir", tmp_path / "w"]

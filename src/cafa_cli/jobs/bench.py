@@ -89,9 +89,10 @@ def shared(source, target_type, **overrides):
 
 def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0) -> StatsConfig:
     """The `cafa stats` run of one covariance mode: the bench's model, training data and
-    sampling, on its device, batch size and loader processes."""
+    sampling, on its device, batch size and loader processes. `severity` picks the test
+    domains' severity, which the training data has not."""
     return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed,
-                  norm_moments=parse_norm(config.norm)[0] == "class-balanced")
+                  norm_moments=parse_norm(config.norm)[0] == "class-balanced", severity=None)
 
 
 def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
