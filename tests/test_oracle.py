@@ -66,8 +66,9 @@ def test_adapt_records_the_oracle_and_refuses_it_where_it_means_nothing(setup, t
         assert result.exit_code == 0, result.stderr
         assert json.loads(metrics.read_text())["settings"]["oracle"] is bool(oracle)
     fails(adapt(setup, test, "--oracle", "--method", "tent"), 2, "--oracle gives the true labels to a loss that uses the "
-          "predicted class (cafa, intra, euclidean); --method tent uses none")
-    fails(adapt(setup, test, "--oracle", "--method", "global-fa"), 2, "--method global-fa uses none")
+          "predicted class (cafa, intra, euclidean); --method tent takes none")
+    fails(adapt(setup, test, "--oracle", "--method", "global-fa"), 2, "--method global-fa takes none")
+    fails(adapt(setup, test, "--oracle", "--method", "cafa-eata"), 2, "--method cafa-eata takes none")
     flat = tmp_path / "flat"
     flat.mkdir()
     for path in sorted(test.rglob("*.png"))[:5]:

@@ -292,7 +292,7 @@ def check_oracle(method: str) -> None:
 
     if not is_plugin(method) and method not in oracle_methods():
         raise UsageError(f"`oracle` gives the true labels to a loss that uses the predicted class ({', '.join(oracle_methods())}); "
-                         f"`method` {method} uses none, so the oracle would change nothing")
+                         f"`method` {method} takes none, so the oracle would change nothing")
 
 
 @dataclass(kw_only=True)
