@@ -33,9 +33,22 @@ def test_the_oracle_loss_is_the_loss_of_the_true_labels(trained, name, loss):
     assert method.loss(logits, features) != loss(method.distances(features), predicted)
 
 
+def test_cafa_eata_aligns_its_kept_samples_with_the_true_labels_under_the_oracle(trained):
+    """The selection (and its weights) still come from the model's entropy; only ŷ changes."""
+    model, gaussians, x, _ = trained
+    method = create("cafa-eata", gaussians, entropy_margin=10.0)  # a margin that keeps every sample
+    with torch.no_grad():
+        logits, features = model(x[:40])
+    wrong = (logits.argmax(1) + 1) % 3
+    _, weights, kept = copy.deepcopy(method.selection).select(logits)
+    method.oracle_labels = wrong
+    want = (losses.cafa_terms(method.distances(features), wrong) * weights).sum() / kept.clamp_min(1)
+    assert int(kept) == 40 and torch.equal(method.loss(logits, features), want)
+
+
 def test_only_the_class_aware_losses_take_the_labels():
     assert [name for name in ("cafa", "intra", "euclidean", "global-fa", "cafa-eata", "tent", "pl") if method_class(name).takes_labels] \
-        == ["cafa", "intra", "euclidean"]  # cafa-eata's loss finds its classes itself: it must say so to take them
+        == ["cafa", "intra", "euclidean", "cafa-eata"]
 
 
 def test_the_stream_gives_the_loss_each_batchs_labels_only_with_the_oracle(trained):
@@ -66,9 +79,9 @@ def test_adapt_records_the_oracle_and_refuses_it_where_it_means_nothing(setup, t
         assert result.exit_code == 0, result.stderr
         assert json.loads(metrics.read_text())["settings"]["oracle"] is bool(oracle)
     fails(adapt(setup, test, "--oracle", "--method", "tent"), 2, "--oracle gives the true labels to a loss that uses the "
-          "predicted class (cafa, intra, euclidean); --method tent takes none")
+          "predicted class (cafa, intra, euclidean, cafa-eata); --method tent takes none")
     fails(adapt(setup, test, "--oracle", "--method", "global-fa"), 2, "--method global-fa takes none")
-    fails(adapt(setup, test, "--oracle", "--method", "cafa-eata"), 2, "--method cafa-eata takes none")
+    fails(adapt(setup, test, "--oracle", "--method", "pl"), 2, "--method pl takes none")
     flat = tmp_path / "flat"
     flat.mkdir()
     for path in sorted(test.rglob("*.png"))[:5]:

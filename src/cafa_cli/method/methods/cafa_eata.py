@@ -26,6 +26,7 @@ class CafaEata(Cafa):
     name = "cafa-eata"
     options = SELECTION_OPTIONS
     filters_samples = True
+    takes_labels = True  # the oracle replaces ŷ; EATA's selection still reads the model's entropy
 
     def __init__(self, gaussians, device: torch.device | str = "cpu", entropy_margin: float = MARGIN,
                  redundancy_margin: float = REDUNDANCY):
@@ -37,7 +38,7 @@ class CafaEata(Cafa):
         _, weights, kept = self.selection.select(logits)
         self.leave_out = kept == 0
         self.count_kept(kept)
-        terms = losses.cafa_terms(self.distances(features), logits.detach().argmax(1))
+        terms = losses.cafa_terms(self.distances(features), self.class_labels(logits))
         return (terms * weights).sum() / kept.clamp_min(1)
 
     def reset(self) -> None:
