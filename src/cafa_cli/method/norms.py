@@ -73,6 +73,10 @@ class BatchStatisticsNorm(nn.Module):
         self.before: tuple[torch.Tensor, torch.Tensor] | None = None  # ema: running statistics before this batch
         self.balanced: ClassBalancedNorms | None = None
         self.index = 0  # its place among the balanced layers
+        # `batch`: the batch's rows are this many groups (row n·groups + g: group g of sample
+        # n), each normalised with its own statistics, as that many forward passes would
+        # (CoTTA's augmented views, several in one pass)
+        self.groups = 1
 
     def start(self) -> None:
         """A new stream from the source statistics (the Adapter's reset() puts back the buffers)."""
@@ -84,13 +88,18 @@ class BatchStatisticsNorm(nn.Module):
             self.before = (self.running_mean.clone(), self.running_var.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[1] and hasattr(self, "source_mean"):
+        if x.numel() == x.shape[1] * self.groups and hasattr(self, "source_mean"):
             # one value per channel (one image, 1×1 maps) has no variance: the source statistics stand in
             if self.balanced is not None:
                 self.balanced.fell_back.add(self.index)
             return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
         if self.kind == "batch" or self.kind == "prior" and self.prior == 0:
             # the fused kernel: normalise by the batch's statistics, gradients through them
+            if self.groups > 1:  # over the rows seen as [N, groups·channels, ...]: a view, no copy, when contiguous
+                grouped = x.reshape(x.shape[0] // self.groups, self.groups * x.shape[1], *x.shape[2:])
+                weight = None if self.weight is None else self.weight.repeat(self.groups)
+                bias = None if self.bias is None else self.bias.repeat(self.groups)
+                return nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=self.eps).view(x.shape)
             return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
         if self.kind == "source":
             return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)

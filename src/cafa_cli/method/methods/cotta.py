@@ -45,7 +45,6 @@ view at a time. `augmentations` 0 uses the teacher's own prediction always (3 pa
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
@@ -86,29 +85,15 @@ def views_as_groups(model: nn.Module, groups: int):
     """The model's batch-statistics BatchNorms normalise a batch of N·groups rows (row
     n·groups + g: group g of sample n) with each group's own statistics, as `groups`
     forward passes of N rows each would (groupable() says when that is all the batch
-    dependence there is). One BatchNorm over the rows seen as [N, groups·channels, ...]:
-    a view, no copy, for a contiguous batch."""
-    layers = [m for m in model.modules() if isinstance(m, BatchStatisticsNorm) and _uses_the_batch(m)] if groups > 1 else []
+    dependence there is; BatchStatisticsNorm.groups)."""
+    layers = [m for m in model.modules() if isinstance(m, BatchStatisticsNorm) and _uses_the_batch(m)]
     for layer in layers:
-        layer.forward = partial(_grouped_batch_norm, layer, groups)
+        layer.groups = groups
     try:
         yield
     finally:
         for layer in layers:
-            del layer.forward
-
-
-def _grouped_batch_norm(layer: BatchStatisticsNorm, groups: int, x: torch.Tensor) -> torch.Tensor:
-    channels = x.shape[1]
-    if x.numel() == channels * groups and hasattr(layer, "source_mean"):
-        # one value per channel in each group: the source statistics stand in, as the layer does
-        return nn.functional.batch_norm(x, layer.source_mean, layer.source_var, layer.weight, layer.bias, training=False,
-                                        eps=layer.eps)
-    grouped = x.reshape(x.shape[0] // groups, groups * channels, *x.shape[2:])
-    weight = None if layer.weight is None else layer.weight.repeat(groups)
-    bias = None if layer.bias is None else layer.bias.repeat(groups)
-    out = nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=layer.eps)
-    return out.view(x.shape)
+            layer.groups = 1
 
 
 def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
