@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from perf import synthetic_gaussians, synthetic_norm_moments  # noqa: E402
+from perf import synthetic_gaussians, synthetic_norm_moments, whole_cycles  # noqa: E402
 
 from cafa_cli.method.adapter import Adapter  # noqa: E402
 from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, create  # noqa: E402
@@ -63,14 +62,6 @@ def count_steps(adapter: Adapter, images: torch.Tensor, steps: int, warmup: int 
     return counted.ops
 
 
-def steps_for(adapter: Adapter, steps: int, batch: int) -> int:
-    """`steps`, or for rotta whole cycles of its bank's schedule (each holds as many training steps)."""
-    if adapter.method.name != "rotta":
-        return steps
-    cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, batch)
-    return cycle * math.ceil(steps / cycle)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet50")
@@ -91,11 +82,12 @@ def main() -> None:
     probe, _ = resolve(args.model, num_classes=num_classes)
     C, d = probe.num_classes, probe.feature_dim
     methods = list(NAMES) if args.methods == "all" else args.methods.split(",")
-    rows = [(method, "batch") for method in methods]
+    # TENT under `--norm batch` is counted whatever is asked: it is the ratios' denominator
+    rows = [("tent", "batch")] + [(method, "batch") for method in methods if method != "tent"]
     rows += [(method, norm) for norm in args.norms.split(",") if norm and norm != "batch" for method in NORM_ROWS if method in methods]
     result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "torch": torch.__version__, "rows": {}}
     tent_ops = None
-    for method, norm in sorted(rows, key=lambda row: row != ("tent", "batch")):  # TENT first: the ratios' denominator
+    for method, norm in rows:
         model, _ = resolve(args.model, num_classes=num_classes)
         gaussians = synthetic_gaussians(C, d, "lowrank") if method in NEEDS_STATISTICS else None
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
@@ -105,7 +97,7 @@ def main() -> None:
             if optimiser == "fused" and adapter.optimizer is not None:
                 adapter._fused = True  # as on CUDA (Adapter.__init__)
                 adapter.optimizer = adapter._new_optimizer()
-            steps = steps_for(adapter, args.steps, args.batch)
+            steps = whole_cycles(adapter, args.steps, args.batch)
             counts[optimiser] = count_steps(adapter, images, steps)
         per_step = {optimiser: sum(ops.values()) / steps for optimiser, ops in counts.items()}
         tent_ops = tent_ops or per_step

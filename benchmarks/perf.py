@@ -107,6 +107,14 @@ def timed(fn, device, repeats: int, warmup: int = 2) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def whole_cycles(adapter: Adapter, steps: int, batch: int) -> int:
+    """`steps`, or for rotta whole cycles of its bank's schedule (each holds the same number of training steps)."""
+    if adapter.method.name != "rotta":
+        return steps
+    cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, batch)
+    return cycle * math.ceil(steps / cycle)
+
+
 def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> ClassGaussians:
     """Random but valid statistics (well-conditioned lower-triangular factors; for
     lowrank, orthonormal bases of `rank` directions, as 64 samples per class give)."""
@@ -284,11 +292,7 @@ def main() -> None:
                        norm=norm, class_moments=moments)
 
     def repeats_of(adapter: Adapter) -> int:
-        """--repeats, or for rotta whole cycles of its bank's schedule (each holds the same number of training steps)."""
-        if adapter.method.name != "rotta":
-            return args.repeats
-        cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, args.batch)
-        return cycle * math.ceil(args.repeats / cycle)
+        return whole_cycles(adapter, args.repeats, args.batch)
 
     def measure_step(method: str, gaussians=None, variant: str = "", name: str | None = None) -> dict:
         state = process_state(device)  # before this row's adapter exists: what earlier rows left
