@@ -60,6 +60,7 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     on stdout and a summary on stderr."""
     from cafa_cli.jobs import adapt as adapt_job
     from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.data.benchmarks import source_of
     from cafa_cli.jobs.report import summary_table
 
     config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
@@ -73,7 +74,7 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     with Monitor(console, quiet, as_flags) as monitor:
         results = adapt_job.run(config, monitor)
     if results is not None:  # None: a torchrun rank other than 0, whose results rank 0 shows
-        console.print(summary_table(config.method, results))
+        console.print(summary_table(config.method, results, source_of(config)))
 
 
 def inspect(

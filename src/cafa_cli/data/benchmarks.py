@@ -9,7 +9,11 @@
 
 A ROOT stands for every one of the 15 standard corruptions it holds, one domain each, in the
 benchmark's order; `KIND:ROOT/fog` (`fog.npy`) for one of them. `severity` picks the severity
-(default 5, the one papers report)."""
+(default 5, the one papers report).
+
+The domain-adaptation benchmarks (`office-home:ROOT`, `domainnet:ROOT`, `domainnet126:ROOT`,
+data/domain_sets.py) go the same way: a ROOT stands for its domains, `KIND:ROOT/Art` for one;
+they have no severities, and `source` leaves their source domain out."""
 
 from __future__ import annotations
 
@@ -17,14 +21,16 @@ from pathlib import Path
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.data.arrays import _array_domain
 from cafa_cli.data.domain import Domain
+from cafa_cli.data.domain_sets import DOMAIN_SETS, domains_in, is_one_domain, open_member, source_domain, targets
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS
 from cafa_cli.data.folders import _folder_domain
 
 # the 15 corruptions of ImageNet-C (Hendrycks & Dietterich, ICLR 2019), in its tables' order;
 # the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)
 CORRUPTIONS = BENCHMARK_CORRUPTIONS
-FOLDERS, ARRAYS = "folders", "arrays"
-BENCHMARKS = {"imagenet-c": FOLDERS, "fashion-mnist-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS}
+FOLDERS, ARRAYS, DOMAINS = "folders", "arrays", "domains"  # corruption/severity folders, stacked arrays, domain folders
+BENCHMARKS = {"imagenet-c": FOLDERS, "fashion-mnist-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS,
+              **{kind: DOMAINS for kind in DOMAIN_SETS}}
 DEFAULT_SEVERITY = 5
 
 
@@ -34,17 +40,30 @@ def benchmark_of(spec: str) -> tuple[str, Path] | None:
     return (kind, Path(root)) if colon and root and kind in BENCHMARKS else None
 
 
-def expand_benchmarks(specs: list[str]) -> tuple[list[str], list[str]]:
-    """Each benchmark ROOT as its corruptions (`imagenet-c:ROOT/gaussian_noise`, ...), other
-    values as they are; and a note for each ROOT that lacks some of the 15 corruptions."""
+def expand_benchmarks(specs: list[str], source: str | None = None) -> tuple[list[str], list[str]]:
+    """Each benchmark ROOT as its corruptions (`imagenet-c:ROOT/gaussian_noise`, ...) or domains
+    (`office-home:ROOT/Art`, ...), other values as they are, without the domains named `source`;
+    and a note for each ROOT that lacks some of its corruptions or domains."""
+    if source is not None:  # before the folders are listed: a misspelt name is said at once
+        source = source_domain(specs, source, [named[0] for named in map(benchmark_of, specs) if named])
     domains, notes = [], []
     for spec in specs:
         found, missing = _corruptions_of(spec)
         domains += found
         if missing:
-            notes.append(f"`data` {spec}: {15 - len(missing)} of the 15 corruptions found (no {listing(missing)}); "
+            kind = benchmark_of(spec)[0]
+            total, noun = (len(DOMAIN_SETS[kind]), f"{kind} domains") if kind in DOMAIN_SETS else (15, "corruptions")
+            notes.append(f"`data` {spec}: {total - len(missing)} of the {total} {noun} found (no {listing(missing)}); "
                          f"those found are used")
-    return domains, notes
+    if source is None:
+        return domains, notes
+    return targets([(domain, *(benchmark_of(domain) or (None, None))) for domain in domains], source), notes
+
+
+def source_of(config) -> str | None:
+    """A config's `source` as its benchmark spells it (None without one), for tables and reports."""
+    source = getattr(config, "source", None)
+    return None if source is None else source_domain(config.data, source, [n[0] for n in map(benchmark_of, config.data) if n])
 
 
 def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
@@ -57,8 +76,13 @@ def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
     if BENCHMARKS[kind] == FOLDERS and not root.is_dir():
         raise InputError(f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<corruption>/<severity>/<class>/<images>: "
                          f"give ROOT or one corruption's folder ({kind}:ROOT/fog)")
+    if BENCHMARKS[kind] == DOMAINS and not root.is_dir():
+        raise InputError(f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<domain>/<class>/<images>: give ROOT "
+                         f"or one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]})")
     if _one_corruption(kind, root):
         return [spec], []
+    if BENCHMARKS[kind] == DOMAINS:
+        return domains_in(spec, kind, root)
     suffix = ".npy" if BENCHMARKS[kind] == ARRAYS else ""
     found = [c for c in CORRUPTIONS if (root / f"{c}{suffix}").exists()]
     if not found:
@@ -69,15 +93,19 @@ def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
 
 
 def _one_corruption(kind: str, path: Path) -> bool:
-    """A corruption's .npy stack, or its folder of severity folders (1 ... 5)."""
+    """A corruption's .npy stack, or its folder of severity folders (1 ... 5); a benchmark's domain."""
     if BENCHMARKS[kind] == ARRAYS:
         return path.is_file()
+    if BENCHMARKS[kind] == DOMAINS:
+        return is_one_domain(kind, path)
     return any((path / str(s)).is_dir() for s in range(1, 6))
 
 
 def open_benchmark(spec: str, labels: str | None, severity: int | None) -> Domain:
-    """One corruption of a benchmark at `severity` (default 5)."""
+    """One corruption of a benchmark at `severity` (default 5), or one domain of a domain-adaptation benchmark."""
     kind, path = benchmark_of(spec)
+    if BENCHMARKS[kind] == DOMAINS:
+        return open_member(spec, kind, path, labels, severity)
     if labels is not None:
         raise UsageError(f"`labels` is for a plain .npy array; {kind} takes its labels from {kind}'s own labels.npy")
     severity = DEFAULT_SEVERITY if severity is None else severity
@@ -107,6 +135,12 @@ def on_disk_benchmark(spec: str) -> str | None:
     return None if named is None else str(named[1])
 
 
+def has_severities(spec: str) -> bool:
+    """A corruption benchmark's value (its severity defaults to 5), not a domain-adaptation one's."""
+    named = benchmark_of(spec)
+    return named is not None and BENCHMARKS[named[0]] != DOMAINS
+
+
 def stages_of(spec: str) -> str:
     """The folder of one corruption that `gradual` visits at every severity: imagenet-c's;
     the arrays stack their severities in one file, which `gradual` does not take apart."""
@@ -114,6 +148,8 @@ def stages_of(spec: str) -> str:
     if named is None:
         return spec
     kind, path = named
+    if BENCHMARKS[kind] == DOMAINS:
+        raise UsageError(f"`gradual` visits the severities of a corruption; {kind}'s domains have none: drop `gradual`")
     if BENCHMARKS[kind] == ARRAYS:
         raise UsageError(f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "
                          f"file: give `severity` instead, or the corruption as folders")

@@ -14,7 +14,7 @@ from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.orders import check_labels
-from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benchmarks
+from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
 from cafa_cli.jobs.clean import clean_error, clean_summary
@@ -359,10 +359,11 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:
-    """The domains in stream order (a benchmark's ROOT as its corruptions), with `gradual`
+    """The domains in stream order (a benchmark's ROOT as its corruptions or domains, less the
+    `source` domain), with `gradual`
     the corruption each belongs to: fog/1, fog/2, ..., fog/5, ..., fog/1 for `fog`; and
     notes on benchmarks that lack corruptions."""
-    data, notes = expand_benchmarks(config.data)
+    data, notes = expand_benchmarks(config.data, config.source)
     twice = repeated([d for d in data if d != "-"], key=recorded_data) if config.mix_domains else []
     if twice:  # interleaved with itself, every image would be read and predicted twice
         raise UsageError(f"`mix_domains`: the domain {twice[0]} is given twice (also as a relative and an absolute path, "
@@ -476,6 +477,7 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
         "fisher_samples": config.fisher_samples,
         "severity": effective_severity(config),
+        "source": source_of(config),
         "oracle": config.oracle,
         "preprocessing": asdict(preprocess),
     }
@@ -483,7 +485,7 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
 
 def effective_severity(config) -> int | None:
     """`severity`, or the named benchmarks' default when one is among the domains."""
-    named = any(benchmark_of(data) for data in config.data)
+    named = any(has_severities(data) for data in config.data)
     return DEFAULT_SEVERITY if config.severity is None and named else config.severity
 
 

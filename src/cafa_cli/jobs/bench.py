@@ -28,7 +28,7 @@ from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statisti
 from cafa_cli.method.options import parse_norm
 from cafa_cli.jobs.adapt import check_oracle_labels, effective_severity, part_of, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
-from cafa_cli.data.benchmarks import expand_benchmarks
+from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.settings import InputOptions, parse_method_options
 from cafa_cli.jobs.distributed import process_group, rank_device
@@ -165,7 +165,7 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     target = rank_device(pick_device(config.device))
-    domains, notes = expand_benchmarks(config.data)  # a benchmark's ROOT: a column per corruption
+    domains, notes = expand_benchmarks(config.data, config.source)  # a benchmark's ROOT: a column per corruption or domain
     config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)
     clean, settings = {}, {}
     with process_group(target) as (rank, world):
@@ -183,6 +183,8 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if config.plot:
         (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
     text = tables.markdown(table, config.data, seeds)
+    if config.source:  # the columns are the targets; the model and its statistics are the source's
+        text = f"source: {source_of(config)}\n\n{text}"
     return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
 
 
@@ -414,6 +416,7 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
             "model_args": config.model_args,
             "classes": absolute(config.classes), "labels": absolute(config.labels),
             "severity": None if config.severities else effective_severity(config),  # else each row's
+            "source": source_of(config),
             **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),
             **({"subset": absolute(config.subset)} if config.subset else {}),
             "fraction": fraction, "per_class": per_class, "shrinkage": config.shrinkage_value(),

@@ -66,7 +66,8 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
 
     data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, '-' for "
                               "image paths on stdin, or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, cifar100-c:ROOT "
-                              "(one domain per corruption).", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
+                              "(one domain per corruption); office-home:ROOT, domainnet:ROOT, domainnet126:ROOT (one per "
+                              "domain; see --source).", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
     stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}); it also names the model, "
                                 f"so --model/--weights can be left out.", flags=("--stats", "-s"), metavar="PATH",
                                 panel=MODEL)
@@ -136,7 +137,8 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
     data: list[str] = setting(help="A labelled test domain (repeatable), or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, "
-                              "cifar100-c:ROOT (one domain per corruption).", factory=list, flags=("--data", "-d"),
+                              "cifar100-c:ROOT (one domain per corruption); office-home:ROOT, domainnet:ROOT, "
+                              "domainnet126:ROOT (one per domain; see --source).", factory=list, flags=("--data", "-d"),
                               metavar="PATH", panel=DATA)
     train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
                                 "fmnist-resnet: fashion-mnist.", metavar="PATH", panel=DATA)

@@ -219,8 +219,9 @@ def percent(error: float | None) -> str:
     return "n/a" if error is None else f"{100 * error:.2f}"
 
 
-def summary_table(method: str, results: Sequence[DomainResult]) -> Table:
-    table = Table(title=f"cafa adapt --method {method}", title_justify="left")
+def summary_table(method: str, results: Sequence[DomainResult], source: str | None = None) -> Table:
+    title = f"cafa adapt --method {method}" + (f", source: {source}" if source else "")
+    table = Table(title=title, title_justify="left")
     table.add_column("data", overflow="fold")  # a long path folds onto more lines rather than losing its end
     for column in ("images", "error %", "skipped", "img/s"):
         table.add_column(column, justify="right")

@@ -139,6 +139,10 @@ class TestDataOptions:
     clean: str | None = setting(None, "The clean test set of the benchmark (ImageNet's val folder, cifar10-test:ROOT): "
                                 "the source model's error on it is printed before adapting, as a sanity check. Prepared "
                                 "as the statistics' training images.", metavar="PATH", panel=DATA)
+    source: str | None = setting(None, "The source domain of a domain-adaptation benchmark among the domains "
+                                 "(office-home:ROOT, domainnet:ROOT, domainnet126:ROOT): left out of the targets, and "
+                                 "named in the table and the JSON. The model and its statistics are the source's.",
+                                 metavar="DOMAIN", panel=DATA)
 
 
 @dataclass(kw_only=True)
