@@ -109,6 +109,11 @@ def test_adapt_with_a_source_reads_the_targets_through_the_source_statistics(off
     assert all(r["label"] == Path(r["path"]).parent.name for r in rows(result)) and len(rows(result)) == 12
     settings = json.loads(metrics.read_text())["settings"]
     assert settings["source"] == "Art" and settings["severity"] is None
+    # the same predictions as the target folders given one by one
+    plain = invoke("adapt", office_home / "Clipart", office_home / "Real World", "--stats", art_model["artifact"], "--model",
+                   TINY_NET, "--batch-size", "4", "--quiet")
+    assert plain.exit_code == 0, plain.stderr
+    assert plain.stdout == result.stdout
 
 
 def test_a_wrong_source_or_setting_is_one_line_and_a_usage_error(office_home, art_model, tmp_path):

@@ -45,10 +45,10 @@ def expand_benchmarks(specs: list[str], source: str | None = None) -> tuple[list
     (`office-home:ROOT/Art`, ...), other values as they are, without the domains named `source`;
     and a note for each ROOT that lacks some of its corruptions or domains."""
     if source is not None:  # before the folders are listed: a misspelt name is said at once
-        source = source_domain(specs, source, [named[0] for named in map(benchmark_of, specs) if named])
+        source = source_domain(source, _kinds(specs))
     domains, notes = [], []
     for spec in specs:
-        found, missing = _corruptions_of(spec)
+        found, missing = _members_of(spec)
         domains += found
         if missing:
             kind = benchmark_of(spec)[0]
@@ -61,12 +61,17 @@ def expand_benchmarks(specs: list[str], source: str | None = None) -> tuple[list
 
 
 def source_of(config) -> str | None:
-    """A config's `source` as its benchmark spells it (None without one), for tables and reports."""
-    source = getattr(config, "source", None)
-    return None if source is None else source_domain(config.data, source, [n[0] for n in map(benchmark_of, config.data) if n])
+    """An adapt or bench config's `source` as its benchmark spells it (None without one), for tables and reports."""
+    return None if config.source is None else source_domain(config.source, _kinds(config.data))
 
 
-def _corruptions_of(spec: str) -> tuple[list[str], list[str]]:
+def _kinds(specs: list[str]) -> list[str]:
+    return [named[0] for named in map(benchmark_of, specs) if named]
+
+
+def _members_of(spec: str) -> tuple[list[str], list[str]]:
+    """The values a benchmark ROOT stands for (its corruptions or domains), and the names of those it lacks;
+    any other value as it is."""
     named = benchmark_of(spec)
     if named is None:
         return [spec], []

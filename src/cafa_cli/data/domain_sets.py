@@ -161,9 +161,10 @@ def _listed_domain(folder: Path, listed: Path) -> Domain:
                   lambda i: read_image(refs[i]))
 
 
-def source_domain(specs: list[str], source: str, kinds: list[str]) -> str:
-    """`source` as the benchmarks among `specs` spell it (`real world` → Real_World); an error
-    when no domain-adaptation benchmark is among them, or one has no such domain."""
+def source_domain(source: str, kinds: list[str]) -> str:
+    """`source` as the benchmarks of `kinds` (those of the `data` values) spell it (`real world`
+    → Real_World); an error when no domain-adaptation benchmark is among them, or one has no
+    such domain."""
     sets = list(dict.fromkeys(kind for kind in kinds if kind in DOMAIN_SETS))
     if not sets:
         raise UsageError(f"`source` {source} names the source domain of a domain-adaptation benchmark "
