@@ -140,6 +140,11 @@ class Method:
         forward and apply(); returns (logits, features, apply's flag)."""
         raise NotImplementedError(f"{type(self).__name__} sets owns_update, so it needs update()")
 
+    def reporting_network(self, adapter) -> nn.Module:
+        """The network whose features a step reports with its prediction: the adapted model
+        (`adapter.forward`); a teacher-student method's teacher."""
+        return adapter.forward
+
     def before_step(self, images: torch.Tensor) -> None:
         """Called with each batch (on the Adapter's device) before its forward pass."""
 
