@@ -24,7 +24,7 @@ def libraries():
         from matplotlib.figure import Figure
         from sklearn.manifold import TSNE
     except ImportError as error:
-        raise UsageError(f"cafa plot features needs matplotlib and scikit-learn ({error.name} is missing): {INSTALL}") from None
+        raise UsageError(f"cafa plot features needs matplotlib and scikit-learn ({(error.name or 'a module').split('.')[0]} is missing): {INSTALL}") from None
     return Figure, TSNE
 
 

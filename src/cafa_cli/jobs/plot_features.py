@@ -158,8 +158,8 @@ def scatter_ratio(features: np.ndarray, labels: np.ndarray) -> float | None:
 
 def mahalanobis_per_dimension(features: np.ndarray, labels: np.ndarray, gaussians: ClassGaussians) -> float | None:
     """The mean squared Mahalanobis distance of each labelled feature to its class's Gaussian in the
-    artifact (what CAFA's loss pulls in), over the dimension: about 1 for the source's own training
-    features. None without labels."""
+    artifact (what CAFA's loss pulls in), over the dimension: at most about 1 for the source's own
+    training features (less where shrinkage adds variance they lack). None without labels."""
     known = labels != UNLABELLED
     if not known.any():
         return None
