@@ -26,12 +26,13 @@ from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
 from cafa_cli.errors import InputError
 from cafa_cli.jobs import feature_figure
-from cafa_cli.jobs.adapt import Adaptation, prepare_adaptation
+from cafa_cli.jobs.adapt import Adaptation, prepare_adaptation, _short_name as short_name
 from cafa_cli.jobs.bench import row_method_options, shared
 from cafa_cli.jobs.config import AdaptConfig, FeaturesPlotConfig
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.jobs.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.report import percent
+from cafa_cli.jobs.what_runs import recipe_line
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians
 
@@ -55,10 +56,10 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
     plotting = feature_figure.libraries()  # a missing extra is said before any work
     panels, class_names, gaussians = [], None, None
     for method in config.method_list():
-        monitor.info(f"{method}: adapting over {config.data[0]}" if method != "source" else "source: the model before adaptation")
         job = sampled(prepare_adaptation(method_config(config, method), monitor), config.max_images, config.seed)
         for caution in job.cautions():
             monitor.warn(caution)
+        monitor.info(recipe_line(method, job.recorded_settings, job.adapter.method.trains))
         results = job.run(monitor=monitor)
         features, labels = adapted_features(job)
         panels.append(Panel(method, features, labels, results[0].error if results[0].labelled else None))
@@ -75,7 +76,7 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
                      "numbers (which need each image's class) are not computed")
     means = None if gaussians is None else gaussians.means.numpy()
     embeddings = [feature_figure.embed(panel.features, means, config.seed, config.perplexity) for panel in panels]
-    feature_figure.draw(plotting, config.out, panels, embeddings, class_names, config.seed, Path(config.data[0]).name)
+    feature_figure.draw(plotting, config.out, panels, embeddings, class_names, config.seed, short_name(config.data[0]))
     return summary(config, panels, class_names, gaussians is not None)
 
 
@@ -187,7 +188,7 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
 
 def numbers_table(numbers: dict) -> Table:
     """The panels' numbers, for stderr."""
-    table = Table(title=f"cafa plot features: {numbers['images']} images of {numbers['data']}", title_justify="left")
+    table = Table(title=f"{numbers['images']} images of {short_name(numbers['data'])}", title_justify="left")
     for column in ("method", "error %", "W/B scatter", "Mahalanobis/d"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for panel in numbers["panels"]:
