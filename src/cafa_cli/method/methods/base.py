@@ -11,7 +11,9 @@ which)`. For each test batch:
     logits = method.output(logits, features)  # the prediction reported (T3A, LAME change it)
     method.after_step(logits)
 
-and `method.reset()` whenever the model goes back to the source weights. Three hooks let
+and `method.reset()` whenever the model goes back to the source weights. A method whose
+reported predictions come from another network than the one adapted (a teacher) returns it
+from `reporting_network(adapter)`, which `Adapter.features` reads the features of. Three hooks let
 a method do more than a loss and a plain step (each defaults to doing nothing new):
 
 - `output(logits, features)`: the logits reported for the batch, from the forward pass's
