@@ -74,8 +74,9 @@ def draw(libraries, path: str, panels, embeddings: list[np.ndarray], class_names
         handles = [matplotlib.lines.Line2D([], [], linestyle="", marker="o", markersize=5, color=colours[c], label=name)
                    for c, name in enumerate(class_names)]
         figure.legend(handles=handles, loc="lower center", ncol=min(len(class_names), 10), fontsize=7, frameon=False)
-    figure.suptitle(f"{title}: features (t-SNE); stars are the artifact's class means" if len(embeddings[0]) > len(panels[0].labels)
-                    else f"{title}: features (t-SNE)", fontsize=10)
+    notes = ["stars are the artifact's class means" if len(embeddings[0]) > len(panels[0].labels) else "",
+             "" if (panels[0].labels != UNLABELLED).any() else "no labels: one colour"]
+    figure.suptitle("; ".join([f"{title}: features (t-SNE)", *filter(None, notes)]), fontsize=10)
     figure.tight_layout(rect=(0, 0.08 if len(class_names) <= LEGEND_CLASSES else 0, 1, 1))
     save(figure, path, seed)
 
