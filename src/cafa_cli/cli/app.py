@@ -31,6 +31,8 @@ EXAMPLES = {
     "demo": ["cafa demo", "cafa demo --corruptions all --data-only"],
     "methods": ["cafa methods", "cafa methods eata --recipe cifar10-c > my.toml   # edit, then: cafa adapt --method eata "
                 "--recipe my.toml ..."],
+    "plot features": ["cafa plot features cafa-demo/fashion-mnist-c-300/gaussian_noise/3 --methods source,tent,cafa -o tsne.png",
+                      "cafa plot features unlabelled/ --stats s.safetensors --methods source,cafa --max-images 500 -o f.svg --json"],
     "bench": ["cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
               "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors --train ImageNet/train "
               "--test-resize none --test-crop none --methods source,bn,tent,cafa"],
@@ -87,6 +89,12 @@ for _name, _command, _summary in [
     ("methods", commands.methods, "The methods, their options and their published recipes."),
 ]:
     app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
+
+plot = typer.Typer(cls=_Group, name="plot", help="Figures of what adaptation does.", no_args_is_help=True,
+                   pretty_exceptions_enable=False, rich_markup_mode=None)
+plot.command("features", cls=PanelledCommand, short_help="A domain's features before and after adaptation, in 2-D (t-SNE).",
+             epilog=_examples("plot features"))(reports_errors(commands.plot_features))
+app.add_typer(plot, short_help="Figures: plot features (t-SNE of features before and after adaptation).")
 
 
 def _interrupt(signum, frame):

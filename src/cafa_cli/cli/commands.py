@@ -18,11 +18,13 @@ from cafa_cli.cli.options import chosen_settings, domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
 from cafa_cli.cli.completion import complete_method, complete_recipe
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel="Output")]
 Domains = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
                                                         help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.")]
+OneDomain = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
+                                                        help="The test domain (one), as for cafa adapt.")]
 
 
 def keep_defaults_file(outputs: dict[str, str | None]) -> None:
@@ -148,3 +150,26 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
         table = bench_job.run(config, monitor)
     if table is not None:  # None on a torchrun rank other than 0: rank 0 reports
         print(table)
+
+
+@with_settings(FeaturesPlotConfig, skip=("reset", "mix_domains", "gradual"))
+def plot_features(ctx: typer.Context, domains: OneDomain = None, quiet: Quiet = False, **settings):
+    """Embed one domain's features in 2-D (t-SNE) before and after adaptation, one panel a
+    method, with the artifact's class means; each panel's error and feature scatter on stderr
+    (--json: stdout)."""
+    from cafa_cli.jobs import plot_features as plot_job
+    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.report import to_json
+
+    config = FeaturesPlotConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
+                                   "given": chosen_settings(ctx, settings)})
+    keep_defaults_file(config.outputs())
+    if config.json:
+        stdout_needed()
+    console = stderr(quiet)
+    with Monitor(console, quiet, as_flags) as monitor:
+        numbers = plot_job.run(config, monitor)
+    console.print(plot_job.numbers_table(numbers))
+    console.print(f"wrote {config.out}")
+    if config.json:
+        print(to_json(numbers, indent=2))

@@ -183,6 +183,27 @@ class Adapter:
         self.method.after_step(prediction)
         return prediction
 
+    def features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and features a step would report for `images` with the model as adapted so
+        far (method.reporting_network), changing nothing: no update, and the statistics a forward
+        pass moves (`norm` ema:M, class-balanced) put back after it, so that each batch is seen as
+        if it came next in the stream."""
+        images = images.to(self.device, non_blocking=True)
+        if images.dim() == 4:
+            images = images.contiguous(memory_format=self.memory_format)
+        network = self.method.reporting_network(self)
+        saved = {name: value.clone() for name, value in network.state_dict().items()}
+        balanced = None if self.balanced is None else (self.balanced.batches, self.balanced.before, self.balanced.histogram)
+        try:
+            self._new_batch(images)
+            with torch.no_grad(), self.autocast:
+                logits, features = network(images)
+        finally:
+            network.load_state_dict(saved)
+            if balanced is not None:
+                self.balanced.batches, self.balanced.before, self.balanced.histogram = balanced
+        return logits.float(), features.float()
+
     def _new_batch(self, images: torch.Tensor) -> None:
         """Running statistics move once a batch; class-balanced first predicts the batch with
         them, as they are, for its class histogram (norms.py)."""

@@ -11,7 +11,9 @@ which)`. For each test batch:
     logits = method.output(logits, features)  # the prediction reported (T3A, LAME change it)
     method.after_step(logits)
 
-and `method.reset()` whenever the model goes back to the source weights. Three hooks let
+and `method.reset()` whenever the model goes back to the source weights. A method whose
+reported predictions come from another network than the one adapted (a teacher) returns it
+from `reporting_network(adapter)`, which `Adapter.features` reads the features of. Three hooks let
 a method do more than a loss and a plain step (each defaults to doing nothing new):
 
 - `output(logits, features)`: the logits reported for the batch, from the forward pass's
@@ -139,6 +141,11 @@ class Method:
         """For a method with `owns_update`: one update on `images` through the Adapter's
         forward and apply(); returns (logits, features, apply's flag)."""
         raise NotImplementedError(f"{type(self).__name__} sets owns_update, so it needs update()")
+
+    def reporting_network(self, adapter) -> nn.Module:
+        """The network whose features a step reports with its prediction: the adapted model
+        (`adapter.forward`); a teacher-student method's teacher."""
+        return adapter.forward
 
     def before_step(self, images: torch.Tensor) -> None:
         """Called with each batch (on the Adapter's device) before its forward pass."""

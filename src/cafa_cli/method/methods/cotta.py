@@ -144,6 +144,9 @@ class CoTTA(Method):
         if self.teacher is not None:
             self.teacher.load_state_dict(self.anchor.state_dict())
 
+    def reporting_network(self, adapter) -> torch.nn.Module:
+        return self.teacher  # its predictions are reported, the student only trains
+
     def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
         with torch.no_grad(), adapter.autocast:
             target, features = self.pseudo_label(images)

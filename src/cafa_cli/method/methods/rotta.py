@@ -162,6 +162,9 @@ class RoTTA(Method):
             self.bank.reset()
             self.teacher.load_state_dict(self.student.state_dict())
 
+    def reporting_network(self, adapter) -> torch.nn.Module:
+        return self.teacher  # its predictions are reported, the student only trains
+
     def before_step(self, images: torch.Tensor) -> None:
         self.fresh = True
 
