@@ -170,8 +170,8 @@ def _legend_outside(ax, handles: list | None = None) -> None:
 
 
 def _save(plt, fig, path: str) -> None:
-    """PNG or SVG by the file's extension (BenchConfig checks it), the same bytes for the
-    same figure: SVG without its date and with fixed element ids (matplotlib salts them
+    """SVG for a .svg file, else PNG (whatever the name, as before SVG was offered); the
+    same bytes for the same figure: SVG without its date and with fixed element ids (matplotlib salts them
     with a random uuid unless svg.hashsalt is set)."""
     svg = Path(path).suffix.lower() == ".svg"
     with plt.rc_context({"svg.hashsalt": "cafa"}):
