@@ -132,12 +132,16 @@ def test_the_plot_is_a_png_or_an_svg_by_extension_with_the_same_bytes_each_time(
     assert svg.count(b"stroke-dasharray: 5.55") >= 2  # the oracle's line dashed, in the axes and the legend
 
 
-def test_a_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+def test_a_plot_without_matplotlib_is_one_line_before_any_run(tmp_path, monkeypatch):
     table, rows = sweep_table()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UsageError, match=re.escape("`plot` needs matplotlib: pip install 'cafa-cli[demo]'")):
         tables.plot_fractions(tmp_path / "f.png", table, rows)
     assert not (tmp_path / "f.png").exists()
+    test = write_folder(tmp_path / "test", per_class=2)
+    fails(invoke("bench", test, "--model", TINY_NET, *PLAIN, "--fractions", "0.5", "--methods", "cafa",
+                 "--workdir", tmp_path / "w", "--plot", tmp_path / "f.svg"), 2, "--plot needs matplotlib")
+    assert not (tmp_path / "w").exists()  # said before the statistics and the runs
 
 
 # --- one real sweep on the tiny net --------------------------------------------------------

@@ -167,6 +167,8 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods)))))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
+    if config.plot:
+        tables.check_plotting()
     target = rank_device(pick_device(config.device))
     domains, notes = expand_benchmarks(config.data)  # a benchmark's ROOT: a column per corruption
     config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)

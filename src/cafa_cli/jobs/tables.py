@@ -152,6 +152,12 @@ def _pyplot():
     return plt
 
 
+def check_plotting() -> None:
+    """Before a bench that ends in a plot: matplotlib is there, so that a missing one is
+    said before the runs, not after them."""
+    _pyplot()
+
+
 # error bars in black over coloured bars, with caps: visible on any bar colour
 ERROR_BARS = {"ecolor": "black", "elinewidth": 1.2, "capsize": 3, "capthick": 1.2}
 
