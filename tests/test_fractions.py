@@ -101,7 +101,7 @@ def test_the_fraction_table_is_methods_by_fractions_with_a_flat_row_for_source()
         "| cafa | 30.50 | **20.50** |",
         "| cafa-oracle | **25.50** | 22.50 |",
         "",
-        "(source: no statistics, so run once; the same error stands under every fraction.)"]
+        "(source: no statistics, so not run per fraction; the same error stands under every fraction.)"]
     table, rows = sweep_table(seeds=2)
     assert "| cafa | 31.00 ± 0.71 | **21.00 ± 0.71** |" in tables.markdown_by_fraction(table, rows, [0, 1])
 

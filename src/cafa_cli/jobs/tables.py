@@ -118,7 +118,7 @@ def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str
             texts.append(f"**{text}**" if mean == best[f] else text)
         lines.append(f"| {name} | " + " | ".join(texts) + " |")
     if flat:
-        lines += ["", f"({', '.join(flat)}: no statistics, so run once; the same error stands under every fraction.)"]
+        lines += ["", f"({', '.join(flat)}: no statistics, so not run per fraction; the same error stands under every fraction.)"]
     return "\n".join(lines)
 
 
