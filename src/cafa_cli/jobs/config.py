@@ -165,7 +165,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                                      show_default=False)
     fractions: str | None = setting(None, "A sweep axis: training fractions, comma-separated, e.g. 0.005,0.01,0.05,0.1 "
                                     "for the paper's figure on how many training images the statistics need; the statistics "
-                                    "are computed at each, and every row that uses them runs with each (the others once). "
+                                    "are computed at each, and every row that uses them runs with each (the others once a seed). "
                                     "Default: --fraction alone.", metavar="F,...", panel=STATISTICS, show_default=False)
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
                               "computed in batches of this size too.", metavar="N", panel=STREAM)
