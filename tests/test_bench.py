@@ -449,7 +449,7 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, norm="prior:4", reset="episodic", lr=1e-3)
-    bench.run_grid(shared, parse_methods("tent@0.05,cafa-full,cafa-dense"), [3], {"auto": Path("a"), "full": Path("f")}, None, Monitor())
+    bench.run_grid(shared, parse_methods("tent@0.05,cafa-full,cafa-dense"), [3], {("auto", None): Path("a"), ("full", None): Path("f")}, None, Monitor())
     assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
         (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
     assert all((s.optimizer, s.momentum, s.norm, s.reset) == ("sgd", 0.5, "prior:4", "episodic") for _, s in ran)

@@ -1,7 +1,8 @@
 """`cafa bench`: methods × domains × seeds → a paper-style error table.
 
 Every (row, seed) is one `cafa adapt` run over all the domains, through the same
-functions as the CLI. Statistics are computed once per covariance mode and re-used.
+functions as the CLI. Statistics are computed once per covariance mode (and training
+fraction, on a fraction sweep) and re-used.
 Under torchrun the runs are spread over the ranks, and so are the domains of a run
 whose domains are independent (`reset` domain).
 """
@@ -24,7 +25,7 @@ from cafa_cli.models import bundled_model
 from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.devices import pick_device
 from cafa_cli.jobs import tables
-from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_norm_statistics, with_oracle
+from cafa_cli.jobs.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
 from cafa_cli.method.options import parse_norm
 from cafa_cli.jobs.adapt import check_oracle_labels, effective_severity, part_of, prepare_adaptation
 from cafa_cli.jobs.clean import clean_summary
@@ -87,12 +88,14 @@ def shared(source, target_type, **overrides):
     return target_type(**{**common, **overrides})
 
 
-def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0) -> StatsConfig:
+def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0,
+                 fraction: float | None = None) -> StatsConfig:
     """The `cafa stats` run of one covariance mode: the bench's model, training data and
-    sampling, on its device, batch size and loader processes. `severity` picks the test
-    domains' severity, which the training data has not."""
+    sampling (at `fraction` on a fraction sweep), on its device, batch size and loader
+    processes. `severity` picks the test domains' severity, which the training data has not."""
     return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed,
-                  norm_moments=parse_norm(config.norm)[0] == "class-balanced", severity=None)
+                  norm_moments=parse_norm(config.norm)[0] == "class-balanced", severity=None,
+                  **({"fraction": fraction} if fraction is not None else {}))
 
 
 def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
@@ -161,9 +164,11 @@ def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
-    rows = with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods))))
+    rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods)))))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
+    if config.plot:
+        tables.check_plotting()
     target = rank_device(pick_device(config.device))
     domains, notes = expand_benchmarks(config.data, config.source)  # a benchmark's ROOT: a column per corruption or domain
     config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)
@@ -175,16 +180,21 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
-    axes = config.grid_axes()
+    axes, sweep = config.grid_axes(), config.fractions is not None
     if config.csv:
-        tables.write_csv(config.csv, table, config.data, rows if axes else None)
+        tables.write_csv(config.csv, table, config.data, rows if axes or sweep else None)
     if config.json:
         write_json(config.json, config, rows, seeds, table, results, clean or None, settings)
     if config.plot:
-        (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
+        if sweep:
+            tables.plot_fractions(config.plot, table, rows)
+        else:
+            (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
     text = tables.markdown(table, config.data, seeds)
     if config.source:  # the columns are the targets; the model and its statistics are the source's
         text = f"source: {source_of(config)}\n\n{text}"
+    if sweep:
+        return f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
     return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
 
 
@@ -192,7 +202,7 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
               world: int = 1, clean: dict | None = None,
               settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
-    mode the rows need (or re-used from the workdir), then the grid. Under torchrun every
+    mode (and fraction) the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
     the other ranks None, and shows what the other ranks' runs said. With `clean` set, the
     source model's clean error goes into `clean`; with `settings`, each row's settings as its
@@ -210,7 +220,8 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
         raise InputError(f"`train` {config.train}: no such file or folder")
     workdir = make_workdir(config.workdir)
-    artifacts = {covariance: ensure_statistics(config, covariance, monitor) for covariance in covariances_needed(rows)}
+    artifacts = {(covariance, fraction): ensure_statistics(config, covariance, monitor, fraction)
+                 for covariance, fraction in statistics_needed(rows)}
     wait_for_all(world)  # rank 0 has written the artifacts
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
@@ -233,22 +244,30 @@ def covariances_needed(rows: list[Row]) -> list[str]:
     return sorted({row.covariance for row in rows if row.covariance})
 
 
-def artifact_path(workdir: Path, covariance: str) -> Path:
-    return workdir / f"stats-{covariance}.safetensors"
+def statistics_needed(rows: list[Row]) -> list[tuple[str, float | None]]:
+    """The artifacts the rows read, as (covariance, fraction on a sweep), each once, in a fixed order."""
+    return sorted({row.statistics for row in rows if row.statistics}, key=lambda key: (key[0], key[1] or 0))
 
 
-def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor) -> Path:
-    """The artifact for one covariance mode, re-used when it was made for the same model
-    and data; computed on the device, batch size and loader processes of the bench."""
-    path = artifact_path(Path(config.workdir), covariance)
-    stats = stats_config(config, covariance, path)
+def artifact_path(workdir: Path, covariance: str, fraction: float | None = None) -> Path:
+    """One artifact a covariance mode, and on a fraction sweep one a fraction too (`stats-auto-fraction0.01`)."""
+    return workdir / (f"stats-{covariance}.safetensors" if fraction is None else f"stats-{covariance}-fraction{fraction}.safetensors")
+
+
+def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor, fraction: float | None = None) -> Path:
+    """The artifact for one covariance mode (at `fraction`, on a sweep), re-used when it was
+    made for the same model and data; computed on the device, batch size and loader
+    processes of the bench."""
+    path = artifact_path(Path(config.workdir), covariance, fraction)
+    stats = stats_config(config, covariance, path, fraction=fraction)
     if path.is_file():
         try:
             if _made_for(read_artifact(path, load_tensors=False), stats):
                 return path
         except InputError:
             pass
-    monitor.info(f"computing statistics (`covariance` {covariance}) → {path}")
+    at = "" if fraction is None else f", `fraction` {fraction}"
+    monitor.info(f"computing statistics (`covariance` {covariance}{at}) → {path}")
     compute_statistics(stats, monitor)
     return path
 
@@ -319,7 +338,7 @@ def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: 
     labels = tables.domain_labels(config.data)
     mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
     for k, ((row, seed), share) in enumerate(mine):
-        stats = str(artifacts[row.covariance]) if row.covariance else None
+        stats = str(artifacts[row.statistics]) if row.statistics else None
         run = row_config(config, row, seed, stats, classes)
         job = prepare_adaptation(replace(run, clean=config.clean if k == 0 and rank == 0 else None), monitor)
         if job.clean:
@@ -374,7 +393,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
 
 # the settings every row shares, as the JSON report lists them
 SHARED = ("recipe", "method_option", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
-          "gradual", "orders", "batch_sizes", "severities", "oracle", "device", "precision", "num_workers", "strict", "compile")
+          "gradual", "orders", "batch_sizes", "severities", "fractions", "oracle", "device", "precision", "num_workers", "strict", "compile")
 
 
 # what the JSON report records of each row's settings, as its runs resolved them
@@ -390,8 +409,9 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
     labels = tables.domain_labels(config.data)
     shared = {name: getattr(config, name, True) for name in SHARED}  # bench streams are shuffled
     shared["num_workers"] = loader_processes(config.num_workers, pick_device(config.device))
-    fraction, per_class = config.training_sample()
-    artifacts = {covariance: _artifact_record(artifact_path(Path(config.workdir), covariance)) for covariance in covariances_needed(rows)}
+    fraction, per_class = (None, None) if config.fractions else config.training_sample()  # else each row's
+    artifacts = {artifact_key(*key): _artifact_record(artifact_path(Path(config.workdir), *key), key[1])
+                 for key in statistics_needed(rows)}
     payload = {
         "cafa_version": __version__,
         "versions": report.software_versions(),
@@ -402,10 +422,11 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
                                              for k, (m, s) in r["cells"].items()}} for r in table],
         "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
         "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
-                  "covariance_used": artifacts[r.covariance]["covariance"] if r.covariance else None,
+                  "covariance_used": artifacts[artifact_key(*r.statistics)]["covariance"] if r.statistics else None,
                   "order": r.order_of(config),
                   # on a severity axis or with the oracle twins, each row's own
                   **({"severity": r.severity} if config.severities else {}), **({"oracle": r.oracle} if config.oracle else {}),
+                  **({"fraction": r.fraction} if config.fractions else {}),
                   **(settings or {}).get(r.label, {"params": r.params_of(config), "lr": r.lr_of(config),
                                                    "batch_size": r.batch_size_of(config)})} for r in rows],
         "artifacts": artifacts,
@@ -427,10 +448,17 @@ def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int]
     report.write_json(path, payload)
 
 
-def _artifact_record(path: Path) -> dict:
+def artifact_key(covariance: str, fraction: float | None) -> str:
+    """An artifact's key in the JSON report: its covariance mode (`auto`), and its fraction on a sweep (`auto, fraction 0.01`)."""
+    return covariance if fraction is None else f"{covariance}, fraction {fraction}"
+
+
+def _artifact_record(path: Path, fraction: float | None = None) -> dict:
     """An artifact the grid has just read and validated, by content: the form it holds,
-    when it was made, the model parameters it was made with, and the file's sha256."""
+    when it was made, the model parameters it was made with, the file's sha256, and its
+    training fraction on a fraction sweep."""
     with open_safetensors(path) as f:
         metadata = f.metadata()
     return {"path": str(path.resolve()), "sha256": sha256_of(path), "covariance": metadata["covariance"],
-            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256")}
+            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256"),
+            **({"fraction": fraction} if fraction is not None else {})}

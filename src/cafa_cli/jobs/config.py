@@ -166,12 +166,18 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                                      "paper's table per severity; every row runs at each (as --severity: named benchmarks "
                                      "and stacked arrays). Default: --severity alone.", metavar="N,...", panel=DATA,
                                      show_default=False)
+    fractions: str | None = setting(None, "A sweep axis: training fractions, comma-separated, e.g. 0.005,0.01,0.05,0.1 "
+                                    "for the paper's figure on how many training images the statistics need; the statistics "
+                                    "are computed at each, and every row that uses them runs with each (the others once a seed). "
+                                    "Default: --fraction alone.", metavar="F,...", panel=STATISTICS, show_default=False)
     batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
                               "computed in batches of this size too.", metavar="N", panel=STREAM)
     workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT)
     csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT)
     json: str | None = setting(None, "Write the table and every run as JSON.", metavar="PATH", panel=OUTPUT)
-    plot: str | None = setting(None, "Write a grouped-bar PNG (needs matplotlib).", metavar="PATH", panel=OUTPUT)
+    plot: str | None = setting(None, "Write a plot, SVG for a .svg file, else PNG (needs matplotlib): grouped bars; "
+                               "on a grid axis a line per method; with --fractions error against fraction.", metavar="PATH",
+                               panel=OUTPUT)
 
     def __post_init__(self):
         check(self)
@@ -180,6 +186,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
         self.order_list()
         self.batch_size_list()
         self.severity_list()
+        self.fraction_list()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
 
     def outputs(self) -> dict[str, str | None]:
@@ -232,6 +239,31 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
             raise UsageError(f"`severities` {self.severities} runs each severity apart, and `gradual` visits all five in "
                              f"one stream; give one of them")
         return parse_severities(self.severities, "severities")
+
+    def fraction_list(self) -> list[float | None]:
+        """The training fractions the statistics are computed at: `fractions`, else [None]
+        (`fraction` or `per_class` alone, as `training_sample` reads them)."""
+        if self.fractions is None:
+            return [None]
+        for name in ("fraction", "per_class"):
+            if getattr(self, name) is not None:
+                raise UsageError(f"`{name}` {getattr(self, name)} and `fractions` {self.fractions} both say how many training "
+                                 f"images the statistics take; give one of them")
+        for name in ("orders", "batch_sizes", "severities"):
+            if getattr(self, name) is not None:
+                raise UsageError(f"`fractions` makes a table of its own (methods × fractions), and so does `{name}`; run "
+                                 f"them in two benches")
+        try:
+            fractions = [float(value) for value in _axis(self.fractions, "fractions", "a fraction")]
+        except ValueError:
+            raise UsageError(f"`fractions` takes comma-separated numbers in (0, 1], not {self.fractions!r}") from None
+        wrong = [f for f in fractions if not 0 < f <= 1]
+        if wrong:
+            raise UsageError(f"`fractions`: a fraction is in (0, 1], not {wrong[0]:g}")
+        twice = repeated(fractions)
+        if twice:
+            raise UsageError(f"`fractions` names {twice[0]:g} twice ({self.fractions}); give each once")
+        return fractions
 
     def grid_axes(self) -> bool:
         """Whether the grid has an order, batch-size or severity axis (else the table is the plain one)."""

@@ -1,6 +1,7 @@
 """The rows of a bench table: a method, a covariance variant or a method at its own
 learning rate (with `oracle`, each class-aware row's CAFA-Oracle twin after it), each under
-every condition of the grid's axes (stream order, batch size, severity)."""
+every condition of the grid's axes (stream order, batch size, severity), or, on a
+fraction sweep, each row with statistics at every training fraction."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Row:
     severity: int | None = None  # this row's --severity, on a grid with a severity axis
     condition: str = ""  # its order, batch size and severity as the table names them ("label-shift:0.5, batch 8"), on such a grid
     oracle: bool = False  # CAFA-Oracle: the true labels in the class-aware loss
+    fraction: float | None = None  # the training fraction of its statistics, on a fraction sweep
 
     def lr_of(self, config: BenchConfig) -> float:
         return self.lr or config.lr
@@ -49,6 +51,11 @@ class Row:
 
     def severity_of(self, config: BenchConfig) -> int | None:
         return self.severity or config.severity
+
+    @property
+    def statistics(self) -> tuple[str, float | None] | None:
+        """The artifact it reads, as (covariance, training fraction on a sweep); None: none."""
+        return (self.covariance, self.fraction) if self.covariance else None
 
     @property
     def name(self) -> str:
@@ -72,6 +79,24 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
                                  severity=severity if config.severities is not None else None, condition=condition)
                          for row in rows]
     return grid
+
+
+def with_fractions(config: BenchConfig, rows: list[Row]) -> list[Row]:
+    """On a fraction sweep, each row that reads statistics at every fraction, fraction by
+    fraction (`cafa, fraction 0.01`, then `cafa-oracle, fraction 0.01`); a row without
+    statistics once, in its place in the first fraction's rows: its error does not
+    depend on the fraction. Without a sweep, the rows as they are."""
+    if config.fractions is None:
+        return rows
+    if not any(row.covariance for row in rows):
+        raise UsageError(f"`fractions` computes the statistics at each fraction, and no row of `methods` {config.methods} reads "
+                         f"them; add a row that does (cafa, intra, ...)")
+    swept = []
+    for k, fraction in enumerate(config.fraction_list()):
+        condition = f"fraction {fraction}"  # as Python writes it: two fractions never share a name
+        swept += [replace(row, label=f"{row.label}, {condition}", fraction=fraction, condition=condition) if row.covariance
+                  else row for row in rows if row.covariance or k == 0]
+    return swept
 
 
 def with_oracle(config: BenchConfig, rows: list[Row]) -> list[Row]:

@@ -1,5 +1,6 @@
 """Bench results as tables: mean ± std per method and domain, as markdown, CSV, JSON
-and a grouped-bar plot."""
+and a plot (grouped bars, a line per method over a grid's conditions, or error against
+training fraction)."""
 
 from __future__ import annotations
 
@@ -80,19 +81,59 @@ def markdown_by_condition(table: list[dict], rows: list, seeds: list[int]) -> st
     return "\n".join(lines)
 
 
+def _condition_columns(rows: list | None) -> list[str]:
+    """The Row fields the CSV gives columns of their own: none without axes; on a fraction
+    sweep the fraction (empty for a row without statistics); on a grid the order and batch
+    size, and the severity on a severity axis."""
+    if not rows:
+        return []
+    if any(row.fraction is not None for row in rows):
+        return ["fraction"]
+    return ["order", "batch_size", *["severity"] * any(row.severity is not None for row in rows)]
+
+
+def _fraction_sweep(table: list[dict], rows: list) -> tuple[list[float], list[str], dict]:
+    """A fraction sweep's (fractions, method names in the rows' order, {(name, fraction):
+    (mean, std)} of the error over all domains); a row without statistics under fraction None."""
+    fractions = list(dict.fromkeys(row.fraction for row in rows if row.fraction is not None))
+    names = list(dict.fromkeys(row.name for row in rows))
+    return fractions, names, {(row.name, row.fraction): entry["cells"]["mean"] for row, entry in zip(rows, table)}
+
+
+def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str:
+    """The paper's figure as a table: a line per method, a column per training fraction,
+    each cell the error over all domains (mean ± std over seeds), the best of each column
+    in bold. A method without statistics ran once: its error stands in every column, as
+    the note under the table says."""
+    fractions, names, means = _fraction_sweep(table, rows)
+    flat = [name for name in names if (name, None) in means]
+    lines = ["| method / fraction | " + " | ".join(str(f) for f in fractions) + " |", "|---|" + "---:|" * len(fractions)]
+    cell = {(name, f): means[(name, None if name in flat else f)] for name in names for f in fractions}
+    best = {f: min(cell[(name, f)][0] for name in names) for f in fractions}
+    for name in names:
+        texts = []
+        for f in fractions:
+            mean, std = cell[(name, f)]
+            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            texts.append(f"**{text}**" if mean == best[f] else text)
+        lines.append(f"| {name} | " + " | ".join(texts) + " |")
+    if flat:
+        lines += ["", f"({', '.join(flat)}: no statistics, so not run per fraction; the same error stands under every fraction.)"]
+    return "\n".join(lines)
+
+
 def write_csv(path: str, table: list[dict], domains: list[str], rows: list | None = None) -> None:
-    """A line per row and domain (and the mean); on a grid with axes (`rows` given) the
-    method, order and batch size in columns of their own, and the severity on a severity axis."""
+    """A line per row and domain (and the mean); on a grid with axes or a fraction sweep
+    (`rows` given) the method and its conditions in columns of their own (_condition_columns)."""
     labels = domain_labels(domains)
-    severities = bool(rows) and any(row.severity is not None for row in rows)
+    conditions = _condition_columns(rows)
 
     def write(tmp):
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
-            conditions = ["order", "batch_size", *["severity"] * severities] if rows else []
             out.writerow(["method", *conditions, "domain", "error_mean_percent", "error_std_percent"])
             for k, row in enumerate(table):
-                named = [rows[k].name, rows[k].order, rows[k].batch_size, *[rows[k].severity] * severities] if rows else [row["method"]]
+                named = [rows[k].name, *[getattr(rows[k], name) for name in conditions]] if rows else [row["method"]]
                 for key in domains + ["mean"]:
                     mean, std = row["cells"][key]
                     out.writerow([*named, labels[key], f"{mean:.4f}", f"{std:.4f}"])
@@ -111,6 +152,12 @@ def _pyplot():
     return plt
 
 
+def check_plotting() -> None:
+    """Before a bench that ends in a plot: matplotlib is there, so that a missing one is
+    said before the runs, not after them."""
+    _pyplot()
+
+
 # error bars in black over coloured bars, with caps: visible on any bar colour
 ERROR_BARS = {"ecolor": "black", "elinewidth": 1.2, "capsize": 3, "capthick": 1.2}
 
@@ -121,14 +168,21 @@ def _colours(plt, count: int) -> list:
     return [cmap(k % cmap.N) for k in range(count)]
 
 
-def _legend_outside(ax) -> None:
+def _legend_outside(ax, handles: list | None = None) -> None:
     """The legend right of the axes, where it covers no bar or line (the figure is saved
-    with bbox_inches="tight", which widens it to hold the legend)."""
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False, fontsize="small")
+    with bbox_inches="tight", which widens it to hold the legend); `handles` in their order."""
+    ax.legend(**({"handles": handles} if handles else {}), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              frameon=False, fontsize="small")
 
 
 def _save(plt, fig, path: str) -> None:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    """SVG for a .svg file, else PNG (whatever the name, as before SVG was offered); the
+    same bytes for the same figure: SVG without its date and with fixed element ids (matplotlib salts them
+    with a random uuid unless svg.hashsalt is set)."""
+    svg = Path(path).suffix.lower() == ".svg"
+    with plt.rc_context({"svg.hashsalt": "cafa"}):
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="svg" if svg else "png", dpi=120, bbox_inches="tight",
+                                                   metadata={"Date": None} if svg else None))
     plt.close(fig)
 
 
@@ -170,5 +224,36 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     _legend_outside(ax)
+    fig.tight_layout()
+    _save(plt, fig, path)
+
+
+def plot_fractions(path: str, table: list[dict], rows: list) -> None:
+    """A fraction sweep: the error over all domains against the training fraction (log
+    axis), a line per method, its CAFA-Oracle twin dashed in the same colour, and a
+    dotted flat line for a method without statistics (run once); mean ± std over seeds
+    as error bars. The figure's size is fixed, whatever the number of methods."""
+    plt = _pyplot()
+    fractions, names, means = _fraction_sweep(table, rows)
+    oracle = {row.name: row.oracle for row in rows}
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colours = iter(_colours(plt, sum(not oracle[name] for name in names)))
+    colour, handles = None, []
+    for name in names:
+        colour = colour if oracle[name] else next(colours)  # a twin follows its row (rows.with_oracle)
+        if (name, None) in means:
+            handles.append(ax.axhline(means[(name, None)][0], color=colour, linestyle=":", linewidth=1.5,
+                                      label=f"{name} (no statistics)"))
+            continue
+        stds = [means[(name, f)][1] for f in fractions]
+        handles.append(ax.errorbar(fractions, [means[(name, f)][0] for f in fractions], yerr=stds if any(stds) else None,
+                                   color=colour, marker="o", linestyle="--" if oracle[name] else "-", capsize=3, label=name))
+    ax.set_xscale("log")
+    ax.set_xticks(fractions, labels=[str(f) for f in fractions])
+    ax.minorticks_off()  # the fractions are the ticks; the log axis's minor ticks would be unlabelled clutter
+    ax.set_xlabel("fraction of each class's training images (log scale)")
+    ax.set_ylabel("error % (mean over domains)")
+    ax.grid(alpha=0.3)
+    _legend_outside(ax, handles)  # in the table's order, lines and flat lines mixed
     fig.tight_layout()
     _save(plt, fig, path)
