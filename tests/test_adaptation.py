@@ -168,7 +168,8 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
     """Gradient methods move the weights (finitely); source, bn and the output-only ones (t3a, lame) never touch them."""
     model, gaussians, x, _ = trained
-    options = {"update_every": 50} if method == "rotta" else {}  # rotta steps on its bank every 64 samples by default
+    # rotta and cafa-robust step on their bank every 64 samples by default
+    options = {"update_every": 50} if method in ("rotta", "cafa-robust") else {}
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians, **options), lr=1e-2, steps=2)
     before = [p.detach().clone() for p in adapter.model.parameters()]
     logits = adapter.step(x[:50])
@@ -303,7 +304,7 @@ def test_bad_settings_are_usage_errors(kwargs, match):
 def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
     with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
-                                         "eata, cafa-eata, sar, t3a, lame, cotta, rotta, or a plug-in module:factory, not nope"):
+                                         "eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust, or a plug-in module:factory, not nope"):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
         Adapter(FeatureClassifier(tiny_net.build()), "tent")
@@ -437,9 +438,9 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
     for name in NAMES:
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
-        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata"))
+        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust"))
         output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
-        own_normalisation = ("rotta",)  # its robust BatchNorm, swapped in by the method itself
+        own_normalisation = ("rotta", "cafa-robust")  # BatchNorms of their own, swapped in by the method itself
         assert method.trains == (name not in ("bn", *output_only))
         assert method.adapts_normalisation == (name not in (*output_only, *own_normalisation))
 

@@ -201,7 +201,7 @@ def test_cafa_methods_lists_every_method_and_prints_a_recipe():
 
 def test_method_and_recipe_names_complete(tmp_path, monkeypatch):
     assert complete_method("e") == ["euclidean", "eta", "eata"]
-    assert complete_methods("tent,ca") == ["tent,cafa", "tent,cafa-eata"]
+    assert complete_methods("tent,ca") == ["tent,cafa", "tent,cafa-eata", "tent,cafa-robust"]
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.toml").write_text("")
     assert complete_recipe("ci") == ["cifar10-c", "cifar100-c"]

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from cafa_cli.method.methods.base import Method
 
 
-NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta")
+NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust")
 
 
-NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata")  # class Gaussians from cafa stats
+NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust")  # class Gaussians from cafa stats
 
 # methods whose prediction for a batch is the plain forward pass before their update, so on
 # a stream of one batch they predict exactly as bn (t3a, lame, cotta and rotta change the
@@ -49,6 +49,7 @@ _CLASSES = {
     "lame": ("lame", "Lame"),
     "cotta": ("cotta", "CoTTA"),
     "rotta": ("rotta", "RoTTA"),
+    "cafa-robust": ("cafa_robust", "CafaRobust"),
 }
 
 

@@ -1,0 +1,205 @@
+"""CAFA-robust (`cafa-robust`): CAFA's class-aware alignment made safe for the streams a
+deployment meets: i.i.d., class-sorted (label shift), Dirichlet-correlated, continual, and
+batches of any size down to one image. docs/design.md ("cafa-robust") gives every choice
+and the measurement that chose it; reference_robust.py spells the step out in float64.
+
+Normalisation. Every BatchNorm keeps global statistics (μ_g, σ²_g), starting from the
+source running statistics, and normalises a batch B of n images with
+
+    μ = (1 − ρ) μ_g + ρ μ_B,    σ² = (1 − ρ) σ²_g + ρ σ²_B,    ρ = n_eff / (n_eff + N₀)
+
+(μ_B, σ²_B the batch's biased statistics; N₀ the prior's weight, Schneider et al.'s prior
+with the global statistics in place of the source's). n_eff = n·(1 − s)^p shrinks the
+batch's share when its class mix is skewed: s ∈ [0, 1] is the class-balanced correction's
+skew strength (norms.correction_strength) of the mean softmax of a first, no-gradient pass
+normalised with the global statistics alone. An i.i.d. batch of 200 is normalised 93 % by
+its own statistics (as BN), a one-class batch by the global ones, one image mostly by them.
+
+Memory and update. Each image is offered to RoTTA's category-balanced memory bank (CSTU,
+memory_bank.py) with its predicted class and entropy. After every `update_every` images
+(counted over the stream, so at any batch size), one training step on the bank's M filled
+slots: normalised as above with ρ = M / (M + N₀) (the bank is class-balanced, so no gate),
+the loss is CAFA's, each sample weighted by its timeliness w(age) (RoTTA's):
+
+    L = Σ_m w(A_m) · log( D_ŷm(z_m) / Σ_c D_c(z_m) ) / M,    ŷ_m = argmax of the same pass
+
+and the global statistics move toward the bank's, μ_g ← (1 − α) μ_g + α μ_bank (likewise
+σ²_g), where non-finite values keep the old ones. No teacher, no augmentation.
+
+Defaults (chosen on the four held-out corruptions, docs/design.md): K = 64 (`memory_size`),
+a step every 64 images (`update_every`), α = 0.05 (`statistics_momentum`), N₀ = 16 (`prior`),
+p = 8 (`gate_power`), λ_t = λ_u = 1 (the bank's); its recipes (recipes/cafa-robust.toml)
+add CAFA's Adam, lr 1e-3, batch 64. It trains the normalisation affines (`params` norm).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from cafa_cli.errors import InputError
+from cafa_cli.method import losses
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
+from cafa_cli.method.methods.base import select_parameters
+from cafa_cli.method.methods.cafa import Cafa
+from cafa_cli.method.methods.rotta import timeliness_weights
+from cafa_cli.method.norms import correction_strength
+from cafa_cli.method.options import Option
+
+UPDATE_EVERY = 64
+MOMENTUM = 0.05  # α
+PRIOR = 16.0  # N₀
+GATE_POWER = 8.0  # p
+
+
+class SharedStatisticsNorm(nn.Module):
+    """A BatchNorm that normalises with global statistics, or, while `share` is set (a
+    float or a device scalar ρ), with (1 − ρ)·global + ρ·the batch's (of the samples
+    `weights` marks 1, when set); while `momentum` is set, it also moves the global
+    statistics toward the batch's by that much."""
+
+    def __init__(self, bn: _BatchNorm, name: str = ""):
+        super().__init__()
+        if bn.running_mean is None:
+            raise InputError(f"cafa-robust needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
+                             f"keeps none (track_running_stats=False); use a model trained with them, or another method")
+        self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
+        self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
+        self.register_buffer("global_var", bn.running_var.detach().clone().float())
+        self.share: float | torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None
+        self.momentum: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xf = x.float()  # statistics in float32 under autocast too
+        mean, var = self.global_mean, self.global_var
+        if self.share is not None:
+            batch_mean, batch_var = self.batch_statistics(xf, shape)
+            mean = (1 - self.share) * mean + self.share * batch_mean
+            var = (1 - self.share) * var + self.share * batch_var
+            if self.momentum is not None:
+                self.move(batch_mean.detach(), batch_var.detach())
+        out = (xf - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
+        if self.weight is not None:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out.to(x.dtype)
+
+    def batch_statistics(self, xf: torch.Tensor, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        dims = [0] + list(range(2, xf.dim()))
+        if self.weights is None:
+            return xf.mean(dims), xf.var(dims, unbiased=False)
+        w = self.weights.view([-1] + [1] * (xf.dim() - 1))
+        count = (w.sum() * (xf[0].numel() / xf.shape[1])).clamp_min(1)
+        mean = (xf * w).sum(dims) / count
+        return mean, ((xf - mean.view(shape)).square() * w).sum(dims) / count
+
+    @torch.no_grad()
+    def move(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> None:
+        """μ_g ← (1 − α)μ_g + α μ_B, likewise σ²_g; a non-finite batch keeps the old values."""
+        for held, new in ((self.global_mean, batch_mean), (self.global_var, batch_var)):
+            moved = (1 - self.momentum) * held + self.momentum * new
+            held.copy_(torch.where(moved.isfinite(), moved, held))
+
+
+class CafaRobust(Cafa):
+    name = "cafa-robust"
+    owns_update = True
+    adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
+    takes_labels = False  # its loss is on the bank, whose samples carry no true labels
+    options = (
+        Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
+        Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many images", "count"),
+        Option("statistics_momentum", MOMENTUM, "α: the global statistics move this far toward the bank's at each step on the bank", "fraction"),
+        Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "weight"),
+        Option("gate_power", GATE_POWER, "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images", "weight"),
+        Option("lambda_t", LAMBDA_T, "λ_t, the weight of a sample's age in the bank's replacement score", "weight"),
+        Option("lambda_u", LAMBDA_U, "λ_u, the weight of a sample's uncertainty in that score", "weight"),
+    )
+
+    def __init__(self, gaussians, device: torch.device | str = "cpu", memory_size: int = CAPACITY,
+                 update_every: int = UPDATE_EVERY, statistics_momentum: float = MOMENTUM, prior: float = PRIOR,
+                 gate_power: float = GATE_POWER, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
+        super().__init__(gaussians, device)
+        self.set_options(memory_size=memory_size, update_every=update_every, statistics_momentum=statistics_momentum, prior=prior,
+                         gate_power=gate_power, lambda_t=lambda_t, lambda_u=lambda_u)
+        self.layers: list[SharedStatisticsNorm] = []
+        self.model: FeatureClassifier | None = None
+        self.bank: MemoryBank | None = None
+        self.offered = 0  # images offered to the bank since the last reset (a host count)
+        self.fresh = False  # a new batch, not yet offered (the Adapter's `steps` call update again)
+
+    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        """The parameters (chosen before the swap: the new layers share them), then every
+        BatchNorm swapped for a SharedStatisticsNorm, and an empty bank."""
+        params = select_parameters(model, which)
+        net = model.model  # the bare net: names as its state dict has them
+        for name, module in [(name, module) for name, module in net.named_modules() if isinstance(module, _BatchNorm)]:
+            parent_name, _, child = name.rpartition(".")
+            setattr(net.get_submodule(parent_name) if parent_name else net, child, SharedStatisticsNorm(module, name))
+        self.layers = [m for m in net.modules() if isinstance(m, SharedStatisticsNorm)]
+        self.model = model
+        self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
+        return params
+
+    def reset(self) -> None:
+        """An empty bank (the Adapter has put the source's weights and statistics back)."""
+        self.offered = 0
+        if self.bank is not None:
+            self.bank.reset()
+
+    def before_step(self, images: torch.Tensor) -> None:
+        self.fresh = True
+
+    def normalising(self, share=None, weights: torch.Tensor | None = None, momentum: float | None = None) -> None:
+        for layer in self.layers:
+            layer.share, layer.weights, layer.momentum = share, weights, momentum
+
+    def batch_share(self, adapter, images: torch.Tensor) -> torch.Tensor:
+        """ρ of the batch (a device scalar), from the class mix the global statistics predict."""
+        with adapter.autocast:
+            logits, _ = self.model(images)
+        skew = correction_strength(logits.float().softmax(1).mean(0), len(images))
+        n_eff = len(images) * (1 - skew) ** self.gate_power
+        return n_eff / (n_eff + self.prior)
+
+    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+        if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
+            return self.reported + (skipped,)
+        self.fresh = False
+        try:
+            with torch.no_grad():
+                self.normalising()
+                share = self.batch_share(adapter, images)
+                self.normalising(share)
+                with adapter.autocast:
+                    logits, features = self.model(images)
+        finally:
+            self.normalising()
+        logits, features = logits.float(), features.float()
+        self.reported = (logits, features)
+        probabilities = logits.softmax(1)
+        uncertainties = -(probabilities * (probabilities + 1e-6).log()).sum(1)
+        flag = skipped
+        for _ in self.bank.offer(images, probabilities.argmax(1), uncertainties, self.offered, self.update_every):
+            flag = self.train_on_bank(adapter, flag)
+        self.offered += len(images)
+        return logits, features, flag
+
+    def train_on_bank(self, adapter, flag: torch.Tensor | None) -> torch.Tensor:
+        """`steps` optimiser steps on the bank; the first moves the global statistics."""
+        bank = self.bank
+        filled = bank.occupied.float()
+        weights = timeliness_weights(bank.ages) * filled
+        held = bank.filled  # a host count
+        for step in range(adapter.steps):
+            try:
+                self.normalising(held / (held + self.prior), filled, self.statistics_momentum if step == 0 else None)
+                with adapter.autocast:
+                    logits, features = adapter.forward(bank.samples)
+            finally:
+                self.normalising()
+            terms = losses.cafa_terms(self.distances(features.float()), logits.detach().argmax(1))
+            flag = adapter.apply((terms * weights).sum() / filled.sum().clamp_min(1), flag)
+        return flag

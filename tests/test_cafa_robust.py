@@ -1,0 +1,161 @@
+"""cafa-robust (methods/cafa_robust.py) against its float64 definition (method/reference_robust.py),
+and the behaviour its design rests on: the batch's share of the statistics, the bank's schedule
+at any batch size, and the source state after a reset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cafa_cli.errors import InputError
+from cafa_cli.method import reference, reference_robust
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.gaussians import estimate
+from cafa_cli.method.methods import create
+from cafa_cli.method.methods.cafa_robust import SharedStatisticsNorm
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.norms import correction_strength
+
+C, D_IN, D = 3, 5, 4
+SHRINKAGE = 0.2
+
+
+def tiny_net(seed: int = 0) -> FeatureClassifier:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(D_IN, D), nn.BatchNorm1d(D), nn.ReLU(), nn.Linear(D, C))
+    with torch.no_grad():  # source statistics that differ from the test batches'
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+        net[3].weight.mul_(3)
+    return FeatureClassifier(net)
+
+
+def class_statistics(seed: int = 0):
+    """Gaussians of features like the tiny net's, and the reference's dense means and covariances."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(C).repeat_interleave(40)
+    z = (torch.randn(len(labels), D, generator=g) + 2 * torch.randn(C, D, generator=g)[labels]).relu() + 0.1 * torch.rand(len(labels), D, generator=g)
+    moments = ClassMoments(C, D)
+    moments.update(z, labels)
+    means, sigmas = reference.class_gaussians(z, labels, C, SHRINKAGE)
+    return estimate(moments, "full", SHRINKAGE), means, sigmas
+
+
+def forward64(net: FeatureClassifier, x: torch.Tensor, mean, var, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = net.model
+    h = nn.functional.linear(x.double(), layers[0].weight.double(), layers[0].bias.double())
+    z = reference_robust.normalise(h, mean, var, weight, bias, layers[1].eps).relu()
+    return nn.functional.linear(z, layers[3].weight.double(), layers[3].bias.double()), z
+
+
+def hidden64(net: FeatureClassifier, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x.double(), net.model[0].weight.double(), net.model[0].bias.double())
+
+
+def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
+    """Three batches of 6, a step on the bank after every 8 images (inside the second and
+    third batches), a bank that holds every image: the reported logits, the trained affines
+    and the global statistics follow the reference's equations step by step."""
+    gaussians, means, sigmas = class_statistics()
+    net = tiny_net()
+    source = net.model[1]
+    initial = source.weight.detach().clone()
+    mean, var = source.running_mean.double().clone(), source.running_var.double().clone()
+    weight = source.weight.detach().double().clone().requires_grad_(True)
+    bias = source.bias.detach().double().clone().requires_grad_(True)
+    K, every, prior, power, alpha, lr = 60, 8, 4.0, 8.0, 0.3, 0.05
+    method = create("cafa-robust", gaussians, memory_size=K, update_every=every, statistics_momentum=alpha, prior=prior,
+                    gate_power=power)
+    adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=lr, momentum=0.0)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(6, D_IN, generator=g) * 1.5 + 0.7 for _ in range(3)]
+    seen: list[torch.Tensor] = []
+    for x in batches:
+        reported = adapter.step(x)
+        with torch.no_grad():
+            global_logits, _ = forward64(net, x, mean, var, weight, bias)
+            share = reference_robust.batch_share(len(x), reference_robust.skew(global_logits.softmax(1)), prior, power)
+            m, v = reference_robust.shared_statistics(hidden64(net, x), mean, var, share)
+            expected, _ = forward64(net, x, m, v, weight, bias)
+        torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-5)
+        for image in x:
+            seen.append(image)
+            if len(seen) % every:
+                continue
+            bank = torch.stack(seen)  # the bank holds every image so far, in arrival order
+            t = len(bank)
+            ages = torch.arange(t, 0, -1, dtype=torch.float64) / K  # offers since each entered, its own included
+            m, v = reference_robust.shared_statistics(hidden64(net, bank), mean, var, t / (t + prior))
+            logits, z = forward64(net, bank, m, v, weight, bias)
+            loss = reference_robust.bank_loss(z, logits, means, sigmas, ages, torch.ones(t))
+            grads = torch.autograd.grad(loss, (weight, bias))
+            with torch.no_grad():
+                weight -= lr * grads[0]
+                bias -= lr * grads[1]
+                bank_mean, bank_var = reference_robust.batch_statistics(hidden64(net, bank))
+                mean, var = reference_robust.moved(mean, bank_mean, alpha), reference_robust.moved(var, bank_var, alpha)
+    layer = net.model[1]
+    assert isinstance(layer, SharedStatisticsNorm)
+    torch.testing.assert_close(layer.weight.detach().double(), weight.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.bias.detach().double(), bias.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.global_mean.double(), mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.global_var.double(), var, rtol=1e-5, atol=1e-5)
+    assert (layer.weight.detach() - initial).abs().max() > 1e-3  # two steps were taken
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 200])
+def test_the_skew_strength_is_the_reference_one(n):
+    g = torch.Generator().manual_seed(n)
+    for probabilities in (torch.rand(n, 10, generator=g).softmax(1),  # a mixed batch
+                          nn.functional.one_hot(torch.zeros(n, dtype=torch.long), 10).float() * 0.9 + 0.01):  # one class
+        got = correction_strength(probabilities.mean(0), n)
+        torch.testing.assert_close(got.double(), reference_robust.skew(probabilities), rtol=1e-5, atol=1e-6)
+
+
+def test_a_one_class_batch_is_normalised_with_the_global_statistics_and_an_iid_one_mostly_with_its_own():
+    """ρ = n(1 − s)^p / (n(1 − s)^p + N₀): 0 for a batch whose class mix is one class, n/(n + N₀)
+    for one whose mix is what sampling gives."""
+    one_class = nn.functional.one_hot(torch.zeros(64, dtype=torch.long), 10).float()
+    iid = nn.functional.one_hot(torch.arange(64) % 10, 10).float()
+    assert float(reference_robust.batch_share(64, reference_robust.skew(one_class), 16, 8)) == 0
+    assert float(reference_robust.batch_share(64, reference_robust.skew(iid), 16, 8)) == pytest.approx(64 / 80)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_global_statistics_move_once_every_update_every_images_at_any_batch_size(batch):
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    adapter = Adapter(net, create("cafa-robust", gaussians, update_every=6), "cpu")
+    layer = net.model[1]
+    g = torch.Generator().manual_seed(0)
+    moves = []
+    for _ in range(12 // batch):
+        before = layer.global_mean.clone()
+        logits = adapter.step(torch.randn(batch, D_IN, generator=g) + 1)
+        assert logits.shape == (batch, C) and logits.isfinite().all()
+        moves.append(not torch.equal(before, layer.global_mean))
+    images_at_each_move = [(k + 1) * batch for k, moved in enumerate(moves) if moved]
+    assert images_at_each_move == [6, 12]
+
+
+def test_reset_brings_back_the_source_statistics_and_an_empty_bank():
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    source_mean = net.model[1].running_mean.clone()
+    method = create("cafa-robust", gaussians, update_every=4)
+    adapter = Adapter(net, method, "cpu")
+    adapter.step(torch.randn(8, D_IN) + 2)
+    assert not torch.equal(net.model[1].global_mean, source_mean)
+    adapter.reset()
+    assert torch.equal(net.model[1].global_mean, source_mean)
+    assert method.bank.filled == 0 and method.offered == 0
+
+
+def test_a_batch_norm_without_running_statistics_is_named():
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    net.model[1] = nn.BatchNorm1d(D, track_running_stats=False)
+    with pytest.raises(InputError, match="cafa-robust needs the running statistics of every BatchNorm, and the one at 1"):
+        Adapter(net, create("cafa-robust", gaussians), "cpu")
