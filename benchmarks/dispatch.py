@@ -7,7 +7,7 @@ measured on a busy CPU and compared across commits.
 
 Each row: an Adapter on synthetic images (and synthetic class statistics where the
 method or norm needs them, perf.py's), warmed up, then the operators of --steps steps
-counted and divided by --steps (RoTTA: whole cycles of its bank's schedule, so that its
+counted and divided by --steps (RoTTA, cafa-robust: whole cycles of its bank's schedule, so that its
 training steps are in the count), with the ratio to TENT's count under `--norm batch`.
 Two columns: the step as it runs on the CPU, and as it runs on CUDA, where the optimiser
 is torch's fused one (one operator for all the parameters, and a skipped update left out

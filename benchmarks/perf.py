@@ -108,8 +108,9 @@ def timed(fn, device, repeats: int, warmup: int = 2) -> float:
 
 
 def whole_cycles(adapter: Adapter, steps: int, batch: int) -> int:
-    """`steps`, or for rotta whole cycles of its bank's schedule (each holds the same number of training steps)."""
-    if adapter.method.name != "rotta":
+    """`steps`, or for a method with a memory bank (rotta, cafa-robust) whole cycles of its
+    bank's schedule (each holds the same number of training steps)."""
+    if not hasattr(adapter.method, "update_every"):
         return steps
     cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, batch)
     return cycle * math.ceil(steps / cycle)
