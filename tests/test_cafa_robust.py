@@ -159,3 +159,16 @@ def test_a_batch_norm_without_running_statistics_is_named():
     net.model[1] = nn.BatchNorm1d(D, track_running_stats=False)
     with pytest.raises(InputError, match="cafa-robust needs the running statistics of every BatchNorm, and the one at 1"):
         Adapter(net, create("cafa-robust", gaussians), "cpu")
+
+
+def test_the_features_read_after_the_stream_are_those_it_predicts_with():
+    """Adapter.features (cafa plot features) goes through the gate and the batch's share, as
+    a step's prediction does, and changes nothing."""
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    adapter = Adapter(net, create("cafa-robust", gaussians, update_every=1000), "cpu")  # no step on the bank
+    x = torch.randn(16, D_IN, generator=torch.Generator().manual_seed(1)) + 1
+    before = {name: value.clone() for name, value in net.state_dict().items()}
+    logits, features = adapter.features(x)
+    assert all(torch.equal(value, before[name]) for name, value in net.state_dict().items())
+    assert torch.equal(adapter.step(x), logits) and features.shape == (16, D)

@@ -89,7 +89,7 @@ def test_unlabelled_images_are_drawn_in_one_colour_and_said_so(setup, domain, tm
 
 @pytest.mark.parametrize("args, message", [
     (["--methods", "source,magic"], "--methods names magic, which is no method; give some of source, bn, pl, tent, cafa, "
-                                    "global-fa, intra, euclidean, eta, eata, cafa-eata, sar, t3a, lame, cotta, rotta (or a "
+                                    "global-fa, intra, euclidean, eta, eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust (or a "
                                     "plug-in module:factory)"),
     (["--methods", "tent,tent"], "--methods names tent twice; give each once"),
     (["-o", "f.pdf"], "--out f.pdf: the figure is written as PNG or SVG by its extension; give a name ending in .png or .svg"),

@@ -164,10 +164,8 @@ class CafaRobust(Cafa):
         n_eff = len(images) * (1 - skew) ** self.gate_power
         return n_eff / (n_eff + self.prior)
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
-        if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
-            return self.reported + (skipped,)
-        self.fresh = False
+    def predict(self, adapter, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits and features (no gradient), normalised with its share ρ."""
         try:
             with torch.no_grad():
                 self.normalising()
@@ -177,8 +175,16 @@ class CafaRobust(Cafa):
                     logits, features = self.model(images)
         finally:
             self.normalising()
-        logits, features = logits.float(), features.float()
-        self.reported = (logits, features)
+        return logits.float(), features.float()
+
+    def reporting_network(self, adapter) -> nn.Module:
+        return SharedPrediction(self, adapter)
+
+    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+        if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
+            return self.reported + (skipped,)
+        self.fresh = False
+        logits, features = self.reported = self.predict(adapter, images)
         probabilities = logits.softmax(1)
         uncertainties = -(probabilities * (probabilities + 1e-6).log()).sum(1)
         flag = skipped
@@ -203,3 +209,15 @@ class CafaRobust(Cafa):
             terms = losses.cafa_terms(self.distances(features.float()), logits.detach().argmax(1))
             flag = adapter.apply((terms * weights).sum() / filled.sum().clamp_min(1), flag)
         return flag
+
+
+class SharedPrediction(nn.Module):
+    """The model as cafa-robust predicts with it (its gate, then the batch's share of the
+    statistics), for Adapter.features: the state is the model's."""
+
+    def __init__(self, method: CafaRobust, adapter):
+        super().__init__()
+        self.model, self.method, self.adapter = method.model, method, adapter
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.method.predict(self.adapter, images)
