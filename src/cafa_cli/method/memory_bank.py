@@ -35,10 +35,21 @@ import math
 from collections.abc import Iterator
 
 import torch
+from cafa_cli.method.options import Option
 
 CAPACITY = 64
+UPDATE_EVERY = 64  # a training step on the bank after every this many samples
 LAMBDA_T = 1.0
 LAMBDA_U = 1.0
+# the options of a method that trains on the bank (rotta, cafa-robust): its size and schedule, then its score's weights
+SCHEDULE_OPTIONS = (
+    Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
+    Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many samples", "count"),
+)
+SCORE_OPTIONS = (
+    Option("lambda_t", LAMBDA_T, "λ_t, the weight of a sample's age in the bank's replacement score", "weight"),
+    Option("lambda_u", LAMBDA_U, "λ_u, the weight of a sample's uncertainty in that score", "weight"),
+)
 SATURATION = 40  # ages of SATURATION·K and more: exp(−a/K) < 2^−53, so 1 + it rounds to 1
 
 

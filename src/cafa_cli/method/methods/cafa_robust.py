@@ -40,14 +40,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.errors import InputError
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
+from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
 from cafa_cli.method.methods.base import select_parameters
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.methods.rotta import timeliness_weights
 from cafa_cli.method.norms import correction_strength
 from cafa_cli.method.options import Option
 
-UPDATE_EVERY = 64
 MOMENTUM = 0.05  # α
 PRIOR = 16.0  # N₀
 GATE_POWER = 8.0  # p
@@ -108,15 +107,11 @@ class CafaRobust(Cafa):
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
-    options = (
-        Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
-        Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many images", "count"),
+    options = SCHEDULE_OPTIONS + (
         Option("statistics_momentum", MOMENTUM, "α: the global statistics move this far toward the bank's at each step on the bank", "fraction"),
         Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "weight"),
         Option("gate_power", GATE_POWER, "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images", "weight"),
-        Option("lambda_t", LAMBDA_T, "λ_t, the weight of a sample's age in the bank's replacement score", "weight"),
-        Option("lambda_u", LAMBDA_U, "λ_u, the weight of a sample's uncertainty in that score", "weight"),
-    )
+    ) + SCORE_OPTIONS
 
     def __init__(self, gaussians, device: torch.device | str = "cpu", memory_size: int = CAPACITY,
                  update_every: int = UPDATE_EVERY, statistics_momentum: float = MOMENTUM, prior: float = PRIOR,

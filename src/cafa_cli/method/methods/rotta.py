@@ -44,14 +44,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.errors import InputError
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, MemoryBank
+from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
 from cafa_cli.method.methods.base import Method, select_parameters
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
 BN_MOMENTUM = 0.05  # α
 TEACHER_MOMENTUM = 0.999  # 1 − ν
-UPDATE_EVERY = 64
 
 
 class RobustBatchNorm(nn.Module):
@@ -122,14 +121,10 @@ class RoTTA(Method):
     name = "rotta"
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()
-    options = (
-        Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
-        Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many samples", "count"),
+    options = SCHEDULE_OPTIONS + (
         Option("teacher_momentum", TEACHER_MOMENTUM, "1 − ν: the teacher's moving average θ' ← (1 − ν)θ' + νθ", "fraction"),
         Option("bn_momentum", BN_MOMENTUM, "α, the robust BatchNorms' momentum", "fraction"),
-        Option("lambda_t", LAMBDA_T, "λ_t, the weight of a sample's age in the bank's replacement score", "weight"),
-        Option("lambda_u", LAMBDA_U, "λ_u, the weight of a sample's uncertainty in that score", "weight"),
-    )
+    ) + SCORE_OPTIONS
 
     def __init__(self, memory_size: int = CAPACITY, update_every: int = UPDATE_EVERY,
                  teacher_momentum: float = TEACHER_MOMENTUM, bn_momentum: float = BN_MOMENTUM,
