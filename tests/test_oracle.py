@@ -75,9 +75,10 @@ def test_adapt_records_the_oracle_and_refuses_it_where_it_means_nothing(setup, t
     test = write_folder(tmp_path / "test", per_class=4, seed=2)
     metrics = tmp_path / "m.json"
     for oracle in ([], ["--oracle"]):
-        result = adapt(setup, test, *oracle, "--quiet", "--metrics-json", metrics)
+        result = adapt(setup, test, *oracle, "--metrics-json", metrics)
         assert result.exit_code == 0, result.stderr
         assert json.loads(metrics.read_text())["settings"]["oracle"] is bool(oracle)
+        assert ("cafa adapt --method cafa --oracle" in result.stderr) is bool(oracle)  # the summary's title
     fails(adapt(setup, test, "--oracle", "--method", "tent"), 2, "--oracle gives the true labels to a loss that uses the "
           "predicted class (cafa, intra, euclidean, cafa-eata); --method tent takes none")
     fails(adapt(setup, test, "--oracle", "--method", "global-fa"), 2, "--method global-fa takes none")

@@ -76,7 +76,9 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     with Monitor(console, quiet, as_flags) as monitor:
         results = adapt_job.run(config, monitor)
     if results is not None:  # None: a torchrun rank other than 0, whose results rank 0 shows
-        console.print(summary_table(config.method, results, source_of(config)))
+        # the title names what the errors are of: CAFA-Oracle's are not the method's own
+        method = config.method + (" --oracle" if config.oracle else "")
+        console.print(summary_table(method, results, source_of(config)))
 
 
 def inspect(
