@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from cafa_cli.errors import InputError
+from cafa_cli.errors import InputError, UsageError
 from cafa_cli.method import reference, reference_robust
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
@@ -172,3 +172,9 @@ def test_the_features_read_after_the_stream_are_those_it_predicts_with():
     logits, features = adapter.features(x)
     assert all(torch.equal(value, before[name]) for name, value in net.state_dict().items())
     assert torch.equal(adapter.step(x), logits) and features.shape == (16, D)
+
+
+def test_a_prior_of_zero_is_refused_for_a_one_class_batch_would_divide_zero_by_zero():
+    gaussians, _, _ = class_statistics()
+    with pytest.raises(UsageError, match="prior"):
+        create("cafa-robust", gaussians, prior=0)

@@ -109,7 +109,7 @@ class CafaRobust(Cafa):
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
     options = SCHEDULE_OPTIONS + (
         Option("statistics_momentum", MOMENTUM, "α: the global statistics move this far toward the bank's at each step on the bank", "fraction"),
-        Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "weight"),
+        Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "positive"),
         Option("gate_power", GATE_POWER, "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images", "weight"),
     ) + SCORE_OPTIONS
 
