@@ -140,6 +140,10 @@ def test_without_cifar10_beside_the_benchmark_the_error_names_the_flag_and_its_v
           "data/cifar-10-batches-py beside the benchmark")
     # no row needs statistics: no training data either
     assert invoke("bench", "cifar10-c:data/CIFAR-10-C", "--methods", "source").exit_code == 0
+    # a model of no known training set: the flag alone
+    torch.save(tiny_net.build().state_dict(), "tiny.pt")
+    assert fails(invoke("bench", "cifar10-c:data/CIFAR-10-C", "--model", TINY_NET, "--weights", "tiny.pt", "--methods", "cafa"), 2) \
+        == "cafa: error: --train is needed for cafa: the training data to compute class statistics from"
 
 
 def test_imagenet_c_takes_standard_r50_and_asks_for_imagenets_training_folder(tmp_path):
