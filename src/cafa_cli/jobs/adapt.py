@@ -39,7 +39,7 @@ from cafa_cli.jobs.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.report import metrics, prediction_records, write_json
 from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, recipe_line, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
-from cafa_cli.recipes import Recipe, recipe_for
+from cafa_cli.recipes import Recipe, recipe_for, standard_model
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -49,7 +49,9 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     stats_path = DEFAULT_ARTIFACT if stats is None else stats
     needed = needs_artifact(config)
     if model.model is None and stats is None and not needed and not Path(stats_path).exists():
-        raise UsageError(f"give the model with `model` (and `weights`): `method` {method} needs no statistics, "
+        standard = standard_model(config.data)
+        hint = f" (the standard model of {standard[0]}: `model` {standard[1]})" if standard else ""
+        raise UsageError(f"give the model with `model` (and `weights`){hint}: `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
     if stats is not None or needed or model.model is None:
         # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods

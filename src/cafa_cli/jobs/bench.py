@@ -46,6 +46,8 @@ from cafa_cli.provenance import model_mismatch
 from cafa_cli.jobs.monitor import Monitor
 from cafa_cli.method.gaussians import auto_shrinkage_method, check_options
 from cafa_cli.jobs.results import DomainResult
+from cafa_cli.recipes import standard_model
+from cafa_cli.zoo import robustbench
 
 
 def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False,
@@ -149,21 +151,48 @@ def fisher_data(config: BenchConfig, row: Row) -> str | None:
     return config.train if config.test_resize is None and config.test_crop is None else None
 
 
-def training_data(train: str | None, model: str, rows: list[Row]) -> str | None:
-    """--train, or the bundled model's own training set when a row needs statistics."""
-    if train is not None or not any(row.covariance for row in rows):
-        return train
+def training_data(train: str | None, model: str, data: list[str], rows: list[Row]) -> tuple[str | None, str | None]:
+    """--train; else, when a row needs statistics, the bundled model's own training set, or
+    a RobustBench CIFAR model's where RobustBench keeps it beside its benchmark among `data`
+    (with a line that says so). Without one, an error that says what to give."""
+    needing = [row.label for row in rows if row.covariance]
+    if train is not None or not needing:
+        return train, None
     bundled = bundled_model(model)
-    if bundled is None:
-        raise UsageError(f"`train` is needed for {', '.join(r.label for r in rows if r.covariance)}: "
-                         f"the training data to compute class statistics from")
-    return bundled.training_data
+    if bundled is not None:
+        return bundled.training_data, None
+    needed = f"`train` is needed for {', '.join(needing)}: the training data to compute class statistics from"
+    if not robustbench.is_robustbench(model):
+        raise UsageError(needed)
+    found, looked = robustbench.training_set_beside(model, data)
+    if found:
+        return found, f"`train` {found}: the training set of {model}, beside its benchmark as RobustBench keeps it " \
+                      f"(give `train` to change it)"
+    dataset = robustbench.lookup(model).dataset
+    if dataset not in robustbench.TRAINING_FOLDERS:
+        raise UsageError(f"{needed}, {model}'s: give `train` ImageNet's training folder of class folders "
+                         f"(`train` /data/imagenet/train)")
+    where = f"; there is no {looked} beside the benchmark" if looked else ""
+    raise UsageError(f"{needed}, {model}'s: give `train` {dataset}:DIR, DIR holding {robustbench.TRAINING_FOLDERS[dataset]} "
+                     f"(`train` {dataset}:data){where}")
+
+
+def with_standard_model(config: BenchConfig) -> tuple[BenchConfig, str | None]:
+    """`config` on the standard model of the family whose benchmark the domains name
+    (cifar10-c:ROOT: robustbench:cifar10/Standard) when the user chose no `model`, with a
+    line that says so; else as it is (the bundled fmnist-resnet by default)."""
+    standard = None if "model" in config.chosen() else standard_model(config.data)
+    if standard is None:
+        return config, None
+    family, model = standard
+    return replace(config, model=model), f"model: {model}, the standard model of {family} (give `model` to change it)"
 
 
 @guards_outputs
 def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
+    config, model_line = with_standard_model(config)
     rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods)))))
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
@@ -171,9 +200,13 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
         tables.check_plotting()
     target = rank_device(pick_device(config.device))
     domains, notes = expand_benchmarks(config.data, config.source)  # a benchmark's ROOT: a column per corruption or domain
-    config = replace(config, device=str(target), train=training_data(config.train, config.model, rows), data=domains)
+    train, train_line = training_data(config.train, config.model, config.data, rows)
+    config = replace(config, device=str(target), train=train, data=domains)
     clean, settings = {}, {}
     with process_group(target) as (rank, world):
+        for line in [model_line, train_line] if rank == 0 else []:
+            if line:
+                monitor.info(line)
         for note in notes if rank == 0 else []:
             monitor.warn(note)
         results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings)

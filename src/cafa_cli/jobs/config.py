@@ -22,6 +22,7 @@ from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.data.values import check_batch_size, parse_order
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.method.methods import NAMES as METHODS, is_plugin
+from cafa_cli.recipes import STANDARD_MODELS
 from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
                                     OracleOptions, RecipeOptions, check_oracle, parse_method_options,
@@ -142,8 +143,12 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                               "domainnet126:ROOT (one per domain; see --source).", factory=list, flags=("--data", "-d"),
                               metavar="PATH", panel=DATA)
     train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
-                                "fmnist-resnet: fashion-mnist.", metavar="PATH", panel=DATA)
-    model: str | None = setting("fmnist-resnet", ModelOptions.__dataclass_fields__["model"].metadata["help"],
+                                "fmnist-resnet: fashion-mnist; for a RobustBench CIFAR model on its benchmark, CIFAR's "
+                                "python version beside it, as RobustBench keeps it (cifar10-c:data/CIFAR-10-C: "
+                                "cifar10:data).", metavar="PATH", panel=DATA)
+    model: str | None = setting("fmnist-resnet", ModelOptions.__dataclass_fields__["model"].metadata["help"] + " On a "
+                                "named benchmark the default is its family's standard model: " + "; ".join(
+                                    f"{family}:ROOT, {model}" for family, model in STANDARD_MODELS.items()) + ".",
                                 flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
     test_resize: str | None = setting(None, "--resize for the test domains only (default: --resize). ImageNet-C: none.",
                                       metavar="PX", panel=DATA)

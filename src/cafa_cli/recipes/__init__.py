@@ -13,7 +13,11 @@ with the same keys; `cafa methods NAME --recipe R` prints one to start from.
 `auto` picks the family from a named benchmark among the test domains (imagenet-c:ROOT),
 else from the model's class count (10, 100, 1000); `none` uses no recipe (the settings'
 own defaults). Settings the user chose (on the command line or in cafa.toml) win over a
-recipe's, one by one. Torch-free.
+recipe's, one by one.
+
+Each family also names the model its published tables were made with (STANDARD_MODELS,
+RobustBench's corruption-benchmark checkpoints): `cafa bench` runs a named benchmark
+of the family on it when no `model` is chosen. Torch-free.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
 SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples")  # what a recipe may set
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
 DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
+# the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
+STANDARD_MODELS = {"imagenet-c": "robustbench:imagenet/Standard_R50", "cifar10-c": "robustbench:cifar10/Standard",
+                   "cifar100-c": "robustbench:cifar100/Hendrycks2020AugMix_ResNeXt"}
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,21 @@ def read_file(path: str) -> dict[str, Recipe]:
 
 def family_for(data: list[str], num_classes: int | None) -> str | None:
     """`auto`'s family: that of the named benchmarks among `data` (one kind), else the class count's."""
+    return benchmark_family(data) or FAMILY_BY_CLASSES.get(num_classes)
+
+
+def benchmark_family(data: list[str]) -> str | None:
+    """The family of the named benchmarks among `data` (cifar10-c:ROOT), when they are of one kind."""
     kinds = {spec.partition(":")[0] for spec in data if spec.partition(":")[0] in FAMILIES and spec.partition(":")[2]}
-    if len(kinds) == 1:
-        return kinds.pop()
-    return FAMILY_BY_CLASSES.get(num_classes)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def standard_model(data: list[str]) -> tuple[str, str] | None:
+    """(family, model) for a run on `data` that names a family's benchmark: the model the
+    family's published tables were made with; None for other data (the bundled demo's
+    fashion-mnist-c:ROOT, folders, arrays), whatever recipe is chosen."""
+    family = benchmark_family(data)
+    return None if family is None else (family, STANDARD_MODELS[family])
 
 
 def recipe_for(name: str, method: str, data: list[str], num_classes: int | None) -> Recipe | None:

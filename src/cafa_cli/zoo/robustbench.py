@@ -31,6 +31,9 @@ from cafa_cli.errors import InputError, UsageError
 PREFIX = "robustbench:"
 THREAT_MODEL = "corruptions"  # RobustBench's folder for the common-corruption models
 DATASETS = ("cifar10", "cifar100", "imagenet")
+# RobustBench's data folder (data_dir='./data') holds CIFAR's python version, which the CIFAR
+# models were trained on, beside CIFAR-10-C and CIFAR-100-C: ./data/cifar-10-batches-py, ./data/CIFAR-10-C
+TRAINING_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 
 
 # --- architectures ----------------------------------------------------------------
@@ -249,6 +252,27 @@ def weights_file(model: str, weights: str | None) -> str:
         raise InputError(f"`model` {model}: its checkpoint {path} is not there{where}; cafa downloads nothing: "
                          f"fetch it where there is a network ({fetch}) and copy it there, or give `weights` FILE")
     return str(path)
+
+
+def training_set_beside(model: str, data: list[str]) -> tuple[str | None, Path | None]:
+    """A RobustBench CIFAR model's training set where RobustBench's layout keeps it, beside
+    its corruption benchmark among `data` (cifar10-c:data/CIFAR-10-C → cifar10:data):
+    (that `data` value, None) when its folder is there, (None, the folder looked for) when
+    not, (None, None) where no place is implied (ImageNet, no such benchmark, ROOTs in
+    several folders)."""
+    from cafa_cli.data.benchmarks import benchmark_of
+
+    dataset = lookup(model).dataset
+    if dataset not in TRAINING_FOLDERS:
+        return None, None
+    roots = [root for kind, root in filter(None, map(benchmark_of, data)) if kind == f"{dataset}-c"]
+    # a ROOT, or one corruption of it (ROOT/fog.npy, ROOT/fog)
+    places = {(root if root.is_dir() else root.parent).parent for root in roots}
+    if len(places) != 1:
+        return None, None
+    place = places.pop()
+    folder = place / TRAINING_FOLDERS[dataset]
+    return (f"{dataset}:{place}", None) if folder.is_dir() else (None, folder)
 
 
 # the buffers by which RobustBench's own nets normalise their input: the AugMix CIFAR nets'
