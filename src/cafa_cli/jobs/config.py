@@ -321,7 +321,7 @@ class DemoConfig:
             return [self.severity]
         if not self.data_only:
             raise UsageError(f"`severities` builds the test folders of several severities, with `data_only`; then compare "
-                             f"them with cafa bench imagenet-c:{self.workdir}/fashion-mnist-c-N --severities "
+                             f"them with cafa bench fashion-mnist-c:{self.workdir}/fashion-mnist-c-N --severities "
                              f"{self.severities}")
         return parse_severities(self.severities, "severities")
 
