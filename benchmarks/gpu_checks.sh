@@ -16,7 +16,7 @@
 #            (perf.py --fresh), fp32 then bf16: step-fp32.json, step-bf16.json, and
 #            torch.profiler's tables of 3 steps of each (device and host time, the issue's
 #            host-bound question): trace-step-fp32.txt, trace-step-bf16.txt
-#   methods  (120 s, ~60 s) one process: TENT, then LAME, SAR, RoTTA, CoTTA and
+#   methods  (120 s, ~60 s) one process: TENT, then LAME, SAR, RoTTA, cafa-robust, CoTTA and
 #            --norm class-balanced (TENT, CAFA) each beside TENT in alternating rounds, then
 #            TENT again and CAFA low-rank: methods.json. Its last rows are also the history
 #            check with the state kept (cafa-lowrank's ratio_to_tent: TENT timed first, before
@@ -102,8 +102,8 @@ fi
 
 PERF=("$PY" benchmarks/perf.py "${MODEL[@]}" "${TIMING[@]}")
 # the methods of the table, each beside TENT; then TENT again and CAFA after them
-HISTORY=(--methods lame,sar,rotta,cotta --norms class-balanced --statistics lowrank --covariances lowrank --tent-again
-         --rows "tent,lame,sar,rotta,cotta,tent --norm class-balanced,cafa --norm class-balanced,tent-again,cafa-lowrank")
+HISTORY=(--methods lame,sar,rotta,cafa-robust,cotta --norms class-balanced --statistics lowrank --covariances lowrank --tent-again
+         --rows "tent,lame,sar,rotta,cafa-robust,cotta,tent --norm class-balanced,cafa --norm class-balanced,tent-again,cafa-lowrank")
 for name in $STAGES; do
   case $name in
     step) for p in $PRECISIONS; do
