@@ -160,27 +160,27 @@ def test_cotta_views_in_one_pass_are_the_views_one_pass_each(monkeypatch, norm, 
     method = CoTTA(augmentations=7)
     Adapter(conv_net(), method, norm=norm, lr=1e-3)
     assert cotta_module.groupable(method.teacher) == (norm != "prior:8")
-    torch.manual_seed(2)
+    torch.testing.assert_close(*views_mean_batched_and_looped(method, x, views=7, seed=2), rtol=1e-5, atol=1e-6)
+    assert all("forward" not in vars(m) for m in method.teacher.modules())  # the layers are themselves again
+
+
+def views_mean_batched_and_looped(method: CoTTA, x: torch.Tensor, views: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's mean logits over `views` augmented views of x: CoTTA's one batched pass,
+    and one pass a view, from the same random draws."""
+    torch.manual_seed(seed)
     with torch.no_grad():
         batched = method.views_mean(x)
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     with torch.no_grad():
-        looped = sum(method.teacher(augment(x))[0].float() for _ in range(7)) / 7
-    torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
-    assert all("forward" not in vars(m) for m in method.teacher.modules())  # the layers are themselves again
+        looped = sum(method.teacher(augment(x))[0].float() for _ in range(views)) / views
+    return batched, looped
 
 
 def test_a_one_image_view_of_one_value_per_channel_takes_the_source_statistics():
     method = CoTTA(augmentations=3)
     Adapter(conv_net(4), method, lr=1e-3)
     x = torch.randn(1, 3, 6, 6)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        batched = method.views_mean(x)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        looped = sum(method.teacher(augment(x))[0].float() for _ in range(3)) / 3
-    torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(*views_mean_batched_and_looped(method, x, views=3, seed=0), rtol=1e-5, atol=1e-6)
 
 
 def test_cotta_restores_each_element_to_the_source_with_probability_p():

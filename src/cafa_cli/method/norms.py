@@ -333,14 +333,18 @@ def use_test_batch_norm(model: nn.Module, norm: str = "batch", class_moments: di
                              f"given; make the statistics with cafa stats --norm-moments")
     layers = []
     for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         layers.append(BatchStatisticsNorm(module, norm, name))
-        setattr(parent, child, layers[-1])
+        replace_submodule(model, name, layers[-1])
     if parse_norm(norm)[0] == "class-balanced" and layers:
         ClassBalancedNorms(model, layers, [checked_moments(class_moments[name], layer, name)
                                            for (name, _), layer in zip(swaps, layers)])
     return len(swaps)
+
+
+def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where `model` holds the submodule called `name` (as named_modules names it)."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def checked_moments(moments: tuple[torch.Tensor, torch.Tensor], layer: BatchStatisticsNorm, name: str) -> tuple[torch.Tensor, torch.Tensor]:

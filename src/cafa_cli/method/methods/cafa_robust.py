@@ -43,8 +43,8 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
 from cafa_cli.method.methods.base import select_parameters
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.methods.rotta import timeliness_weights
-from cafa_cli.method.norms import correction_strength
+from cafa_cli.method.methods.rotta import timeliness_weights, weighted_statistics
+from cafa_cli.method.norms import correction_strength, replace_submodule
 from cafa_cli.method.options import Option
 
 MOMENTUM = 0.05  # α
@@ -75,7 +75,7 @@ class SharedStatisticsNorm(nn.Module):
         xf = x.float()  # statistics in float32 under autocast too
         mean, var = self.global_mean, self.global_var
         if self.share is not None:
-            batch_mean, batch_var = self.batch_statistics(xf, shape)
+            batch_mean, batch_var = self.batch_statistics(xf)
             mean = (1 - self.share) * mean + self.share * batch_mean
             var = (1 - self.share) * var + self.share * batch_var
             if self.momentum is not None:
@@ -85,14 +85,11 @@ class SharedStatisticsNorm(nn.Module):
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out.to(x.dtype)
 
-    def batch_statistics(self, xf: torch.Tensor, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        dims = [0] + list(range(2, xf.dim()))
+    def batch_statistics(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.weights is None:
+            dims = [0] + list(range(2, xf.dim()))
             return xf.mean(dims), xf.var(dims, unbiased=False)
-        w = self.weights.view([-1] + [1] * (xf.dim() - 1))
-        count = (w.sum() * (xf[0].numel() / xf.shape[1])).clamp_min(1)
-        mean = (xf * w).sum(dims) / count
-        return mean, ((xf - mean.view(shape)).square() * w).sum(dims) / count
+        return weighted_statistics(xf, self.weights)
 
     @torch.no_grad()
     def move(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> None:
@@ -131,8 +128,7 @@ class CafaRobust(Cafa):
         params = select_parameters(model, which)
         net = model.model  # the bare net: names as its state dict has them
         for name, module in [(name, module) for name, module in net.named_modules() if isinstance(module, _BatchNorm)]:
-            parent_name, _, child = name.rpartition(".")
-            setattr(net.get_submodule(parent_name) if parent_name else net, child, SharedStatisticsNorm(module, name))
+            replace_submodule(net, name, SharedStatisticsNorm(module, name))
         self.layers = [m for m in net.modules() if isinstance(m, SharedStatisticsNorm)]
         self.model = model
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
@@ -162,8 +158,7 @@ class CafaRobust(Cafa):
     def predict(self, adapter, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's logits and features (no gradient), normalised with its share ρ."""
         try:
-            with torch.no_grad():
-                self.normalising()
+            with torch.no_grad():  # the layers are left normalising with the global statistics (finally)
                 share = self.batch_share(adapter, images)
                 self.normalising(share)
                 with adapter.autocast:

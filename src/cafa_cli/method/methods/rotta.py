@@ -46,6 +46,7 @@ from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
 from cafa_cli.method.methods.base import Method, select_parameters
+from cafa_cli.method.norms import replace_submodule
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
@@ -71,13 +72,9 @@ class RobustBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
             return nn.functional.batch_norm(x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps)
-        dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
-        w = self.weights.view([-1] + [1] * (x.dim() - 1))
         xf = x.float()  # statistics in float32 under autocast too
-        count = (w.sum() * (xf[0].numel() / xf.shape[1])).clamp_min(1)
-        batch_mean = (xf * w).sum(dims) / count
-        batch_var = ((xf - batch_mean.view(shape)).square() * w).sum(dims) / count
+        batch_mean, batch_var = weighted_statistics(xf, self.weights)
         mean = (1 - self.momentum) * self.global_mean + self.momentum * batch_mean
         var = (1 - self.momentum) * self.global_var + self.momentum * batch_var
         with torch.no_grad():  # a non-finite batch must not poison the statistics for good
@@ -89,13 +86,21 @@ class RobustBatchNorm(nn.Module):
         return out.to(x.dtype)
 
 
+def weighted_statistics(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the biased mean and variance of the samples of `x` [N, channels, ...] that
+    the float 0/1 `weights` [N] mark (gradients flow through both)."""
+    dims = [0] + list(range(2, x.dim()))
+    w = weights.view([-1] + [1] * (x.dim() - 1))
+    count = (w.sum() * (x[0].numel() / x.shape[1])).clamp_min(1)
+    mean = (x * w).sum(dims) / count
+    return mean, ((x - mean.view([1, -1] + [1] * (x.dim() - 2))).square() * w).sum(dims) / count
+
+
 def use_robust_batch_norm(model: nn.Module, momentum: float) -> int:
     """Swap every BatchNorm (by type) for a RobustBatchNorm sharing its affine parameters."""
     swaps = [(name, module) for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
     for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, RobustBatchNorm(module, momentum, name))
+        replace_submodule(model, name, RobustBatchNorm(module, momentum, name))
     return len(swaps)
 
 
