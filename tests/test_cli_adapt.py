@@ -378,7 +378,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
 
     wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
                          norm="prior:4", reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
-                         num_workers=1, strict=True, compile=True, allow_weights_mismatch=True)
+                         num_workers=1, strict=True, compile=True, cuda_graph=False, allow_weights_mismatch=True)
     # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
     streams = AdaptConfig(data=["x"], order="label-shift:0.5", gradual=True)
     defaults = AdaptConfig()

@@ -236,6 +236,12 @@ class Adaptation:
                 monitor.warn(f"{_short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
                              f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
                              f"faster form's rounding error")
+        self.recorded_settings["step_runner"] = self.adapter.step_runner  # graph, or eager and why (step_graph.py)
+        graph = self.adapter.graph
+        if graph is not None and graph.failed and graph.failed not in warned:
+            warned.add(graph.failed)
+            monitor.warn(f"the steps ran eagerly: {graph.failed}; the predictions are the eager step's (--no-cuda-graph "
+                         f"skips the attempt)")
         return results
 
 
@@ -459,7 +465,7 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
 
 # what the metrics JSON records of the settings, in this order
 RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "seed",
-            "order", "mix_domains", "gradual", "device", "precision", "num_workers", "strict", "compile", "allow_weights_mismatch")
+            "order", "mix_domains", "gradual", "device", "precision", "num_workers", "strict", "compile", "cuda_graph", "allow_weights_mismatch")
 
 
 def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,

@@ -426,7 +426,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
 
 # the settings every row shares, as the JSON report lists them
 SHARED = ("recipe", "method_option", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "order", "mix_domains",
-          "gradual", "orders", "batch_sizes", "severities", "fractions", "oracle", "device", "precision", "num_workers", "strict", "compile")
+          "gradual", "orders", "batch_sizes", "severities", "fractions", "oracle", "device", "precision", "num_workers", "strict", "compile", "cuda_graph")
 
 
 # what the JSON report records of each row's settings, as its runs resolved them

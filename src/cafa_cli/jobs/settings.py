@@ -175,6 +175,9 @@ class AdaptationOptions:
                         "label shift; needs cafa stats --norm-moments). See docs/usage.md.", metavar="NORM", panel=ADAPTATION)
     precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
     compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
+    cuda_graph: bool = setting(True, "On CUDA, replay each step from a CUDA graph where the method allows it (one launch a "
+                               "batch instead of hundreds; checked against an eager step once). --no-cuda-graph: every step "
+                               "eager.", flags=("--cuda-graph/--no-cuda-graph",), panel=ADAPTATION)
 
     def adapter_options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}

@@ -8,7 +8,12 @@ computed, and then left out on the device, as torch.amp's found-inf flag does: o
 torch's fused Adam and SGD take the flag and leave the parameters and their state
 (moments, momentum, Adam's step count) as they were; elsewhere the step runs as usual
 and `torch.where` puts back the parameters and state saved before it, bit for bit. The
-skipped updates are counted on the device and read only when `skipped_steps` is."""
+skipped updates are counted on the device and read only when `skipped_steps` is.
+
+On CUDA the steady-state step is captured as one CUDA graph and replayed (step_graph.py)
+where that is safe: a method that says its step is replayable (`Method.capturable`), a
+`norm` with no state on the host (batch, source, prior:N), fp32 or bf16, not `compile`
+(torch.compile has graphs of its own), no oracle labels. `cuda_graph` False turns it off."""
 
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import (RUNNING, BatchStatisticsNorm, balance_histogram, class_balanced_norms, norm_layers,
                                    use_test_batch_norm)
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
+from cafa_cli.method.step_graph import StepGraph, kept_state
 
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
+WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
+REPLAYABLE_NORMS = ("batch", "source", "prior")  # `norm` settings whose layers keep nothing on the host from batch to batch
 
 
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
@@ -55,6 +63,7 @@ class Adapter:
         norm: str = "batch",
         precision: str = "fp32",
         compile: bool = False,
+        cuda_graph: bool = True,
         class_moments: dict | None = None,
     ):
         if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
@@ -69,7 +78,7 @@ class Adapter:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = resolve_device(device)
         check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, norm=norm,
-                       precision=precision, compile=compile)
+                       precision=precision, compile=compile, cuda_graph=cuda_graph)
         method.check(model, device)
         self.norm = norm  # the setting in force
         if parse_norm(norm)[0] in RUNNING and not method.running_norms:
@@ -107,6 +116,9 @@ class Adapter:
         # around optimiser steps by design, pytorch/pytorch#104053)
         self.forward = torch.compile(self.model) if compile and not method.trains else self.model
         self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
+        self.graph, self._graph_off = None, self._why_no_graph(cuda_graph, norm, precision, compile)
+        if self._graph_off is None:
+            self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
 
     def adapted(self) -> dict:
@@ -144,6 +156,37 @@ class Adapter:
             return None
         return 0 if self.method.kept is None else int(self.method.kept)
 
+    @property
+    def step_runner(self) -> str:
+        """What runs the steps: `graph` (a checked CUDA graph, replayed), or `eager: why`."""
+        if self.graph is None:
+            return f"eager: {self._graph_off}"
+        return self.graph.status
+
+    def _why_no_graph(self, cuda_graph: bool, norm: str, precision: str, compile: bool) -> str | None:
+        """Why this Adapter's steps cannot be a CUDA graph, or None when they can (module docstring)."""
+        method = self.method.name or type(self.method).__name__
+        reasons = [
+            (not cuda_graph, "cuda_graph is off"),
+            (self.device.type != "cuda", f"CUDA graphs need CUDA, not {self.device.type}"),
+            (not self.method.capturable, f"{method}'s step is not replayable as a CUDA graph"),
+            (parse_norm(norm)[0] not in REPLAYABLE_NORMS, f"`norm` {norm} keeps statistics on the host"),
+            (precision == "fp16", "fp16's loss scale moves on the host"),
+            (compile, "torch.compile makes its own graphs"),
+        ]
+        return next((reason for refused, reason in reasons if refused), None)
+
+    def _kept_state(self) -> dict:
+        """What a step may change or read from one batch to the next (step_graph.py checks it stays in place)."""
+        optimizer = self.optimizer
+        roots = {"model": self.model.state_dict(keep_vars=True), "skipped": self._skipped, "method": self.method,
+                 "norms": [{k: v for k, v in vars(layer).items() if not k.startswith("_")} for layer in self.norms]}
+        if optimizer is not None:
+            roots["optimizer"] = [optimizer.state.get(p, {}) for p in self.params]
+            roots["settings"] = [{k: v for k, v in group.items() if k not in ("params", "capturable")}
+                                 for group in optimizer.param_groups]
+        return kept_state(roots, skip=Method.per_batch)
+
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
         if not self.params:
             return None
@@ -170,11 +213,20 @@ class Adapter:
         if self.balanced is not None:
             self.balanced.start()
         self.method.reset()
+        if self.graph is not None:  # its optimiser state and the method's are new tensors
+            self.graph.drop()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
         if images.dim() == 4:
             images = images.contiguous(memory_format=self.memory_format)
+        if self.graph is None:
+            return self._eager_step(images)
+        if self.method.oracle_labels is not None:  # the true labels, new each batch, are no input of the graph
+            self.graph.off = "oracle labels change every batch"
+        return self.graph(images)
+
+    def _eager_step(self, images: torch.Tensor) -> torch.Tensor:
         self._new_batch(images)
         self.method.before_step(images)
         prediction, features = self._update(images) if self.method.trains else self._predict(images)
@@ -296,6 +348,11 @@ class Adapter:
         """The optimiser's step, which changes nothing where `skip` (float [1]) is 1."""
         optimizer = self.optimizer
         if optimizer.defaults.get("fused"):
+            # torch refuses a capture of a step not marked capturable, and warns about an eager
+            # step that is (a fused step computes the same either way)
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            for group in optimizer.param_groups:
+                group["capturable"] = capturing
             optimizer.found_inf = skip.reshape(())  # torch.amp's protocol (GradScaler.step sets it so too)
             try:
                 optimizer.step()
@@ -333,4 +390,7 @@ def _start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:
 
 
 def _autocast(device: torch.device, precision: str):
-    return nullcontext() if DTYPES[precision] is None else torch.autocast(device.type, dtype=DTYPES[precision])
+    # no cast cache: a CUDA graph capture may not keep one (the cache lasts one forward pass anyway)
+    if DTYPES[precision] is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision], cache_enabled=False)

@@ -23,9 +23,12 @@ NORM_FORMS = "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]) or c
 
 
 def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
-                          norm: str = "batch", precision: str = "fp32", compile: bool = False) -> None:
+                          norm: str = "batch", precision: str = "fp32", compile: bool = False, cuda_graph: bool = True) -> None:
     """Each of the Adapter's keyword options, checked before it changes anything."""
     parse_norm(norm)
+    for option, value in {"`compile`": compile, "`cuda_graph`": cuda_graph}.items():
+        if not isinstance(value, bool):
+            raise UsageError(f"{option} must be true or false, not {value!r}")
     numbers = {"`lr`": lr, "`momentum`": momentum}
     for option, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):

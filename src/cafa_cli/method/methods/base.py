@@ -40,6 +40,14 @@ A method says what it changes with three class attributes:
 - `running_norms`: the Adapter's `norm` may keep statistics from batch to batch (ema:M,
   class-balanced) in its BatchNorms (False: CoTTA, whose teacher copies them).
 
+A method whose step is device work alone sets `capturable`: the tensors it keeps change in
+place (`x += ...`, `x.copy_(...)`, never `self.x = new`), no Python value it keeps moves
+from batch to batch, it reads nothing back to the host and draws no random numbers. On
+CUDA the Adapter then captures its step as a CUDA graph and replays it (step_graph.py,
+which checks the first two rules as it warms up; tests/test_step_graph.py checks them for
+every method that says so). `per_batch` names the attributes a step makes and uses
+within itself (`leave_out`), which are not state.
+
 A method's own options (EATA's margins, LAME's affinity, ...) are `options`, a tuple of
 options.Option: name, default, help and what it accepts. The constructor takes them as
 keywords (and checks them with `set_options`); recipes (recipes/*.toml) and
@@ -61,6 +69,9 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.norms import BatchStatisticsNorm, NORM_LAYERS
 from cafa_cli.method.options import Option, resolve_options
+
+
+STEP_HOOKS = ("loss", "update", "output", "before_step", "after_step")  # what a step runs of a method
 
 
 class Method:
@@ -87,6 +98,8 @@ class Method:
     # device) in `oracle_labels` before its step, so that only the loss sees them
     takes_labels: bool = False
     oracle_labels: torch.Tensor | None = None
+    capturable: bool = False  # its step may be replayed from a CUDA graph (module docstring)
+    per_batch: tuple[str, ...] = ("leave_out", "oracle_labels")  # made and used within a step: not state
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -95,6 +108,10 @@ class Method:
         # that `oracle` is refused rather than silently changing nothing
         if "loss" in vars(cls) and "takes_labels" not in vars(cls):
             cls.takes_labels = False
+        # and `capturable` for the step written beside it: a subclass that changes what a step
+        # does is replayed only once it says so again (its state checked to change in place)
+        if any(hook in vars(cls) for hook in STEP_HOOKS) and "capturable" not in vars(cls):
+            cls.capturable = False
 
     def class_labels(self, logits: torch.Tensor) -> torch.Tensor:
         """The class of each sample that the loss aligns it with: the model's prediction (no
@@ -108,7 +125,10 @@ class Method:
 
     def count_kept(self, kept: torch.Tensor) -> None:
         """Add a batch's kept-sample count (a device scalar) to `kept`, without a host sync."""
-        self.kept = kept.detach().to(torch.int64) if self.kept is None else self.kept + kept.detach()
+        if self.kept is None:
+            self.kept = kept.detach().to(torch.int64, copy=True)
+        else:  # in place, so that a replayed step (step_graph.py) counts too
+            self.kept += kept.detach()
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The scalar to minimise for one batch, from the logits [N, C] and the features

@@ -15,4 +15,5 @@ from cafa_cli.method.methods.base import Method
 
 class BatchNormOnly(Method):
     name = "bn"
+    capturable = True  # a CUDA graph may replay its step (base.py)
     trains = False

@@ -29,6 +29,7 @@ from cafa_cli.method.methods.base import Method, resolve_device
 
 class Cafa(Method):
     name = "cafa"
+    capturable = True  # a CUDA graph may replay its step (base.py)
     needs_statistics = True
     takes_labels = True  # CAFA-Oracle: the true labels in place of ŷ (base.py)
     metric = "mahalanobis"
@@ -44,6 +45,7 @@ class Cafa(Method):
 
 class IntraOnly(Cafa):
     name = "intra"
+    capturable = True  # its loss keeps its state in place (base.py)
     takes_labels = True
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from cafa_cli.method.methods.eata import MARGIN, REDUNDANCY, SELECTION_OPTIONS, 
 
 class CafaEata(Cafa):
     name = "cafa-eata"
+    capturable = True  # its loss keeps its state in place (base.py)
     options = SELECTION_OPTIONS
     filters_samples = True
     takes_labels = True  # the oracle replaces ŷ; EATA's selection still reads the model's entropy

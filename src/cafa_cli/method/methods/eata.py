@@ -80,8 +80,9 @@ class Selection:
             kept = keep.sum()
             batch_mean = (probs * keep.unsqueeze(1)).sum(0) / kept.clamp_min(1)
             moved = torch.where(self.started, MOMENTUM * self.mean_probs + (1 - MOMENTUM) * batch_mean, batch_mean)
-            self.mean_probs = torch.where(kept > 0, moved, self.mean_probs)
-            self.started = self.started | (kept > 0)
+            # in place: a replayed step (step_graph.py) reads and writes the same tensors
+            self.mean_probs.copy_(torch.where(kept > 0, moved, self.mean_probs))
+            self.started.logical_or_(kept > 0)
             weights = keep * torch.exp(-(entropy.detach() - e0))
         return entropy, weights, kept
 
@@ -104,6 +105,7 @@ def fisher_information(model: FeatureClassifier, params: list[torch.nn.Parameter
 
 class Eta(Method):
     name = "eta"
+    capturable = True  # a CUDA graph may replay its step (base.py)
     options = SELECTION_OPTIONS
     filters_samples = True
 
@@ -129,6 +131,7 @@ class Eata(Eta):
     source data) are given; ETA otherwise."""
 
     name = "eata"
+    capturable = True  # its loss keeps its state in place (base.py)
     options = (*SELECTION_OPTIONS, Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting "
                                           "term", "weight"))
     inputs = ("fisher_batches",)

@@ -21,6 +21,7 @@ from cafa_cli.method.methods.base import Method, resolve_device
 
 class GlobalFA(Method):
     name = "global-fa"
+    capturable = True  # a CUDA graph may replay its step (base.py)
     needs_statistics = True
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):

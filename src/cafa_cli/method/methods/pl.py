@@ -18,6 +18,7 @@ from cafa_cli.method.methods.base import Method
 
 class PseudoLabel(Method):
     name = "pl"
+    capturable = True  # a CUDA graph may replay its step (base.py)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.pseudo_label(logits)

@@ -12,5 +12,6 @@ from cafa_cli.method.methods.base import Method
 
 class Source(Method):
     name = "source"
+    capturable = True  # a CUDA graph may replay its step (base.py)
     adapts_normalisation = False
     trains = False

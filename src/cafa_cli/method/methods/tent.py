@@ -20,6 +20,7 @@ from cafa_cli.method.methods.base import Method
 
 class Tent(Method):
     name = "tent"
+    capturable = True  # a CUDA graph may replay its step (base.py)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.entropy(logits)

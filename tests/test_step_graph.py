@@ -1,0 +1,221 @@
+"""The CUDA graph step (step_graph.py) on the CPU, with an emulated capture: the logic
+that decides when a step is captured, checked, replayed or run eagerly, and the rule a
+replayable method must keep (its state changes in place), for every method that says so.
+
+The emulated capture runs the step function again at each replay, on the graph's input
+buffer, as a real replay runs the captured kernels on the captured addresses. What it
+cannot show, a GPU must: that the kernels are captured at all (benchmarks/gpu_checks.sh)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cafa_cli.errors import UsageError
+from cafa_cli.method.adapter import WRITTEN, Adapter
+from cafa_cli.method.methods import create
+from cafa_cli.method.methods.base import Method
+from cafa_cli.method.methods.tent import Tent
+from cafa_cli.method import step_graph
+from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
+
+CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source"]
+
+
+class Emulated:
+    """A capture that records the step function and runs it at each replay."""
+
+    captures = 0
+
+    def __init__(self, function, stream):
+        Emulated.captures += 1
+        self.function = function
+
+    def replay(self) -> torch.Tensor:
+        return self.function()
+
+
+class Perturbed(Emulated):
+    """A replay whose prediction is off: what a step frozen at capture time would give."""
+
+    def replay(self) -> torch.Tensor:
+        return self.function() + 0.5
+
+
+class Refused(Emulated):
+    def __init__(self, function, stream):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+
+def adapter_pair(trained, method: str = "tent", capture=Emulated, fused: bool = True, **options):
+    """An Adapter stepping through StepGraph (CUDA's fused optimiser, an emulated capture) and an eager twin."""
+    model, gaussians, _, _ = trained
+    made = []
+    for _ in range(2):
+        adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, **options)
+        if adapter.optimizer is not None:
+            adapter._fused = fused
+            adapter.optimizer = adapter._new_optimizer()
+        made.append(adapter)
+    graphed, eager = made
+    graphed.graph = StepGraph(graphed._eager_step, graphed._kept_state, graphed.device, capture=capture, written=WRITTEN)
+    return graphed, eager
+
+
+def stream_of(x: torch.Tensor, sizes=(40, 40, 40, 40, 40, 40, 20)) -> list[torch.Tensor]:
+    starts = torch.tensor((0,) + sizes).cumsum(0).tolist()
+    return [x[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def run_both(graphed: Adapter, eager: Adapter, batches) -> None:
+    for i, images in enumerate(batches):
+        assert torch.equal(graphed.step(images), eager.step(images)), f"batch {i}: {graphed.step_runner}"
+    for (name, value), other in zip(graphed.model.state_dict().items(), eager.model.state_dict().values()):
+        assert torch.equal(value, other), name
+
+
+@pytest.mark.parametrize("norm", ["batch", "prior:4", "source"])
+@pytest.mark.parametrize("method", CAPTURABLE)
+def test_every_replayable_method_is_replayed_with_the_eager_predictions_bit_for_bit(trained, method, norm):
+    """Warm-up, capture checked against an eager step (whose state it puts back: the
+    replay after it starts where the eager twin's step did), replays, and a shorter last
+    batch run eagerly beside the graph: every prediction and weight as the eager twin's."""
+    graphed, eager = adapter_pair(trained, method, norm=norm)
+    assert graphed.method.capturable
+    _, _, x, _ = trained
+    batches = stream_of(x)
+    run_both(graphed, eager, batches)
+    assert graphed.step_runner == "graph"
+    assert graphed.graph.replays == len(batches) - WARMUP - 1  # the last, shorter batch ran eagerly
+    assert graphed.skipped_steps == eager.skipped_steps
+    if graphed.method.filters_samples:
+        assert graphed.kept_samples == eager.kept_samples > 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
+def test_the_optimiser_state_replays_as_it_steps(trained, fused):
+    """Adam's moments and step count (fused: on the device, made on the first step) change in place."""
+    graphed, eager = adapter_pair(trained, "cafa", fused=fused)
+    _, _, x, _ = trained
+    run_both(graphed, eager, stream_of(x))
+    for p, q in zip(graphed.params, eager.params):
+        for key, value in graphed.optimizer.state[p].items():
+            assert torch.equal(value, eager.optimizer.state[q][key]), key
+    assert graphed.step_runner == "graph"
+
+
+def test_reset_drops_the_graph_and_the_next_stream_warms_up_again(trained):
+    graphed, eager = adapter_pair(trained, "eata")
+    _, _, x, _ = trained
+    before = Emulated.captures
+    for _ in range(2):
+        run_both(graphed, eager, stream_of(x))
+        graphed.reset()
+        eager.reset()
+        assert graphed.step_runner == "eager: warming up"
+    assert Emulated.captures - before == 2
+
+
+class Counting(Tent):
+    """A plug-in that says it is replayable but keeps a Python count or replaces a tensor."""
+
+    name = "counting"
+    capturable = True  # said, wrongly
+
+    def __init__(self, keep: str):
+        self.keep, self.count, self.total = keep, 0, torch.zeros(())
+
+    def loss(self, logits, features):
+        if self.keep == "python":
+            self.count += 1
+        else:
+            self.total = self.total + 1
+        return super().loss(logits, features)
+
+
+@pytest.mark.parametrize("keep, moved", [("python", "method.count"), ("tensor", "method.total")])
+def test_a_step_that_keeps_state_out_of_place_is_never_captured(trained, keep, moved):
+    model, _, x, _ = trained
+    graphed = Adapter(copy.deepcopy(model), Counting(keep), lr=1e-2)
+    graphed.graph = StepGraph(graphed._eager_step, graphed._kept_state, graphed.device, capture=Emulated, written=WRITTEN)
+    before = Emulated.captures
+    for images in stream_of(x):
+        graphed.step(images)
+    assert graphed.step_runner == f"eager: a step replaces or moves {moved}"
+    assert Emulated.captures == before
+
+
+@pytest.mark.parametrize("capture, why", [(Perturbed, "eager: a replay did not match the eager step"),
+                                          (Refused, "eager: the capture failed (operation not permitted when stream is capturing)")])
+def test_a_capture_that_fails_or_does_not_match_leaves_the_eager_step_in_place(trained, capture, why):
+    graphed, eager = adapter_pair(trained, "cafa", capture=capture)
+    _, _, x, _ = trained
+    run_both(graphed, eager, stream_of(x))
+    assert graphed.step_runner == why
+    assert graphed.graph.replays == 0
+
+
+def test_the_check_tolerates_rounding_but_not_a_wrong_value():
+    value = torch.tensor([1.0, -2.0, 3.0, float("nan")])
+    assert step_graph._close(value + 1e-6, value)
+    assert not step_graph._close(value + 0.1, value)
+    assert not step_graph._close(torch.tensor([1.0, -2.0, 3.0, 0.0]), value)
+    assert step_graph._close(torch.tensor([1, 2]), torch.tensor([1, 2])) and not step_graph._close(torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
+def test_oracle_labels_turn_the_graph_off(trained):
+    graphed, eager = adapter_pair(trained, "cafa")
+    _, _, x, y = trained
+    for images, labels in zip(stream_of(x), stream_of(y)):
+        graphed.method.oracle_labels = eager.method.oracle_labels = labels
+        assert torch.equal(graphed.step(images), eager.step(images))
+    assert graphed.step_runner == "eager: oracle labels change every batch"
+
+
+def test_a_subclass_that_changes_the_step_is_replayed_only_when_it_says_so():
+    class Louder(Tent):
+        def loss(self, logits, features):
+            return 2 * super().loss(logits, features)
+
+    class Named(Tent):
+        name = "named"
+
+    assert Tent.capturable and Named.capturable and not Louder.capturable
+
+
+def test_why_a_step_runs_eagerly(trained):
+    model, gaussians, _, _ = trained
+    adapter = Adapter(copy.deepcopy(model), create("tent"))
+    assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
+    adapter.device = torch.device("cuda")  # what the Adapter would decide on a GPU
+    why = adapter._why_no_graph
+    assert why(True, "batch", "fp32", False) is None
+    assert why(True, "prior:8", "bf16", False) is None
+    assert why(False, "batch", "fp32", False) == "cuda_graph is off"
+    assert why(True, "ema:0.05", "fp32", False) == "`norm` ema:0.05 keeps statistics on the host"
+    assert why(True, "class-balanced", "fp32", False) == "`norm` class-balanced keeps statistics on the host"
+    assert why(True, "batch", "fp16", False) == "fp16's loss scale moves on the host"
+    assert why(True, "batch", "fp32", True) == "torch.compile makes its own graphs"
+    for name in ("sar", "cotta", "rotta", "lame", "t3a", "cafa-robust"):
+        adapter.method = create(name, gaussians)
+        assert why(True, "batch", "fp32", False) == f"{name}'s step is not replayable as a CUDA graph"
+
+
+def test_the_option_must_be_true_or_false(trained):
+    model, _, _, _ = trained
+    with pytest.raises(UsageError, match="`cuda_graph` must be true or false"):
+        Adapter(copy.deepcopy(model), create("tent"), cuda_graph="yes")
+
+
+def test_kept_state_walks_the_method_but_not_modules_or_per_batch_values():
+    class Holder(Method):
+        pass
+
+    holder = Holder()
+    holder.inner = {"a": [torch.zeros(2), 3]}
+    holder.net = torch.nn.Linear(2, 2)
+    holder.leave_out = torch.ones(())
+    state = kept_state({"method": holder}, skip=Method.per_batch)
+    assert set(state) == {"method.inner.a.0", "method.inner.a.1"}
