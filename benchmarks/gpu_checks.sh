@@ -12,8 +12,10 @@
 # what is left. Each stage writes its JSON to $OUT as it goes (perf.py after every row),
 # so a stage cut off keeps what it measured; the log ($OUT/log) has every line printed.
 # Estimates for an H100 are the limits' reasoning, not measurements.
-#   step     (90 s each, ~45 s) TENT and CAFA low-rank, each in a process of its own
-#            (perf.py --fresh), fp32 then bf16: step-fp32.json, step-bf16.json, and
+#   step     (90 s each, ~60 s) TENT and CAFA low-rank, each in a process of its own
+#            (perf.py --fresh), replayed from a CUDA graph and eager (--eager: rows
+#            tent+eager, cafa-lowrank+eager; each row's step_runner says which ran),
+#            fp32 then bf16: step-fp32.json, step-bf16.json, and
 #            torch.profiler's tables of 3 steps of each (device and host time, the issue's
 #            host-bound question): trace-step-fp32.txt, trace-step-bf16.txt
 #   methods  (120 s, ~60 s) one process: TENT, then LAME, SAR, RoTTA, cafa-robust, CoTTA and
@@ -107,8 +109,8 @@ HISTORY=(--methods lame,sar,rotta,cafa-robust,cotta --norms class-balanced --sta
 for name in $STAGES; do
   case $name in
     step) for p in $PRECISIONS; do
-            stage "step-$p" 90 "${PERF[@]}" --precision "$p" --fresh --methods none --covariances lowrank \
-              --rows tent,cafa-lowrank --trace "$OUT/trace-step-$p.txt" --json "$OUT/step-$p.json"
+            stage "step-$p" 90 "${PERF[@]}" --precision "$p" --fresh --methods none --covariances lowrank --eager \
+              --rows tent,tent+eager,cafa-lowrank,cafa-lowrank+eager --trace "$OUT/trace-step-$p.txt" --json "$OUT/step-$p.json"
           done ;;
     methods) stage methods 120 "${PERF[@]}" "${HISTORY[@]}" --json "$OUT/methods.json" ;;
     speed) stage speed 240 "$PY" benchmarks/imagenet_c_speed.py "${SPEED[@]}" --json "$OUT/speed.json" ;;

@@ -129,7 +129,8 @@ def timed_adapt(artifact: Path, domains: list[Path], workers: int, precision: st
     # and with several domains what lies between them (resetting the model, listing the next)
     row = {"precision": precision, "wall_s": wall, "images": metrics["n"], "loop_s": metrics["seconds"],
            "outside_loop_s": wall - metrics["seconds"], "images_per_s_wall": metrics["n"] / wall,
-           "images_per_s_loop": metrics["n"] / metrics["seconds"], "domains": len(domains)}
+           "images_per_s_loop": metrics["n"] / metrics["seconds"], "domains": len(domains),
+           "step_runner": metrics["settings"].get("step_runner")}
     if len(domains) > 1:
         loops = [record["seconds"] for record in metrics["domains"]]
         row["domain_loop_s"] = loops

@@ -15,8 +15,10 @@ For one model, batch, class count C and device, in one process:
     reading the precision factors twice (forward and backward).
 With --compile, tent and every cafa row are timed again through torch.compile; with
 --cudnn-benchmark, again with cuDNN choosing its convolution algorithms by timing them
-(torch.backends.cudnn.benchmark; cafa leaves it off). Each such row's `ratio_to_tent` is
-to the TENT row of the same variant.
+(torch.backends.cudnn.benchmark; cafa leaves it off); with --eager, again with every step
+run eagerly (--no-cuda-graph: on CUDA the plain rows replay a captured step where the
+method allows, adapter.py). Each such row's `ratio_to_tent` is to the TENT row of the same
+variant. Every step row records `step_runner`: `graph`, or `eager: why`.
 Each cafa row also times its loss alone (distances, forward and backward, on fixed
 features: `loss_ms`), which tells the loss's share of the step from the network's; with
 --trace FILE, torch.profiler's table of the busiest operators (device and host time) of
@@ -62,6 +64,7 @@ import torch
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, create
+from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.models import ModelSpec, resolve
 from cafa_cli.devices import pick_device
@@ -254,6 +257,8 @@ def main() -> None:
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="also time tent and each cafa row with cudnn.benchmark on")
+    parser.add_argument("--eager", action="store_true", help="also time tent and each cafa row with every step eager "
+                        "(--no-cuda-graph; the plain rows replay a CUDA graph where they can)")
     parser.add_argument("--tent-again", action="store_true", help="time TENT once more just before the cafa rows (row "
                         "tent-again; each cafa row gets ratio_to_tent_again): TENT and CAFA after the same history")
     parser.add_argument("--rows", help="only these rows, comma-separated, by their names in the JSON (tent, cafa-lowrank, "
@@ -284,13 +289,18 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
-    variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark)) if wanted]
+    variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark),
+                                          ("eager", args.eager)) if wanted]
 
     def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:
         model, _ = resolve(args.model, num_classes=num_classes)
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         return Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile",
-                       norm=norm, class_moments=moments)
+                       cuda_graph=variant != "eager", norm=norm, class_moments=moments)
+
+    def warmup_of(adapter: Adapter) -> int:
+        """2 steps, and with a CUDA graph its warm-up and its checked capture too: replays only are timed."""
+        return 2 + (STEP_GRAPH_WARMUP + 1 if adapter.graph is not None else 0)
 
     def repeats_of(adapter: Adapter) -> int:
         return whole_cycles(adapter, args.repeats, args.batch)
@@ -303,12 +313,12 @@ def main() -> None:
         reset_peak(device)
         torch.backends.cudnn.benchmark = variant == "cudnn-benchmark"
         try:
-            seconds, counted = timed_counting(lambda: adapter.step(images), device, repeats)
+            seconds, counted = timed_counting(lambda: adapter.step(images), device, repeats, warmup=warmup_of(adapter))
         finally:
             torch.backends.cudnn.benchmark = False
         state.update(counted)
         row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device), "repeats": repeats,
-               "state": state}
+               "state": state, "step_runner": adapter.step_runner}
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
@@ -325,14 +335,15 @@ def main() -> None:
         tent, other = adapter_for("tent"), adapter_for(method, gaussians, norm=norm)
         repeats = repeats_of(other)
         for adapter in (tent, other):
-            timed(lambda: adapter.step(images), device, 2, warmup=0)
+            timed(lambda: adapter.step(images), device, warmup_of(adapter), warmup=0)
         rounds: dict[str, list[float]] = {"tent": [], "row": []}  # "row": the method (tent too, under another --norm)
         for _ in range(args.rounds):
             rounds["tent"].append(timed(lambda: tent.step(images), device, args.repeats, warmup=0))
             rounds["row"].append(timed(lambda: other.step(images), device, repeats, warmup=0))
         seconds, tent_seconds = statistics.median(rounds["row"]), statistics.median(rounds["tent"])
         row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "tent_ms": 1000 * tent_seconds,
-               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats, "state": state}
+               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats, "state": state,
+               "step_runner": other.step_runner, "tent_step_runner": tent.step_runner}
         if args.trace:
             trace(method, lambda: other.step(images))
         return row

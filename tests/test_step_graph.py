@@ -15,13 +15,13 @@ import torch
 
 from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import WRITTEN, Adapter
-from cafa_cli.method.methods import create
+from cafa_cli.method.methods import NAMES, create
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.methods.tent import Tent
 from cafa_cli.method import step_graph
 from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
 
-CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source"]
+CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source", "lame", "sar"]
 
 
 class Emulated:
@@ -49,12 +49,12 @@ class Refused(Emulated):
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
 
-def adapter_pair(trained, method: str = "tent", capture=Emulated, fused: bool = True, **options):
+def adapter_pair(trained, method: str = "tent", capture=Emulated, fused: bool = True, method_options=None, **options):
     """An Adapter stepping through StepGraph (CUDA's fused optimiser, an emulated capture) and an eager twin."""
     model, gaussians, _, _ = trained
     made = []
     for _ in range(2):
-        adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, **options)
+        adapter = Adapter(copy.deepcopy(model), create(method, gaussians, **(method_options or {})), lr=1e-2, **options)
         if adapter.optimizer is not None:
             adapter._fused = fused
             adapter.optimizer = adapter._new_optimizer()
@@ -94,10 +94,15 @@ def test_every_replayable_method_is_replayed_with_the_eager_predictions_bit_for_
         assert graphed.kept_samples == eager.kept_samples > 0
 
 
+@pytest.mark.parametrize("method, optimizer, method_options", [
+    ("cafa", "adam", {}), ("tent", "nesterov", {}), ("sar", "sgd", {}),
+    ("sar", "sgd", {"reset_below": 10.0}),  # its recovery on every batch: parameters and optimiser state put back
+])
 @pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
-def test_the_optimiser_state_replays_as_it_steps(trained, fused):
-    """Adam's moments and step count (fused: on the device, made on the first step) change in place."""
-    graphed, eager = adapter_pair(trained, "cafa", fused=fused)
+def test_the_optimiser_state_replays_as_it_steps(trained, fused, method, optimizer, method_options):
+    """Adam's moments and step count (fused: on the device, made on the first step) and
+    SGD's momentum change in place, as does SAR's recovery of them."""
+    graphed, eager = adapter_pair(trained, method, fused=fused, method_options=method_options, optimizer=optimizer)
     _, _, x, _ = trained
     run_both(graphed, eager, stream_of(x))
     for p, q in zip(graphed.params, eager.params):
@@ -174,6 +179,11 @@ def test_oracle_labels_turn_the_graph_off(trained):
     assert graphed.step_runner == "eager: oracle labels change every batch"
 
 
+def test_the_replayable_methods_are_the_ones_tested_here(trained):
+    _, gaussians, _, _ = trained
+    assert sorted(name for name in NAMES if create(name, gaussians).capturable) == sorted(CAPTURABLE)
+
+
 def test_a_subclass_that_changes_the_step_is_replayed_only_when_it_says_so():
     class Louder(Tent):
         def loss(self, logits, features):
@@ -198,7 +208,7 @@ def test_why_a_step_runs_eagerly(trained):
     assert why(True, "class-balanced", "fp32", False) == "`norm` class-balanced keeps statistics on the host"
     assert why(True, "batch", "fp16", False) == "fp16's loss scale moves on the host"
     assert why(True, "batch", "fp32", True) == "torch.compile makes its own graphs"
-    for name in ("sar", "cotta", "rotta", "lame", "t3a", "cafa-robust"):
+    for name in ("cotta", "rotta", "t3a", "cafa-robust"):
         adapter.method = create(name, gaussians)
         assert why(True, "batch", "fp32", False) == f"{name}'s step is not replayable as a CUDA graph"
 

@@ -105,6 +105,7 @@ def stopping_iteration(energy: torch.Tensor) -> torch.Tensor:
 
 class Lame(Method):
     name = "lame"
+    capturable = True  # it keeps nothing from batch to batch (base.py)
     adapts_normalisation = False
     trains = False
     options = (

@@ -55,6 +55,7 @@ def reliable_entropy(logits: torch.Tensor, keep: torch.Tensor | None = None,
 class Sar(Method):
     name = "sar"
     owns_update = True
+    capturable = True  # its state changes in place (base.py)
     filters_samples = True
     options = (
         Option("entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"),
@@ -118,8 +119,9 @@ class Sar(Method):
             self.started = torch.zeros((), dtype=torch.bool, device=loss.device)
         valid = any_kept & loss.isfinite()
         moved = torch.where(self.started, EMA_MOMENTUM * self.ema + (1 - EMA_MOMENTUM) * loss, loss)
-        self.ema = torch.where(valid, moved, self.ema)
-        self.started = self.started | valid
+        # in place: a replayed step (step_graph.py) reads and writes the same tensors
+        self.ema.copy_(torch.where(valid, moved, self.ema))
+        self.started.logical_or_(valid)
         collapsed = self.started & (self.ema < self.reset_below)
         # what a step can change: the trained parameters and the buffers (running statistics);
         # the other parameters are the source's already
