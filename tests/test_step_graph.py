@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import WRITTEN, Adapter
@@ -92,6 +93,45 @@ def test_every_replayable_method_is_replayed_with_the_eager_predictions_bit_for_
     assert graphed.skipped_steps == eager.skipped_steps
     if graphed.method.filters_samples:
         assert graphed.kept_samples == eager.kept_samples > 0
+
+
+aten = torch.ops.aten
+# what a captured step cannot do on a GPU, seen here as the operators dispatched: a tensor
+# made from Python data is copied from pageable host memory (refused during a capture), and
+# random numbers would differ between the checked eager step and the replay
+UNCAPTURABLE = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.randn.default, aten.rand.default,
+                aten.randint.low, aten.randint.default, aten.randperm.default, aten.normal_.default,
+                aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli.default, aten.bernoulli.p,
+                aten.multinomial.default, aten.exponential_.default}
+
+
+class Uncapturable(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in UNCAPTURABLE:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_recorder_sees_what_a_capture_cannot_hold():
+    with Uncapturable() as mode:
+        torch.tensor(1.0), torch.as_tensor([1.0]), torch.randn(2), torch.empty(2).uniform_(), torch.randperm(3)
+    assert len(mode.seen) == 5
+
+
+@pytest.mark.parametrize("method", CAPTURABLE)
+def test_no_replayable_step_makes_tensors_from_python_data_or_draws_random_numbers(trained, method):
+    graphed, _ = adapter_pair(trained, method, capture=Emulated)
+    _, _, x, _ = trained
+    batches = stream_of(x)
+    for images in batches[:WARMUP]:
+        graphed.step(images)
+    with Uncapturable() as mode:
+        graphed._eager_step(batches[WARMUP])  # what the capture records
+    assert mode.seen == []
 
 
 @pytest.mark.parametrize("method, optimizer, method_options", [
