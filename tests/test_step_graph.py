@@ -21,6 +21,7 @@ from cafa_cli.method.methods.base import Method
 from cafa_cli.method.methods.tent import Tent
 from cafa_cli.method import step_graph
 from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
+from test_norms import class_moments_of
 
 CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source", "lame", "sar"]
 
@@ -52,7 +53,9 @@ class Refused(Emulated):
 
 def adapter_pair(trained, method: str = "tent", capture=Emulated, fused: bool = True, method_options=None, **options):
     """An Adapter stepping through StepGraph (CUDA's fused optimiser, an emulated capture) and an eager twin."""
-    model, gaussians, _, _ = trained
+    model, gaussians, x, y = trained
+    if options.get("norm") == "class-balanced":
+        options["class_moments"] = class_moments_of(model, x, y)
     made = []
     for _ in range(2):
         adapter = Adapter(copy.deepcopy(model), create(method, gaussians, **(method_options or {})), lr=1e-2, **options)
@@ -77,7 +80,7 @@ def run_both(graphed: Adapter, eager: Adapter, batches) -> None:
         assert torch.equal(value, other), name
 
 
-@pytest.mark.parametrize("norm", ["batch", "prior:4", "source"])
+@pytest.mark.parametrize("norm", ["batch", "prior:4", "source", "ema:0.05", "class-balanced"])
 @pytest.mark.parametrize("method", CAPTURABLE)
 def test_every_replayable_method_is_replayed_with_the_eager_predictions_bit_for_bit(trained, method, norm):
     """Warm-up, capture checked against an eager step (whose state it puts back: the
@@ -122,9 +125,10 @@ def test_the_recorder_sees_what_a_capture_cannot_hold():
     assert len(mode.seen) == 5
 
 
+@pytest.mark.parametrize("norm", ["batch", "ema:0.05", "class-balanced"])
 @pytest.mark.parametrize("method", CAPTURABLE)
-def test_no_replayable_step_makes_tensors_from_python_data_or_draws_random_numbers(trained, method):
-    graphed, _ = adapter_pair(trained, method, capture=Emulated)
+def test_no_replayable_step_makes_tensors_from_python_data_or_draws_random_numbers(trained, method, norm):
+    graphed, _ = adapter_pair(trained, method, capture=Emulated, norm=norm)
     _, _, x, _ = trained
     batches = stream_of(x)
     for images in batches[:WARMUP]:
@@ -241,16 +245,13 @@ def test_why_a_step_runs_eagerly(trained):
     assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
     adapter.device = torch.device("cuda")  # what the Adapter would decide on a GPU
     why = adapter._why_no_graph
-    assert why(True, "batch", "fp32", False) is None
-    assert why(True, "prior:8", "bf16", False) is None
-    assert why(False, "batch", "fp32", False) == "cuda_graph is off"
-    assert why(True, "ema:0.05", "fp32", False) == "`norm` ema:0.05 keeps statistics on the host"
-    assert why(True, "class-balanced", "fp32", False) == "`norm` class-balanced keeps statistics on the host"
-    assert why(True, "batch", "fp16", False) == "fp16's loss scale moves on the host"
-    assert why(True, "batch", "fp32", True) == "torch.compile makes its own graphs"
+    assert why(True, "fp32", False) is None and why(True, "bf16", False) is None
+    assert why(False, "fp32", False) == "cuda_graph is off"
+    assert why(True, "fp16", False) == "fp16's loss scale moves on the host"
+    assert why(True, "fp32", True) == "torch.compile makes its own graphs"
     for name in ("cotta", "rotta", "t3a", "cafa-robust"):
         adapter.method = create(name, gaussians)
-        assert why(True, "batch", "fp32", False) == f"{name}'s step is not replayable as a CUDA graph"
+        assert why(True, "fp32", False) == f"{name}'s step is not replayable as a CUDA graph"
 
 
 def test_the_option_must_be_true_or_false(trained):

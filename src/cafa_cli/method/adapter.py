@@ -11,9 +11,9 @@ and `torch.where` puts back the parameters and state saved before it, bit for bi
 skipped updates are counted on the device and read only when `skipped_steps` is.
 
 On CUDA the steady-state step is captured as one CUDA graph and replayed (step_graph.py)
-where that is safe: a method that says its step is replayable (`Method.capturable`), a
-`norm` with no state on the host (batch, source, prior:N), fp32 or bf16, not `compile`
-(torch.compile has graphs of its own), no oracle labels. `cuda_graph` False turns it off."""
+where that is safe: a method that says its step is replayable (`Method.capturable`; every
+`norm` keeps its statistics in place), fp32 or bf16, not `compile` (torch.compile has
+graphs of its own), no oracle labels. `cuda_graph` False turns it off."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from cafa_cli.method.step_graph import StepGraph, kept_state
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
 WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
-REPLAYABLE_NORMS = ("batch", "source", "prior")  # `norm` settings whose layers keep nothing on the host from batch to batch
 
 
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
@@ -116,7 +115,7 @@ class Adapter:
         # around optimiser steps by design, pytorch/pytorch#104053)
         self.forward = torch.compile(self.model) if compile and not method.trains else self.model
         self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
-        self.graph, self._graph_off = None, self._why_no_graph(cuda_graph, norm, precision, compile)
+        self.graph, self._graph_off = None, self._why_no_graph(cuda_graph, precision, compile)
         if self._graph_off is None:
             self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
@@ -163,14 +162,13 @@ class Adapter:
             return f"eager: {self._graph_off}"
         return self.graph.status
 
-    def _why_no_graph(self, cuda_graph: bool, norm: str, precision: str, compile: bool) -> str | None:
+    def _why_no_graph(self, cuda_graph: bool, precision: str, compile: bool) -> str | None:
         """Why this Adapter's steps cannot be a CUDA graph, or None when they can (module docstring)."""
         method = self.method.name or type(self.method).__name__
         reasons = [
             (not cuda_graph, "cuda_graph is off"),
             (self.device.type != "cuda", f"CUDA graphs need CUDA, not {self.device.type}"),
             (not self.method.capturable, f"{method}'s step is not replayable as a CUDA graph"),
-            (parse_norm(norm)[0] not in REPLAYABLE_NORMS, f"`norm` {norm} keeps statistics on the host"),
             (precision == "fp16", "fp16's loss scale moves on the host"),
             (compile, "torch.compile makes its own graphs"),
         ]
@@ -245,7 +243,7 @@ class Adapter:
             images = images.contiguous(memory_format=self.memory_format)
         network = self.method.reporting_network(self)
         saved = {name: value.clone() for name, value in network.state_dict().items()}
-        balanced = None if self.balanced is None else (self.balanced.batches, self.balanced.before, self.balanced.histogram)
+        balanced = None if self.balanced is None else self.balanced.saved()
         try:
             self._new_batch(images)
             with torch.no_grad(), self.autocast:
@@ -253,7 +251,7 @@ class Adapter:
         finally:
             network.load_state_dict(saved)
             if balanced is not None:
-                self.balanced.batches, self.balanced.before, self.balanced.histogram = balanced
+                self.balanced.restore(balanced)
         return logits.float(), features.float()
 
     def _new_batch(self, images: torch.Tensor) -> None:
@@ -266,7 +264,7 @@ class Adapter:
         self.balanced.new_batch()
         with torch.no_grad(), self.autocast, self.balanced.predicting_with_running_statistics():
             logits, _ = self.forward(images)
-        self.balanced.histogram = balance_histogram(logits.float().softmax(1).mean(0), len(images))
+        self.balanced.set_histogram(balance_histogram(logits.float().softmax(1).mean(0), len(images)))
 
     def _predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self.autocast:  # not inference_mode: callers may change the logits in place

@@ -85,7 +85,11 @@ class BatchStatisticsNorm(nn.Module):
     def new_batch(self) -> None:
         """The next forward passes are of a new batch."""
         if self.kind == "ema":
-            self.before = (self.running_mean.clone(), self.running_var.clone())
+            # copied into the same tensors from the second batch on: a replayed step (step_graph.py) reads them there
+            if self.before is None:
+                self.before = (self.running_mean.clone(), self.running_var.clone())
+            else:
+                torch._foreach_copy_(list(self.before), [self.running_mean, self.running_var])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[1] * self.groups and hasattr(self, "source_mean"):
@@ -163,8 +167,13 @@ class ClassBalancedNorms:
         # a layer without affine parameters: 1 and 0 stand in
         self.affine_parts = [(layer.weight, layer.bias) if layer.weight is not None else
                              (torch.ones(n, device=device), torch.zeros(n, device=device)) for n, layer in zip(self.sizes, layers)]
-        # this batch's momentum max(0.05, 1/t) and 1 − it, as device scalars (BatchStatisticsNorm's rate)
+        # this batch's momentum max(0.05, 1/t) and 1 − it, as device scalars (BatchStatisticsNorm's rate),
+        # read from a table by the batch count, kept on the device: the step that moves them
+        # is the same at every batch, so that a CUDA graph may replay it (step_graph.py)
+        rates = [max(BALANCED_MOMENTUM, 1 / t) for t in range(1, math.ceil(1 / BALANCED_MOMENTUM) + 1)]
+        self.schedule = torch.tensor([rates, [1 - rate for rate in rates]], device=device)  # [2, 20]: from then on 0.05
         self.rate, self.keep = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # batches so far
         self._unbias: dict[tuple[int, ...], torch.Tensor] = {}
         self.counts = [0] * len(layers)  # values a channel in each layer's input this pass
         for index, layer in enumerate(layers):
@@ -175,18 +184,46 @@ class ClassBalancedNorms:
 
     def start(self) -> None:
         """A new stream (the Adapter's reset() puts back the running statistics)."""
-        self.batches, self.before, self.histogram = 0, None, None
-        self.predicting, self.affines, self.fell_back = False, None, set()
+        self.count.zero_()
+        self.before = (torch.empty_like(self.eps), torch.empty_like(self.eps))
+        self.histogram, self.begun = None, False  # begun: new_batch() was called in this stream
+        self.predicting, self.affines, self.mix, self.fell_back = False, None, None, set()
+
+    def saved(self) -> tuple:
+        """What a batch's passes change here, copied (the running statistics are the layers' buffers)."""
+        return (self.count.clone(), tuple(t.clone() for t in self.before), self.rate.clone(), self.keep.clone(),
+                None if self.histogram is None else self.histogram.clone(), self.begun)
+
+    def restore(self, saved: tuple) -> None:
+        """As it was when saved() was called, in the same tensors."""
+        count, before, rate, keep, histogram, self.begun = saved
+        torch._foreach_copy_([self.count, *self.before, self.rate, self.keep], [count, *before, rate, keep])
+        if histogram is None:
+            self.histogram = None
+        else:
+            self.set_histogram(histogram)
+
+    @property
+    def batches(self) -> int:
+        """The batches of this stream so far (reading it waits for the device)."""
+        return int(self.count)
 
     def new_batch(self) -> None:
         """The next forward passes are of a new batch: the running statistics move once a
         batch, from where they are now, with momentum max(0.05, 1/t) at the t-th."""
-        self.batches += 1
-        self.before = (torch.cat([layer.running_mean for layer in self.layers]),
-                       torch.cat([layer.running_var for layer in self.layers]))
-        rate = max(BALANCED_MOMENTUM, 1 / self.batches)
-        self.rate.fill_(rate)
-        self.keep.fill_(1 - rate)
+        self.count += 1
+        self.begun = True
+        for before, attribute in zip(self.before, ("running_mean", "running_var")):
+            torch.cat([getattr(layer, attribute) for layer in self.layers], out=before)
+        step = (self.count - 1).clamp_max(self.schedule.shape[1] - 1).reshape(1)
+        torch._foreach_copy_([self.rate, self.keep], list(self.schedule.index_select(1, step).reshape(2).unbind()))
+
+    def set_histogram(self, histogram: torch.Tensor) -> None:
+        """The class shares of the batch the next passes correct for (balance_histogram's), kept in one tensor."""
+        if self.histogram is None or self.histogram.shape != histogram.shape:
+            self.histogram = histogram.clone()
+        else:
+            self.histogram.copy_(histogram)
 
     @contextmanager
     def predicting_with_running_statistics(self):
@@ -231,13 +268,13 @@ class ClassBalancedNorms:
         fell back to the source's keeps its own."""
         if self.predicting or self.affines is None:
             return
-        self.affines = None  # nor their graph kept to the next pass
-        if self.before is None:  # used outside an Adapter, which calls new_batch()
+        mix, self.affines, self.mix = self.mix, None, None  # nor their graph kept to the next pass
+        if not self.begun:  # used outside an Adapter, which calls new_batch()
             self.new_batch()
         with torch.no_grad():
             mean, var = self.batch_mean, self.batch_var * self._unbiasing()
             if self.histogram is not None:
-                mean, var = balanced_statistics(mean, var, *self.mix, self.balanced_mean, self.balanced_var, self.eps)
+                mean, var = balanced_statistics(mean, var, *mix, self.balanced_mean, self.balanced_var, self.eps)
             moved = finite_or(moved_statistics(self.before, (mean, var), self.keep, self.rate), self.before)
             for kept, new in zip(self.before, moved):
                 for index in self.fell_back:
