@@ -155,6 +155,17 @@ def test_the_optimiser_state_replays_as_it_steps(trained, fused, method, optimiz
     assert graphed.step_runner == "graph"
 
 
+def test_the_warm_up_counts_batches_of_the_captured_shape_in_a_row(trained):
+    """A step's first batch of a shape may make state and caches (a capture must not): the
+    capture waits for WARMUP batches of its shape in a row."""
+    graphed, eager = adapter_pair(trained, "sar", norm="class-balanced")
+    _, _, x, _ = trained
+    run_both(graphed, eager, stream_of(x, sizes=(40, 40, 20, 40, 40, 40, 40, 20)))
+    assert graphed.step_runner == "graph" and graphed.graph.replays == 1  # the 7th batch: captured, checked, replayed
+    graphed.step(x[:40])
+    assert graphed.graph.replays == 2
+
+
 def test_reset_drops_the_graph_and_the_next_stream_warms_up_again(trained):
     graphed, eager = adapter_pair(trained, "eata")
     _, _, x, _ = trained

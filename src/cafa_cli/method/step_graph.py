@@ -12,7 +12,9 @@ it reads moves from batch to batch, no host reads, no random numbers, one shape.
 `StepGraph` runs a step function that way, for the Adapter (adapter.py says when it is used):
 
 1. The first `WARMUP` batches of a stream run eagerly, on the stream the capture will use
-   (torch's lazy set-ups, cuBLAS workspaces among them, must happen outside a capture).
+   (torch's lazy set-ups, cuBLAS workspaces among them, must happen outside a capture, as
+   must the state and caches a step makes on its first batch of a shape): `WARMUP`
+   batches of one shape in a row, the count starting again at a batch of another shape.
    The last two are compared: if a step replaced a tensor of the state or changed a Python
    value in it, the step is not replayable, and every batch runs eagerly from then on.
 2. The next batch is captured, then checked once: the same batch is stepped eagerly from
@@ -74,7 +76,7 @@ class StepGraph:
     def drop(self) -> None:
         """Start again from the warm-up (the step's state was made anew)."""
         self.captured, self.shape, self.input = None, None, None
-        self.warm, self.written = 0, None
+        self.warm, self.written = 0, None  # warm-up batches of `shape` in a row
 
     @property
     def status(self) -> str:
@@ -92,11 +94,13 @@ class StepGraph:
             self.input.copy_(images)
             self.replays += 1
             return self.captured.replay().clone()  # the next replay overwrites the graph's output
-        if self.warm < WARMUP:
+        if self.warm < WARMUP or images.shape != self.shape:
             return self._warm_up(images)
         return self._capture(images)
 
     def _warm_up(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape != self.shape:
+            self.shape, self.warm = images.shape, 0
         before = self.state()
         versions = {name: value._version for name, value in before.items() if isinstance(value, torch.Tensor)}
         with self._side_stream():
@@ -134,7 +138,6 @@ class StepGraph:
                 self.captured = None
                 _put_back(written, after)
                 return eager
-        self.shape = images.shape
         self.replays += 1
         return replayed
 
