@@ -9,6 +9,7 @@ cannot show, a GPU must: that the kernels are captured at all (benchmarks/gpu_ch
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -281,3 +282,30 @@ def test_kept_state_walks_the_method_but_not_modules_or_per_batch_values():
     holder.leave_out = torch.ones(())
     state = kept_state({"method": holder}, skip=Method.per_batch)
     assert set(state) == {"method.inner.a.0", "method.inner.a.1"}
+
+
+@pytest.mark.parametrize("capture", [Emulated, Perturbed])
+def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_graph_off(setup, tmp_path, monkeypatch, capture):
+    """`cafa adapt` as on a GPU (the graph allowed on the CPU here, the capture emulated):
+    the same records as --no-cuda-graph, `step_runner` in the metrics, and one warning when
+    the check failed."""
+    from functools import partial
+    from cafa_cli.method import adapter as adapter_module
+    from helpers import adapt
+
+    data = setup["train"]
+    eager = adapt(setup, data, "--method", "tent", "--no-cuda-graph", "--metrics-json", tmp_path / "eager.json")
+    monkeypatch.setattr(adapter_module.Adapter, "_why_no_graph", lambda self, *settings: None)
+    monkeypatch.setattr(adapter_module, "StepGraph", partial(StepGraph, capture=capture))
+    graphed = adapt(setup, data, "--method", "tent", "--metrics-json", tmp_path / "graph.json")
+    assert eager.exit_code == graphed.exit_code == 0, graphed.stderr
+    assert graphed.stdout == eager.stdout  # 18 images in batches of 4: 3 warm-up, a checked capture, the last 2 eager
+    runner = json.loads((tmp_path / "graph.json").read_text())["settings"]["step_runner"]
+    assert json.loads((tmp_path / "eager.json").read_text())["settings"]["step_runner"] == "eager: cuda_graph is off"
+    warnings = [line for line in graphed.stderr.splitlines() if "steps ran eagerly" in line]
+    if capture is Emulated:
+        assert runner == "graph" and warnings == []
+    else:
+        assert runner == "eager: a replay did not match the eager step"
+        assert warnings == ["warning: the steps ran eagerly: a replay did not match the eager step; the predictions are the "
+                            "eager step's (--no-cuda-graph skips the attempt)"]
