@@ -167,12 +167,11 @@ class ClassBalancedNorms:
         # a layer without affine parameters: 1 and 0 stand in
         self.affine_parts = [(layer.weight, layer.bias) if layer.weight is not None else
                              (torch.ones(n, device=device), torch.zeros(n, device=device)) for n, layer in zip(self.sizes, layers)]
-        # this batch's momentum max(0.05, 1/t) and 1 − it, as device scalars (BatchStatisticsNorm's rate),
-        # read from a table by the batch count, kept on the device: the step that moves them
-        # is the same at every batch, so that a CUDA graph may replay it (step_graph.py)
+        # the t-th batch's momentum max(0.05, 1/t) and 1 − it, read from this table by the batch
+        # count, which is kept on the device: the step that reads them is the same at every
+        # batch, so that a CUDA graph may replay it (step_graph.py)
         rates = [max(BALANCED_MOMENTUM, 1 / t) for t in range(1, math.ceil(1 / BALANCED_MOMENTUM) + 1)]
         self.schedule = torch.tensor([rates, [1 - rate for rate in rates]], device=device)  # [2, 20]: from then on 0.05
-        self.rate, self.keep = torch.zeros((), device=device), torch.zeros((), device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # batches so far
         self._unbias: dict[tuple[int, ...], torch.Tensor] = {}
         self.counts = [0] * len(layers)  # values a channel in each layer's input this pass
@@ -191,13 +190,13 @@ class ClassBalancedNorms:
 
     def saved(self) -> tuple:
         """What a batch's passes change here, copied (the running statistics are the layers' buffers)."""
-        return (self.count.clone(), tuple(t.clone() for t in self.before), self.rate.clone(), self.keep.clone(),
+        return (self.count.clone(), tuple(t.clone() for t in self.before),
                 None if self.histogram is None else self.histogram.clone(), self.begun)
 
     def restore(self, saved: tuple) -> None:
         """As it was when saved() was called, in the same tensors."""
-        count, before, rate, keep, histogram, self.begun = saved
-        torch._foreach_copy_([self.count, *self.before, self.rate, self.keep], [count, *before, rate, keep])
+        count, before, histogram, self.begun = saved
+        torch._foreach_copy_([self.count, *self.before], [count, *before])
         if histogram is None:
             self.histogram = None
         else:
@@ -215,8 +214,12 @@ class ClassBalancedNorms:
         self.begun = True
         for before, attribute in zip(self.before, ("running_mean", "running_var")):
             torch.cat([getattr(layer, attribute) for layer in self.layers], out=before)
+
+    def _momentum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's 1 − momentum and momentum, device scalars (BatchStatisticsNorm's keep and rate)."""
         step = (self.count - 1).clamp_max(self.schedule.shape[1] - 1).reshape(1)
-        torch._foreach_copy_([self.rate, self.keep], list(self.schedule.index_select(1, step).reshape(2).unbind()))
+        rate, keep = self.schedule.index_select(1, step).reshape(2).unbind()
+        return keep, rate
 
     def set_histogram(self, histogram: torch.Tensor) -> None:
         """The class shares of the batch the next passes correct for (balance_histogram's), kept in one tensor."""
@@ -275,7 +278,7 @@ class ClassBalancedNorms:
             mean, var = self.batch_mean, self.batch_var * self._unbiasing()
             if self.histogram is not None:
                 mean, var = balanced_statistics(mean, var, *mix, self.balanced_mean, self.balanced_var, self.eps)
-            moved = finite_or(moved_statistics(self.before, (mean, var), self.keep, self.rate), self.before)
+            moved = finite_or(moved_statistics(self.before, (mean, var), *self._momentum()), self.before)
             for kept, new in zip(self.before, moved):
                 for index in self.fell_back:
                     new.split(self.sizes)[index].copy_(kept.split(self.sizes)[index])
