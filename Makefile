@@ -24,8 +24,10 @@ setup: $(VENV)/.installed $(FASHION_MNIST)
 demo: setup
 	$(VENV)/bin/cafa demo
 
+# one worker a core (pytest-xdist), each a single torch thread (tests/conftest.py);
+# pass PYTEST_ARGS='-n 0' for one process
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) cafa-demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"
 sys.path.insert(0, str(ASSETS))
 import tiny_net  # noqa: E402  (found through the line above)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: one thread each, not two fighting for each core
 
 
 def invoke(*args, input=None):
