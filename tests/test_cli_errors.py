@@ -322,10 +322,10 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--format", "xml"], "Invalid value for '--format': Value error, 'xml' is not one of 'csv', 'jsonl'"),
-        (["--optimizer", "lbfgs"], "Invalid value for '--optimizer': Value error, 'lbfgs' is not one of 'adam', 'sgd', 'nesterov'"),
-        (["--params", "some"], "Invalid value for '--params': Value error, 'some' is not one of 'norm', 'all'"),
-        (["--precision", "fp8"], "Invalid value for '--precision': Value error, 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
+        (["--format", "xml"], "Invalid value for '--format': 'xml' is not one of 'csv', 'jsonl'"),
+        (["--optimizer", "lbfgs"], "Invalid value for '--optimizer': 'lbfgs' is not one of 'adam', 'sgd', 'nesterov'"),
+        (["--params", "some"], "Invalid value for '--params': 'some' is not one of 'norm', 'all'"),
+        (["--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
         (["--steps", "0"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 0"),
         (["--steps", "1000000000"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 1000000000"),  # ran for ever
     ],

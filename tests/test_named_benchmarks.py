@@ -113,6 +113,9 @@ def test_the_subset_keeps_the_listed_images_by_path_or_file_name(setup, imagenet
     assert sorted(Path(r["path"]).name for r in rows(by_name)) == ["0001.png"] * 3
     ids.write_text("z/none.png\n")
     fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", ids), 3, "none of its 1 image ids is an image of")
+    fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", tmp_path), 3,
+          f"--subset {tmp_path}: not a regular file (a folder, a device or a pipe); write the image ids to a file")
+    fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", tmp_path / "gone.txt"), 3, "gone.txt: no such file")
 
 
 def test_clean_prints_the_source_models_error_on_the_clean_set(setup, tmp_path):

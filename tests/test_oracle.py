@@ -107,3 +107,15 @@ def test_bench_adds_an_oracle_row_after_each_class_aware_row(setup, tmp_path):
     fails(invoke(*base, "--methods", "source,tent", "--oracle", "--workdir", tmp_path / "x"), 2, "--oracle adds a CAFA-Oracle "
           "row after each row whose loss uses the predicted class", "--methods source,tent has none")
     assert not (tmp_path / "x").exists()  # refused before any statistics
+
+
+def test_the_oracle_help_names_every_method_it_takes():
+    """The help is a fixed string beside a list derived from the methods: a new class-aware
+    method must reach both."""
+    from dataclasses import fields
+
+    from cafa_cli.jobs.settings import OracleOptions, oracle_methods
+
+    help_text = next(f for f in fields(OracleOptions) if f.name == "oracle").metadata["help"]
+    listed = help_text.split("For ", 1)[1].split(";", 1)[0]
+    assert sorted(listed.replace(" and ", ", ").split(", ")) == sorted(oracle_methods())

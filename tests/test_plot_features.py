@@ -194,3 +194,9 @@ def trained_images():
     rng = np.random.default_rng(0)
     x = np.concatenate([class_images(rng, c, 100) for c in range(3)]).astype(np.float32) / 255
     return torch.tensor(x)[:, None], torch.arange(3).repeat_interleave(100)
+
+
+def test_without_a_domain_the_error_names_the_whole_command(setup):
+    result = invoke("plot", "features", *model_of(setup))
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == "cafa: error: give the test domains: cafa plot features DOMAIN... (or --data DOMAIN, repeated)"

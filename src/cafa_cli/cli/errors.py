@@ -66,7 +66,9 @@ def one_line_usage_errors():
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         if ctx is not None and param is not None and param.name and from_config(ctx, param.name):  # the user typed no such value: say where it is
             hint = f" (set in {defaults_source(Path.cwd())})"
-        raise fail(f"{error.format_message()}{hint}", error.exit_code) from None
+        # typer checks choices through pydantic, which puts "Value error, " before the reason
+        message = error.format_message().replace(": Value error, ", ": ", 1)
+        raise fail(f"{message}{hint}", error.exit_code) from None
 
 
 def reader_gone() -> int:

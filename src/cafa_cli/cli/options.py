@@ -94,7 +94,7 @@ def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str]
     typed = [path for name, paths in (("data", data), ("domains", domains)) if not from_config(ctx, name) for path in paths or []]
     given = typed or [*(data or []), *(domains or [])]
     if not given:
-        raise UsageError(f"give the test domains: cafa {ctx.info_name} DOMAIN... (or --data DOMAIN, repeated)")
+        raise UsageError(f"give the test domains: {ctx.command_path} DOMAIN... (or --data DOMAIN, repeated)")
     return given
 
 

@@ -71,6 +71,8 @@ def read_image_ids(path: str) -> set[str]:
     """RobustBench's list: one image a line, a path relative to the class folders' parent
     (`n01440764/ILSVRC2012_val_00000293.JPEG`) or a file name."""
     file = Path(path)
+    if file.exists() and not file.is_file():
+        raise InputError(f"`subset` {path}: not a regular file (a folder, a device or a pipe); write the image ids to a file")
     if not file.is_file():
         raise InputError(f"`subset` {path}: no such file (give one image id a line: CLASS/FILE as in a domain folder, or FILE)")
     try:

@@ -281,7 +281,7 @@ class OracleOptions:
 
     oracle: bool = setting(False, "CAFA-Oracle, an analysis for labelled streams: the class-aware loss takes each image's "
                            "true label in place of the model's prediction (its pseudo-label); the predictions reported are "
-                           "still the model's. For cafa, intra and euclidean; cafa bench adds a NAME-oracle row after each "
+                           "still the model's. For cafa, intra, euclidean and cafa-eata; cafa bench adds a NAME-oracle row after each "
                            "row of those (cafa-tied-oracle, ...).", panel=ADAPTATION)
 
 
