@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -64,10 +68,33 @@ def test_demo_workdir_that_is_a_file(tmp_path):
     fails(invoke("demo", "--workdir", tmp_path / "file"), 3, "--workdir", "is a file; give a folder")
 
 
-def test_stats_into_a_device_writes_it_and_succeeds(setup):
+def test_stats_into_a_device_writes_it_and_succeeds(setup, tmp_path):
     """The artifact is checked as written, before the copy to the device, not read back from it."""
     result = stats(setup, setup["train"], "--out", "/dev/null", "--quiet")
     assert result.exit_code == 0, result.stderr
+    assert result.stdout == result.stderr == ""
+    # a FIFO is a device as well, and what comes out of it is the whole artifact, as a file would hold it
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = {}
+    reader = threading.Thread(target=lambda: received.update(data=fifo.read_bytes()), daemon=True)
+    reader.start()
+    try:
+        result = stats(setup, setup["train"], "--out", fifo, "--quiet")
+    finally:
+        if reader.is_alive():  # nothing opened the FIFO for writing: let the reader see an end of file
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=60)
+    assert result.exit_code == 0, result.stderr
+    assert fifo.exists() and not fifo.is_file()  # written in place, not renamed over
+    # the same artifact as the regular file the same command wrote (safetensors orders the metadata freely)
+    assert _safetensors_parts(received["data"]) == _safetensors_parts(setup["artifact"].read_bytes())
+
+
+def _safetensors_parts(data: bytes) -> tuple[dict, bytes]:
+    """A safetensors file as (its header, parsed; its tensor bytes)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
