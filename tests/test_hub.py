@@ -248,6 +248,14 @@ def test_a_module_in_the_working_folder_is_importable_and_takes_model_args(setup
     result = invoke("stats", "--model", "cwd_models:small", "--model-arg", "width=4", "--weights", tmp_path / "w4.pt",
                     "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors", "-q")
     assert result.exit_code == 0, result.stderr
+    shown = json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)
+    # recorded by the name typed and with its argument, so that adapt can build the same model again
+    assert shown["model"]["model"] == "cwd_models:small" and shown["model"]["model_args"] == {"width": "4"}
+    from cafa_cli.models import parameters_sha256
+
+    four = tiny_net.TinyNet(width=4)
+    four.load_state_dict(torch.load(tmp_path / "w4.pt"))
+    assert shown["parameters_sha256"] == parameters_sha256(four)  # statistics of the width-4 model
 
 
 # --- what runs ----------------------------------------------------------------------
