@@ -345,4 +345,9 @@ def test_names_that_are_not_utf8_are_written_and_read_back(setup, tmp_path):
     result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", setup[1], *PLAIN, "--fraction", "1", "--out", out)
     assert result.exit_code == 0, result.stderr
     assert read_artifact(out).num_classes == 3
-    assert invoke("inspect", "--json", out).exit_code == 0  # (the text form writes the name's byte as it is, which the runner's strict UTF-8 refuses)
+    assert read_artifact(out).model.weights == str(weights)  # the name's bytes recorded as they are
+    shown = invoke("inspect", "--json", out)  # (the text form writes the name's byte as it is, which the runner's strict UTF-8 refuses)
+    assert shown.exit_code == 0, shown.stderr
+    summary = json.loads(shown.stdout)  # standard JSON: the byte that is not UTF-8 is the text \xe9
+    assert summary["path"] == str(tmp_path / "caf\\xe9.safetensors")
+    assert summary["model"]["weights"] == str(tmp_path / "r\\xe9seau.safetensors") and summary["num_classes"] == 3
