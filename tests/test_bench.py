@@ -362,6 +362,9 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
                                  "--train", str(flat), *PLAIN, "--workdir", str(tmp_path / "w")])
     assert result.exit_code == 0, result.stderr
     assert not (tmp_path / "w" / "classes.txt").exists()
+    table = result.stdout.splitlines()  # both rows ran and have an error, with no class list written for them
+    assert table[0] == "| method | test | mean |" and [line.split(" | ")[0] for line in table[2:]] == ["| source", "| bn"]
+    assert all(re.fullmatch(r"\| \w+ \| \d+\.\d\d \| \*\*\d+\.\d\d\*\* \|", line) for line in table[2:]), table
 
 
 def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_path, tiny_weights):
@@ -680,7 +683,10 @@ def test_bench_mixes_domains_into_one_stream_and_still_reports_each(tmp_path, tr
     assert mixed.stdout == apart.stdout and "| one | two | mean |" in mixed.stdout  # source: per domain, the same errors
     bn_apart = runner.invoke(app, [*base, "--methods", "bn"])
     bn_mixed = runner.invoke(app, [*base, "--methods", "bn", "--mix-domains"])
-    assert bn_mixed.exit_code == 0 and bn_mixed.stdout != bn_apart.stdout  # batches mix both domains' statistics
+    assert bn_apart.exit_code == bn_mixed.exit_code == 0, bn_mixed.stderr
+    assert bn_mixed.stdout != bn_apart.stdout  # batches mix both domains' statistics
+    for table in (bn_apart.stdout, bn_mixed.stdout):  # and each domain is still reported in its own column
+        assert table.splitlines()[0] == "| method | one | two | mean |" and table.splitlines()[2].startswith("| bn | ")
 
 
 def test_bench_gradual_reports_each_corruption_over_its_severity_visits(tmp_path, tiny_weights):
