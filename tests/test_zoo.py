@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import struct
 
 import numpy as np
@@ -68,10 +69,16 @@ def test_malformed_image_file_raises_input_error(tmp_path, magic, dims, payload)
         load_fashion_mnist(tmp_path, "train")
 
 
-def test_truncated_gzip_raises_input_error(tmp_path):
-    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(bytes(100))[:20])
+@pytest.mark.parametrize("keep", [20, -8], ids=["cut-in-the-header", "cut-before-the-trailer"])
+def test_truncated_gzip_raises_input_error(tmp_path, keep):
+    """A valid idx file, gzipped and cut short: the gzip error is named, not a magic number
+    (a cut gzip of zeros would decode to a zero magic and never reach the truncation)."""
+    images = tmp_path / "train-images-idx3-ubyte.gz"
+    write_idx(images, 0x803, (1, 28, 28), bytes(range(256)) * 3 + bytes(16), True)
+    images.write_bytes(images.read_bytes()[:keep])
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x801, (1,), bytes([0]), True)
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match=rf"^cannot read Fashion-MNIST file {re.escape(str(images))} \(.+\); "
+                                         "reinstall dataset-fashion-mnist or replace the file$"):
         load_fashion_mnist(tmp_path, "train")
 
 
