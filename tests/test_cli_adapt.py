@@ -133,8 +133,12 @@ def test_jsonl_format_and_predictions_file(setup, tmp_path):
 
 
 def test_no_shuffle_keeps_folder_order(setup):
-    rows = list(csv.DictReader(io.StringIO(adapt(setup, "--quiet", "--no-shuffle").stdout)))
-    assert [r["path"] for r in rows] == sorted(r["path"] for r in rows)
+    result = adapt(setup, "--quiet", "--no-shuffle")
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    # every image once, class folder by class folder, each folder's files in name order (an empty output matched before)
+    assert [r["path"] for r in rows] == [str(path) for path in sorted(Path(setup["test"]).glob("*/*.png"))]
+    assert len(rows) == 90
 
 
 def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
