@@ -201,7 +201,8 @@ def test_factory_that_raises(tmp_path):
 
 
 def test_malformed_factory_spec():
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=r"^`model` tiny_net:not-an-identifier: expected 'path/to/file\.py:function' or "
+                                         r"'package\.module:function'$"):
         build_model("tiny_net:not-an-identifier")
 
 
