@@ -55,17 +55,18 @@ def test_missing_root_names_the_debian_package(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "magic, dims, payload",
+    "magic, dims, payload, reason",
     [
-        (0x801, (1, 28, 28), bytes(28 * 28)),  # label magic on an image file
-        (0x803, (2, 28, 28), bytes(28 * 28)),  # header announces more images than present
-        (0x803, (1, 14, 14), bytes(14 * 14)),  # wrong image size
+        (0x801, (1, 28, 28), bytes(28 * 28), "magic number 0x00000801, expected 0x00000803"),  # label magic on an image file
+        (0x803, (2, 28, 28), bytes(28 * 28), "784 data bytes, the header announces 1568"),  # more images announced than present
+        (0x803, (1, 14, 14), bytes(14 * 14), "images are 14x14, expected 28x28"),  # wrong image size
     ],
 )
-def test_malformed_image_file_raises_input_error(tmp_path, magic, dims, payload):
-    write_idx(tmp_path / "train-images-idx3-ubyte.gz", magic, dims, payload, True)
+def test_malformed_image_file_raises_input_error(tmp_path, magic, dims, payload, reason):
+    images = tmp_path / "train-images-idx3-ubyte.gz"
+    write_idx(images, magic, dims, payload, True)
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x801, (1,), bytes([0]), True)
-    with pytest.raises(InputError, match="malformed"):
+    with pytest.raises(InputError, match=re.escape(f"Fashion-MNIST file {images} is malformed: {reason}; reinstall")):
         load_fashion_mnist(tmp_path, "train")
 
 
