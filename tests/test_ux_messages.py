@@ -60,3 +60,21 @@ def test_the_cli_says_so_for_the_demo_layout(tmp_path):
     result = runner.invoke(app, ["adapt", str(fog), "--model", "fmnist-resnet", "--method", "source"])
     assert result.exit_code == 3, result.stderr
     assert f"give one of them ({fog}/3), or --gradual to visit them all" in result.stderr
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--model", "fmnist-resnet", "--method", "tent", "--norm", "class-balanced"],
+     "create one with cafa stats --norm-moments, or give the path of one with --stats "
+     "(--norm class-balanced needs the class moments it records)"),
+    (["--model", "fmnist-resnet", "--method", "cafa"],
+     "create one with cafa stats, or give the path of one with --stats (--method cafa needs its class statistics)"),
+])
+def test_a_missing_default_artifact_says_what_needs_it(tmp_path, monkeypatch, args, why):
+    """With --model and no --stats, a user does not expect an artifact to be read; the error
+    said only 'cafa-stats.safetensors: no such artifact'."""
+    monkeypatch.chdir(tmp_path)
+    data = write_folder(tmp_path / "test", per_class=2, classes=("bag", "coat"), size=28)
+    result = runner.invoke(app, ["adapt", str(data), *args])
+    assert result.exit_code == 3, result.stderr
+    assert f"cafa-stats.safetensors: no such artifact; {why}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
