@@ -61,13 +61,25 @@ def relabel(domain: Domain, class_names: list[str], listed_as: str = "the model'
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
         shown = listing(unknown_used)
+        remedy = (_severity_remedy(domain.name, unknown_used) or
+                  "rename them to the model's class names, or compute the statistics with their class list (cafa stats `classes`)")
         raise InputError(
             f"{domain.name}: class folder(s) {shown} not in {listed_as} ({len(class_names)} classes){did_you_mean(unknown_used, class_names)}; "
-            f"rename them to the model's class names, or compute the statistics with their class list (cafa stats `classes`)"
+            f"{remedy}"
         )
     positions = [find(n) for n in domain.class_names]
     lookup = np.array([UNLABELLED if p is None else p for p in positions] + [UNLABELLED], dtype=np.int64)
     return replace(domain, labels=lookup[domain.labels], class_names=class_names)
+
+
+def _severity_remedy(name: str, unknown: list[str]) -> str | None:
+    """What to do when every unknown class folder is a severity, 1-5: the domain is a
+    corruption folder (`ROOT/fog`, holding `3/`), given where one severity (`ROOT/fog/3`)
+    was meant. Renaming the folders, the usual remedy, would be wrong there."""
+    if not all(folder in ("1", "2", "3", "4", "5") for folder in unknown):
+        return None
+    return (f"they look like severity folders: give one of them ({name.rstrip('/')}/{unknown[0]}), "
+            f"or `gradual` to visit them all")
 
 
 def _class_finder(class_names: list[str]) -> Callable[[str], int | None]:

@@ -78,6 +78,6 @@ def gradual_stages(spec: str) -> list[str]:
     missing = [str(corruption / str(s)) for s in sorted(set(GRADUAL_SEVERITIES)) if not (corruption / str(s)).is_dir()]
     if missing:
         raise InputError(f"`data` {spec}: `gradual` visits severities 1-5 of a corruption, which needs the corruption/severity "
-                         f"layout, and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a folder; build every "
-                         f"severity (cafa demo --data-only --severity N), or drop `gradual`")
+                         f"layout, and {', '.join(missing)} {'is not a folder' if len(missing) == 1 else 'are not folders'}; "
+                         f"build every severity (cafa demo --data-only --severities 1,2,3,4,5), or drop `gradual`")
     return [str(corruption / str(s)) for s in GRADUAL_SEVERITIES]

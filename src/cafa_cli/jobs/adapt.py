@@ -53,6 +53,8 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
         hint = f" (the standard model of {standard[0]}: `model` {standard[1]})" if standard else ""
         raise UsageError(f"give the model with `model` (and `weights`){hint}: `method` {method} needs no statistics, "
                          f"and there is no {stats_path} to name it")
+    if stats is None and needed and not Path(stats_path).exists() and not Path(stats_path).is_symlink():
+        raise InputError(missing_default_artifact(config))
     if stats is not None or needed or model.model is None:
         # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods
         # that use them, and for a plug-in whenever an artifact is read; the class moments come with any read
@@ -93,6 +95,16 @@ def needs_artifact(config: AdaptConfig) -> bool:
     """Whether the run must read an artifact: for the method's class Gaussians, or for the
     class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
     return config.method in NEEDS_STATISTICS or parse_norm(config.norm)[0] == "class-balanced"
+
+
+def missing_default_artifact(config: AdaptConfig) -> str:
+    """The error for a run that needs an artifact, given none, with no cafa-stats.safetensors
+    here: it says what needs one, since with `model` given a user expects none to be read."""
+    balanced = parse_norm(config.norm)[0] == "class-balanced"
+    create = "cafa stats --norm-moments" if balanced else "cafa stats"
+    why = (f"`method` {config.method} needs its class statistics" if config.method in NEEDS_STATISTICS
+           else "`norm` class-balanced needs the class moments it records")
+    return f"{DEFAULT_ARTIFACT}: no such artifact; create one with {create}, or give the path of one with `stats` ({why})"
 
 
 def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> str | None:
