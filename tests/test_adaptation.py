@@ -450,3 +450,17 @@ def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):
     method = create("cafa", gaussians, device=torch.device("meta"))  # a stand-in for statistics put on a GPU
     with pytest.raises(UsageError, match="the method cafa keeps its statistics on meta but adapts on cpu; create it with device='cpu'"):
         Adapter(copy.deepcopy(model), method, device="cpu")
+
+
+@pytest.mark.parametrize("method", ["tent", "sar"])  # a plain step, and one that owns its update
+def test_with_several_steps_the_last_steps_pass_is_reported(trained, method):
+    """TENT's, EATA's, SAR's and CoTTA's code return the outputs of a batch's last step, made
+    after its earlier steps: two steps on a batch report what a second visit of one step sees."""
+    model, gaussians, x, _ = trained
+    two = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2, steps=2)
+    one = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
+    first = one.step(x[:50])
+    reported = two.step(x[:50])
+    torch.testing.assert_close(reported, one.step(x[:50]))
+    assert not torch.allclose(reported, first)  # not the pass before any update
+    assert all(torch.equal(a, b) for a, b in zip(two.model.parameters(), one.model.parameters()))

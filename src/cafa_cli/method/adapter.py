@@ -44,7 +44,7 @@ def check_settings(device: torch.device = torch.device("cpu"), **options) -> Non
 class Adapter:
     """A model adapting online with `method` (methods.create(name, ...), or any Method):
     `step(images)` returns the logits of the forward pass that also computed the loss (the
-    prediction is made before the update). `norm` says which statistics the BatchNorms
+    prediction is made before the update; with `steps` > 1, before the batch's last update). `norm` says which statistics the BatchNorms
     normalise with (norms.py); `class_moments`, {BatchNorm name: (means, variances) [C,
     channels]} of the source classes (an artifact's `norm_moments`), is for `class-balanced`."""
 
@@ -278,15 +278,14 @@ class Adapter:
             if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
                 images = images.clone()
             for _ in range(self.steps):
+                # the last step's pass is reported, after the batch's earlier steps, as TENT's,
+                # EATA's, SAR's and CoTTA's code return it
                 if self.method.owns_update:  # SAR, CoTTA...: its own forward passes and steps (base.py)
                     logits, features, skipped = self.method.update(self, images, skipped)
-                    if prediction is None:
-                        prediction, reported = logits.detach().float(), features.detach().float()
-                    continue
-                logits, features, loss = self._forward_and_loss(images)
-                if prediction is None:
-                    prediction, reported = logits.detach().float(), features.detach().float()
-                skipped = self._apply(loss, skipped, leave_out=self.method.leave_out)
+                else:
+                    logits, features, loss = self._forward_and_loss(images)
+                    skipped = self._apply(loss, skipped, leave_out=self.method.leave_out)
+                prediction, reported = logits.detach().float(), features.detach().float()
         return prediction, reported
 
     def _forward_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
