@@ -27,6 +27,9 @@ def test_keys_are_the_long_options_even_where_the_parameter_is_named_otherwise(t
     (tmp_path / "cafa.toml").write_text('[adapt]\nfmt = "jsonl"\n')  # the Python name is not an option
     with pytest.raises(UsageError, match="has no option 'fmt'"):
         read_defaults(tmp_path, _command_options())
+    (tmp_path / "cafa.toml").write_text('[adapt]\nbach-size = 8\n')  # a typo is answered as on the command line
+    with pytest.raises(UsageError, match=r"\[adapt\] has no option 'bach-size' \(did you mean batch-size\?\)$"):
+        read_defaults(tmp_path, _command_options())
     (tmp_path / "cafa.toml").write_text('[adapt]\nbatch-size = 8\nbatch_size = 16\n')
     with pytest.raises(UsageError, match="sets 'batch_size' twice"):
         read_defaults(tmp_path, _command_options())
@@ -118,7 +121,7 @@ def test_the_real_entry_point_reports_a_bad_config_in_one_line(tmp_path):
     (tmp_path / "cafa.toml").write_text("[adapt]\nspeed = 3\n")
     done = subprocess.run([sys.executable, "-m", "cafa_cli", "adapt", "--data", "x"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed'"
+    assert done.stderr.strip() == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed' (did you mean seed?)"
 
 
 def test_a_value_of_the_wrong_type_in_the_file_names_the_file_not_the_help(tmp_path):

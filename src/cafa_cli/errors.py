@@ -4,6 +4,7 @@ Messages are one line that names the problem and the fix; the CLI prints them
 without a traceback.
 """
 
+import difflib
 import unicodedata
 from collections import Counter
 
@@ -43,6 +44,21 @@ def listing(items, limit: int = 5) -> str:
     items = [str(item) for item in items]
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _close_names(name: str, names: list[str]) -> list[str]:
+    """Names a mistyped one may mean: those that contain it, or spell it nearly alike,
+    ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
+    plain = {n.replace("_", ""): n for n in names}
+    wanted = name.lower().replace("-", "").replace("_", "")
+    containing = [n for key, n in plain.items() if wanted in key]
+    return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
+
+
+def did_you_mean(name: str, names: list[str]) -> str:
+    """' (did you mean resnet50?)' for a mistyped name among `names`, else ''."""
+    close = _close_names(name, names)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def repeated(items, key=lambda item: item) -> list:

@@ -13,7 +13,6 @@ another size) is what happens here too.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -26,7 +25,7 @@ from torch import nn
 
 from cafa_cli.checkpoints import read_state_dict, sha256_of
 from cafa_cli.data.values import INTERPOLATIONS
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.zoo import robustbench
 
 # what a weights *file* is called; anything else without a folder in it may be a name
@@ -56,20 +55,6 @@ def is_weights_name(weights: str) -> bool:
     """`--weights IMAGENET1K_V2`, not a file: no such file, no folder in it, no file suffix."""
     return (not Path(weights).exists() and "/" not in weights and os.sep not in weights
             and not weights.lower().endswith(WEIGHT_FILE_SUFFIXES))
-
-
-def _close_names(name: str, names: list[str]) -> list[str]:
-    """Names a mistyped one may mean: those that contain it, or spell it nearly alike,
-    ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
-    plain = {n.replace("_", ""): n for n in names}
-    wanted = name.lower().replace("-", "").replace("_", "")
-    containing = [n for key, n in plain.items() if wanted in key]
-    return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
-
-
-def did_you_mean(name: str, names: list[str]) -> str:
-    close = _close_names(name, names)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 # --- torchvision --------------------------------------------------------------

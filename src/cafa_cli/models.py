@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from cafa_cli import hub
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import InputError, UsageError, did_you_mean
 from cafa_cli.factories import import_factory, is_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
@@ -54,7 +54,7 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
         return _from_factory(model, kwargs)
     if library is None and model not in hub.torchvision_names():
         raise UsageError(
-            f"`model` {model}: unknown architecture{hub.did_you_mean(model, hub.torchvision_names())}; give a torchvision classification model, "
+            f"`model` {model}: unknown architecture{did_you_mean(model, hub.torchvision_names())}; give a torchvision classification model, "
             f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, robustbench:DATASET/NAME, or a factory 'file.py:function'"
         )
     return hub.build_torchvision(name, kwargs, weights)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, did_you_mean
 from cafa_cli.factories import is_factory
 
 
@@ -61,7 +61,7 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
         for key, value in values.items():
             name = options.keys.get(key.replace("_", "-"))  # batch_size as well as batch-size
             if name is None:
-                raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}")
+                raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}{did_you_mean(key, list(options.keys))}")
             if name in options.command_line_only:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
                                  f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line")

@@ -98,7 +98,7 @@ class InputOptions:
                                        metavar="PATH", panel=DATA)
     labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA)
     severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout), or of "
-                                   "imagenet-c:ROOT / cifar10-c:ROOT / cifar100-c:ROOT (default 5 there).",
+                                   "imagenet-c:ROOT / fashion-mnist-c:ROOT / cifar10-c:ROOT / cifar100-c:ROOT (default 5 there).",
                                    metavar="N", panel=DATA)
     resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
                                  "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA)
