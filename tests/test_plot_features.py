@@ -200,3 +200,17 @@ def test_without_a_domain_the_error_names_the_whole_command(setup):
     result = invoke("plot", "features", *model_of(setup))
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip() == "cafa: error: give the test domains: cafa plot features DOMAIN... (or --data DOMAIN, repeated)"
+
+
+def test_a_panel_without_its_artifact_is_refused_before_any_panel_runs(setup, domain, tmp_path, monkeypatch):
+    """source and tent would run first (minutes on real data) and cafa then fail: the error
+    comes first, and names the panel that needs the artifact."""
+    monkeypatch.chdir(tmp_path)  # no cafa-stats.safetensors here
+    model = ["--model", TINY_NET, "--weights", setup["weights"]]
+    result = invoke("plot", "features", domain, *model, *SMALL[:-1], "-o", "f.png")
+    assert result.exit_code == 3 and result.stdout == "" and not (tmp_path / "f.png").exists()
+    assert result.stderr.strip().splitlines() == [  # no recipe line: no panel ran
+        "cafa: error: cafa-stats.safetensors: no such artifact; create one with cafa stats, or give the path of one with "
+        "--stats (--method cafa needs its class statistics)"]
+    result = invoke("plot", "features", domain, *SMALL, "-o", "f.png")  # no model either: still what cafa needs
+    assert result.exit_code == 3 and "(--method cafa needs its class statistics)" in result.stderr

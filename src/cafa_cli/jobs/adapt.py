@@ -48,13 +48,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     artifact = None
     stats_path = DEFAULT_ARTIFACT if stats is None else stats
     needed = needs_artifact(config)
-    if model.model is None and stats is None and not needed and not Path(stats_path).exists():
-        standard = standard_model(config.data)
-        hint = f" (the standard model of {standard[0]}: `model` {standard[1]})" if standard else ""
-        raise UsageError(f"give the model with `model` (and `weights`){hint}: `method` {method} needs no statistics, "
-                         f"and there is no {stats_path} to name it")
-    if stats is None and needed and not Path(stats_path).exists() and not Path(stats_path).is_symlink():
-        raise InputError(missing_default_artifact(config))
+    check_model_and_artifact_named(config)
     if stats is not None or needed or model.model is None:
         # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods
         # that use them, and for a plug-in whenever an artifact is read; the class moments come with any read
@@ -89,6 +83,20 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
             if mismatch:
                 raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass `allow_weights_mismatch`")
     return net, artifact, spec
+
+
+def check_model_and_artifact_named(config: AdaptConfig) -> None:
+    """Refuse a run that names no model (no `model`, and no artifact to name it) or that needs
+    an artifact where none is given or here; before anything is read."""
+    stats_path = DEFAULT_ARTIFACT if config.stats is None else config.stats
+    needed = needs_artifact(config)
+    if config.model is None and config.stats is None and not needed and not Path(stats_path).exists():
+        standard = standard_model(config.data)
+        hint = f" (the standard model of {standard[0]}: `model` {standard[1]})" if standard else ""
+        raise UsageError(f"give the model with `model` (and `weights`){hint}: `method` {config.method} needs no statistics, "
+                         f"and there is no {stats_path} to name it")
+    if config.stats is None and needed and not Path(stats_path).exists() and not Path(stats_path).is_symlink():
+        raise InputError(missing_default_artifact(config))
 
 
 def needs_artifact(config: AdaptConfig) -> bool:

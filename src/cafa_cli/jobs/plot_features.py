@@ -26,7 +26,7 @@ from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
 from cafa_cli.errors import InputError
 from cafa_cli.jobs import feature_figure
-from cafa_cli.jobs.adapt import Adaptation, prepare_adaptation, _short_name as short_name
+from cafa_cli.jobs.adapt import Adaptation, check_model_and_artifact_named, needs_artifact, prepare_adaptation, _short_name as short_name
 from cafa_cli.jobs.bench import row_method_options, shared
 from cafa_cli.jobs.config import AdaptConfig, FeaturesPlotConfig
 from cafa_cli.jobs.monitor import Monitor
@@ -55,6 +55,10 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
     check_outputs(config.outputs(), config.inputs())
     plotting = feature_figure.libraries()  # a missing extra is said before any work
     panels, class_names, gaussians = [], None, None
+    # a panel's missing artifact is said before the earlier panels run, and the panels that
+    # need one first, so that the error names what needs it
+    for panel_config in sorted((method_config(config, m) for m in config.method_list()), key=lambda c: not needs_artifact(c)):
+        check_model_and_artifact_named(panel_config)
     for method in config.method_list():
         job = sampled(prepare_adaptation(method_config(config, method), monitor), config.max_images, config.seed)
         for caution in job.cautions():
