@@ -94,6 +94,19 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
     assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.3, "fisher_alpha": 2000.0}
 
 
+def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa: F811
+    """A typed value is not the published one: the line says whose it is. SGD's momentum is shown
+    where the user's SGD replaced the recipe's Adam, since the recipe says nothing of it."""
+    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
+                                 "--method", "eata", "--recipe", "cifar10-c", "--optimizer", "sgd", "--lr", "0.001",
+                                 "--method-option", "redundancy_margin=0.3"])
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
+    assert line == ("recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
+                    "batch_size 200, params norm; entropy_margin 0.4, redundancy_margin 0.3 (yours; the recipe's 0.4), "
+                    "fisher_alpha 1.0")  # lr typed as published: no mark
+
+
 def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # noqa: F811
     (tmp_path / "cafa.toml").write_text('[adapt]\nrecipe = "imagenet-c"\nlr = 0.02\n')
     defaults = read_defaults(tmp_path, command_options())

@@ -67,15 +67,25 @@ def size_note(where: str, images: torch.Tensor, statistics: tuple[int, int] | No
 
 def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
     """'recipe cifar10-c for eata: optimizer adam, lr 0.001, ...; redundancy_margin 0.4, ...':
-    the settings the run took, as resolved (the user's choices included); those of the
-    optimiser only for a method that `trains`."""
+    the settings the run took, as resolved; those of the optimiser only for a method that
+    `trains`. A value the user chose over the recipe's says so, so that it is not read as
+    published: 'lr 0.01 (yours; the recipe's 0.001)'."""
     recipe, options = recorded["recipe"], recorded["method_options"]
+    published, published_options = recipe.get("settings", {}), recipe.get("options", {})
     keys = ("optimizer", "lr", "momentum", "batch_size", "params") if trains else ("batch_size",)
-    values = ", ".join(f"{key} {recorded[key]}" for key in keys
-                       if recipe.get("origin") is None or key in recipe.get("settings", {}))
-    chosen = "; ".join(filter(None, [values, ", ".join(f"{key} {shown(value)}" for key, value in options.items())]))
+    # momentum is SGD's: shown where the recipe sets it, or where the user's SGD takes the default
+    values = ", ".join(_setting(key, recorded[key], published) for key in keys
+                       if recipe.get("origin") is None or key in published
+                       or (key == "momentum" and recorded["optimizer"] != published.get("optimizer", recorded["optimizer"])))
+    chosen = "; ".join(filter(None, [values, ", ".join(_setting(key, value, published_options, shown)
+                                                       for key, value in options.items())]))
     if recipe.get("origin") is None:
         why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"
         return f"no recipe for {method} ({why}): {chosen}"
     name = recipe["name"] or recipe["origin"]
     return f"recipe {name} for {method}: {chosen}"
+
+
+def _setting(key: str, value, published: dict, text=str) -> str:
+    said = f"{key} {text(value)}"
+    return said if published.get(key, value) == value else f"{said} (yours; the recipe's {text(published[key])})"
