@@ -55,12 +55,13 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
     check_outputs(config.outputs(), config.inputs())
     plotting = feature_figure.libraries()  # a missing extra is said before any work
     panels, class_names, gaussians = [], None, None
+    panel_configs = {method: method_config(config, method) for method in config.method_list()}
     # a panel's missing artifact is said before the earlier panels run, and the panels that
     # need one first, so that the error names what needs it
-    for panel_config in sorted((method_config(config, m) for m in config.method_list()), key=lambda c: not needs_artifact(c)):
+    for panel_config in sorted(panel_configs.values(), key=lambda c: not needs_artifact(c)):
         check_model_and_artifact_named(panel_config)
-    for method in config.method_list():
-        job = sampled(prepare_adaptation(method_config(config, method), monitor), config.max_images, config.seed)
+    for method, panel_config in panel_configs.items():
+        job = sampled(prepare_adaptation(panel_config, monitor), config.max_images, config.seed)
         for caution in job.cautions():
             monitor.warn(caution)
         monitor.info(recipe_line(method, job.recorded_settings, job.adapter.method.trains))
