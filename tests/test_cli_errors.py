@@ -740,7 +740,7 @@ def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setu
     assert done.stdout.isascii() and {row["label"] for row in rows(done)} == escaped
     shown = _entry_point("inspect", artifact, env=ascii_only)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.isascii() and all(f"| {name} " in shown.stdout for name in escaped)  # the per-class table
+    assert shown.stdout.isascii() and {line.split()[0] for line in shown.stdout.splitlines()[-3:]} == escaped  # the per-class table
 
 
 def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_path):

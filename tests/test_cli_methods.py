@@ -1,21 +1,34 @@
 """The methods of issue 20 through the command line: eata's source images (--fisher-data)
 and its fallback to eta, plug-in methods (--method file.py:factory) and their trust rule,
-and `cafa bench --methods all`."""
+`cafa bench --methods all`, and the forms of `cafa methods`' table."""
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
+import os
+import pty
 import re
+import struct
+import subprocess
+import sys
+import termios
 from pathlib import Path
 
 import pytest
 from helpers import fails, rows
+from rich.cells import cell_len
+from rich.console import Console
 from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
 
 from cafa_cli.cli.app import app
-from cafa_cli.jobs.rows import VARIANTS, parse_methods
-from cafa_cli.method.methods import NAMES
-from conftest import PLAIN, TINY_NET
+from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
+from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
+from cafa_cli.method.methods import REGISTRY
+
+NAMES = tuple(REGISTRY)
+from conftest import PLAIN, TINY_NET, invoke
 
 DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 
@@ -155,3 +168,68 @@ def test_bench_methods_all_is_every_method_and_variant():
     assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata", "cotta", "rotta"} <= set(labels)
     mixed = [row.label for row in parse_methods("tent@0.01,all")]
     assert mixed[0] == "tent@0.01" and "tent" not in mixed and len(mixed) == len(labels)
+
+
+# --- cafa methods: a table for a terminal, markdown for a pipe, JSON on request -------
+
+
+def on_a_terminal(*args: str, columns: int) -> str:
+    """`cafa ARGS` with stdin and stdout on a pseudo-terminal `columns` wide (rich reads the
+    width off the first standard stream that is a terminal), its output without colours."""
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
+    with subprocess.Popen([sys.executable, "-m", "cafa_cli", *args], stdin=terminal, stdout=terminal, env=env) as process:
+        os.close(terminal)
+        written = b""
+        try:
+            while chunk := os.read(master, 1 << 16):
+                written += chunk
+        except OSError:  # EIO: the command closed its side
+            pass
+        os.close(master)
+    assert process.returncode == 0
+    return re.sub(r"\x1b\[[0-9;]*m", "", written.decode()).replace("\r\n", "\n")
+
+
+def test_methods_on_a_terminal_is_a_table_that_fits_it():
+    shown = on_a_terminal("methods", columns=72)
+    lines = shown.splitlines()
+    assert "| method |" not in shown and "|---|" not in shown  # drawn, not markdown
+    assert max(map(cell_len, lines)) <= 72
+    assert [line.split()[0] for line in lines if line.split() and line.split()[0] in NAMES] == list(NAMES)
+
+
+@pytest.mark.parametrize("width", [40, 72, 100, 160])
+def test_the_terminal_table_wraps_inside_its_cells_to_the_width(width):
+    out = io.StringIO()
+    Console(file=out, width=width).print(terminal_table(methods_table(), width))
+    lines = out.getvalue().splitlines()
+    assert max(map(cell_len, lines)) <= width
+    assert [line.split()[0] for line in lines if line.split() and line.split()[0] in NAMES] == list(NAMES)  # names whole
+    assert {"yes", "no", "1.00", "paper", "adapts", "artifact", "TENT"} <= set(re.findall(r"[\w.]+", out.getvalue()))
+
+
+def test_methods_into_a_pipe_is_todays_markdown_and_format_chooses(monkeypatch):
+    piped = invoke("methods")  # the runner's stdout is no terminal
+    assert piped.exit_code == 0, piped.stderr
+    assert piped.stdout == markdown(methods_table()) + "\n"
+    assert piped.stdout.startswith("| method | summary | paper | adapts | artifact | step ÷ TENT (CPU) |\n|---|")
+    assert invoke("methods", "--format", "markdown").stdout == piped.stdout
+    monkeypatch.setenv("COLUMNS", "64")  # the width rich takes where stdout is no terminal
+    table = invoke("methods", "--format", "table")
+    assert table.exit_code == 0, table.stderr
+    assert "| method |" not in table.stdout and max(map(cell_len, table.stdout.splitlines())) <= 64
+
+
+def test_methods_format_json_is_json():
+    as_json, format_json = invoke("methods", "--json"), invoke("methods", "--format", "json")
+    assert as_json.exit_code == format_json.exit_code == 0, as_json.stderr + format_json.stderr
+    assert format_json.stdout == as_json.stdout
+    assert json.loads(as_json.stdout) == methods_table()
+    fails(invoke("methods", "--json", "--format", "markdown"), 2, "--json is --format json")
+
+
+def test_methods_usage_shows_its_optional_method_once_bracketed():
+    usage = invoke("methods", "--help").stdout.splitlines()[0]
+    assert usage.endswith("methods [OPTIONS] [METHOD]"), usage

@@ -253,18 +253,33 @@ def artifact_path(setup):
     return out
 
 
-def test_inspect_text(artifact_path, setup):
+def test_inspect_text(artifact_path, setup, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")  # narrower than a sha256 line: rich would wrap it there
     result = invoke("inspect", artifact_path)
     assert result.exit_code == 0, result.stderr
     text = result.stdout
     for needle in ["covariance", "full", "feature dim 6", "36 images", "fixed", "0.1000", "head.3", str(setup[1])]:
         assert needle in text, needle
-    sha = hashlib.sha256(setup[2].read_bytes()).hexdigest()
-    assert sha[:16] in text
-    rows = [line for line in text.splitlines() if line.strip(" │").startswith(("a ", "b ", "c "))]
-    assert len(rows) == 3 and all(f"{PER_CLASS}" in row for row in rows)
+    assert not {"{", "}", '"'} & set(text), "no JSON: the preprocessing and sampling in words"
+    lines = text.splitlines()
+    assert all(line == line.strip() or line.startswith("  ") for line in lines), "headings, then indented lines under them"
+    assert {"artifact", "model", "training images", "gaussians", "sha256", "per class"} <= {line for line in lines if line and line == line.strip()}
+    weights = hashlib.sha256(setup[2].read_bytes()).hexdigest()
     sample = read_artifact(artifact_path, load_tensors=False).sampling["images_sha256"]
-    assert sample in "".join(text.split()), "a long value wraps, never cut to '…' (the output is 80 columns off a terminal)"
+    for sha in (weights, sample):  # each whole on its line, never broken or cut to '…'
+        assert any(line.split()[-1:] == [sha] for line in lines), sha
+    classes = lines[lines.index("per class") + 1:]
+    assert [line.split() for line in classes] == [["class", "images", "λ"]] + [[name, str(PER_CLASS), "0.1000"] for name in CLASSES]
+
+
+def test_inspect_text_sums_many_classes_up(artifact_path):
+    from cafa_cli.jobs.inspect import describe, render
+
+    summary = describe(read_artifact(artifact_path))
+    summary["classes"] = [{"name": f"class{i}", "count": 10 + i, "shrinkage": i / 100} for i in range(20)]
+    text = render(summary).plain
+    assert "class7" not in text
+    assert "  images        min 10, median 20, max 29" in text and "  λ             min 0.0000, median 0.1000, max 0.1900" in text
 
 
 def test_inspect_json(artifact_path, setup):
@@ -327,7 +342,7 @@ def test_stats_on_unlabelled_images_names_the_missing_labels(tmp_path, tiny_weig
 
 def test_training_data_is_recorded_by_absolute_path_even_behind_a_set_name(tmp_path, monkeypatch):
     """Two CIFAR copies under the same relative path are two training sets to bench's re-use check."""
-    from cafa_cli.jobs.inputs import recorded_data
+    from cafa_cli.jobs.shared.inputs import recorded_data
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -19,8 +19,9 @@ from cafa_cli.cli.streams import stderr, stdout_needed
 from cafa_cli.cli.completion import complete_method, complete_recipe
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
+from cafa_cli.jobs.config.settings import OUTPUT
 
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel="Output")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel=OUTPUT)]
 Domains = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
                                                         help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.")]
 OneDomain = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
@@ -29,7 +30,7 @@ OneDomain = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show
 
 def keep_defaults_file(outputs: dict[str, str | None]) -> None:
     """The file the defaults came from is an input the jobs never see: no output may replace it."""
-    from cafa_cli.jobs.outputs import check_outputs
+    from cafa_cli.jobs.shared.outputs import check_outputs
 
     config_file = defaults_file(Path.cwd())
     check_outputs(outputs, {"config": str(config_file) if config_file else None})
@@ -38,8 +39,8 @@ def keep_defaults_file(outputs: dict[str, str | None]) -> None:
 @with_settings(StatsConfig)
 def stats(ctx: typer.Context, quiet: Quiet = False, **settings):
     """Compute per-class feature Gaussians of a training set into a safetensors artifact."""
-    from cafa_cli.jobs.distributed import torchrun_rank
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.distributed import torchrun_rank
+    from cafa_cli.jobs.shared.monitor import Monitor
     from cafa_cli.jobs.stats import compute_statistics
 
     config = StatsConfig(**settings)
@@ -61,9 +62,9 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     """Adapt a model online over test domains; print one prediction per image (CSV or JSONL)
     on stdout and a summary on stderr."""
     from cafa_cli.jobs import adapt as adapt_job
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
     from cafa_cli.data.benchmarks import source_of
-    from cafa_cli.jobs.report import summary_table
+    from cafa_cli.jobs.shared.report import summary_table
 
     config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
                             "given": chosen_settings(ctx, settings)})
@@ -89,35 +90,48 @@ def inspect(
     from rich.console import Console
 
     from cafa_cli.artifact import read_artifact
-    from cafa_cli.jobs.describe import describe, render
-    from cafa_cli.jobs.report import to_json
+    from cafa_cli.jobs.inspect import describe, render
+    from cafa_cli.jobs.shared.report import to_json
 
     summary = describe(read_artifact(artifact))
     if as_json:
         print(to_json(summary, indent=2))
     else:
-        Console(highlight=False).print(render(summary))
+        Console(highlight=False).print(render(summary), soft_wrap=True)  # a long value is never broken
 
 
 def methods(
-    name: Annotated[Optional[str], typer.Argument(metavar="[METHOD]", show_default=False, autocompletion=complete_method,
+    name: Annotated[Optional[str], typer.Argument(metavar="METHOD", show_default=False, autocompletion=complete_method,
                                                   help="A method: print its options and a recipe as TOML.")] = None,
     recipe: Annotated[str, typer.Option("--recipe", metavar="NAME|FILE", autocompletion=complete_recipe,
                                         help="With METHOD: the recipe to print, imagenet-c, cifar10-c, cifar100-c, a "
                                              ".toml file, or none (the settings' own defaults).")] = "none",
-    as_json: Annotated[bool, typer.Option("--json", help="Without METHOD: the table as JSON.")] = False,
+    output: Annotated[Optional[Literal["table", "markdown", "json"]], typer.Option(
+        "--format", show_default=False, help="Without METHOD: the table drawn to fit the terminal, markdown, or JSON "
+                                             "(default: table on a terminal, markdown into a file or pipe).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Without METHOD: the table as JSON (--format json).")] = False,
 ):
     """List the methods (what each does, its paper, what it adapts, whether it needs an
     artifact, its step cost); with METHOD, its options and a recipe as TOML for --recipe."""
-    from cafa_cli.jobs.methods import markdown, method_recipe, methods_table
-    from cafa_cli.jobs.report import to_json
+    from rich.console import Console
+
+    from cafa_cli.errors import UsageError
+    from cafa_cli.jobs.methods import markdown, method_recipe, methods_table, terminal_table
+    from cafa_cli.jobs.shared.report import to_json
 
     stdout_needed()
-    if name is None:
-        rows = methods_table()
-        print(to_json(rows, indent=2) if as_json else markdown(rows))
-    else:
+    if as_json and output not in (None, "json"):
+        raise UsageError(f"--json is --format json; give one of --json and --format {output}")
+    if name is not None:
         print(method_recipe(name, recipe), end="")
+        return
+    rows = methods_table()
+    output = "json" if as_json else output or ("table" if sys.stdout.isatty() else "markdown")
+    if output == "table":
+        console = Console(highlight=False)
+        console.print(terminal_table(rows, console.width))
+    else:
+        print(to_json(rows, indent=2) if output == "json" else markdown(rows))
 
 
 @with_settings(DemoConfig)
@@ -125,7 +139,7 @@ def demo(quiet: Quiet = False, **settings):
     """Build Fashion-MNIST-C from the Debian package, then run stats and adapt (Source, BN,
     TENT, CAFA) and print a table."""
     from cafa_cli.jobs.demo import build_data_only, run_demo
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     config = DemoConfig(**settings)
     stdout_needed()
@@ -142,7 +156,7 @@ def demo(quiet: Quiet = False, **settings):
 def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **settings):
     """Methods × domains × seeds → a paper-style table of errors (%), markdown on stdout."""
     from cafa_cli.jobs import bench as bench_job
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
                             "given": chosen_settings(ctx, settings)})
@@ -159,9 +173,9 @@ def plot_features(ctx: typer.Context, domains: OneDomain = None, quiet: Quiet = 
     """Embed one domain's features in 2-D (t-SNE) before and after adaptation, one panel a
     method, with the artifact's class means; each panel's error and feature scatter on stderr
     (--json: stdout)."""
-    from cafa_cli.jobs import plot_features as plot_job
-    from cafa_cli.jobs.monitor import Monitor
-    from cafa_cli.jobs.report import to_json
+    from cafa_cli.jobs.plot import features as plot_job
+    from cafa_cli.jobs.shared.monitor import Monitor
+    from cafa_cli.jobs.shared.report import to_json
 
     config = FeaturesPlotConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
                                    "given": chosen_settings(ctx, settings)})

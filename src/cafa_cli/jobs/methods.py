@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from cafa_cli.errors import UsageError
+from rich.table import Column, Table
+from rich.text import Text
+
+from cafa_cli.errors import UsageError, printable
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, method_class
+from cafa_cli.method.methods import REGISTRY, method_class
 from cafa_cli.method.options import resolve_options, shown
 from cafa_cli.recipes import FAMILIES, SETTINGS, description, recipe_for, shipped, to_toml
 
 COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "step ÷ TENT (CPU)")
+_STACKED_BELOW = 72  # terminal columns; narrower, each method's facts stack in one cell
 TRAINING_SETTINGS = ("optimizer", "lr", "momentum", "steps", "params")  # meaningless for a method that does not train
 
 
@@ -19,34 +23,55 @@ def methods_table() -> list[dict]:
     """One row per built-in method: the [method] table of its recipe file, and whether it
     needs an artifact (cafa stats)."""
     rows = []
-    for name in NAMES:
+    for name in REGISTRY:
         about = description(name)
         cost = about["cost"]
         rows.append({"method": name, "summary": about["summary"], "paper": about["paper"], "adapts": about["adapts"],
-                     "artifact": name in NEEDS_STATISTICS, "step ÷ TENT (CPU)": None if cost is None else float(cost)})
+                     "artifact": REGISTRY[name].needs_statistics, "step ÷ TENT (CPU)": None if cost is None else float(cost)})
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    """The table as markdown, one method a line."""
-    def cell(value) -> str:
-        if isinstance(value, bool):
-            return "yes" if value else "no"
-        if isinstance(value, float):
-            return f"{value:.2f}"
-        return "—" if value is None else str(value).replace("|", "\\|")
+def cell(value) -> str:
+    """A value as both tables show it: yes/no, two decimals, — for none."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "—" if value is None else str(value)
 
+
+def markdown(rows: list[dict]) -> str:
+    """The table as markdown, one method a line: for a file, a pipe or a document."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(row[column]) for column in COLUMNS) + " |" for row in rows]
+    lines += ["| " + " | ".join(cell(row[column]).replace("|", "\\|") for column in COLUMNS) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def terminal_table(rows: list[dict], width: int) -> Table:
+    """The table for a terminal `width` columns wide: each cell wraps inside its column, where
+    a markdown line of ~300 characters wraps across the whole screen. Below 72 columns six
+    columns would leave a few letters a line: each method's facts stack in one cell."""
+    if width < _STACKED_BELOW:
+        table = Table(Column("method", no_wrap=True), "about", show_lines=True, show_edge=False)
+        for row in rows:
+            about = [cell(row["summary"]), f"paper: {cell(row['paper'])}", f"adapts: {cell(row['adapts'])}",
+                     f"artifact: {cell(row['artifact'])}; {COLUMNS[-1]}: {cell(row[COLUMNS[-1]])}"]
+            table.add_row(Text(printable(row["method"])), Text("\n".join(map(printable, about)), overflow="fold"))
+        return table
+    table = Table(Column("method", no_wrap=True), "summary", "paper", Column("adapts", max_width=24), "artifact",
+                  Column("step ÷ TENT", justify="right", max_width=6), show_lines=True, show_edge=False,
+                  caption="step ÷ TENT: the time of one step over TENT's, on the CPU", caption_justify="left")
+    for row in rows:
+        table.add_row(*(Text(printable(cell(row[column])), overflow="fold") for column in COLUMNS))
+    return table
 
 
 def method_recipe(name: str, recipe: str = "none") -> str:
     """`name`'s options and the setting `recipe` gives it (a family, a file, or none: the
     settings' own defaults), as TOML that `--recipe FILE` reads back: the method described
     in comments, each option's help after its value."""
-    if name not in NAMES:
-        raise UsageError(f"no method {name!r}; the methods: {', '.join(NAMES)}")
+    if name not in REGISTRY:
+        raise UsageError(f"no method {name!r}; the methods: {', '.join(REGISTRY)}")
     if recipe == "auto":
         raise UsageError("`recipe` auto chooses a family from the test data and the model; name one: "
                          f"{', '.join(FAMILIES)} (or none, or a .toml file)")
@@ -56,12 +81,12 @@ def method_recipe(name: str, recipe: str = "none") -> str:
     method = method_class(name)
     defaults = {f.name: f.default for f in fields(AdaptConfig) if f.name in SETTINGS}
     relevant = [key for key in SETTINGS if (method.trains or key not in TRAINING_SETTINGS)
-                and (key != "fisher_samples" or name == "eata")]
+                and (key != "fisher_samples" or REGISTRY[name].without_source_images)]
     settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
     options = resolve_options(name, method.options, chosen.options if chosen else {})
     about = description(name)
     header = [f"# {name}: {about['summary']}", f"# paper: {about['paper']}", f"# adapts: {about['adapts']}",
-              f"# needs an artifact (cafa stats): {'yes' if name in NEEDS_STATISTICS else 'no'}",
+              f"# needs an artifact (cafa stats): {'yes' if REGISTRY[name].needs_statistics else 'no'}",
               f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
               "# each option: its value here, then what it does and accepts (default)"]
     comments = {option.name: f"{option.help}; {option.accepts()} (default {shown(option.default)})"
