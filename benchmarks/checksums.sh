@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Checksums of every prediction a refactor must leave byte-identical: the demo's table,
-# `cafa adapt` predictions for every method and a few stream settings, and a bench table.
+# Checksums of every prediction and error a refactor must leave byte-identical: the demo's
+# table, `cafa adapt` predictions and metrics (without times and paths' dates) for every
+# built-in method and a few stream settings, and a bench table.
 # Usage: benchmarks/checksums.sh WORKDIR  (re-uses WORKDIR/cafa-demo's data when there)
-# Ends by comparing with benchmarks/checksums.expected: the sums of bc0928b (before the
-# redesign) on the 2-core dev VM, torch 2.14.1 CPU; another CPU or torch may differ.
+# Ends by comparing with benchmarks/checksums.expected: the sums of 7e563d8 on the 2-core
+# dev VM, torch 2.14.1 CPU, in WORKDIR /tmp/ck (the metrics record absolute paths, so use
+# the same WORKDIR); another CPU or torch may differ. About 6 minutes on 2 cores.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
@@ -13,13 +15,31 @@ demo=cafa-demo/fashion-mnist-c-300
 domains=("$demo"/*/3)
 data=(); for d in "${domains[@]}"; do data+=(--data "$d"); done
 stats=cafa-demo/stats-auto.safetensors
-for m in source bn pl tent cafa global-fa intra euclidean; do
-  cafa adapt -q --stats "$stats" --method "$m" "${data[@]}" > "adapt-$m.csv"
+# the metrics JSON without what changes from run to run (times, the artifact's creation time)
+steady() {
+  python3 -c 'import json, sys
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if k not in ("seconds", "images_per_second", "stats_created")}
+    return [strip(v) for v in x] if isinstance(x, list) else x
+print(json.dumps(strip(json.load(open(sys.argv[1]))), indent=1, sort_keys=True))' "$1" > "$1.steady"
+  rm "$1"
+}
+for m in source bn pl tent cafa global-fa intra euclidean eta cafa-eata sar t3a lame cotta rotta cafa-robust; do
+  cafa adapt -q --stats "$stats" --method "$m" "${data[@]}" --metrics-json "metrics-$m.json" > "adapt-$m.csv"
+  steady "metrics-$m.json"
+done
+cafa adapt -q --stats "$stats" --method eata --fisher-data cafa-demo/train-300 --fisher-samples 400 "${data[@]}" \
+  --metrics-json metrics-eata.json > adapt-eata.csv
+steady metrics-eata.json
+for m in lame rotta cafa-robust tent; do
+  cafa adapt -q --stats "$stats" --method "$m" --order dirichlet:0.1 --batch-size 64 "${data[@]}" > "adapt-$m-dirichlet.csv"
 done
 cafa adapt -q --stats "$stats" --reset never --optimizer sgd --lr 0.01 "${data[@]}" > adapt-cafa-never-sgd.csv
 cafa adapt -q --stats "$stats" --reset episodic --norm prior:16 --batch-size 50 "${data[@]}" > adapt-cafa-episodic-prior.csv
 cafa adapt -q --stats "$stats" --method tent --params all --steps 2 --format jsonl "${data[@]}" > adapt-tent-all.jsonl
+cafa adapt -q --stats "$stats" --method cafa --oracle --norm ema:0.05 "${data[@]}" > adapt-cafa-oracle-ema.csv
 cafa bench -q "${domains[@]}" --methods source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag,cafa-dense,cafa-lowrank,cafa-full \
   --workdir bench --per-class 300 --csv bench.csv > bench-table.md
-sha256sum demo-table.md adapt-*.csv adapt-*.jsonl bench.csv bench-table.md
+sha256sum demo-table.md adapt-*.csv adapt-*.jsonl metrics-*.steady bench.csv bench-table.md
 sha256sum --check "$expected"

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians, synthetic_norm_moments, whole_cycles  # noqa: E402
 
 from cafa_cli.method.adapter import Adapter  # noqa: E402
-from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, create  # noqa: E402
+from cafa_cli.method.methods import REGISTRY, create  # noqa: E402
 from cafa_cli.models import resolve  # noqa: E402
 
 NORMS = ("batch", "prior:4", "source", "ema:0.05", "class-balanced")
@@ -81,7 +81,7 @@ def main() -> None:
     num_classes = None if args.model == "fmnist-resnet" else args.classes
     probe, _ = resolve(args.model, num_classes=num_classes)
     C, d = probe.num_classes, probe.feature_dim
-    methods = list(NAMES) if args.methods == "all" else args.methods.split(",")
+    methods = list(REGISTRY) if args.methods == "all" else args.methods.split(",")
     # TENT under `--norm batch` is counted whatever is asked: it is the ratios' denominator
     rows = [("tent", "batch")] + [(method, "batch") for method in methods if method != "tent"]
     rows += [(method, norm) for norm in args.norms.split(",") if norm and norm != "batch" for method in NORM_ROWS if method in methods]
@@ -89,7 +89,7 @@ def main() -> None:
     tent_ops = None
     for method, norm in rows:
         model, _ = resolve(args.model, num_classes=num_classes)
-        gaussians = synthetic_gaussians(C, d, "lowrank") if method in NEEDS_STATISTICS else None
+        gaussians = synthetic_gaussians(C, d, "lowrank") if REGISTRY[method].needs_statistics else None
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         counts = {}
         for optimiser in ("cpu", "fused"):

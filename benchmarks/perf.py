@@ -63,7 +63,7 @@ import torch
 
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import NAMES, NEEDS_STATISTICS, create
+from cafa_cli.method.methods import REGISTRY, create, entry_of
 from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.models import ModelSpec, resolve
@@ -425,13 +425,13 @@ def main() -> None:
                 "stats_over_forward": forward_s / stats_s, "forward_peak_bytes": forward_peak, "stats_peak_bytes": peak_bytes(device)}
 
     def statistics_for(method: str):
-        return synthetic_gaussians(C, d, args.statistics) if method in NEEDS_STATISTICS else None
+        return synthetic_gaussians(C, d, args.statistics) if entry_of(method).needs_statistics else None
 
     # every row by its name in the JSON, in the order a run in one process times them
     plan: list[tuple[str, object]] = [(m, lambda m=m: measure_step(m)) for m in ("source", "bn", "tent")]
     plan += [(f"tent+{v}", lambda v=v: measure_step("tent", variant=v, name=f"tent+{v}")) for v in variants]
     own_rows = ("source", "bn", "tent", "cafa")
-    others = {"all": [m for m in NAMES if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
+    others = {"all": [m for m in REGISTRY if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
     plan += [(m, lambda m=m: measure_beside_tent(m, statistics_for(m))) for m in others]
     plan += [(f"{m} --norm {norm}", lambda m=m, norm=norm: measure_beside_tent(m, statistics_for(m), norm))
              for norm in filter(None, args.norms.split(",")) for m in ("tent", "cafa")]

@@ -33,9 +33,9 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
 from cafa_cli.models import resolve
-from cafa_cli.jobs.inputs import ModelChoice, default_preprocessing
+from cafa_cli.jobs.shared.inputs import ModelChoice, default_preprocessing
 from cafa_cli.jobs.stats import compute_statistics
-from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import adapt_domains
 
 
 def rss_mib() -> float:

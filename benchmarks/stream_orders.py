@@ -44,7 +44,7 @@ def order_seconds(labels: np.ndarray, order: str, repeats: int = 5) -> tuple[flo
 def adapt_seconds(domain: str, stats: str, order: str) -> tuple[float, int]:
     from cafa_cli.jobs import adapt
     from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     config = AdaptConfig(data=[domain], stats=stats, order=order, device="cpu", predictions=os.devnull)
     start = time.perf_counter()

@@ -13,7 +13,9 @@ import torchvision
 import tiny_net
 from cafa_cli.method import losses
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import NAMES, create
+from cafa_cli.method.methods import REGISTRY, create
+
+NAMES = tuple(REGISTRY)
 from cafa_cli.method.methods.base import Method, select_parameters
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 from cafa_cli.errors import UsageError

@@ -13,14 +13,15 @@ import torch
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
-from cafa_cli.jobs.bench import Row, parse_methods, row_config
+from cafa_cli.jobs.bench.rows import Row, parse_methods
+from cafa_cli.jobs.bench.runs import row_config
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.jobs.tables import domain_label, domain_labels, markdown, summarise
+from cafa_cli.jobs.bench.tables import domain_label, domain_labels, markdown, summarise
 from cafa_cli.cli.app import app
 from cafa_cli.errors import UsageError
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
 from cafa_cli.checkpoints import sha256_of
-from cafa_cli.jobs.results import DomainResult
+from cafa_cli.jobs.shared.results import DomainResult
 from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
@@ -95,7 +96,7 @@ def one_error_line(result, code: int, needle: str) -> None:
 def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     domain = write_folder(tmp_path / "test", per_class=4)
     base = ["bench", str(domain), "--methods", "source", "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")]
-    for flag in ("--csv", "--json", "--plot"):
+    for flag in ("--csv", "--metrics-json", "--plot"):
         one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
     one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
     one_error_line(runner.invoke(app, [*base, f"{domain}/"]), 2, "is given twice")  # the same folder, written otherwise
@@ -119,7 +120,7 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     assert ok.stdout.startswith("| method | test | mean |")
     kept = tmp_path / "w" / "stats-auto.safetensors"
     kept.write_text("an artifact bench keeps")
-    one_error_line(runner.invoke(app, [*base, "--json", str(kept)]), 2, "is a file inside an input folder")
+    one_error_line(runner.invoke(app, [*base, "--metrics-json", str(kept)]), 2, "is a file inside an input folder")
     assert kept.read_text() == "an artifact bench keeps"
 
 
@@ -224,7 +225,7 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     domain = built.stdout.strip()
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
     result = runner.invoke(app, ["bench", domain, "--methods", "source,cafa-diag", "--seeds", "0,1", "--per-class", "20",
-                                 "--workdir", str(tmp_path / "art"), "--csv", str(out["csv"]), "--json", str(out["json"]), "--plot", str(out["png"])])
+                                 "--workdir", str(tmp_path / "art"), "--csv", str(out["csv"]), "--metrics-json", str(out["json"]), "--plot", str(out["png"])])
     assert result.exit_code == 0, result.stderr
     report = json.loads(out["json"].read_text())
     runs = {(r["method"], r["seed"]): r["error"] for r in report["runs"]}
@@ -249,7 +250,7 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
     assert built.exit_code == 0, built.stderr
     domain = built.stdout.strip()
     report = tmp_path / "r.json"
-    common = [domain, "--methods", "source,cafa-diag", "--per-class", "20", "--workdir", str(tmp_path / "art"), "--json", str(report)]
+    common = [domain, "--methods", "source,cafa-diag", "--per-class", "20", "--workdir", str(tmp_path / "art"), "--metrics-json", str(report)]
     result = runner.invoke(app, ["bench", *common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none"])
     assert result.exit_code == 0, result.stderr
     used = json.loads(report.read_text())["settings"]["preprocessing"]
@@ -275,7 +276,7 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
     from types import SimpleNamespace
 
     from cafa_cli.jobs import bench
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     calls = []
 
@@ -294,13 +295,13 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
 
 def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp_path, monkeypatch):
-    from cafa_cli.jobs import bench
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.bench import statistics
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     seen = {}
-    monkeypatch.setattr(bench, "compute_statistics", lambda config, monitor: seen.update(vars(config)))
+    monkeypatch.setattr(statistics, "compute_statistics", lambda config, monitor: seen.update(vars(config)))
     config = BenchConfig(batch_size=7, device="cpu", num_workers=1, model="m", train="train", per_class=5, workdir=str(tmp_path))
-    path = bench.ensure_statistics(config, "tied", Monitor())
+    path = statistics.ensure_statistics(config, "tied", Monitor())
     assert path == tmp_path / "stats-tied.safetensors"
     assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "covariance", "data")} == {
         "device": "cpu", "batch_size": 7, "num_workers": 1, "per_class": 5, "covariance": "tied", "data": "train"}
@@ -339,7 +340,7 @@ def test_rows_without_statistics_read_labels_in_the_training_order(tmp_path, tin
     test = write_folder(tmp_path / "test", per_class=4, seed=1, classes=("a", "c"))
     report = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", str(test), "--methods", methods, "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "w" / "classes.txt").read_text() == "a\nb\nc\n"
     order = tmp_path / "order.txt"
@@ -373,7 +374,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
     options = ["--optimizer", "sgd", "--momentum", "0.5", "--params", "all", "--norm", "prior:4", "--reset", "episodic", "--batch-size", "5"]
     report = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", str(test), "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 *PLAIN, *options, "--device", "cpu", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+                                 *PLAIN, *options, "--device", "cpu", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
     assert result.exit_code == 0, result.stderr
     alone = runner.invoke(app, ["adapt", "--data", str(test), "--method", "tent", "--lr", "0.05", "--model", TINY_NET,
                                 "--weights", str(tiny_weights), *PLAIN, *options, "--quiet", "--metrics-json", str(tmp_path / "m.json")])
@@ -441,7 +442,7 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
     from types import SimpleNamespace
 
     from cafa_cli.jobs import bench
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     ran = []
 
@@ -500,7 +501,7 @@ def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     report = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", str(test), "--methods", "cafa,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(train), *PLAIN, "--per-class", "4", "--workdir", str(tmp_path / "w"), "--json", str(report)])
+                                 "--train", str(train), *PLAIN, "--per-class", "4", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
     assert result.exit_code == 0, result.stderr
     saved = json.loads(report.read_text())
     assert [(r["covariance"], r["covariance_used"]) for r in saved["rows"]] == [("auto", "lowrank"), ("diag", "diag")]
@@ -565,7 +566,7 @@ def test_the_progress_bar_leaves_stdout_to_the_data(capsys):
 
     from rich.console import Console
 
-    from cafa_cli.jobs.monitor import progress_bar
+    from cafa_cli.jobs.shared.monitor import progress_bar
 
     bar = progress_bar(Console(file=io.StringIO(), force_terminal=True))
     with bar:
@@ -586,7 +587,7 @@ def trained_weights(trained, tmp_path) -> Path:
 
 
 def test_grid_rows_run_every_method_under_every_condition_and_name_only_the_axes_given():
-    from cafa_cli.jobs.bench import grid_rows
+    from cafa_cli.jobs.bench.rows import grid_rows
 
     rows = parse_methods("tent,cafa")
     assert grid_rows(BenchConfig(), rows) == rows  # no axis: the table of earlier versions
@@ -629,7 +630,7 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
     result = runner.invoke(app, ["bench", str(test), "--methods", "source,bn", "--model", TINY_NET, "--weights", str(trained_weights),
                                  *PLAIN, "--orders", "iid,label-shift:1.0", "--batch-sizes", "6,3", "--seeds", "0,1",
-                                 "--workdir", str(tmp_path / "w"), "--csv", str(out["csv"]), "--json", str(out["json"]),
+                                 "--workdir", str(tmp_path / "w"), "--csv", str(out["csv"]), "--metrics-json", str(out["json"]),
                                  "--plot", str(out["png"])])
     assert result.exit_code == 0, result.stderr
     long_table, by_condition = result.stdout.strip().split("\n\n")
@@ -659,7 +660,7 @@ def test_bench_runs_continual_across_domains_in_the_order_given_with_an_error_pe
 
     def errors(*args: str) -> dict[str, float]:
         report = tmp_path / "r.json"
-        result = runner.invoke(app, [*base, *args, "--json", str(report)])
+        result = runner.invoke(app, [*base, *args, "--metrics-json", str(report)])
         assert result.exit_code == 0, result.stderr
         saved = json.loads(report.read_text())
         assert [d["label"] for d in saved["domains"]] == [Path(a).name for a in args if not a.startswith("-") and "/" in a]
@@ -696,10 +697,33 @@ def test_bench_gradual_reports_each_corruption_over_its_severity_visits(tmp_path
     report = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "snow"), "--gradual", "--methods", "bn",
                                  "--model", TINY_NET, "--weights", str(tiny_weights), *PLAIN, "--batch-size", "3",
-                                 "--workdir", str(tmp_path / "w"), "--json", str(report)])
+                                 "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
     assert result.exit_code == 0, result.stderr
     runs = json.loads(report.read_text())["runs"]
     assert [(Path(r["data"]).name, r["n"]) for r in runs] == [("3", 9 * 6), ("snow", 9 * 6)]
     twice = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "fog"), "--gradual", "--methods", "bn",
                                 "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")])
     one_error_line(twice, 2, "is given twice")
+
+
+def test_the_old_spelling_json_path_still_writes_the_record_with_a_warning(tmp_path, tiny_weights, capsys):
+    """bench --json PATH is now --metrics-json PATH (as adapt's): the old spelling works for a
+    release, on the command line and in cafa.toml, and says so in one line."""
+    from cafa_cli.cli.app import command_options
+    from cafa_cli.cli.defaults import read_defaults
+
+    train = write_folder(tmp_path / "train", per_class=6)
+    common = ["bench", str(train), "--methods", "source", "--model", TINY_NET, "--weights", str(tiny_weights),
+              *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "-q"]
+    old = runner.invoke(app, [*common, "--json", str(tmp_path / "old.json")])
+    new = runner.invoke(app, [*common, f"--metrics-json={tmp_path / 'new.json'}"])
+    assert old.exit_code == new.exit_code == 0, old.stderr
+    assert old.stderr.splitlines() == ["warning: --json is now --metrics-json; the old spelling goes in a later release"]
+    assert new.stderr == "" and old.stdout == new.stdout
+    assert json.loads((tmp_path / "old.json").read_text())["table"] == json.loads((tmp_path / "new.json").read_text())["table"]
+    (tmp_path / "cafa.toml").write_text('[bench]\njson = "t.json"\n')
+    capsys.readouterr()
+    defaults = read_defaults(tmp_path, command_options())
+    assert defaults["bench"] == {"metrics_json": "t.json"}
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'cafa.toml'}: [bench] json is now metrics-json; the old " \
+                                      f"spelling goes in a later release\n"

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import tiny_net
 from cafa_cli.jobs import adapt as adapt_job
-from cafa_cli.method.methods import NEEDS_STATISTICS
+from cafa_cli.method.methods import REGISTRY
 from cafa_cli.artifact import read_artifact
 from cafa_cli.cli.app import app
 from conftest import PLAIN, TINY_NET, write_folder
@@ -92,6 +92,22 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
     assert set(report["versions"]) == {"cafa", "python", "torch", "torchvision"} and report["versions"]["torch"]
 
 
+def test_the_metrics_json_records_every_setting_its_field_says_it_records(setup, tmp_path):
+    """An option is its field: a new field is recorded as given unless its metadata says why not."""
+    from cafa_cli.jobs.config import AdaptConfig
+    from cafa_cli.jobs.config.settings import recorded_as_given
+
+    metrics = tmp_path / "m.json"
+    result = adapt(setup, "--quiet", "--metrics-json", str(metrics), "--method", "eata", "--lr", "0.01", "--steps", "2",
+                   "--method-option", "redundancy_margin=0.3")
+    settings = json.loads(metrics.read_text())["settings"]
+    given = AdaptConfig(data=["x"], method="eata", lr=0.01, steps=2, batch_size=30, method_option=["redundancy_margin=0.3"])
+    resolved = ("device", "num_workers", "recipe")  # as given, then replaced by what the run resolved
+    assert {name: settings[name] for name in recorded_as_given(AdaptConfig) if name not in resolved} == {
+        name: getattr(given, name) for name in recorded_as_given(AdaptConfig) if name not in resolved}, result.stderr
+    assert settings["recipe"]["requested"] == "auto" and settings["device"] == "cpu"
+
+
 def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):
     errors = {}
     for method in ("source", "cafa"):
@@ -109,12 +125,12 @@ def test_every_method_runs_on_the_same_data(setup, method, monkeypatch):
         reads.append(load_tensors)
         return read_artifact(path, load_tensors)
 
-    monkeypatch.setattr(adapt_job, "read_artifact", recording)
+    monkeypatch.setattr(adapt_job.prepare, "read_artifact", recording)
     result = adapt(setup, "--quiet", "--method", method)
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == 91
     # the artifact's tensors (GBs on ImageNet) are loaded only by the methods that use them
-    assert reads == [method in NEEDS_STATISTICS]
+    assert reads == [REGISTRY[method].needs_statistics]
 
 
 def test_same_seed_gives_byte_identical_predictions(setup):
@@ -352,7 +368,7 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     import logging
 
     from cafa_cli.cli.streams import stderr as _stderr
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     torch_logger = logging.getLogger("torch")
     before = torch_logger.level
@@ -375,7 +391,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     """The demo prints each run as `cafa adapt ... <adapt_words()>`: parsed back, they are the settings."""
     from cafa_cli.errors import UsageError
     from cafa_cli.jobs import adapt as adapt_job
-    from cafa_cli.jobs.adapt import RECORDED
+    from cafa_cli.jobs.config.settings import recorded_as_given
     from cafa_cli.jobs.config import AdaptConfig
     from cafa_cli.jobs.demo import adapt_words
     from dataclasses import replace
@@ -384,10 +400,11 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
                          norm="prior:4", reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
                          num_workers=1, strict=True, compile=True, cuda_graph=False, allow_weights_mismatch=True)
     # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
-    streams = AdaptConfig(data=["x"], order="label-shift:0.5", gradual=True)
+    streams = AdaptConfig(data=["x"], method="cafa", order="label-shift:0.5", gradual=True, oracle=True, fisher_samples=9)
     defaults = AdaptConfig()
+    written_apart = ("method", "recipe", "method_option")  # adapt_words writes them first, in their own way
     assert all(getattr(wanted, name) != getattr(defaults, name) or getattr(streams, name) != getattr(defaults, name)
-               for name in RECORDED)  # every option is exercised
+               for name in recorded_as_given(AdaptConfig) if name not in written_apart)  # every option is exercised
     seen = []
 
     def capture(config, monitor=None):
@@ -423,7 +440,7 @@ def test_an_unshuffled_stream_of_class_folders_is_flagged(setup):
 def test_class_runs_are_recognised_in_any_class_order():
     """Fashion-MNIST's folders sort as ankle_boot, bag, ... against the model's tshirt_top,
     trouser, ...: the runs come in another order than the classes', and are runs all the same."""
-    from cafa_cli.jobs.adapt import _one_class_after_another
+    from cafa_cli.jobs.adapt.job import _one_class_after_another
 
     assert _one_class_after_another(np.array([9, 9, 8, 8, 0, 0, 4]))
     assert not _one_class_after_another(np.array([0, 1, 0, 1]))

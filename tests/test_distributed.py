@@ -119,14 +119,14 @@ def test_torchrun_bench_spreads_the_domains_of_a_run_under_reset_domain(tmp_path
 def test_a_bench_spreads_the_domains_of_the_runs_whose_domains_are_independent(reset, methods, domains, runs):
     from cafa_cli.jobs.bench import grid_runs
     from cafa_cli.jobs.config import BenchConfig
-    from cafa_cli.jobs.rows import parse_methods
+    from cafa_cli.jobs.bench.rows import parse_methods
 
     config = BenchConfig(data=domains, model="m", reset=reset)
     assert [(row.label, None if k is None else domains[k]) for row, seed, k in grid_runs(config, parse_methods(methods), [0])] == runs
 
 
 def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
-    from cafa_cli.jobs.distributed import block
+    from cafa_cli.jobs.shared.distributed import block
 
     assert [list(block(5, rank, 2)) for rank in range(2)] == [[0, 1, 2], [3, 4]]
     assert [list(block(4, rank, 3)) for rank in range(3)] == [[0, 1], [2], [3]]
@@ -134,8 +134,8 @@ def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
 
 
 def test_rank_0_shows_the_other_ranks_notes_under_their_rank_and_each_warning_once():
-    from cafa_cli.jobs.distributed import RankMonitor, show_other_ranks
-    from cafa_cli.jobs.monitor import Monitor
+    from cafa_cli.jobs.shared.distributed import RankMonitor, show_other_ranks
+    from cafa_cli.jobs.shared.monitor import Monitor
 
     class Shown(Monitor):
         def __init__(self):
@@ -160,7 +160,7 @@ def test_rank_0_shows_the_other_ranks_notes_under_their_rank_and_each_warning_on
 
 
 def test_a_share_of_a_gradual_stream_keeps_whole_corruptions_each_starting_afresh():
-    from cafa_cli.jobs.adapt import Adaptation, part_of, stream_units
+    from cafa_cli.jobs.adapt.job import Adaptation, part_of, stream_units
 
     stages = ["fog/1", "fog/2", "fog/1", "snow/1", "snow/2", "snow/1", "frost/1"]
     job = Adaptation(None, stages, None, [], None, {}, groups=[0, 0, 0, 1, 1, 1, 2])
@@ -227,7 +227,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch)
     the GPUs would fail deep in CUDA. No GPU here: the count is what the check reads."""
     import torch
 
-    from cafa_cli.jobs.distributed import rank_device
+    from cafa_cli.jobs.shared.distributed import rank_device
     from cafa_cli.errors import UsageError
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -149,9 +149,9 @@ def test_predictions_replace_the_file_only_when_the_run_completes(setup, tmp_pat
 
 def test_an_interrupt_after_an_output_is_complete_says_so(setup, tmp_path, monkeypatch):
     """Exit 130 promises every output is as it was, unless the message names it as written completely."""
-    import cafa_cli.jobs.report
+    import cafa_cli.jobs.shared.report
 
-    real_write_json = cafa_cli.jobs.report.write_json
+    real_write_json = cafa_cli.jobs.shared.report.write_json
 
     def write_then_interrupt(path, payload):
         real_write_json(path, payload)

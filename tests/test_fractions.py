@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs import tables
-from cafa_cli.jobs.bench import artifact_path, statistics_needed
+from cafa_cli.jobs.bench import tables
+from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.jobs.rows import parse_methods, with_fractions, with_oracle
+from cafa_cli.jobs.bench.rows import parse_methods, with_fractions, with_oracle
 from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import fails
 
@@ -79,7 +79,7 @@ def sweep_table(seeds: int = 1):
     rows = swept("source,cafa", oracle=True)
     error = {"source": 0.5, "cafa, fraction 0.01": 0.3, "cafa-oracle, fraction 0.01": 0.25, "cafa, fraction 0.1": 0.2,
              "cafa-oracle, fraction 0.1": 0.22}
-    from cafa_cli.jobs.results import DomainResult
+    from cafa_cli.jobs.shared.results import DomainResult
 
     results = {}
     for row in rows:

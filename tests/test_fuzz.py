@@ -29,7 +29,7 @@ from rich.console import Console
 
 from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.errors import InputError
-from cafa_cli.jobs.describe import describe, render
+from cafa_cli.jobs.inspect import describe, render
 from test_artifact import write
 
 EXAMPLES = int(os.environ.get("CAFA_FUZZ_EXAMPLES", "50"))

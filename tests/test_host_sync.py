@@ -21,7 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import NAMES, create
+from cafa_cli.method.methods import REGISTRY, create
+
+NAMES = tuple(REGISTRY)
 from cafa_cli.method.moments import ClassMoments
 
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.factories import parse_model_args
-from cafa_cli.jobs.inputs import default_preprocessing
+from cafa_cli.jobs.shared.inputs import default_preprocessing
 from cafa_cli.errors import UsageError
 from cafa_cli.models import resolve
 

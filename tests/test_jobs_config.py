@@ -14,10 +14,20 @@ from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig
+from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
 
 runner = CliRunner()
 COMMANDS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig, "demo": DemoConfig}
+
+
+@pytest.mark.parametrize("config_type", [*COMMANDS.values(), FeaturesPlotConfig])
+def test_every_setting_is_recorded_as_given_or_says_why_not(config_type):
+    from cafa_cli.jobs.config.settings import recorded_as_given
+
+    for f in fields(config_type):
+        recorded = f.metadata.get("recorded")
+        assert recorded is True or (isinstance(recorded, str) and recorded.strip()), f"{config_type.__name__}.{f.name}"
+    assert set(recorded_as_given(config_type)) == {f.name for f in fields(config_type) if f.metadata["recorded"] is True}
 
 
 @pytest.mark.parametrize("name", COMMANDS)
@@ -39,9 +49,9 @@ def _choices(command) -> dict[str, tuple]:
 
 
 def test_choices_are_the_librarys():
-    from cafa_cli.jobs import settings
+    from cafa_cli.jobs.config import settings
     from cafa_cli.method import adapter, options
-    from cafa_cli.method.methods import NAMES
+    from cafa_cli.method.methods import REGISTRY as NAMES
 
     hints = {f.name: f.type for f in fields(AdaptConfig)}
     assert hints  # the Literal types, as typer lists them in --help
@@ -60,8 +70,11 @@ def test_help_lists_choices_conventional_metavars_and_panels():
     text = runner.invoke(app, ["adapt", "--help"], terminal_width=200).stdout
     assert "--optimizer [adam|sgd|nesterov]" in text or "--optimizer <adam|sgd|nesterov>" in text
     assert "--lr LR" in text and "--batch-size N" in text and "--stats PATH" in text
-    for panel in ("Data:", "Model:", "Adaptation:", "Stream:", "Output:", "Runtime:", "Examples:"):
-        assert panel in text
+    panels = ("Method:", "Data:", "Model:", "Stream:", "Output:", "Runtime:", "Adaptation (a recipe sets", "Examples:")
+    assert [text.index(panel) for panel in panels] == sorted(text.index(panel) for panel in panels)  # as a user decides
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  -")]
+    assert "--method" in options[:10], options[:10]
+    assert "[default: the recipe's, else 0.001]" in " ".join(text.split())  # not a plain default the recipe replaces
     assert "<str>" not in text and "<int>" not in text and "<float>" not in text
     for command in ("adapt", "bench"):  # the domains as a person reads them, not a Python type
         text = runner.invoke(app, [command, "--help"], terminal_width=200).stdout
@@ -91,3 +104,10 @@ def test_adapter_options_are_the_adapters_keywords():
 
     keywords = set(inspect.signature(Adapter).parameters)
     assert set(AdaptConfig().adapter_options()) <= keywords
+
+
+@pytest.mark.parametrize("command", [[], ["stats"], ["adapt"], ["bench"], ["inspect"], ["methods"], ["demo"], ["plot"],
+                                     ["plot", "features"]])
+def test_dash_h_is_help_on_every_command(command):
+    short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
+    assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage: cafa" in short.stdout

@@ -18,7 +18,7 @@ import cafa_cli.method.distances as distances
 from cafa_cli.artifact import read_artifact, write_artifact
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.jobs.describe import condition_numbers
+from cafa_cli.jobs.inspect import condition_numbers
 from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.method.moments import ClassMoments

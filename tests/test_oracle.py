@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.method import losses
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create, method_class
@@ -114,7 +114,7 @@ def test_the_oracle_help_names_every_method_it_takes():
     method must reach both."""
     from dataclasses import fields
 
-    from cafa_cli.jobs.settings import OracleOptions, oracle_methods
+    from cafa_cli.jobs.config.settings import OracleOptions, oracle_methods
 
     help_text = next(f for f in fields(OracleOptions) if f.name == "oracle").metadata["help"]
     listed = help_text.split("For ", 1)[1].split(";", 1)[0]

@@ -13,7 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from cafa_cli.jobs import feature_figure, plot_features
+from cafa_cli.jobs.plot import figure as feature_figure
+
+from cafa_cli.jobs.plot import features as plot_features
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create
 from conftest import TINY_NET, invoke, write_folder

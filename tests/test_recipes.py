@@ -19,7 +19,9 @@ from cafa_cli.cli.app import app, command_options
 from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.errors import UsageError
-from cafa_cli.method.methods import NAMES, method_class
+from cafa_cli.method.methods import REGISTRY, method_class
+
+NAMES = tuple(REGISTRY)
 from cafa_cli.method.options import resolve_options
 from cafa_cli.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
 from conftest import TINY_NET

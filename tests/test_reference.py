@@ -9,7 +9,9 @@ import torch
 from cafa_cli.method import losses, reference
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import NAMES, create
+from cafa_cli.method.methods import REGISTRY, create
+
+NAMES = tuple(REGISTRY)
 from cafa_cli.method.moments import ClassMoments
 
 C, D = 4, 6

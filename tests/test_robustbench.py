@@ -17,7 +17,7 @@ from cafa_cli.checkpoints import sha256_of
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.factories import is_factory
-from cafa_cli.jobs.inputs import default_preprocessing
+from cafa_cli.jobs.shared.inputs import default_preprocessing
 from cafa_cli.models import resolve
 from cafa_cli.zoo import robustbench
 

@@ -19,7 +19,7 @@ from conftest import PLAIN, TINY_NET, class_images, invoke, tiny_net, write_fold
 from helpers import fails, make_cifar10
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
-from cafa_cli.jobs.bench import with_standard_model
+from cafa_cli.jobs.bench.runs import with_standard_model
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.recipes import STANDARD_MODELS, standard_model
 from cafa_cli.zoo import robustbench

@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import WRITTEN, Adapter
-from cafa_cli.method.methods import NAMES, create
+from cafa_cli.method.methods import REGISTRY, create
+
+NAMES = tuple(REGISTRY)
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.methods.tent import Tent
 from cafa_cli.method import step_graph

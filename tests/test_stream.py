@@ -14,7 +14,7 @@ from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import adapt_domains
 
 PIXELS = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
 

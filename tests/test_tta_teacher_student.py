@@ -19,7 +19,8 @@ from cafa_cli.method.memory_bank import MemoryBank
 from cafa_cli.method.methods import create
 from cafa_cli.method.methods import rotta as rotta_module
 from cafa_cli.method.methods.cotta import CoTTA
-from cafa_cli.method.methods.rotta import RobustBatchNorm, RoTTA, on_samples, timeliness_weights
+from cafa_cli.method.memory_bank import timeliness_weights
+from cafa_cli.method.methods.rotta import RobustBatchNorm, RoTTA, on_samples
 
 
 def tiny_net(seed: int = 0, classes: int = 3) -> FeatureClassifier:

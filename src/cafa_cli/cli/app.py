@@ -18,25 +18,31 @@ from cafa_cli.cli.defaults import CommandOptions, read_defaults
 from cafa_cli.data.values import decode_budget
 from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors, reader_gone, reports_errors
 from cafa_cli.cli.options import PanelledCommand
+from cafa_cli.cli.renamed import renamed_keys
 from cafa_cli.cli.streams import prepare_standard_streams
 from cafa_cli.errors import CafaError
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig, command_line_only, names_code
 
+# each a line a terminal shows whole; a long one continues after a backslash
 EXAMPLES = {
-    "stats": ["cafa stats --model resnet50 --weights resnet50.safetensors --data ImageNet/train --fraction 0.05",
-              "cafa stats --model fmnist-resnet --data fashion-mnist --per-class 300 --covariance tied -o tied.safetensors"],
-    "adapt": ["cafa adapt ImageNet-C/fog/5 --resize none --crop none --batch-size 64 --optimizer sgd --lr 0.0025 > fog5.csv",
-              "cafa adapt --stats tied.safetensors --method tent cafa-demo/fashion-mnist-c-300/*/3 --format jsonl"],
+    "stats": ["cafa stats --model resnet50 --weights r50.safetensors --data ImageNet/train",
+              "cafa stats --model fmnist-resnet --data fashion-mnist --per-class 300 \\",
+              "    --covariance tied -o tied.safetensors"],
+    "adapt": ["cafa adapt ImageNet-C/fog/5 --resize none --crop none > fog5.csv",
+              "cafa adapt cafa-demo/fashion-mnist-c-300/*/3 --method tent --format jsonl"],
     "inspect": ["cafa inspect cafa-stats.safetensors --json | jq .classes"],
     "demo": ["cafa demo", "cafa demo --corruptions all --data-only"],
-    "methods": ["cafa methods", "cafa methods eata --recipe cifar10-c > my.toml   # edit, then: cafa adapt --method eata "
-                "--recipe my.toml ..."],
-    "plot features": ["cafa plot features cafa-demo/fashion-mnist-c-300/gaussian_noise/3 --methods source,tent,cafa -o tsne.png",
-                      "cafa plot features unlabelled/ --stats s.safetensors --methods source,cafa --max-images 500 -o f.svg --json"],
+    "methods": ["cafa methods", "cafa methods eata --recipe cifar10-c > my.toml   # edit it, then:",
+                "cafa adapt DOMAIN --method eata --recipe my.toml"],
+    "plot features": ["cafa plot features cafa-demo/fashion-mnist-c-300/gaussian_noise/3 \\",
+                      "    --methods source,tent,cafa -o tsne.png"],
     "bench": ["cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
-              "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors --train ImageNet/train "
-              "--test-resize none --test-crop none --methods source,bn,tent,cafa"],
+              "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors \\",
+              "    --train ImageNet/train --test-resize none --test-crop none"],
 }
+
+
+HELP = {"help_option_names": ["-h", "--help"]}  # every command's, the subcommands' too
 
 
 class _Group(TyperGroup):
@@ -58,6 +64,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     # click's plain help: rich's boxed tables cut option names short at 80 columns
     rich_markup_mode=None,
+    context_settings=HELP,
 )
 
 
@@ -91,7 +98,7 @@ for _name, _command, _summary in [
     app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
 
 plot = typer.Typer(cls=_Group, name="plot", help="Figures of what adaptation does.", no_args_is_help=True,
-                   pretty_exceptions_enable=False, rich_markup_mode=None)
+                   pretty_exceptions_enable=False, rich_markup_mode=None, context_settings=HELP)
 plot.command("features", cls=PanelledCommand, short_help="A domain's features before and after adaptation, in 2-D (t-SNE).",
              epilog=_examples("plot features"))(reports_errors(commands.plot_features))
 app.add_typer(plot, short_help="Figures: plot features (t-SNE of features before and after adaptation).")
@@ -115,7 +122,7 @@ def main() -> None:
         decode_budget()  # CAFA_DECODE_BUDGET_MB, checked once here rather than in each loader process
         defaults = read_defaults(Path.cwd(), command_options())
     except CafaError as error:
-        if not {"--help", "--version"} & set(sys.argv[1:]):
+        if not {"-h", "--help", "--version"} & set(sys.argv[1:]):
             fail(str(error), error.exit_code)
             raise SystemExit(error.exit_code) from None
         defaults = {}  # the help that would show how to fix the file stays readable
@@ -142,6 +149,7 @@ def command_options() -> dict[str, CommandOptions]:
             lists={p.name for p in command.params if p.multiple or p.nargs == -1},
             flags={p.name for p in command.params if getattr(p, "is_flag", False)},
             command_line_only=command_line_only(SETTINGS[name]) if name in SETTINGS else set(),
+            renamed=renamed_keys(name),
             names_code=names_code(SETTINGS[name]) if name in SETTINGS else set(),
         )
         for name, command in typer.main.get_command(app).commands.items()

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cafa_cli.method.methods import NAMES
+from cafa_cli.method.methods import REGISTRY
 from cafa_cli.recipes import NAMES as RECIPES
 
 
 def complete_method(incomplete: str) -> list[str]:
-    return [name for name in NAMES if name.startswith(incomplete)]
+    return [name for name in REGISTRY if name.startswith(incomplete)]
 
 
 def complete_methods(incomplete: str) -> list[str]:
     """A comma-separated list (`--methods tent,ca`): the names that complete its last entry."""
     done, _, last = incomplete.rpartition(",")
-    return [f"{done},{name}" if done else name for name in (*NAMES, "all") if name.startswith(last)]
+    return [f"{done},{name}" if done else name for name in (*REGISTRY, "all") if name.startswith(last)]
 
 
 def complete_recipe(incomplete: str) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from cafa_cli.cli.renamed import warn_renamed
 from cafa_cli.errors import UsageError, did_you_mean
 from cafa_cli.factories import is_factory
 
@@ -35,6 +36,7 @@ class CommandOptions:
     command_line_only: set[str] = field(default_factory=set)
     # parameters whose value may name code to import (`--method module:factory`): a file may give a plain name only
     names_code: set[str] = field(default_factory=set)
+    renamed: dict[str, str] = field(default_factory=dict)  # old keys -> their new ones (cli/renamed.py)
 
 
 def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> dict[str, dict]:
@@ -59,6 +61,10 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
             raise UsageError(f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on a line of its own")
         defaults[command], options = {}, commands[command]
         for key, value in values.items():
+            new = options.renamed.get(key.replace("_", "-"))
+            if new:
+                warn_renamed(key, new, f"{path}: [{prefix}{command}] ")
+                key = new
             name = options.keys.get(key.replace("_", "-"))  # batch_size as well as batch-size
             if name is None:
                 raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}{did_you_mean(key, list(options.keys))}")

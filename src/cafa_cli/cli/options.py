@@ -14,17 +14,21 @@ import typer
 from typer.core import TyperCommand
 
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
+from cafa_cli.cli.renamed import respelled
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.settings import ADAPTATION, DATA, MODEL, OUTPUT, RUNTIME, STATISTICS, STREAM
-
-PANELS = (DATA, MODEL, STATISTICS, ADAPTATION, STREAM, OUTPUT, RUNTIME)
+from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
+from cafa_cli.recipes import SETTINGS as RECIPE_SETTINGS
 COMPLETIONS = {"method": complete_method, "methods": complete_methods, "recipe": complete_recipe}  # by setting
 OTHER = "Other options"
 
 
 class PanelledCommand(TyperCommand):
     """Plain click help (rich's boxes cut option names short at 80 columns), with the
-    options grouped under the panel their settings name."""
+    options grouped under the panel their settings name; old spellings of renamed options
+    (renamed.py) still taken, with a warning."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, respelled(ctx.command_path.partition(" ")[2], args))
 
     def format_options(self, ctx, formatter) -> None:
         arguments, panels = [], {}
@@ -47,10 +51,13 @@ class PanelledCommand(TyperCommand):
 
 
 def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
-    """One keyword parameter per field of `config_type`, annotated for typer."""
+    """One keyword parameter per field of `config_type`, annotated for typer: the command's
+    own fields first (its data, its method), then the groups it is made of, so that each
+    help panel opens with what the command is about."""
     hints = typing.get_type_hints(config_type)
+    own = set(vars(config_type).get("__annotations__", {}))
     parameters = []
-    for f in fields(config_type):
+    for f in sorted(fields(config_type), key=lambda f: f.name not in own):
         if f.name in skip or not f.metadata.get("option", True):
             continue
         meta = f.metadata
@@ -62,11 +69,20 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
             default, hint = None, Optional[hint]
         else:
             default = ...  # required
-        option = typer.Option(*names, help=meta["help"], metavar=meta["metavar"], rich_help_panel=meta["panel"],
-                              show_default=meta["show_default"], autocompletion=COMPLETIONS.get(f.name))
+        help, show_default = meta["help"], meta["show_default"]
+        if show_default and f.name in RECIPE_SETTINGS and issubclass(config_type, RecipeOptions):
+            # `recipe` auto replaces it for most methods: the plain default would mislead
+            help, show_default = f"{help}  [default: the recipe's, else {shown_default(default)}]", False
+        option = typer.Option(*names, help=help, metavar=meta["metavar"], rich_help_panel=meta["panel"],
+                              show_default=show_default, autocompletion=COMPLETIONS.get(f.name))
         parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                             annotation=Annotated[hint, option]))
     return parameters
+
+
+def shown_default(value) -> str:
+    """A default as --help writes it: 0.001, not 1e-03."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def with_settings(config_type, skip: tuple[str, ...] = ()):

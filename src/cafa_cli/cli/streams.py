@@ -9,8 +9,8 @@ import sys
 from rich.console import Console
 
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.monitor import stderr_console
-from cafa_cli.jobs.report import ESCAPE_FOR_OUTPUT, is_utf8
+from cafa_cli.jobs.shared.monitor import stderr_console
+from cafa_cli.jobs.shared.report import ESCAPE_FOR_OUTPUT, is_utf8
 
 
 def stderr(quiet: bool) -> Console:

@@ -14,11 +14,14 @@ from pathlib import Path
 from cafa_cli.data.fashion_mnist import check_installed
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.files import make_workdir
-from cafa_cli.jobs import tables
-from cafa_cli.jobs.adapt import RECORDED
-from cafa_cli.jobs.bench import artifact_path, covariances_needed, parse_methods, row_config, run_bench
+from cafa_cli.jobs.bench import tables
+from cafa_cli.jobs.config.settings import recorded_as_given
+from cafa_cli.jobs.bench import run_bench
+from cafa_cli.jobs.bench.rows import parse_methods
+from cafa_cli.jobs.bench.runs import row_config
+from cafa_cli.jobs.bench.statistics import artifact_path, covariances_needed
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig
-from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.jobs.shared.monitor import Monitor
 
 MODEL = "fmnist-resnet"
 
@@ -40,9 +43,9 @@ def adapt_words(config: AdaptConfig) -> list[str]:
     defaults, chosen = {f.name: f.default for f in fields(AdaptConfig)}, config.chosen()
     words += ["--recipe", config.recipe] if config.recipe != defaults["recipe"] else []
     words += [word for entry in config.method_option for word in ("--method-option", entry)]
-    for name in RECORDED:
+    for name in recorded_as_given(AdaptConfig):
         value = getattr(config, name)
-        if name == "method" or (value == defaults[name] and name not in chosen):
+        if name in ("method", "recipe", "method_option") or (value == defaults[name] and name not in chosen):
             continue
         flag = name.replace("_", "-")
         if isinstance(value, bool):

@@ -9,21 +9,21 @@ from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.moments import NormInputMoments, accumulate_features
 from cafa_cli.artifact import Artifact, write_artifact
 from cafa_cli.artifact_format import unusable_class_names
-from cafa_cli.jobs.distributed import merge_on_root, process_group, rank_device
+from cafa_cli.jobs.shared.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
 from cafa_cli.data.sampling import stratified_subset, subset_sha256
 from cafa_cli.errors import InputError, listing
-from cafa_cli.jobs.outputs import check_outputs, guards_outputs
+from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import factory_sha256, parameters_sha256
 from cafa_cli.devices import pick_device
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.config import StatsConfig
-from cafa_cli.jobs.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, recipe, recorded_data, resolve_model
+from cafa_cli.jobs.shared.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, recipe, recorded_data, resolve_model
 
 
 @guards_outputs

@@ -193,3 +193,8 @@ class MemoryBank:
             slots, sources = moved[:m], moved[m : 2 * m]
             self.slots.index_copy_(0, slots, samples.index_select(0, sources).to(self.slots.dtype))
         self.labels, self.age_counts = moved[2 * m : 2 * m + K], moved[2 * m + K :]
+
+
+def timeliness_weights(ages: torch.Tensor) -> torch.Tensor:
+    """w(A) = exp(−A)/(1 + exp(−A)) of each age A = age/K."""
+    return torch.exp(-ages) / (1 + torch.exp(-ages))

@@ -403,3 +403,13 @@ def norm_layers(model: nn.Module) -> list[BatchStatisticsNorm]:
 def class_balanced_norms(model: nn.Module) -> ClassBalancedNorms | None:
     """The ClassBalancedNorms of a net whose BatchNorms use_test_batch_norm swapped under `class-balanced`."""
     return next((m.balanced for m in model.modules() if isinstance(m, BatchStatisticsNorm) and m.balanced), None)
+
+
+def weighted_statistics(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the biased mean and variance of the samples of `x` [N, channels, ...] that
+    the float 0/1 `weights` [N] mark (gradients flow through both)."""
+    dims = [0] + list(range(2, x.dim()))
+    w = weights.view([-1] + [1] * (x.dim() - 1))
+    count = (w.sum() * (x[0].numel() / x.shape[1])).clamp_min(1)
+    mean = (x * w).sum(dims) / count
+    return mean, ((x - mean.view([1, -1] + [1] * (x.dim() - 2))).square() * w).sum(dims) / count

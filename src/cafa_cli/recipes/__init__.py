@@ -67,7 +67,7 @@ def description(method: str) -> dict:
 def shipped(method: str, family: str) -> Recipe | None:
     """The recipe the tool ships for `method` on `family`; None when it ships none."""
     table = _shipped_file(method).get(family)
-    return None if table is None else _recipe(method, family, table, "shipped", f"recipes/{method}.toml [{family}]")
+    return None if table is None else _recipe(method, family, table, "shipped", f"{_shipped_name(method)} [{family}]")
 
 
 def check_name(name: str) -> None:
@@ -179,12 +179,25 @@ def _recipe(method: str, family: str | None, table: dict, origin: str, where: st
 
 
 def _shipped_file(method: str) -> dict:
-    if ":" in method or "/" in method or not method:  # a plug-in: no file of ours
+    """The recipe file the method registry names for `method` (a plug-in has none)."""
+    from cafa_cli.method.methods import REGISTRY
+
+    entry = REGISTRY.get(method)
+    if entry is None:
         return {}
-    path = resources.files(__name__) / f"{method}.toml"
+    package, _, name = (entry.recipe or f"{__name__}:{method}.toml").partition(":")
+    path = resources.files(package) / name
     if not path.is_file():
         return {}
     return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _shipped_name(method: str) -> str:
+    """How the JSON and `cafa methods` name a shipped recipe file: recipes/NAME.toml for this tool's."""
+    from cafa_cli.method.methods import REGISTRY
+
+    recipe = REGISTRY[method].recipe
+    return recipe if recipe else f"recipes/{method}.toml"
 
 
 def _key(name: str) -> str:

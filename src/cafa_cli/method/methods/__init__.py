@@ -1,15 +1,21 @@
-"""The test-time adaptation methods, one file each, behind one small protocol (base.py).
+"""The test-time adaptation methods, one file each, behind one small protocol (base.py),
+and the one table that names them (REGISTRY).
 
     from cafa_cli.method.methods import create
     adapter = Adapter(model, create("cafa", gaussians, device), device)
 
-Importing this package does not import torch (the command line lists NAMES in its help
-and must start fast): each method's module is imported when it is first created.
+A built-in method is its file (a Method subclass), its recipe (recipes/NAME.toml) and
+one Entry below. Everything else that lists methods reads this table: the command
+line's choices and completion, `cafa methods`, bench's rows, and `create`.
+
+Importing this package does not import torch (the command line lists the names in its
+help and must start fast): each method's module is imported when it is first created.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,44 +23,63 @@ if TYPE_CHECKING:
     from cafa_cli.method.methods.base import Method
 
 
-NAMES = ("source", "bn", "pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust")
+@dataclass(frozen=True)
+class Entry:
+    """A built-in method: where its class is, and what must be known of it before its
+    module (and torch) is imported."""
+
+    module: str  # its module: a name in this package, or a full dotted path
+    cls: str  # its Method subclass in that module
+    # it takes class Gaussians (cafa stats) as its first argument, and the device
+    needs_statistics: bool = False
+    on_device: bool = False  # without statistics, its constructor still takes the device
+    # its prediction for a batch is the plain forward pass before its update, so on a
+    # stream of one batch it predicts exactly as bn (t3a, lame, cotta and rotta change the
+    # prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
+    predicts_as_bn: bool = False
+    # it takes clean source images (`fisher_data`, as `fisher_batches`); without them it
+    # runs as this says (a warning); None: it takes none
+    without_source_images: str | None = None
+    # its recipe file, "package:file.toml"; None: this tool's recipes/NAME.toml
+    recipe: str | None = None
+
+    def module_path(self) -> str:
+        return self.module if "." in self.module else f"{__name__}.{self.module}"
 
 
-NEEDS_STATISTICS = ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust")  # class Gaussians from cafa stats
-
-# methods whose prediction for a batch is the plain forward pass before their update, so on
-# a stream of one batch they predict exactly as bn (t3a, lame, cotta and rotta change the
-# prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
-PREDICT_AS_BN_BEFORE_UPDATING = ("pl", "tent", "cafa", "global-fa", "intra", "euclidean", "eta", "eata", "cafa-eata", "sar")
-
-# methods whose constructor takes the device although they need no statistics
-_ON_DEVICE = ("eta", "eata", "sar")
-
-
-# name -> (module, class); the ablations intra and euclidean are CAFA with another loss or metric
-_CLASSES = {
-    "source": ("source", "Source"),
-    "bn": ("bn", "BatchNormOnly"),
-    "pl": ("pl", "PseudoLabel"),
-    "tent": ("tent", "Tent"),
-    "cafa": ("cafa", "Cafa"),
-    "global-fa": ("global_fa", "GlobalFA"),
-    "intra": ("cafa", "IntraOnly"),
-    "euclidean": ("cafa", "Euclidean"),
-    "eta": ("eata", "Eta"),
-    "eata": ("eata", "Eata"),
-    "cafa-eata": ("cafa_eata", "CafaEata"),
-    "sar": ("sar", "Sar"),
-    "t3a": ("t3a", "T3A"),
-    "lame": ("lame", "Lame"),
-    "cotta": ("cotta", "CoTTA"),
-    "rotta": ("rotta", "RoTTA"),
-    "cafa-robust": ("cafa_robust", "CafaRobust"),
+# the ablations intra and euclidean are CAFA with another loss or metric; eta is EATA without its Fisher term
+REGISTRY: dict[str, Entry] = {
+    "source": Entry("source", "Source"),
+    "bn": Entry("bn", "BatchNormOnly"),
+    "pl": Entry("pl", "PseudoLabel", predicts_as_bn=True),
+    "tent": Entry("tent", "Tent", predicts_as_bn=True),
+    "cafa": Entry("cafa", "Cafa", needs_statistics=True, predicts_as_bn=True),
+    "global-fa": Entry("global_fa", "GlobalFA", needs_statistics=True, predicts_as_bn=True),
+    "intra": Entry("cafa", "IntraOnly", needs_statistics=True, predicts_as_bn=True),
+    "euclidean": Entry("cafa", "Euclidean", needs_statistics=True, predicts_as_bn=True),
+    "eta": Entry("eata", "Eta", on_device=True, predicts_as_bn=True),
+    "eata": Entry("eata", "Eata", on_device=True, predicts_as_bn=True,
+                  without_source_images="runs as eta: its Fisher anti-forgetting term needs clean source images"),
+    "cafa-eata": Entry("cafa_eata", "CafaEata", needs_statistics=True, predicts_as_bn=True),
+    "sar": Entry("sar", "Sar", on_device=True, predicts_as_bn=True),
+    "t3a": Entry("t3a", "T3A"),
+    "lame": Entry("lame", "Lame"),
+    "cotta": Entry("cotta", "CoTTA"),
+    "rotta": Entry("rotta", "RoTTA"),
+    "cafa-robust": Entry("cafa_robust", "CafaRobust", needs_statistics=True),
 }
 
 
+PLUGIN = Entry("", "")  # what is known of a plug-in before it is made: nothing
+
+
+def entry_of(name: str) -> Entry:
+    """The registry's entry for `name`; a plug-in's is PLUGIN (it says what it needs when made)."""
+    return REGISTRY.get(name, PLUGIN)
+
+
 def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **options) -> Method:
-    """The method called `name`, ready for an Adapter. Those in NEEDS_STATISTICS take the
+    """The method called `name`, ready for an Adapter. Those that need statistics take the
     class Gaussians (an artifact's `.gaussians`, or `estimate(moments)`) and keep what they
     need of them on `device`, which must be the Adapter's. `options` are the method's own
     (options_of(name): eata's `redundancy_margin`, lame's `affinity`, ...; text values
@@ -69,23 +94,24 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
 
     if is_plugin(name):
         return _plugin(name, gaussians, device, options)
-    if name not in NAMES:
-        raise UsageError(f"`method` must be one of {', '.join(NAMES)}, or a plug-in module:factory, not {name}")
-    if name in NEEDS_STATISTICS and gaussians is None:
+    if name not in REGISTRY:
+        raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {name}")
+    entry = REGISTRY[name]
+    if entry.needs_statistics and gaussians is None:
         raise UsageError(f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
                          f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features")
     method = method_class(name)
     inputs = {key: options.pop(key) for key in method.inputs if key in options}
     options = {**resolve_options(name, method.options, options), **inputs}
-    if name in NEEDS_STATISTICS:
+    if entry.needs_statistics:
         return method(gaussians, device, **options)
-    return method(device, **options) if name in _ON_DEVICE else method(**options)
+    return method(device, **options) if entry.on_device else method(**options)
 
 
 def method_class(name: str) -> type[Method]:
     """The class of a built-in method (its module imported: this imports torch)."""
-    module, cls = _CLASSES[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    entry = REGISTRY[name]
+    return getattr(importlib.import_module(entry.module_path()), entry.cls)
 
 
 def options_of(name: str) -> tuple:

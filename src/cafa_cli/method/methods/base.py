@@ -25,13 +25,12 @@ a method do more than a loss and a plain step (each defaults to doing nothing ne
   weighting and filtering themselves belong in `loss` (masks and weights on the device).
 - `owns_update = True` with `update(adapter, images, skipped) -> (logits, features, flag)`:
   the method runs its own forward passes and steps (SAR's two-pass SAM step and recovery,
-  CoTTA's teacher and student), once for each of the Adapter's `steps`. It uses
-  `adapter.forward` (under `adapter.autocast`), `adapter.apply(loss, skipped, leave_out=,
-  after_backward=)` for a step that is left out on the device when not finite, and
-  `adapter.source_state` / `adapter.optimizer` to restore; it returns the logits and
+  CoTTA's teacher and student), once for each of the Adapter's `steps`, through the
+  Adapter's surface for such methods, `AdapterSurface` below, and nothing else of it
+  (tests/test_tta_methods.py checks every method file). It returns the logits and
   features of the forward pass whose prediction is reported, and apply's flag.
 
-A method says what it changes with three class attributes:
+A method says what it changes with four class attributes:
 
 - `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`);
 - `adapts_normalisation`: BatchNorms normalise with the test batch's statistics (False:
@@ -55,11 +54,15 @@ keywords (and checks them with `set_options`); recipes (recipes/*.toml) and
 for its update sets `filters_samples` and counts them in `kept`, a device scalar the
 Adapter reads once a domain.
 
-A new method is a subclass in its own file, registered by name in methods/__init__.py
-(or given to the Adapter as an object: the registry is only for names).
+A new method is a subclass in its own file, its recipe (recipes/NAME.toml) and one
+entry in methods/__init__.py's REGISTRY (or an object given to the Adapter: the
+registry is only for names).
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -72,6 +75,26 @@ from cafa_cli.method.options import Option, resolve_options
 
 
 STEP_HOOKS = ("loss", "update", "output", "before_step", "after_step")  # what a step runs of a method
+
+
+class AdapterSurface(Protocol):
+    """What a method that owns its update (`owns_update`) may use of the Adapter: these
+    members, read-only except for the optimiser's state and the weights that a restore
+    puts back. The Adapter (adapter.py) is the one implementation."""
+
+    model: FeatureClassifier  # the adapted model (its state_dict, to restore parts of it)
+    forward: nn.Module  # the model to call for logits and features (compiled with `compile`)
+    autocast: AbstractContextManager  # the precision's autocast: wrap every forward pass in it
+    steps: int  # optimiser steps a batch (a method with its own schedule counts them)
+    optimizer: torch.optim.Optimizer  # whose state a restore resets
+    source_state: dict[str, torch.Tensor]  # the model's state_dict at the source weights
+    scaler: torch.amp.GradScaler | None  # fp16's loss scaler (None otherwise), for extra gradients
+
+    def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
+              after_backward=None) -> torch.Tensor:
+        """One optimiser step on `loss`, left out on the device when it or a gradient is not
+        finite (or `skipped`, or `leave_out`); `after_backward()` runs between the backward
+        pass and the step. Returns the step's flag, float [1]: 1 where it was left out."""
 
 
 class Method:
@@ -157,12 +180,12 @@ class Method:
         features [N, d] (float32, detached, under no_grad). Default: the logits as they are."""
         return logits
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         """For a method with `owns_update`: one update on `images` through the Adapter's
         forward and apply(); returns (logits, features, apply's flag)."""
         raise NotImplementedError(f"{type(self).__name__} sets owns_update, so it needs update()")
 
-    def reporting_network(self, adapter) -> nn.Module:
+    def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
         """The network whose features a step reports with its prediction: the adapted model
         (`adapter.forward`); a teacher-student method's teacher."""
         return adapter.forward

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from cafa_cli.method import losses
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.methods.eata import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
+from cafa_cli.method.selection import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
 
 
 class CafaEata(Cafa):

@@ -40,11 +40,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.errors import InputError
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
-from cafa_cli.method.methods.base import select_parameters
+from cafa_cli.method.memory_bank import (CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank,
+                                        timeliness_weights)
+from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.methods.rotta import timeliness_weights, weighted_statistics
-from cafa_cli.method.norms import correction_strength, replace_submodule
+from cafa_cli.method.norms import correction_strength, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 
 MOMENTUM = 0.05  # α
@@ -167,10 +167,10 @@ class CafaRobust(Cafa):
             self.normalising()
         return logits.float(), features.float()
 
-    def reporting_network(self, adapter) -> nn.Module:
+    def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
         return SharedPrediction(self, adapter)
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
             return self.reported + (skipped,)
         self.fresh = False

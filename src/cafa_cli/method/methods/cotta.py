@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import Method, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
 from cafa_cli.method.norms import BatchStatisticsNorm
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
@@ -144,10 +144,10 @@ class CoTTA(Method):
         if self.teacher is not None:
             self.teacher.load_state_dict(self.anchor.state_dict())
 
-    def reporting_network(self, adapter) -> torch.nn.Module:
+    def reporting_network(self, adapter: AdapterSurface) -> torch.nn.Module:
         return self.teacher  # its predictions are reported, the student only trains
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         with torch.no_grad(), adapter.autocast:
             target, features = self.pseudo_label(images)
         with adapter.autocast:

@@ -44,9 +44,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.errors import InputError
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank
-from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.norms import replace_submodule
+from cafa_cli.method.memory_bank import (CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank,
+                                        timeliness_weights)
+from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
+from cafa_cli.method.norms import replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
@@ -86,16 +87,6 @@ class RobustBatchNorm(nn.Module):
         return out.to(x.dtype)
 
 
-def weighted_statistics(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel, the biased mean and variance of the samples of `x` [N, channels, ...] that
-    the float 0/1 `weights` [N] mark (gradients flow through both)."""
-    dims = [0] + list(range(2, x.dim()))
-    w = weights.view([-1] + [1] * (x.dim() - 1))
-    count = (w.sum() * (x[0].numel() / x.shape[1])).clamp_min(1)
-    mean = (x * w).sum(dims) / count
-    return mean, ((x - mean.view([1, -1] + [1] * (x.dim() - 2))).square() * w).sum(dims) / count
-
-
 def use_robust_batch_norm(model: nn.Module, momentum: float) -> int:
     """Swap every BatchNorm (by type) for a RobustBatchNorm sharing its affine parameters."""
     swaps = [(name, module) for name, module in model.named_modules() if isinstance(module, _BatchNorm)]
@@ -115,11 +106,6 @@ def on_samples(model: nn.Module, weights: torch.Tensor):
     finally:
         for layer in layers:
             layer.weights = None
-
-
-def timeliness_weights(ages: torch.Tensor) -> torch.Tensor:
-    """w(A) = exp(−A)/(1 + exp(−A)) of each age A = age/K."""
-    return torch.exp(-ages) / (1 + torch.exp(-ages))
 
 
 class RoTTA(Method):
@@ -162,13 +148,13 @@ class RoTTA(Method):
             self.bank.reset()
             self.teacher.load_state_dict(self.student.state_dict())
 
-    def reporting_network(self, adapter) -> torch.nn.Module:
+    def reporting_network(self, adapter: AdapterSurface) -> torch.nn.Module:
         return self.teacher  # its predictions are reported, the student only trains
 
     def before_step(self, images: torch.Tensor) -> None:
         self.fresh = True
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
             return self.reported + (skipped,)
         self.fresh = False

@@ -32,7 +32,7 @@ import math
 import torch
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import Method, resolve_device, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
 from cafa_cli.method.options import Option
 
 MARGIN = 0.4  # E0 = MARGIN · ln C
@@ -84,7 +84,7 @@ class Sar(Method):
         self.saved: list[torch.Tensor] | None = None  # θ while the step is taken at θ + ε
         self.starts: dict[tuple, torch.Tensor] = {}
 
-    def update(self, adapter, images: torch.Tensor, skipped: torch.Tensor | None):
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         with adapter.autocast:
             logits, features = adapter.forward(images)
         first, keep = reliable_entropy(logits.float(), margin=self.entropy_margin)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.jobs.settings import oracle_methods
-from cafa_cli.method.methods import NAMES as METHODS, NEEDS_STATISTICS, is_plugin
+from cafa_cli.jobs.config.settings import oracle_methods
+from cafa_cli.method.methods import REGISTRY, is_plugin
 from cafa_cli.method.options import parse_norm
 
 
@@ -137,19 +137,19 @@ def parse_methods(text: str) -> list[Row]:
     if "all" in labels:  # every method, then every variant, in place of `all`
         at = labels.index("all")
         named = {label.partition("@")[0] for label in labels}
-        labels[at : at + 1] = [name for name in METHODS + tuple(VARIANTS) if name not in named]
+        labels[at : at + 1] = [name for name in (*REGISTRY, *VARIANTS) if name not in named]
     for label in labels:
         name, at, lr_text = label.rpartition("@") if "@" in label else (label, "", "")  # a plug-in's path may hold an @
         if at and not lr_text:
             raise UsageError(f"`methods`: {label!r}: give the learning rate after @ (e.g. {name}@0.001), or drop the @")
         if name in VARIANTS:
             method, covariance, params = VARIANTS[name]
-        elif name in METHODS:
-            method, covariance, params = name, "auto" if name in NEEDS_STATISTICS else None, None
+        elif name in REGISTRY:
+            method, covariance, params = name, "auto" if REGISTRY[name].needs_statistics else None, None
         elif is_plugin(name):
             method, covariance, params = name, "auto", None
         else:
-            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join(METHODS + tuple(VARIANTS))}, "
+            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join((*REGISTRY, *VARIANTS))}, "
                              f"or give a plug-in 'file.py:factory'")
         try:
             lr = float(lr_text) if lr_text else None

@@ -6,13 +6,13 @@ import time
 from collections.abc import Callable, Sequence
 import numpy as np
 import torch
-from cafa_cli.jobs.results import DomainResult, Record
+from cafa_cli.jobs.shared.results import DomainResult, Record
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.jobs.settings import RESET_POLICIES
+from cafa_cli.jobs.config.settings import RESET_POLICIES
 from cafa_cli.data.preprocessing import Preprocessing
 
 

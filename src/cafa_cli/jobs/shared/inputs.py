@@ -13,7 +13,7 @@ from cafa_cli import hub
 from cafa_cli.factories import is_factory
 from cafa_cli.models import ModelSpec, bundled_model, resolve
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.settings import InputOptions, ModelOptions
+from cafa_cli.jobs.config.settings import InputOptions, ModelOptions
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:

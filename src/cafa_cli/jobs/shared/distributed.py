@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from cafa_cli.errors import UsageError
-from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.methods import is_plugin
 from cafa_cli.method.moments import ClassMoments
 

@@ -19,8 +19,8 @@ from rich.text import Text
 from cafa_cli import __version__
 from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.errors import UsageError, printable, undecodable
-from cafa_cli.jobs.settings import RECORD_FORMATS
-from cafa_cli.jobs.results import DomainResult, Record
+from cafa_cli.jobs.config.settings import RECORD_FORMATS
+from cafa_cli.jobs.shared.results import DomainResult, Record
 
 
 FIELDS = ("path", "prediction", "label", "confidence")

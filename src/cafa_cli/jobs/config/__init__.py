@@ -21,9 +21,10 @@ from pathlib import Path
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.data.values import check_batch_size, parse_order
 from cafa_cli.errors import UsageError, repeated
-from cafa_cli.method.methods import NAMES as METHODS, is_plugin
+from cafa_cli.method.methods import REGISTRY, is_plugin
 from cafa_cli.recipes import STANDARD_MODELS
-from cafa_cli.jobs.settings import (ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, MODEL, OUTPUT, RUNTIME, STATISTICS,
+from cafa_cli.jobs.config.settings import (AS_BUILT, AS_PATH, AS_PREPROCESSING, OUTPUT_FILE, _axis, check_covariance, check_gradual_severity, check_seed, parse_severities,
+                                    ADAPTATION, BENCH_METHODS, DATA, DEMO_CORRUPTIONS, METHOD, MODEL, OUTPUT, RUNTIME, STATISTICS,
                                     STREAM, AdaptationOptions, Covariance, InputOptions, MethodDataOptions, ModelOptions,
                                     OracleOptions, RecipeOptions, check_oracle, parse_method_options,
                                     RecordFormat, RuntimeOptions, SamplingOptions, StreamOptions, TestDataOptions, setting, factory_file)
@@ -34,18 +35,18 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
     """`cafa stats`: per-class feature Gaussians of training images, into an artifact."""
 
     data: str = setting(help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT "
-                        "/ fashion-mnist:ROOT.", flags=("--data", "-d"), metavar="PATH", panel=DATA)
+                        "/ fashion-mnist:ROOT.", flags=("--data", "-d"), metavar="PATH", panel=DATA, recorded='resolved: the domains as opened, each with its error')
     model: str | None = setting("resnet50", ModelOptions.__dataclass_fields__["model"].metadata["help"],
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True, recorded=AS_BUILT)
     seed: int = setting(0, "Seed of the stratified subset.", metavar="N", panel=STATISTICS)
     covariance: Covariance = setting("auto", "auto (lowrank when every class has fewer images than feature dimensions, "
                                      "else full), full (per class), lowrank (exact, a·I + low rank per class), tied "
-                                     "(one pooled), or diag.", panel=STATISTICS)
+                                     "(one pooled), or diag.", panel=STATISTICS, recorded='resolved: the form the artifact holds')
     norm_moments: bool = setting(False, "Also record each class's mean and variance of every BatchNorm's input, which "
                                  "adapt --norm class-balanced needs (2·C·channels values a layer).", panel=STATISTICS)
-    batch_size: int = setting(128, "Images per forward pass.", metavar="N", panel=RUNTIME)
+    batch_size: int = setting(128, "Images per batch: one forward pass each (memory and speed; the statistics are the same up to float64 rounding).", metavar="N", panel=RUNTIME)
     out: str = setting(DEFAULT_ARTIFACT, "Artifact to write (atomically).", flags=("--out", "-o"), metavar="PATH",
-                       panel=OUTPUT)
+                       panel=OUTPUT, recorded=OUTPUT_FILE)
 
     def __post_init__(self):
         check(self)
@@ -66,30 +67,26 @@ class AdaptConfig(ModelOptions, InputOptions, TestDataOptions, AdaptationOptions
                   OracleOptions, StreamOptions, RuntimeOptions):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
 
-    data: list[str] = setting(help="A test domain (repeatable): ImageFolder, unlabelled folder, .npy array, '-' for "
-                              "image paths on stdin, or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, cifar100-c:ROOT "
-                              "(one domain per corruption); office-home:ROOT, domainnet:ROOT, domainnet126:ROOT (one per "
-                              "domain; see --source).", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA)
+    data: list[str] = setting(help="A test domain (repeatable): image folder, unlabelled folder, .npy array, - (paths on stdin), or a benchmark such as imagenet-c:ROOT. docs/usage.md, Data", factory=list, flags=("--data", "-d"), metavar="PATH", panel=DATA, recorded='resolved: the domains as opened, each with its error')
     stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}); it also names the model, "
                                 f"so --model/--weights can be left out.", flags=("--stats", "-s"), metavar="PATH",
-                                panel=MODEL)
-    method: str = setting("cafa", f"The method ({', '.join(METHODS)}; see docs/usage.md for each), or a plug-in "
-                          f"written against the method protocol: package.module:factory or file.py:factory (its code "
-                          f"runs; the command line only, never a config file).", metavar="NAME", panel=ADAPTATION,
+                                panel=MODEL, recorded="resolved: the artifact's absolute path, creation time and form")
+    method: str = setting("cafa", f"The method: {', '.join(REGISTRY)} (cafa methods describes each); or a plug-in, package.module:factory or "
+                          f"file.py:factory (its code runs; the command line only).", metavar="NAME", panel=METHOD,
                           names_code=True)
     allow_weights_mismatch: bool = setting(False, "Use the artifact with another model or other weights than it was "
                                            "computed with.", panel=MODEL, command_line_only=True)
     shuffle: bool = setting(True, "Shuffle each domain's stream (seeded).", flags=("--shuffle/--no-shuffle",), panel=STREAM)
     seed: int = setting(0, "Seed of the stream order.", metavar="N", panel=STREAM)
-    format: RecordFormat = setting("csv", "Prediction records as csv or jsonl.", panel=OUTPUT)
-    predictions: str | None = setting(None, "Write the records to this file instead of stdout.", metavar="PATH", panel=OUTPUT)
-    metrics_json: str | None = setting(None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT)
+    format: RecordFormat = setting("csv", "Prediction records as csv or jsonl.", panel=OUTPUT, recorded=OUTPUT_FILE)
+    predictions: str | None = setting(None, "Write the records to this file instead of stdout.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE)
+    metrics_json: str | None = setting(None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE)
 
     def __post_init__(self):
         if self.predictions == "-":  # stdout, as without the option
             self.predictions = None
-        if self.method not in METHODS and not is_plugin(self.method):
-            raise UsageError(f"`method` must be one of {', '.join(METHODS)}, or a plug-in module:factory, not {self.method}")
+        if self.method not in REGISTRY and not is_plugin(self.method):
+            raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {self.method}")
         check(self)
         check_seed("seed", self.seed)
         if self.data.count("-") > 1:
@@ -138,51 +135,32 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
                   StreamOptions, RuntimeOptions):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
-    data: list[str] = setting(help="A labelled test domain (repeatable), or a benchmark: imagenet-c:ROOT, cifar10-c:ROOT, "
-                              "cifar100-c:ROOT (one domain per corruption); office-home:ROOT, domainnet:ROOT, "
-                              "domainnet126:ROOT (one per domain; see --source).", factory=list, flags=("--data", "-d"),
-                              metavar="PATH", panel=DATA)
-    train: str | None = setting(None, "Training data for the statistics (as cafa stats --data). Default for "
-                                "fmnist-resnet: fashion-mnist; for a RobustBench CIFAR model on its benchmark, CIFAR's "
-                                "python version beside it, as RobustBench keeps it (cifar10-c:data/CIFAR-10-C: "
-                                "cifar10:data).", metavar="PATH", panel=DATA)
+    data: list[str] = setting(help="A labelled test domain (repeatable), or a benchmark such as imagenet-c:ROOT. docs/usage.md, Data", factory=list, flags=("--data", "-d"),
+                              metavar="PATH", panel=DATA, recorded='resolved: the domains as opened, each with its error')
+    train: str | None = setting(None, "Training images for the statistics (as cafa stats --data). Default: fashion-mnist for fmnist-resnet; CIFAR beside a RobustBench CIFAR benchmark.", metavar="PATH", panel=DATA, recorded=AS_PATH)
     model: str | None = setting("fmnist-resnet", ModelOptions.__dataclass_fields__["model"].metadata["help"] + " On a "
                                 "named benchmark the default is its family's standard model: " + "; ".join(
                                     f"{family}:ROOT, {model}" for family, model in STANDARD_MODELS.items()) + ".",
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True, recorded=AS_BUILT)
     test_resize: str | None = setting(None, "--resize for the test domains only (default: --resize). ImageNet-C: none.",
-                                      metavar="PX", panel=DATA)
+                                      metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
     test_crop: str | None = setting(None, "--crop for the test domains only (default: --crop). ImageNet-C: none.",
-                                    metavar="PX", panel=DATA)
-    methods: str = setting(BENCH_METHODS, "Rows, comma-separated: a method (statistics with --covariance auto); "
-                           "cafa-tied, cafa-diag, cafa-dense, cafa-lowrank (that covariance forced); cafa-full (the "
-                           "paper's CAFA-Full: --params all); all (every method and variant); a plug-in file.py:factory or "
-                           "package.module:factory (as cafa adapt --method; the command line only). NAME@LR gives a row its own "
-                           "learning rate.",
-                           metavar="M[@LR],...", panel=ADAPTATION, names_code=True)
-    seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM)
-    orders: str | None = setting(None, "A grid axis: stream orders (as --order), comma-separated, e.g. iid,label-shift:0.5,"
-                                 "label-shift:1.0 for the paper's label-shift table; every row runs under each. Default: "
-                                 "--order alone.", metavar="ORDER,...", panel=STREAM, show_default=False)
-    batch_sizes: str | None = setting(None, "A grid axis: adaptation batch sizes, comma-separated, e.g. 1,2,4,8 for the "
-                                      "paper's small-batch table (with --norm prior:N); every row runs with each. Default: "
-                                      "--batch-size alone.", metavar="N,...", panel=STREAM, show_default=False)
-    severities: str | None = setting(None, "A grid axis: corruption severities 1-5, comma-separated, e.g. 1,2,3,4,5 for the "
-                                     "paper's table per severity; every row runs at each (as --severity: named benchmarks "
-                                     "and stacked arrays). Default: --severity alone.", metavar="N,...", panel=DATA,
+                                    metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
+    methods: str = setting(BENCH_METHODS, "Rows, comma-separated: methods, cafa-tied, cafa-diag, cafa-dense, cafa-lowrank, cafa-full, all, or a plug-in; NAME@LR gives a row its own learning rate.",
+                           metavar="M[@LR],...", panel=METHOD, names_code=True, recorded='resolved: the rows, each with its method and settings')
+    seeds: str = setting("0", "Stream-order seeds, comma-separated; mean ± std over them.", metavar="N,...", panel=STREAM, recorded="resolved: each run's seed")
+    orders: str | None = setting(None, "Grid axis: stream orders (as --order), comma-separated; every row runs under each.", metavar="ORDER,...", panel=STREAM, show_default=False)
+    batch_sizes: str | None = setting(None, "Grid axis: batch sizes, comma-separated (e.g. 1,2,4,8 with --norm prior:N); every row runs with each.", metavar="N,...", panel=STREAM, show_default=False)
+    severities: str | None = setting(None, "Grid axis: severities 1-5, comma-separated; every row runs at each.", metavar="N,...", panel=DATA,
                                      show_default=False)
-    fractions: str | None = setting(None, "A sweep axis: training fractions, comma-separated, e.g. 0.005,0.01,0.05,0.1 "
-                                    "for the paper's figure on how many training images the statistics need; the statistics "
-                                    "are computed at each, and every row that uses them runs with each (the others once a seed). "
-                                    "Default: --fraction alone.", metavar="F,...", panel=STATISTICS, show_default=False)
-    batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C); the statistics are "
-                              "computed in batches of this size too.", metavar="N", panel=STREAM)
-    workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT)
-    csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT)
-    json: str | None = setting(None, "Write the table and every run as JSON.", metavar="PATH", panel=OUTPUT)
-    plot: str | None = setting(None, "Write a plot, SVG for a .svg file, else PNG (needs matplotlib): grouped bars; "
-                               "on a grid axis a line per method; with --fractions error against fraction.", metavar="PATH",
-                               panel=OUTPUT)
+    fractions: str | None = setting(None, "Sweep axis: training fractions, comma-separated: statistics computed at each, rows that use them run with each.", metavar="F,...", panel=STATISTICS, show_default=False)
+    batch_size: int = setting(200, "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C); the statistics are computed in batches of this size too.", metavar="N", panel=STREAM)
+    workdir: str = setting("cafa-bench", "Where artifacts are kept and re-used.", metavar="DIR", panel=OUTPUT, recorded='where the statistics are kept, by content')
+    csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE)
+    metrics_json: str | None = setting(None, "Write the table, every run's errors and the settings as JSON.", metavar="PATH",
+                                       panel=OUTPUT, recorded=OUTPUT_FILE)
+    plot: str | None = setting(None, "Write a figure (SVG for .svg, else PNG; needs matplotlib): bars, or a line per method on a grid axis.", metavar="PATH",
+                               panel=OUTPUT, recorded=OUTPUT_FILE)
 
     def __post_init__(self):
         check(self)
@@ -195,7 +173,7 @@ class BenchConfig(ModelOptions, InputOptions, TestDataOptions, SamplingOptions, 
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
 
     def outputs(self) -> dict[str, str | None]:
-        return {"`csv`": self.csv, "`json`": self.json, "`plot`": self.plot}
+        return {"`csv`": self.csv, "`metrics_json`": self.metrics_json, "`plot`": self.plot}
 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {"`train`": self.train, **self.model_inputs(), "`labels`": self.labels, "`classes`": self.classes,
@@ -298,16 +276,16 @@ class DemoConfig:
     """`cafa demo`: Fashion-MNIST-C built from Debian's package, then stats, adapt and a table."""
 
     workdir: str = setting("cafa-demo", "Where the data and artifacts go (re-used on a second run).", metavar="DIR",
-                           panel=OUTPUT)
+                           panel=OUTPUT, recorded='where the statistics are kept, by content')
     corruptions: str = setting(DEMO_CORRUPTIONS, "Comma-separated corrupt-tta corruptions, or 'all' (the 15 of "
                                "ImageNet-C).", metavar="NAME,...", panel=DATA)
-    severity: int = setting(3, "Corruption severity 1-5.", metavar="N", panel=DATA)
+    severity: int = setting(3, "Corruption severity 1-5.", metavar="N", panel=DATA, recorded="resolved: with the named benchmarks' default filled in")
     severities: str | None = setting(None, "With --data-only: build each of these severities, comma-separated (1,2,3,4,5 "
                                      "for cafa bench --severities), in place of --severity.", metavar="N,...", panel=DATA,
                                      show_default=False)
     train_per_class: int = setting(300, "Training images per class for the statistics.", metavar="N", panel=DATA)
     test_per_class: int = setting(300, "Test images per class and domain (0: all 1,000).", metavar="N", panel=DATA)
-    methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=ADAPTATION, names_code=True)
+    methods: str = setting("source,bn,tent,cafa", "Methods to compare.", metavar="M,...", panel=METHOD, names_code=True, recorded='resolved: the rows, each with its method and settings')
     batch_size: int = setting(200, "Images per adaptation batch.", metavar="N", panel=ADAPTATION)
     lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
     seed: int = setting(0, "Seed of the data, the subset and the stream.", metavar="N", panel=ADAPTATION)
@@ -337,17 +315,17 @@ class FeaturesPlotConfig(ModelOptions, InputOptions, AdaptationOptions, RecipeOp
 
     data: list[str] = setting(help="The test domain: an ImageFolder (one folder per class colours the points by class), "
                               "an unlabelled folder, or a .npy array.", factory=list, flags=("--data", "-d"),
-                              metavar="PATH", panel=DATA)
+                              metavar="PATH", panel=DATA, recorded='resolved: the domains as opened, each with its error')
     stats: str | None = setting(None, f"Artifact from cafa stats (default: {DEFAULT_ARTIFACT}): it names the model, and its "
                                 f"class means are drawn among the features.", flags=("--stats", "-s"), metavar="PATH",
-                                panel=MODEL)
+                                panel=MODEL, recorded="resolved: the artifact's absolute path, creation time and form")
     allow_weights_mismatch: bool = setting(False, "Use the artifact with another model or other weights than it was "
                                            "computed with.", panel=MODEL, command_line_only=True)
     methods: str = setting("source,tent,cafa", "One panel per method, comma-separated, each adapted over the domain as cafa "
                            "adapt --method would; source is the model before adaptation.", metavar="M,...",
-                           panel=ADAPTATION, names_code=True)
+                           panel=METHOD, names_code=True, recorded='resolved: the rows, each with its method and settings')
     out: str = setting("features.png", "The figure, PNG or SVG by its extension (written atomically).",
-                       flags=("--out", "-o"), metavar="FILE", panel=OUTPUT)
+                       flags=("--out", "-o"), metavar="FILE", panel=OUTPUT, recorded=OUTPUT_FILE)
     seed: int = setting(0, "Seed of the image sample, the stream order and the embedding: the same seed gives the same "
                         "file, byte for byte.", metavar="N", panel=STREAM)
     max_images: int | None = setting(1000, "Images of the domain to adapt on and embed, a stratified sample (t-SNE's time "
@@ -355,7 +333,7 @@ class FeaturesPlotConfig(ModelOptions, InputOptions, AdaptationOptions, RecipeOp
     perplexity: float = setting(30.0, "t-SNE's perplexity (at most a third of the images and class means).", metavar="P",
                                 panel=OUTPUT)
     json: bool = setting(False, "Print each panel's numbers (error, feature scatter, Mahalanobis distance) as JSON on "
-                         "stdout.", panel=OUTPUT)
+                         "stdout.", panel=OUTPUT, recorded=OUTPUT_FILE)
 
     def __post_init__(self):
         check(self)
@@ -370,8 +348,8 @@ class FeaturesPlotConfig(ModelOptions, InputOptions, AdaptationOptions, RecipeOp
         if not self.perplexity > 0:
             raise UsageError(f"`perplexity` must be a positive number, not {self.perplexity}")
         for method in self.method_list():
-            if method not in METHODS and not is_plugin(method):
-                raise UsageError(f"`methods` names {method}, which is no method; give some of {', '.join(METHODS)} (or a "
+            if method not in REGISTRY and not is_plugin(method):
+                raise UsageError(f"`methods` names {method}, which is no method; give some of {', '.join(REGISTRY)} (or a "
                                  f"plug-in module:factory)")
 
     def method_list(self) -> list[str]:
@@ -402,53 +380,3 @@ def command_line_only(config_type) -> set[str]:
 
 def names_code(config_type) -> set[str]:
     return {f.name for f in fields(config_type) if f.metadata.get("names_code")}
-
-
-# --- checks and parsers shared by the groups ----------------------------------------
-
-
-
-
-
-
-def _axis(text: str, name: str, what: str) -> list[str]:
-    """A comma-separated grid axis: its values, each once."""
-    values = [value.strip() for value in text.split(",") if value.strip()]
-    if not values:
-        raise UsageError(f"`{name}` names no value; give {what}, or leave `{name}` out")
-    twice = repeated(values)
-    if twice:
-        raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
-    return values
-
-
-def parse_severities(text: str, name: str) -> list[int]:
-    """Comma-separated corruption severities, each 1-5 and once."""
-    try:
-        severities = [int(value) for value in _axis(text, name, "a severity")]
-    except ValueError:
-        raise UsageError(f"`{name}` takes comma-separated whole numbers 1-5, not {text!r}") from None
-    wrong = [s for s in severities if not 1 <= s <= 5]
-    if wrong:
-        raise UsageError(f"`{name}`: a severity is 1-5, not {wrong[0]}")
-    if len(set(severities)) < len(severities):
-        raise UsageError(f"`{name}` names a severity twice: {text}")
-    return severities
-
-
-def check_gradual_severity(config) -> None:
-    if config.gradual and config.severity is not None:
-        raise UsageError(f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them")
-
-
-def check_seed(name: str, seed: int) -> None:
-    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
-        raise UsageError(f"`{name}` must be 0 or more and below 2**63, not {seed}")
-
-
-
-
-def check_covariance(covariance: str, shrinkage: float | str) -> None:
-    if shrinkage == 0 and covariance == "lowrank":
-        raise UsageError("`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
-                         "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full")

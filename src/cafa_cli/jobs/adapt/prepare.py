@@ -1,45 +1,41 @@
-"""The `adapt` job: load the model and its statistics, open the test domains, build
-the Adapter, and run the online stream."""
+"""Preparing an `adapt` job: the model and its statistics read and checked against each
+other, the test domains opened against the model's classes, the recipe applied, the
+Adapter built, and every setting the results depend on recorded for the metrics JSON."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 import numpy as np
 import torch
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import NEEDS_STATISTICS, PREDICT_AS_BN_BEFORE_UPDATING, create, is_plugin
+from cafa_cli.method.methods import create, entry_of, is_plugin
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.artifact import Artifact, read_artifact
-from cafa_cli.data.domain import Domain, padding_note, relabel
+from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.orders import check_labels
-from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, benchmark_of, expand_benchmarks, has_severities, source_of
+from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
-from cafa_cli.jobs.clean import clean_error, clean_summary
+from cafa_cli.jobs.shared.clean import clean_error
 from cafa_cli.errors import InputError, UsageError, WouldOverwrite, listing, repeated
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.devices import pick_device
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.monitor import Monitor
-from cafa_cli.jobs.results import DomainResult
-from cafa_cli.jobs.stream import adapt_domains
+from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.jobs.settings import factory_file
+from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.method.options import check_precision, parse_norm
-from cafa_cli.jobs.distributed import (RankMonitor, block, gather_on_root, launched_by_torchrun, process_group, rank_device,
-                                     show_other_ranks, why_domains_depend)
-from cafa_cli.jobs.inputs import (_check_classes, _class_names_of, _skip_warning, default_class_names, default_preprocessing,
+from cafa_cli.jobs.shared.inputs import (_check_classes, _class_names_of, default_class_names, default_preprocessing,
                                   recorded_data, resolve_model)
-from cafa_cli.jobs.outputs import check_outputs, guards_outputs
-from cafa_cli.jobs.report import metrics, prediction_records, write_json
-from cafa_cli.jobs.what_runs import adapting_line, constant_outputs, recipe_line, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.provenance import model_mismatch, recorded_model
 from cafa_cli.recipes import Recipe, recipe_for, standard_model
+from cafa_cli.jobs.adapt.job import Adaptation, _geometry
+
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -52,7 +48,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     if stats is not None or needed or model.model is None:
         # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods
         # that use them, and for a plug-in whenever an artifact is read; the class moments come with any read
-        artifact = read_artifact(stats_path, load_tensors=method in NEEDS_STATISTICS or is_plugin(method))
+        artifact = read_artifact(stats_path, load_tensors=entry_of(method).needs_statistics or is_plugin(method))
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
@@ -102,7 +98,7 @@ def check_model_and_artifact_named(config: AdaptConfig) -> None:
 def needs_artifact(config: AdaptConfig) -> bool:
     """Whether the run must read an artifact: for the method's class Gaussians, or for the
     class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
-    return config.method in NEEDS_STATISTICS or parse_norm(config.norm)[0] == "class-balanced"
+    return entry_of(config.method).needs_statistics or parse_norm(config.norm)[0] == "class-balanced"
 
 
 def missing_default_artifact(config: AdaptConfig) -> str:
@@ -110,7 +106,7 @@ def missing_default_artifact(config: AdaptConfig) -> str:
     here: it says what needs one, since with `model` given a user expects none to be read."""
     balanced = parse_norm(config.norm)[0] == "class-balanced"
     create = "cafa stats --norm-moments" if balanced else "cafa stats"
-    why = (f"`method` {config.method} needs its class statistics" if config.method in NEEDS_STATISTICS
+    why = (f"`method` {config.method} needs its class statistics" if entry_of(config.method).needs_statistics
            else "`norm` class-balanced needs the class moments it records")
     return f"{DEFAULT_ARTIFACT}: no such artifact; create one with {create}, or give the path of one with `stats` ({why})"
 
@@ -127,183 +123,9 @@ def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> s
             f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's")
 
 
-@dataclass
-class Adaptation:
-    """A prepared `adapt` job: the model, its domains and class names, ready to run."""
-
-    adapter: Adapter
-    domains: list[Domain]
-    preprocess: Preprocessing
-    class_names: list[str]
-    config: AdaptConfig
-    recorded_settings: dict  # every setting, for the metrics JSON
-    statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
-    statistics_sampling: dict | None = None  # the artifact's record of the images the statistics came from
-    groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
-    notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
-    clean: dict | None = None  # the source model's error on `clean`, when given
-    recipe: Recipe | None = None  # the published setting the run took what the user did not choose from
-
-    def cautions(self) -> list[str]:
-        """What the data or settings do that runs but quietly hurts the results, worth a warning."""
-        domains = list({id(domain): domain for domain in self.domains}.values())  # `gradual` visits a severity twice
-        notes = [*self.notes, *(note for domain in domains for note in domain.notes)]
-        notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
-        s = self.config
-        if s.method == "eata" and not s.fisher_data:
-            notes.append("--method eata without --fisher-data runs as eta: its Fisher anti-forgetting term needs clean "
-                         "source images; give --fisher-data PATH (e.g. the training images)")
-        if s.method == "bn" and self.adapter.batch_norms == 0:
-            notes.append("the model has no BatchNorm layers, so `method` bn gives the same predictions as source")
-        if s.norm != "batch" and not self.adapter.batch_norms:
-            notes.append(f"`norm` {s.norm} changes nothing here: "
-                         + ("the model has no BatchNorm layers" if self.adapter.method.adapts_normalisation
-                            else f"`method` {s.method} keeps its own normalisation statistics"))
-        if s.batch_size == 1 and self._batch_statistics():
-            notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
-                         "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`")
-        grouped = [_short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
-        if not s.shuffle and s.method != "source" and grouped:
-            notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
-                         f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
-        stored_cropped = [d for d in s.data if (benchmark_of(d) or ("",))[0] == "imagenet-c"]
-        if stored_cropped and (self.preprocess.resize or self.preprocess.crop):
-            # RobustBench #59: resizing and cropping them again zooms in and costs accuracy silently
-            notes.append(f"{listing(stored_cropped)}: ImageNet-C's images are stored 224x224, already resized and cropped; "
-                         f"{_geometry(self.preprocess)} changes them again: give `resize` none `crop` none")
-        made = self.statistics_preprocess
-        if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
-            notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
-                         f"(ImageNet-C); otherwise the features will not match the statistics")
-        if made and (made.channels, made.per_channel()) != (self.preprocess.channels, self.preprocess.per_channel()):
-            notes.append(f"`mean`/`std`/`channels` differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
-                         f"{made.channels} channel(s)): the features will not match the statistics")
-        return notes
-
-    def _batch_statistics(self) -> bool:
-        """Whether each batch is normalised by its own statistics (class-balanced: corrected, but its own)."""
-        kind, prior = parse_norm(self.adapter.norm)
-        return (kind in ("batch", "class-balanced") or prior == 0.0) and self.adapter.batch_norms > 0
-
-    def batch_cautions(self) -> list[str]:
-        """The cautions about how the domains' images fall into batches (a last batch of one
-        image, a domain of one batch): said at the first batch read, so that a domain none
-        of whose images can be read gets its error alone."""
-        s, notes = self.config, []
-        domains = list({id(domain): domain for domain in self.domains}.values())
-        streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
-            _short_name(d.name): len(d) for d in domains}
-        alone = [name for name, n in streams.items() if n % s.batch_size == 1]
-        if s.batch_size > 1 and self._batch_statistics() and alone:
-            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
-                         f"choose a `batch_size` that leaves more, or add `norm` prior:16")
-        one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
-        if s.method in PREDICT_AS_BN_BEFORE_UPDATING and s.reset == "domain" and one_batch:
-            # each batch is predicted before the update it gives (the online protocol)
-            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
-                         f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
-        return notes
-
-    def run(self, on_records=lambda records: None, monitor: Monitor | None = None,
-            warned: set[str] | None = None) -> list[DomainResult]:
-        """The stream; warnings to `monitor`, each of the batch cautions once (not again when in
-        `warned`, which gets them: a bench's runs share one)."""
-        monitor = monitor or Monitor()
-        warned = set() if warned is None else warned
-        outputs_checked = []
-        statistics_size = statistics_input_size(self.statistics_preprocess, self.statistics_sampling)
-
-        def first_batch(domain, images, logits):
-            # once a stream, and the check that reads the logits (a wait for the device) once a run
-            note = size_note(_short_name(domain.name), images, statistics_size, self.statistics_preprocess)
-            if note:
-                monitor.warn(note)
-            if not outputs_checked:
-                outputs_checked.append(True)
-                for caution in self.batch_cautions():
-                    if caution not in warned:
-                        warned.add(caution)
-                        monitor.warn(caution)
-                if constant_outputs(logits):
-                    monitor.warn(constant_outputs_note(_short_name(domain.name), len(logits)))
-
-        def records(batch_records, so_far: DomainResult):
-            monitor.advance(len(batch_records), f"err {100 * so_far.error:.1f}%" if so_far.labelled else "")
-            on_records(batch_records)
-
-        s = self.config
-        results = adapt_domains(
-            self.adapter,
-            self.domains,
-            self.preprocess,
-            **s.stream_options(),
-            groups=self.groups,
-            num_workers=s.num_workers,
-            strict=s.strict,
-            oracle=s.oracle,
-            on_records=records,
-            on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
-            on_domain=lambda domain: monitor.start(_short_name(domain.name), len(domain)),
-            on_first_batch=first_batch,
-        )
-        for result in results:
-            # fp16's loss scaler skips a few steps by design while it settles; otherwise a
-            # skipped update means the objective itself is broken and the run is bn's
-            if result.skipped_steps and s.precision != "fp16":
-                monitor.warn(f"{_short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
-                             f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`")
-            if result.unrefined_batches:
-                monitor.warn(f"{_short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
-                             f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
-                             f"faster form's rounding error")
-        self.recorded_settings["step_runner"] = self.adapter.step_runner  # graph, or eager and why (step_graph.py)
-        graph = self.adapter.graph
-        if graph is not None and graph.failed and graph.failed not in warned:
-            warned.add(graph.failed)
-            monitor.warn(f"the steps ran eagerly: {graph.failed}; the predictions are the eager step's (--no-cuda-graph "
-                         f"skips the attempt)")
-        return results
-
-
-def stream_units(job: Adaptation) -> int:
-    """How many parts the stream starts afresh at under `reset` domain: its corruptions with
-    `gradual` (each a run of severities), else its domains."""
-    return len(set(job.groups)) if job.groups is not None else len(job.domains)
-
-
-def part_of(job: Adaptation, units) -> Adaptation:
-    """The job on the domains of `units` only (stream_units' numbers, in stream order), the
-    same adapter starting afresh at each unit as the whole stream does at `reset` domain;
-    with `gradual`, each unit's severities numbered as a corruption of the part."""
-    units = list(units)
-    groups = job.groups if job.groups is not None else range(len(job.domains))
-    kept = [k for k, group in enumerate(groups) if group in units]
-    return replace(job, domains=[job.domains[k] for k in kept],
-                   groups=[units.index(groups[k]) for k in kept] if job.groups is not None else None)
-
-
-# what to do when the test data has another number of classes than the model's outputs
 FIX_CLASSES = "check `num_classes`, or give the class list in output order with `classes`"
 FEWER_CLASSES = (f"{FIX_CLASSES}; for a test set of some of the model's classes (ImageNet-R's or ImageNet-A's 200 of 1,000) "
                  f"give `classes` and the test set's classes as `class_subset` (docs/usage.md, Benchmarks)")
-
-
-def _one_class_after_another(labels: np.ndarray) -> bool:
-    """Labels in runs of one class each (class folders, in whatever order the folder names
-    sort against the model's classes), over more than one class."""
-    known = labels[labels >= 0]
-    classes = len(np.unique(known))
-    return classes > 1 and int((np.diff(known) != 0).sum()) == classes - 1
-
-
-def _geometry(recipe: Preprocessing) -> str:
-    return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
-
-
-def _short_name(name: str) -> str:
-    """`…/fog/5` → `fog/5` (the ImageNet-C layout), else the folder or file name."""
-    path = Path(name)
-    return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)
 
 
 def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> Adaptation:
@@ -351,7 +173,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
                             config.num_workers, device, config.strict, monitor or Monitor())
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
-    if config.method == "eata" and config.fisher_data:
+    if entry_of(config.method).without_source_images and config.fisher_data:
         options["fisher_batches"] = fisher_batches(config, preprocess, device)
     try:
         method = create(config.method, gaussians, device, **options)
@@ -483,16 +305,11 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
             yield preprocess.normalize(batch.images.to(device))
 
 
-# what the metrics JSON records of the settings, in this order
-RECORDED = ("method", "batch_size", "optimizer", "lr", "momentum", "steps", "params", "norm", "reset", "shuffle", "seed",
-            "order", "mix_domains", "gradual", "device", "precision", "num_workers", "strict", "compile", "cuda_graph", "allow_weights_mismatch")
-
-
 def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,
                        preprocess: Preprocessing) -> dict:
     """Every setting the results depend on, as resolved, for the metrics JSON."""
     return {
-        **{name: getattr(config, name) for name in RECORDED},
+        **{name: getattr(config, name) for name in recorded_as_given(AdaptConfig)},
         "device": str(device),
         "num_workers": loader_processes(config.num_workers, device),
         # which statistics: the path as resolved, and when they were made (a path can be overwritten)
@@ -503,10 +320,8 @@ def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Arti
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
         "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
-        "fisher_samples": config.fisher_samples,
         "severity": effective_severity(config),
         "source": source_of(config),
-        "oracle": config.oracle,
         "preprocessing": asdict(preprocess),
     }
 
@@ -515,62 +330,3 @@ def effective_severity(config) -> int | None:
     """`severity`, or the named benchmarks' default when one is among the domains."""
     named = any(has_severities(data) for data in config.data)
     return DEFAULT_SEVERITY if config.severity is None and named else config.severity
-
-
-@guards_outputs
-def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
-    """The whole `adapt` command: the records to `config.predictions` (stdout when None),
-    warnings to the monitor, the metrics to `config.metrics_json`; returns the results.
-    Under torchrun each rank adapts its share of the domains (they are independent with
-    `reset` domain); rank 0 writes every record in stream order and the metrics, and
-    returns every result; the other ranks write nothing and return None."""
-    if launched_by_torchrun():
-        check_spread(config)
-        config = replace(config, device=str(rank_device(pick_device(config.device))))
-    check_outputs(config.outputs(), config.inputs())
-    with process_group(pick_device(config.device)) as (rank, world):
-        said = RankMonitor(monitor if rank == 0 else None)
-        job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
-        # known only now: the paths stdin listed, and the model files an artifact named
-        recorded = job.recorded_settings
-        check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
-                                         "artifact's model": factory_file(recorded["model"]),
-                                         "artifact's weights": recorded["weights"]})
-        part = job
-        if world > 1:
-            part = part_of(job, block(stream_units(job), rank, world))
-            said.info(f"adapting {', '.join(dict.fromkeys(_short_name(domain.name) for domain in part.domains)) or 'nothing'}")
-        if rank > 0:
-            kept = []  # this rank's records, batch by batch, for rank 0 to write after its own
-            gather_on_root((kept, part.run(kept.append, said), said.said()), rank, world)
-            return None
-        with prediction_records(config.predictions, config.format, job.class_names) as writer:
-            unread = unread_default_artifact(config, job.preprocess)
-            for caution in [*job.cautions(), *([unread] if unread else [])]:
-                said.warn(caution)
-            adapted = job.adapter.adapted()
-            said.info(recipe_line(config.method, job.recorded_settings, job.adapter.method.trains))
-            said.info(adapting_line(adapted, config.method))
-            if job.clean:
-                said.info(clean_summary(job.clean))
-            results = part.run(writer.write, said)
-            others = gather_on_root(([], results, said.said()), rank, world)[1:]
-            for kept, _, _ in others:
-                for records in kept:
-                    writer.write(records)
-        results = [*results, *(result for _, theirs, _ in others for result in theirs)]
-        show_other_ranks(said, [said.said(), *(theirs for _, _, theirs in others)])
-    if config.metrics_json:
-        write_json(config.metrics_json, {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted})
-    return results
-
-
-def check_spread(config: AdaptConfig) -> None:
-    """Under torchrun the domains are spread over the ranks: each must be independent of those before it."""
-    why = why_domains_depend(config.method, config.reset, config.mix_domains)
-    if why is None and "-" in config.data:
-        why = "every rank would read `data` - (paths on standard input)", "give the folders or files"
-    if why:
-        problem, fix = why
-        raise UsageError(f"cafa adapt under torchrun spreads the domains over the ranks, but {problem}: "
-                         f"{fix + ', or ' if fix else ''}run it without torchrun")

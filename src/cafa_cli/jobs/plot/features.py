@@ -25,14 +25,15 @@ from cafa_cli.data.loading import batches
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
 from cafa_cli.errors import InputError
-from cafa_cli.jobs import feature_figure
-from cafa_cli.jobs.adapt import Adaptation, check_model_and_artifact_named, needs_artifact, prepare_adaptation, _short_name as short_name
-from cafa_cli.jobs.bench import row_method_options, shared
+from cafa_cli.jobs.plot import figure as feature_figure
+from cafa_cli.jobs.adapt.job import Adaptation, short_name
+from cafa_cli.jobs.adapt.prepare import check_model_and_artifact_named, needs_artifact, prepare_adaptation
+from cafa_cli.jobs.bench.runs import row_method_options, shared
 from cafa_cli.jobs.config import AdaptConfig, FeaturesPlotConfig
-from cafa_cli.jobs.monitor import Monitor
-from cafa_cli.jobs.outputs import check_outputs, guards_outputs
-from cafa_cli.jobs.report import percent
-from cafa_cli.jobs.what_runs import recipe_line
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.jobs.shared.report import percent
+from cafa_cli.jobs.shared.what_runs import recipe_line
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians
 

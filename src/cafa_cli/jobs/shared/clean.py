@@ -10,8 +10,8 @@ from cafa_cli.data.domain import Domain
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError
-from cafa_cli.jobs.inputs import _skip_warning
-from cafa_cli.jobs.monitor import Monitor
+from cafa_cli.jobs.shared.inputs import _skip_warning
+from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.features import FeatureClassifier
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
                                   parse_size)
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, repeated
 from cafa_cli.factories import code_file, parse_model_args
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
@@ -28,47 +28,60 @@ DEFAULT_FRACTION = 0.05  # of each class's training images: the paper's
 BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa-diag"
 DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
 
-# help panels, in the order --help shows them
-MODEL, DATA, ADAPTATION, STREAM, STATISTICS, OUTPUT, RUNTIME = (
-    "Model", "Data", "Adaptation", "Stream", "Statistics", "Output", "Runtime")
+# help panels, in the order --help shows them: as a user decides, what to adapt with first,
+# and last the settings a recipe gives (docs/usage.md explains each at length)
+METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION = (
+    "Method", "Data", "Model", "Stream", "Statistics", "Output", "Runtime", "Adaptation (a recipe sets these; what you give wins)")
+PANELS = (METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION)
+
+
+# what the run's JSON record keeps of a setting (`recorded`): True, its value as given; else why not,
+# mostly because the job records it resolved (a path made absolute, defaults filled in, a file hashed)
+AS_BUILT = "resolved: the model as built, with its weights' sha256"
+AS_PATH = "resolved: an absolute path"
+AS_PREPROCESSING = "resolved: as `preprocessing`, defaults filled in"
+AS_SAMPLE = "resolved: the training sample, a fraction or a count"
+OUTPUT_FILE = "an output"
 
 
 def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
             panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False,
-            option: bool = True):
+            option: bool = True, recorded: bool | str = True):
     """A config field with what its command-line option needs. `flags` replaces the
     generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
     setting that lets code run or lifts a safety check, which no config file may set;
     `names_code` one whose value may name code to import (module:function), which a config
-    file may set to a plain name only; `option` False, a field the command fills itself."""
+    file may set to a plain name only; `option` False, a field the command fills itself.
+    `recorded` True: the run's JSON record keeps the value as given (recorded_as_given);
+    else the reason it does not, which tests/test_jobs_config.py requires of every field."""
     metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
-                "command_line_only": command_line_only, "names_code": names_code, "option": option}
+                "command_line_only": command_line_only, "names_code": names_code, "option": option, "recorded": recorded}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def recorded_as_given(config_type) -> tuple[str, ...]:
+    """The settings a run's JSON record keeps as given, in field order: those whose field
+    says `recorded` True (the adapt metrics' and the bench JSON's `settings`)."""
+    return tuple(f.name for f in fields(config_type) if f.metadata.get("recorded", True) is True)
 
 
 @dataclass(kw_only=True)
 class ModelOptions:
     """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
 
-    model: str | None = setting(None, "torchvision architecture (resnet50, ...), a bundled model (fmnist-resnet), "
-                                "timm:NAME (pip install 'cafa-cli[timm]'), torchvision:NAME, robustbench:DATASET/NAME (RobustBench's "
-                                "corruption models, e.g. robustbench:cifar10/Standard; checkpoint from --weights or "
-                                "./models/DATASET/corruptions/NAME.pt), or a factory: file.py:function "
-                                "or package.module:function (its code runs; the command line only, never a config file).",
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True)
-    weights: str | None = setting(None, "State dict: .safetensors, or .pt/.pth (read with weights_only=True); or "
-                                  "pretrained weights by name from the local cache, never downloaded: a torchvision weights "
-                                  "enum (IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT) or a timm tag (a1_in1k).",
-                                  flags=("--weights", "-w"), metavar="PATH|NAME", panel=MODEL)
+    model: str | None = setting(None, "torchvision architecture (resnet50), bundled model (fmnist-resnet), timm:NAME, robustbench:DATASET/NAME, or a factory file.py:function (its code runs; command line only). docs/usage.md, Models",
+                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True, recorded=AS_BUILT)
+    weights: str | None = setting(None, "State dict (.safetensors, or .pt/.pth read with weights_only=True), or pretrained weights by name from the local cache, never downloaded (IMAGENET1K_V2, a timm tag).",
+                                  flags=("--weights", "-w"), metavar="PATH|NAME", panel=MODEL, recorded=AS_BUILT)
     model_args: list[str] = setting(help="A keyword argument of the model's constructor or factory, KEY=VALUE "
                                     "(repeatable): image_size=64, drop_rate=0.1; a value is a Python literal, else text.",
-                                    factory=list, flags=("--model-arg",), metavar="KEY=VALUE", panel=MODEL)
-    num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL)
-    classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL)
+                                    factory=list, flags=("--model-arg",), metavar="KEY=VALUE", panel=MODEL, recorded=AS_BUILT)
+    num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL, recorded=AS_BUILT)
+    classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL, recorded=AS_BUILT)
     trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
-                                     "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True)
+                                     "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True, recorded="lets a checkpoint's code run, and changes no result")
 
     def model_inputs(self) -> dict[str, str | None]:
         """The files the model is read from, which no output may replace."""
@@ -91,27 +104,24 @@ class InputOptions:
 
     classes: str | None = setting(None, "File with one class name per line, in the model's output order (default: an "
                                   "artifact's or a bundled model's list, else the sorted folder names).", metavar="PATH",
-                                  panel=DATA)
-    class_subset: str | None = setting(None, "File with the classes to predict among, one name (wnid) a line, e.g. "
-                                       "ImageNet-R's 200 of a 1000-class model: the logits are those classes' only, and "
-                                       "cafa stats keeps their images only (see docs/usage.md, Benchmarks).",
-                                       metavar="PATH", panel=DATA)
-    labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA)
-    severity: int | None = setting(None, "Pick severity 1-5 from an array stacking five (CIFAR-10-C layout), or of "
-                                   "imagenet-c:ROOT / fashion-mnist-c:ROOT / cifar10-c:ROOT / cifar100-c:ROOT (default 5 there).",
-                                   metavar="N", panel=DATA)
+                                  panel=DATA, recorded=AS_PATH)
+    class_subset: str | None = setting(None, "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/usage.md, Benchmarks.",
+                                       metavar="PATH", panel=DATA, recorded=AS_PATH)
+    labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA, recorded=AS_PATH)
+    severity: int | None = setting(None, "Severity 1-5 of a named benchmark or a stacked array (default 5 there).",
+                                   metavar="N", panel=DATA, recorded="resolved: with the named benchmarks' default filled in")
     resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
-                                 "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA)
+                                 "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
     crop: str | None = setting(None, "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
-                               "already 224x224: use --resize none --crop none.", metavar="PX", panel=DATA)
+                               "already 224x224: use --resize none --crop none.", metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
     mean: str | None = setting(None, "Normalisation mean, one value or one per channel; default as --resize's, or "
-                               "ImageNet's.", metavar="X[,X,X]", panel=DATA)
+                               "ImageNet's.", metavar="X[,X,X]", panel=DATA, recorded=AS_PREPROCESSING)
     std: str | None = setting(None, "Normalisation std, one value or one per channel; default as --mean's.",
-                              metavar="X[,X,X]", panel=DATA)
-    channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA)
+                              metavar="X[,X,X]", panel=DATA, recorded=AS_PREPROCESSING)
+    channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA, recorded=AS_PREPROCESSING)
     interpolation: str | None = setting(None, "Resize filter: bilinear, bicubic or nearest. Default: the artifact's "
                                         "(adapt), the model's own (timm, torchvision weights by name), or bilinear.",
-                                        metavar="MODE", panel=DATA)
+                                        metavar="MODE", panel=DATA, recorded=AS_PREPROCESSING)
 
     def preprocessing_changes(self, prefix: str = "") -> dict:
         """The preprocessing values given (None: not given), parsed and each checked by itself."""
@@ -133,23 +143,17 @@ class InputOptions:
 class TestDataOptions:
     """Which test images, beyond the domains: an image-id list, and a clean set to check the model on."""
 
-    subset: str | None = setting(None, "File of image ids to keep in each test domain, one a line: CLASS/FILE as below "
-                                 "the domain's folder, or FILE (RobustBench's 5,000-image ImageNet-C list).",
-                                 metavar="PATH", panel=DATA)
-    clean: str | None = setting(None, "The clean test set of the benchmark (ImageNet's val folder, cifar10-test:ROOT): "
-                                "the source model's error on it is printed before adapting, as a sanity check. Prepared "
-                                "as the statistics' training images.", metavar="PATH", panel=DATA)
-    source: str | None = setting(None, "The source domain of a domain-adaptation benchmark among the domains "
-                                 "(office-home:ROOT, domainnet:ROOT, domainnet126:ROOT): left out of the targets, and "
-                                 "named in the table and the JSON. The model and its statistics are the source's.",
-                                 metavar="DOMAIN", panel=DATA)
+    subset: str | None = setting(None, "File of image ids to keep in each test domain, one a line (RobustBench's 5,000-image ImageNet-C list).",
+                                 metavar="PATH", panel=DATA, recorded=AS_PATH)
+    clean: str | None = setting(None, "The benchmark's clean test set: the source model's error on it is printed first, as a sanity check.", metavar="PATH", panel=DATA, recorded="resolved: the source model's error on it")
+    source: str | None = setting(None, "The source domain of a domain-adaptation benchmark (office-home, domainnet): left out of the targets.",
+                                 metavar="DOMAIN", panel=DATA, recorded='resolved: the source domain the benchmark names')
 
 
 @dataclass(kw_only=True)
 class RuntimeOptions:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", metavar="DEVICE", panel=RUNTIME)
-    num_workers: int | None = setting(None, "Data loading processes. Default: on CUDA the CPU cores this process may use, "
-                                      "divided among torchrun's ranks on the machine, minus one; on the CPU 0.",
+    num_workers: int | None = setting(None, "Data loading processes. Default: on CUDA the cores this process may use, less one (shared among torchrun's ranks); on the CPU 0.",
                                       metavar="N", panel=RUNTIME, show_default=False)
     strict: bool = setting(False, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME)
 
@@ -169,15 +173,10 @@ class AdaptationOptions:
     lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
     momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
     steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
-    norm: str = setting("batch", "The statistics BatchNorms normalise with: batch (the test batch's); prior:N (the source's "
-                        "count as N samples, for small batches); source (frozen; only the affines adapt); ema:M (running, "
-                        "moved by momentum M, as RoTTA's); class-balanced (the batch's, corrected for its class mix: for "
-                        "label shift; needs cafa stats --norm-moments). See docs/usage.md.", metavar="NORM", panel=ADAPTATION)
-    precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=ADAPTATION)
-    compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=ADAPTATION)
-    cuda_graph: bool = setting(True, "On CUDA, replay each step from a CUDA graph where the method allows it (one launch a "
-                               "batch instead of hundreds; checked against an eager step once). --no-cuda-graph: every step "
-                               "eager.", flags=("--cuda-graph/--no-cuda-graph",), panel=ADAPTATION)
+    norm: str = setting("batch", "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; needs cafa stats --norm-moments). docs/usage.md, Normalisation statistics", metavar="NORM", panel=ADAPTATION)
+    precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=RUNTIME)
+    compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=RUNTIME)
+    cuda_graph: bool = setting(True, "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once.", flags=("--cuda-graph/--no-cuda-graph",), panel=RUNTIME)
 
     def adapter_options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
@@ -190,18 +189,13 @@ class AdaptationOptions:
 class RecipeOptions:
     """Which published setting a method runs with, and its own options beyond it."""
 
-    recipe: str = setting("auto", "The methods' published settings (recipes/*.toml; cafa methods NAME --recipe R prints "
-                          "one): imagenet-c, cifar10-c, cifar100-c; auto (from a named benchmark among the domains, else "
-                          "the model's 10, 100 or 1000 classes; other models: none); none (the defaults shown here); or a "
-                          ".toml file of method tables. Options given (command line, cafa.toml) win over it, one by one.",
-                          metavar="NAME|FILE", panel=ADAPTATION)
-    method_option: list[str] = setting(help="One of the method's own options, NAME=VALUE (repeatable), over its recipe's: "
-                                       "redundancy_margin=0.4, affinity=knn, frozen=layer4,layer3; METHOD.NAME=VALUE for "
-                                       "one method of a bench. cafa methods NAME lists them.", factory=list,
-                                       flags=("--method-option",), metavar="NAME=VALUE", panel=ADAPTATION)
+    recipe: str = setting("auto", "The methods' published settings: auto (from the benchmark or the class count), imagenet-c, cifar10-c, cifar100-c, none, or a .toml file (cafa methods NAME --recipe R prints one).",
+                          metavar="NAME|FILE", panel=METHOD)
+    method_option: list[str] = setting(help="A method's own option NAME=VALUE (repeatable), e.g. redundancy_margin=0.4; METHOD.NAME=VALUE for one method of a bench. cafa methods NAME lists them.", factory=list,
+                                       flags=("--method-option",), metavar="NAME=VALUE", panel=METHOD)
     # the settings the user chose, which a recipe does not replace (the command line fills it);
     # None: those that differ from their defaults
-    given: tuple[str, ...] | None = setting(None, option=False)
+    given: tuple[str, ...] | None = setting(None, option=False, recorded='what the user typed, which a recipe leaves as it is')
 
     def recipe_file(self) -> str | None:
         return self.recipe if self.recipe.endswith(".toml") else None
@@ -240,9 +234,8 @@ def parse_method_options(entries: list[str]) -> list[tuple[str | None, str, str]
 class MethodDataOptions:
     """What a method needs beyond the model, its statistics and the test data."""
 
-    fisher_data: str | None = setting(None, "eata: clean source images (a folder or array, as --data) for its Fisher "
-                                      "anti-forgetting term; without it eata runs as eta. Prepared as the test images.",
-                                      metavar="PATH", panel=ADAPTATION)
+    fisher_data: str | None = setting(None, "eata: clean source images (as --data) for its Fisher anti-forgetting term; without them eata runs as eta.",
+                                      metavar="PATH", panel=ADAPTATION, recorded='resolved: the data as opened')
     fisher_samples: int = setting(2000, "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
                                   metavar="N", panel=ADAPTATION)
 
@@ -254,19 +247,13 @@ class MethodDataOptions:
 class StreamOptions:
     """The order and grouping of the test images: adapt_domains' keyword arguments."""
 
-    batch_size: int = setting(200, "Images per adaptation batch (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
+    batch_size: int = setting(200, "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
     reset: Reset = setting("domain", "domain (each domain from the source weights), episodic (every batch), never "
                            "(continual).", panel=STREAM)
-    order: str = setting("iid", "Order of each domain's images: iid (shuffled); label-shift:S, the paper's label shift "
-                         "(the class distribution peaks at S + (1-S)/c on one class, the peak moving through the classes "
-                         "over the stream); dirichlet:D, NOTE's and RoTTA's correlated stream (each class spread over time "
-                         "slots by Dirichlet(D); 0.1 and 0.01 usual). Both need labels; see docs/usage.md.",
+    order: str = setting("iid", "Order of each domain's images: iid, label-shift:S (the paper's), or dirichlet:D (NOTE's and RoTTA's; 0.1, 0.01). docs/usage.md, Stream settings",
                          metavar="ORDER", panel=STREAM)
-    mix_domains: bool = setting(False, "All domains interleaved into one stream, ordered as one (the test-time-adaptation "
-                                "benchmark's mixed_domains); errors still per domain.", panel=STREAM)
-    gradual: bool = setting(False, "Each domain is a corruption (DIR holding DIR/1 ... DIR/5, or one of them), visited at "
-                            "severities 1,2,3,4,5,4,3,2,1 as in CoTTA's gradual setting; --reset domain resets per "
-                            "corruption.", panel=STREAM)
+    mix_domains: bool = setting(False, "All domains interleaved into one stream (errors still per domain).", panel=STREAM)
+    gradual: bool = setting(False, "Visit each corruption at severities 1,2,3,4,5,4,3,2,1 (CoTTA's gradual setting); DOMAIN is the corruption's folder.", panel=STREAM)
 
     def _check_stream(self) -> None:
         check_batch_size(self.batch_size)
@@ -279,17 +266,14 @@ class StreamOptions:
 class OracleOptions:
     """An analysis of labelled streams: the paper's CAFA-Oracle."""
 
-    oracle: bool = setting(False, "CAFA-Oracle, an analysis for labelled streams: the class-aware loss takes each image's "
-                           "true label in place of the model's prediction (its pseudo-label); the predictions reported are "
-                           "still the model's. For cafa, intra, euclidean and cafa-eata; cafa bench adds a NAME-oracle row after each "
-                           "row of those (cafa-tied-oracle, ...).", panel=ADAPTATION)
+    oracle: bool = setting(False, "CAFA-Oracle: the class-aware loss takes the true labels in place of the predictions; the predictions reported are still the model's. For cafa, intra, euclidean and cafa-eata; bench adds a NAME-oracle row after each of theirs.", panel=ADAPTATION)
 
 
 def oracle_methods() -> list[str]:
     """The built-in methods whose loss uses the predicted class, which `oracle` replaces."""
-    from cafa_cli.method.methods import NAMES, method_class
+    from cafa_cli.method.methods import REGISTRY, method_class
 
-    return [name for name in NAMES if method_class(name).takes_labels]
+    return [name for name in REGISTRY if method_class(name).takes_labels]
 
 
 def check_oracle(method: str) -> None:
@@ -307,12 +291,12 @@ class SamplingOptions:
     """Which training images the statistics come from, and how they are regularised."""
 
     fraction: float | None = setting(None, f"Stratified fraction of each class's training images, in (0, 1]; default "
-                                     f"{DEFAULT_FRACTION}.", metavar="F", panel=STATISTICS, show_default=False)
+                                     f"{DEFAULT_FRACTION}.", metavar="F", panel=STATISTICS, show_default=False, recorded=AS_SAMPLE)
     per_class: int | None = setting(None, "This many training images per class instead of a --fraction.", metavar="N",
-                                    panel=STATISTICS)
+                                    panel=STATISTICS, recorded=AS_SAMPLE)
     shrinkage: str = setting("auto", "'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: "
                              "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.", metavar="auto|λ",
-                             panel=STATISTICS)
+                             panel=STATISTICS, recorded='resolved: a number, or auto')
 
     def training_sample(self) -> tuple[float | None, int | None]:
         """(fraction, None) or (None, per_class): a fraction of 0.05 when neither is given."""
@@ -357,3 +341,44 @@ def parse_shrinkage(value: float | str) -> float | str:
     if not 0.0 <= lam <= 1.0:
         raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {value!r}")
     return lam
+
+
+def _axis(text: str, name: str, what: str) -> list[str]:
+    """A comma-separated grid axis: its values, each once."""
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    if not values:
+        raise UsageError(f"`{name}` names no value; give {what}, or leave `{name}` out")
+    twice = repeated(values)
+    if twice:
+        raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
+    return values
+
+
+def parse_severities(text: str, name: str) -> list[int]:
+    """Comma-separated corruption severities, each 1-5 and once."""
+    try:
+        severities = [int(value) for value in _axis(text, name, "a severity")]
+    except ValueError:
+        raise UsageError(f"`{name}` takes comma-separated whole numbers 1-5, not {text!r}") from None
+    wrong = [s for s in severities if not 1 <= s <= 5]
+    if wrong:
+        raise UsageError(f"`{name}`: a severity is 1-5, not {wrong[0]}")
+    if len(set(severities)) < len(severities):
+        raise UsageError(f"`{name}` names a severity twice: {text}")
+    return severities
+
+
+def check_gradual_severity(config) -> None:
+    if config.gradual and config.severity is not None:
+        raise UsageError(f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them")
+
+
+def check_seed(name: str, seed: int) -> None:
+    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
+        raise UsageError(f"`{name}` must be 0 or more and below 2**63, not {seed}")
+
+
+def check_covariance(covariance: str, shrinkage: float | str) -> None:
+    if shrinkage == 0 and covariance == "lowrank":
+        raise UsageError("`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
+                         "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full")

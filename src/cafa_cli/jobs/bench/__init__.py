@@ -1,0 +1,189 @@
+"""`cafa bench`: methods × domains × seeds → a paper-style error table.
+
+Every (row, seed) is one `cafa adapt` run over all the domains, through the same
+functions as the CLI. Statistics are computed once per covariance mode (and training
+fraction, on a fraction sweep) and re-used.
+Under torchrun the runs are spread over the ranks, and so are the domains of a run
+whose domains are independent (`reset` domain).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+from itertools import groupby
+from pathlib import Path
+from cafa_cli.data.arrays import TRAINING_SETS
+from cafa_cli.data.sources import on_disk
+from cafa_cli.jobs.shared.distributed import RankMonitor, gather_on_root, show_other_ranks, wait_for_all, why_domains_depend
+from cafa_cli.errors import InputError
+from cafa_cli.files import make_workdir
+from cafa_cli.checkpoints import check_weights_file
+from cafa_cli.devices import pick_device
+from cafa_cli.jobs.bench import tables
+from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
+from cafa_cli.jobs.adapt.job import part_of
+from cafa_cli.jobs.adapt.prepare import prepare_adaptation
+from cafa_cli.jobs.shared.clean import clean_summary
+from cafa_cli.data.benchmarks import expand_benchmarks, source_of
+from cafa_cli.jobs.config import BenchConfig
+from cafa_cli.jobs.shared.distributed import process_group, rank_device
+from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.models import pretrained_by_name
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.method.gaussians import check_options
+from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.jobs.bench.record import ROW_SETTINGS, write_json
+from cafa_cli.jobs.bench.runs import check_domains, check_method_options, row_config, training_data, with_standard_model
+from cafa_cli.jobs.bench.statistics import covariances_needed, ensure_statistics, shared_class_list, statistics_needed
+
+
+
+@guards_outputs
+def run(config: BenchConfig, monitor: Monitor) -> str | None:
+    """The whole `bench` command: the grid, then the table as markdown (returned) and as
+    the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
+    config, model_line = with_standard_model(config)
+    rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods)))))
+    seeds = config.seed_list()
+    check_outputs(config.outputs(), config.inputs())
+    if config.plot:
+        tables.check_plotting()
+    target = rank_device(pick_device(config.device))
+    domains, notes = expand_benchmarks(config.data, config.source)  # a benchmark's ROOT: a column per corruption or domain
+    train, train_line = training_data(config.train, config.model, config.data, rows)
+    config = replace(config, device=str(target), train=train, data=domains)
+    clean, settings = {}, {}
+    with process_group(target) as (rank, world):
+        for line in [model_line, train_line] if rank == 0 else []:
+            if line:
+                monitor.info(line)
+        for note in notes if rank == 0 else []:
+            monitor.warn(note)
+        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings)
+    if results is None:
+        return None
+    table = tables.summarise(results, rows, config.data, seeds)
+    axes, sweep = config.grid_axes(), config.fractions is not None
+    if config.csv:
+        tables.write_csv(config.csv, table, config.data, rows if axes or sweep else None)
+    if config.metrics_json:
+        write_json(config.metrics_json, config, rows, seeds, table, results, clean or None, settings)
+    if config.plot:
+        if sweep:
+            tables.plot_fractions(config.plot, table, rows)
+        else:
+            (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
+    text = tables.markdown(table, config.data, seeds)
+    if config.source:  # the columns are the targets; the model and its statistics are the source's
+        text = f"source: {source_of(config)}\n\n{text}"
+    if sweep:
+        return f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
+    return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
+
+
+def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
+              world: int = 1, clean: dict | None = None,
+              settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
+    """Every (row label, domain, seed) result: statistics computed once per covariance
+    mode (and fraction) the rows need (or re-used from the workdir), then the grid. Under torchrun every
+    rank joins the statistics and runs its share of the grid; rank 0 gets every result,
+    the other ranks None, and shows what the other ranks' runs said. With `clean` set, the
+    source model's clean error goes into `clean`; with `settings`, each row's settings as its
+    runs resolved them (ROW_SETTINGS), on rank 0."""
+    monitor = RankMonitor(monitor if rank == 0 else None)
+    # every check before statistics that can take hours, and before the workdir is made
+    check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
+    check_method_options(config, rows)
+    for row in rows:
+        row_config(config, row, seeds[0], None, None)
+    for covariance in covariances_needed(rows):
+        check_options(covariance, config.shrinkage_value())
+    if config.weights and not pretrained_by_name(config.model, config.weights):
+        check_weights_file(config.weights)
+    if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
+        raise InputError(f"`train` {config.train}: no such file or folder")
+    workdir = make_workdir(config.workdir)
+    artifacts = {(covariance, fraction): ensure_statistics(config, covariance, monitor, fraction)
+                 for covariance, fraction in statistics_needed(rows)}
+    wait_for_all(world)  # rank 0 has written the artifacts
+    without_statistics = any(row.covariance is None for row in rows)
+    classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
+    wait_for_all(world)  # and the class list
+    resolved = {}
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved)
+    parts = gather_on_root((mine, resolved, monitor.said()), rank, world)
+    if parts is None:
+        return None
+    show_other_ranks(monitor, [said for _, _, said in parts])
+    if settings is not None:
+        settings.update({label: row for _, part, _ in parts for label, row in part.items()})
+    gathered = {key: result for part, _, _ in parts for key, result in part.items()}
+    # in the order one process runs them: the JSON report lists the runs in this order
+    return {(row.label, domain, seed): gathered[(row.label, domain, seed)] for row in rows for seed in seeds for domain in config.data}
+
+
+
+def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
+             monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None,
+             settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
+    """The result of every (row label, domain, seed) this rank runs: the grid's runs
+    (grid_runs) are independent, so under torchrun each rank takes every world-th, and
+    adapts those of one (row, seed) in one stream, starting afresh at each domain. The
+    first (rank 0's) also measures the source model on `clean`, into `clean`; each row's
+    resolved settings (its recipe's and the bench's) go into `settings`."""
+    results, warned = {}, set()
+    labels = tables.domain_labels(config.data)
+    mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
+    for k, ((row, seed), share) in enumerate(mine):
+        stats = str(artifacts[row.statistics]) if row.statistics else None
+        run = row_config(config, row, seed, stats, classes)
+        job = prepare_adaptation(replace(run, clean=config.clean if k == 0 and rank == 0 else None), monitor)
+        if job.clean:
+            monitor.info(clean_summary(job.clean))
+            if clean is not None:
+                clean.update(job.clean)
+        for caution in job.cautions():
+            if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
+                warned.add(caution)
+                monitor.warn(caution)
+        domains = [domain for _, _, domain in share]
+        whole = domains == [None] or len(domains) == len(config.data)
+        data = config.data if whole else [config.data[domain] for domain in domains]
+        monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
+        if settings is not None:
+            settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
+        part = job if whole else part_of(job, domains)
+        for domain, result in zip(data, per_domain(part.run(monitor=monitor, warned=warned), part.groups, data)):
+            if result.error is None:
+                raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
+            results[(row.label, domain, seed)] = result
+        # free this run's model and statistics before the next is built (16.8 GB of dense
+        # factors at ImageNet scale); the feature hook makes a reference cycle, so collect
+        del job, part
+        gc.collect()
+    return results
+
+
+def grid_runs(config: BenchConfig, rows: list[Row], seeds: list[int]) -> list[tuple[Row, int, int | None]]:
+    """The grid's independent runs in the order one process runs them: (row, seed, the
+    index of the domain it adapts), one per domain where each starts from the source
+    weights by itself (`reset` domain), else one (row, seed, None) over every domain."""
+    apart = len(config.data) > 1
+    return [(row, seed, domain) for row in rows for seed in seeds
+            for domain in (range(len(config.data)) if apart and not why_domains_depend(row.method, config.reset, config.mix_domains)
+                           else [None])]
+
+
+def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:
+    """One result per bench domain: with `gradual`, a corruption's nine severity visits as one."""
+    if groups is None:
+        return results
+    merged = [DomainResult(domain) for domain in domains]
+    for group, result in zip(groups, results):
+        whole = merged[group]
+        whole.n, whole.labelled, whole.errors = whole.n + result.n, whole.labelled + result.labelled, whole.errors + result.errors
+        whole.skipped_images += result.skipped_images
+        whole.skipped_steps += result.skipped_steps
+        whole.seconds += result.seconds
+    return merged

@@ -1,0 +1,107 @@
+"""The statistics a bench needs, computed once per covariance mode (and training fraction)
+in its workdir and re-used while they still match the bench's model, data and settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from cafa_cli.artifact import read_artifact
+from cafa_cli.data.sources import open_domain
+from cafa_cli.data.domain import read_class_list
+from cafa_cli.errors import InputError, printable, undecodable
+from cafa_cli.files import atomic_write
+from cafa_cli.models import bundled_model
+from cafa_cli.jobs.bench.rows import Row
+from cafa_cli.jobs.config import BenchConfig, StatsConfig
+from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
+from cafa_cli.jobs.stats import compute_statistics, sample_sha256
+from cafa_cli.provenance import model_mismatch
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
+
+
+
+def covariances_needed(rows: list[Row]) -> list[str]:
+    """The covariance modes of the artifacts the rows use, one each, in a fixed order."""
+    return sorted({row.covariance for row in rows if row.covariance})
+
+
+def statistics_needed(rows: list[Row]) -> list[tuple[str, float | None]]:
+    """The artifacts the rows read, as (covariance, fraction on a sweep), each once, in a fixed order."""
+    return sorted({row.statistics for row in rows if row.statistics}, key=lambda key: (key[0], key[1] or 0))
+
+
+def artifact_path(workdir: Path, covariance: str, fraction: float | None = None) -> Path:
+    """One artifact a covariance mode, and on a fraction sweep one a fraction too (`stats-auto-fraction0.01`)."""
+    return workdir / (f"stats-{covariance}.safetensors" if fraction is None else f"stats-{covariance}-fraction{fraction}.safetensors")
+
+
+def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor, fraction: float | None = None) -> Path:
+    """The artifact for one covariance mode (at `fraction`, on a sweep), re-used when it was
+    made for the same model and data; computed on the device, batch size and loader
+    processes of the bench."""
+    path = artifact_path(Path(config.workdir), covariance, fraction)
+    stats = stats_config(config, covariance, path, fraction=fraction)
+    if path.is_file():
+        try:
+            if _made_for(read_artifact(path, load_tensors=False), stats):
+                return path
+        except InputError:
+            pass
+    at = "" if fraction is None else f", `fraction` {fraction}"
+    monitor.info(f"computing statistics (`covariance` {covariance}{at}) → {path}")
+    compute_statistics(stats, monitor)
+    return path
+
+
+def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, Path], write: bool = True) -> str | None:
+    """The class list file every row uses, so that the rows without statistics read the
+    labels in the model's output order too. Without it they take the test folders'
+    sorted names, which is not the order of every training set (Fashion-MNIST's is not
+    alphabetical), while the rows with statistics take the artifact's.
+    --classes or a bundled model already fix it; else the training data's order is
+    written to WORKDIR/classes.txt (by `write`: rank 0 under torchrun); None when there
+    is no training data to ask, or it has no class folders."""
+    if config.classes or bundled_model(config.model):
+        return config.classes
+    if artifacts:  # the names of all the model's outputs: a class subset's artifact has the subset's as class_names
+        names = read_artifact(next(iter(artifacts.values())), load_tensors=False).model_class_names
+    elif config.train:
+        names = open_domain(config.train, None).class_names
+    else:
+        return None
+    if not names:
+        return None
+    # the list is a UTF-8 text file of stripped lines: undecodable bytes (as os.fsdecode keeps
+    # them), spaces around a name or a line break in it would not come back
+    unwritable = [n for n in names if any(undecodable(ch) for ch in n) or n != n.strip() or len(n.splitlines()) > 1]
+    if unwritable:
+        raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
+                         f"statistics (a name that is not UTF-8, or spaces around it); rename it")
+    path = workdir / "classes.txt"
+    if write:
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))
+    return str(path)
+
+
+def _made_for(artifact, stats: StatsConfig) -> bool:
+    """Whether an artifact holds these statistics, compared as compute_statistics records
+    them (absolute paths: a relative --train or --workdir must match on a second run) and
+    as cafa adapt checks the model (the same parameters in another file are the same)."""
+    fraction, per_class = stats.training_sample()
+    wanted = {"data": recorded_data(stats.data), "fraction": fraction, "per_class": per_class, "seed": stats.seed}
+    if not (
+        stats.classifier in (None, artifact.model.classifier)
+        and (stats.classes is None or read_class_list(stats.classes) == artifact.model_class_names)
+        and (set(read_class_list(stats.class_subset, "class_subset")) if stats.class_subset else None)
+        == (set(artifact.class_names) if "class_subset" in artifact.metadata else None)
+        and artifact.preprocessing == recipe(stats, stats.model)
+        and all(artifact.sampling.get(key) == value for key, value in wanted.items())
+        and same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance)
+        and ("norm_layers" in artifact.metadata or not stats.norm_moments)
+    ):
+        return False
+    net, spec = resolve_model(stats)
+    if model_mismatch(artifact, spec, net) is not None:
+        return False
+    # the same folder may hold other images since (added, removed, relabelled): compare the sample drawn
+    return artifact.sampling.get("images_sha256") == sample_sha256(stats)

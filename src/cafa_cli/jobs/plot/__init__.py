@@ -1,0 +1,1 @@
+"""`cafa plot features`: one domain's features before and after adaptation (features.py runs, figure.py draws)."""
