@@ -23,11 +23,11 @@ echo "data built in $(( $(date +%s) - start )) s"
 grid=source,bn
 for m in pl tent cafa global-fa intra cafa-tied cafa-diag; do for lr in 0.001 0.003 0.01; do grid="$grid,$m@$lr"; done; done
 cafa bench $(domains "$HELD_OUT") --methods "$grid" --seeds 0 --workdir "$WORK/artifacts" \
-  --num-workers "$WORKERS" --json "$OUT/heldout.json" --quiet > "$OUT/heldout.md"
+  --num-workers "$WORKERS" --metrics-json "$OUT/heldout.json" --quiet > "$OUT/heldout.md"
 chosen=$("$PY" benchmarks/choose_lr.py "$OUT/heldout.json")
 echo "held out done at $(( $(date +%s) - start )) s; chosen: $chosen"
 
 cafa bench $(domains "$REPORTED") --methods "$chosen" --seeds "$SEEDS" --workdir "$WORK/artifacts" \
-  --num-workers "$WORKERS" --json "$OUT/results.json" --csv "$OUT/results.csv" --plot "$OUT/results.png" --quiet > "$OUT/results.md"
+  --num-workers "$WORKERS" --metrics-json "$OUT/results.json" --csv "$OUT/results.csv" --plot "$OUT/results.png" --quiet > "$OUT/results.md"
 echo "benchmark done at $(( $(date +%s) - start )) s"
 cat "$OUT/results.md"

@@ -16,8 +16,8 @@ cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $CORRUPTIONS $HELD
 grid=""
 for m in $METHODS; do for lr in 0.0001 0.0003 0.001; do grid="$grid${grid:+,}$m@$lr"; done; done
 common=(--batch-size 64 --seeds 0 --per-class 300 --workdir "$WORK/artifacts" --quiet)
-cafa bench $(domains "$HELD_OUT") --methods "$grid" "${common[@]}" --json "$OUT/heldout-sev$SEVERITY-b64-$TAG.json" > "$OUT/heldout-sev$SEVERITY-b64-$TAG.md"
+cafa bench $(domains "$HELD_OUT") --methods "$grid" "${common[@]}" --metrics-json "$OUT/heldout-sev$SEVERITY-b64-$TAG.json" > "$OUT/heldout-sev$SEVERITY-b64-$TAG.md"
 chosen=$("$PY" benchmarks/choose_lr.py "$OUT/heldout-sev$SEVERITY-b64-$TAG.json")
 echo "chosen on the held-out corruptions at batch 64: $chosen"
-cafa bench $(domains "$CORRUPTIONS") --methods "bn,$chosen" "${common[@]}" --json "$OUT/sev$SEVERITY-b64-$TAG.json" > "$OUT/sev$SEVERITY-b64-$TAG.md"
+cafa bench $(domains "$CORRUPTIONS") --methods "bn,$chosen" "${common[@]}" --metrics-json "$OUT/sev$SEVERITY-b64-$TAG.json" > "$OUT/sev$SEVERITY-b64-$TAG.md"
 cat "$OUT/sev$SEVERITY-b64-$TAG.md"

@@ -15,7 +15,7 @@ for severity in 3 5; do
     start=$(date +%s)
     cafa bench $(for c in $CORRUPTIONS; do echo "$WORK/fashion-mnist-c/$c/$severity"; done) \
       --methods source,bn,tent@0.001,cafa@0.001 --batch-size "$batch" --seeds 0 --per-class 300 \
-      --workdir "$WORK/artifacts" --json "$OUT/sev$severity-b$batch.json" --quiet > "$OUT/sev$severity-b$batch.md"
+      --workdir "$WORK/artifacts" --metrics-json "$OUT/sev$severity-b$batch.json" --quiet > "$OUT/sev$severity-b$batch.md"
     echo "severity $severity, batch $batch: $(( $(date +%s) - start )) s"
     cat "$OUT/sev$severity-b$batch.md"
   done

@@ -26,15 +26,15 @@ cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $REPORTED $HELD_OU
 grid=source,bn
 for m in $TUNED; do for lr in 0.001 0.003 0.01; do grid="$grid,$m@$lr"; done; done
 cafa bench $(domains "$HELD_OUT") --methods "$grid,t3a,lame" --seeds 0 --recipe none --workdir "$WORK/artifacts" \
-  --num-workers "$WORKERS" --json "$OUT/heldout.json" --quiet > "$OUT/heldout.md"
+  --num-workers "$WORKERS" --metrics-json "$OUT/heldout.json" --quiet > "$OUT/heldout.md"
 rows=$("$PY" benchmarks/choose_lr.py "$OUT/heldout.json")${EXTRA:+,$EXTRA}
 echo "held out done at $(( $(date +%s) - start )) s; rows: $rows" >&2
 
 cafa bench $(domains "$REPORTED") --methods "$rows" --seeds "$SEEDS" --recipe none --orders iid,label-shift:1.0,dirichlet:0.01 \
-  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --json "$OUT/orders.json" --csv "$OUT/orders.csv" --quiet > "$OUT/orders.md" &
+  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --metrics-json "$OUT/orders.json" --csv "$OUT/orders.csv" --quiet > "$OUT/orders.md" &
 orders=$!
 cafa bench $(domains "$REPORTED") --methods "$rows" --seeds "$SEEDS" --recipe none --reset never \
-  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --json "$OUT/continual.json" --csv "$OUT/continual.csv" --quiet > "$OUT/continual.md" &
+  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --metrics-json "$OUT/continual.json" --csv "$OUT/continual.csv" --quiet > "$OUT/continual.md" &
 continual=$!
 wait "$orders"; wait "$continual"  # each wait fails the script (set -e) when its bench failed
 echo "benchmark done at $(( $(date +%s) - start )) s" >&2

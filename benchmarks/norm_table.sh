@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $REPORTED | tr ' ' ,)" --severity "$SEVERITY" \
   --test-per-class "$TEST_PER_CLASS" --quiet > /dev/null
 cafa bench $(domains "$REPORTED") --methods "source,$ROWS" --seeds "$SEEDS" --orders "$ORDERS" \
-  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --json "$OUT/batch.json" --quiet > "$OUT/batch.md"
+  --workdir "$WORK/artifacts" --num-workers "$WORKERS" --metrics-json "$OUT/batch.json" --quiet > "$OUT/batch.md"
 cafa bench $(domains "$REPORTED") --methods "$ROWS" --norm class-balanced --seeds "$SEEDS" --orders "$ORDERS" \
-  --workdir "$WORK/artifacts-balanced" --num-workers "$WORKERS" --json "$OUT/balanced.json" --quiet > "$OUT/balanced.md"
+  --workdir "$WORK/artifacts-balanced" --num-workers "$WORKERS" --metrics-json "$OUT/balanced.json" --quiet > "$OUT/balanced.md"
 "$PY" benchmarks/combine_tables.py "$OUT/batch.json" "$OUT/balanced.json" | tee "$OUT/table.md"

@@ -24,7 +24,7 @@ echo "data ready at $(( $(date +%s) - start )) s" >&2
 bench() {  # NAME, then the bench's own options
   local name=$1; shift
   cafa bench $(domains "$REPORTED") --methods "$ROWS" --seeds "$SEEDS" --recipe "$RECIPE" --workdir "$WORK/artifacts" \
-    --num-workers "$WORKERS" --json "$OUT/$name.json" --csv "$OUT/$name.csv" --quiet "$@" > "$OUT/$name.md"
+    --num-workers "$WORKERS" --metrics-json "$OUT/$name.json" --csv "$OUT/$name.csv" --quiet "$@" > "$OUT/$name.md"
   echo "$name done at $(( $(date +%s) - start )) s" >&2
 }
 if [ "${PARALLEL:-0}" = 1 ]; then

@@ -20,5 +20,5 @@ export CAFA_WIDE_FMNIST_WIDTH=$WIDTH
 cafa bench $domains --methods "$METHODS" --model benchmarks/wide_fmnist.py:build --weights "$WEIGHTS" \
     --train fashion-mnist --resize none --crop none --mean 0.2860 --std 0.3530 --channels 1 \
     --batch-size 64 --seeds 0 --per-class 300 --workdir "$OUT/artifacts-$WIDTH" --quiet \
-    --json "$OUT/sev3-b64-d$WIDTH.json" > "$OUT/sev3-b64-d$WIDTH.md"
+    --metrics-json "$OUT/sev3-b64-d$WIDTH.json" > "$OUT/sev3-b64-d$WIDTH.md"
 cat "$OUT/sev3-b64-d$WIDTH.md"

@@ -14,14 +14,14 @@ import tiny_net
 from cafa_cli.method import losses
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import REGISTRY, create
-
-NAMES = tuple(REGISTRY)
 from cafa_cli.method.methods.base import Method, select_parameters
 from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.moments import ClassMoments
 from cafa_cli.method.gaussians import estimate
+
+NAMES = tuple(REGISTRY)
 
 
 def reference_cafa(distances: np.ndarray, labels: np.ndarray) -> float:

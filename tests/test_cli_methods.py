@@ -26,9 +26,9 @@ from cafa_cli.cli.app import app
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
 from cafa_cli.method.methods import REGISTRY
+from conftest import PLAIN, TINY_NET, invoke
 
 NAMES = tuple(REGISTRY)
-from conftest import PLAIN, TINY_NET, invoke
 
 DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 

@@ -96,7 +96,7 @@ def test_torchrun_bench_spreads_the_domains_of_a_run_under_reset_domain(tmp_path
     args = ["bench", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--methods", "tent", "--seeds", "0",
             "--batch-size", "4", "--reset", "domain", *domains]
     out = {ranks: {kind: tmp_path / f"{ranks}.{kind}" for kind in ("csv", "json")} for ranks in (1, 2)}
-    single, multi = (torchrun(*args, "--workdir", tmp_path / f"w{ranks}", "--csv", out[ranks]["csv"], "--json", out[ranks]["json"],
+    single, multi = (torchrun(*args, "--workdir", tmp_path / f"w{ranks}", "--csv", out[ranks]["csv"], "--metrics-json", out[ranks]["json"],
                               ranks=ranks) for ranks in (1, 2))
     assert multi.stdout == single.stdout and single.stdout.count("| tent |") == 1
     assert out[2]["csv"].read_text() == out[1]["csv"].read_text()

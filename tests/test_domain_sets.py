@@ -87,7 +87,7 @@ def test_bench_with_a_source_runs_on_the_targets_and_names_the_source(office_hom
     report = tmp_path / "r.json"
     result = invoke("bench", f"office-home:{office_home}", "--source", "Art", "--model", TINY_NET, "--weights",
                     art_model["weights"], "--train", office_home / "Art", *PLAIN, "--fraction", "1", "--methods", "source,bn,cafa",
-                    "--batch-size", "4", "--workdir", tmp_path / "w", "--json", report)
+                    "--batch-size", "4", "--workdir", tmp_path / "w", "--metrics-json", report)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:3] == ["source: Art", "", "| method | Clipart | Real World | mean |"]

@@ -22,9 +22,9 @@ from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.methods import REGISTRY, create
+from cafa_cli.method.moments import ClassMoments
 
 NAMES = tuple(REGISTRY)
-from cafa_cli.method.moments import ClassMoments
 
 aten = torch.ops.aten
 

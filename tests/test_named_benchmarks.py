@@ -140,7 +140,7 @@ def test_bench_takes_a_benchmark_root_as_a_column_per_corruption(setup, imagenet
     report = tmp_path / "r.json"
     result = invoke("bench", f"imagenet-c:{imagenet_c}", "--model", TINY_NET, "--weights", setup["weights"], "--train",
                     setup["train"], *PLAIN, "--methods", "source,bn", "--batch-size", "4", "--workdir", tmp_path / "w",
-                    "--json", report, "--clean", setup["train"])
+                    "--metrics-json", report, "--clean", setup["train"])
     assert result.exit_code == 0, result.stderr
     header = result.stdout.splitlines()[0]
     assert header == "| method | gaussian_noise | fog | contrast | mean |"
@@ -193,7 +193,7 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
     torch.save(trained[0].model.state_dict(), weights)
     base = ["bench", f"imagenet-c:{imagenet_c}", "--model", TINY_NET, "--weights", weights, "--train", setup["train"],
             *PLAIN, "--methods", "source,bn", "--batch-size", "4", "--workdir", tmp_path / "w"]
-    result = invoke(*base, "--severities", "3,5", "--csv", out["csv"], "--json", out["json"])
+    result = invoke(*base, "--severities", "3,5", "--csv", out["csv"], "--metrics-json", out["json"])
     assert result.exit_code == 0, result.stderr
     long_table, by_condition = result.stdout.strip().split("\n\n")
     assert [line.split(" | ")[0] for line in long_table.splitlines()[2:]] == [

@@ -20,11 +20,11 @@ from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import REGISTRY, method_class
-
-NAMES = tuple(REGISTRY)
 from cafa_cli.method.options import resolve_options
 from cafa_cli.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
 from conftest import TINY_NET
+
+NAMES = tuple(REGISTRY)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -179,7 +179,7 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
                                  str(setup["weights"]), "--train", str(setup["train"]), "--resize", "none", "--crop", "none",
                                  "--mean", "0", "--std", "1", "--channels", "1", "--recipe", "cifar100-c", "--batch-size", "45",
                                  "--method-option", "lame.affinity=knn", "--method-option", "entropy_margin=0.5",
-                                 "--workdir", str(tmp_path / "w"), "--json", str(report), "--quiet"])
+                                 "--workdir", str(tmp_path / "w"), "--metrics-json", str(report), "--quiet"])
     assert result.exit_code == 0, result.stderr
     rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
     assert (rows["eta"]["optimizer"], rows["eta"]["batch_size"]) == ("adam", 45)  # --batch-size chosen: it wins

@@ -10,9 +10,9 @@ from cafa_cli.method import losses, reference
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.methods import REGISTRY, create
+from cafa_cli.method.moments import ClassMoments
 
 NAMES = tuple(REGISTRY)
-from cafa_cli.method.moments import ClassMoments
 
 C, D = 4, 6
 SHRINKAGE = 0.1

@@ -14,7 +14,7 @@ import pytest
 from cafa_cli.cli.completion import complete_method
 from cafa_cli.method.methods import REGISTRY, Entry, create
 from cafa_cli.method.methods.base import AdapterSurface
-from conftest import PLAIN, TINY_NET, invoke
+from conftest import TINY_NET, invoke
 
 METHODS = Path(__file__).parents[1] / "src" / "cafa_cli" / "method" / "methods"
 

@@ -106,7 +106,7 @@ def robustbench_folder(tmp_path, monkeypatch) -> Path:
 
 def test_bench_on_cifar10_c_runs_the_standard_model_with_cifar10_beside_it(robustbench_folder):
     result = invoke("bench", "cifar10-c:data/CIFAR-10-C", "--recipe", "cifar10-c", "--methods", "source,cafa",
-                    "--fraction", "1", "--batch-size", "6", "--json", "r.json")
+                    "--fraction", "1", "--batch-size", "6", "--metrics-json", "r.json")
     assert result.exit_code == 0, result.stderr
     assert f"model: {STANDARD}, the standard model of cifar10-c (give --model to change it)" in result.stderr
     assert "--train cifar10:data: the training set of robustbench:cifar10/Standard, beside its benchmark" in result.stderr

@@ -18,13 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import WRITTEN, Adapter
 from cafa_cli.method.methods import REGISTRY, create
-
-NAMES = tuple(REGISTRY)
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.methods.tent import Tent
 from cafa_cli.method import step_graph
 from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
 from test_norms import class_moments_of
+
+NAMES = tuple(REGISTRY)
 
 CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source", "lame", "sar"]
 

@@ -25,9 +25,9 @@ def respelled(command: str, args: list[str]) -> list[str]:
     each); what follows `--` is left as it is."""
     renamed, out = RENAMED.get(command, {}), []
     for k, arg in enumerate(args):
-        if arg == "--":
+        if str(arg) == "--":
             return out + args[k:]
-        flag, equals, value = arg.partition("=")
+        flag, equals, value = str(arg).partition("=")
         if flag in renamed:
             warn_renamed(flag, renamed[flag])
             arg = renamed[flag] + equals + value
