@@ -24,9 +24,12 @@ setup: $(VENV)/.installed $(FASHION_MNIST)
 demo: setup
 	$(VENV)/bin/cafa demo
 
-# one worker a core (pytest-xdist), each a single torch thread (tests/conftest.py);
+# the linter and formatter (ruff, configured in pyproject.toml), then one worker a core
+# (pytest-xdist), each a single torch thread (tests/conftest.py);
 # pass PYTEST_ARGS='-n 0' for one process
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
 
 clean:

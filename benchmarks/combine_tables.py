@@ -60,15 +60,20 @@ def combine(reports: list[dict]) -> str:
         for method, column, seed, domain, error in runs(report):
             by_domain = pooled.setdefault(method, {}).setdefault(column, {}).setdefault(seed, {})
             if domain in by_domain and by_domain[domain] != error:  # the same run twice counts once
-                raise SystemExit(f"{method}, {column}, seed {seed}, {domain}: given twice, with errors "
-                                 f"{by_domain[domain]:.2f} and {error:.2f}")
+                raise SystemExit(
+                    f"{method}, {column}, seed {seed}, {domain}: given twice, with errors "
+                    f"{by_domain[domain]:.2f} and {error:.2f}"
+                )
             by_domain[domain] = error
             if column not in columns:
                 columns.append(column)
     lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for method, by_column in pooled.items():
-        lines.append(f"| {method} | " + " | ".join(cell(by_column[c], f"{method}, {c}") if c in by_column else "—"
-                                                   for c in columns) + " |")
+        lines.append(
+            f"| {method} | "
+            + " | ".join(cell(by_column[c], f"{method}, {c}") if c in by_column else "—" for c in columns)
+            + " |"
+        )
     return "\n".join(lines)
 
 

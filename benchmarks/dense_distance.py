@@ -51,12 +51,21 @@ def main() -> None:
             distances.KEEP_BYTES = keep if variant == "kept" else 0
             times[variant].append(step())
     distances.KEEP_BYTES = keep
-    result = {"C": args.classes, "d": args.dim, "N": args.batch, "rounds": args.rounds, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "ms": {k: 1000 * statistics.median(v) for k, v in times.items()},
-              "all_ms": {k: [round(1000 * t, 1) for t in v] for k, v in times.items()}}
+    result = {
+        "C": args.classes,
+        "d": args.dim,
+        "N": args.batch,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "ms": {k: 1000 * statistics.median(v) for k, v in times.items()},
+        "all_ms": {k: [round(1000 * t, 1) for t in v] for k, v in times.items()},
+    }
     result["recomputed_over_kept"] = result["ms"]["recomputed"] / result["ms"]["kept"]
-    print(f"C={args.classes} d={args.dim} N={args.batch}: kept {result['ms']['kept']:.1f} ms, "
-          f"recomputed {result['ms']['recomputed']:.1f} ms (×{result['recomputed_over_kept']:.2f})")
+    print(
+        f"C={args.classes} d={args.dim} N={args.batch}: kept {result['ms']['kept']:.1f} ms, "
+        f"recomputed {result['ms']['recomputed']:.1f} ms (×{result['recomputed_over_kept']:.2f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

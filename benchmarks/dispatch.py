@@ -70,7 +70,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="input height = width (the count does not depend on it)")
     parser.add_argument("--channels", type=int, default=3)
     parser.add_argument("--methods", default="all", help="comma-separated, or all")
-    parser.add_argument("--norms", default=",".join(NORMS), help=f"the norms tent and cafa are counted under ({', '.join(NORM_ROWS)})")
+    parser.add_argument(
+        "--norms", default=",".join(NORMS), help=f"the norms tent and cafa are counted under ({', '.join(NORM_ROWS)})"
+    )
     parser.add_argument("--steps", type=int, default=4, help="steps counted per row (after 3 warm-up steps)")
     parser.add_argument("--top", type=int, default=0, help="also list each row's N most dispatched operators")
     parser.add_argument("--json", help="also write the counts here")
@@ -84,7 +86,13 @@ def main() -> None:
     methods = list(REGISTRY) if args.methods == "all" else args.methods.split(",")
     # TENT under `--norm batch` is counted whatever is asked: it is the ratios' denominator
     rows = [("tent", "batch")] + [(method, "batch") for method in methods if method != "tent"]
-    rows += [(method, norm) for norm in args.norms.split(",") if norm and norm != "batch" for method in NORM_ROWS if method in methods]
+    rows += [
+        (method, norm)
+        for norm in args.norms.split(",")
+        if norm and norm != "batch"
+        for method in NORM_ROWS
+        if method in methods
+    ]
     result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "torch": torch.__version__, "rows": {}}
     tent_ops = None
     for method, norm in rows:
@@ -102,13 +110,20 @@ def main() -> None:
         per_step = {optimiser: sum(ops.values()) / steps for optimiser, ops in counts.items()}
         tent_ops = tent_ops or per_step
         name = method if norm == "batch" else f"{method} --norm {norm}"
-        row = result["rows"][name] = {"ops_per_step": per_step["cpu"], "ratio_to_tent": per_step["cpu"] / tent_ops["cpu"],
-                                      "fused_ops_per_step": per_step["fused"],
-                                      "fused_ratio_to_tent": per_step["fused"] / tent_ops["fused"], "steps": steps}
+        row = result["rows"][name] = {
+            "ops_per_step": per_step["cpu"],
+            "ratio_to_tent": per_step["cpu"] / tent_ops["cpu"],
+            "fused_ops_per_step": per_step["fused"],
+            "fused_ratio_to_tent": per_step["fused"] / tent_ops["fused"],
+            "steps": steps,
+        }
         if args.top:
             row["top"] = {op: n / steps for op, n in counts["cpu"].most_common(args.top)}
-        print(f"{name:32s} {per_step['cpu']:8.0f} ops/step  ×{row['ratio_to_tent']:.2f} TENT    fused optimiser: "
-              f"{per_step['fused']:6.0f}  ×{row['fused_ratio_to_tent']:.2f}", flush=True)
+        print(
+            f"{name:32s} {per_step['cpu']:8.0f} ops/step  ×{row['ratio_to_tent']:.2f} TENT    fused optimiser: "
+            f"{per_step['fused']:6.0f}  ×{row['fused_ratio_to_tent']:.2f}",
+            flush=True,
+        )
         for op, n in row.get("top", {}).items():
             print(f"    {op:28s} {n:8.1f}", flush=True)
         if args.json:  # after every row: a run cut off keeps what it counted

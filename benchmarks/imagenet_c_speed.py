@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
 from cafa_cli.artifact import write_artifact  # noqa: E402
-from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.models import ModelSpec
+
 
 def _write_class(args) -> int:
     root, c, per_class = args
@@ -85,8 +86,22 @@ sys.exit(code)
 
 
 # other corruptions' names for the copies of the domain (--domains)
-CORRUPTIONS = ("snow", "frost", "contrast", "brightness", "elastic_transform", "pixelate", "jpeg_compression", "gaussian_noise",
-               "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur", "zoom_blur")
+CORRUPTIONS = (
+    "snow",
+    "frost",
+    "contrast",
+    "brightness",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+)
 
 
 def domain_copies(domain: Path, count: int) -> list[Path]:
@@ -98,27 +113,59 @@ def domain_copies(domain: Path, count: int) -> list[Path]:
     copies = []
     for name in CORRUPTIONS[:count]:
         copy = domain.parent.parent / name / domain.name
-        if not copy.is_dir() or sorted(p.relative_to(copy) for p in copy.rglob("*.JPEG")) != images or \
-                any(not (copy / i).samefile(domain / i) for i in images[:1]):
+        if (
+            not copy.is_dir()
+            or sorted(p.relative_to(copy) for p in copy.rglob("*.JPEG")) != images
+            or any(not (copy / i).samefile(domain / i) for i in images[:1])
+        ):
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(domain, copy, copy_function=os.link)
         copies.append(copy)
     return copies
 
 
-def timed_adapt(artifact: Path, domains: list[Path], workers: int, precision: str, batch: int,
-                profile: Path | None = None, torch_profile: Path | None = None) -> dict:
+def timed_adapt(
+    artifact: Path,
+    domains: list[Path],
+    workers: int,
+    precision: str,
+    batch: int,
+    profile: Path | None = None,
+    torch_profile: Path | None = None,
+) -> dict:
     # under cProfile the main process's time splits into start-up, waiting on the loader
     # and waiting on the GPU (the loader processes are not profiled); torch.profiler
     # gives the kernels and the host's time per operator, synchronisations included
     if torch_profile:
         program = ["-c", TORCH_PROFILED, str(torch_profile / f"adapt-{precision}-torch.txt")]
     else:
-        program = [*(["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []), "-m", "cafa_cli"]
+        program = [
+            *(["-m", "cProfile", "-o", str(profile / f"adapt-{precision}.prof")] if profile else []),
+            "-m",
+            "cafa_cli",
+        ]
     metrics_json = domains[0].parent / f"m-{precision}.json"
-    command = [sys.executable, *program, "adapt", "--stats", str(artifact), *(a for d in domains for a in ("--data", str(d))),
-               "--batch-size", str(batch), "--optimizer", "sgd", "--lr", "0.0025", "--num-workers", str(workers),
-               "--precision", precision, "--quiet", "--metrics-json", str(metrics_json)]
+    command = [
+        sys.executable,
+        *program,
+        "adapt",
+        "--stats",
+        str(artifact),
+        *(a for d in domains for a in ("--data", str(d))),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.0025",
+        "--num-workers",
+        str(workers),
+        "--precision",
+        precision,
+        "--quiet",
+        "--metrics-json",
+        str(metrics_json),
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
@@ -127,10 +174,17 @@ def timed_adapt(artifact: Path, domains: list[Path], workers: int, precision: st
     metrics = json.loads(metrics_json.read_text())
     # outside the loop: start-up (imports, CUDA, model, artifact, listing the folder), shut-down,
     # and with several domains what lies between them (resetting the model, listing the next)
-    row = {"precision": precision, "wall_s": wall, "images": metrics["n"], "loop_s": metrics["seconds"],
-           "outside_loop_s": wall - metrics["seconds"], "images_per_s_wall": metrics["n"] / wall,
-           "images_per_s_loop": metrics["n"] / metrics["seconds"], "domains": len(domains),
-           "step_runner": metrics["settings"].get("step_runner")}
+    row = {
+        "precision": precision,
+        "wall_s": wall,
+        "images": metrics["n"],
+        "loop_s": metrics["seconds"],
+        "outside_loop_s": wall - metrics["seconds"],
+        "images_per_s_wall": metrics["n"] / wall,
+        "images_per_s_loop": metrics["n"] / metrics["seconds"],
+        "domains": len(domains),
+        "step_runner": metrics["settings"].get("step_runner"),
+    }
     if len(domains) > 1:
         loops = [record["seconds"] for record in metrics["domains"]]
         row["domain_loop_s"] = loops
@@ -182,7 +236,12 @@ def decode_speed(domain: Path, workers: int, limit: int = 6400, batch: int = 64)
     nvjpeg([paths[0].read_bytes()])
     torch.cuda.synchronize()
     gpu = run(RawBytes(), list, nvjpeg)
-    return {"cpu_pil_workers_images_per_s": cpu, "gpu_nvjpeg_images_per_s": gpu, "workers": workers, "images": len(paths)}
+    return {
+        "cpu_pil_workers_images_per_s": cpu,
+        "gpu_nvjpeg_images_per_s": gpu,
+        "workers": workers,
+        "images": len(paths),
+    }
 
 
 def main() -> None:
@@ -192,12 +251,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--classes", type=int, default=1000, help="class folders (ImageNet-C: 1000)")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--domains", type=int, default=1, help="domains adapted in one process (the first and copies "
-                        "of it): the marginal domain time")
+    parser.add_argument(
+        "--domains",
+        type=int,
+        default=1,
+        help="domains adapted in one process (the first and copies of it): the marginal domain time",
+    )
     parser.add_argument("--root", default="/tmp/imagenet-c-synthetic")
     parser.add_argument("--profile", type=Path, help="run each adapt under cProfile, writing adapt-PRECISION.prof here")
-    parser.add_argument("--torch-profile", type=Path,
-                        help="run each adapt under torch.profiler, writing its tables to adapt-PRECISION-torch.txt here")
+    parser.add_argument(
+        "--torch-profile",
+        type=Path,
+        help="run each adapt under torch.profiler, writing its tables to adapt-PRECISION-torch.txt here",
+    )
     parser.add_argument("--no-decode", action="store_true", help="skip the PIL vs nvjpeg comparison")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -206,13 +272,20 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
     classes = args.classes
     wanted = max(1, args.images // classes) * classes
-    if domain.is_dir() and (sum(1 for _ in domain.rglob("*.JPEG")) != wanted or sum(1 for _ in domain.iterdir()) != classes):
+    if domain.is_dir() and (
+        sum(1 for _ in domain.rglob("*.JPEG")) != wanted or sum(1 for _ in domain.iterdir()) != classes
+    ):
         # built by an earlier run with another --images or --classes: timing it would time the wrong thing
-        print(f"rebuilding {domain}: it holds another number of images than {wanted} or of classes than {classes}", flush=True)
+        print(
+            f"rebuilding {domain}: it holds another number of images than {wanted} or of classes than {classes}",
+            flush=True,
+        )
         shutil.rmtree(domain)
     if not domain.is_dir():
-        print(f"building {wanted} JPEGs (one class folder each of {classes}) in {domain} "
-              f"with {args.workers} processes", flush=True)
+        print(
+            f"building {wanted} JPEGs (one class folder each of {classes}) in {domain} with {args.workers} processes",
+            flush=True,
+        )
         result["build_s"] = build_domain(domain, args.images, args.workers, classes)
         print(f"built them in {result['build_s']:.1f} s", flush=True)
     artifact = root / "stats.safetensors"
@@ -221,14 +294,23 @@ def main() -> None:
         names = sorted(p.name for p in domain.iterdir())
         import torchvision
         from safetensors.torch import save_file
+
         from cafa_cli.checkpoints import sha256_of
+
         weights = root / "resnet50-random.safetensors"
         from cafa_cli.models import parameters_sha256
+
         net = torchvision.models.resnet50(num_classes=classes)
         save_file(net.state_dict(), str(weights))
-        write_artifact(artifact, synthetic_gaussians(classes, 2048, "lowrank"), names,
-                       ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
-                       Preprocessing(None, None), {"synthetic": True}, parameters_sha256(net))
+        write_artifact(
+            artifact,
+            synthetic_gaussians(classes, 2048, "lowrank"),
+            names,
+            ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
+            Preprocessing(None, None),
+            {"synthetic": True},
+            parameters_sha256(net),
+        )
     domains = [domain, *domain_copies(domain, args.domains - 1)]
     result["adapt"] = []
     for precision in args.precisions.split(","):
@@ -236,18 +318,27 @@ def main() -> None:
         print(f"adapt {precision}: running cafa adapt over {len(domains)} domain(s) ...", flush=True)
         row = timed_adapt(artifact, domains, args.workers, precision, args.batch, args.profile, args.torch_profile)
         result["adapt"].append(row)
-        print(f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
-              f"({row['loop_s']:.1f} s in the loop, {row['outside_loop_s']:.1f} s outside it; {row['images_per_s_wall']:.0f} img/s)", flush=True)
+        print(
+            f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
+            f"({row['loop_s']:.1f} s in the loop, {row['outside_loop_s']:.1f} s outside it; {row['images_per_s_wall']:.0f} img/s)",
+            flush=True,
+        )
         if "marginal_domain_s" in row:
-            print(f"adapt {row['precision']}: each domain's loop {', '.join(f'{s:.1f}' for s in row['domain_loop_s'])} s; "
-                  f"marginal domain {row['marginal_domain_s']:.1f} s; 75 domains ~{row['imagenet_c_estimate_s']:.0f} s", flush=True)
+            print(
+                f"adapt {row['precision']}: each domain's loop {', '.join(f'{s:.1f}' for s in row['domain_loop_s'])} s; "
+                f"marginal domain {row['marginal_domain_s']:.1f} s; 75 domains ~{row['imagenet_c_estimate_s']:.0f} s",
+                flush=True,
+            )
         if args.json:  # what is measured so far survives a later stage's time-out
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if torch.cuda.is_available() and not args.no_decode:
         print("decode: PIL in loader workers vs nvjpeg ...", flush=True)
         result["decode"] = decode_speed(domain, args.workers)
-        print(f"decode: PIL in {args.workers} workers {result['decode']['cpu_pil_workers_images_per_s']:.0f} img/s, "
-              f"nvjpeg {result['decode']['gpu_nvjpeg_images_per_s']:.0f} img/s", flush=True)
+        print(
+            f"decode: PIL in {args.workers} workers {result['decode']['cpu_pil_workers_images_per_s']:.0f} img/s, "
+            f"nvjpeg {result['decode']['gpu_nvjpeg_images_per_s']:.0f} img/s",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

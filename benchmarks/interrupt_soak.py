@@ -32,11 +32,32 @@ from test_interrupt import SLOW_NET  # noqa: E402
 def one_run(root: Path, folder: Path, sig: signal.Signals) -> tuple[int, str]:
     folder.mkdir()
     env = {**os.environ, "CAFA_TEST_MARKER": str(folder / "marker"), "CAFA_TEST_SLEEP": "0.4", "OMP_NUM_THREADS": "1"}
-    args = ["adapt", "--model", f"{root / 'slow.py'}:build", "--weights", str(root / "net.pt"), *PLAIN, "--method", "tent",
-            "--data", str(root / "train"), "--batch-size", "2", "--no-shuffle", "--num-workers", "2"]
+    args = [
+        "adapt",
+        "--model",
+        f"{root / 'slow.py'}:build",
+        "--weights",
+        str(root / "net.pt"),
+        *PLAIN,
+        "--method",
+        "tent",
+        "--data",
+        str(root / "train"),
+        "--batch-size",
+        "2",
+        "--no-shuffle",
+        "--num-workers",
+        "2",
+    ]
     with open(folder / "out", "wb") as out, open(folder / "err", "wb") as err:
-        process = subprocess.Popen([sys.executable, "-m", "cafa_cli", *args], stdout=out, stderr=err, env=env, cwd=folder,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cafa_cli", *args],
+            stdout=out,
+            stderr=err,
+            env=env,
+            cwd=folder,
+            start_new_session=True,
+        )
     while process.poll() is None:
         if (folder / "out").read_bytes().count(b"\n") >= 4:  # the header and three records
             os.killpg(process.pid, sig)

@@ -29,8 +29,8 @@ import torch
 from PIL import Image
 
 from cafa_cli.data.loading import batches
-from cafa_cli.data.sources import open_domain
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.data.sources import open_domain
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,23 @@ def main() -> None:
     size = lambda text: None if text == "none" else int(text)  # noqa: E731
     recipe = Preprocessing(resize=size(args.resize), crop=size(args.crop))
     pixels_size = recipe.pixels(domain.read(0)).shape[-1]
-    result = {"images": len(domain), "batch": args.batch, "resize": args.resize, "crop": args.crop,
-              "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "cpu_normalize_ms_per_batch": normalize_ms(recipe, args.batch, pixels_size), "runs": []}
-    print(f"normalising a batch of {args.batch} on the CPU ({torch.get_num_threads()} threads): "
-          f"{result['cpu_normalize_ms_per_batch']:.1f} ms", flush=True)
+    result = {
+        "images": len(domain),
+        "batch": args.batch,
+        "resize": args.resize,
+        "crop": args.crop,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_normalize_ms_per_batch": normalize_ms(recipe, args.batch, pixels_size),
+        "runs": [],
+    }
+    print(
+        f"normalising a batch of {args.batch} on the CPU ({torch.get_num_threads()} threads): "
+        f"{result['cpu_normalize_ms_per_batch']:.1f} ms",
+        flush=True,
+    )
     for workers in (int(w) for w in args.workers.split(",")):
         row = {"workers": workers}
         for name, preprocess in (("uint8", recipe), ("float_per_image", FloatPerImage(recipe))):
@@ -103,8 +114,11 @@ def main() -> None:
             row[name] = max(images_per_s(domain, preprocess, args.batch, workers) for _ in range(args.repeats))
         row["ratio"] = row["uint8"] / row["float_per_image"]
         result["runs"].append(row)
-        print(f"workers {workers}: uint8 batches {row['uint8']:.0f} img/s, float per image "
-              f"{row['float_per_image']:.0f} img/s (×{row['ratio']:.2f})", flush=True)
+        print(
+            f"workers {workers}: uint8 batches {row['uint8']:.0f} img/s, float per image "
+            f"{row['float_per_image']:.0f} img/s (×{row['ratio']:.2f})",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

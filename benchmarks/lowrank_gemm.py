@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
-from cafa_cli.method.distances import ClassDistances
 from cafa_cli.devices import pick_device
+from cafa_cli.method.distances import ClassDistances
 
 
 class SplitKProjection(torch.autograd.Function):
@@ -81,7 +81,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=63)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--splits", type=int, default=0, help="split-k slices (default: the largest divisor of C·k up to 63)")
+    parser.add_argument(
+        "--splits", type=int, default=0, help="split-k slices (default: the largest divisor of C·k up to 63)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json")
@@ -108,6 +110,7 @@ def main() -> None:
                 t = z @ basis.T
             (t * weights).sum().backward()
             return t, z.grad
+
         return run
 
     def real_distances():
@@ -115,11 +118,21 @@ def main() -> None:
         distances(z).sum().backward()
 
     # float64 reference for t and dz = weights·B
-    t_ref = (z0.double() @ basis.double().T)
+    t_ref = z0.double() @ basis.double().T
     dz_ref = weights.double() @ basis.double()
-    result = {"C": C, "k": k, "d": d, "N": n, "splits": splits, "device": str(device), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "gemm_gflop": 2 * 2 * n * d * C * k / 1e9, "ms": {}, "relative_error": {}}
+    result = {
+        "C": C,
+        "k": k,
+        "d": d,
+        "N": n,
+        "splits": splits,
+        "device": str(device),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gemm_gflop": 2 * 2 * n * d * C * k / 1e9,
+        "ms": {},
+        "relative_error": {},
+    }
     result["ms"]["distances"] = timed(real_distances, device, args.repeats)
     for kind in ("gemms", "transposed", "split-k", "tf32"):
         tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -137,7 +150,9 @@ def main() -> None:
     for kind, ms in result["ms"].items():
         error = result["relative_error"].get(kind)
         accuracy = f"  rel. error t {error['t']:.1e}, dz {error['dz']:.1e}" if error else ""
-        print(f"{kind:11s} {ms:8.2f} ms  ({result['gemm_gflop'] / ms:.1f} TFLOP/s in the two GEMMs){accuracy}", flush=True)
+        print(
+            f"{kind:11s} {ms:8.2f} ms  ({result['gemm_gflop'] / ms:.1f} TFLOP/s in the two GEMMs){accuracy}", flush=True
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

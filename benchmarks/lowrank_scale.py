@@ -75,10 +75,10 @@ def stats_part(args) -> dict:
     import torch
 
     from cafa_cli.artifact import write_artifact
-    from cafa_cli.models import ModelSpec
     from cafa_cli.data.preprocessing import Preprocessing
-    from cafa_cli.method.moments import ClassMoments
     from cafa_cli.method.gaussians import estimate
+    from cafa_cli.method.moments import ClassMoments
+    from cafa_cli.models import ModelSpec
 
     torch.set_num_threads(args.threads)
     base = rss_bytes()
@@ -100,8 +100,15 @@ def stats_part(args) -> dict:
     start = time.perf_counter()
     spec = ModelSpec("resnet50", None, None, C, "fc")
     no_model = "0" * 64  # synthetic features: no parameters to fingerprint
-    write_artifact(args.artifact, gaussians, [f"n{c:08d}" for c in range(C)], spec, Preprocessing(),
-                   {"data": "synthetic", "per_class": n}, no_model)
+    write_artifact(
+        args.artifact,
+        gaussians,
+        [f"n{c:08d}" for c in range(C)],
+        spec,
+        Preprocessing(),
+        {"data": "synthetic", "per_class": n},
+        no_model,
+    )
     written = time.perf_counter() - start
     return {
         "covariance": gaussians.covariance,
@@ -122,8 +129,8 @@ def stats_part(args) -> dict:
 def adapt_part(args) -> dict:
     import torch
 
-    from cafa_cli.method import losses
     from cafa_cli.artifact import read_artifact
+    from cafa_cli.method import losses
     from cafa_cli.method.distances import ClassDistances
 
     torch.set_num_threads(args.threads)
@@ -214,8 +221,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or str(Path(tmp) / "lowrank.safetensors")
         # the parent's options again (as parsed: no stray value of --artifact), then the part's own
-        forwarded = [word for key, value in vars(args).items() if key not in ("part", "artifact", "json")
-                     for word in (f"--{key.replace('_', '-')}", str(value))]
+        forwarded = [
+            word
+            for key, value in vars(args).items()
+            if key not in ("part", "artifact", "json")
+            for word in (f"--{key.replace('_', '-')}", str(value))
+        ]
         results = {"settings": {k: v for k, v in vars(args).items() if k not in ("part", "json")}}
         for part in ("stats", "adapt"):
             command = [sys.executable, __file__, *forwarded, "--artifact", artifact, "--part", part]
@@ -224,21 +235,35 @@ def main() -> None:
                 sys.exit(f"the {part} part failed:\n{done.stderr.strip()}")
             results[part] = json.loads(done.stdout.strip().splitlines()[-1])
     s, a = results["stats"], results["adapt"]
-    print(f"C={args.classes} d={args.dim} {args.per_class}/class, batch {args.batch}, {args.threads} threads, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"stats:  covariance {s['covariance']} (rank {s['rank']}, mean λ {s['shrinkage_mean']:.3f}); "
-          f"feed {s['feed_s']} s, estimate {s['estimate_s']} s (CPU {s['feed_cpu_s']} s, {s['estimate_cpu_s']} s), "
-          f"write {s['write_s']} s; peak RSS {s['peak_rss_mb']:.0f} MB")
-    print(f"        artifact {s['artifact_mb']:.0f} MB on disk (dense full factors would be {s['dense_full_factors_mb']:.0f} MB)")
+    print(
+        f"C={args.classes} d={args.dim} {args.per_class}/class, batch {args.batch}, {args.threads} threads, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"stats:  covariance {s['covariance']} (rank {s['rank']}, mean λ {s['shrinkage_mean']:.3f}); "
+        f"feed {s['feed_s']} s, estimate {s['estimate_s']} s (CPU {s['feed_cpu_s']} s, {s['estimate_cpu_s']} s), "
+        f"write {s['write_s']} s; peak RSS {s['peak_rss_mb']:.0f} MB"
+    )
+    print(
+        f"        artifact {s['artifact_mb']:.0f} MB on disk (dense full factors would be {s['dense_full_factors_mb']:.0f} MB)"
+    )
     steps = a["peak_rss_steps_above_import_mb"]
-    during_steps = f", peak +{steps:.0f} MB during the steps" if steps is not None else ""  # None where RSS peaks cannot be reset
-    print(f"adapt:  read {a['read_s']} s; RSS above the process after import: +{a['resident_after_load_mb']:.0f} MB "
-          f"after load, peak +{a['peak_rss_loading_above_import_mb']:.0f} MB while loading (validation reads the "
-          f"file through mmap){during_steps}")
+    during_steps = (
+        f", peak +{steps:.0f} MB during the steps" if steps is not None else ""
+    )  # None where RSS peaks cannot be reset
+    print(
+        f"adapt:  read {a['read_s']} s; RSS above the process after import: +{a['resident_after_load_mb']:.0f} MB "
+        f"after load, peak +{a['peak_rss_loading_above_import_mb']:.0f} MB while loading (validation reads the "
+        f"file through mmap){during_steps}"
+    )
     print(f"        peak RSS of the whole process {a['peak_rss_mb']:.0f} MB")
-    print(f"        distances + CAFA loss + backward, batch {args.batch}: {a['step_ms']:.0f} ms ({a['gflops']:.0f} GFLOP/s in the basis GEMMs)")
-    print(f"        max relative error vs float64 dense, {a['classes_checked']} classes × {a['points_checked']} points: "
-          f"{a['max_rel_error_vs_dense']:.2e}")
+    print(
+        f"        distances + CAFA loss + backward, batch {args.batch}: {a['step_ms']:.0f} ms ({a['gflops']:.0f} GFLOP/s in the basis GEMMs)"
+    )
+    print(
+        f"        max relative error vs float64 dense, {a['classes_checked']} classes × {a['points_checked']} points: "
+        f"{a['max_rel_error_vs_dense']:.2e}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

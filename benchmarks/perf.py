@@ -61,17 +61,17 @@ from pathlib import Path
 
 import torch
 
+from cafa_cli.artifact import read_artifact, write_artifact
+from cafa_cli.data.loading import Batch
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.devices import pick_device
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import REGISTRY, create, entry_of
-from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
-from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.models import ModelSpec, resolve
-from cafa_cli.devices import pick_device
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.loading import Batch
 from cafa_cli.method.gaussians import ClassGaussians
+from cafa_cli.method.methods import REGISTRY, create, entry_of
 from cafa_cli.method.moments import accumulate_features
+from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
+from cafa_cli.models import ModelSpec, resolve
 
 KEEP_BYTES = distances.KEEP_BYTES
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
@@ -127,8 +127,16 @@ def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> Clas
     if covariance == "lowrank":
         basis = torch.linalg.qr(torch.randn(C, d, rank, generator=g)).Q.transpose(1, 2).contiguous()
         extra = {"isotropic": torch.rand(C, generator=g) + 0.1, "spectrum": torch.rand(C, rank, generator=g) * 10}
-        return ClassGaussians(torch.randn(C, d, generator=g), basis, torch.full((C,), rank + 1, dtype=torch.int64),
-                              torch.full((C,), 0.1, dtype=torch.float64), "lowrank", torch.zeros(d), torch.eye(d), **extra)
+        return ClassGaussians(
+            torch.randn(C, d, generator=g),
+            basis,
+            torch.full((C,), rank + 1, dtype=torch.int64),
+            torch.full((C,), 0.1, dtype=torch.float64),
+            "lowrank",
+            torch.zeros(d),
+            torch.eye(d),
+            **extra,
+        )
     shape = {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
     if covariance == "diag":
         factors = torch.rand(shape, generator=g) + 0.5
@@ -148,8 +156,14 @@ def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> Clas
 def synthetic_norm_moments(net: torch.nn.Module, classes: int) -> dict:
     """Class moments of every BatchNorm's input, random but valid, for `norm` class-balanced."""
     g = torch.Generator().manual_seed(0)
-    return {name: (torch.randn(classes, m.num_features, generator=g), torch.rand(classes, m.num_features, generator=g) + 0.5)
-            for name, m in net.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    return {
+        name: (
+            torch.randn(classes, m.num_features, generator=g),
+            torch.rand(classes, m.num_features, generator=g) + 0.5,
+        )
+        for name, m in net.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    }
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,15 +184,32 @@ def process_state(device: torch.device) -> dict:
     freeing retry inside timed steps is a synchronisation and a slow path)."""
     from torch.nn.modules import module
 
-    hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
-    state = {"cudnn_benchmark": torch.backends.cudnn.benchmark, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-             "tf32_cudnn": torch.backends.cudnn.allow_tf32, "float32_matmul_precision": torch.get_float32_matmul_precision(),
-             "live_adapters": sum(issubclass(type(o), Adapter) for o in gc.get_objects()),  # type(): isinstance reads __class__, which some lazy objects warn on
-             "global_module_hooks": sum(len(getattr(module, name, {})) for name in hooks)}
+    hooks = (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+    state = {
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "live_adapters": sum(
+            issubclass(type(o), Adapter) for o in gc.get_objects()
+        ),  # type(): isinstance reads __class__, which some lazy objects warn on
+        "global_module_hooks": sum(len(getattr(module, name, {})) for name in hooks),
+    }
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
-        state.update({"allocated_bytes": stats.get("allocated_bytes.all.current", 0), "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
-                      "segments": stats.get("segment.all.current", 0), **allocator_counters(device)})
+        state.update(
+            {
+                "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
+                "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+                "segments": stats.get("segment.all.current", 0),
+                **allocator_counters(device),
+            }
+        )
     return state
 
 
@@ -220,7 +251,9 @@ def add_ratios(steps: dict) -> None:
         if not name.startswith("cafa-") or "tent_ms" in row:
             continue
         _, plus, variant = name.partition("+")
-        against = [(f"tent{plus}{variant}", "ratio_to_tent")] + ([("tent-again", "ratio_to_tent_again")] if not plus else [])
+        against = [(f"tent{plus}{variant}", "ratio_to_tent")] + (
+            [("tent-again", "ratio_to_tent_again")] if not plus else []
+        )
         for tent, key in against:
             if tent in steps:
                 row[key] = row["ms"] / steps[tent]["ms"]
@@ -244,30 +277,63 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
     parser.add_argument("--covariances", default="full,tied,diag,lowrank")
-    parser.add_argument("--methods", default="all", help="the other methods timed next to TENT: all (every method "
-                        "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list")
-    parser.add_argument("--norms", default="", help="BatchNorm statistics settings (--norm) to time tent and cafa "
-                        "with, beside TENT with batch statistics: e.g. ema:0.05,class-balanced (synthetic class moments)")
-    parser.add_argument("--statistics", default="full", choices=("full", "tied", "diag", "lowrank"),
-                        help="the covariance form of the synthetic class statistics that --methods and --norms rows get "
-                        "(at C = 1000, full is 16.8 GB made on the host: lowrank is the form ImageNet's artifact has)")
+    parser.add_argument(
+        "--methods",
+        default="all",
+        help="the other methods timed next to TENT: all (every method "
+        "but source, bn, tent and cafa, which have their own rows), none, or a comma-separated list",
+    )
+    parser.add_argument(
+        "--norms",
+        default="",
+        help="BatchNorm statistics settings (--norm) to time tent and cafa "
+        "with, beside TENT with batch statistics: e.g. ema:0.05,class-balanced (synthetic class moments)",
+    )
+    parser.add_argument(
+        "--statistics",
+        default="full",
+        choices=("full", "tied", "diag", "lowrank"),
+        help="the covariance form of the synthetic class statistics that --methods and --norms rows get "
+        "(at C = 1000, full is 16.8 GB made on the host: lowrank is the form ImageNet's artifact has)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of TENT and each --methods row")
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
     parser.add_argument("--stats-batches", type=int, default=40, help="batches in the stats vs forward comparison")
     parser.add_argument("--compile", action="store_true", help="also time tent and each cafa row with torch.compile")
-    parser.add_argument("--cudnn-benchmark", action="store_true", help="also time tent and each cafa row with cudnn.benchmark on")
-    parser.add_argument("--eager", action="store_true", help="also time tent and each cafa row with every step eager "
-                        "(--no-cuda-graph; the plain rows replay a CUDA graph where they can)")
-    parser.add_argument("--tent-again", action="store_true", help="time TENT once more just before the cafa rows (row "
-                        "tent-again; each cafa row gets ratio_to_tent_again): TENT and CAFA after the same history")
-    parser.add_argument("--rows", help="only these rows, comma-separated, by their names in the JSON (tent, cafa-lowrank, "
-                        "tent+compile, lame, 'tent --norm class-balanced', stats, ...)")
-    parser.add_argument("--fresh", action="store_true", help="time each row in a process of its own (this script again, "
-                        "for that row alone), so that no row's cost depends on the rows before it")
-    parser.add_argument("--between-rows", choices=("keep", "clean"), default="keep",
-                        help="in one process, between rows: keep the state an earlier row left, or clean it (garbage "
-                        "collection, torch.cuda.empty_cache, cudnn.benchmark off, torch._dynamo reset)")
+    parser.add_argument(
+        "--cudnn-benchmark", action="store_true", help="also time tent and each cafa row with cudnn.benchmark on"
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="also time tent and each cafa row with every step eager "
+        "(--no-cuda-graph; the plain rows replay a CUDA graph where they can)",
+    )
+    parser.add_argument(
+        "--tent-again",
+        action="store_true",
+        help="time TENT once more just before the cafa rows (row "
+        "tent-again; each cafa row gets ratio_to_tent_again): TENT and CAFA after the same history",
+    )
+    parser.add_argument(
+        "--rows",
+        help="only these rows, comma-separated, by their names in the JSON (tent, cafa-lowrank, "
+        "tent+compile, lame, 'tent --norm class-balanced', stats, ...)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="time each row in a process of its own (this script again, "
+        "for that row alone), so that no row's cost depends on the rows before it",
+    )
+    parser.add_argument(
+        "--between-rows",
+        choices=("keep", "clean"),
+        default="keep",
+        help="in one process, between rows: keep the state an earlier row left, or clean it (garbage "
+        "collection, torch.cuda.empty_cache, cudnn.benchmark off, torch._dynamo reset)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --fresh's process for one row
     parser.add_argument("--trace", help="write torch.profiler tables of tent and each cafa row's steps here")
     parser.add_argument("--json", help="also write the figures here")
@@ -280,23 +346,49 @@ def main() -> None:
     probe, _ = resolve(args.model, num_classes=num_classes)
     C, d = probe.num_classes, probe.feature_dim
     del probe
-    result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "size": args.size, "device": str(device),
-              "precision": args.precision, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "steps": {},
-              "fresh": args.fresh, "between_rows": args.between_rows}
+    result = {
+        "model": args.model,
+        "C": C,
+        "d": d,
+        "batch": args.batch,
+        "size": args.size,
+        "device": str(device),
+        "precision": args.precision,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "steps": {},
+        "fresh": args.fresh,
+        "between_rows": args.between_rows,
+    }
 
     def save() -> None:  # after every row: a run cut off by a time limit keeps what it measured
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
-    variants = [name for name, wanted in (("compile", args.compile), ("cudnn-benchmark", args.cudnn_benchmark),
-                                          ("eager", args.eager)) if wanted]
+    variants = [
+        name
+        for name, wanted in (
+            ("compile", args.compile),
+            ("cudnn-benchmark", args.cudnn_benchmark),
+            ("eager", args.eager),
+        )
+        if wanted
+    ]
 
     def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:
         model, _ = resolve(args.model, num_classes=num_classes)
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
-        return Adapter(model, create(method, gaussians, device), device, precision=args.precision, compile=variant == "compile",
-                       cuda_graph=variant != "eager", norm=norm, class_moments=moments)
+        return Adapter(
+            model,
+            create(method, gaussians, device),
+            device,
+            precision=args.precision,
+            compile=variant == "compile",
+            cuda_graph=variant != "eager",
+            norm=norm,
+            class_moments=moments,
+        )
 
     def warmup_of(adapter: Adapter) -> int:
         """2 steps, and with a CUDA graph its warm-up and its checked capture too: replays only are timed."""
@@ -317,8 +409,14 @@ def main() -> None:
         finally:
             torch.backends.cudnn.benchmark = False
         state.update(counted)
-        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "peak_bytes": peak_bytes(device), "repeats": repeats,
-               "state": state, "step_runner": adapter.step_runner}
+        row = {
+            "ms": 1000 * seconds,
+            "images_per_s": args.batch / seconds,
+            "peak_bytes": peak_bytes(device),
+            "repeats": repeats,
+            "state": state,
+            "step_runner": adapter.step_runner,
+        }
         if args.trace and method not in ("source", "bn"):
             trace(name or method, lambda: adapter.step(images))
         if gaussians is not None and not variant:  # the loss itself is neither compiled nor convolved
@@ -341,9 +439,17 @@ def main() -> None:
             rounds["tent"].append(timed(lambda: tent.step(images), device, args.repeats, warmup=0))
             rounds["row"].append(timed(lambda: other.step(images), device, repeats, warmup=0))
         seconds, tent_seconds = statistics.median(rounds["row"]), statistics.median(rounds["tent"])
-        row = {"ms": 1000 * seconds, "images_per_s": args.batch / seconds, "tent_ms": 1000 * tent_seconds,
-               "ratio_to_tent": seconds / tent_seconds, "rounds": args.rounds, "repeats": repeats, "state": state,
-               "step_runner": other.step_runner, "tent_step_runner": tent.step_runner}
+        row = {
+            "ms": 1000 * seconds,
+            "images_per_s": args.batch / seconds,
+            "tent_ms": 1000 * tent_seconds,
+            "ratio_to_tent": seconds / tent_seconds,
+            "rounds": args.rounds,
+            "repeats": repeats,
+            "state": state,
+            "step_runner": other.step_runner,
+            "tent_step_runner": tent.step_runner,
+        }
         if args.trace:
             trace(method, lambda: other.step(images))
         return row
@@ -366,7 +472,9 @@ def main() -> None:
         table = profiler.key_averages().table
         with open(args.trace, "a") as out:
             if device.type == "cuda":  # the kernels, then the host: launches, and waits in synchronisations
-                out.write(f"== {title}: 3 steps, by device time\n{table(sort_by='self_device_time_total', row_limit=20)}\n")
+                out.write(
+                    f"== {title}: 3 steps, by device time\n{table(sort_by='self_device_time_total', row_limit=20)}\n"
+                )
             out.write(f"== {title}: 3 steps, by host time\n{table(sort_by='self_cpu_time_total', row_limit=15)}\n")
 
     artifacts: dict = {}  # the last covariance's statistics read back from an artifact, and its size
@@ -378,7 +486,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "a.safetensors"
                 no_model = "0" * 64  # synthetic statistics, read back for their size: no parameters to fingerprint
-                write_artifact(path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {}, no_model)
+                write_artifact(
+                    path, gaussians, [str(c) for c in range(C)], ModelSpec(args.model), Preprocessing(), {}, no_model
+                )
                 artifacts[covariance] = read_artifact(path).gaussians, path.stat().st_size
         return artifacts[covariance]
 
@@ -396,7 +506,9 @@ def main() -> None:
         if card:
             # every factor is read in the forward and the backward pass, and once more if recomputed
             reads = 3 if form == "recompute" else 2
-            row["bandwidth_floor_ms"] = 1000 * reads * gaussians.factors.numel() * 4 / HBM_BYTES_PER_S[card]  # the basis, for lowrank
+            row["bandwidth_floor_ms"] = (
+                1000 * reads * gaussians.factors.numel() * 4 / HBM_BYTES_PER_S[card]
+            )  # the basis, for lowrank
         return row
 
     def stats_row() -> dict:
@@ -421,8 +533,13 @@ def main() -> None:
         forward_peak = peak_bytes(device)
         reset_peak(device)
         stats_s = timed(accumulate, device, 1, warmup=1) / args.stats_batches
-        return {"forward_images_per_s": args.batch / forward_s, "stats_images_per_s": args.batch / stats_s,
-                "stats_over_forward": forward_s / stats_s, "forward_peak_bytes": forward_peak, "stats_peak_bytes": peak_bytes(device)}
+        return {
+            "forward_images_per_s": args.batch / forward_s,
+            "stats_images_per_s": args.batch / stats_s,
+            "stats_over_forward": forward_s / stats_s,
+            "forward_peak_bytes": forward_peak,
+            "stats_peak_bytes": peak_bytes(device),
+        }
 
     def statistics_for(method: str):
         return synthetic_gaussians(C, d, args.statistics) if entry_of(method).needs_statistics else None
@@ -433,8 +550,11 @@ def main() -> None:
     own_rows = ("source", "bn", "tent", "cafa")
     others = {"all": [m for m in REGISTRY if m not in own_rows], "none": []}.get(args.methods, args.methods.split(","))
     plan += [(m, lambda m=m: measure_beside_tent(m, statistics_for(m))) for m in others]
-    plan += [(f"{m} --norm {norm}", lambda m=m, norm=norm: measure_beside_tent(m, statistics_for(m), norm))
-             for norm in filter(None, args.norms.split(",")) for m in ("tent", "cafa")]
+    plan += [
+        (f"{m} --norm {norm}", lambda m=m, norm=norm: measure_beside_tent(m, statistics_for(m), norm))
+        for norm in filter(None, args.norms.split(","))
+        for m in ("tent", "cafa")
+    ]
     if args.tent_again:
         plan.append(("tent-again", lambda: measure_step("tent", name="tent-again")))
     for key in args.covariances.split(","):
@@ -445,7 +565,9 @@ def main() -> None:
         wanted = args.rows.split(",")
         unknown = [name for name in wanted if name not in dict(plan)]
         if unknown:
-            raise SystemExit(f"--rows: no row {', '.join(unknown)} with these arguments; the rows are {', '.join(n for n, _ in plan)}")
+            raise SystemExit(
+                f"--rows: no row {', '.join(unknown)} with these arguments; the rows are {', '.join(n for n, _ in plan)}"
+            )
         plan = [(name, run) for name, run in plan if name in wanted]
 
     if args.trace and not args.child:
@@ -455,12 +577,24 @@ def main() -> None:
         if args.fresh and not args.child:
             with tempfile.TemporaryDirectory() as tmp:
                 # the same arguments, and then this row alone into a file of its own (argparse takes the last of each)
-                command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", "--rows", name, "--json", f"{tmp}/row.json"]
+                command = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    *sys.argv[1:],
+                    "--child",
+                    "--rows",
+                    name,
+                    "--json",
+                    f"{tmp}/row.json",
+                ]
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode:
                     failed[name] = done.stderr[-3000:]
-                    print(f"{name}: failed in its own process (exit {done.returncode}): "
-                          f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}", flush=True)
+                    print(
+                        f"{name}: failed in its own process (exit {done.returncode}): "
+                        f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}",
+                        flush=True,
+                    )
                     continue
                 child = json.loads(Path(f"{tmp}/row.json").read_text())
             row = child["stats"] if name == "stats" else child["steps"][name]
@@ -468,8 +602,11 @@ def main() -> None:
             row = run()
         if name == "stats":
             result["stats"] = row
-            print(f"stats {row['stats_images_per_s']:.1f} img/s vs forward {row['forward_images_per_s']:.1f} img/s "
-                  f"(×{row['stats_over_forward']:.2f})", flush=True)
+            print(
+                f"stats {row['stats_images_per_s']:.1f} img/s vs forward {row['forward_images_per_s']:.1f} img/s "
+                f"(×{row['stats_over_forward']:.2f})",
+                flush=True,
+            )
         else:
             result["steps"][name] = row
             add_ratios(result["steps"])

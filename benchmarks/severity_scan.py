@@ -13,10 +13,10 @@ import argparse
 import numpy as np
 import torch
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, HELD_OUT_CORRUPTIONS, corrupt_grey, stratified_rows
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
 from cafa_cli.models import resolve
 
 
@@ -50,7 +50,9 @@ def main() -> None:
             if name in BENCHMARK_CORRUPTIONS:
                 means[severity - 1] += np.array(pair) / len(BENCHMARK_CORRUPTIONS)
             cells.append(f"{pair[0]:.1f} / {pair[1]:.1f}")
-        print(f"| {name}{' (held out)' if name in HELD_OUT_CORRUPTIONS else ''} | " + " | ".join(cells) + " |", flush=True)
+        print(
+            f"| {name}{' (held out)' if name in HELD_OUT_CORRUPTIONS else ''} | " + " | ".join(cells) + " |", flush=True
+        )
     print("| **mean of the 15** | " + " | ".join(f"{s:.1f} / {b:.1f}" for s, b in means) + " |")
 
 

@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
-from cafa_cli.models import resolve
+from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.shared.inputs import ModelChoice, default_preprocessing
 from cafa_cli.jobs.stats import compute_statistics
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
+from cafa_cli.models import resolve
 
 
 def rss_mib() -> float:
@@ -112,7 +112,10 @@ def main() -> None:
     def report(done: int) -> None:
         gc.collect()
         error = 100 * block["errors"] / block["n"] if block["n"] else float("nan")
-        print(f"| {done} | {rss_mib():.1f} | {peak_mib():.1f} | {error:.1f} | {adapter.skipped_steps} | {time.perf_counter() - started:.0f} |", flush=True)
+        print(
+            f"| {done} | {rss_mib():.1f} | {peak_mib():.1f} | {error:.1f} | {adapter.skipped_steps} | {time.perf_counter() - started:.0f} |",
+            flush=True,
+        )
         block.update(errors=0, n=0)
 
     def on_domain(domain: Domain) -> None:

@@ -102,22 +102,31 @@ def before_package(against: str | None, folder: str | None):
     copy = Path(tempfile.mkdtemp(prefix="step-before-"))
     if folder is None:
         root = Path(__file__).resolve().parent.parent
-        archive = subprocess.run(["git", "-C", str(root), "archive", against, "src/cafa_cli"], check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", against, "src/cafa_cli"], check=True, capture_output=True
+        ).stdout
         with tarfile.open(fileobj=BytesIO(archive)) as tar:
             tar.extractall(copy / "git", filter="data")
         source = copy / "git" / "src" / "cafa_cli"
     else:
         source = Path(folder) / "cafa_cli"
         if not (source / "method" / "adapter.py").is_file():
-            raise SystemExit(f"--before {folder}: no cafa_cli/method/adapter.py in it; it should hold the earlier commit's "
-                             "package as FOLDER/cafa_cli (git archive REV src/cafa_cli | tar -x -C FOLDER --strip-components=1)")
+            raise SystemExit(
+                f"--before {folder}: no cafa_cli/method/adapter.py in it; it should hold the earlier commit's "
+                "package as FOLDER/cafa_cli (git archive REV src/cafa_cli | tar -x -C FOLDER --strip-components=1)"
+            )
     shutil.copytree(source, copy / BEFORE)
     # two versions of one package in one process need two top-level names: every mention of
     # cafa_cli in the copy (imports, importlib.resources' package names) becomes cafa_before
     for path in (copy / BEFORE).rglob("*.py"):
         path.write_text(re.sub(r"\bcafa_cli\b", BEFORE, path.read_text()))
     sys.path.insert(0, str(copy))
-    names = {"adapter": "method.adapter", "methods": "method.methods", "models": "models", "gaussians": "method.gaussians"}
+    names = {
+        "adapter": "method.adapter",
+        "methods": "method.methods",
+        "models": "models",
+        "gaussians": "method.gaussians",
+    }
     return {key: importlib.import_module(f"{BEFORE}.{name}") for key, name in names.items()}
 
 
@@ -147,9 +156,19 @@ def main() -> None:
     num_classes = None if args.model == "fmnist-resnet" else args.classes
     probe, _ = resolve(args.model, num_classes=num_classes)
     C, d = probe.num_classes, probe.feature_dim
-    result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "device": str(device), "precision": args.precision,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "against": args.against or args.before,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "rows": {}}
+    result = {
+        "model": args.model,
+        "C": C,
+        "d": d,
+        "batch": args.batch,
+        "device": str(device),
+        "precision": args.precision,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "against": args.against or args.before,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "rows": {},
+    }
 
     def adapter(which: str, method: str, gaussians):
         if which == "after":
@@ -165,7 +184,7 @@ def main() -> None:
         pair = {which: adapter(which, method, gaussians) for which in sides}
         rounds, cpu = {which: [] for which in sides}, {which: [] for which in sides}
         for r in range(args.rounds):
-            for which in (sides if r % 2 == 0 else sides[::-1]):
+            for which in sides if r % 2 == 0 else sides[::-1]:
                 step = pair[which].step
                 wall_ms, cpu_ms = timed(lambda: step(images), device, args.repeats, warmup=2 if r == 0 else 0)
                 rounds[which].append(wall_ms)
@@ -177,20 +196,28 @@ def main() -> None:
         ops = row["counted"]
         if before:
             row["after_over_before"] = row["after"] / row["before"]
-            print(f"{name:14s} before {row['before']:9.1f} ms/step   after {row['after']:9.1f} ms/step   "
-                  f"after/before {row['after_over_before']:.3f}   (CPU time {row['before_cpu']:.1f} -> {row['after_cpu']:.1f} ms)   "
-                  f"operators {ops['before']['ops']} -> {ops['after']['ops']}, host reads {ops['before']['reads']} -> {ops['after']['reads']}",
-                  flush=True)
+            print(
+                f"{name:14s} before {row['before']:9.1f} ms/step   after {row['after']:9.1f} ms/step   "
+                f"after/before {row['after_over_before']:.3f}   (CPU time {row['before_cpu']:.1f} -> {row['after_cpu']:.1f} ms)   "
+                f"operators {ops['before']['ops']} -> {ops['after']['ops']}, host reads {ops['before']['reads']} -> {ops['after']['reads']}",
+                flush=True,
+            )
         else:
-            print(f"{name:14s} {row['after']:9.1f} ms/step   (CPU time {row['after_cpu']:.1f} ms)   operators {ops['after']['ops']}, "
-                  f"host reads {ops['after']['reads']}", flush=True)
+            print(
+                f"{name:14s} {row['after']:9.1f} ms/step   (CPU time {row['after_cpu']:.1f} ms)   operators {ops['after']['ops']}, "
+                f"host reads {ops['after']['reads']}",
+                flush=True,
+            )
         result["rows"][name] = row
         del pair
     for name, row in result["rows"].items():
         if name != "tent":
             for which in sides:
                 row[f"{which}_over_tent"] = row[which] / result["rows"]["tent"][which]
-            print(f"{name:14s} / tent: {row['after_over_tent']:.3f}" + (f" (before: {row['before_over_tent']:.3f})" if before else ""))
+            print(
+                f"{name:14s} / tent: {row['after_over_tent']:.3f}"
+                + (f" (before: {row['before_over_tent']:.3f})" if before else "")
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

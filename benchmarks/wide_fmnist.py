@@ -53,11 +53,20 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = build(width=args.width)
     started = time.perf_counter()
-    train_fmnist.train(model, train_fmnist.to_unit_tensor(train_images), torch.from_numpy(train_labels), args.epochs, args.seed)
+    train_fmnist.train(
+        model, train_fmnist.to_unit_tensor(train_images), torch.from_numpy(train_labels), args.epochs, args.seed
+    )
     accuracy = train_fmnist.evaluate(model, train_fmnist.to_unit_tensor(test_images), torch.from_numpy(test_labels))
-    print(f"width {args.width}: clean test accuracy {accuracy:.4f}, {time.perf_counter() - started:.0f} s on {args.threads} threads")
-    metadata = {"clean_test_accuracy": f"{accuracy:.4f}", "width": str(args.width), "epochs": str(args.epochs),
-                "seed": str(args.seed), "torch": torch.__version__}
+    print(
+        f"width {args.width}: clean test accuracy {accuracy:.4f}, {time.perf_counter() - started:.0f} s on {args.threads} threads"
+    )
+    metadata = {
+        "clean_test_accuracy": f"{accuracy:.4f}",
+        "width": str(args.width),
+        "epochs": str(args.epochs),
+        "seed": str(args.seed),
+        "torch": torch.__version__,
+    }
     train_fmnist.save_weights_atomically(model, args.out, metadata)
     return 0
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.moments import ClassMoments
 from cafa_cli.method.gaussians import estimate
+from cafa_cli.method.moments import ClassMoments
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"
@@ -42,7 +42,9 @@ def class_images(rng: np.random.Generator, label: int, n: int, size: int = 16, s
     return np.clip(images, 0, 255).astype(np.uint8)
 
 
-def write_folder(root: Path, per_class: int, classes=("a", "b", "c"), seed: int = 0, shift: float = 0.0, size: int = 16) -> Path:
+def write_folder(
+    root: Path, per_class: int, classes=("a", "b", "c"), seed: int = 0, shift: float = 0.0, size: int = 16
+) -> Path:
     rng = np.random.default_rng(seed)
     for label, name in enumerate(classes):
         folder = root / name
@@ -117,7 +119,21 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
     train, weights = tiny_training_set(root)
     artifact = root / "s.safetensors"
-    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1", "--out", artifact, "--quiet")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        weights,
+        "--data",
+        train,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        artifact,
+        "--quiet",
+    )
     assert result.exit_code == 0, result.stderr
     return {"root": root, "train": train, "weights": weights, "artifact": artifact}
 

@@ -9,11 +9,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from conftest import ASSETS, PLAIN, TINY_NET, invoke
 from PIL import Image
 
 from cafa_cli.data.preprocessing import Preprocessing
-from conftest import ASSETS, PLAIN, TINY_NET, invoke
-
 
 # --- the CLI's errors (from test_errors.py) ------------------------------------
 
@@ -28,7 +27,11 @@ def fails(result, code: int, *needles: str) -> str:
     adapt's lines on its recipe and on what it adapts)."""
     assert result.exit_code == code, (result.exit_code, result.stdout[-500:], result.stderr)
     no_traceback(result)
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(("warning:", "adapting ", "recipe ", "no recipe "))]
+    lines = [
+        line
+        for line in result.stderr.strip().splitlines()
+        if not line.startswith(("warning:", "adapting ", "recipe ", "no recipe "))
+    ]
     assert len(lines) == 1 and lines[0].startswith("cafa: error:"), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
@@ -36,11 +39,25 @@ def fails(result, code: int, *needles: str) -> str:
 
 
 def adapt(setup, data, *args, input=None):
-    return invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, "--batch-size", "4", *args, input=input)
+    return invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--data",
+        data,
+        "--batch-size",
+        "4",
+        *args,
+        input=input,
+    )
 
 
 def stats(setup, data, *args):
-    return invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args)
+    return invoke(
+        "stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args
+    )
 
 
 def rows(result) -> list[dict]:
@@ -50,12 +67,26 @@ def rows(result) -> list[dict]:
 def factory(tmp_path: Path, body: str, name: str = "net.py") -> str:
     """A model factory file `build()` that can use tiny_net."""
     path = tmp_path / name
-    path.write_text(f"import sys\nsys.path.insert(0, {str(ASSETS)!r})\nimport torch\nfrom torch import nn\nimport tiny_net\n\n{body}\n")
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {str(ASSETS)!r})\nimport torch\nfrom torch import nn\nimport tiny_net\n\n{body}\n"
+    )
     return f"{path}:build"
 
 
 def stats_with_model(setup, tmp_path, model, *extra):
-    return invoke("stats", "--model", model, *extra, "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    return invoke(
+        "stats",
+        "--model",
+        model,
+        *extra,
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+    )
 
 
 # --- images --------------------------------------------------------------------
@@ -148,7 +179,12 @@ def make_cifar10(root: Path, per_batch: int = 3, style: str = "py2") -> tuple[np
     for b in range(1, 6):
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
         labels = [int(v) for v in rng.integers(0, 10, per_batch)]
-        batch = {"batch_label": f"training batch {b} of 5", "labels": labels, "data": data, "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)]}
+        batch = {
+            "batch_label": f"training batch {b} of 5",
+            "labels": labels,
+            "data": data,
+            "filenames": [f"img_{b}_{i}.png" for i in range(per_batch)],
+        }
         (folder / f"data_batch_{b}").write_bytes(dump(batch))
         all_data.append(data)
         all_labels += labels

@@ -7,19 +7,19 @@ import re
 
 import numpy as np
 import pytest
+import tiny_net
 import torch
 import torchvision
 
-import tiny_net
+from cafa_cli.errors import UsageError
 from cafa_cli.method import losses
 from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.methods import REGISTRY, create
 from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
-from cafa_cli.errors import UsageError
-from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.moments import ClassMoments
-from cafa_cli.method.gaussians import estimate
+from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
 
 NAMES = tuple(REGISTRY)
 
@@ -130,13 +130,18 @@ def test_batch_size_one_works_with_a_prior():
 
 
 def stream_error(adapter: Adapter, x, y, batch=50) -> float:
-    wrong = sum((adapter.step(x[i : i + batch]).argmax(1) != y[i : i + batch]).sum().item() for i in range(0, len(x), batch))
+    wrong = sum(
+        (adapter.step(x[i : i + batch]).argmax(1) != y[i : i + batch]).sum().item() for i in range(0, len(x), batch)
+    )
     return wrong / len(x)
 
 
 def test_bn_tent_and_cafa_each_beat_source_on_a_synthetic_shift(trained):
     model, gaussians, x, y = trained
-    errors = {m: stream_error(Adapter(copy.deepcopy(model), create(m, gaussians), lr=1e-2), x, y) for m in ("source", "bn", "tent", "cafa")}
+    errors = {
+        m: stream_error(Adapter(copy.deepcopy(model), create(m, gaussians), lr=1e-2), x, y)
+        for m in ("source", "bn", "tent", "cafa")
+    }
     assert errors["source"] > 0.4, errors
     for method in ("bn", "tent", "cafa"):
         assert errors[method] < errors["source"] - 0.2, errors
@@ -204,7 +209,9 @@ def nan_gradient(logits, features):
 @pytest.mark.parametrize("first", [True, False], ids=["first-batch", "later-batch"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd", "nesterov"])
 @pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
-def test_a_skipped_update_leaves_weights_and_optimiser_state_as_if_the_batch_had_not_come(trained, bad_loss, first, optimizer, fused):
+def test_a_skipped_update_leaves_weights_and_optimiser_state_as_if_the_batch_had_not_come(
+    trained, bad_loss, first, optimizer, fused
+):
     """Decided on the device (no host synchronisation) and still exact: the weights, the
     moments, the momentum and Adam's step count after good, bad, good batches are bit for
     bit those after the two good ones; with two steps a batch, the bad batch counts once."""
@@ -294,9 +301,13 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, not rmsprop"), ({"steps": 0}, "`steps`"),
-     ({"lr": 0}, "`lr` must be a positive number, not 0"), ({"params": "some"}, "`params`"),
-     ({"optimizer": "nesterov", "momentum": 0}, "`optimizer` nesterov needs a momentum above 0, not 0")],
+    [
+        ({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, not rmsprop"),
+        ({"steps": 0}, "`steps`"),
+        ({"lr": 0}, "`lr` must be a positive number, not 0"),
+        ({"params": "some"}, "`params`"),
+        ({"optimizer": "nesterov", "momentum": 0}, "`optimizer` nesterov needs a momentum above 0, not 0"),
+    ],
 )
 def test_bad_settings_are_usage_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):
@@ -305,8 +316,11 @@ def test_bad_settings_are_usage_errors(kwargs, match):
 
 def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
-    with pytest.raises(UsageError, match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
-                                         "eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust, or a plug-in module:factory, not nope"):
+    with pytest.raises(
+        UsageError,
+        match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
+        "eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust, or a plug-in module:factory, not nope",
+    ):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
         Adapter(FeatureClassifier(tiny_net.build()), "tent")
@@ -332,7 +346,12 @@ def test_compiled_model_predicts_and_adapts_like_the_eager_one(trained):
     for i in range(0, 100, 50):  # the second batch shows the update went through the compiled graph
         torch.testing.assert_close(compiled.step(x[i : i + 50]), eager.step(x[i : i + 50]), rtol=1e-4, atol=1e-5)
     compiled.reset()
-    torch.testing.assert_close(compiled.step(x[:50]), Adapter(copy.deepcopy(model), create("cafa", gaussians)).step(x[:50]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        compiled.step(x[:50]),
+        Adapter(copy.deepcopy(model), create("cafa", gaussians)).step(x[:50]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_a_model_that_already_belongs_to_an_adapter_is_refused(trained):
@@ -360,7 +379,9 @@ def test_a_model_is_taken_by_its_first_adapter_whatever_the_method_and_norm_laye
     Adapter(shared, create("source"))
     with pytest.raises(UsageError, match="already belongs to an Adapter"):
         Adapter(shared, create("cafa", gaussians))
-    layer_norm_net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+    layer_norm_net = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(256, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3)
+    )
     Adapter(FeatureClassifier(layer_norm_net), create("tent"))
     with pytest.raises(UsageError, match="already belongs to an Adapter"):
         Adapter(FeatureClassifier(layer_norm_net), create("tent"))  # a second wrapper of the same net
@@ -384,12 +405,15 @@ def test_predictions_of_every_method_are_ordinary_tensors(trained):
         assert not logits.is_inference() and logits.add_(1).shape == (10, 3)  # a caller may change them in place
 
 
-@pytest.mark.parametrize("options, needle", [
-    ({"lr": "1e-3"}, "`lr` must be a number, not '1e-3'"),
-    ({"steps": 2.5}, "`steps` must be a whole number, not 2.5"),
-    ({"momentum": None}, "`momentum` must be a number"),
-    ({"norm": "prior:x"}, "`norm` must be batch, prior:N"),
-])
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"lr": "1e-3"}, "`lr` must be a number, not '1e-3'"),
+        ({"steps": 2.5}, "`steps` must be a whole number, not 2.5"),
+        ({"momentum": None}, "`momentum` must be a number"),
+        ({"norm": "prior:x"}, "`norm` must be batch, prior:N"),
+    ],
+)
 def test_adapter_options_of_the_wrong_type_are_usage_errors(trained, options, needle):
     model, gaussians, _, _ = trained
     with pytest.raises(UsageError, match=re.escape(needle)):
@@ -440,7 +464,9 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
     for name in NAMES:
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
-        assert method.needs_statistics == (name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust"))
+        assert method.needs_statistics == (
+            name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust")
+        )
         output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
         own_normalisation = ("rotta", "cafa-robust")  # BatchNorms of their own, swapped in by the method itself
         assert method.trains == (name not in ("bn", *output_only))
@@ -450,7 +476,9 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
 def test_statistics_kept_on_another_kind_of_device_are_a_usage_error(trained):
     model, gaussians, _, _ = trained
     method = create("cafa", gaussians, device=torch.device("meta"))  # a stand-in for statistics put on a GPU
-    with pytest.raises(UsageError, match="the method cafa keeps its statistics on meta but adapts on cpu; create it with device='cpu'"):
+    with pytest.raises(
+        UsageError, match="the method cafa keeps its statistics on meta but adapts on cpu; create it with device='cpu'"
+    ):
         Adapter(copy.deepcopy(model), method, device="cpu")
 
 

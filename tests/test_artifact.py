@@ -16,12 +16,12 @@ from safetensors.torch import load, save_file
 import cafa_cli.artifact as artifact_module
 import cafa_cli.artifact_format as artifact_format
 from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.files import atomic_write
-from cafa_cli.errors import CafaError, InputError
-from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.errors import CafaError, InputError
+from cafa_cli.files import atomic_write
 from cafa_cli.method.gaussians import estimate
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.models import ModelSpec
 
 NAMES = ["cat", "dog", "émeu"]
 D = 4
@@ -149,10 +149,15 @@ def test_a_full_disk_is_one_clear_error_and_the_old_artifact_stays(tmp_path, mon
     before = path.read_bytes()
 
     def full(*args, **kwargs):
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr(artifact_module, "save_file", full)
-    with pytest.raises(CafaError, match=rf"^cannot write {path} \(Error while serializing: .*No space left on device.*check the free space"):
+    with pytest.raises(
+        CafaError,
+        match=rf"^cannot write {path} \(Error while serializing: .*No space left on device.*check the free space",
+    ):
         write_artifact(path, g, NAMES, SPEC, PREP, SAMPLING, FINGERPRINT)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]
 
@@ -200,7 +205,9 @@ def test_a_failed_rename_names_the_target_and_leaves_no_temporary_file(tmp_path,
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "replace", immutable)
-    with pytest.raises(CafaError, match=rf"^cannot write {tmp_path / 'x.json'}: Operation not permitted; check the file's permissions"):
+    with pytest.raises(
+        CafaError, match=rf"^cannot write {tmp_path / 'x.json'}: Operation not permitted; check the file's permissions"
+    ):
         atomic_write(tmp_path / "x.json", lambda tmp: Path(tmp).write_text("{}"))
     assert list(tmp_path.iterdir()) == []
 
@@ -305,7 +312,9 @@ def test_truncated_file(valid, keep):
 
 def test_garbage_bytes(tmp_path):
     path = tmp_path / "g.safetensors"
-    path.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).tolist()))
+    path.write_bytes(
+        bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).tolist())
+    )
     fails(path, "not a readable safetensors|unreadable")
 
 
@@ -315,7 +324,9 @@ def test_garbage_with_small_header_length(tmp_path):
     fails(path, "not a readable safetensors|unreadable")
 
 
-@pytest.mark.parametrize("page", [b"<!DOCTYPE html><html><body>Sign in</body></html>", b"\n  <html><head></head></html>"])
+@pytest.mark.parametrize(
+    "page", [b"<!DOCTYPE html><html><body>Sign in</body></html>", b"\n  <html><head></head></html>"]
+)
 def test_html_page(tmp_path, page):
     path = tmp_path / "s.safetensors"
     path.write_bytes(page)
@@ -337,12 +348,18 @@ def test_unknown_format_version(valid, tmp_path, version):
 
 
 def test_missing_format_version(valid, tmp_path):
-    fails(corrupt(valid, tmp_path / "v.safetensors", {"format_version": None}), "metadata field 'format_version' is missing")
+    fails(
+        corrupt(valid, tmp_path / "v.safetensors", {"format_version": None}),
+        "metadata field 'format_version' is missing",
+    )
 
 
 def test_missing_parameter_fingerprint(valid, tmp_path):
     """Every released artifact records the model's parameters: without them no check of the model is possible."""
-    fails(corrupt(valid, tmp_path / "v.safetensors", {"parameters_sha256": None}), "metadata 'parameters_sha256' is missing")
+    fails(
+        corrupt(valid, tmp_path / "v.safetensors", {"parameters_sha256": None}),
+        "metadata 'parameters_sha256' is missing",
+    )
 
 
 def test_a_symlink_that_leads_nowhere_says_so(tmp_path):
@@ -373,15 +390,27 @@ def test_inf_in_global_covariance(valid, tmp_path):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_factors(valid, tmp_path, value):
-    fails(corrupt(valid, tmp_path / "f.safetensors", factors=lambda f: f[0, 3].__setitem__(0, value)), "precision factors hold NaN")
+    fails(
+        corrupt(valid, tmp_path / "f.safetensors", factors=lambda f: f[0, 3].__setitem__(0, value)),
+        "precision factors hold NaN",
+    )
 
 
 def test_shapes_disagree_with_metadata(valid, tmp_path):
-    fails(corrupt(valid, tmp_path / "a.safetensors", {"num_classes": "4", "class_names": json.dumps(NAMES + ["x"])}), r"'means' has shape \(3, 4\), metadata implies \(4, 4\)")
+    fails(
+        corrupt(valid, tmp_path / "a.safetensors", {"num_classes": "4", "class_names": json.dumps(NAMES + ["x"])}),
+        r"'means' has shape \(3, 4\), metadata implies \(4, 4\)",
+    )
     fails(corrupt(valid, tmp_path / "b.safetensors", {"feature_dim": "5"}), "has shape")
     g = read_artifact(valid).gaussians
-    fails(corrupt(valid, tmp_path / "c.safetensors", precision_cholesky=g.factors[:2].clone()), r"'precision_cholesky' has shape \(2, 4, 4\)")
-    fails(corrupt(valid, tmp_path / "d.safetensors", {"covariance": "diag"}), r"'precision_cholesky' has shape \(3, 4, 4\), metadata implies \(3, 4\)")
+    fails(
+        corrupt(valid, tmp_path / "c.safetensors", precision_cholesky=g.factors[:2].clone()),
+        r"'precision_cholesky' has shape \(2, 4, 4\)",
+    )
+    fails(
+        corrupt(valid, tmp_path / "d.safetensors", {"covariance": "diag"}),
+        r"'precision_cholesky' has shape \(3, 4, 4\), metadata implies \(3, 4\)",
+    )
 
 
 def test_wrong_dtype(valid, tmp_path):
@@ -399,18 +428,26 @@ def test_class_names_disagree_with_num_classes(valid, tmp_path):
 
 
 def test_factor_not_lower_triangular(valid, tmp_path):
-    fails(corrupt(valid, tmp_path / "u.safetensors", factors=lambda f: f[1, 0].__setitem__(3, 1e-3)), "not lower-triangular")
+    fails(
+        corrupt(valid, tmp_path / "u.safetensors", factors=lambda f: f[1, 0].__setitem__(3, 1e-3)),
+        "not lower-triangular",
+    )
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0])
 def test_factor_with_non_positive_diagonal(valid, tmp_path, value):
-    fails(corrupt(valid, tmp_path / "p.safetensors", factors=lambda f: f[2, 1].__setitem__(1, value)), "non-positive diagonal")
+    fails(
+        corrupt(valid, tmp_path / "p.safetensors", factors=lambda f: f[2, 1].__setitem__(1, value)),
+        "non-positive diagonal",
+    )
 
 
 def test_diag_factor_with_non_positive_entry(tmp_path):
     path = tmp_path / "diag.safetensors"
     write(path, "diag", 0.2)
-    fails(corrupt(path, tmp_path / "p.safetensors", factors=lambda f: f[0].__setitem__(2, 0.0)), "non-positive diagonal")
+    fails(
+        corrupt(path, tmp_path / "p.safetensors", factors=lambda f: f[0].__setitem__(2, 0.0)), "non-positive diagonal"
+    )
 
 
 def test_counts_and_shrinkage_out_of_range(valid, tmp_path):
@@ -421,12 +458,17 @@ def test_counts_and_shrinkage_out_of_range(valid, tmp_path):
 
 def test_num_images_must_be_the_sum_of_the_counts(valid, tmp_path):
     fails(corrupt(valid, tmp_path / "n.safetensors", {"num_images": "1000"}), r"'num_images' \(1000\) is not the sum")
-    fails(corrupt(valid, tmp_path / "c.safetensors", counts=torch.tensor([20, 5, 30])), "is not the sum of the tensor 'counts'")
+    fails(
+        corrupt(valid, tmp_path / "c.safetensors", counts=torch.tensor([20, 5, 30])),
+        "is not the sum of the tensor 'counts'",
+    )
 
 
 @pytest.mark.parametrize("field", ["class_names", "model", "preprocessing", "sampling", "shrinkage"])
 def test_malformed_json_metadata(valid, tmp_path, field):
-    message = fails(corrupt(valid, tmp_path / "j.safetensors", {field: "{not json"}), f"'{field}' is missing or not valid JSON")
+    message = fails(
+        corrupt(valid, tmp_path / "j.safetensors", {field: "{not json"}), f"'{field}' is missing or not valid JSON"
+    )
     assert "cafa stats" in message
 
 
@@ -441,18 +483,29 @@ def test_a_device_is_not_an_artifact():
 
 @pytest.mark.parametrize("name", ["", "  ", "two\nlines"])
 def test_class_names_that_would_break_the_records_are_refused(valid, tmp_path, name):
-    fails(corrupt(valid, tmp_path / "c.safetensors", {"class_names": json.dumps(["cat", "dog", name])}), "empty name or one with a line break")
+    fails(
+        corrupt(valid, tmp_path / "c.safetensors", {"class_names": json.dumps(["cat", "dog", name])}),
+        "empty name or one with a line break",
+    )
 
 
 def test_metadata_with_wrong_fields(valid, tmp_path):
-    fails(corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"model": "x", "architecture": "x"})}),
-          "metadata 'model' has unknown fields architecture;")
-    fails(corrupt(valid, tmp_path / "n.safetensors", {"model": json.dumps({"weights": None})}), "metadata 'model' has no model name")
+    fails(
+        corrupt(valid, tmp_path / "m.safetensors", {"model": json.dumps({"model": "x", "architecture": "x"})}),
+        "metadata 'model' has unknown fields architecture;",
+    )
+    fails(
+        corrupt(valid, tmp_path / "n.safetensors", {"model": json.dumps({"weights": None})}),
+        "metadata 'model' has no model name",
+    )
     fails(corrupt(valid, tmp_path / "l.safetensors", {"model": "[1, 2]"}), "must be JSON objects")
     bad_prep = json.dumps({"resize": None, "crop": None, "mean": [0], "std": [0], "channels": 1})
     fails(corrupt(valid, tmp_path / "p.safetensors", {"preprocessing": bad_prep}), "preprocessing")
     text_mean = json.dumps({"resize": None, "crop": None, "mean": "0.5", "std": [1], "channels": 1})
-    fails(corrupt(valid, tmp_path / "t.safetensors", {"preprocessing": text_mean}), r"'mean' must be a list of numbers, not '0.5'")
+    fails(
+        corrupt(valid, tmp_path / "t.safetensors", {"preprocessing": text_mean}),
+        r"'mean' must be a list of numbers, not '0.5'",
+    )
 
 
 def test_non_integer_dimensions(valid, tmp_path):

@@ -10,26 +10,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PLAIN, TINY_NET, write_folder
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
+from cafa_cli.checkpoints import sha256_of
+from cafa_cli.cli.app import app
+from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
+from cafa_cli.errors import UsageError
 from cafa_cli.jobs.bench.rows import Row, parse_methods
 from cafa_cli.jobs.bench.runs import row_config
-from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.bench.tables import domain_label, domain_labels, markdown, summarise
-from cafa_cli.cli.app import app
-from cafa_cli.errors import UsageError
-from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
-from cafa_cli.checkpoints import sha256_of
+from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.results import DomainResult
-from conftest import PLAIN, TINY_NET, write_folder
 
 runner = CliRunner()
-needs_fashion_mnist = pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+needs_fashion_mnist = pytest.mark.skipif(
+    not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"
+)
 
 
 def test_parse_methods_knows_variants_and_per_row_learning_rates():
-    rows = parse_methods("source, tent@0.01, cafa, intra, cafa-tied,cafa-diag@1e-3,cafa-lowrank,cafa-dense,cafa-full@0.01")
+    rows = parse_methods(
+        "source, tent@0.01, cafa, intra, cafa-tied,cafa-diag@1e-3,cafa-lowrank,cafa-dense,cafa-full@0.01"
+    )
     assert rows == [
         Row("source", "source", None),
         Row("tent@0.01", "tent", None, 0.01),
@@ -65,7 +69,12 @@ def test_domain_labels_follow_the_imagenet_c_layout():
 
 def test_domain_labels_grow_until_they_differ(tmp_path):
     assert domain_labels(["x/fog/3", "x/snow/3"]) == {"x/fog/3": "fog", "x/snow/3": "snow", "mean": "mean"}
-    assert domain_labels(["x/fog/3", "x/fog/5", "x/snow/3"]) == {"x/fog/3": "fog/3", "x/fog/5": "fog/5", "x/snow/3": "snow", "mean": "mean"}
+    assert domain_labels(["x/fog/3", "x/fog/5", "x/snow/3"]) == {
+        "x/fog/3": "fog/3",
+        "x/fog/5": "fog/5",
+        "x/snow/3": "snow",
+        "mean": "mean",
+    }
     assert domain_labels(["a/fog/3", "b/fog/3"])["b/fog/3"] == "b/fog/3"
     # links are not followed: the columns are named as the user named the folders
     (tmp_path / "exp").mkdir()
@@ -100,17 +109,27 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
         one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
     one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
     one_error_line(runner.invoke(app, [*base, f"{domain}/"]), 2, "is given twice")  # the same folder, written otherwise
-    one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]), 2,
-                   "--severity is only for .npy arrays")  # before the statistics are computed
+    one_error_line(
+        runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]),
+        2,
+        "--severity is only for .npy arrays",
+    )  # before the statistics are computed
     one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
-    one_error_line(runner.invoke(app, [*base, "--methods", "cafa", "--train", str(tmp_path / "nope")]), 3, f"--train {tmp_path / 'nope'}: no such")
+    one_error_line(
+        runner.invoke(app, [*base, "--methods", "cafa", "--train", str(tmp_path / "nope")]),
+        3,
+        f"--train {tmp_path / 'nope'}: no such",
+    )
     one_error_line(runner.invoke(app, [*base, "--weights", str(tmp_path / "nope.pt")]), 3, "--weights")
     flat = tmp_path / "flat"
     flat.mkdir()
     for image in (domain / "a").glob("*.png"):
         (flat / image.name).write_bytes(image.read_bytes())
-    one_error_line(runner.invoke(app, [*base, str(flat), "--methods", "cafa", "--train", str(domain)]), 3,
-                   f"{flat}: no labels, so no error to benchmark")  # before the statistics
+    one_error_line(
+        runner.invoke(app, [*base, str(flat), "--methods", "cafa", "--train", str(domain)]),
+        3,
+        f"{flat}: no labels, so no error to benchmark",
+    )  # before the statistics
     assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
     one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
@@ -149,8 +168,16 @@ def test_demo_rejects_bad_options_before_building_anything(tmp_path, args, code,
 
 def test_summary_is_mean_and_std_over_seeds_and_the_mean_column_averages_domains():
     rows = parse_methods("bn,cafa")
-    errors = {("bn", "a/1", 0): 0.2, ("bn", "a/1", 1): 0.4, ("bn", "b/1", 0): 0.1, ("bn", "b/1", 1): 0.1,
-              ("cafa", "a/1", 0): 0.1, ("cafa", "a/1", 1): 0.1, ("cafa", "b/1", 0): 0.1, ("cafa", "b/1", 1): 0.1}
+    errors = {
+        ("bn", "a/1", 0): 0.2,
+        ("bn", "a/1", 1): 0.4,
+        ("bn", "b/1", 0): 0.1,
+        ("bn", "b/1", 1): 0.1,
+        ("cafa", "a/1", 0): 0.1,
+        ("cafa", "a/1", 1): 0.1,
+        ("cafa", "b/1", 0): 0.1,
+        ("cafa", "b/1", 1): 0.1,
+    }
     results = {key: DomainResult(key[1], n=10, labelled=10, errors=round(10 * error)) for key, error in errors.items()}
     table = summarise(results, rows, ["a/1", "b/1"], [0, 1])
     bn = table[0]["cells"]
@@ -178,7 +205,17 @@ def test_corruption_is_reproducible_and_changes_the_images():
 def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     pytest.importorskip("corrupt_tta")
     monkeypatch.chdir(tmp_path)  # the default workdir is relative: re-use must see through that
-    args = ["demo", "--workdir", "demo", "--corruptions", "contrast,fog", "--test-per-class", "20", "--methods", "source,bn,cafa,cafa-tied@0.01,cafa-full"]
+    args = [
+        "demo",
+        "--workdir",
+        "demo",
+        "--corruptions",
+        "contrast,fog",
+        "--test-per-class",
+        "20",
+        "--methods",
+        "source,bn,cafa,cafa-tied@0.01,cafa-full",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -188,7 +225,13 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     tied = next(line for line in result.stderr.splitlines() if "--stats demo/stats-tied.safetensors" in line)
     assert "--method cafa" in tied and "--lr 0.01" in tied  # the row's own learning rate, as it ran
     adapt_lines = [line for line in result.stderr.splitlines() if "$ cafa adapt" in line]
-    assert ["--params all" in line for line in adapt_lines] == [False, False, False, False, True]  # CAFA-Full, as it ran
+    assert ["--params all" in line for line in adapt_lines] == [
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]  # CAFA-Full, as it ran
     assert "--covariance tied --out demo/stats-tied.safetensors" in result.stderr
     pngs = list((tmp_path / "demo" / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
     assert len(pngs) == 200
@@ -213,19 +256,44 @@ def test_demo_data_only_builds_every_severity_asked_for(tmp_path):
     mild, harsh = (sorted((root / "contrast" / s).rglob("*.png")) for s in ("1", "5"))
     assert len(mild) == len(harsh) == 20 and mild[0].read_bytes() != harsh[0].read_bytes()
     alone = runner.invoke(app, [*args, "--severity", "5"])  # the folder a single severity builds, re-used
-    assert alone.exit_code == 0 and alone.stdout.splitlines() == [str(root / "contrast" / "5")] and "corrupting" not in alone.stderr
+    assert (
+        alone.exit_code == 0
+        and alone.stdout.splitlines() == [str(root / "contrast" / "5")]
+        and "corrupting" not in alone.stderr
+    )
 
 
 @needs_fashion_mnist
 def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     pytest.importorskip("corrupt_tta")
     pytest.importorskip("matplotlib")
-    built = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"])
+    built = runner.invoke(
+        app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"]
+    )
     assert built.exit_code == 0, built.stderr
     domain = built.stdout.strip()
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
-    result = runner.invoke(app, ["bench", domain, "--methods", "source,cafa-diag", "--seeds", "0,1", "--per-class", "20",
-                                 "--workdir", str(tmp_path / "art"), "--csv", str(out["csv"]), "--metrics-json", str(out["json"]), "--plot", str(out["png"])])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            domain,
+            "--methods",
+            "source,cafa-diag",
+            "--seeds",
+            "0,1",
+            "--per-class",
+            "20",
+            "--workdir",
+            str(tmp_path / "art"),
+            "--csv",
+            str(out["csv"]),
+            "--metrics-json",
+            str(out["json"]),
+            "--plot",
+            str(out["png"]),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     report = json.loads(out["json"].read_text())
     runs = {(r["method"], r["seed"]): r["error"] for r in report["runs"]}
@@ -236,7 +304,9 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     assert float(source_mean["error_mean_percent"]) == pytest.approx(100 * runs[("source", 0)], abs=1e-3)
     assert f"{100 * runs[('source', 0)]:.2f} ± 0.00" in result.stdout
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (tmp_path / "art" / "stats-auto.safetensors").exists()
+    assert (tmp_path / "art" / "stats-diag.safetensors").is_file() and not (
+        tmp_path / "art" / "stats-auto.safetensors"
+    ).exists()
 
 
 @needs_fashion_mnist
@@ -246,12 +316,26 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
     pytest.importorskip("corrupt_tta")
     from cafa_cli.artifact import read_artifact
 
-    built = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"])
+    built = runner.invoke(
+        app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"]
+    )
     assert built.exit_code == 0, built.stderr
     domain = built.stdout.strip()
     report = tmp_path / "r.json"
-    common = [domain, "--methods", "source,cafa-diag", "--per-class", "20", "--workdir", str(tmp_path / "art"), "--metrics-json", str(report)]
-    result = runner.invoke(app, ["bench", *common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none"])
+    common = [
+        domain,
+        "--methods",
+        "source,cafa-diag",
+        "--per-class",
+        "20",
+        "--workdir",
+        str(tmp_path / "art"),
+        "--metrics-json",
+        str(report),
+    ]
+    result = runner.invoke(
+        app, ["bench", *common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none"]
+    )
     assert result.exit_code == 0, result.stderr
     used = json.loads(report.read_text())["settings"]["preprocessing"]
     assert (used["train"]["resize"], used["train"]["crop"]) == (32, 28)
@@ -260,8 +344,21 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
     artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
     assert (artifact.preprocessing.resize, artifact.preprocessing.crop) == (32, 28)
     source_error = json.loads(report.read_text())["runs"][0]["error"]
-    alone = runner.invoke(app, ["adapt", "--data", domain, "--method", "source", "--model", "fmnist-resnet", "--quiet",
-                                "--metrics-json", str(tmp_path / "m.json")])
+    alone = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--data",
+            domain,
+            "--method",
+            "source",
+            "--model",
+            "fmnist-resnet",
+            "--quiet",
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert alone.exit_code == 0, alone.stderr
     assert json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"] == pytest.approx(source_error)
 
@@ -282,8 +379,12 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
 
     def fake_prepare(config, monitor=None):
         calls.append((config.method, config.seed))
-        return SimpleNamespace(run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [],
-                               groups=None, clean=None)
+        return SimpleNamespace(
+            run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data],
+            cautions=lambda: [],
+            groups=None,
+            clean=None,
+        )
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
     config, rows = BenchConfig(data=["d"], model="m"), parse_methods("source,bn,tent")
@@ -300,17 +401,27 @@ def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp
 
     seen = {}
     monkeypatch.setattr(statistics, "compute_statistics", lambda config, monitor: seen.update(vars(config)))
-    config = BenchConfig(batch_size=7, device="cpu", num_workers=1, model="m", train="train", per_class=5, workdir=str(tmp_path))
+    config = BenchConfig(
+        batch_size=7, device="cpu", num_workers=1, model="m", train="train", per_class=5, workdir=str(tmp_path)
+    )
     path = statistics.ensure_statistics(config, "tied", Monitor())
     assert path == tmp_path / "stats-tied.safetensors"
     assert {k: seen[k] for k in ("device", "batch_size", "num_workers", "per_class", "covariance", "data")} == {
-        "device": "cpu", "batch_size": 7, "num_workers": 1, "per_class": 5, "covariance": "tied", "data": "train"}
+        "device": "cpu",
+        "batch_size": 7,
+        "num_workers": 1,
+        "per_class": 5,
+        "covariance": "tied",
+        "data": "train",
+    }
 
 
 def test_bench_without_domains_is_a_usage_error():
     result = runner.invoke(app, ["bench", "--methods", "source"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
+    assert (
+        result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
+    )
 
 
 def test_bench_recomputes_statistics_for_another_class_list(tmp_path, tiny_weights):
@@ -320,8 +431,23 @@ def test_bench_recomputes_statistics_for_another_class_list(tmp_path, tiny_weigh
     for name, order in (("abc", "a\nb\nc\n"), ("cab", "c\na\nb\n")):
         orders[name] = tmp_path / f"{name}.txt"
         orders[name].write_text(order)
-    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), *PLAIN,
-            "--per-class", "6", "--workdir", str(tmp_path / "w")]
+    base = [
+        "bench",
+        str(test),
+        "--methods",
+        "cafa-diag",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        "--train",
+        str(train),
+        *PLAIN,
+        "--per-class",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
 
     def computed(classes: str) -> bool:
         result = runner.invoke(app, [*base, "--classes", str(orders[classes])])
@@ -339,14 +465,52 @@ def test_rows_without_statistics_read_labels_in_the_training_order(tmp_path, tin
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=4, seed=1, classes=("a", "c"))
     report = tmp_path / "r.json"
-    result = runner.invoke(app, ["bench", str(test), "--methods", methods, "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            methods,
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--train",
+            str(train),
+            *PLAIN,
+            "--per-class",
+            "6",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "w" / "classes.txt").read_text() == "a\nb\nc\n"
     order = tmp_path / "order.txt"
     order.write_text("a\nb\nc\n")
-    alone = runner.invoke(app, ["adapt", "--data", str(test), "--method", "source", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                *PLAIN, "--classes", str(order), "--quiet", "--metrics-json", str(tmp_path / "m.json")])
+    alone = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--data",
+            str(test),
+            "--method",
+            "source",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            *PLAIN,
+            "--classes",
+            str(order),
+            "--quiet",
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert alone.exit_code == 0, alone.stderr
     source = next(r["error"] for r in json.loads(report.read_text())["runs"] if r["method"] == "source")
     assert source == pytest.approx(json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"])
@@ -359,50 +523,163 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
     for image in (write_folder(tmp_path / "src", per_class=2) / "a").iterdir():
         image.rename(flat / image.name)
     test = write_folder(tmp_path / "test", per_class=4, seed=1)
-    result = runner.invoke(app, ["bench", str(test), "--methods", "source,bn", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(flat), *PLAIN, "--workdir", str(tmp_path / "w")])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            "source,bn",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--train",
+            str(flat),
+            *PLAIN,
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert not (tmp_path / "w" / "classes.txt").exists()
     table = result.stdout.splitlines()  # both rows ran and have an error, with no class list written for them
-    assert table[0] == "| method | test | mean |" and [line.split(" | ")[0] for line in table[2:]] == ["| source", "| bn"]
+    assert table[0] == "| method | test | mean |" and [line.split(" | ")[0] for line in table[2:]] == [
+        "| source",
+        "| bn",
+    ]
     assert all(re.fullmatch(r"\| \w+ \| \d+\.\d\d \| \*\*\d+\.\d\d\*\* \|", line) for line in table[2:]), table
 
 
 def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_path, tiny_weights):
     """A bench cell is the cafa adapt run with the same options; the JSON says which options those were."""
     test = write_folder(tmp_path / "test", per_class=4, seed=1, shift=0.3)
-    options = ["--optimizer", "sgd", "--momentum", "0.5", "--params", "all", "--norm", "prior:4", "--reset", "episodic", "--batch-size", "5"]
+    options = [
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0.5",
+        "--params",
+        "all",
+        "--norm",
+        "prior:4",
+        "--reset",
+        "episodic",
+        "--batch-size",
+        "5",
+    ]
     report = tmp_path / "r.json"
-    result = runner.invoke(app, ["bench", str(test), "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 *PLAIN, *options, "--device", "cpu", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            "tent@0.05",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            *PLAIN,
+            *options,
+            "--device",
+            "cpu",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
-    alone = runner.invoke(app, ["adapt", "--data", str(test), "--method", "tent", "--lr", "0.05", "--model", TINY_NET,
-                                "--weights", str(tiny_weights), *PLAIN, *options, "--quiet", "--metrics-json", str(tmp_path / "m.json")])
+    alone = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--data",
+            str(test),
+            "--method",
+            "tent",
+            "--lr",
+            "0.05",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            *PLAIN,
+            *options,
+            "--quiet",
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert alone.exit_code == 0, alone.stderr
     saved = json.loads(report.read_text())
     metrics = json.loads((tmp_path / "m.json").read_text())
     run = saved["runs"][0]
     assert run["error"] == pytest.approx(metrics["error"])
     assert {k: run[k] for k in ("method", "seed", "n", "labelled", "skipped_images")} == {
-        "method": "tent@0.05", "seed": 0, "n": metrics["n"], "labelled": 12, "skipped_images": 0}
+        "method": "tent@0.05",
+        "seed": 0,
+        "n": metrics["n"],
+        "labelled": 12,
+        "skipped_images": 0,
+    }
     assert saved["settings"]["weights_sha256"] == metrics["settings"]["weights_sha256"] == sha256_of(tiny_weights)
     assert saved["artifacts"] == {}
-    assert saved["rows"] == [{"label": "tent@0.05", "method": "tent", "covariance": None, "covariance_used": None, "order": "iid",
-                              "recipe": {"requested": "auto", "name": None}, "optimizer": "sgd", "lr": 0.05, "momentum": 0.5,
-                              "batch_size": 5, "steps": 1, "params": "all", "fisher_samples": 2000, "method_options": {}}]
+    assert saved["rows"] == [
+        {
+            "label": "tent@0.05",
+            "method": "tent",
+            "covariance": None,
+            "covariance_used": None,
+            "order": "iid",
+            "recipe": {"requested": "auto", "name": None},
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "momentum": 0.5,
+            "batch_size": 5,
+            "steps": 1,
+            "params": "all",
+            "fisher_samples": 2000,
+            "method_options": {},
+        }
+    ]
     assert [saved["rows"][0][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")] == [
-        metrics["settings"][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")]
+        metrics["settings"][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")
+    ]
     used = saved["settings"]
     assert "method" not in used and "seed" not in used  # each row and run names its own
     assert {k: used[k] for k in ("optimizer", "momentum", "params", "norm", "reset", "device", "num_workers")} == {
-        "optimizer": "sgd", "momentum": 0.5, "params": "all", "norm": "prior:4", "reset": "episodic", "device": "cpu", "num_workers": 0}
+        "optimizer": "sgd",
+        "momentum": 0.5,
+        "params": "all",
+        "norm": "prior:4",
+        "reset": "episodic",
+        "device": "cpu",
+        "num_workers": 0,
+    }
 
 
 def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
-    base = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train),
-            *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")]
+    base = [
+        "bench",
+        str(test),
+        "--methods",
+        "cafa-diag",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        "--train",
+        str(train),
+        *PLAIN,
+        "--per-class",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
 
     def computed(*args: str) -> bool:
         result = runner.invoke(app, [*base, *args])
@@ -410,10 +687,14 @@ def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, 
         return "computing statistics (--covariance diag)" in result.stderr
 
     assert computed("--shrinkage", "0.25") and not computed("--shrinkage", "0.25")
-    shrink = json.loads(read_artifact(tmp_path / "w" / "stats-diag.safetensors", load_tensors=False).metadata["shrinkage"])
+    shrink = json.loads(
+        read_artifact(tmp_path / "w" / "stats-diag.safetensors", load_tensors=False).metadata["shrinkage"]
+    )
     assert (shrink["method"], shrink["min"], shrink["max"]) == ("fixed", pytest.approx(0.25), pytest.approx(0.25))
     assert computed("--shrinkage", "0.5") and computed() and not computed("--shrinkage", "auto")
-    result = runner.invoke(app, [*base, "--methods", "cafa-lowrank", "--shrinkage", "0", "--workdir", str(tmp_path / "x")])
+    result = runner.invoke(
+        app, [*base, "--methods", "cafa-lowrank", "--shrinkage", "0", "--workdir", str(tmp_path / "x")]
+    )
     one_error_line(result, 2, "--covariance lowrank needs shrinkage")
     assert not (tmp_path / "x").exists()
 
@@ -421,8 +702,23 @@ def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, 
 def test_bench_recomputes_statistics_when_the_training_folder_holds_other_images(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=4)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
-    args = ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train),
-            *PLAIN, "--fraction", "1", "--workdir", str(tmp_path / "w")]
+    args = [
+        "bench",
+        str(test),
+        "--methods",
+        "cafa-diag",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        "--train",
+        str(train),
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
 
     def computed() -> bool:
         result = runner.invoke(app, args)
@@ -448,14 +744,30 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
 
     def fake_prepare(config, monitor=None):
         ran.append((config.stats, config))
-        return SimpleNamespace(run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data], cautions=lambda: [],
-                               groups=None, clean=None)
+        return SimpleNamespace(
+            run=lambda monitor, warned: [SimpleNamespace(error=0.5) for _ in config.data],
+            cautions=lambda: [],
+            groups=None,
+            clean=None,
+        )
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
-    shared = BenchConfig(data=["d"], model="m", optimizer="sgd", momentum=0.5, norm="prior:4", reset="episodic", lr=1e-3)
-    bench.run_grid(shared, parse_methods("tent@0.05,cafa-full,cafa-dense"), [3], {("auto", None): Path("a"), ("full", None): Path("f")}, None, Monitor())
+    shared = BenchConfig(
+        data=["d"], model="m", optimizer="sgd", momentum=0.5, norm="prior:4", reset="episodic", lr=1e-3
+    )
+    bench.run_grid(
+        shared,
+        parse_methods("tent@0.05,cafa-full,cafa-dense"),
+        [3],
+        {("auto", None): Path("a"), ("full", None): Path("f")},
+        None,
+        Monitor(),
+    )
     assert [(stats, s.method, s.lr, s.params, s.seed) for stats, s in ran] == [
-        (None, "tent", 0.05, "norm", 3), ("a", "cafa", 1e-3, "all", 3), ("f", "cafa", 1e-3, "norm", 3)]
+        (None, "tent", 0.05, "norm", 3),
+        ("a", "cafa", 1e-3, "all", 3),
+        ("f", "cafa", 1e-3, "norm", 3),
+    ]
     assert all((s.optimizer, s.momentum, s.norm, s.reset) == ("sgd", 0.5, "prior:4", "episodic") for _, s in ran)
 
 
@@ -463,11 +775,47 @@ def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):
     import os
 
     train = write_folder(tmp_path / "train", per_class=6, classes=("a", "b", os.fsdecode(b"caf\xe9")))
-    result = runner.invoke(app, ["bench", str(train), "--methods", "source,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(train),
+            "--methods",
+            "source,cafa-diag",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--train",
+            str(train),
+            *PLAIN,
+            "--per-class",
+            "6",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     assert result.exit_code == 3 and "cannot go into the class list file" in result.stderr, result.stderr
-    only_statistics = runner.invoke(app, ["bench", str(train), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                          "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+    only_statistics = runner.invoke(
+        app,
+        [
+            "bench",
+            str(train),
+            "--methods",
+            "cafa-diag",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--train",
+            str(train),
+            *PLAIN,
+            "--per-class",
+            "6",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     assert only_statistics.exit_code == 0, only_statistics.stderr  # no row reads the file
 
 
@@ -480,8 +828,26 @@ def test_bench_reuses_statistics_for_the_same_parameters_in_another_file(tmp_pat
     shutil.copy(tiny_weights, weights)
 
     def computed(path) -> bool:
-        result = runner.invoke(app, ["bench", str(test), "--methods", "cafa-diag", "--model", TINY_NET, "--weights", str(path),
-                                     "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")])
+        result = runner.invoke(
+            app,
+            [
+                "bench",
+                str(test),
+                "--methods",
+                "cafa-diag",
+                "--model",
+                TINY_NET,
+                "--weights",
+                str(path),
+                "--train",
+                str(train),
+                *PLAIN,
+                "--per-class",
+                "6",
+                "--workdir",
+                str(tmp_path / "w"),
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         return "computing statistics" in result.stderr
 
@@ -500,17 +866,40 @@ def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights
     train = write_folder(tmp_path / "train", per_class=4)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     report = tmp_path / "r.json"
-    result = runner.invoke(app, ["bench", str(test), "--methods", "cafa,cafa-diag", "--model", TINY_NET, "--weights", str(tiny_weights),
-                                 "--train", str(train), *PLAIN, "--per-class", "4", "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            "cafa,cafa-diag",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--train",
+            str(train),
+            *PLAIN,
+            "--per-class",
+            "4",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     saved = json.loads(report.read_text())
     assert [(r["covariance"], r["covariance_used"]) for r in saved["rows"]] == [("auto", "lowrank"), ("diag", "diag")]
     for covariance, form in (("auto", "lowrank"), ("diag", "diag")):  # each artifact by its content
         path = tmp_path / "w" / f"stats-{covariance}.safetensors"
         assert saved["artifacts"][covariance] == {
-            "path": str(path.resolve()), "sha256": sha256_of(path), "covariance": form,
+            "path": str(path.resolve()),
+            "sha256": sha256_of(path),
+            "covariance": form,
             "created": read_artifact(path, load_tensors=False).metadata["created"],
-            "parameters_sha256": read_artifact(path, load_tensors=False).metadata["parameters_sha256"]}
+            "parameters_sha256": read_artifact(path, load_tensors=False).metadata["parameters_sha256"],
+        }
 
 
 def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path, tiny_weights):
@@ -520,8 +909,23 @@ def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     weights = tmp_path / "w.pt"
     torch.save({"state_dict": torch.load(tiny_weights), "args": argparse.Namespace(lr=0.1)}, weights)
-    args = ["bench", str(test), "--methods", "bn,cafa-diag", "--model", TINY_NET, "--weights", str(weights),
-            "--train", str(train), *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w")]
+    args = [
+        "bench",
+        str(test),
+        "--methods",
+        "bn,cafa-diag",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(weights),
+        "--train",
+        str(train),
+        *PLAIN,
+        "--per-class",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
     refused = runner.invoke(app, args)
     assert refused.exit_code == 3 and refused.stdout == ""
     assert "--trust-checkpoint" in refused.stderr.strip().splitlines()[-1]
@@ -533,8 +937,24 @@ def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path
 def test_each_rows_warnings_are_shown_once_whichever_row_runs_first(tmp_path, tiny_weights):
     """The first run's warnings were the only ones: tent's 'fits in one batch' never showed after source."""
     test = write_folder(tmp_path / "test", per_class=3)
-    result = runner.invoke(app, ["bench", str(test), "--methods", "source,tent", "--seeds", "0,1", "--model", TINY_NET,
-                                 "--weights", str(tiny_weights), *PLAIN, "--workdir", str(tmp_path / "w")])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            "source,tent",
+            "--seeds",
+            "0,1",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            *PLAIN,
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("predicted before any update: tent cannot differ from bn there") == 1
 
@@ -592,32 +1012,55 @@ def test_grid_rows_run_every_method_under_every_condition_and_name_only_the_axes
     rows = parse_methods("tent,cafa")
     assert grid_rows(BenchConfig(), rows) == rows  # no axis: the table of earlier versions
     grid = grid_rows(BenchConfig(orders="iid,label-shift:1.0", batch_sizes="8,1"), rows)
-    assert [r.label for r in grid] == ["tent, iid, batch 8", "cafa, iid, batch 8", "tent, iid, batch 1", "cafa, iid, batch 1",
-                                       "tent, label-shift:1.0, batch 8", "cafa, label-shift:1.0, batch 8",
-                                       "tent, label-shift:1.0, batch 1", "cafa, label-shift:1.0, batch 1"]
+    assert [r.label for r in grid] == [
+        "tent, iid, batch 8",
+        "cafa, iid, batch 8",
+        "tent, iid, batch 1",
+        "cafa, iid, batch 1",
+        "tent, label-shift:1.0, batch 8",
+        "cafa, label-shift:1.0, batch 8",
+        "tent, label-shift:1.0, batch 1",
+        "cafa, label-shift:1.0, batch 1",
+    ]
     assert [(r.name, r.condition) for r in grid[:2]] == [("tent", "iid, batch 8"), ("cafa", "iid, batch 8")]
     config = BenchConfig(batch_sizes="4,2", batch_size=64)
     cells = [row_config(config, row, 0, None, None) for row in grid_rows(config, rows)]
-    assert [(c.method, c.batch_size, c.order) for c in cells] == [("tent", 4, "iid"), ("cafa", 4, "iid"), ("tent", 2, "iid"),
-                                                                  ("cafa", 2, "iid")]
-    assert [r.label for r in grid_rows(BenchConfig(order="dirichlet:0.1", batch_sizes="2"), rows)] == ["tent, batch 2", "cafa, batch 2"]
+    assert [(c.method, c.batch_size, c.order) for c in cells] == [
+        ("tent", 4, "iid"),
+        ("cafa", 4, "iid"),
+        ("tent", 2, "iid"),
+        ("cafa", 2, "iid"),
+    ]
+    assert [r.label for r in grid_rows(BenchConfig(order="dirichlet:0.1", batch_sizes="2"), rows)] == [
+        "tent, batch 2",
+        "cafa, batch 2",
+    ]
 
 
-@pytest.mark.parametrize("options, needle", [
-    ({"orders": "iid,sorted"}, "`orders` must be iid, label-shift:S"),
-    ({"orders": "iid,iid"}, "`orders` names iid twice"),
-    ({"orders": "label-shift:1,dirichlet:0.1,label-shift:1.0"}, "`orders` names one order twice (label-shift:1, label-shift:1.0)"),
-    ({"orders": " , "}, "`orders` names no value"),
-    ({"orders": "iid", "order": "label-shift:1"}, "`order` label-shift:1 and `orders` iid both say"),
-    ({"batch_sizes": "1,x"}, "`batch_sizes` takes comma-separated whole numbers"),
-    ({"batch_sizes": "0"}, "`batch_size` must be at least 1"),
-    ({"batch_sizes": "2,02"}, "`batch_sizes` names a batch size twice"),
-    ({"severities": "1,x"}, "`severities` takes comma-separated whole numbers 1-5"),
-    ({"severities": "0,5"}, "`severities`: a severity is 1-5, not 0"),
-    ({"severities": "3,03"}, "`severities` names a severity twice"),
-    ({"severities": "3", "severity": 5}, "`severity` 5 and `severities` 3 both say which severities to run"),
-    ({"severities": "3", "gradual": True}, "`severities` 3 runs each severity apart, and `gradual` visits all five"),
-])
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"orders": "iid,sorted"}, "`orders` must be iid, label-shift:S"),
+        ({"orders": "iid,iid"}, "`orders` names iid twice"),
+        (
+            {"orders": "label-shift:1,dirichlet:0.1,label-shift:1.0"},
+            "`orders` names one order twice (label-shift:1, label-shift:1.0)",
+        ),
+        ({"orders": " , "}, "`orders` names no value"),
+        ({"orders": "iid", "order": "label-shift:1"}, "`order` label-shift:1 and `orders` iid both say"),
+        ({"batch_sizes": "1,x"}, "`batch_sizes` takes comma-separated whole numbers"),
+        ({"batch_sizes": "0"}, "`batch_size` must be at least 1"),
+        ({"batch_sizes": "2,02"}, "`batch_sizes` names a batch size twice"),
+        ({"severities": "1,x"}, "`severities` takes comma-separated whole numbers 1-5"),
+        ({"severities": "0,5"}, "`severities`: a severity is 1-5, not 0"),
+        ({"severities": "3,03"}, "`severities` names a severity twice"),
+        ({"severities": "3", "severity": 5}, "`severity` 5 and `severities` 3 both say which severities to run"),
+        (
+            {"severities": "3", "gradual": True},
+            "`severities` 3 runs each severity apart, and `gradual` visits all five",
+        ),
+    ],
+)
 def test_bad_grid_axes_are_usage_errors(options, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):
         BenchConfig(**options)
@@ -628,24 +1071,65 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
     pytest.importorskip("matplotlib")
     test = write_folder(tmp_path / "test", per_class=6, seed=1, shift=0.3)
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
-    result = runner.invoke(app, ["bench", str(test), "--methods", "source,bn", "--model", TINY_NET, "--weights", str(trained_weights),
-                                 *PLAIN, "--orders", "iid,label-shift:1.0", "--batch-sizes", "6,3", "--seeds", "0,1",
-                                 "--workdir", str(tmp_path / "w"), "--csv", str(out["csv"]), "--metrics-json", str(out["json"]),
-                                 "--plot", str(out["png"])])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(test),
+            "--methods",
+            "source,bn",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(trained_weights),
+            *PLAIN,
+            "--orders",
+            "iid,label-shift:1.0",
+            "--batch-sizes",
+            "6,3",
+            "--seeds",
+            "0,1",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--csv",
+            str(out["csv"]),
+            "--metrics-json",
+            str(out["json"]),
+            "--plot",
+            str(out["png"]),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     long_table, by_condition = result.stdout.strip().split("\n\n")
     assert len(long_table.splitlines()) == 2 + 8 and "| bn, label-shift:1.0, batch 3 |" in long_table
     lines = by_condition.splitlines()
     assert lines[0] == "| condition | source | bn |"
-    assert [line.split(" | ")[0] for line in lines[2:]] == ["| iid, batch 6", "| iid, batch 3", "| label-shift:1.0, batch 6",
-                                                           "| label-shift:1.0, batch 3"]
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| iid, batch 6",
+        "| iid, batch 3",
+        "| label-shift:1.0, batch 6",
+        "| label-shift:1.0, batch 3",
+    ]
     rows = list(csv.DictReader(out["csv"].open()))
     assert list(rows[0]) == ["method", "order", "batch_size", "domain", "error_mean_percent", "error_std_percent"]
-    means = {(r["method"], r["order"], r["batch_size"]): float(r["error_mean_percent"]) for r in rows if r["domain"] == "mean"}
-    assert len(means) == 8 and len({v for (m, _, _), v in means.items() if m == "source"}) == 1  # source: no batch statistics
-    assert means[("bn", "label-shift:1.0", "3")] != means[("bn", "iid", "3")]  # batches of one class normalise otherwise
+    means = {
+        (r["method"], r["order"], r["batch_size"]): float(r["error_mean_percent"])
+        for r in rows
+        if r["domain"] == "mean"
+    }
+    assert (
+        len(means) == 8 and len({v for (m, _, _), v in means.items() if m == "source"}) == 1
+    )  # source: no batch statistics
+    assert (
+        means[("bn", "label-shift:1.0", "3")] != means[("bn", "iid", "3")]
+    )  # batches of one class normalise otherwise
     report = json.loads(out["json"].read_text())
-    assert {(r["order"], r["batch_size"]) for r in report["rows"]} == {("iid", 6), ("iid", 3), ("label-shift:1.0", 6), ("label-shift:1.0", 3)}
+    assert {(r["order"], r["batch_size"]) for r in report["rows"]} == {
+        ("iid", 6),
+        ("iid", 3),
+        ("label-shift:1.0", 6),
+        ("label-shift:1.0", 3),
+    }
     assert report["settings"]["orders"] == "iid,label-shift:1.0" and report["settings"]["batch_sizes"] == "6,3"
     assert report["settings"]["methods"] == "source,bn"  # the rows asked for, not each row under each condition
     assert len(report["runs"]) == 8 * 2
@@ -655,33 +1139,63 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
 def test_bench_runs_continual_across_domains_in_the_order_given_with_an_error_per_domain(tmp_path, trained_weights):
     mild = write_folder(tmp_path / "mild", per_class=6, seed=1, shift=0.2)
     harsh = write_folder(tmp_path / "harsh", per_class=6, seed=2, shift=0.7)
-    base = ["bench", "--methods", "tent@0.05", "--model", TINY_NET, "--weights", str(trained_weights), *PLAIN, "--batch-size", "6",
-            "--workdir", str(tmp_path / "w")]
+    base = [
+        "bench",
+        "--methods",
+        "tent@0.05",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(trained_weights),
+        *PLAIN,
+        "--batch-size",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
 
     def errors(*args: str) -> dict[str, float]:
         report = tmp_path / "r.json"
         result = runner.invoke(app, [*base, *args, "--metrics-json", str(report)])
         assert result.exit_code == 0, result.stderr
         saved = json.loads(report.read_text())
-        assert [d["label"] for d in saved["domains"]] == [Path(a).name for a in args if not a.startswith("-") and "/" in a]
+        assert [d["label"] for d in saved["domains"]] == [
+            Path(a).name for a in args if not a.startswith("-") and "/" in a
+        ]
         return {Path(run["data"]).name: run["error"] for run in saved["runs"]}
 
     per_domain = errors(str(harsh), str(mild))
     continual = errors(str(harsh), str(mild), "--reset", "never")
     assert continual["harsh"] == per_domain["harsh"]  # the first domain starts from the source weights either way
     assert continual["mild"] != per_domain["mild"]  # the second carries the first's updates
-    assert errors(str(mild), str(harsh), "--reset", "never")["mild"] == per_domain["mild"]  # the order given is the order run
+    assert (
+        errors(str(mild), str(harsh), "--reset", "never")["mild"] == per_domain["mild"]
+    )  # the order given is the order run
 
 
 def test_bench_mixes_domains_into_one_stream_and_still_reports_each(tmp_path, trained_weights):
     one = write_folder(tmp_path / "one", per_class=6, seed=1, shift=0.2)
     two = write_folder(tmp_path / "two", per_class=6, seed=2, shift=0.6)
-    base = ["bench", str(one), str(two), "--model", TINY_NET, "--weights", str(trained_weights), *PLAIN, "--batch-size", "6",
-            "--workdir", str(tmp_path / "w")]
+    base = [
+        "bench",
+        str(one),
+        str(two),
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(trained_weights),
+        *PLAIN,
+        "--batch-size",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
     apart = runner.invoke(app, [*base, "--methods", "source"])
     mixed = runner.invoke(app, [*base, "--methods", "source", "--mix-domains"])
     assert apart.exit_code == mixed.exit_code == 0, mixed.stderr
-    assert mixed.stdout == apart.stdout and "| one | two | mean |" in mixed.stdout  # source: per domain, the same errors
+    assert (
+        mixed.stdout == apart.stdout and "| one | two | mean |" in mixed.stdout
+    )  # source: per domain, the same errors
     bn_apart = runner.invoke(app, [*base, "--methods", "bn"])
     bn_mixed = runner.invoke(app, [*base, "--methods", "bn", "--mix-domains"])
     assert bn_apart.exit_code == bn_mixed.exit_code == 0, bn_mixed.stderr
@@ -695,14 +1209,47 @@ def test_bench_gradual_reports_each_corruption_over_its_severity_visits(tmp_path
         for severity in range(1, 6):
             write_folder(tmp_path / name / str(severity), per_class=2, seed=severity, shift=0.1 * severity)
     report = tmp_path / "r.json"
-    result = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "snow"), "--gradual", "--methods", "bn",
-                                 "--model", TINY_NET, "--weights", str(tiny_weights), *PLAIN, "--batch-size", "3",
-                                 "--workdir", str(tmp_path / "w"), "--metrics-json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(tmp_path / "fog" / "3"),
+            str(tmp_path / "snow"),
+            "--gradual",
+            "--methods",
+            "bn",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            *PLAIN,
+            "--batch-size",
+            "3",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     runs = json.loads(report.read_text())["runs"]
     assert [(Path(r["data"]).name, r["n"]) for r in runs] == [("3", 9 * 6), ("snow", 9 * 6)]
-    twice = runner.invoke(app, ["bench", str(tmp_path / "fog" / "3"), str(tmp_path / "fog"), "--gradual", "--methods", "bn",
-                                "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")])
+    twice = runner.invoke(
+        app,
+        [
+            "bench",
+            str(tmp_path / "fog" / "3"),
+            str(tmp_path / "fog"),
+            "--gradual",
+            "--methods",
+            "bn",
+            "--model",
+            TINY_NET,
+            *PLAIN,
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     one_error_line(twice, 2, "is given twice")
 
 
@@ -713,17 +1260,38 @@ def test_the_old_spelling_json_path_still_writes_the_record_with_a_warning(tmp_p
     from cafa_cli.cli.defaults import read_defaults
 
     train = write_folder(tmp_path / "train", per_class=6)
-    common = ["bench", str(train), "--methods", "source", "--model", TINY_NET, "--weights", str(tiny_weights),
-              *PLAIN, "--per-class", "6", "--workdir", str(tmp_path / "w"), "-q"]
+    common = [
+        "bench",
+        str(train),
+        "--methods",
+        "source",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        *PLAIN,
+        "--per-class",
+        "6",
+        "--workdir",
+        str(tmp_path / "w"),
+        "-q",
+    ]
     old = runner.invoke(app, [*common, "--json", str(tmp_path / "old.json")])
     new = runner.invoke(app, [*common, f"--metrics-json={tmp_path / 'new.json'}"])
     assert old.exit_code == new.exit_code == 0, old.stderr
-    assert old.stderr.splitlines() == ["warning: --json is now --metrics-json; the old spelling goes in a later release"]
+    assert old.stderr.splitlines() == [
+        "warning: --json is now --metrics-json; the old spelling goes in a later release"
+    ]
     assert new.stderr == "" and old.stdout == new.stdout
-    assert json.loads((tmp_path / "old.json").read_text())["table"] == json.loads((tmp_path / "new.json").read_text())["table"]
+    assert (
+        json.loads((tmp_path / "old.json").read_text())["table"]
+        == json.loads((tmp_path / "new.json").read_text())["table"]
+    )
     (tmp_path / "cafa.toml").write_text('[bench]\njson = "t.json"\n')
     capsys.readouterr()
     defaults = read_defaults(tmp_path, command_options())
     assert defaults["bench"] == {"metrics_json": "t.json"}
-    assert capsys.readouterr().err == f"warning: {tmp_path / 'cafa.toml'}: [bench] json is now metrics-json; the old " \
-                                      f"spelling goes in a later release\n"
+    assert (
+        capsys.readouterr().err == f"warning: {tmp_path / 'cafa.toml'}: [bench] json is now metrics-json; the old "
+        f"spelling goes in a later release\n"
+    )

@@ -35,7 +35,23 @@ def test_split_k_projection_gives_the_gradient_of_z_times_basis_transposed():
 
 def test_lowrank_gemm_variants_agree_with_float64(tmp_path):
     out = tmp_path / "gemm.json"
-    run("lowrank_gemm.py", "--classes", 20, "--rank", 7, "--dim", 64, "--batch", 8, "--repeats", 2, "--device", "cpu", "--json", out)
+    run(
+        "lowrank_gemm.py",
+        "--classes",
+        20,
+        "--rank",
+        7,
+        "--dim",
+        64,
+        "--batch",
+        8,
+        "--repeats",
+        2,
+        "--device",
+        "cpu",
+        "--json",
+        out,
+    )
     result = json.loads(out.read_text())
     assert result["splits"] == 35 and set(result["ms"]) == {"distances", "gemms", "transposed", "split-k", "tf32"}
     assert all(ms > 0 for ms in result["ms"].values())
@@ -45,12 +61,48 @@ def test_lowrank_gemm_variants_agree_with_float64(tmp_path):
 
 def test_perf_rows_ratios_losses_and_trace_tables(tmp_path):
     out, trace = tmp_path / "perf.json", tmp_path / "trace.txt"
-    printed = run("perf.py", "--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1, "--repeats", 1,
-                  "--stats-batches", 2, "--covariances", "diag,lowrank", "--cudnn-benchmark", "--device", "cpu",
-                  "--methods", "cotta,rotta,intra", "--rounds", 2, "--trace", trace, "--json", out).stdout
+    printed = run(
+        "perf.py",
+        "--model",
+        "fmnist-resnet",
+        "--batch",
+        4,
+        "--size",
+        28,
+        "--channels",
+        1,
+        "--repeats",
+        1,
+        "--stats-batches",
+        2,
+        "--covariances",
+        "diag,lowrank",
+        "--cudnn-benchmark",
+        "--device",
+        "cpu",
+        "--methods",
+        "cotta,rotta,intra",
+        "--rounds",
+        2,
+        "--trace",
+        trace,
+        "--json",
+        out,
+    ).stdout
     steps = json.loads(out.read_text())["steps"]
-    assert list(steps) == ["source", "bn", "tent", "tent+cudnn-benchmark", "cotta", "rotta", "intra", "cafa-diag",
-                           "cafa-diag+cudnn-benchmark", "cafa-lowrank", "cafa-lowrank+cudnn-benchmark"]
+    assert list(steps) == [
+        "source",
+        "bn",
+        "tent",
+        "tent+cudnn-benchmark",
+        "cotta",
+        "rotta",
+        "intra",
+        "cafa-diag",
+        "cafa-diag+cudnn-benchmark",
+        "cafa-lowrank",
+        "cafa-lowrank+cudnn-benchmark",
+    ]
     for method in ("cotta", "rotta", "intra"):  # the other methods, each in rounds alternating with TENT's
         assert abs(steps[method]["ratio_to_tent"] - steps[method]["ms"] / steps[method]["tent_ms"]) < 1e-9
         assert steps[method]["rounds"] == 2 and f"{method} " in printed
@@ -68,8 +120,26 @@ def test_perf_rows_ratios_losses_and_trace_tables(tmp_path):
 
 def test_perf_times_rows_in_fresh_processes_or_after_a_cleaned_history(tmp_path):
     out = tmp_path / "perf.json"
-    common = ("--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1, "--repeats", 1, "--covariances", "diag",
-              "--methods", "none", "--device", "cpu", "--json", out)
+    common = (
+        "--model",
+        "fmnist-resnet",
+        "--batch",
+        4,
+        "--size",
+        28,
+        "--channels",
+        1,
+        "--repeats",
+        1,
+        "--covariances",
+        "diag",
+        "--methods",
+        "none",
+        "--device",
+        "cpu",
+        "--json",
+        out,
+    )
     printed = run("perf.py", *common, "--fresh", "--rows", "tent,cafa-diag").stdout  # each row in a process of its own
     result = json.loads(out.read_text())
     steps = result["steps"]
@@ -82,24 +152,57 @@ def test_perf_times_rows_in_fresh_processes_or_after_a_cleaned_history(tmp_path)
     assert list(steps) == ["tent", "tent-again", "cafa-diag"]
     assert abs(steps["cafa-diag"]["ratio_to_tent_again"] - steps["cafa-diag"]["ms"] / steps["tent-again"]["ms"]) < 1e-9
     assert steps["cafa-diag"]["state"]["live_adapters"] == 0  # the earlier rows' adapters were collected
-    wrong = subprocess.run([sys.executable, str(BENCHMARKS / "perf.py"), *map(str, common), "--rows", "tent,cafa-full"],
-                           capture_output=True, text=True)
+    wrong = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "perf.py"), *map(str, common), "--rows", "tent,cafa-full"],
+        capture_output=True,
+        text=True,
+    )
     assert wrong.returncode != 0 and "no row cafa-full" in wrong.stderr
 
 
 def test_imagenet_c_speed_times_the_real_command_and_profiles_it(tmp_path):
     """Its CPU path end to end on a tiny domain: 3 classes, 2 JPEGs each, ResNet-50."""
     out = tmp_path / "speed.json"
-    printed = run("imagenet_c_speed.py", "--classes", 3, "--images", 6, "--workers", 0, "--precisions", "fp32", "--no-decode",
-                  "--root", tmp_path / "domain", "--torch-profile", tmp_path, "--json", out).stdout
+    printed = run(
+        "imagenet_c_speed.py",
+        "--classes",
+        3,
+        "--images",
+        6,
+        "--workers",
+        0,
+        "--precisions",
+        "fp32",
+        "--no-decode",
+        "--root",
+        tmp_path / "domain",
+        "--torch-profile",
+        tmp_path,
+        "--json",
+        out,
+    ).stdout
     assert "building 6 JPEGs (one class folder each of 3)" in printed and "writing a synthetic 3-class" in printed
     (row,) = json.loads(out.read_text())["adapt"]
     assert row["images"] == 6 and abs(row["outside_loop_s"] - (row["wall_s"] - row["loop_s"])) < 1e-9
     tables = (tmp_path / "adapt-fp32-torch.txt").read_text()
     assert "== by host time" in tables and "aten::convolution_backward" in tables
     # another --classes: the domain and its artifact are made again, not timed as they were
-    printed = run("imagenet_c_speed.py", "--classes", 2, "--images", 6, "--workers", 0, "--precisions", "fp32", "--no-decode",
-                  "--root", tmp_path / "domain", "--json", out).stdout
+    printed = run(
+        "imagenet_c_speed.py",
+        "--classes",
+        2,
+        "--images",
+        6,
+        "--workers",
+        0,
+        "--precisions",
+        "fp32",
+        "--no-decode",
+        "--root",
+        tmp_path / "domain",
+        "--json",
+        out,
+    ).stdout
     assert "rebuilding" in printed and "writing a synthetic 2-class" in printed
     assert json.loads(out.read_text())["adapt"][0]["images"] == 6
 
@@ -125,14 +228,38 @@ def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
     (the copy is imported as a second package, beside today's). Then today's step alone."""
     shutil.copytree(BENCHMARKS.parent / "src" / "cafa_cli", tmp_path / "before" / "cafa_cli")
     out = tmp_path / "sync.json"
-    common = ("--model", "fmnist-resnet", "--batch", 4, "--size", 28, "--channels", 1, "--covariances", "diag", "--repeats", 1,
-              "--rounds", 2, "--device", "cpu", "--json", out)
+    common = (
+        "--model",
+        "fmnist-resnet",
+        "--batch",
+        4,
+        "--size",
+        28,
+        "--channels",
+        1,
+        "--covariances",
+        "diag",
+        "--repeats",
+        1,
+        "--rounds",
+        2,
+        "--device",
+        "cpu",
+        "--json",
+        out,
+    )
     printed = run("step_sync.py", "--before", tmp_path / "before", *common).stdout
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["tent", "cafa-diag"] and "after/before" in printed
     assert all(len(row["rounds"]["before"]) == len(row["rounds"]["after"]) == 2 for row in rows.values())
-    assert all(row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"] for row in rows.values() for which in row["counted"])
-    assert all(row["counted"]["before"] == row["counted"]["after"] for row in rows.values())  # the same code, both sides
+    assert all(
+        row["counted"][which]["reads"] == 0 < row["counted"][which]["ops"]
+        for row in rows.values()
+        for which in row["counted"]
+    )
+    assert all(
+        row["counted"]["before"] == row["counted"]["after"] for row in rows.values()
+    )  # the same code, both sides
     assert abs(rows["cafa-diag"]["after_over_tent"] - rows["cafa-diag"]["after"] / rows["tent"]["after"]) < 1e-9
     run("step_sync.py", *common)  # no earlier commit: today's step, counted
     rows = json.loads(out.read_text())["rows"]
@@ -143,18 +270,30 @@ def test_step_sync_times_the_step_before_and_after_side_by_side(tmp_path):
 def test_combine_tables_puts_each_bench_condition_in_its_own_column_and_pools_seeds(tmp_path):
     def report(rows, errors, **settings):
         """A bench JSON: `errors` {(label, seed): [error % of domain a, of domain b]}."""
-        runs = [{"method": label, "seed": seed, "data": domain, "error": e / 100}
-                for (label, seed), values in errors.items() for domain, e in zip("ab", values)]
-        return {"settings": {"order": "iid", "reset": "domain", "batch_sizes": None, **settings}, "rows": rows, "runs": runs}
+        runs = [
+            {"method": label, "seed": seed, "data": domain, "error": e / 100}
+            for (label, seed), values in errors.items()
+            for domain, e in zip("ab", values)
+        ]
+        return {
+            "settings": {"order": "iid", "reset": "domain", "batch_sizes": None, **settings},
+            "rows": rows,
+            "runs": runs,
+        }
 
     def row(label, order="iid"):
         return {"label": label, "order": order, "batch_size": 200}
 
-    orders = report([row("tent, iid"), row("tent, label-shift:1.0", "label-shift:1.0"), row("lame, iid")],
-                    {("tent, iid", 0): [26, 28], ("tent, label-shift:1.0", 0): [70, 75], ("lame, iid", 0): [40, 42.8]},
-                    orders="iid,label-shift:1.0")
-    more_seeds = report([row("tent, label-shift:1.0", "label-shift:1.0")],
-                        {("tent, label-shift:1.0", 1): [72, 75], ("tent, label-shift:1.0", 2): [74, 75]}, orders="label-shift:1.0")
+    orders = report(
+        [row("tent, iid"), row("tent, label-shift:1.0", "label-shift:1.0"), row("lame, iid")],
+        {("tent, iid", 0): [26, 28], ("tent, label-shift:1.0", 0): [70, 75], ("lame, iid", 0): [40, 42.8]},
+        orders="iid,label-shift:1.0",
+    )
+    more_seeds = report(
+        [row("tent, label-shift:1.0", "label-shift:1.0")],
+        {("tent, label-shift:1.0", 1): [72, 75], ("tent, label-shift:1.0", 2): [74, 75]},
+        orders="label-shift:1.0",
+    )
     continual = report([row("tent")], {("tent", 0): [30, 31], ("tent", 1): [31, 32]}, reset="never")
     balanced = report([row("tent")], {("tent", 0): [25, 27]}, norm="class-balanced")
     paths = []
@@ -168,9 +307,20 @@ def test_combine_tables_puts_each_bench_condition_in_its_own_column_and_pools_se
         "| lame | 41.40 | — | — |",
         "| tent --norm class-balanced | 26.00 | — | — |",
     ]
-    assert run("combine_tables.py", *paths, paths[1]).stdout == run("combine_tables.py", *paths).stdout  # the same runs again
+    assert (
+        run("combine_tables.py", *paths, paths[1]).stdout == run("combine_tables.py", *paths).stdout
+    )  # the same runs again
     other = tmp_path / "other.json"
-    other.write_text(json.dumps(report([row("tent, label-shift:1.0", "label-shift:1.0")], {("tent, label-shift:1.0", 1): [71, 75]},
-                                       orders="label-shift:1.0")))
-    twice = subprocess.run([sys.executable, str(BENCHMARKS / "combine_tables.py"), paths[1], other], capture_output=True, text=True)
+    other.write_text(
+        json.dumps(
+            report(
+                [row("tent, label-shift:1.0", "label-shift:1.0")],
+                {("tent, label-shift:1.0", 1): [71, 75]},
+                orders="label-shift:1.0",
+            )
+        )
+    )
+    twice = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "combine_tables.py"), paths[1], other], capture_output=True, text=True
+    )
     assert twice.returncode != 0 and "seed 1, a: given twice, with errors 72.00 and 71.00" in twice.stderr

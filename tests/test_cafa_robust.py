@@ -36,7 +36,9 @@ def class_statistics(seed: int = 0):
     """Gaussians of features like the tiny net's, and the reference's dense means and covariances."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(C).repeat_interleave(40)
-    z = (torch.randn(len(labels), D, generator=g) + 2 * torch.randn(C, D, generator=g)[labels]).relu() + 0.1 * torch.rand(len(labels), D, generator=g)
+    z = (
+        torch.randn(len(labels), D, generator=g) + 2 * torch.randn(C, D, generator=g)[labels]
+    ).relu() + 0.1 * torch.rand(len(labels), D, generator=g)
     moments = ClassMoments(C, D)
     moments.update(z, labels)
     means, sigmas = reference.class_gaussians(z, labels, C, SHRINKAGE)
@@ -66,8 +68,15 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
     weight = source.weight.detach().double().clone().requires_grad_(True)
     bias = source.bias.detach().double().clone().requires_grad_(True)
     K, every, prior, power, alpha, lr = 60, 8, 4.0, 8.0, 0.3, 0.05
-    method = create("cafa-robust", gaussians, memory_size=K, update_every=every, statistics_momentum=alpha, prior=prior,
-                    gate_power=power)
+    method = create(
+        "cafa-robust",
+        gaussians,
+        memory_size=K,
+        update_every=every,
+        statistics_momentum=alpha,
+        prior=prior,
+        gate_power=power,
+    )
     adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=lr, momentum=0.0)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(6, D_IN, generator=g) * 1.5 + 0.7 for _ in range(3)]
@@ -108,8 +117,10 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 200])
 def test_the_skew_strength_is_the_reference_one(n):
     g = torch.Generator().manual_seed(n)
-    for probabilities in (torch.rand(n, 10, generator=g).softmax(1),  # a mixed batch
-                          nn.functional.one_hot(torch.zeros(n, dtype=torch.long), 10).float() * 0.9 + 0.01):  # one class
+    for probabilities in (
+        torch.rand(n, 10, generator=g).softmax(1),  # a mixed batch
+        nn.functional.one_hot(torch.zeros(n, dtype=torch.long), 10).float() * 0.9 + 0.01,
+    ):  # one class
         got = correction_strength(probabilities.mean(0), n)
         torch.testing.assert_close(got.double(), reference_robust.skew(probabilities), rtol=1e-5, atol=1e-6)
 
@@ -157,7 +168,9 @@ def test_a_batch_norm_without_running_statistics_is_named():
     gaussians, _, _ = class_statistics()
     net = tiny_net()
     net.model[1] = nn.BatchNorm1d(D, track_running_stats=False)
-    with pytest.raises(InputError, match="cafa-robust needs the running statistics of every BatchNorm, and the one at 1"):
+    with pytest.raises(
+        InputError, match="cafa-robust needs the running statistics of every BatchNorm, and the one at 1"
+    ):
         Adapter(net, create("cafa-robust", gaussians), "cpu")
 
 

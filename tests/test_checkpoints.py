@@ -13,8 +13,11 @@ from helpers import fails, stats_with_model
 
 
 def test_weights_that_are_a_folder_are_named_so(setup):
-    fails(invoke("adapt", "--model", TINY_NET, "--weights", setup["root"], "--method", "source", setup["train"]), 3,
-          "a folder; give the weights file in it")
+    fails(
+        invoke("adapt", "--model", TINY_NET, "--weights", setup["root"], "--method", "source", setup["train"]),
+        3,
+        "a folder; give the weights file in it",
+    )
 
 
 def test_weights_whose_keys_do_not_match(setup, tmp_path):
@@ -22,14 +25,24 @@ def test_weights_whose_keys_do_not_match(setup, tmp_path):
     state["head.9.weight"] = state.pop("head.3.weight")
     weights = tmp_path / "renamed.pt"
     torch.save(state, weights)
-    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "keys do not match", "missing head.3.weight", "unexpected head.9.weight")
+    fails(
+        stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights),
+        3,
+        "keys do not match",
+        "missing head.3.weight",
+        "unexpected head.9.weight",
+    )
 
 
 @pytest.mark.parametrize("kind", ["sparse", "meta", "complex"])
 def test_weights_that_are_not_dense_real_tensors(setup, tmp_path, kind):
     state = torch.load(setup["weights"])
     key = "head.3.weight"
-    state[key] = {"sparse": lambda t: t.to_sparse(), "meta": lambda t: t.to("meta"), "complex": lambda t: t.to(torch.complex64)}[kind](state[key])
+    state[key] = {
+        "sparse": lambda t: t.to_sparse(),
+        "meta": lambda t: t.to("meta"),
+        "complex": lambda t: t.to(torch.complex64),
+    }[kind](state[key])
     weights = tmp_path / f"{kind}.pt"
     torch.save(state, weights)
     result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights)
@@ -62,8 +75,11 @@ def test_checkpoint_carrying_code_is_refused_and_never_runs(setup, tmp_path, how
     fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, str(weights), *needles)
     assert not marker.exists(), "the checkpoint's code ran"
     if how == "pickle.dump":  # trusted, it is unpickled: the error must not suggest that nothing ran
-        fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights, "--trust-checkpoint"), 3,
-              "--trust-checkpoint unpickled it, so any code it carries has run")
+        fails(
+            stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights, "--trust-checkpoint"),
+            3,
+            "--trust-checkpoint unpickled it, so any code it carries has run",
+        )
         assert marker.exists()
 
 
@@ -78,7 +94,9 @@ def test_html_page_saved_as_a_checkpoint(setup, tmp_path, name):
 def test_other_non_checkpoint(setup, tmp_path, data):
     weights = tmp_path / "net.pt"
     weights.write_bytes(data)
-    message = fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "not a checkpoint torch can read")
+    message = fails(
+        stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights), 3, "not a checkpoint torch can read"
+    )
     assert "--trust-checkpoint" not in message, "trusting garbage cannot help"
 
 
@@ -94,10 +112,17 @@ def test_a_zip_checkpoint_that_would_expand_a_thousandfold_is_refused_before_it_
         for entry in source.infolist():
             packed.writestr(entry.filename, source.read(entry.filename))
     assert bomb.stat().st_size < 200_000 and torch.load(bomb)["zeros"].numel() == 1 << 24  # torch itself reads it
-    fails(stats_with_model(setup, tmp_path, TINY_NET, "--weights", bomb), 3,
-          f"--weights {bomb}: a zip archive whose compressed entries would expand", "torch.save stores tensors uncompressed")
+    fails(
+        stats_with_model(setup, tmp_path, TINY_NET, "--weights", bomb),
+        3,
+        f"--weights {bomb}: a zip archive whose compressed entries would expand",
+        "torch.save stores tensors uncompressed",
+    )
     deflated = tmp_path / "deflated.pt"  # real weights deflated by hand expand little, and load
-    with zipfile.ZipFile(setup["weights"]) as source, zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as packed:
+    with (
+        zipfile.ZipFile(setup["weights"]) as source,
+        zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as packed,
+    ):
         for entry in source.infolist():
             packed.writestr(entry.filename, source.read(entry.filename))
     result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", deflated)
@@ -105,7 +130,9 @@ def test_a_zip_checkpoint_that_would_expand_a_thousandfold_is_refused_before_it_
     from cafa_cli.artifact import read_artifact
 
     # the same parameters as the plain file's (whose statistics the setup made): the deflated entries were read whole
-    made, plain_artifact = (read_artifact(path, load_tensors=False) for path in (tmp_path / "s.safetensors", setup["artifact"]))
+    made, plain_artifact = (
+        read_artifact(path, load_tensors=False) for path in (tmp_path / "s.safetensors", setup["artifact"])
+    )
     assert made.parameters_sha256 == plain_artifact.parameters_sha256
 
 
@@ -116,10 +143,15 @@ def test_weights_that_are_not_floating_point_are_refused(setup, tmp_path, dtype)
     class 0 for every image with exit 0; quantized ones failed inside load_state_dict."""
     state = torch.load(setup["weights"])
     if dtype == torch.qint8:
-        cast = {k: torch.quantize_per_tensor(v, 0.01, 0, torch.qint8) if v.is_floating_point() else v for k, v in state.items()}
+        cast = {
+            k: torch.quantize_per_tensor(v, 0.01, 0, torch.qint8) if v.is_floating_point() else v
+            for k, v in state.items()
+        }
     else:
-        cast = {k: v.round().to(torch.int32 if dtype == "safetensors-int32" else dtype) if v.is_floating_point() else v
-                for k, v in state.items()}
+        cast = {
+            k: v.round().to(torch.int32 if dtype == "safetensors-int32" else dtype) if v.is_floating_point() else v
+            for k, v in state.items()
+        }
     if dtype == "safetensors-int32":
         from safetensors.torch import save_file
 
@@ -130,5 +162,11 @@ def test_weights_that_are_not_floating_point_are_refused(setup, tmp_path, dtype)
         torch.save(cast, weights)
     name = "int32" if dtype == "safetensors-int32" else str(dtype).removeprefix("torch.")
     result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", weights)
-    fails(result, 3, f"--weights {weights}: ", f"({name})", "not floating-point, for floating-point parameters of the model")
+    fails(
+        result,
+        3,
+        f"--weights {weights}: ",
+        f"({name})",
+        "not floating-point, for floating-point parameters of the model",
+    )
     assert not (tmp_path / "s.safetensors").exists()

@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_net
 import torch
+from conftest import PLAIN, TINY_NET, invoke, write_folder
+from helpers import fails, rows
 from safetensors import safe_open
 
-import tiny_net
 from cafa_cli.artifact import read_artifact
 from cafa_cli.errors import InputError
 from cafa_cli.method.features import FeatureClassifier
-from conftest import PLAIN, TINY_NET, invoke, write_folder
-from helpers import fails, rows
 
 CLASSES = ("apple", "banana", "cherry", "damson")
 
@@ -44,7 +44,9 @@ def subset_setup(tmp_path_factory):
 
 
 def adapt(setup, stats, *args):
-    return invoke("adapt", "--stats", stats, "--model", TINY_NET, "--data", setup["test"], "--batch-size", "4", "--quiet", *args)
+    return invoke(
+        "adapt", "--stats", stats, "--model", TINY_NET, "--data", setup["test"], "--batch-size", "4", "--quiet", *args
+    )
 
 
 def test_stats_with_a_subset_hold_its_classes_only_and_record_their_outputs(subset_setup):
@@ -74,8 +76,14 @@ def test_predictions_fall_in_the_subset_only(subset_setup, method):
 
 def test_a_subset_given_to_adapt_restricts_a_full_artifact_and_is_recorded(subset_setup, tmp_path):
     metrics = tmp_path / "m.json"
-    result = adapt(subset_setup, subset_setup["full"], "--class-subset", subset_setup["root"] / "subset.txt",
-                   "--metrics-json", metrics)
+    result = adapt(
+        subset_setup,
+        subset_setup["full"],
+        "--class-subset",
+        subset_setup["root"] / "subset.txt",
+        "--metrics-json",
+        metrics,
+    )
     assert result.exit_code == 0, result.stderr
     assert {row["prediction"] for row in rows(result)} <= {"apple", "cherry"}
     recorded = json.loads(metrics.read_text())["settings"]["class_subset"]
@@ -111,27 +119,53 @@ def test_a_test_set_of_fewer_classes_suggests_a_class_subset(subset_setup):
 def test_a_misspelt_subset_class_gets_a_did_you_mean(subset_setup, tmp_path):
     typo = tmp_path / "typo.txt"
     typo.write_text("apple\ncheery\n")
-    fails(adapt(subset_setup, subset_setup["full"], "--class-subset", typo), 3, "cheery is not among the model's 4 classes",
-          "did you mean cherry for cheery?")
+    fails(
+        adapt(subset_setup, subset_setup["full"], "--class-subset", typo),
+        3,
+        "cheery is not among the model's 4 classes",
+        "did you mean cherry for cheery?",
+    )
 
 
 def test_test_images_of_a_class_outside_the_subset_are_refused(subset_setup, tmp_path):
     test = write_folder(tmp_path / "test", per_class=2, classes=("apple", "banana", "cherry"))
-    fails(invoke("adapt", "--stats", subset_setup["sub"], "--model", TINY_NET, "--data", test, "--quiet"), 3,
-          "2 image(s) of class(es) banana, which --class-subset leaves out")
+    fails(
+        invoke("adapt", "--stats", subset_setup["sub"], "--model", TINY_NET, "--data", test, "--quiet"),
+        3,
+        "2 image(s) of class(es) banana, which --class-subset leaves out",
+    )
 
 
 def test_a_subset_class_the_statistics_lack_is_named(subset_setup, tmp_path):
     other = tmp_path / "other.txt"
     other.write_text("apple\ndamson\n")
-    fails(adapt(subset_setup, subset_setup["sub"], "--class-subset", other), 3,
-          "damson is not among the 2 classes of the statistics' own class subset")
+    fails(
+        adapt(subset_setup, subset_setup["sub"], "--class-subset", other),
+        3,
+        "damson is not among the 2 classes of the statistics' own class subset",
+    )
 
 
 def test_bench_with_a_class_subset(subset_setup, tmp_path):
-    result = invoke("bench", subset_setup["test"], *subset_setup["model"], "--train", subset_setup["train"], *PLAIN,
-                    "--fraction", "1", "--class-subset", subset_setup["root"] / "subset.txt", "--methods", "source,cafa",
-                    "--batch-size", "4", "--workdir", tmp_path / "w", "--quiet")
+    result = invoke(
+        "bench",
+        subset_setup["test"],
+        *subset_setup["model"],
+        "--train",
+        subset_setup["train"],
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--class-subset",
+        subset_setup["root"] / "subset.txt",
+        "--methods",
+        "source,cafa",
+        "--batch-size",
+        "4",
+        "--workdir",
+        tmp_path / "w",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.stderr
     artifact = read_artifact(tmp_path / "w" / "stats-auto.safetensors", load_tensors=False)
     assert artifact.class_names == ["apple", "cherry"]

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import csv
-import shutil
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import fails
+import tiny_net
 import torch
+from conftest import PLAIN, TINY_NET, write_folder
+from helpers import fails
 from typer.testing import CliRunner
 
-import tiny_net
-from cafa_cli.jobs import adapt as adapt_job
-from cafa_cli.method.methods import REGISTRY
 from cafa_cli.artifact import read_artifact
 from cafa_cli.cli.app import app
-from conftest import PLAIN, TINY_NET, write_folder
+from cafa_cli.jobs import adapt as adapt_job
+from cafa_cli.method.methods import REGISTRY
 
 runner = CliRunner()
 
@@ -33,8 +33,8 @@ def setup(tmp_path_factory):
     torch.manual_seed(0)
     net = tiny_net.build()
     from cafa_cli.data.loading import batches
-    from cafa_cli.data.sources import open_domain
     from cafa_cli.data.preprocessing import Preprocessing
+    from cafa_cli.data.sources import open_domain
 
     prep = Preprocessing(None, None, (0.0,), (255.0 / 255,), 1)
     domain = open_domain(str(train))
@@ -48,13 +48,43 @@ def setup(tmp_path_factory):
     weights = root / "net.pt"
     torch.save(net.state_dict(), weights)
     artifact = root / "s.safetensors"
-    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--data", str(train), *PLAIN, "--fraction", "1", "--out", str(artifact)])
+    result = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(weights),
+            "--data",
+            str(train),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     return {"root": root, "train": train, "test": test, "weights": weights, "artifact": artifact}
 
 
 def adapt(setup, *args):
-    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), "--batch-size", "30", *args])
+    return runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--batch-size",
+            "30",
+            *args,
+        ],
+    )
 
 
 def test_csv_has_a_header_and_one_line_per_image_with_class_names(setup):
@@ -83,12 +113,22 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
     # what rebuilds the model, as resolved from the artifact: enough to reproduce the run
     recorded = read_artifact(setup["artifact"], load_tensors=False).model
     assert {k: report["settings"][k] for k in ("model", "weights", "weights_sha256", "num_classes", "classifier")} == {
-        "model": recorded.model, "weights": recorded.weights, "weights_sha256": recorded.weights_sha256,
-        "num_classes": recorded.num_classes, "classifier": recorded.classifier}
-    assert report["settings"]["classifier"] and (report["settings"]["classes"], report["settings"]["labels"]) == (None, None)
+        "model": recorded.model,
+        "weights": recorded.weights,
+        "weights_sha256": recorded.weights_sha256,
+        "num_classes": recorded.num_classes,
+        "classifier": recorded.classifier,
+    }
+    assert report["settings"]["classifier"] and (report["settings"]["classes"], report["settings"]["labels"]) == (
+        None,
+        None,
+    )
     # which statistics (a path can be overwritten later) and which software made the numbers
     made = read_artifact(setup["artifact"], load_tensors=False).metadata["created"]
-    assert (report["settings"]["stats"], report["settings"]["stats_created"]) == (str(Path(setup["artifact"]).resolve()), made)
+    assert (report["settings"]["stats"], report["settings"]["stats_created"]) == (
+        str(Path(setup["artifact"]).resolve()),
+        made,
+    )
     assert set(report["versions"]) == {"cafa", "python", "torch", "torchvision"} and report["versions"]["torch"]
 
 
@@ -98,20 +138,37 @@ def test_the_metrics_json_records_every_setting_its_field_says_it_records(setup,
     from cafa_cli.jobs.config.settings import recorded_as_given
 
     metrics = tmp_path / "m.json"
-    result = adapt(setup, "--quiet", "--metrics-json", str(metrics), "--method", "eata", "--lr", "0.01", "--steps", "2",
-                   "--method-option", "redundancy_margin=0.3")
+    result = adapt(
+        setup,
+        "--quiet",
+        "--metrics-json",
+        str(metrics),
+        "--method",
+        "eata",
+        "--lr",
+        "0.01",
+        "--steps",
+        "2",
+        "--method-option",
+        "redundancy_margin=0.3",
+    )
     settings = json.loads(metrics.read_text())["settings"]
-    given = AdaptConfig(data=["x"], method="eata", lr=0.01, steps=2, batch_size=30, method_option=["redundancy_margin=0.3"])
+    given = AdaptConfig(
+        data=["x"], method="eata", lr=0.01, steps=2, batch_size=30, method_option=["redundancy_margin=0.3"]
+    )
     resolved = ("device", "num_workers", "recipe")  # as given, then replaced by what the run resolved
     assert {name: settings[name] for name in recorded_as_given(AdaptConfig) if name not in resolved} == {
-        name: getattr(given, name) for name in recorded_as_given(AdaptConfig) if name not in resolved}, result.stderr
+        name: getattr(given, name) for name in recorded_as_given(AdaptConfig) if name not in resolved
+    }, result.stderr
     assert settings["recipe"]["requested"] == "auto" and settings["device"] == "cpu"
 
 
 def test_cafa_beats_source_on_the_shifted_folder(setup, tmp_path):
     errors = {}
     for method in ("source", "cafa"):
-        result = adapt(setup, "--quiet", "--method", method, "--lr", "0.01", "--metrics-json", str(tmp_path / f"{method}.json"))
+        result = adapt(
+            setup, "--quiet", "--method", method, "--lr", "0.01", "--metrics-json", str(tmp_path / f"{method}.json")
+        )
         assert result.exit_code == 0, result.stderr
         errors[method] = json.loads((tmp_path / f"{method}.json").read_text())["error"]
     assert errors["cafa"] < errors["source"], errors
@@ -164,22 +221,71 @@ def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
     for p in paths:
         (flat / p.name).write_bytes(p.read_bytes())
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--quiet", "--metrics-json", str(metrics)])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(flat),
+            "--quiet",
+            "--metrics-json",
+            str(metrics),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert len(rows) == 7 and all(r["label"] == "" for r in rows)
     assert json.loads(metrics.read_text())["error"] is None
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--quiet", "--format", "jsonl"])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(flat),
+            "--quiet",
+            "--format",
+            "jsonl",
+        ],
+    )
     assert [json.loads(line)["label"] for line in result.stdout.splitlines()] == [None] * 7  # JSON's own "no value"
     stdin = "\n".join(str(p) for p in paths) + "\n"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", "-", "--quiet", "--no-shuffle"], input=stdin)
+    result = runner.invoke(
+        app,
+        ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", "-", "--quiet", "--no-shuffle"],
+        input=stdin,
+    )
     assert result.exit_code == 0, result.stderr
     assert [r["path"] for r in csv.DictReader(io.StringIO(result.stdout))] == [str(p) for p in paths]
 
 
 def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), "--data", str(setup["train"]), "--batch-size", "30", "--metrics-json", str(metrics)])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--data",
+            str(setup["train"]),
+            "--batch-size",
+            "30",
+            "--metrics-json",
+            str(metrics),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     report = json.loads(metrics.read_text())
     assert [d["n"] for d in report["domains"]] == [90, 120] and report["n"] == 210
@@ -194,7 +300,10 @@ def test_a_test_class_the_artifact_does_not_know_is_an_error(setup, tmp_path):
     assert "zebra" in result.stderr and "Traceback" not in result.stderr
     odd = write_folder(tmp_path / "case", per_class=2, classes=("a", "B"))
     result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
-    assert result.exit_code == 3 and "class folder(s) B not in the model's class list (3 classes) (did you mean b for B?)" in result.stderr
+    assert (
+        result.exit_code == 3
+        and "class folder(s) B not in the model's class list (3 classes) (did you mean b for B?)" in result.stderr
+    )
 
 
 def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
@@ -204,13 +313,32 @@ def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
     weights = tmp_path / "net.pt"
     shutil.copy(setup["weights"], weights)
     artifact = tmp_path / "s.safetensors"
-    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--data", str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    result = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(weights),
+            "--data",
+            str(setup["train"]),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     torch.manual_seed(1)
     torch.save(tiny_net.build().state_dict(), weights)
     moved["artifact"] = artifact
     result = adapt(moved, "--quiet")
-    assert result.exit_code == 3 and "has changed since the statistics were computed (parameters differ)" in result.stderr
+    assert (
+        result.exit_code == 3 and "has changed since the statistics were computed (parameters differ)" in result.stderr
+    )
     assert adapt(moved, "--quiet", "--allow-weights-mismatch").exit_code == 0
     # naming the changed file with --weights does not skip the check
     result = adapt(moved, "--quiet", "--weights", str(weights))
@@ -232,14 +360,20 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     assert adapt(setup, "--quiet", "--weights", str(same)).exit_code == 0
 
     factory = tmp_path / "other_net.py"
-    factory.write_text(f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.split(':')[0]).parent)!r})\nimport tiny_net\n\ndef build():\n    return tiny_net.build()\n")
+    factory.write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.split(':')[0]).parent)!r})\nimport tiny_net\n\ndef build():\n    return tiny_net.build()\n"
+    )
     args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{factory}:build", "--data", str(setup["test"])]
     result = runner.invoke(app, [*args, "--weights", str(other), "--quiet"])  # another factory, other weights
-    assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
+    assert (
+        result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
+    )
     assert runner.invoke(app, [*args, "--weights", str(other), "--quiet", "--allow-weights-mismatch"]).exit_code == 0
     # with the same weights too: other code may compute other features from the same parameters
     result = runner.invoke(app, [*args, "--weights", str(setup["weights"]), "--quiet"])
-    assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
+    assert (
+        result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
+    )
 
 
 def test_a_factory_file_edited_since_the_statistics_is_refused(setup, tmp_path):
@@ -247,14 +381,32 @@ def test_a_factory_file_edited_since_the_statistics_is_refused(setup, tmp_path):
     factory = tmp_path / "net_copy.py"
     factory.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
     artifact = tmp_path / "s.safetensors"
-    made = runner.invoke(app, ["stats", "--model", f"{factory}:build", "--weights", str(setup["weights"]), "--data", str(setup["train"]),
-                               *PLAIN, "--fraction", "1", "--out", str(artifact)])
+    made = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            f"{factory}:build",
+            "--weights",
+            str(setup["weights"]),
+            "--data",
+            str(setup["train"]),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact),
+        ],
+    )
     assert made.exit_code == 0, made.stderr
     args = ["adapt", "--stats", str(artifact), "--model", f"{factory}:build", "--data", str(setup["test"]), "--quiet"]
     assert runner.invoke(app, args).exit_code == 0
     factory.write_text(factory.read_text().replace("return self.head(", "return -self.head("))
     result = runner.invoke(app, args)
-    assert result.exit_code == 3 and f"{factory} has changed since the statistics in {artifact} were computed" in result.stderr
+    assert (
+        result.exit_code == 3
+        and f"{factory} has changed since the statistics in {artifact} were computed" in result.stderr
+    )
     assert runner.invoke(app, [*args, "--allow-weights-mismatch"]).exit_code == 0
 
 
@@ -263,11 +415,23 @@ def test_a_factory_file_copied_elsewhere_is_the_same_model(setup, tmp_path):
     moved = tmp_path / "elsewhere" / "tiny_net.py"
     moved.parent.mkdir()
     moved.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
-    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{moved}:build", "--weights", str(setup["weights"]),
-            "--data", str(setup["test"]), "--quiet"]
+    args = [
+        "adapt",
+        "--stats",
+        str(setup["artifact"]),
+        "--model",
+        f"{moved}:build",
+        "--weights",
+        str(setup["weights"]),
+        "--data",
+        str(setup["test"]),
+        "--quiet",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    moved.write_text(moved.read_text().replace("return self.head(", "return -self.head("))  # other code, same parameters
+    moved.write_text(
+        moved.read_text().replace("return self.head(", "return -self.head(")
+    )  # other code, same parameters
     result = runner.invoke(app, args)
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {moved}:build" in result.stderr
 
@@ -296,14 +460,33 @@ def test_a_factory_that_draws_its_parameters_at_random_is_refused(setup, tmp_pat
     """Without --weights a factory's own initialisation is the model: a random one differs per process."""
     artifact = tmp_path / "s.safetensors"
     torch.manual_seed(11)
-    result = runner.invoke(app, ["stats", "--model", TINY_NET, "--data", str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    result = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["train"]),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
     torch.manual_seed(11)
     assert runner.invoke(app, args).exit_code == 0  # the same draw: the same model
     torch.manual_seed(12)
     result = runner.invoke(app, args)
-    assert result.exit_code == 3 and "initialised its parameters differently" in result.stderr and "give --weights" in result.stderr
+    assert (
+        result.exit_code == 3
+        and "initialised its parameters differently" in result.stderr
+        and "give --weights" in result.stderr
+    )
 
 
 def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup):
@@ -311,7 +494,20 @@ def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup)
     result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--quiet"])
     assert result.exit_code == 3 and result.stdout == ""
     assert "names the model factory" in result.stderr and f"--model {TINY_NET}" in result.stderr
-    trusted = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--batch-size", "30", "--quiet", "--trust-checkpoint"])
+    trusted = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--data",
+            str(setup["test"]),
+            "--batch-size",
+            "30",
+            "--quiet",
+            "--trust-checkpoint",
+        ],
+    )
     assert trusted.exit_code == 0 and trusted.stdout == adapt(setup, "--quiet").stdout  # same weights as with --model
 
 
@@ -321,8 +517,21 @@ def test_a_relative_factory_path_names_the_artifacts_model_and_weights(setup, mo
     from conftest import ASSETS
 
     monkeypatch.chdir(ASSETS.parent)
-    relative = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", "assets/tiny_net.py:build",
-                                   "--data", str(setup["test"]), "--batch-size", "30", "--quiet"])
+    relative = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            "assets/tiny_net.py:build",
+            "--data",
+            str(setup["test"]),
+            "--batch-size",
+            "30",
+            "--quiet",
+        ],
+    )
     assert relative.exit_code == 0, relative.stderr
     assert relative.stdout == adapt(setup, "--quiet").stdout
 
@@ -358,7 +567,9 @@ def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics()
 def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
     deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "fashion-mnist-c" / "gaussian_noise" / "3"
     shutil.copytree(setup["test"], deep)
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(deep), "--method", "bn"])
+    result = runner.invoke(
+        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(deep), "--method", "bn"]
+    )
     assert result.exit_code == 0, result.stderr
     first_cells = [line.split("│")[1].strip() for line in result.stderr.splitlines() if line.startswith("│")]
     assert str(deep) in "".join(first_cells)  # folded over several lines, but whole
@@ -374,7 +585,9 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
     before = torch_logger.level
     torch_logger.setLevel(logging.NOTSET)  # an earlier --quiet run in this process may have raised it
     try:
-        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")  # as torch.compile's set-up may
+        logging.getLogger("torch.utils.cpp_extension").warning(
+            "No CUDA runtime is found"
+        )  # as torch.compile's set-up may
         assert "No CUDA runtime" in capfd.readouterr().err
         Monitor()  # a silent monitor, as the Python API makes, leaves the process's logging alone
         assert torch_logger.level == logging.NOTSET
@@ -389,22 +602,47 @@ def test_quiet_also_silences_the_warnings_torch_logs_itself(capfd):
 
 def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkeypatch):
     """The demo prints each run as `cafa adapt ... <adapt_words()>`: parsed back, they are the settings."""
-    from cafa_cli.errors import UsageError
-    from cafa_cli.jobs import adapt as adapt_job
-    from cafa_cli.jobs.config.settings import recorded_as_given
-    from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.jobs.demo import adapt_words
     from dataclasses import replace
 
-    wanted = AdaptConfig(data=["x"], method="tent", batch_size=7, optimizer="sgd", lr=0.25, momentum=0.5, steps=2, params="all",
-                         norm="prior:4", reset="episodic", shuffle=False, seed=3, mix_domains=True, device="cpu", precision="bf16",
-                         num_workers=1, strict=True, compile=True, cuda_graph=False, allow_weights_mismatch=True)
+    from cafa_cli.errors import UsageError
+    from cafa_cli.jobs import adapt as adapt_job
+    from cafa_cli.jobs.config import AdaptConfig
+    from cafa_cli.jobs.config.settings import recorded_as_given
+    from cafa_cli.jobs.demo import adapt_words
+
+    wanted = AdaptConfig(
+        data=["x"],
+        method="tent",
+        batch_size=7,
+        optimizer="sgd",
+        lr=0.25,
+        momentum=0.5,
+        steps=2,
+        params="all",
+        norm="prior:4",
+        reset="episodic",
+        shuffle=False,
+        seed=3,
+        mix_domains=True,
+        device="cpu",
+        precision="bf16",
+        num_workers=1,
+        strict=True,
+        compile=True,
+        cuda_graph=False,
+        allow_weights_mismatch=True,
+    )
     # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
-    streams = AdaptConfig(data=["x"], method="cafa", order="label-shift:0.5", gradual=True, oracle=True, fisher_samples=9)
+    streams = AdaptConfig(
+        data=["x"], method="cafa", order="label-shift:0.5", gradual=True, oracle=True, fisher_samples=9
+    )
     defaults = AdaptConfig()
     written_apart = ("method", "recipe", "method_option")  # adapt_words writes them first, in their own way
-    assert all(getattr(wanted, name) != getattr(defaults, name) or getattr(streams, name) != getattr(defaults, name)
-               for name in recorded_as_given(AdaptConfig) if name not in written_apart)  # every option is exercised
+    assert all(
+        getattr(wanted, name) != getattr(defaults, name) or getattr(streams, name) != getattr(defaults, name)
+        for name in recorded_as_given(AdaptConfig)
+        if name not in written_apart
+    )  # every option is exercised
     seen = []
 
     def capture(config, monitor=None):
@@ -451,13 +689,35 @@ def test_a_baseline_with_model_beside_an_unread_default_artifact_says_so(setup, 
     """cafa adapt --model M --method bn reads no artifact: beside cafa-stats.safetensors the run
     would otherwise silently take the default preprocessing and class names, not the artifact's."""
     monkeypatch.chdir(tmp_path)
-    base = ["adapt", "--model", TINY_NET, "--weights", str(setup["weights"]), "--data", str(setup["test"]), "--method", "bn",
-            "--channels", "1", "--mean", "0", "--std", "1", "--resize", "none", "--crop", "none"]
+    base = [
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(setup["weights"]),
+        "--data",
+        str(setup["test"]),
+        "--method",
+        "bn",
+        "--channels",
+        "1",
+        "--mean",
+        "0",
+        "--std",
+        "1",
+        "--resize",
+        "none",
+        "--crop",
+        "none",
+    ]
     assert "is here but not read" not in runner.invoke(app, base).stderr
     shutil.copy(setup["artifact"], tmp_path / "cafa-stats.safetensors")
     result = runner.invoke(app, base)
     assert result.exit_code == 0, result.stderr
-    assert "warning: cafa-stats.safetensors is here but not read (with --model, a method that needs no statistics" in result.stderr
+    assert (
+        "warning: cafa-stats.safetensors is here but not read (with --model, a method that needs no statistics"
+        in result.stderr
+    )
     assert "pass --stats cafa-stats.safetensors" in result.stderr
     named = runner.invoke(app, [*base, "--stats", "cafa-stats.safetensors"])
     assert named.exit_code == 0 and "not read" not in named.stderr
@@ -471,8 +731,25 @@ def test_weights_an_artifact_names_that_need_unpickling_are_named_without_inviti
     weights = tmp_path / "objects.pt"
     torch.save({"state_dict": torch.load(setup["weights"]), "args": argparse.Namespace(lr=0.1)}, weights)
     artifact = tmp_path / "s.safetensors"
-    made = runner.invoke(app, ["stats", "--model", TINY_NET, "--weights", str(weights), "--trust-checkpoint", "--data",
-                               str(setup["train"]), *PLAIN, "--fraction", "1", "--out", str(artifact), "--quiet"])
+    made = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(weights),
+            "--trust-checkpoint",
+            "--data",
+            str(setup["train"]),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact),
+            "--quiet",
+        ],
+    )
     assert made.exit_code == 0, made.stderr
     args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
     result = runner.invoke(app, args)
@@ -493,7 +770,9 @@ def labels_per_batch(stdout: str, batch_size: int) -> list[set[str]]:
 def test_label_shift_and_dirichlet_orders_give_batches_of_one_class_in_the_predictions(setup, tmp_path):
     iid = adapt(setup, "--quiet", "--batch-size", "10")
     assert iid.exit_code == 0, iid.stderr
-    assert sum(len(labels) == 1 for labels in labels_per_batch(iid.stdout, 10)) < 3  # an i.i.d. batch of 10 from 3 classes
+    assert (
+        sum(len(labels) == 1 for labels in labels_per_batch(iid.stdout, 10)) < 3
+    )  # an i.i.d. batch of 10 from 3 classes
     for order, single in (("label-shift:1.0", 9), ("dirichlet:0.01", 6)):
         metrics = tmp_path / f"{order}.json"
         result = adapt(setup, "--quiet", "--batch-size", "10", "--order", order, "--metrics-json", str(metrics))
@@ -510,23 +789,44 @@ def test_orders_by_class_need_labels(setup, tmp_path):
     flat.mkdir()
     for p in sorted(Path(setup["test"]).rglob("*.png"))[:20]:
         (flat / f"{p.parent.name}-{p.name}").write_bytes(p.read_bytes())
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(flat), "--order",
-                                 "label-shift:1.0"])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(flat),
+            "--order",
+            "label-shift:1.0",
+        ],
+    )
     assert result.exit_code == 3 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         f"cafa: error: {flat} has no labels, and --order label-shift:1.0 orders the stream by class; give labelled data (one "
-        f"folder per class, or an array with --labels), or use --order iid"]
+        f"folder per class, or an array with --labels), or use --order iid"
+    ]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--order", "sorted"], "--order must be iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0), not 'sorted'"),
-    (["--order", "label-shift:2"], "--order must be iid, label-shift:S"),
-    (["--order", "dirichlet:0.1", "--no-shuffle"], "--order dirichlet:0.1 shuffles in its own way"),
-    (["--mix-domains", "--gradual"], "--mix-domains and --gradual are two ways"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--order", "sorted"],
+            "--order must be iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0), not 'sorted'",
+        ),
+        (["--order", "label-shift:2"], "--order must be iid, label-shift:S"),
+        (["--order", "dirichlet:0.1", "--no-shuffle"], "--order dirichlet:0.1 shuffles in its own way"),
+        (["--mix-domains", "--gradual"], "--mix-domains and --gradual are two ways"),
+    ],
+)
 def test_stream_settings_that_cannot_be_are_usage_errors(setup, args, needle):
     result = adapt(setup, *args)
-    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr
+    )
 
 
 def test_mixed_domains_interleave_and_report_each_domains_error(setup, tmp_path):
@@ -549,14 +849,31 @@ def test_gradual_visits_the_severities_of_each_corruption_up_and_down(setup, tmp
     for severity in range(1, 6):
         write_folder(corruption / str(severity), per_class=4, seed=severity, shift=0.1 * severity)
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption / "3"), "--gradual",
-                                 "--batch-size", "6", "--quiet", "--metrics-json", str(metrics)])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            str(corruption / "3"),
+            "--gradual",
+            "--batch-size",
+            "6",
+            "--quiet",
+            "--metrics-json",
+            str(metrics),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     visited = [Path(d["data"]).name for d in json.loads(metrics.read_text())["domains"]]
     assert visited == ["1", "2", "3", "4", "5", "4", "3", "2", "1"]
     assert len(result.stdout.splitlines()) == 1 + 9 * 12
     shutil.rmtree(corruption / "4")
-    missing = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"])
+    missing = runner.invoke(
+        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"]
+    )
     assert missing.exit_code == 3 and "--gradual visits severities 1-5 of a corruption" in missing.stderr
     assert f"{corruption / '4'} is not a folder" in missing.stderr
 
@@ -566,5 +883,7 @@ def test_mixing_a_domain_with_itself_is_refused(setup, spellings, monkeypatch):
     """Interleaved with itself, every image was read and predicted twice."""
     monkeypatch.chdir(setup["test"].parent)
     given = [s.format(t=setup["test"], rel=setup["test"].name) for s in spellings]
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, *given, "--mix-domains"])
+    result = runner.invoke(
+        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, *given, "--mix-domains"]
+    )
     fails(result, 2, "--mix-domains: the domain", "is given twice")

@@ -23,7 +23,6 @@ from cafa_cli.data.folders import read_image
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.config import StatsConfig
 
-
 # --- paths -------------------------------------------------------------------------
 
 
@@ -96,8 +95,13 @@ def test_unreadable_artifact(setup, tmp_path):
 # --- images ------------------------------------------------------------------------
 
 
-BAD_IMAGES = {"truncated-png": "truncated", "truncated-jpeg": "Truncated", "zero-byte": "empty file (0 bytes)",
-              "not-an-image": "not an image in a format cafa reads", "postscript": "not an image in a format cafa reads"}
+BAD_IMAGES = {
+    "truncated-png": "truncated",
+    "truncated-jpeg": "Truncated",
+    "zero-byte": "empty file (0 bytes)",
+    "not-an-image": "not an image in a format cafa reads",
+    "postscript": "not an image in a format cafa reads",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_IMAGES))
@@ -227,7 +231,9 @@ def test_inspect_json_is_standard_json_whatever_the_artifact_holds(setup, tmp_pa
 
     assert json.loads(result.stdout, parse_constant=refuse)["sampling"] == {"fraction": None}
     shrink = json.dumps({"method": "oas", "min": float("nan"), "mean": 0.1, "max": float("inf")})
-    fails(invoke("inspect", corrupt(setup["artifact"], tmp_path / "s.safetensors", {"shrinkage": shrink})), 3, "in [0, 1]")
+    fails(
+        invoke("inspect", corrupt(setup["artifact"], tmp_path / "s.safetensors", {"shrinkage": shrink})), 3, "in [0, 1]"
+    )
 
 
 def test_bad_artifact_given_to_adapt(setup, tmp_path):
@@ -241,24 +247,41 @@ def test_bad_artifact_given_to_adapt(setup, tmp_path):
 
 
 def test_unknown_architecture(setup, tmp_path):
-    fails(invoke("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"), 2, "--model resnet5000: unknown architecture")
+    fails(
+        invoke("stats", "--model", "resnet5000", "--data", setup["train"], "--out", tmp_path / "s.safetensors"),
+        2,
+        "--model resnet5000: unknown architecture",
+    )
 
 
 def test_an_unknown_architecture_named_by_the_artifact_says_so(setup, tmp_path):
     recorded = corrupt(setup["artifact"], tmp_path / "s.safetensors", {"model": json.dumps({"model": "resnet5000"})})
-    fails(invoke("adapt", "--stats", recorded, "--data", setup["train"]), 3,
-          f"the model recorded in {recorded}: --model resnet5000: unknown architecture")
+    fails(
+        invoke("adapt", "--stats", recorded, "--data", setup["train"]),
+        3,
+        f"the model recorded in {recorded}: --model resnet5000: unknown architecture",
+    )
 
 
-@pytest.mark.parametrize("conversion, kind", [(".half()", "float16"), (".double()", "float64"), ('.to("meta")', "meta")])
+@pytest.mark.parametrize(
+    "conversion, kind", [(".half()", "float16"), (".double()", "float64"), ('.to("meta")', "meta")]
+)
 def test_a_factory_model_that_is_not_float32_is_named_for_that(setup, tmp_path, conversion, kind):
     """It met float32 images and failed with advice about --channels and --resize."""
     spec = factory(tmp_path, f"def build():\n    return tiny_net.build(){conversion}")
-    fails(stats_with_model(setup, tmp_path, spec), 3, f"the model's parameters are {kind}, not float32", "model.float()")
+    fails(
+        stats_with_model(setup, tmp_path, spec), 3, f"the model's parameters are {kind}, not float32", "model.float()"
+    )
 
 
-@pytest.mark.parametrize("failure", ["raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')", "raise MemoryError()",
-                                     "return torch.empty(1 << 50, dtype=torch.uint8)"])  # torch's CPU allocator: a RuntimeError
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')",
+        "raise MemoryError()",
+        "return torch.empty(1 << 50, dtype=torch.uint8)",
+    ],
+)  # torch's CPU allocator: a RuntimeError
 def test_out_of_memory_on_the_gpu_or_the_host_gets_the_memory_advice(setup, tmp_path, failure):
     """A GPU's OutOfMemoryError is a RuntimeError: it was reported as images the model cannot
     take; so was the CPU allocator's "[enforce fail at alloc_cpu.cpp] ... can't allocate memory"."""
@@ -267,24 +290,49 @@ def test_out_of_memory_on_the_gpu_or_the_host_gets_the_memory_advice(setup, tmp_
 
 
 def test_model_without_a_linear_classifier(setup, tmp_path):
-    spec = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())")
+    spec = factory(
+        tmp_path, "def build():\n    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())"
+    )
     fails(stats_with_model(setup, tmp_path, spec), 3, "no nn.Linear classifier")
 
 
 def test_feature_dimension_disagrees_with_the_artifact(setup, tmp_path):
     spec = factory(tmp_path, "def build():\n    return tiny_net.TinyNet(feature_dim=5)")
-    fails(invoke("adapt", "--stats", setup["artifact"], "--model", spec, "--data", setup["train"]), 3, "features have 5 dimensions", "made for 6")
+    fails(
+        invoke("adapt", "--stats", setup["artifact"], "--model", spec, "--data", setup["train"]),
+        3,
+        "features have 5 dimensions",
+        "made for 6",
+    )
 
 
 def test_class_count_disagrees_with_the_artifact(setup, tmp_path):
     # the artifact's own weights (3 classes) are refused by a 4-class model...
-    result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"])
+    result = invoke(
+        "adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--data", setup["train"]
+    )
     fails(result, 3, "shapes do not match the model", "head.3.weight (3, 6) vs (4, 6)")
     # ...and a 4-class model with its own weights is refused by the 3-class artifact
     net = tmp_path / "four.safetensors"
     save_file(tiny_net.build(num_classes=4).state_dict(), str(net))
-    result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--num-classes", "4", "--weights", net, "--data", setup["train"])
-    fails(result, 3, "has 3 classes but the model's classifier has 4 outputs; check --model and --num-classes, or compute statistics")
+    result = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--num-classes",
+        "4",
+        "--weights",
+        net,
+        "--data",
+        setup["train"],
+    )
+    fails(
+        result,
+        3,
+        "has 3 classes but the model's classifier has 4 outputs; check --model and --num-classes, or compute statistics",
+    )
 
 
 # --- option values (fraction and more in test_cli_stats.py::test_bad_options_exit_2 and
@@ -327,7 +375,10 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
         (["--params", "some"], "Invalid value for '--params': 'some' is not one of 'norm', 'all'"),
         (["--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
         (["--steps", "0"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 0"),
-        (["--steps", "1000000000"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 1000000000"),  # ran for ever
+        (
+            ["--steps", "1000000000"],
+            "--steps must be from 1 to 1000 (gradient steps on each batch), not 1000000000",
+        ),  # ran for ever
     ],
     ids=["format", "optimizer", "params", "precision", "steps", "steps-huge"],
 )
@@ -338,29 +389,61 @@ def test_adapt_option_values_checked_before_the_model_is_loaded(setup, tmp_path,
 
 def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path):
     workdir = tmp_path / "work"
-    result = invoke("bench", setup["train"], "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"],
-                 *PLAIN, "--methods", "source,cafa", "--optimizer", "lbfgs", "--workdir", workdir)
+    result = invoke(
+        "bench",
+        setup["train"],
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--train",
+        setup["train"],
+        *PLAIN,
+        "--methods",
+        "source,cafa",
+        "--optimizer",
+        "lbfgs",
+        "--workdir",
+        workdir,
+    )
     fails(result, 2, "Invalid value for '--optimizer'", "'lbfgs' is not one of 'adam', 'sgd', 'nesterov'")
     assert not list(workdir.glob("*.safetensors"))
 
 
 def test_stats_negative_seed(setup, tmp_path):
-    fails(stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"), 2, "--seed must be 0 or more and below 2**63, not -1")
+    fails(
+        stats(setup, setup["train"], "--seed", "-1", "--out", tmp_path / "s.safetensors"),
+        2,
+        "--seed must be 0 or more and below 2**63, not -1",
+    )
 
 
 def test_unknown_method(setup):
     # a plug-in (module:factory) is a method too, so the settings check the name, not click's choices
-    fails(adapt(setup, setup["train"], "--method", "magic"), 2, "--method must be one of source, bn,", "plug-in", "not magic")
+    fails(
+        adapt(setup, setup["train"], "--method", "magic"),
+        2,
+        "--method must be one of source, bn,",
+        "plug-in",
+        "not magic",
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda(setup, device):
-    fails(adapt(setup, setup["train"], "--device", device), 2, f"--device {device}: CUDA is not available", "--device cpu")
+    fails(
+        adapt(setup, setup["train"], "--device", device), 2, f"--device {device}: CUDA is not available", "--device cpu"
+    )
 
 
 def test_unknown_format(setup):
-    fails(adapt(setup, setup["train"], "--format", "xml"), 2, "Invalid value for '--format'", "'xml' is not one of 'csv', 'jsonl'")
+    fails(
+        adapt(setup, setup["train"], "--format", "xml"),
+        2,
+        "Invalid value for '--format'",
+        "'xml' is not one of 'csv', 'jsonl'",
+    )
 
 
 def test_unknown_reset_policy(setup):
@@ -370,21 +453,44 @@ def test_unknown_reset_policy(setup):
 
 
 def test_missing_required_option(setup, tmp_path):
-    fails(invoke("stats", "--model", TINY_NET, "--out", tmp_path / "s.safetensors"), 2, "Missing option '--data'", "cafa stats --help")
-    fails(invoke("adapt", "--stats", setup["artifact"]), 2, "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)")
+    fails(
+        invoke("stats", "--model", TINY_NET, "--out", tmp_path / "s.safetensors"),
+        2,
+        "Missing option '--data'",
+        "cafa stats --help",
+    )
+    fails(
+        invoke("adapt", "--stats", setup["artifact"]),
+        2,
+        "give the test domains: cafa adapt DOMAIN... (or --data DOMAIN, repeated)",
+    )
 
 
 def test_a_method_without_statistics_and_no_artifact_asks_for_the_model(setup, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no cafa-stats.safetensors here
-    fails(invoke("adapt", setup["train"], "--method", "tent"), 2,
-          "give the model with --model (and --weights): --method tent needs no statistics, and there is no cafa-stats.safetensors")
+    fails(
+        invoke("adapt", setup["train"], "--method", "tent"),
+        2,
+        "give the model with --model (and --weights): --method tent needs no statistics, and there is no cafa-stats.safetensors",
+    )
     fails(invoke("adapt", setup["train"]), 3, "cafa-stats.safetensors: no such artifact; create one with cafa stats")
 
 
 def test_adapt_takes_domains_as_arguments_as_well_as_with_data(setup):
     as_options = adapt(setup, setup["train"], "--quiet", "--no-shuffle", "--data", setup["train"])
-    as_arguments = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet", "--no-shuffle",
-                       setup["train"], setup["train"])
+    as_arguments = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--batch-size",
+        "4",
+        "--quiet",
+        "--no-shuffle",
+        setup["train"],
+        setup["train"],
+    )
     assert as_options.exit_code == 0, as_options.stderr
     assert as_arguments.stdout == as_options.stdout and as_options.stdout.count("\n") > 2
 
@@ -438,8 +544,23 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(setup, tmp_path):
     import sys
 
     data = write_folder(tmp_path / "many", per_class=300)
-    command = [sys.executable, "-m", "cafa_cli", "adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET,
-               "--data", str(data), "--batch-size", "2", "--method", "source", "--quiet"]
+    command = [
+        sys.executable,
+        "-m",
+        "cafa_cli",
+        "adapt",
+        "--stats",
+        str(setup["artifact"]),
+        "--model",
+        TINY_NET,
+        "--data",
+        str(data),
+        "--batch-size",
+        "2",
+        "--method",
+        "source",
+        "--quiet",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdout.readline().startswith(b"path,")
     process.stdout.close()
@@ -466,25 +587,56 @@ def test_images_the_model_cannot_take(setup, tmp_path, command):
     if command == "adapt":
         result = adapt(setup, setup["train"], "--channels", "3", "--mean", "0", "--std", "1")
     else:
-        result = stats(setup, setup["train"], "--channels", "3", "--mean", "0", "--std", "1", "--out", tmp_path / "s.safetensors")
-    fails(result, 3, "the model cannot take these images (a batch of shape [", ", 3, 16, 16])", "check --channels, --resize and --crop")
+        result = stats(
+            setup, setup["train"], "--channels", "3", "--mean", "0", "--std", "1", "--out", tmp_path / "s.safetensors"
+        )
+    fails(
+        result,
+        3,
+        "the model cannot take these images (a batch of shape [",
+        ", 3, 16, 16])",
+        "check --channels, --resize and --crop",
+    )
     assert not (tmp_path / "s.safetensors").exists()
     assert result.stdout == "", "not even a CSV header before the first prediction"
 
 
 def test_a_model_that_asserts_its_image_size_gets_the_same_message(setup, tmp_path):
     """torchvision's ViT checks its input size with an assertion, not a RuntimeError."""
-    body = ("class Sized(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n"
-            "    def forward(self, x):\n        torch._assert(x.shape[-1] == 224, 'Wrong image width! Expected 224')\n"
-            "        return self.net(x)\n\ndef build():\n    return Sized()")
-    result = invoke("stats", "--model", factory(tmp_path, body), "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
-    fails(result, 3, "the model cannot take these images", "Wrong image width! Expected 224", "check --channels, --resize and --crop")
+    body = (
+        "class Sized(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n"
+        "    def forward(self, x):\n        torch._assert(x.shape[-1] == 224, 'Wrong image width! Expected 224')\n"
+        "        return self.net(x)\n\ndef build():\n    return Sized()"
+    )
+    result = invoke(
+        "stats",
+        "--model",
+        factory(tmp_path, body),
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+    )
+    fails(
+        result,
+        3,
+        "the model cannot take these images",
+        "Wrong image width! Expected 224",
+        "check --channels, --resize and --crop",
+    )
 
 
 def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_file(setup, tmp_path):
     previous = tmp_path / "p.csv"
     previous.write_text("path,prediction,label,confidence\nold,a,a,1.0\n")
-    fails(adapt(setup, setup["train"], "--channels", "3", "--predictions", previous), 3, "the model cannot take these images")
+    fails(
+        adapt(setup, setup["train"], "--channels", "3", "--predictions", previous),
+        3,
+        "the model cannot take these images",
+    )
     assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
     unreadable = tmp_path / "unreadable"
     unreadable.mkdir()
@@ -494,7 +646,9 @@ def test_a_run_that_fails_before_its_first_prediction_keeps_the_old_predictions_
     assert previous.read_text() == "path,prediction,label,confidence\nold,a,a,1.0\n"
     assert adapt(setup, unreadable).stdout == ""  # nor a header on stdout
     assert adapt(setup, setup["train"], "--predictions", previous, "--quiet").exit_code == 0
-    assert previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19
+    assert (
+        previous.read_text().startswith("path,prediction,label,confidence\n") and previous.read_text().count("\n") == 19
+    )
 
 
 def test_features_or_outputs_out_of_float32s_range_are_refused_and_the_old_artifact_kept(setup, tmp_path):
@@ -504,22 +658,45 @@ def test_features_or_outputs_out_of_float32s_range_are_refused_and_the_old_artif
     shutil.copy(setup["artifact"], kept)
     before = kept.read_bytes()
     for std in ("1e-30", "1e-46"):
-        fails(stats(setup, setup["train"], "--std", std, "--out", kept), 3, "features hold NaN, infinite or huge values", "--std")
+        fails(
+            stats(setup, setup["train"], "--std", std, "--out", kept),
+            3,
+            "features hold NaN, infinite or huge values",
+            "--std",
+        )
         assert kept.read_bytes() == before
-    fails(adapt(setup, setup["train"], "--std", "1e-46", "--method", "source"), 3, "the model's outputs are NaN or infinite")
+    fails(
+        adapt(setup, setup["train"], "--std", "1e-46", "--method", "source"),
+        3,
+        "the model's outputs are NaN or infinite",
+    )
 
 
 def test_a_masked_class_with_minus_infinite_logits_is_not_refused(setup, tmp_path):
     """-inf is how a model leaves a class out (evaluation on a subset); only NaN, +inf or a
     row without any finite logit mean broken outputs."""
-    body = ("class Masked(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n\n"
-            "    def forward(self, x):\n        logits = self.net(x).clone()\n        logits[:, 2] = float('-inf')\n        return logits\n\n"
-            "def build():\n    return Masked()")
+    body = (
+        "class Masked(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.net = tiny_net.build()\n\n"
+        "    def forward(self, x):\n        logits = self.net(x).clone()\n        logits[:, 2] = float('-inf')\n        return logits\n\n"
+        "def build():\n    return Masked()"
+    )
     spec = factory(tmp_path, body)
     weights = tmp_path / "masked.pt"
     torch.save({f"net.{k}": v for k, v in torch.load(setup["weights"]).items()}, weights)
-    result = invoke("adapt", "--model", spec, "--weights", weights, "--data", setup["train"], *PLAIN, "--method", "bn", "--classes",
-                 _class_list(tmp_path))
+    result = invoke(
+        "adapt",
+        "--model",
+        spec,
+        "--weights",
+        weights,
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--method",
+        "bn",
+        "--classes",
+        _class_list(tmp_path),
+    )
     assert result.exit_code == 0, result.stderr
     assert {row["prediction"] for row in rows(result)} <= {"a", "b"}
 
@@ -532,17 +709,36 @@ def _class_list(tmp_path: Path) -> Path:
 
 def test_a_class_name_that_would_break_the_records_is_refused_before_the_feature_pass(setup, tmp_path):
     data = write_folder(tmp_path / "d", per_class=2, classes=("a", " ", "c"))
-    fails(stats(setup, data, "--out", tmp_path / "s.safetensors"), 3, "class name(s) ' ' cannot go into the predictions")
+    fails(
+        stats(setup, data, "--out", tmp_path / "s.safetensors"), 3, "class name(s) ' ' cannot go into the predictions"
+    )
 
 
 def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
-    args = ["stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--out", tmp_path / "s.safetensors"]
+    args = [
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--out",
+        tmp_path / "s.safetensors",
+    ]
     result = invoke(*args, "--per-class", "10")
     assert result.exit_code == 0, result.stderr
     assert "warning: --per-class 10: fewer images in a (6), b (6), c (6); all of theirs are used" in result.stderr
     # both would choose the images: neither silently wins
-    fails(invoke(*args, "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both say how many training images to use")
-    fails(invoke("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both")
+    fails(
+        invoke(*args, "--per-class", "10", "--fraction", "0.5"),
+        2,
+        "--fraction and --per-class both say how many training images to use",
+    )
+    fails(
+        invoke("bench", setup["train"], "--per-class", "10", "--fraction", "0.5"), 2, "--fraction and --per-class both"
+    )
     with pytest.raises(UsageError, match="give one of them"):  # the Python API too: it dropped the fraction
         StatsConfig(data=str(setup["train"]), out=str(tmp_path / "api.safetensors"), fraction=0.5, per_class=10)
 
@@ -551,24 +747,51 @@ def test_per_class_above_what_a_class_has_is_a_warning(setup, tmp_path):
 def test_a_torchvision_architecture_without_weights_is_refused(setup, tmp_path, command):
     extra = ["--out", tmp_path / "s.safetensors"] if command == "stats" else ["--method", "bn"]
     result = invoke(command, "--model", "resnet18", "--num-classes", "3", "--data", setup["train"], *extra)
-    fails(result, 2, "--model resnet18 without --weights is an untrained network with random weights", "give --weights FILE")
+    fails(
+        result,
+        2,
+        "--model resnet18 without --weights is an untrained network with random weights",
+        "give --weights FILE",
+    )
 
 
 def test_weights_and_artifact_swapped_are_named_for_what_they_are(setup, tmp_path):
-    fails(invoke("adapt", "--stats", setup["weights"], "--model", TINY_NET, "--data", setup["train"]), 3,
-          "this is a torch checkpoint, not a cafa artifact: give it as --weights")
+    fails(
+        invoke("adapt", "--stats", setup["weights"], "--model", TINY_NET, "--data", setup["train"]),
+        3,
+        "this is a torch checkpoint, not a cafa artifact: give it as --weights",
+    )
     legacy = tmp_path / "legacy.pth"
     torch.save(torch.load(setup["weights"]), legacy, _use_new_zipfile_serialization=False)
     fails(invoke("inspect", legacy), 3, "this is a torch checkpoint")
-    fails(invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--weights", setup["artifact"], "--data", setup["train"]), 3,
-          "this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)")
+    fails(
+        invoke(
+            "adapt",
+            "--stats",
+            setup["artifact"],
+            "--model",
+            TINY_NET,
+            "--weights",
+            setup["artifact"],
+            "--data",
+            setup["train"],
+        ),
+        3,
+        "this is a cafa statistics artifact, not model weights (cafa adapt takes it as --stats)",
+    )
 
 
 def test_an_option_at_odds_with_the_artifacts_preprocessing_says_where_the_rest_came_from(setup):
-    fails(adapt(setup, setup["train"], "--channels", "3", "--mean", "0.1,0.2"), 2,
-          "--mean needs 1 or 3 values for 3 channels, got 2")
-    fails(adapt(setup, setup["train"], "--channels", "3", "--std", "0.1,0.2,0.3,0.4"), 2,
-          f"(the options not given come from {setup['artifact']}: give them too)")
+    fails(
+        adapt(setup, setup["train"], "--channels", "3", "--mean", "0.1,0.2"),
+        2,
+        "--mean needs 1 or 3 values for 3 channels, got 2",
+    )
+    fails(
+        adapt(setup, setup["train"], "--channels", "3", "--std", "0.1,0.2,0.3,0.4"),
+        2,
+        f"(the options not given come from {setup['artifact']}: give them too)",
+    )
     # a value wrong by itself is just that: the other options have nothing to do with it
     assert fails(adapt(setup, setup["train"], "--std", "0"), 2) == "cafa: error: --std values must be positive"
 
@@ -579,17 +802,37 @@ def test_updates_skipped_for_a_non_finite_loss_are_a_warning(setup, tmp_path):
     with safe_open(str(setup["artifact"]), "pt") as f:
         d = f.get_tensor("global_covariance").shape[0]
     huge = corrupt(setup["artifact"], tmp_path / "huge.safetensors", global_covariance=torch.full((d, d), 3e38))
-    result = invoke("adapt", "--stats", huge, "--model", TINY_NET, "--data", setup["train"], "--batch-size", "4", "--method", "global-fa")
+    result = invoke(
+        "adapt",
+        "--stats",
+        huge,
+        "--model",
+        TINY_NET,
+        "--data",
+        setup["train"],
+        "--batch-size",
+        "4",
+        "--method",
+        "global-fa",
+    )
     assert result.exit_code == 0, result.stderr
-    assert "update(s) skipped because the loss or its gradients were not finite; check the statistics (cafa inspect)" in result.stderr
+    assert (
+        "update(s) skipped because the loss or its gradients were not finite; check the statistics (cafa inspect)"
+        in result.stderr
+    )
     assert "skipped because" not in adapt(setup, setup["train"], "--method", "global-fa").stderr
 
 
 def test_bn_on_a_model_without_batch_norm_is_a_warning(setup, tmp_path):
-    mlp = factory(tmp_path, "def build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3))")
+    mlp = factory(
+        tmp_path, "def build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3))"
+    )
     result = invoke("adapt", "--model", mlp, "--data", setup["train"], *PLAIN, "--method", "bn")
     assert result.exit_code == 0, result.stderr
-    assert "warning: the model has no BatchNorm layers, so --method bn gives the same predictions as source" in result.stderr
+    assert (
+        "warning: the model has no BatchNorm layers, so --method bn gives the same predictions as source"
+        in result.stderr
+    )
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -598,7 +841,9 @@ def test_help_into_a_full_disk_is_one_line_not_a_traceback():
     import sys
 
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "cafa_cli", "--help"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "cafa_cli", "--help"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120
+        )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "cafa: error: cannot write the output: No space left on device"
 
@@ -608,7 +853,17 @@ def test_index_labels_take_the_class_count_from_the_model(setup, tmp_path):
     images = np.stack([np.asarray(read_image(p).convert("L")) for p in sorted(Path(setup["train"]).glob("[ab]/*.png"))])
     np.save(tmp_path / "x.npy", images)
     np.save(tmp_path / "y.npy", np.repeat([0, 1], len(images) // 2))
-    args = ["--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--data", tmp_path / "x.npy", "--labels", tmp_path / "y.npy"]
+    args = [
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        *PLAIN,
+        "--data",
+        tmp_path / "x.npy",
+        "--labels",
+        tmp_path / "y.npy",
+    ]
     result = invoke("adapt", *args, "--method", "bn", "--quiet", "--metrics-json", tmp_path / "m.json")
     assert result.exit_code == 0, result.stderr
     assert json.loads((tmp_path / "m.json").read_text())["labelled"] == len(images)
@@ -632,7 +887,11 @@ def test_control_characters_never_reach_the_terminal(setup, tmp_path):
     assert shown.exit_code == 0 and "\x1b" not in shown.stdout
     assert "\\x1b[2J\\x1b[31mRED" in shown.stdout and "b\\x1b[2J" in shown.stdout
     odd = tmp_path / "a\x1b[31m\nb"
-    fails(invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", odd), 3, "a\\x1b[31m\\nb: no such file")
+    fails(
+        invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", odd),
+        3,
+        "a\\x1b[31m\\nb: no such file",
+    )
 
 
 def test_a_file_name_that_is_not_utf8_is_written_as_its_own_bytes(setup, tmp_path):
@@ -662,7 +921,20 @@ def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_pat
     two = tmp_path / "two.txt"
     two.write_text("a\nb\n")
     ab = write_folder(tmp_path / "ab", per_class=2, classes=("a", "b"))
-    result = invoke("adapt", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", ab, "--method", "bn")
+    result = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        *PLAIN,
+        "--classes",
+        two,
+        "--data",
+        ab,
+        "--method",
+        "bn",
+    )
     fails(result, 3, f"the class list {two} has 2 classes but the model's classifier has 3 outputs")
 
 
@@ -687,7 +959,9 @@ def test_a_negative_batchnorm_running_variance_is_named_not_blamed_on_mean_and_s
     broken = tmp_path / "negvar.pt"
     torch.save(state, broken)
     for method in ("source", "lame"):  # methods that normalise with the source statistics
-        result = invoke("adapt", "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, "--method", method)
+        result = invoke(
+            "adapt", "--model", TINY_NET, "--weights", broken, "--data", setup["train"], *PLAIN, "--method", method
+        )
         fails(result, 3, f"BatchNorm running variances are negative in {name.removesuffix('.running_var')}")
         assert "--mean" not in result.stderr and result.stdout == ""
 
@@ -698,11 +972,18 @@ def _entry_point(*args, shell_redirect: str = "", env: dict | None = None):
     import sys
 
     command = " ".join(["exec", '"$0"', "-m", "cafa_cli", *(f'"${i + 1}"' for i in range(len(args))), shell_redirect])
-    return subprocess.run(["sh", "-c", command, sys.executable, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        ["sh", "-c", command, sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("args", [("adapt", "--bogus"), ("inspect", "/nonexistent.safetensors"), ("bench",), ("methods", "nope")])
+@pytest.mark.parametrize(
+    "args", [("adapt", "--bogus"), ("inspect", "/nonexistent.safetensors"), ("bench",), ("methods", "nope")]
+)
 def test_python_m_and_the_cafa_script_behave_alike(args):
     """Same exit code, stdout and stderr; the only difference is the program the usage
     and the help hint name, the one the user typed."""
@@ -723,10 +1004,18 @@ def test_python_m_and_the_cafa_script_behave_alike(args):
 def test_a_closed_stdout_is_an_error_for_commands_that_write_there(setup):
     """Python sets sys.stdout to None under `>&-` and print() then drops everything. bench
     prints its table at the end: it must fail before the work (its domain is not even read)."""
-    for args in (("inspect", setup["artifact"]), ("--help",), ("bench", "/nonexistent-domain"), ("adapt", "/nonexistent-domain")):
+    for args in (
+        ("inspect", setup["artifact"]),
+        ("--help",),
+        ("bench", "/nonexistent-domain"),
+        ("adapt", "/nonexistent-domain"),
+    ):
         done = _entry_point(*args, shell_redirect=">&-")
         assert done.returncode == 2, done.stderr
-        assert done.stderr.strip() == "cafa: error: standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"
+        assert (
+            done.stderr.strip()
+            == "cafa: error: standard output is closed (>&-); redirect it to a file, or to /dev/null to discard it"
+        )
 
 
 def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setup, tmp_path):
@@ -740,7 +1029,9 @@ def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setu
     assert done.stdout.isascii() and {row["label"] for row in rows(done)} == escaped
     shown = _entry_point("inspect", artifact, env=ascii_only)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.isascii() and {line.split()[0] for line in shown.stdout.splitlines()[-3:]} == escaped  # the per-class table
+    assert (
+        shown.stdout.isascii() and {line.split()[0] for line in shown.stdout.splitlines()[-3:]} == escaped
+    )  # the per-class table
 
 
 def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_path):
@@ -750,15 +1041,34 @@ def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_p
     names = list(BUNDLED["fmnist-resnet"].class_names)
     reversed_list = tmp_path / "reversed.txt"
     reversed_list.write_text("\n".join(reversed(names)) + "\n")
-    result = invoke("stats", "--model", "fmnist-resnet", "--classes", reversed_list, "--data", setup["train"], "--out", tmp_path / "s.st")
-    fails(result, 3, f"the class list {reversed_list} holds fmnist-resnet's class names in another order", "leave out --classes")
+    result = invoke(
+        "stats",
+        "--model",
+        "fmnist-resnet",
+        "--classes",
+        reversed_list,
+        "--data",
+        setup["train"],
+        "--out",
+        tmp_path / "s.st",
+    )
+    fails(
+        result,
+        3,
+        f"the class list {reversed_list} holds fmnist-resnet's class names in another order",
+        "leave out --classes",
+    )
     renamed = tmp_path / "renamed.txt"  # other names are the user's own labelling: allowed
     renamed.write_text("\n".join(f"c{i}" for i in range(len(names))) + "\n")
-    result = invoke("stats", "--model", "fmnist-resnet", "--classes", renamed, "--data", setup["train"], "--out", tmp_path / "s.st")
+    result = invoke(
+        "stats", "--model", "fmnist-resnet", "--classes", renamed, "--data", setup["train"], "--out", tmp_path / "s.st"
+    )
     assert "another order" not in result.stderr
 
 
-@pytest.mark.parametrize("depth", ["16-bit png", "32-bit tiff of 0..255", "32-bit tiff of 0..65535", "32-bit tiff, full range"])
+@pytest.mark.parametrize(
+    "depth", ["16-bit png", "32-bit tiff of 0..255", "32-bit tiff of 0..65535", "32-bit tiff, full range"]
+)
 def test_an_integer_image_predicts_as_the_8_bit_picture_it_holds(setup, tmp_path, depth):
     """Every integer image was divided by 256: a 32-bit TIFF holding 0..255 turned black."""
     eight = write_folder(tmp_path / "eight", per_class=2, seed=2)
@@ -766,16 +1076,25 @@ def test_an_integer_image_predicts_as_the_8_bit_picture_it_holds(setup, tmp_path
     shutil.copytree(eight, wide)
     for path in sorted(wide.rglob("*.png")):
         pixels = np.asarray(Image.open(path).convert("L")).astype(np.int64)
-        scale = {"16-bit png": 257, "32-bit tiff of 0..255": 1, "32-bit tiff of 0..65535": 257,
-                 "32-bit tiff, full range": 8421504}[depth]
+        scale = {
+            "16-bit png": 257,
+            "32-bit tiff of 0..255": 1,
+            "32-bit tiff of 0..65535": 257,
+            "32-bit tiff, full range": 8421504,
+        }[depth]
         if depth == "16-bit png":
             Image.fromarray((pixels * scale).astype(np.uint16)).save(path)
         else:
             path.unlink()
             Image.fromarray((pixels * scale).astype(np.int32)).save(path.with_suffix(".tif"))
-    eight_rows, wide_rows = rows(adapt(setup, eight, "--method", "source")), rows(adapt(setup, wide, "--method", "source"))
+    eight_rows, wide_rows = (
+        rows(adapt(setup, eight, "--method", "source")),
+        rows(adapt(setup, wide, "--method", "source")),
+    )
     assert len(eight_rows) == len(wide_rows) == 6
-    assert [(r["prediction"], r["confidence"]) for r in eight_rows] == [(r["prediction"], r["confidence"]) for r in wide_rows]
+    assert [(r["prediction"], r["confidence"]) for r in eight_rows] == [
+        (r["prediction"], r["confidence"]) for r in wide_rows
+    ]
 
 
 def test_a_domain_whose_only_image_is_unreadable_gets_its_error_without_batch_warnings(setup, tmp_path):

@@ -17,6 +17,7 @@ import termios
 from pathlib import Path
 
 import pytest
+from conftest import PLAIN, TINY_NET, invoke
 from helpers import fails, rows
 from rich.cells import cell_len
 from rich.console import Console
@@ -26,7 +27,6 @@ from cafa_cli.cli.app import app
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
 from cafa_cli.method.methods import REGISTRY
-from conftest import PLAIN, TINY_NET, invoke
 
 NAMES = tuple(REGISTRY)
 
@@ -34,8 +34,22 @@ DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 
 
 def adapt(setup, *args, quiet: bool = True):  # noqa: F811
-    return runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                               "--batch-size", "30", *(["--quiet"] if quiet else []), *args])
+    return runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--batch-size",
+            "30",
+            *(["--quiet"] if quiet else []),
+            *args,
+        ],
+    )
 
 
 def warnings(result) -> list[str]:
@@ -58,18 +72,60 @@ def test_cotta_and_rotta_are_functions_of_the_seed(setup):  # noqa: F811
 
 def test_rotta_without_batch_norm_running_statistics_is_named(setup, tmp_path):  # noqa: F811
     factory = tmp_path / "no_running.py"
-    factory.write_text("from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 4, 3), "
-                       "nn.BatchNorm2d(4, track_running_stats=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n")
-    result = runner.invoke(app, ["adapt", "--model", f"{factory}:build", "--data", str(setup["test"]), "--resize", "none",
-                                 "--crop", "none", "--mean", "0", "--std", "1", "--channels", "1", "--method", "rotta", "--quiet"])
+    factory.write_text(
+        "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 4, 3), "
+        "nn.BatchNorm2d(4, track_running_stats=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n"
+    )
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--model",
+            f"{factory}:build",
+            "--data",
+            str(setup["test"]),
+            "--resize",
+            "none",
+            "--crop",
+            "none",
+            "--mean",
+            "0",
+            "--std",
+            "1",
+            "--channels",
+            "1",
+            "--method",
+            "rotta",
+            "--quiet",
+        ],
+    )
     fails(result, 3, "rotta needs the running statistics of every BatchNorm", "the one at 1 keeps none")
 
 
 def test_cotta_and_rotta_are_bench_rows_with_their_own_rates(setup, tmp_path):  # noqa: F811
     report = tmp_path / "r.json"
-    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,cotta@0.01,rotta", "--model", TINY_NET,
-                                 "--weights", str(setup["weights"]), "--train", str(setup["train"]), *PLAIN, "--batch-size", "30",
-                                 "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            "tent,cotta@0.01,rotta",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(setup["weights"]),
+            "--train",
+            str(setup["train"]),
+            *PLAIN,
+            "--batch-size",
+            "30",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
     assert set(runs) == {"tent", "cotta@0.01", "rotta"}
@@ -84,15 +140,29 @@ def test_eata_without_fisher_data_says_so_in_one_line_and_runs_as_eta(setup):
 
 
 def test_eata_with_fisher_data_adds_its_fisher_term(setup):
-    result = adapt(setup, "--method", "eata", "--fisher-data", setup["train"], "--fisher-samples", "60", "--lr", "0.05",
-                   quiet=False)
+    result = adapt(
+        setup,
+        "--method",
+        "eata",
+        "--fisher-data",
+        setup["train"],
+        "--fisher-samples",
+        "60",
+        "--lr",
+        "0.05",
+        quiet=False,
+    )
     assert result.exit_code == 0, result.stderr
     assert not [w for w in warnings(result) if "eata" in w]
     assert len(rows(result)) == 90
 
 
 def test_fisher_samples_below_one_is_a_usage_error(setup):
-    fails(adapt(setup, "--method", "eata", "--fisher-data", setup["train"], "--fisher-samples", "0"), 2, "--fisher-samples")
+    fails(
+        adapt(setup, "--method", "eata", "--fisher-data", setup["train"], "--fisher-samples", "0"),
+        2,
+        "--fisher-samples",
+    )
 
 
 def test_fisher_data_that_is_not_there_is_an_input_error(setup, tmp_path):
@@ -101,7 +171,9 @@ def test_fisher_data_that_is_not_there_is_an_input_error(setup, tmp_path):
 
 def plugin_file(tmp_path: Path) -> Path:
     """The plug-in of docs/python-api.md, as a file."""
-    block = next(b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if b.startswith("# my_method.py"))
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if b.startswith("# my_method.py")
+    )
     path = tmp_path / "my_method.py"
     path.write_text(block)
     return path
@@ -119,20 +191,57 @@ def test_a_plugins_declared_option_is_set_and_checked_from_the_command_line(setu
     assert never.exit_code == 0, never.stderr
     assert rows(never) == rows(adapt(setup, "--method", "bn"))
     assert rows(adapt(setup, "--method", plugin)) != rows(never)
-    fails(adapt(setup, "--method", plugin, "--method-option", "threshold=2"), 2, "option threshold must be a number in [0, 1]")
-    fails(adapt(setup, "--method", plugin, "--method-option", "margin=2"), 2, "has no option margin (its options: threshold)")
+    fails(
+        adapt(setup, "--method", plugin, "--method-option", "threshold=2"),
+        2,
+        "option threshold must be a number in [0, 1]",
+    )
+    fails(
+        adapt(setup, "--method", plugin, "--method-option", "margin=2"),
+        2,
+        "has no option margin (its options: threshold)",
+    )
 
 
 def test_a_plugin_is_a_bench_row_that_runs_as_in_cafa_adapt(setup, tmp_path):  # noqa: F811
     plugin = f"{plugin_file(tmp_path)}:build"
     common = ["--model", TINY_NET, "--weights", str(setup["weights"]), *PLAIN, "--batch-size", "30"]
     report, metrics = tmp_path / "r.json", tmp_path / "m.json"
-    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", f"tent,{plugin}@0.01", *common, "--fraction", "1", "--train",
-                                 str(setup["train"]), "--workdir", str(tmp_path / "w"), "--json", str(report)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            f"tent,{plugin}@0.01",
+            *common,
+            "--fraction",
+            "1",
+            "--train",
+            str(setup["train"]),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
-    alone = runner.invoke(app, ["adapt", "--data", str(setup["test"]), "--method", plugin, "--lr", "0.01", *common,
-                                "--metrics-json", str(metrics)])
+    alone = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--data",
+            str(setup["test"]),
+            "--method",
+            plugin,
+            "--lr",
+            "0.01",
+            *common,
+            "--metrics-json",
+            str(metrics),
+        ],
+    )
     assert alone.exit_code == 0, alone.stderr
     assert runs[f"{plugin}@0.01"] == pytest.approx(json.loads(metrics.read_text())["domains"][0]["error"])
 
@@ -179,7 +288,9 @@ def on_a_terminal(*args: str, columns: int) -> str:
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
-    with subprocess.Popen([sys.executable, "-m", "cafa_cli", *args], stdin=terminal, stdout=terminal, env=env) as process:
+    with subprocess.Popen(
+        [sys.executable, "-m", "cafa_cli", *args], stdin=terminal, stdout=terminal, env=env
+    ) as process:
         os.close(terminal)
         written = b""
         try:
@@ -206,7 +317,9 @@ def test_the_terminal_table_wraps_inside_its_cells_to_the_width(width):
     Console(file=out, width=width).print(terminal_table(methods_table(), width))
     lines = out.getvalue().splitlines()
     assert max(map(cell_len, lines)) <= width
-    assert [line.split()[0] for line in lines if line.split() and line.split()[0] in NAMES] == list(NAMES)  # names whole
+    assert [line.split()[0] for line in lines if line.split() and line.split()[0] in NAMES] == list(
+        NAMES
+    )  # names whole
     assert {"yes", "no", "1.00", "paper", "adapts", "artifact", "TENT"} <= set(re.findall(r"[\w.]+", out.getvalue()))
 
 

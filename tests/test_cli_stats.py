@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,9 @@ def shrunk(rows: np.ndarray, lam: float) -> np.ndarray:
 
 def stats(setup, out: Path, *extra):
     root, data, weights, _, _ = setup
-    return invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", data, *PLAIN, "--seed", "0", "--out", out, *extra)
+    return invoke(
+        "stats", "--model", TINY_NET, "--weights", weights, "--data", data, *PLAIN, "--seed", "0", "--out", out, *extra
+    )
 
 
 def squared_distances(z, mean32, factor32):
@@ -83,7 +85,9 @@ def test_acceptance_command_matches_float64_reference(setup, tmp_path):
     assert g.counts.tolist() == [PER_CLASS] * 3
     assert g.covariance == "full" and g.factors.shape == (3, D, D)
     assert g.shrinkage.tolist() == [0.1] * 3 and g.shrinkage_method == "fixed"
-    probe = np.concatenate([features, features.mean(0) + np.random.default_rng(0).normal(size=(10, D)) * features.std(0)])
+    probe = np.concatenate(
+        [features, features.mean(0) + np.random.default_rng(0).normal(size=(10, D)) * features.std(0)]
+    )
     for c in range(3):
         rows = features[labels == c]
         np.testing.assert_allclose(g.means[c].numpy(), rows.mean(0), rtol=1e-5, atol=1e-6 * np.abs(rows).max())
@@ -108,12 +112,29 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
     assert model["classifier"] == "head.3"
     net, _ = resolve(TINY_NET, str(weights))
     assert meta["parameters_sha256"] == parameters_sha256(net.model)
-    assert json.loads(meta["preprocessing"]) == {"resize": None, "crop": None, "mean": [0.0], "std": [1.0], "channels": 1,
-                                                 "interpolation": "bilinear"}
-    listed = "".join(f"{name}/{image.name}\t{label}\n" for label, name in enumerate(CLASSES) for image in sorted((data / name).iterdir()))
-    assert json.loads(meta["sampling"]) == {"data": str(data), "fraction": 1.0, "per_class": None, "seed": 0, "batch_size": 128,
-                                            "images_sha256": hashlib.sha256(listed.encode()).hexdigest(), "skipped_images": 0,
-                                            "input_size": [16, 16]}
+    assert json.loads(meta["preprocessing"]) == {
+        "resize": None,
+        "crop": None,
+        "mean": [0.0],
+        "std": [1.0],
+        "channels": 1,
+        "interpolation": "bilinear",
+    }
+    listed = "".join(
+        f"{name}/{image.name}\t{label}\n"
+        for label, name in enumerate(CLASSES)
+        for image in sorted((data / name).iterdir())
+    )
+    assert json.loads(meta["sampling"]) == {
+        "data": str(data),
+        "fraction": 1.0,
+        "per_class": None,
+        "seed": 0,
+        "batch_size": 128,
+        "images_sha256": hashlib.sha256(listed.encode()).hexdigest(),
+        "skipped_images": 0,
+        "input_size": [16, 16],
+    }
     assert json.loads(meta["shrinkage"])["method"] == "fixed"
     assert meta["num_images"] == str(3 * PER_CLASS) and meta["feature_dim"] == str(D)
 
@@ -168,7 +189,12 @@ def test_per_class_selects_that_many_and_is_seeded(setup, tmp_path):
         assert result.exit_code == 0, result.stderr
     a, again, other = (read_artifact(outs[name]) for name in ("one", "again", "other"))
     assert a.gaussians.counts.tolist() == [5, 5, 5]
-    assert {k: a.sampling[k] for k in ("data", "fraction", "per_class", "seed")} == {"data": str(setup[1]), "fraction": None, "per_class": 5, "seed": 0}
+    assert {k: a.sampling[k] for k in ("data", "fraction", "per_class", "seed")} == {
+        "data": str(setup[1]),
+        "fraction": None,
+        "per_class": 5,
+        "seed": 0,
+    }
     assert torch.equal(a.gaussians.means, again.gaussians.means)
     assert not torch.equal(a.gaussians.means, other.gaussians.means)
     # the same images in another folder are the same sample; another seed is not
@@ -208,7 +234,18 @@ def test_bad_options_exit_2(setup, tmp_path, extra, pattern):
 
 
 def test_shrinkage_out_of_range_fails_before_reading_data(setup, tmp_path):
-    result = invoke("stats", "--model", TINY_NET, "--data", tmp_path / "absent", *PLAIN, "--shrinkage", "1.5", "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--data",
+        tmp_path / "absent",
+        *PLAIN,
+        "--shrinkage",
+        "1.5",
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     assert result.exit_code == 2 and "--shrinkage" in result.stderr
 
 
@@ -223,22 +260,70 @@ def test_relative_model_file_is_recorded_absolutely(setup, tmp_path, monkeypatch
     _, data, weights, _, _ = setup
     (tmp_path / "net.py").write_text(Path(tiny_net.__file__).read_text())
     monkeypatch.chdir(tmp_path)
-    result = invoke("stats", "--model", "net.py:build", "--weights", weights, "--data", data, *PLAIN, "--fraction", "1", "--out", "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        "net.py:build",
+        "--weights",
+        weights,
+        "--data",
+        data,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        "s.safetensors",
+    )
     assert result.exit_code == 0, result.stderr
     assert read_artifact(tmp_path / "s.safetensors").model.model == f"{tmp_path.resolve() / 'net.py'}:build"
 
 
 def test_missing_data_and_weights_exit_3(setup, tmp_path):
     root, data, weights, _, _ = setup
-    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", tmp_path / "absent", *PLAIN, "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        weights,
+        "--data",
+        tmp_path / "absent",
+        *PLAIN,
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     assert result.exit_code == 3 and "no such file or folder" in result.stderr
-    result = invoke("stats", "--model", TINY_NET, "--weights", tmp_path / "absent.pt", "--data", data, *PLAIN, "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tmp_path / "absent.pt",
+        "--data",
+        data,
+        *PLAIN,
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     assert result.exit_code == 3 and "--weights" in result.stderr
 
 
 def test_class_count_mismatch_exits_3(tmp_path, tiny_weights):
     data = write_folder(tmp_path / "four", per_class=4, classes=("a", "b", "c", "d"), size=16)
-    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", data, *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        "--data",
+        data,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     assert result.exit_code == 3 and "4 classes but the model's classifier has 3 outputs" in result.stderr
 
 
@@ -262,14 +347,20 @@ def test_inspect_text(artifact_path, setup, monkeypatch):
         assert needle in text, needle
     assert not {"{", "}", '"'} & set(text), "no JSON: the preprocessing and sampling in words"
     lines = text.splitlines()
-    assert all(line == line.strip() or line.startswith("  ") for line in lines), "headings, then indented lines under them"
-    assert {"artifact", "model", "training images", "gaussians", "sha256", "per class"} <= {line for line in lines if line and line == line.strip()}
+    assert all(line == line.strip() or line.startswith("  ") for line in lines), (
+        "headings, then indented lines under them"
+    )
+    assert {"artifact", "model", "training images", "gaussians", "sha256", "per class"} <= {
+        line for line in lines if line and line == line.strip()
+    }
     weights = hashlib.sha256(setup[2].read_bytes()).hexdigest()
     sample = read_artifact(artifact_path, load_tensors=False).sampling["images_sha256"]
     for sha in (weights, sample):  # each whole on its line, never broken or cut to '…'
         assert any(line.split()[-1:] == [sha] for line in lines), sha
-    classes = lines[lines.index("per class") + 1:]
-    assert [line.split() for line in classes] == [["class", "images", "λ"]] + [[name, str(PER_CLASS), "0.1000"] for name in CLASSES]
+    classes = lines[lines.index("per class") + 1 :]
+    assert [line.split() for line in classes] == [["class", "images", "λ"]] + [
+        [name, str(PER_CLASS), "0.1000"] for name in CLASSES
+    ]
 
 
 def test_inspect_text_sums_many_classes_up(artifact_path):
@@ -279,7 +370,10 @@ def test_inspect_text_sums_many_classes_up(artifact_path):
     summary["classes"] = [{"name": f"class{i}", "count": 10 + i, "shrinkage": i / 100} for i in range(20)]
     text = render(summary).plain
     assert "class7" not in text
-    assert "  images        min 10, median 20, max 29" in text and "  λ             min 0.0000, median 0.1000, max 0.1900" in text
+    assert (
+        "  images        min 10, median 20, max 29" in text
+        and "  λ             min 0.0000, median 0.1000, max 0.1900" in text
+    )
 
 
 def test_inspect_json(artifact_path, setup):
@@ -334,7 +428,19 @@ def test_stats_on_unlabelled_images_names_the_missing_labels(tmp_path, tiny_weig
     classes = tmp_path / "classes.txt"
     classes.write_text("a\nb\nc\n")
     extra = ["--classes", classes] if with_class_list else []
-    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", flat, *PLAIN, "--out", tmp_path / "s.safetensors", *extra)
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        "--data",
+        flat,
+        *PLAIN,
+        "--out",
+        tmp_path / "s.safetensors",
+        *extra,
+    )
     assert result.exit_code == 3
     assert "has no labels (unlabelled images), and class statistics need them" in result.stderr
     assert not (tmp_path / "s.safetensors").exists()
@@ -357,11 +463,15 @@ def test_names_that_are_not_utf8_are_written_and_read_back(setup, tmp_path):
     out = tmp_path / os.fsdecode(b"caf\xe9.safetensors")
     weights = tmp_path / os.fsdecode(b"r\xe9seau.safetensors")
     save_file(torch.load(setup[2], weights_only=True), weights)
-    result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", setup[1], *PLAIN, "--fraction", "1", "--out", out)
+    result = invoke(
+        "stats", "--model", TINY_NET, "--weights", weights, "--data", setup[1], *PLAIN, "--fraction", "1", "--out", out
+    )
     assert result.exit_code == 0, result.stderr
     assert read_artifact(out).num_classes == 3
     assert read_artifact(out).model.weights == str(weights)  # the name's bytes recorded as they are
-    shown = invoke("inspect", "--json", out)  # (the text form writes the name's byte as it is, which the runner's strict UTF-8 refuses)
+    shown = invoke(
+        "inspect", "--json", out
+    )  # (the text form writes the name's byte as it is, which the runner's strict UTF-8 refuses)
     assert shown.exit_code == 0, shown.stderr
     summary = json.loads(shown.stdout)  # standard JSON: the byte that is not UTF-8 is the text \xe9
     assert summary["path"] == str(tmp_path / "caf\\xe9.safetensors")

@@ -15,7 +15,6 @@ from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, UsageError
 
-
 # --- arrays --------------------------------------------------------------------------
 
 
@@ -124,7 +123,10 @@ def test_npy_that_is_not_a_plain_array_never_suggests_allow_pickle(tmp_path, cas
     )
     with pytest.raises(InputError) as info:
         open_domain(str(tmp_path / "x.npy"), labels=str(tmp_path / "bad.npy"))
-    assert str(info.value) == f"`labels` {tmp_path / 'bad.npy'}: {why}; save the labels with numpy.save as a 1-D integer array"
+    assert (
+        str(info.value)
+        == f"`labels` {tmp_path / 'bad.npy'}: {why}; save the labels with numpy.save as a 1-D integer array"
+    )
     assert "allow_pickle" not in str(info.value)
 
 
@@ -219,11 +221,17 @@ def _rewrite_batch(root: Path, name: str, edit) -> None:
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
-        (lambda b: {**b, b"labels": b[b"labels"][:-1]}, "'labels' must hold one integer per image, 3"),  # would shift every later label
+        (
+            lambda b: {**b, b"labels": b[b"labels"][:-1]},
+            "'labels' must hold one integer per image, 3",
+        ),  # would shift every later label
         (lambda b: {**b, b"labels": [12, 0, 1]}, "label 12 is out of range for the 10 classes"),
         (lambda b: {**b, b"labels": [-1, 0, 1]}, "label -1 is out of range"),
         (lambda b: {**b, b"labels": [0.5, 0, 1]}, "'labels' must hold one integer per image"),
-        (lambda b: {**b, b"data": b[b"data"].astype(np.float32) / 255}, "'data' must be an N×3072 uint8 array, not float32 (3, 3072)"),  # would be black
+        (
+            lambda b: {**b, b"data": b[b"data"].astype(np.float32) / 255},
+            "'data' must be an N×3072 uint8 array, not float32 (3, 3072)",
+        ),  # would be black
         (lambda b: {**b, b"data": b[b"data"][:, :100]}, "not uint8 (3, 100)"),
         (lambda b: {k: v for k, v in b.items() if k != b"data"}, "'data' must be an N×3072 uint8 array, not NoneType"),
         (lambda b: [b], "a pickled list, not a dict"),
@@ -261,7 +269,9 @@ def test_cifar100_train_file(tmp_path):
     folder.mkdir()
     data = np.random.default_rng(2).integers(0, 256, (4, 3072), dtype=np.uint8)
     names = [f"class{i:03d}" for i in range(100)]
-    (folder / "train").write_bytes(dumps_py2({"data": data, "fine_labels": [5, 99, 0, 5], "coarse_labels": [1, 2, 3, 1]}))
+    (folder / "train").write_bytes(
+        dumps_py2({"data": data, "fine_labels": [5, 99, 0, 5], "coarse_labels": [1, 2, 3, 1]})
+    )
     (folder / "meta").write_bytes(dumps_py2({"fine_label_names": names, "coarse_label_names": ["x"] * 20}))
     domain = open_domain(f"cifar100:{tmp_path}")
     assert domain.labels.tolist() == [5, 99, 0, 5] and domain.class_names == names
@@ -274,13 +284,27 @@ def test_hostile_or_undecodable_cifar_files_are_input_errors_naming_the_file(set
     folder = tmp_path / "cifar-10-batches-py"
     # numpy.dtype('xyz', False, True): a call the sandbox admits, with an argument numpy refuses
     (folder / "data_batch_2").write_bytes(b"\x80\x02cnumpy\ndtype\nX\x03\x00\x00\x00xyz\x89\x88\x87R.")
-    with pytest.raises(InputError, match=r"data_batch_2: not a readable CIFAR batch \(TypeError: data type 'xyz' not understood\)"):
+    with pytest.raises(
+        InputError, match=r"data_batch_2: not a readable CIFAR batch \(TypeError: data type 'xyz' not understood\)"
+    ):
         open_domain(f"cifar10:{tmp_path}")
     (folder / "batches.meta").write_bytes(pickle.dumps({b"\xffkey": 1, b"label_names": [b"a"]}, protocol=2))
     with pytest.raises(InputError, match=r"batches\.meta: a key is not UTF-8 text"):
         open_domain(f"cifar10:{tmp_path}")
     _rewrite_batch(tmp_path, "batches.meta", lambda meta: {b"label_names": [b"\xff\xfeplane", *CIFAR_NAMES[1:]]})
-    with pytest.raises(InputError, match=r"batches\.meta: a class name is not UTF-8 text \(b'\\xff\\xfeplane'\); unpack the python"):
+    with pytest.raises(
+        InputError, match=r"batches\.meta: a class name is not UTF-8 text \(b'\\xff\\xfeplane'\); unpack the python"
+    ):
         open_domain(f"cifar10:{tmp_path}")
-    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", f"cifar10:{tmp_path}", "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        f"cifar10:{tmp_path}",
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     fails(result, 3, f"{folder / 'batches.meta'}: a class name is not UTF-8 text")

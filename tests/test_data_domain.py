@@ -29,7 +29,10 @@ def test_class_folders_match_the_class_list_in_either_unicode_form(tmp_path):
     for name in ("café", "naïve"):
         save(tmp_path / "d" / unicodedata.normalize("NFD", name) / "x.png", solid(1))
     domain = open_domain(str(tmp_path / "d"), class_names=["naïve", "café"])
-    by_folder = {unicodedata.normalize("NFC", Path(ref).parent.name): int(label) for ref, label in zip(domain.refs, domain.labels)}
+    by_folder = {
+        unicodedata.normalize("NFC", Path(ref).parent.name): int(label)
+        for ref, label in zip(domain.refs, domain.labels)
+    }
     assert by_folder == {"naïve": 0, "café": 1} and domain.class_names == ["naïve", "café"]
 
 

@@ -18,7 +18,6 @@ from cafa_cli.data.loading import batches
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError
 
-
 # --- image folders -------------------------------------------------------------------
 
 
@@ -41,8 +40,12 @@ def test_hidden_files_are_skipped_and_symlinked_sub_folders_followed_once(mixed_
     save(tmp_path / "elsewhere" / "six.png", solid(3))
     (mixed_folder / "apple" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (mixed_folder / "apple" / "loop").symlink_to(mixed_folder / "apple", target_is_directory=True)
-    (mixed_folder / "apple" / "up").symlink_to(mixed_folder, target_is_directory=True)  # would bring in the other classes
-    (mixed_folder / "apple" / "gone.png").symlink_to(tmp_path / "deleted.png")  # broken: listed, then reported unreadable
+    (mixed_folder / "apple" / "up").symlink_to(
+        mixed_folder, target_is_directory=True
+    )  # would bring in the other classes
+    (mixed_folder / "apple" / "gone.png").symlink_to(
+        tmp_path / "deleted.png"
+    )  # broken: listed, then reported unreadable
     domain = open_domain(str(mixed_folder))
     apples = sorted(Path(r).name for r, label in zip(domain.refs, domain.labels) if label == 0)
     assert apples == ["five.bmp", "four.jpeg", "gone.png", "six.png"]
@@ -62,7 +65,13 @@ def test_listing_order_is_pathlibs_component_by_component(tmp_path):
         refs = open_domain(str(root)).refs
         assert refs == [str(p) for p in sorted(Path(r) for r in refs)]
     assert [r.split("/cls/")[1] for r in open_domain(str(tmp_path / "data")).refs] == [
-        "B.png", "a.png", "x/1.png", "x/sub/2.png", "x-1.png", "x.png"]
+        "B.png",
+        "a.png",
+        "x/1.png",
+        "x/sub/2.png",
+        "x-1.png",
+        "x.png",
+    ]
 
 
 def test_a_folder_that_cannot_be_listed_is_an_error_not_skipped(mixed_folder, monkeypatch):
@@ -121,7 +130,9 @@ def test_folder_without_images(tmp_path):
 def test_stdin_list(tmp_path):
     a = save(tmp_path / "a.png", solid(5))
     b = save(tmp_path / "b.png", solid(9))
-    domain = open_domain("-", stdin=io.StringIO(f"{a}\n\n  \n  {b} \r\n"))  # spaces around a path that exists without them
+    domain = open_domain(
+        "-", stdin=io.StringIO(f"{a}\n\n  \n  {b} \r\n")
+    )  # spaces around a path that exists without them
     assert domain.refs == [str(a), str(b)]
     assert (domain.labels == UNLABELLED).all()
     assert np.asarray(domain.read(1)).max() == 9
@@ -170,8 +181,10 @@ def test_images_outside_the_class_folders_get_one_warning(setup, tmp_path, comma
     result = adapt(setup, data) if command == "adapt" else stats(setup, data, "--out", tmp_path / "s.safetensors")
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: --data {data}: ignoring 1 image(s) at the top level, outside the class folders "
-                        f"(loose.png); move them into their class folders"]
+    assert warnings == [
+        f"warning: --data {data}: ignoring 1 image(s) at the top level, outside the class folders "
+        f"(loose.png); move them into their class folders"
+    ]
     if command == "adapt":
         assert len(rows(result)) == 18
 
@@ -183,8 +196,10 @@ def test_postscript_is_a_format_pillow_would_open(tmp_path):
         assert image.format == "EPS"
 
 
-@pytest.mark.parametrize("orientation, turn", [(1, None), (3, Image.Transpose.ROTATE_180), (6, Image.Transpose.ROTATE_270),
-                                               (8, Image.Transpose.ROTATE_90)])
+@pytest.mark.parametrize(
+    "orientation, turn",
+    [(1, None), (3, Image.Transpose.ROTATE_180), (6, Image.Transpose.ROTATE_270), (8, Image.Transpose.ROTATE_90)],
+)
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
 def test_an_exif_orientation_turns_the_image_as_a_viewer_shows_it(tmp_path, orientation, turn, fmt):
     """A phone stores a photo as the sensor read it and a tag that says how to turn it;
@@ -194,7 +209,9 @@ def test_an_exif_orientation_turns_the_image_as_a_viewer_shows_it(tmp_path, orie
     pixels = np.kron(np.arange(6, dtype=np.uint8).reshape(2, 3) * 40, np.ones((8, 8), np.uint8))  # 24 wide, 16 high
     exif = Image.Exif()
     exif[0x0112] = orientation
-    Image.fromarray(pixels).save(tmp_path / "photo.img", fmt, exif=exif.tobytes(), **({"quality": 100} if fmt == "JPEG" else {}))
+    Image.fromarray(pixels).save(
+        tmp_path / "photo.img", fmt, exif=exif.tobytes(), **({"quality": 100} if fmt == "JPEG" else {})
+    )
     stored = Image.fromarray(pixels)
     expected = np.asarray(stored.transpose(turn) if turn is not None else stored)
     got = np.asarray(read_image(str(tmp_path / "photo.img")))
@@ -206,7 +223,9 @@ def test_an_exif_orientation_turns_the_image_as_a_viewer_shows_it(tmp_path, orie
 def test_a_damaged_exif_block_leaves_the_image_as_it_is(tmp_path):
     from cafa_cli.data.folders import read_image
 
-    Image.fromarray(solid(90, 4)).save(tmp_path / "a.png", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")  # 65535 entries, none there
+    Image.fromarray(solid(90, 4)).save(
+        tmp_path / "a.png", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff"
+    )  # 65535 entries, none there
     assert np.asarray(read_image(str(tmp_path / "a.png"))).tolist() == solid(90, 4).tolist()
 
 
@@ -220,4 +239,6 @@ def test_a_folder_finds_every_format_a_list_of_paths_may_name(tmp_path):
         (tmp_path / "a").mkdir(exist_ok=True)
         Image.new("L", (8, 8), 10 * k).save(tmp_path / "a" / f"{k}{suffix}")
     domain = open_domain(str(tmp_path))
-    assert sorted(Path(ref).suffix for ref in domain.refs) == sorted((".tif", ".tiff", ".gif", ".png", ".jpg", ".bmp", ".webp"))
+    assert sorted(Path(ref).suffix for ref in domain.refs) == sorted(
+        (".tif", ".tiff", ".gif", ".png", ".jpg", ".bmp", ".webp")
+    )

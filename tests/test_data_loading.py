@@ -58,7 +58,9 @@ def test_batches_of_mixed_sizes_are_an_input_error(tmp_path):
 def test_mixed_sizes_in_one_batch(setup, tmp_path):
     data = write_folder(tmp_path / "d", per_class=2, seed=2)
     Image.fromarray(np.zeros((20, 24), np.uint8)).save(data / "a" / "big.png")
-    fails(adapt(setup, data, "--batch-size", "100"), 3, "different sizes", "16x16", "24x20", "--resize", "--crop")  # width x height, as PIL
+    fails(
+        adapt(setup, data, "--batch-size", "100"), 3, "different sizes", "16x16", "24x20", "--resize", "--crop"
+    )  # width x height, as PIL
 
 
 def test_loader_processes_default_to_the_cores_on_cuda_and_none_on_the_cpu(monkeypatch):
@@ -81,7 +83,9 @@ def test_batches_reject_bad_sizes(tmp_path):
     with pytest.raises(UsageError, match="`num_workers`"):
         batches(domain, GREY, batch_size=1, num_workers=-1)
     cores = len(os.sched_getaffinity(0))
-    with pytest.raises(UsageError, match=f"`num_workers` {100 * cores} is more than 4 per CPU core"):  # not thousands of forks
+    with pytest.raises(
+        UsageError, match=f"`num_workers` {100 * cores} is more than 4 per CPU core"
+    ):  # not thousands of forks
         batches(domain, GREY, batch_size=1, num_workers=100 * cores)
 
 
@@ -123,8 +127,10 @@ def test_the_loader_pins_a_batchs_images(monkeypatch):
 
 def png_header_only(path, width: int, height: int) -> None:
     """A PNG that announces width x height grey pixels and holds none: Pillow refuses it at open."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
@@ -163,14 +169,23 @@ def test_thin_tall_and_huge_images_are_skipped_before_they_take_memory(tmp_path)
     png_header_only(data / "huge.png", 30_000, 30_000)  # past Pillow's own bound: refused at open
     assert max(os.path.getsize(p) for p in data.iterdir()) < 10_000
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(cafa_cli.__file__)), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", LOAD_UNDER_A_MEMORY_LIMIT, tmp_path / "warm", data],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_UNDER_A_MEMORY_LIMIT, tmp_path / "warm", data],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["read"] == [[1, 3, 64, 64]]
     assert len(result["failed"]) == 3 and all(why.startswith("DecompressionBombError: ") for why in result["failed"])
-    assert any("1x1000000 pixels; resized to 64 on its shorter side it would be 64x64000000" in why for why in result["failed"])
-    assert any("1000000x1 pixels; resized to 64 on its shorter side it would be 64000000x64" in why for why in result["failed"])
+    assert any(
+        "1x1000000 pixels; resized to 64 on its shorter side it would be 64x64000000" in why for why in result["failed"]
+    )
+    assert any(
+        "1000000x1 pixels; resized to 64 on its shorter side it would be 64000000x64" in why for why in result["failed"]
+    )
     assert result["growth"] < 512 << 20, result  # a generous bound: the thin images decode to 1 MB each
 
 
@@ -179,7 +194,10 @@ def test_an_image_the_resize_would_blow_up_is_skipped_and_the_run_goes_on(setup,
     Image.new("L", (1, 200_000), 128).save(data / "a" / "thin.png")
     result = adapt(setup, data, "--resize", "64", "--crop", "16")  # 64 x 12,800,000 pixels
     assert result.exit_code == 0, result.stderr
-    assert "warning: skipped unreadable image" in result.stderr and "thin.png (DecompressionBombError: 1x200000 pixels;" in result.stderr
+    assert (
+        "warning: skipped unreadable image" in result.stderr
+        and "thin.png (DecompressionBombError: 1x200000 pixels;" in result.stderr
+    )
     assert len(rows(result)) == 6  # the other images are predicted
 
 
@@ -194,7 +212,9 @@ def test_the_size_bound_passes_ordinary_and_already_large_images():
     prep = Preprocessing(resize=256, crop=224)
     for size in ((640, 480), (12_000, 9_000), (20, 20_000), (1, 1365)):  # 256 x 349,440 is just below the bound
         prep.check_size(SimpleNamespace(size=size))
-    with pytest.raises(Image.DecompressionBombError, match=r"^1x400000 pixels; .* 256x102400000, 26,214,400,000 pixels, more than"):
+    with pytest.raises(
+        Image.DecompressionBombError, match=r"^1x400000 pixels; .* 256x102400000, 26,214,400,000 pixels, more than"
+    ):
         prep.check_size(SimpleNamespace(size=(1, 400_000)))
     Preprocessing(resize=None, crop=224).check_size(SimpleNamespace(size=(1, 2 * MAX_PIXELS)))
     with pytest.raises(ValueError, match="no pixels"):

@@ -11,14 +11,26 @@ from cafa_cli.data.values import parse_order
 from cafa_cli.errors import InputError, UsageError
 
 BALANCED = np.repeat(np.arange(10), 300)  # as a Fashion-MNIST-C demo domain: 10 classes × 300
-ORDERS = ("iid", "label-shift:0", "label-shift:0.5", "label-shift:1.0", "dirichlet:0.01", "dirichlet:1", "dirichlet:1e6")
+ORDERS = (
+    "iid",
+    "label-shift:0",
+    "label-shift:0.5",
+    "label-shift:1.0",
+    "dirichlet:0.01",
+    "dirichlet:1",
+    "dirichlet:1e6",
+)
 
 
 def batch_histograms(labels_in_order: np.ndarray, batch_size: int) -> np.ndarray:
     """Per batch of the stream, the count of each class: one row a batch."""
     classes = int(labels_in_order.max()) + 1
-    return np.stack([np.bincount(labels_in_order[i : i + batch_size], minlength=classes)
-                     for i in range(0, len(labels_in_order), batch_size)])
+    return np.stack(
+        [
+            np.bincount(labels_in_order[i : i + batch_size], minlength=classes)
+            for i in range(0, len(labels_in_order), batch_size)
+        ]
+    )
 
 
 def mostly_one_class(labels_in_order: np.ndarray, batch_size: int) -> bool:
@@ -68,6 +80,7 @@ def test_iid_is_the_seeded_permutation_of_earlier_versions():
 def test_dirichlet_concentration_decides_how_many_slots_a_class_spans():
     """A class's images go to the c time slots in Dirichlet(D) shares, and within a slot
     each class comes as one run: the runs per class count the slots it spans."""
+
     def slots_per_class(order: str) -> float:
         streamed = BALANCED[stream_order(BALANCED, order, seed=0)]
         return (np.count_nonzero(np.diff(streamed)) + 1) / 10
@@ -77,7 +90,9 @@ def test_dirichlet_concentration_decides_how_many_slots_a_class_spans():
 
 def test_orders_that_need_labels_say_so_for_unlabelled_images():
     unlabelled = np.full(20, UNLABELLED)
-    with pytest.raises(InputError, match=r"^photos has no labels, and `order` label-shift:1.0 orders the stream by class"):
+    with pytest.raises(
+        InputError, match=r"^photos has no labels, and `order` label-shift:1.0 orders the stream by class"
+    ):
         stream_order(unlabelled, "label-shift:1.0", name="photos")
     partly = np.array([0, 1, UNLABELLED, 1])
     with pytest.raises(InputError, match=r"has 1 unlabelled image\(s\) of 4.*use `order` iid"):
@@ -85,10 +100,27 @@ def test_orders_that_need_labels_say_so_for_unlabelled_images():
     assert len(stream_order(unlabelled, "iid")) == 20
 
 
-@pytest.mark.parametrize("text", ["random", "iid:1", "label-shift", "label-shift:1.5", "label-shift:-0.1", "label-shift:x",
-                                  "dirichlet:0", "dirichlet:-1", "dirichlet:inf", "dirichlet:nan", "dirichlet", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "random",
+        "iid:1",
+        "label-shift",
+        "label-shift:1.5",
+        "label-shift:-0.1",
+        "label-shift:x",
+        "dirichlet:0",
+        "dirichlet:-1",
+        "dirichlet:inf",
+        "dirichlet:nan",
+        "dirichlet",
+        "",
+    ],
+)
 def test_a_malformed_order_is_a_usage_error_naming_the_forms(text):
-    with pytest.raises(UsageError, match=r"`order` must be iid, label-shift:S \(S in \[0, 1\]\) or dirichlet:D \(D > 0\)"):
+    with pytest.raises(
+        UsageError, match=r"`order` must be iid, label-shift:S \(S in \[0, 1\]\) or dirichlet:D \(D > 0\)"
+    ):
         parse_order(text)
 
 

@@ -20,7 +20,9 @@ def model_input(prep: Preprocessing, image: Image.Image) -> torch.Tensor:
     return prep.normalize(prep.pixels(image))
 
 
-@pytest.mark.parametrize("channels, mean, std", [(3, IMAGENET_MEAN, IMAGENET_STD), (1, (0.3,), (0.2,)), (3, (0.5,), (0.25,))])
+@pytest.mark.parametrize(
+    "channels, mean, std", [(3, IMAGENET_MEAN, IMAGENET_STD), (1, (0.3,), (0.2,)), (3, (0.5,), (0.25,))]
+)
 def test_batched_normalisation_equals_per_image_to_tensor_bit_for_bit(channels, mean, std):
     """The loader stops at uint8 and the batch is normalised later; the numbers must be
     exactly those of torchvision's per-image to_tensor + normalize."""
@@ -31,7 +33,9 @@ def test_batched_normalisation_equals_per_image_to_tensor_bit_for_bit(channels, 
     for image, got in zip(images, batch):
         image = to_mode(image, "L" if channels == 1 else "RGB")
         image = TF.center_crop(TF.resize(image, 12, interpolation=TF.InterpolationMode.BILINEAR), 10)
-        expected = TF.normalize(TF.to_tensor(image), list(mean) * (channels // len(mean)), list(std) * (channels // len(std)))
+        expected = TF.normalize(
+            TF.to_tensor(image), list(mean) * (channels // len(mean)), list(std) * (channels // len(std))
+        )
         assert torch.equal(got, expected)
 
 
@@ -39,7 +43,11 @@ def test_resize_shorter_side_then_centre_crop():
     image = Image.fromarray(np.zeros((20, 40, 3), dtype=np.uint8))  # H 20, W 40
     assert model_input(Preprocessing(resize=10, crop=None), image).shape == (3, 10, 20)
     assert model_input(Preprocessing(resize=10, crop=8), image).shape == (3, 8, 8)
-    assert model_input(Preprocessing(resize=None, crop=6, channels=1, mean=(0.5,), std=(0.5,)), image).shape == (1, 6, 6)
+    assert model_input(Preprocessing(resize=None, crop=6, channels=1, mean=(0.5,), std=(0.5,)), image).shape == (
+        1,
+        6,
+        6,
+    )
     assert model_input(Preprocessing(resize=None, crop=None), image).shape == (3, 20, 40)
 
 
@@ -116,11 +124,19 @@ def test_a_float_tiff_in_0_to_1_is_scaled_not_turned_black(tmp_path):
     loaded = Image.open(path)
     assert loaded.mode == "F"
     assert np.asarray(to_mode(loaded, "L")).tolist() == [[0, 63, 127, 255]]  # truncated, as PIL converts 0..255 floats
-    assert np.asarray(to_mode(Image.fromarray(np.array([[0.0, 63.0, 127.5, 255.0]], dtype=np.float32), "F"), "L")).tolist() == [[0, 63, 127, 255]]
+    assert np.asarray(
+        to_mode(Image.fromarray(np.array([[0.0, 63.0, 127.5, 255.0]], dtype=np.float32), "F"), "L")
+    ).tolist() == [[0, 63, 127, 255]]
 
 
-@pytest.mark.parametrize("values, message", [([-1.0, 0.5], "values from -1 to 0.5; cafa reads floats in 0..1 or 0..255"),
-                                             ([0.0, 300.0], "values from 0 to 300;"), ([float("nan"), 0.0], "NaN or infinite")])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([-1.0, 0.5], "values from -1 to 0.5; cafa reads floats in 0..1 or 0..255"),
+        ([0.0, 300.0], "values from 0 to 300;"),
+        ([float("nan"), 0.0], "NaN or infinite"),
+    ],
+)
 def test_a_float_image_outside_0_to_1_and_0_to_255_is_unreadable(tmp_path, values, message):
     with pytest.raises(ValueError, match=message):  # the loader skips it with a warning, as any unreadable image
         to_mode(Image.fromarray(np.array([values], dtype=np.float32), "F"), "L")
@@ -129,17 +145,26 @@ def test_a_float_image_outside_0_to_1_and_0_to_255_is_unreadable(tmp_path, value
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"resize": 64}, r"^`crop` 224 is larger than `resize` 64: the centre crop would pad the image with black; give `crop` 64 or less$"),
+        (
+            {"resize": 64},
+            r"^`crop` 224 is larger than `resize` 64: the centre crop would pad the image with black; give `crop` 64 or less$",
+        ),
         ({"channels": 2}, "`channels`"),  # a value wrong by itself is named as the library names settings
         ({"mean": (0.1, 0.2)}, r"^`mean` needs 1 or 3 values for 3 channels, got 2$"),
         ({"std": (1.0, 0.0, 1.0)}, "`std` values must be positive"),
         ({"resize": 0}, "`resize`"),
         ({"crop": -3}, "`crop`"),
-        ({"resize": 100_000, "crop": None}, r"^`resize` must be a whole number of pixels from 1 to 4096, or 'none'; not 100000$"),
+        (
+            {"resize": 100_000, "crop": None},
+            r"^`resize` must be a whole number of pixels from 1 to 4096, or 'none'; not 100000$",
+        ),
         ({"channels": 1, "mean": (0.1, 0.2, 0.3)}, r"^`mean` needs 1 value for 1 channel, got 3$"),
         ({"channels": 1, "mean": (0.1,), "std": (0.2, 0.3)}, r"^`std` needs 1 value for 1 channel, got 2$"),
         # the user gave no --mean: the message must not say they gave three values
-        ({"channels": 1}, r"^`channels` 1: the default `mean` is ImageNet's, with one value per RGB channel; give `mean` and `std`"),
+        (
+            {"channels": 1},
+            r"^`channels` 1: the default `mean` is ImageNet's, with one value per RGB channel; give `mean` and `std`",
+        ),
     ],
 )
 def test_preprocessing_validation(kwargs, pattern):
@@ -151,7 +176,9 @@ def test_preprocessing_round_trip_and_parsers():
     prep = Preprocessing(resize=None, crop=28, mean=(0.3,), std=(0.2,), channels=1)
     assert Preprocessing.from_dict(json.loads(prep.to_json())) == prep
     assert prep.with_changes({"crop": None}).crop is None
-    assert parse_size("none", "crop") is None and parse_size(" NONE ", "crop") is None and parse_size("224", "crop") == 224
+    assert (
+        parse_size("none", "crop") is None and parse_size(" NONE ", "crop") is None and parse_size("224", "crop") == 224
+    )
     with pytest.raises(UsageError, match=r"^`test_resize` takes a whole number of pixels or 'none', not '1.5'$"):
         parse_size("1.5", "test_resize")
     assert parse_floats("0.5,0.25", "std") == (0.5, 0.25)
@@ -166,5 +193,7 @@ def test_a_crop_larger_than_the_images_is_a_warning(setup, tmp_path, command):
     else:
         result = stats(setup, setup["train"], "--crop", "20", "--out", tmp_path / "s.safetensors")
     assert result.exit_code == 0, result.stderr
-    assert (f"warning: {setup['train']}: --crop 20 is larger than its images (16x16 after --resize none), "
-            f"so the crop pads them with black; give --crop 16 or less") in result.stderr
+    assert (
+        f"warning: {setup['train']}: --crop 20 is larger than its images (16x16 after --resize none), "
+        f"so the crop pads them with black; give --crop 16 or less"
+    ) in result.stderr

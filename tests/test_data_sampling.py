@@ -12,7 +12,9 @@ from cafa_cli.errors import InputError
 
 
 def labels_with(counts):
-    return np.concatenate([np.full(n, c) for c, n in enumerate(counts)])[np.random.default_rng(0).permutation(sum(counts))]
+    return np.concatenate([np.full(n, c) for c, n in enumerate(counts)])[
+        np.random.default_rng(0).permutation(sum(counts))
+    ]
 
 
 def test_stratified_subset_takes_round_fraction_per_class():

@@ -27,6 +27,7 @@ PILLOW_LIMIT = 2 * Image.MAX_IMAGE_PIXELS  # beyond it Pillow refuses the header
 def png_header(width: int, height: int, depth: int, colour: int) -> bytes:
     """A PNG of `width` x `height` whose data is one empty compressed row: what a 373 KB
     PNG of zeros looks like to the decoder before it allocates."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
@@ -116,12 +117,15 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
-@pytest.mark.parametrize("name, data", [
-    ("rgba.png", png_header(9_500, 9_500, 8, 6)),  # 2.2 GB peak before (alpha compositing copied it)
-    ("grey16.png", png_header(9_500, 9_500, 16, 0)),
-    ("grey.png", png_header(13_000, 13_000, 8, 0)),
-    ("claims.jpg", jpeg_header(12_000, 12_000, "RGB")),  # 333 bytes that decoded to 1 GB
-])
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("rgba.png", png_header(9_500, 9_500, 8, 6)),  # 2.2 GB peak before (alpha compositing copied it)
+        ("grey16.png", png_header(9_500, 9_500, 16, 0)),
+        ("grey.png", png_header(13_000, 13_000, 8, 0)),
+        ("claims.jpg", jpeg_header(12_000, 12_000, "RGB")),  # 333 bytes that decoded to 1 GB
+    ],
+)
 def test_the_peak_memory_of_reading_one_image_stays_within_the_budget(tmp_path, name, data):
     path = tmp_path / name
     path.write_bytes(data)
@@ -134,10 +138,16 @@ def test_the_peak_memory_of_reading_one_image_stays_within_the_budget(tmp_path, 
 
 
 def test_a_budget_that_is_no_number_is_one_line_at_the_start(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "cafa_cli", "inspect", "x"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "CAFA_DECODE_BUDGET_MB": "lots"})
+    run = subprocess.run(
+        [sys.executable, "-m", "cafa_cli", "inspect", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CAFA_DECODE_BUDGET_MB": "lots"},
+    )
     assert run.returncode == 2 and run.stderr.strip() == (
-        "cafa: error: CAFA_DECODE_BUDGET_MB='lots': give the decoding budget in MB, a positive number (default 150)")
+        "cafa: error: CAFA_DECODE_BUDGET_MB='lots': give the decoding budget in MB, a positive number (default 150)"
+    )
 
 
 def test_a_reduced_jpeg_still_reads_as_its_picture(tmp_path, monkeypatch):

@@ -191,7 +191,9 @@ def test_gradient_closed_form_for_full():
 def test_distances_from_estimate_match_the_reference(covariance):
     gen = torch.Generator().manual_seed(4)
     counts = [50, 40, 60]
-    x = torch.cat([torch.randn(n, D, generator=gen, dtype=torch.float64) * (c + 1) + 3 * c for c, n in enumerate(counts)])
+    x = torch.cat(
+        [torch.randn(n, D, generator=gen, dtype=torch.float64) * (c + 1) + 3 * c for c, n in enumerate(counts)]
+    )
     y = torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
     moments = ClassMoments(3, D)
     moments.update(x.float(), y)
@@ -210,13 +212,19 @@ def test_distances_near_a_class_mean_keep_their_relative_accuracy(covariance, me
     within 1e-4 of the float64 distance (it was 0.24 off for diag, 8e-3 for tied)."""
     g = torch.Generator().manual_seed(3)
     d, n = 64, 32
-    features = torch.randn(400, d, generator=g, dtype=torch.float64) * (torch.rand(d, generator=g, dtype=torch.float64) + 0.2)
+    features = torch.randn(400, d, generator=g, dtype=torch.float64) * (
+        torch.rand(d, generator=g, dtype=torch.float64) + 0.2
+    )
     labels = torch.arange(400) % 4
     features += 5 * torch.randn(4, d, generator=g, dtype=torch.float64)[labels]  # class means off the global mean
     moments = ClassMoments(4, d)
     moments.update(features.float(), labels)
     gaussians = estimate(moments, "lowrank" if covariance == "lowrank" else covariance, "auto")
-    z = (gaussians.means[1].double() + 1e-3 * torch.randn(n, d, generator=g, dtype=torch.float64)).float().requires_grad_()
+    z = (
+        (gaussians.means[1].double() + 1e-3 * torch.randn(n, d, generator=g, dtype=torch.float64))
+        .float()
+        .requires_grad_()
+    )
     got = ClassDistances(gaussians, metric=metric)(z)[:, 1]
     got.sum().backward()
     z64 = z.detach().double().requires_grad_()

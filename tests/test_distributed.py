@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import PLAIN, TINY_NET, write_folder
+from safetensors import safe_open
 
 
 def free_port() -> int:
@@ -28,13 +27,44 @@ def read(path):
 
 def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_weights):
     data = write_folder(tmp_path / "train", per_class=15)
-    args = ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(data), *PLAIN,
-            "--per-class", "16", "--covariance", "full", "--shrinkage", "0.2", "--batch-size", "4"]
+    args = [
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        "--data",
+        str(data),
+        *PLAIN,
+        "--per-class",
+        "16",
+        "--covariance",
+        "full",
+        "--shrinkage",
+        "0.2",
+        "--batch-size",
+        "4",
+    ]
     single, multi = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--out", str(single)], check=True, timeout=120, capture_output=True)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    done = subprocess.run([*launcher, "-m", "cafa_cli", *args, "--out", str(multi)], capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "cafa_cli", *args, "--out", str(single)], check=True, timeout=120, capture_output=True
+    )
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
+    done = subprocess.run(
+        [*launcher, "-m", "cafa_cli", *args, "--out", str(multi)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("--per-class 16: fewer images") == 1, done.stderr  # warned by rank 0 only
     (one, meta_one), (two, meta_two) = read(single), read(multi)
@@ -48,15 +78,53 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, tiny_weights):
 def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=12)
     test = write_folder(tmp_path / "test", per_class=10, seed=4, shift=0.3)
-    args = ["bench", "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), "--data", str(test), *PLAIN,
-            "--methods", "source,bn,tent,cafa-diag", "--seeds", "0,1", "--per-class", "10", "--batch-size", "10", "--quiet"]
-    single = subprocess.run([sys.executable, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "one")],
-                            capture_output=True, text=True, timeout=180)
+    args = [
+        "bench",
+        "--model",
+        TINY_NET,
+        "--weights",
+        str(tiny_weights),
+        "--train",
+        str(train),
+        "--data",
+        str(test),
+        *PLAIN,
+        "--methods",
+        "source,bn,tent,cafa-diag",
+        "--seeds",
+        "0,1",
+        "--per-class",
+        "10",
+        "--batch-size",
+        "10",
+        "--quiet",
+    ]
+    single = subprocess.run(
+        [sys.executable, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    multi = subprocess.run([*launcher, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "two")],
-                           capture_output=True, text=True, timeout=300)
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
+    multi = subprocess.run(
+        [*launcher, "-m", "cafa_cli", *args, "--workdir", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert multi.returncode == 0, multi.stderr[-2000:]
     assert single.stdout.count("| cafa-diag |") == 1
     assert multi.stdout == single.stdout  # the same table, printed once (by rank 0)
@@ -64,8 +132,23 @@ def test_torchrun_bench_spreads_runs_and_prints_the_one_process_table(tmp_path, 
 
 def torchrun(*args, ranks: int = 2) -> subprocess.CompletedProcess:
     """`cafa ARGS` under torchrun on `ranks` CPU processes (gloo); one process when `ranks` is 1."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+        ]
+        if ranks > 1
+        else [sys.executable]
+    )
     done = subprocess.run([*launcher, "-m", "cafa_cli", *map(str, args)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
@@ -86,18 +169,47 @@ def four_domains(tmp_path):
 
 def without_times(report: dict) -> dict:
     """A bench or metrics report without what differs from run to run: times, the device's rank."""
-    return json.loads(json.dumps(report), object_hook=lambda d: {k: v for k, v in d.items() if k not in ("seconds", "images_per_second", "created")})
+    return json.loads(
+        json.dumps(report),
+        object_hook=lambda d: {k: v for k, v in d.items() if k not in ("seconds", "images_per_second", "created")},
+    )
 
 
 def test_torchrun_bench_spreads_the_domains_of_a_run_under_reset_domain(tmp_path, tiny_weights):
     """One (method, seed) run over 4 domains: each rank adapts 2 of them, from the source weights,
     and rank 0 prints the one-process table, CSV and JSON runs in the one-process order."""
     domains = four_domains(tmp_path)
-    args = ["bench", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--methods", "tent", "--seeds", "0",
-            "--batch-size", "4", "--reset", "domain", *domains]
+    args = [
+        "bench",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        *PLAIN,
+        "--methods",
+        "tent",
+        "--seeds",
+        "0",
+        "--batch-size",
+        "4",
+        "--reset",
+        "domain",
+        *domains,
+    ]
     out = {ranks: {kind: tmp_path / f"{ranks}.{kind}" for kind in ("csv", "json")} for ranks in (1, 2)}
-    single, multi = (torchrun(*args, "--workdir", tmp_path / f"w{ranks}", "--csv", out[ranks]["csv"], "--metrics-json", out[ranks]["json"],
-                              ranks=ranks) for ranks in (1, 2))
+    single, multi = (
+        torchrun(
+            *args,
+            "--workdir",
+            tmp_path / f"w{ranks}",
+            "--csv",
+            out[ranks]["csv"],
+            "--metrics-json",
+            out[ranks]["json"],
+            ranks=ranks,
+        )
+        for ranks in (1, 2)
+    )
     assert multi.stdout == single.stdout and single.stdout.count("| tent |") == 1
     assert out[2]["csv"].read_text() == out[1]["csv"].read_text()
     one, two = (json.loads(out[ranks]["json"].read_text()) for ranks in (1, 2))
@@ -109,20 +221,31 @@ def test_torchrun_bench_spreads_the_domains_of_a_run_under_reset_domain(tmp_path
     assert "tent seed 0\n" in single.stderr and "rank 1" not in single.stderr
 
 
-@pytest.mark.parametrize(("reset", "methods", "domains", "runs"), [
-    ("domain", "bn,tent", ["a", "b"], [("bn", "a"), ("bn", "b"), ("tent", "a"), ("tent", "b")]),
-    ("episodic", "bn", ["a", "b"], [("bn", "a"), ("bn", "b")]),
-    ("never", "bn,tent", ["a", "b"], [("bn", None), ("tent", None)]),  # the weights go on from a to b
-    ("domain", "cotta,bn", ["a", "b"], [("cotta", None), ("bn", "a"), ("bn", "b")]),  # its random draws go on from a to b
-    ("domain", "bn", ["a"], [("bn", None)]),
-])
+@pytest.mark.parametrize(
+    ("reset", "methods", "domains", "runs"),
+    [
+        ("domain", "bn,tent", ["a", "b"], [("bn", "a"), ("bn", "b"), ("tent", "a"), ("tent", "b")]),
+        ("episodic", "bn", ["a", "b"], [("bn", "a"), ("bn", "b")]),
+        ("never", "bn,tent", ["a", "b"], [("bn", None), ("tent", None)]),  # the weights go on from a to b
+        (
+            "domain",
+            "cotta,bn",
+            ["a", "b"],
+            [("cotta", None), ("bn", "a"), ("bn", "b")],
+        ),  # its random draws go on from a to b
+        ("domain", "bn", ["a"], [("bn", None)]),
+    ],
+)
 def test_a_bench_spreads_the_domains_of_the_runs_whose_domains_are_independent(reset, methods, domains, runs):
     from cafa_cli.jobs.bench import grid_runs
-    from cafa_cli.jobs.config import BenchConfig
     from cafa_cli.jobs.bench.rows import parse_methods
+    from cafa_cli.jobs.config import BenchConfig
 
     config = BenchConfig(data=domains, model="m", reset=reset)
-    assert [(row.label, None if k is None else domains[k]) for row, seed, k in grid_runs(config, parse_methods(methods), [0])] == runs
+    assert [
+        (row.label, None if k is None else domains[k])
+        for row, seed, k in grid_runs(config, parse_methods(methods), [0])
+    ] == runs
 
 
 def test_each_rank_takes_one_run_of_consecutive_domains_rank_0_the_first():
@@ -173,22 +296,50 @@ def test_a_share_of_a_gradual_stream_keeps_whole_corruptions_each_starting_afres
 
 def test_torchrun_adapt_spreads_the_domains_and_rank_0_prints_every_record_in_order(tmp_path, tiny_weights):
     domains = four_domains(tmp_path)
-    args = ["adapt", "--model", TINY_NET, "--weights", tiny_weights, *PLAIN, "--method", "tent", "--batch-size", "4",
-            *domains]
+    args = [
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        *PLAIN,
+        "--method",
+        "tent",
+        "--batch-size",
+        "4",
+        *domains,
+    ]
     single, multi = (torchrun(*args, "--metrics-json", tmp_path / f"{ranks}.json", ranks=ranks) for ranks in (1, 2))
-    assert multi.stdout == single.stdout and single.stdout.count("\n") == 1 + 9 * 4 + 1 + 2 + 3 + 4  # printed once, by rank 0
+    assert (
+        multi.stdout == single.stdout and single.stdout.count("\n") == 1 + 9 * 4 + 1 + 2 + 3 + 4
+    )  # printed once, by rank 0
     one, two = (json.loads((tmp_path / f"{ranks}.json").read_text()) for ranks in (1, 2))
     assert without_times(two) == without_times(one)
     assert "adapting d0, d1\n" in multi.stderr and "rank 1: adapting d2, d3\n" in multi.stderr, multi.stderr
     assert "adapting d0" not in single.stderr
 
 
-@pytest.mark.parametrize(("option", "needle"), [
-    (["--reset", "never"], "but --reset never carries the weights from one domain into the next: give --reset domain, or run"),
-    (["--mix-domains"], "but --mix-domains makes the domains one stream: drop --mix-domains, or run it without torchrun"),
-    (["--method", "cotta"], "but --method cotta draws random numbers, each domain from where the one before left them: run it"),
-    (["--data", "-"], "but every rank would read --data - (paths on standard input): give the folders or files, or run"),
-])
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        (
+            ["--reset", "never"],
+            "but --reset never carries the weights from one domain into the next: give --reset domain, or run",
+        ),
+        (
+            ["--mix-domains"],
+            "but --mix-domains makes the domains one stream: drop --mix-domains, or run it without torchrun",
+        ),
+        (
+            ["--method", "cotta"],
+            "but --method cotta draws random numbers, each domain from where the one before left them: run it",
+        ),
+        (
+            ["--data", "-"],
+            "but every rank would read --data - (paths on standard input): give the folders or files, or run",
+        ),
+    ],
+)
 def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch, option, needle):
     """Refused where the domains depend on each other (docs/errors.md, 66, cites this name)."""
     from typer.testing import CliRunner
@@ -196,18 +347,30 @@ def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(
     from cafa_cli.cli.app import app
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    result = CliRunner().invoke(app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET, *option])
+    result = CliRunner().invoke(
+        app, ["adapt", "--data", str(tmp_path), "--method", "source", "--model", TINY_NET, *option]
+    )
     assert result.exit_code == 2 and result.stdout == ""
-    assert "cafa adapt under torchrun spreads the domains over the ranks, but" in result.stderr and needle in result.stderr
+    assert (
+        "cafa adapt under torchrun spreads the domains over the ranks, but" in result.stderr and needle in result.stderr
+    )
     assert result.stderr.count("\n") == 1, result.stderr
 
 
-@pytest.mark.parametrize(("environment", "needle"), [
-    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number; launch with torchrun, or unset WORLD_SIZE"),
-    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 with WORLD_SIZE=2: launch with torchrun"),  # a group would wait forever
-    ({"WORLD_SIZE": "2"}, "RANK=(unset) with WORLD_SIZE=2"),
-])
-def test_torchrun_variables_that_cannot_be_right_are_usage_errors(tmp_path, tiny_weights, monkeypatch, environment, needle):
+@pytest.mark.parametrize(
+    ("environment", "needle"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number; launch with torchrun, or unset WORLD_SIZE"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "5"},
+            "RANK=5 with WORLD_SIZE=2: launch with torchrun",
+        ),  # a group would wait forever
+        ({"WORLD_SIZE": "2"}, "RANK=(unset) with WORLD_SIZE=2"),
+    ],
+)
+def test_torchrun_variables_that_cannot_be_right_are_usage_errors(
+    tmp_path, tiny_weights, monkeypatch, environment, needle
+):
     from typer.testing import CliRunner
 
     from cafa_cli.cli.app import app
@@ -216,8 +379,23 @@ def test_torchrun_variables_that_cannot_be_right_are_usage_errors(tmp_path, tiny
     monkeypatch.delenv("RANK", raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    result = CliRunner().invoke(app, ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(data), *PLAIN,
-                                      "--fraction", "1", "--out", str(tmp_path / "s.safetensors")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--data",
+            str(data),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(tmp_path / "s.safetensors"),
+        ],
+    )
     assert result.exit_code == 2 and needle in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1
 
@@ -227,15 +405,17 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch)
     the GPUs would fail deep in CUDA. No GPU here: the count is what the check reads."""
     import torch
 
-    from cafa_cli.jobs.shared.distributed import rank_device
     from cafa_cli.errors import UsageError
+    from cafa_cli.jobs.shared.distributed import rank_device
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rank_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert rank_device(torch.device("cpu")) == torch.device("cpu")
-    with pytest.raises(UsageError, match=r"`device` cuda:0 under torchrun would put every rank on one GPU; give `device` cuda"):
+    with pytest.raises(
+        UsageError, match=r"`device` cuda:0 under torchrun would put every rank on one GPU; give `device` cuda"
+    ):
         rank_device(torch.device("cuda", 0))
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(UsageError, match=r"LOCAL_RANK=2, but this machine has 2 GPU\(s\)"):

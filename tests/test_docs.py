@@ -11,28 +11,43 @@ CITATION = re.compile(r"(tests/test_\w+\.py)::(test_\w+)")
 
 
 def test_every_test_the_docs_cite_exists():
-    cited = [(doc.relative_to(ROOT), *m.groups()) for doc in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
-             for m in CITATION.finditer(doc.read_text(encoding="utf-8"))]
+    cited = [
+        (doc.relative_to(ROOT), *m.groups())
+        for doc in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+        for m in CITATION.finditer(doc.read_text(encoding="utf-8"))
+    ]
     assert len(cited) > 100  # errors.md alone cites more: a broken pattern would pass vacuously
-    missing = [(str(doc), f"{file}::{name}") for doc, file, name in cited
-               if not (ROOT / file).is_file() or not re.search(rf"^def {name}\(", (ROOT / file).read_text(encoding="utf-8"), re.M)]
+    missing = [
+        (str(doc), f"{file}::{name}")
+        for doc, file, name in cited
+        if not (ROOT / file).is_file()
+        or not re.search(rf"^def {name}\(", (ROOT / file).read_text(encoding="utf-8"), re.M)
+    ]
     assert not missing, missing
 
 
 def test_the_docs_cite_tests_by_node_id_only():
     """A bare `module::test` citation (the form before the tests were split) names no file."""
-    stale = [(doc.name, m.group()) for doc in sorted((ROOT / "docs").rglob("*.md"))
-             for m in re.finditer(r"(?<![\w/.])[a-z_]+::(test_\w+|\.\.\.)", doc.read_text(encoding="utf-8"))]
+    stale = [
+        (doc.name, m.group())
+        for doc in sorted((ROOT / "docs").rglob("*.md"))
+        for m in re.finditer(r"(?<![\w/.])[a-z_]+::(test_\w+|\.\.\.)", doc.read_text(encoding="utf-8"))
+    ]
     assert not stale, stale
 
 
 def _inventory_rows() -> tuple[list[str], list[str]]:
     """(numbered rows, other rows) of the tables in docs/errors.md's Inventory."""
     text = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
-    inventory = text[text.index("## Inventory"):text.index("\n## ", text.index("## Inventory") + 1)]
+    inventory = text[text.index("## Inventory") : text.index("\n## ", text.index("## Inventory") + 1)]
     lines = inventory.splitlines()
-    rows = [line for i, line in enumerate(lines) if line.startswith("| ") and not re.match(r"\|[-: |]+\|$", line)
-            and not (i + 1 < len(lines) and re.match(r"\|[-: |]+\|$", lines[i + 1]))]  # a header is followed by |---|
+    rows = [
+        line
+        for i, line in enumerate(lines)
+        if line.startswith("| ")
+        and not re.match(r"\|[-: |]+\|$", line)
+        and not (i + 1 < len(lines) and re.match(r"\|[-: |]+\|$", lines[i + 1]))
+    ]  # a header is followed by |---|
     numbered = [row for row in rows if re.match(r"\| \d+[a-z]? \|", row)]
     return numbered, [row for row in rows if row not in numbered]
 
@@ -41,8 +56,10 @@ def test_the_error_inventory_states_its_own_count_and_numbers_each_case_once():
     numbered, other = _inventory_rows()
     ids = [row.split("|")[1].strip() for row in numbered]
     assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
-    stated = re.search(r"\*\*(\d+) documented cases\*\*, (\d+) numbered\s+bad inputs and (\d+) other",
-                       (ROOT / "docs" / "errors.md").read_text(encoding="utf-8"))
+    stated = re.search(
+        r"\*\*(\d+) documented cases\*\*, (\d+) numbered\s+bad inputs and (\d+) other",
+        (ROOT / "docs" / "errors.md").read_text(encoding="utf-8"),
+    )
     assert stated and tuple(map(int, stated.groups())) == (len(numbered) + len(other), len(numbered), len(other))
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PLAIN, TINY_NET, invoke, tiny_net, write_folder
+from helpers import fails, rows
 
 from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.data.domain_sets import DOMAINNET126_CLASSES
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, UsageError
-from conftest import PLAIN, TINY_NET, invoke, tiny_net, write_folder
-from helpers import fails, rows
 
 # named so that the sorted order (Alarm_Clock, Bike, Mop) is not the order written
 CLASSES = ("Mop", "Alarm_Clock", "Bike")
@@ -39,8 +39,21 @@ def art_model(office_home, tmp_path) -> dict:
     torch.manual_seed(0)
     weights, artifact = tmp_path / "art.pt", tmp_path / "art.safetensors"
     torch.save(tiny_net.build().state_dict(), weights)
-    made = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", office_home / "Art", *PLAIN, "--fraction", "1",
-                  "--out", artifact, "--quiet")
+    made = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        weights,
+        "--data",
+        office_home / "Art",
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        artifact,
+        "--quiet",
+    )
     assert made.exit_code == 0, made.stderr
     return {"weights": weights, "artifact": artifact}
 
@@ -48,7 +61,9 @@ def art_model(office_home, tmp_path) -> dict:
 def test_office_home_root_is_its_domains_in_the_benchmarks_order(office_home):
     domains, notes = expand_benchmarks([f"office-home:{office_home}"])
     assert domains == [f"office-home:{office_home / d}" for d in FOUND]
-    assert notes == [f"`data` office-home:{office_home}: 3 of the 4 office-home domains found (no Product); those found are used"]
+    assert notes == [
+        f"`data` office-home:{office_home}: 3 of the 4 office-home domains found (no Product); those found are used"
+    ]
     assert expand_benchmarks([f"office-home:{office_home}/Clipart"]) == ([f"office-home:{office_home}/Clipart"], [])
     art = open_domain(domains[0])
     assert art.class_names == ["Alarm_Clock", "Bike", "Mop"]  # sorted, as torchvision's ImageFolder numbers them
@@ -57,25 +72,37 @@ def test_office_home_root_is_its_domains_in_the_benchmarks_order(office_home):
     assert open_domain(domains[0], list(CLASSES)).labels.tolist() == [1, 1, 2, 2, 0, 0]
     with pytest.raises(UsageError, match="office-home's domains have none"):
         open_domain(domains[0], severity=3)
-    (office_home / "Art" / "Mop").rename(office_home / "painting")  # one of DomainNet's domains (its Clipart is one too)
+    (office_home / "Art" / "Mop").rename(
+        office_home / "painting"
+    )  # one of DomainNet's domains (its Clipart is one too)
     (office_home / "Clipart").rename(office_home / "Clip")
-    with pytest.raises(InputError, match="none of the 6 domainnet domains .* is in .*OfficeHome/Art; give the folder laid out"):
+    with pytest.raises(
+        InputError, match="none of the 6 domainnet domains .* is in .*OfficeHome/Art; give the folder laid out"
+    ):
         expand_benchmarks([f"domainnet:{office_home}/Art"])
     assert expand_benchmarks([f"domainnet:{office_home}"])[0] == [f"domainnet:{office_home}/painting"]
 
 
 def test_domains_whose_class_folders_differ_are_refused(office_home):
     (office_home / "Clipart" / "Bike").rename(office_home / "Clipart" / "Bicycle")
-    with pytest.raises(InputError, match="the domains hold different class folders: Clipart lacks Bike and adds Bicycle against Art"):
+    with pytest.raises(
+        InputError, match="the domains hold different class folders: Clipart lacks Bike and adds Bicycle against Art"
+    ):
         expand_benchmarks([f"office-home:{office_home}"])
 
 
 def test_source_leaves_the_source_out_and_takes_the_benchmarks_spelling(office_home, tmp_path):
     spec = f"office-home:{office_home}"
     assert expand_benchmarks([spec], "Art")[0] == [f"{spec}/Clipart", f"{spec}/Real World"]
-    assert expand_benchmarks([spec], "real_world")[0] == [f"{spec}/Art", f"{spec}/Clipart"]  # Real_World is `Real World` on disk
-    with pytest.raises(UsageError, match=r"`source` Artt: office-home has no such domain \(its domains: Art, Clipart, Product, "
-                                         r"Real_World\) \(did you mean Art for Artt\?\)"):
+    assert expand_benchmarks([spec], "real_world")[0] == [
+        f"{spec}/Art",
+        f"{spec}/Clipart",
+    ]  # Real_World is `Real World` on disk
+    with pytest.raises(
+        UsageError,
+        match=r"`source` Artt: office-home has no such domain \(its domains: Art, Clipart, Product, "
+        r"Real_World\) \(did you mean Art for Artt\?\)",
+    ):
         expand_benchmarks([spec], "Artt")
     with pytest.raises(UsageError, match="`source` Art names the source domain of a domain-adaptation benchmark"):
         expand_benchmarks([str(office_home / "Clipart")], "Art")
@@ -85,9 +112,29 @@ def test_source_leaves_the_source_out_and_takes_the_benchmarks_spelling(office_h
 
 def test_bench_with_a_source_runs_on_the_targets_and_names_the_source(office_home, art_model, tmp_path):
     report = tmp_path / "r.json"
-    result = invoke("bench", f"office-home:{office_home}", "--source", "Art", "--model", TINY_NET, "--weights",
-                    art_model["weights"], "--train", office_home / "Art", *PLAIN, "--fraction", "1", "--methods", "source,bn,cafa",
-                    "--batch-size", "4", "--workdir", tmp_path / "w", "--metrics-json", report)
+    result = invoke(
+        "bench",
+        f"office-home:{office_home}",
+        "--source",
+        "Art",
+        "--model",
+        TINY_NET,
+        "--weights",
+        art_model["weights"],
+        "--train",
+        office_home / "Art",
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--methods",
+        "source,bn,cafa",
+        "--batch-size",
+        "4",
+        "--workdir",
+        tmp_path / "w",
+        "--metrics-json",
+        report,
+    )
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:3] == ["source: Art", "", "| method | Clipart | Real World | mean |"]
@@ -100,8 +147,20 @@ def test_bench_with_a_source_runs_on_the_targets_and_names_the_source(office_hom
 
 def test_adapt_with_a_source_reads_the_targets_through_the_source_statistics(office_home, art_model, tmp_path):
     metrics = tmp_path / "m.json"
-    result = invoke("adapt", f"office-home:{office_home}", "--source", "Art", "--stats", art_model["artifact"], "--model",
-                    TINY_NET, "--batch-size", "4", "--metrics-json", metrics)
+    result = invoke(
+        "adapt",
+        f"office-home:{office_home}",
+        "--source",
+        "Art",
+        "--stats",
+        art_model["artifact"],
+        "--model",
+        TINY_NET,
+        "--batch-size",
+        "4",
+        "--metrics-json",
+        metrics,
+    )
     assert result.exit_code == 0, result.stderr
     assert "cafa adapt --method cafa, source: Art" in result.stderr
     assert {Path(r["path"]).parent.parent.name for r in rows(result)} == {"Clipart", "Real World"}
@@ -110,25 +169,67 @@ def test_adapt_with_a_source_reads_the_targets_through_the_source_statistics(off
     settings = json.loads(metrics.read_text())["settings"]
     assert settings["source"] == "Art" and settings["severity"] is None
     # the same predictions as the target folders given one by one
-    plain = invoke("adapt", office_home / "Clipart", office_home / "Real World", "--stats", art_model["artifact"], "--model",
-                   TINY_NET, "--batch-size", "4", "--quiet")
+    plain = invoke(
+        "adapt",
+        office_home / "Clipart",
+        office_home / "Real World",
+        "--stats",
+        art_model["artifact"],
+        "--model",
+        TINY_NET,
+        "--batch-size",
+        "4",
+        "--quiet",
+    )
     assert plain.exit_code == 0, plain.stderr
     assert plain.stdout == result.stdout
 
 
 def test_a_wrong_source_or_setting_is_one_line_and_a_usage_error(office_home, art_model, tmp_path):
     base = ["adapt", "--stats", art_model["artifact"], "--model", TINY_NET]
-    fails(invoke(*base, f"office-home:{office_home}", "--gradual"), 2,
-          "--gradual visits the severities of a corruption; office-home's domains have none: drop --gradual")
-    fails(invoke(*base, f"office-home:{office_home}", "--severity", "5"), 2, "office-home's domains have none: drop --severity")
-    fails(invoke(*base, f"office-home:{office_home}", "--source", "Sketch"), 2,
-          "--source Sketch: office-home has no such domain (its domains: Art, Clipart, Product, Real_World)")
-    fails(invoke(*base, office_home / "Clipart", "--source", "Art"), 2, "--source Art names the source domain",
-          "office-home:ROOT")
-    fails(invoke("bench", f"domainnet:{office_home}", "--source", "Art", "--model", TINY_NET, "--workdir", tmp_path / "w"), 2,
-          "domainnet has no such domain (its domains: clipart, infograph, painting, quickdraw, real, sketch)")
-    fails(invoke("stats", "--model", TINY_NET, "--data", f"office-home:{office_home}", *PLAIN, "--out", tmp_path / "s.safetensors"),
-          3, "OfficeHome is not one of the office-home domains", "office-home:ROOT/Art")
+    fails(
+        invoke(*base, f"office-home:{office_home}", "--gradual"),
+        2,
+        "--gradual visits the severities of a corruption; office-home's domains have none: drop --gradual",
+    )
+    fails(
+        invoke(*base, f"office-home:{office_home}", "--severity", "5"),
+        2,
+        "office-home's domains have none: drop --severity",
+    )
+    fails(
+        invoke(*base, f"office-home:{office_home}", "--source", "Sketch"),
+        2,
+        "--source Sketch: office-home has no such domain (its domains: Art, Clipart, Product, Real_World)",
+    )
+    fails(
+        invoke(*base, office_home / "Clipart", "--source", "Art"),
+        2,
+        "--source Art names the source domain",
+        "office-home:ROOT",
+    )
+    fails(
+        invoke(
+            "bench", f"domainnet:{office_home}", "--source", "Art", "--model", TINY_NET, "--workdir", tmp_path / "w"
+        ),
+        2,
+        "domainnet has no such domain (its domains: clipart, infograph, painting, quickdraw, real, sketch)",
+    )
+    fails(
+        invoke(
+            "stats",
+            "--model",
+            TINY_NET,
+            "--data",
+            f"office-home:{office_home}",
+            *PLAIN,
+            "--out",
+            tmp_path / "s.safetensors",
+        ),
+        3,
+        "OfficeHome is not one of the office-home domains",
+        "office-home:ROOT/Art",
+    )
     assert not (tmp_path / "w").exists()
 
 
@@ -137,8 +238,11 @@ def _domainnet_folders(root: Path, domain: str, classes: tuple[str, ...]) -> Pat
     write_folder(root / domain, per_class=2, classes=classes)
     for folder in (root / domain).iterdir():
         for k, image in enumerate(sorted(folder.iterdir())):
-            image.rename(folder / f"{domain}_{DOMAINNET126_CLASSES.index(folder.name) + 1:03d}_{k:06d}.png"
-                         if folder.name in DOMAINNET126_CLASSES else folder / f"{domain}_999_{k:06d}.png")
+            image.rename(
+                folder / f"{domain}_{DOMAINNET126_CLASSES.index(folder.name) + 1:03d}_{k:06d}.png"
+                if folder.name in DOMAINNET126_CLASSES
+                else folder / f"{domain}_999_{k:06d}.png"
+            )
     return root / domain
 
 
@@ -149,14 +253,22 @@ def test_domainnet126_reads_the_benchmark_lists_in_the_subsets_class_order(tmp_p
     chosen = ("The_Eiffel_Tower", "cello", "cell_phone")
     clipart = _domainnet_folders(root, "clipart", (*chosen, "zigzag"))  # zigzag: one of the 345, not of the 126
     listed = sorted((image, image.parent.name) for name in chosen for image in (clipart / name).iterdir())
-    (root / "clipart_list.txt").write_bytes(b"".join(
-        f"{image.relative_to(root).as_posix()} {DOMAINNET126_CLASSES.index(name)}\r\n".encode() for image, name in reversed(listed)))
+    (root / "clipart_list.txt").write_bytes(
+        b"".join(
+            f"{image.relative_to(root).as_posix()} {DOMAINNET126_CLASSES.index(name)}\r\n".encode()
+            for image, name in reversed(listed)
+        )
+    )
     domains, notes = expand_benchmarks([f"domainnet126:{root}"], None)
     assert domains == [f"domainnet126:{clipart}"] and "1 of the 4 domainnet126 domains found" in notes[0]
     domain = open_domain(domains[0])
     assert domain.class_names == list(DOMAINNET126_CLASSES)
     assert domain.refs == sorted(str(image) for image, _ in listed)  # the list's images only, in the folders' order
-    assert sorted(set(domain.labels.tolist())) == [30, 31, 115]  # cello, cell_phone, The_Eiffel_Tower: not the sorted names' order
+    assert sorted(set(domain.labels.tolist())) == [
+        30,
+        31,
+        115,
+    ]  # cello, cell_phone, The_Eiffel_Tower: not the sorted names' order
     assert all(DOMAINNET126_CLASSES[label] == Path(ref).parent.name for ref, label in zip(domain.refs, domain.labels))
     (root / "clipart_list.txt").write_text(f"clipart/cello/{os.listdir(clipart / 'cello')[0]} 31\n")
     with pytest.raises(InputError, match="clipart_list.txt line 1: cello is class 30 in DomainNet-126's order, not 31"):
@@ -165,7 +277,9 @@ def test_domainnet126_reads_the_benchmark_lists_in_the_subsets_class_order(tmp_p
     with pytest.raises(InputError, match="1 of the 1 images clipart_list.txt lists are not under"):
         open_domain(domains[0])
     (root / "clipart_list.txt").unlink()  # the folders of DomainNet's classes, without the list: not the subset
-    with pytest.raises(InputError, match="has 4 class folders, and DomainNet-126 has 126 .*; put the benchmark's clipart_list.txt in"):
+    with pytest.raises(
+        InputError, match="has 4 class folders, and DomainNet-126 has 126 .*; put the benchmark's clipart_list.txt in"
+    ):
         open_domain(domains[0])
 
 

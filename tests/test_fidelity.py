@@ -25,8 +25,8 @@ from torch import nn
 
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
 from cafa_cli.method.methods import cotta as cotta_module
+from cafa_cli.method.methods import create
 from cafa_cli.method.methods.lame import affinity_matrix, laplacian_assignment, stopping_iteration
 from cafa_cli.recipes import shipped
 
@@ -42,7 +42,9 @@ class TinyResNet(nn.Module):
         self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(6)
         self.layer3 = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU())
-        self.layer4 = nn.Sequential(nn.Conv2d(6, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))  # no ReLU: varied classes
+        self.layer4 = nn.Sequential(
+            nn.Conv2d(6, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        )  # no ReLU: varied classes
         self.fc = nn.Linear(8, C)
 
     def forward(self, x):
@@ -77,13 +79,19 @@ def batches(n: int = 3, size: int = 48, seed: int = 1) -> list[torch.Tensor]:
     """Images near ten prototypes, so that the tiny net predicts varied classes."""
     g = torch.Generator().manual_seed(seed)
     prototypes = torch.randn(C, 3, 6, 6, generator=g) * 2
-    return [prototypes[torch.randint(0, C, (size,), generator=g)] + 0.3 * torch.randn(size, 3, 6, 6, generator=g)
-            for _ in range(n)]
+    return [
+        prototypes[torch.randint(0, C, (size,), generator=g)] + 0.3 * torch.randn(size, 3, 6, 6, generator=g)
+        for _ in range(n)
+    ]
 
 
 def bn_affines(model: nn.Module, skip=lambda name: False) -> dict[str, nn.Parameter]:
-    return {f"{name}.{p_name}": p for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d) and not skip(name)
-            for p_name, p in m.named_parameters()}
+    return {
+        f"{name}.{p_name}": p
+        for name, m in model.named_modules()
+        if isinstance(m, nn.BatchNorm2d) and not skip(name)
+        for p_name, p in m.named_parameters()
+    }
 
 
 def ours(net: nn.Module, method: str, recipe: str, **extra) -> Adapter:
@@ -91,8 +99,9 @@ def ours(net: nn.Module, method: str, recipe: str, **extra) -> Adapter:
     r = shipped(method, recipe)
     s = r.settings
     adapter_options = {k: s[k] for k in ("optimizer", "lr", "momentum", "params") if k in s}
-    return Adapter(FeatureClassifier(copy.deepcopy(net)), create(method, None, "cpu", **{**r.options, **extra}),
-                   **adapter_options)
+    return Adapter(
+        FeatureClassifier(copy.deepcopy(net)), create(method, None, "cpu", **{**r.options, **extra}), **adapter_options
+    )
 
 
 def assert_params_match(adapter: Adapter, reference: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
@@ -161,8 +170,9 @@ def test_eata_and_eta_under_the_cifar10_recipe_match_the_authors_update(method):
     fisher_xs = batches(2, seed=7) if method == "eata" else []
     extra = {"fisher_batches": fisher_xs} if method == "eata" else {}
     adapter = ours(net, method, "cifar10-c", **extra)
-    history, kept = eata_reference(net, xs, o["entropy_margin"] * math.log(C), o["redundancy_margin"],
-                                   o.get("fisher_alpha", 0.0), fisher_xs)
+    history, kept = eata_reference(
+        net, xs, o["entropy_margin"] * math.log(C), o["redundancy_margin"], o.get("fisher_alpha", 0.0), fisher_xs
+    )
     for x, expected in zip(xs, history):
         adapter.step(x)
         assert_params_match(adapter, expected)
@@ -178,8 +188,11 @@ def test_eatas_fisher_term_at_the_authors_imagenet_weight_acts_as_theirs():
     with_fisher, _ = eata_reference(net, xs, e0, 0.4, 2000.0, fisher_xs)
     without, _ = eata_reference(net, xs, e0, 0.4)
     assert max(float((with_fisher[-1][k] - without[-1][k]).abs().max()) for k in without[-1]) > 1e-4
-    adapter = Adapter(FeatureClassifier(copy.deepcopy(net)), create("eata", None, "cpu", fisher_batches=fisher_xs,
-                                                                      redundancy_margin=0.4, fisher_alpha=2000.0), lr=1e-3)
+    adapter = Adapter(
+        FeatureClassifier(copy.deepcopy(net)),
+        create("eata", None, "cpu", fisher_batches=fisher_xs, redundancy_margin=0.4, fisher_alpha=2000.0),
+        lr=1e-3,
+    )
     for x, expected in zip(xs, with_fisher):
         adapter.step(x)
         assert_params_match(adapter, expected)
@@ -200,7 +213,14 @@ def sar_reference(net, xs, lr, momentum, margin, rho=0.05, reset_constant=0.2):
     model = authors_model(net)
     params = {}
     for nm, m in model.named_modules():  # collect_params, with its substring rules
-        if "layer4" in nm or "blocks.9" in nm or "blocks.10" in nm or "blocks.11" in nm or "norm." in nm or nm in ["norm"]:
+        if (
+            "layer4" in nm
+            or "blocks.9" in nm
+            or "blocks.10" in nm
+            or "blocks.11" in nm
+            or "norm." in nm
+            or nm in ["norm"]
+        ):
             continue
         if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)):
             for np_, p in m.named_parameters():
@@ -245,10 +265,16 @@ def test_sar_under_the_imagenet_recipe_freezes_layer4_and_steps_sam_over_sgd_mom
     s, o = recipe.settings, recipe.options
     assert (s["optimizer"], s["momentum"]) == ("sgd", 0.9)
     lr = 0.05  # the recipe's 0.00025 moves too little to compare; the update rule is the same
-    adapter = Adapter(FeatureClassifier(copy.deepcopy(net)), create("sar", None, "cpu", **o), optimizer="sgd", lr=lr,
-                      momentum=s["momentum"])
-    history, frozen = sar_reference(net, xs, lr, s["momentum"], o["entropy_margin"] * math.log(C), o["rho"],
-                                    o["reset_below"])
+    adapter = Adapter(
+        FeatureClassifier(copy.deepcopy(net)),
+        create("sar", None, "cpu", **o),
+        optimizer="sgd",
+        lr=lr,
+        momentum=s["momentum"],
+    )
+    history, frozen = sar_reference(
+        net, xs, lr, s["momentum"], o["entropy_margin"] * math.log(C), o["rho"], o["reset_below"]
+    )
     assert frozen == {"layer4.1.weight", "layer4.1.bias"}
     source = {k: v.detach().clone() for k, v in net.named_parameters()}
     for x, expected in zip(xs, history):
@@ -268,7 +294,7 @@ def lame_reference(probas: torch.Tensor, feats: torch.Tensor, knn=5, bound_lambd
     dist = torch.norm(X.unsqueeze(0) - X.unsqueeze(1), dim=-1, p=2)  # rbf_affinity
     kth_dist = dist.topk(k=min(knn, N), dim=-1, largest=False).values[:, -1]
     sigma = kth_dist.mean()
-    kernel = torch.exp(-dist**2 / (2 * sigma**2))
+    kernel = torch.exp(-(dist**2) / (2 * sigma**2))
     unary = -torch.log(probas.double() + 1e-10)
     Y = (-unary).softmax(-1)  # laplacian_optimization
     old = float("inf")
@@ -312,8 +338,18 @@ def test_lame_runs_every_iteration_and_returns_the_one_the_loop_stops_at():
     early, late or never (bit for bit where the batch is small enough that a stack's sums
     round as one iterate's do)."""
     stopped_early = 0
-    for seed, (n, classes, max_steps) in enumerate([(24, 10, 100), (64, 1000, 100), (7, 3, 100), (24, 10, 5), (24, 10, 3),
-                                                    (40, 10, 2), (16, 100, 100), (200, 10, 100)]):
+    for seed, (n, classes, max_steps) in enumerate(
+        [
+            (24, 10, 100),
+            (64, 1000, 100),
+            (7, 3, 100),
+            (24, 10, 5),
+            (24, 10, 3),
+            (40, 10, 2),
+            (16, 100, 100),
+            (200, 10, 100),
+        ]
+    ):
         g = torch.Generator().manual_seed(seed)
         feats = F.normalize(torch.randn(n, 16, generator=g), dim=1)
         unary = -((torch.randn(n, classes, generator=g) * 3).softmax(1) + 1e-10).log()
@@ -327,12 +363,15 @@ def test_lame_runs_every_iteration_and_returns_the_one_the_loop_stops_at():
     assert stopped_early >= 3
 
 
-@pytest.mark.parametrize(("energy", "stop"), [
-    ([5.0, 4.0, 3.0, 3.0, 2.0], 3),  # the first repeat from the third iteration on
-    ([5.0, 5.0, 4.0, 3.0], 3),  # a repeat before the third iteration does not count; none after: the last
-    ([9.0, 8.0, 7.0, 7.0 + 7e-8, 7.0], 3),  # within 1e-8 relative
-    ([9.0, 8.0, 7.0, 7.0 + 2e-6, 7.0 + 2e-6], 4),
-])
+@pytest.mark.parametrize(
+    ("energy", "stop"),
+    [
+        ([5.0, 4.0, 3.0, 3.0, 2.0], 3),  # the first repeat from the third iteration on
+        ([5.0, 5.0, 4.0, 3.0], 3),  # a repeat before the third iteration does not count; none after: the last
+        ([9.0, 8.0, 7.0, 7.0 + 7e-8, 7.0], 3),  # within 1e-8 relative
+        ([9.0, 8.0, 7.0, 7.0 + 2e-6, 7.0 + 2e-6], 4),
+    ],
+)
 def test_lame_stops_at_the_first_iteration_whose_energy_stopped_changing(energy, stop):
     assert int(stopping_iteration(torch.tensor(energy, dtype=torch.float64))) == stop
 
@@ -399,11 +438,16 @@ def cotta_reference(net, xs, views, lr, mt, rst, ap, n_aug, symmetric: bool, see
         outputs = model(x)
         anchor_prob = torch.softmax(anchor(x), dim=1).max(1)[0]
         standard_ema = ema_model(x)
-        outputs_ema = torch.stack([ema_model(views(x)) for _ in range(n_aug)]).mean(0) \
-            if anchor_prob.mean(0) < ap else standard_ema
+        outputs_ema = (
+            torch.stack([ema_model(views(x)) for _ in range(n_aug)]).mean(0)
+            if anchor_prob.mean(0) < ap
+            else standard_ema
+        )
         if symmetric:
-            loss = (-0.5 * (outputs_ema.softmax(1) * outputs.log_softmax(1)).sum(1)
-                    - 0.5 * (outputs.softmax(1) * outputs_ema.log_softmax(1)).sum(1)).mean(0)
+            loss = (
+                -0.5 * (outputs_ema.softmax(1) * outputs.log_softmax(1)).sum(1)
+                - 0.5 * (outputs.softmax(1) * outputs_ema.log_softmax(1)).sum(1)
+            ).mean(0)
         else:
             loss = (-(outputs_ema.softmax(1) * outputs.log_softmax(1)).sum(1)).mean(0)
         loss.backward()
@@ -434,11 +478,22 @@ def test_cotta_under_its_recipe_trains_every_parameter_as_the_authors(recipe, mo
     s, o = r.settings, {**r.options, "augmentations": 2}
     assert s["params"] == "all" and o["loss"] == ("sce" if recipe == "imagenet-c" else "ce")
     lr = 1e-3
-    adapter = Adapter(FeatureClassifier(copy.deepcopy(net)), create("cotta", **o), optimizer="adam", lr=lr, params="all")
+    adapter = Adapter(
+        FeatureClassifier(copy.deepcopy(net)), create("cotta", **o), optimizer="adam", lr=lr, params="all"
+    )
     seeds = [11, 12, 13]
-    expected, final = cotta_reference(net, xs, views, lr, o["teacher_momentum"], o["restore_probability"],
-                                      o["confidence_threshold"],
-                                      o["augmentations"], o["loss"] == "sce", seeds)
+    expected, final = cotta_reference(
+        net,
+        xs,
+        views,
+        lr,
+        o["teacher_momentum"],
+        o["restore_probability"],
+        o["confidence_threshold"],
+        o["augmentations"],
+        o["loss"] == "sce",
+        seeds,
+    )
     # our restore draws its masks right after the teacher follows: seed there as the reference does
     follow = adapter.method.follow_student
 
@@ -465,6 +520,16 @@ def test_rottas_recipes_hold_the_options_its_float64_step_test_runs_with(recipe)
     defaults: the authors' memory 64, a step every 64 samples, ν 0.001, α 0.05, λ_t = λ_u = 1."""
     r = shipped("rotta", recipe)
     defaults = {option.name: option.default for option in create("rotta").options}
-    assert r.options == defaults == {"memory_size": 64, "update_every": 64, "teacher_momentum": 0.999, "bn_momentum": 0.05,
-                                     "lambda_t": 1.0, "lambda_u": 1.0}
+    assert (
+        r.options
+        == defaults
+        == {
+            "memory_size": 64,
+            "update_every": 64,
+            "teacher_momentum": 0.999,
+            "bn_momentum": 0.05,
+            "lambda_t": 1.0,
+            "lambda_u": 1.0,
+        }
+    )
     assert (r.settings["optimizer"], r.settings["lr"], r.settings["batch_size"]) == ("adam", 0.001, 64)

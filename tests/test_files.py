@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import invoke
 from helpers import adapt, fails, stats
 
@@ -21,13 +20,20 @@ def test_output_folder_missing_fails_before_the_run(setup, tmp_path):
     result = adapt(setup, setup["train"], "--metrics-json", tmp_path / "nowhere" / "m.json")
     fails(result, 3, "does not exist")
     assert result.stdout == "", "no predictions before the output paths are checked"
-    fails(adapt(setup, setup["train"], "--predictions", tmp_path / "nowhere" / "p.csv"), 3, "cannot write", "does not exist")
+    fails(
+        adapt(setup, setup["train"], "--predictions", tmp_path / "nowhere" / "p.csv"),
+        3,
+        "cannot write",
+        "does not exist",
+    )
 
 
 def test_output_that_is_a_folder(setup, tmp_path):
     fails(stats(setup, setup["train"], "--out", tmp_path), 3, "is a folder")
     # Path() drops a trailing slash: a file named as the folder would be written
-    fails(adapt(setup, setup["train"], "--metrics-json", f"{tmp_path / 'newdir'}/"), 3, "names a folder (it ends with /)")
+    fails(
+        adapt(setup, setup["train"], "--metrics-json", f"{tmp_path / 'newdir'}/"), 3, "names a folder (it ends with /)"
+    )
     assert not (tmp_path / "newdir").exists()
 
 
@@ -59,8 +65,11 @@ def test_a_folder_that_looks_writable_but_takes_no_files_fails_before_the_run(se
 
 def test_an_output_under_a_file_names_the_file_not_a_folder(setup, tmp_path):
     (tmp_path / "mk.py").write_text("")
-    fails(stats(setup, setup["train"], "--out", tmp_path / "mk.py" / "x.safetensors"), 3,
-          f"cannot write {tmp_path / 'mk.py' / 'x.safetensors'}: {tmp_path / 'mk.py'} is a file, not a folder")
+    fails(
+        stats(setup, setup["train"], "--out", tmp_path / "mk.py" / "x.safetensors"),
+        3,
+        f"cannot write {tmp_path / 'mk.py' / 'x.safetensors'}: {tmp_path / 'mk.py'} is a file, not a folder",
+    )
 
 
 def test_demo_workdir_that_is_a_file(tmp_path):
@@ -103,7 +112,11 @@ def _safetensors_parts(data: bytes) -> tuple[dict, bytes]:
 def test_a_full_disk_names_the_output(setup, tmp_path):
     """/dev/full answers every write with ENOSPC: the error names the output, exit 1."""
     for option in ("--predictions", "--metrics-json"):
-        fails(adapt(setup, setup["train"], option, "/dev/full"), 1, "cannot write /dev/full: No space left on device; free space")
+        fails(
+            adapt(setup, setup["train"], option, "/dev/full"),
+            1,
+            "cannot write /dev/full: No space left on device; free space",
+        )
     fails(stats(setup, setup["train"], "--out", "/dev/full"), 1, "cannot write /dev/full: No space left on device")
 
 
@@ -127,9 +140,28 @@ def test_a_write_that_fails_midway_names_the_output_and_keeps_the_old_file(setup
 
     old = tmp_path / "p.csv"
     old.write_text("previous results\n")
-    run = subprocess.run([sys.executable, "-c", SIZE_LIMITED, "adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET,
-                          "--data", str(setup["train"]), "--batch-size", "4", "--predictions", str(old), "--quiet"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SIZE_LIMITED,
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["train"]),
+            "--batch-size",
+            "4",
+            "--predictions",
+            str(old),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1, run.stderr
     assert run.stderr.strip().splitlines()[-1] == f"cafa: error: cannot write {old}: File too large"
     assert old.read_text() == "previous results\n"
@@ -139,7 +171,9 @@ def test_a_write_that_fails_midway_names_the_output_and_keeps_the_old_file(setup
 def test_predictions_replace_the_file_only_when_the_run_completes(setup, tmp_path):
     old = tmp_path / "p.csv"
     old.write_text("previous results\n")
-    fails(adapt(setup, setup["train"], "--predictions", old, "--resize", "8", "--crop", "16"), 2)  # fails before any record
+    fails(
+        adapt(setup, setup["train"], "--predictions", old, "--resize", "8", "--crop", "16"), 2
+    )  # fails before any record
     assert old.read_text() == "previous results\n"
     result = adapt(setup, setup["train"], "--predictions", old, "--quiet")
     assert result.exit_code == 0 and result.stdout == ""
@@ -163,6 +197,8 @@ def test_an_interrupt_after_an_output_is_complete_says_so(setup, tmp_path, monke
     assert result.exit_code == 130
     assert result.stderr.strip() == f"cafa: interrupted after writing {metrics} completely"
     assert metrics.is_file()
-    monkeypatch.setattr("cafa_cli.jobs.adapt.write_json", lambda path, payload: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(
+        "cafa_cli.jobs.adapt.write_json", lambda path, payload: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
     result = adapt(setup, setup["train"], "--metrics-json", tmp_path / "other.json", "--quiet")
     assert result.exit_code == 130 and result.stderr.strip() == "cafa: interrupted"

@@ -26,11 +26,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
+from test_artifact import write
 
 from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.errors import InputError
 from cafa_cli.jobs.inspect import describe, render
-from test_artifact import write
 
 EXAMPLES = int(os.environ.get("CAFA_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
@@ -96,7 +96,9 @@ covariances = st.sampled_from(sorted(VALID))
 
 
 @FUZZ
-@given(covariances, st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 7)), min_size=1, max_size=8), st.booleans())
+@given(
+    covariances, st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 7)), min_size=1, max_size=8), st.booleans()
+)
 def test_bit_flips(covariance, flips, load_tensors):
     data = bytearray(VALID[covariance])
     for position, bit in flips:
@@ -105,7 +107,13 @@ def test_bit_flips(covariance, flips, load_tensors):
 
 
 @FUZZ
-@given(covariances, st.integers(0, 10**9), st.integers(0, 10**9), st.binary(max_size=64), st.sampled_from(["insert", "delete", "overwrite", "truncate"]))
+@given(
+    covariances,
+    st.integers(0, 10**9),
+    st.integers(0, 10**9),
+    st.binary(max_size=64),
+    st.sampled_from(["insert", "delete", "overwrite", "truncate"]),
+)
 def test_truncations_insertions_deletions(covariance, where, length, chunk, how):
     data = VALID[covariance]
     at = where % (len(data) + 1)
@@ -129,7 +137,22 @@ METADATA_KEYS = sorted({key for data in VALID.values() for key in split(data)[0]
 metadata_values = st.one_of(
     st.text(max_size=40),
     json_values.map(lambda v: json.dumps(v)),  # valid JSON of the wrong shape
-    st.sampled_from(["0", "-1", "1e400", "NaN", "Infinity", "99999999999999999999", "3.0", " 3", "[]", "{}", "null", '["a","a","b"]']),
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1e400",
+            "NaN",
+            "Infinity",
+            "99999999999999999999",
+            "3.0",
+            " 3",
+            "[]",
+            "{}",
+            "null",
+            '["a","a","b"]',
+        ]
+    ),
 )
 
 
@@ -153,7 +176,9 @@ def _mutated_field(key: str):
 
 structured = st.sampled_from(sorted(STRUCTURED)).flatmap(lambda key: st.tuples(st.just(key), _mutated_field(key)))
 changes = st.lists(
-    st.tuples(st.sampled_from(METADATA_KEYS + ["extra"]), metadata_values | st.none()) | structured, min_size=1, max_size=4
+    st.tuples(st.sampled_from(METADATA_KEYS + ["extra"]), metadata_values | st.none()) | structured,
+    min_size=1,
+    max_size=4,
 )
 
 
@@ -175,7 +200,9 @@ def tensor_names(covariance: str) -> list[str]:
 
 
 @FUZZ
-@given(covariances, st.integers(0, 99), st.sampled_from(["dtype", "shape", "data_offsets", "drop", "replace"]), json_values)
+@given(
+    covariances, st.integers(0, 99), st.sampled_from(["dtype", "shape", "data_offsets", "drop", "replace"]), json_values
+)
 def test_tensor_entries_and_metadata_types(covariance, pick, field, value):
     header, body = split(VALID[covariance])
     names = tensor_names(covariance) + ["__metadata__"]
@@ -222,7 +249,11 @@ def test_tensor_values(covariance, pick, index, value, integer):
     size = {"F32": 4, "F64": 8, "I64": 8}[dtype]
     at = start + (index % ((end - start) // size)) * size
     with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: one more bad value
-        packed = np.array([integer if dtype == "I64" else value]).astype({"F32": "<f4", "F64": "<f8", "I64": "<i8"}[dtype]).tobytes()
+        packed = (
+            np.array([integer if dtype == "I64" else value])
+            .astype({"F32": "<f4", "F64": "<f8", "I64": "<i8"}[dtype])
+            .tobytes()
+        )
     check(join(header, body[:at] + packed + body[at + size :]))
 
 

@@ -31,8 +31,14 @@ aten = torch.ops.aten
 # operators whose result the host needs at once: item, bool, int and float all end in
 # _local_scalar_dense; nonzero, masked_select, unique and a boolean index size their output
 WAITS = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
-    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor,
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.equal.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
 }
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 PYTHON_READS = ("tolist", "numpy", "cpu", "__array__")
@@ -70,7 +76,9 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in WAITS and not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None):
             self.note(str(func), args[0])
-        elif func in INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+        elif func in INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
             self.note(f"{func} with a boolean mask", args[0])
         return func(*args, **kwargs)
 
@@ -115,8 +123,14 @@ def test_the_recorder_sees_each_kind_of_read():
     """Without this the tests below could pass by seeing nothing."""
     t = torch.tensor([1.0, float("nan")])
     reads = [
-        lambda: bool(torch.isfinite(t).all()), lambda: t.sum().item(), lambda: t.nonzero(), lambda: t[t > 0],
-        lambda: t.tolist(), lambda: t.cpu(), lambda: float(t[0]), lambda: t.clone().__setitem__(t > 0, 0.0),
+        lambda: bool(torch.isfinite(t).all()),
+        lambda: t.sum().item(),
+        lambda: t.nonzero(),
+        lambda: t[t > 0],
+        lambda: t.tolist(),
+        lambda: t.cpu(),
+        lambda: float(t[0]),
+        lambda: t.clone().__setitem__(t > 0, 0.0),
     ]
     for read in reads:
         with HostReads() as mode:
@@ -176,8 +190,18 @@ def test_no_optimiser_path_reads_a_device_value(trained, optimizer, fused, scale
     assert steady_reads(adapter, x) == []
 
 
-@pytest.mark.parametrize("method, covariance", [("tent", "full"), ("global-fa", "full"), ("cafa", "full"), ("euclidean", "full"),
-                                                ("cafa", "tied"), ("cafa", "diag"), ("cafa", "lowrank")])
+@pytest.mark.parametrize(
+    "method, covariance",
+    [
+        ("tent", "full"),
+        ("global-fa", "full"),
+        ("cafa", "full"),
+        ("euclidean", "full"),
+        ("cafa", "tied"),
+        ("cafa", "diag"),
+        ("cafa", "lowrank"),
+    ],
+)
 def test_forward_and_loss_trace_as_one_graph(trained, method, covariance):
     """What --compile compiles for a method that trains: with nothing read on the host, the
     forward pass, the loss and the distances' refinement are one graph (and so is the

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from PIL import Image
 from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import factory, fails, rows
+from PIL import Image
 from safetensors.torch import save_file
 
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.errors import UsageError
 from cafa_cli.factories import parse_model_args
 from cafa_cli.jobs.shared.inputs import default_preprocessing
-from cafa_cli.errors import UsageError
 from cafa_cli.models import resolve
 
 RGB = ["--resize", "none", "--crop", "none", "--mean", "0.5", "--std", "0.25", "--channels", "3"]
@@ -35,16 +35,27 @@ def metrics(path) -> dict:
 
 
 def test_model_args_are_python_literals_else_text():
-    assert parse_model_args(["image_size=64", "drop=0.1", "act=gelu", "name='x y'", "size=(32, 32)", "bias=False",
-                             "extra=None"]) == {"image_size": 64, "drop": 0.1, "act": "gelu", "name": "x y",
-                                                "size": (32, 32), "bias": False, "extra": None}
+    assert parse_model_args(
+        ["image_size=64", "drop=0.1", "act=gelu", "name='x y'", "size=(32, 32)", "bias=False", "extra=None"]
+    ) == {"image_size": 64, "drop": 0.1, "act": "gelu", "name": "x y", "size": (32, 32), "bias": False, "extra": None}
 
 
-@pytest.mark.parametrize("texts, needle", [(["image_size"], "expected KEY=VALUE"), (["1x=2"], "expected KEY=VALUE"),
-                                           (["a=1", "a=2"], "gives a twice")])
+@pytest.mark.parametrize(
+    "texts, needle",
+    [(["image_size"], "expected KEY=VALUE"), (["1x=2"], "expected KEY=VALUE"), (["a=1", "a=2"], "gives a twice")],
+)
 def test_malformed_model_args_are_usage_errors(setup, texts, needle):
-    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN,
-                    *[arg for text in texts for arg in ("--model-arg", text)])
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        setup["train"],
+        *PLAIN,
+        *[arg for text in texts for arg in ("--model-arg", text)],
+    )
     fails(result, 2, needle)
 
 
@@ -54,40 +65,98 @@ def test_a_torchvision_model_by_name_takes_factory_arguments_and_adapt_rebuilds_
     torch.manual_seed(0)
     weights = tmp_path / "mnv3.safetensors"
     save_file(torchvision.models.mobilenet_v3_small(width_mult=0.5, num_classes=3).state_dict(), weights)
-    model = ["--model", "torchvision:mobilenet_v3_small", "--model-arg", "width_mult=0.5", "--model-arg", "num_classes=3"]
+    model = [
+        "--model",
+        "torchvision:mobilenet_v3_small",
+        "--model-arg",
+        "width_mult=0.5",
+        "--model-arg",
+        "num_classes=3",
+    ]
     artifact = tmp_path / "s.safetensors"
-    made = invoke("stats", *model, "--weights", weights, "--data", train, *RGB, "--fraction", "1", "--out", artifact, "-q")
+    made = invoke(
+        "stats", *model, "--weights", weights, "--data", train, *RGB, "--fraction", "1", "--out", artifact, "-q"
+    )
     assert made.exit_code == 0, made.stderr
     recorded = json.loads(invoke("inspect", artifact, "--json").stdout)["model"]
     assert recorded["model"] == "torchvision:mobilenet_v3_small" and recorded["num_classes"] == 3
     assert recorded["model_args"] == {"width_mult": "0.5"}
 
     # the artifact alone names the model: no --model, and no code of a file runs for it
-    result = invoke("adapt", "--stats", artifact, "--data", train, "--batch-size", "6", "--metrics-json", tmp_path / "m.json")
+    result = invoke(
+        "adapt", "--stats", artifact, "--data", train, "--batch-size", "6", "--metrics-json", tmp_path / "m.json"
+    )
     assert result.exit_code == 0, result.stderr
     assert len(rows(result)) == 18
     assert metrics(tmp_path / "m.json")["settings"]["model_args"] == {"width_mult": "0.5"}
 
     # named again, the model takes the artifact's arguments, as it takes its weights; built without them it is another
-    again = invoke("adapt", "--model", "torchvision:mobilenet_v3_small", "--stats", artifact, "--data", train, "--batch-size", "6",
-                   "-q")
+    again = invoke(
+        "adapt",
+        "--model",
+        "torchvision:mobilenet_v3_small",
+        "--stats",
+        artifact,
+        "--data",
+        train,
+        "--batch-size",
+        "6",
+        "-q",
+    )
     assert again.exit_code == 0 and again.stdout == result.stdout, again.stderr
-    without = invoke("adapt", "--model", "torchvision:mobilenet_v3_small", "--num-classes", "3", "--weights", weights,
-                     "--method", "source", "--data", train)
+    without = invoke(
+        "adapt",
+        "--model",
+        "torchvision:mobilenet_v3_small",
+        "--num-classes",
+        "3",
+        "--weights",
+        weights,
+        "--method",
+        "source",
+        "--data",
+        train,
+    )
     fails(without, 3, "--weights", "shapes do not match the model")
-    other = invoke("adapt", "--model", "torchvision:mobilenet_v3_small", "--model-arg", "width_mult=0.5", "--model-arg",
-                   "dropout=0.5", "--num-classes", "3", "--weights", weights, "--stats", artifact, "--data", train)
+    other = invoke(
+        "adapt",
+        "--model",
+        "torchvision:mobilenet_v3_small",
+        "--model-arg",
+        "width_mult=0.5",
+        "--model-arg",
+        "dropout=0.5",
+        "--num-classes",
+        "3",
+        "--weights",
+        weights,
+        "--stats",
+        artifact,
+        "--data",
+        train,
+    )
     fails(other, 3, "with --model-arg width_mult=0.5, not width_mult=0.5 dropout=0.5")
 
 
 def test_a_keyword_the_constructor_does_not_take_is_named(setup):
-    result = invoke("stats", "--model", "torchvision:resnet18", "--model-arg", "depth=3", "--weights", setup["weights"],
-                    "--data", setup["train"])
+    result = invoke(
+        "stats",
+        "--model",
+        "torchvision:resnet18",
+        "--model-arg",
+        "depth=3",
+        "--weights",
+        setup["weights"],
+        "--data",
+        setup["train"],
+    )
     fails(result, 2, "--model torchvision:resnet18:", "depth", "check --model-arg")
 
 
 def test_an_unknown_torchvision_name_gets_a_did_you_mean(setup):
-    result = invoke("stats", "--model", "torchvision:resnet-18", "--weights", setup["weights"], "--data", setup["train"])
+    result = invoke(
+        "stats", "--model", "torchvision:resnet-18", "--weights", setup["weights"], "--data", setup["train"]
+    )
     fails(result, 2, "no such torchvision classification model", "did you mean resnet18")
 
 
@@ -106,16 +175,36 @@ def test_a_timm_model_by_name_with_its_declared_preprocessing(tmp_path):
     assert made.exit_code == 0, made.stderr
     summary = json.loads(invoke("inspect", artifact, "--json").stdout)
     # timm's pretrained config: crop_pct 0.95, bicubic, mean and std 0.5; the input is img_size's 32
-    assert summary["preprocessing"] == {"resize": 33, "crop": 32, "mean": [0.5] * 3, "std": [0.5] * 3, "channels": 3,
-                                        "interpolation": "bicubic"}
+    assert summary["preprocessing"] == {
+        "resize": 33,
+        "crop": 32,
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "channels": 3,
+        "interpolation": "bicubic",
+    }
     assert summary["sampling"]["input_size"] == [32, 32]
-    result = invoke("adapt", "--stats", artifact, "--data", train, "--batch-size", "6", "--metrics-json", tmp_path / "m.json")
+    result = invoke(
+        "adapt", "--stats", artifact, "--data", train, "--batch-size", "6", "--metrics-json", tmp_path / "m.json"
+    )
     assert result.exit_code == 0, result.stderr
     assert len(rows(result)) == 18
     assert "in LayerNorm" in result.stderr  # a ViT adapts its LayerNorms
-    assert metrics(tmp_path / "m.json")["adapted"]["layers"] == {"LayerNorm": metrics(tmp_path / "m.json")["adapted"]["tensors"]}
-    changed = invoke("adapt", "--stats", artifact, "--data", train, "--interpolation", "bilinear", "--metrics-json",
-                     tmp_path / "b.json", "-q")
+    assert metrics(tmp_path / "m.json")["adapted"]["layers"] == {
+        "LayerNorm": metrics(tmp_path / "m.json")["adapted"]["tensors"]
+    }
+    changed = invoke(
+        "adapt",
+        "--stats",
+        artifact,
+        "--data",
+        train,
+        "--interpolation",
+        "bilinear",
+        "--metrics-json",
+        tmp_path / "b.json",
+        "-q",
+    )
     assert changed.exit_code == 0, changed.stderr
     assert metrics(tmp_path / "b.json")["settings"]["preprocessing"]["interpolation"] == "bilinear"
 
@@ -146,24 +235,46 @@ def test_timm_pretrained_weights_come_from_the_hugging_face_cache_only(tmp_path,
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     missing = invoke("stats", "--model", "timm:test_vit", "--weights", "r160_in1k", "--data", tmp_path)
-    fails(missing, 3, "--weights r160_in1k: timm's timm/test_vit.r160_in1k", f"hub cache {tmp_path / 'hub'}",
-          "cafa downloads nothing")
+    fails(
+        missing,
+        3,
+        "--weights r160_in1k: timm's timm/test_vit.r160_in1k",
+        f"hub cache {tmp_path / 'hub'}",
+        "cafa downloads nothing",
+    )
 
     torch.manual_seed(0)
     state = timm.create_model("test_vit").state_dict()
     save_file(state, tmp_path / "w.safetensors")
-    _hf_cache(tmp_path / "hub", "timm/test_vit.r160_in1k", "model.safetensors", (tmp_path / "w.safetensors").read_bytes())
+    _hf_cache(
+        tmp_path / "hub", "timm/test_vit.r160_in1k", "model.safetensors", (tmp_path / "w.safetensors").read_bytes()
+    )
     net, spec = resolve("timm:test_vit", "r160_in1k")
-    assert spec.weights == "r160_in1k" and spec.weights_sha256 == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
+    assert (
+        spec.weights == "r160_in1k"
+        and spec.weights_sha256 == hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
+    )
     assert all(torch.equal(net.model.state_dict()[name], value) for name, value in state.items())
-    with pytest.raises(UsageError, match="has 1000 outputs, and `num_classes` 10 would put an untrained, random classifier"):
+    with pytest.raises(
+        UsageError, match="has 1000 outputs, and `num_classes` 10 would put an untrained, random classifier"
+    ):
         resolve("timm:test_vit", "r160_in1k", num_classes=10)  # timm would drop the pretrained head for a random one
 
     altered = tmp_path / "altered"
-    _hf_cache(altered, "timm/test_vit.r160_in1k", "model.safetensors", (tmp_path / "w.safetensors").read_bytes(), blob="ab" * 32)
+    _hf_cache(
+        altered,
+        "timm/test_vit.r160_in1k",
+        "model.safetensors",
+        (tmp_path / "w.safetensors").read_bytes(),
+        blob="ab" * 32,
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(altered))
-    fails(invoke("stats", "--model", "timm:test_vit", "--weights", "r160_in1k", "--data", tmp_path), 3,
-          "has sha256", "not the abababababab... its name promises (a partial or altered download)")
+    fails(
+        invoke("stats", "--model", "timm:test_vit", "--weights", "r160_in1k", "--data", tmp_path),
+        3,
+        "has sha256",
+        "not the abababababab... its name promises (a partial or altered download)",
+    )
 
 
 # --- torchvision weights by name ----------------------------------------------------
@@ -189,7 +300,9 @@ def cache_resnet18(cache, monkeypatch) -> dict:
     return state
 
 
-def test_torchvision_weights_by_name_come_from_the_hub_cache_with_their_preprocessing(tmp_path, torch_home, monkeypatch):
+def test_torchvision_weights_by_name_come_from_the_hub_cache_with_their_preprocessing(
+    tmp_path, torch_home, monkeypatch
+):
     state = cache_resnet18(torch_home, monkeypatch)
     net, spec = resolve("resnet18", "IMAGENET1K_V1")
     assert spec.weights == "ResNet18_Weights.IMAGENET1K_V1"
@@ -198,13 +311,32 @@ def test_torchvision_weights_by_name_come_from_the_hub_cache_with_their_preproce
     data = write_folder(tmp_path / "test", per_class=2, classes=("n01", "n02"))
     classes = tmp_path / "classes.txt"
     classes.write_text("".join(f"n{i:02d}\n" for i in range(1000)))
-    result = invoke("adapt", "--model", "torchvision:resnet18", "--weights", "ResNet18_Weights.IMAGENET1K_V1", "--method", "source",
-                    "--classes", classes, "--data", data, "--metrics-json", tmp_path / "m.json")
+    result = invoke(
+        "adapt",
+        "--model",
+        "torchvision:resnet18",
+        "--weights",
+        "ResNet18_Weights.IMAGENET1K_V1",
+        "--method",
+        "source",
+        "--classes",
+        classes,
+        "--data",
+        data,
+        "--metrics-json",
+        tmp_path / "m.json",
+    )
     assert result.exit_code == 0, result.stderr
     settings = metrics(tmp_path / "m.json")["settings"]
     assert settings["weights"] == "ResNet18_Weights.IMAGENET1K_V1"
-    assert settings["preprocessing"] == {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
-                                         "channels": 3, "interpolation": "bilinear"}
+    assert settings["preprocessing"] == {
+        "resize": 256,
+        "crop": 224,
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "channels": 3,
+        "interpolation": "bilinear",
+    }
     assert "adapting nothing: --method source" in result.stderr
 
 
@@ -218,8 +350,13 @@ def test_the_preprocessing_torchvision_weights_declare_and_flags_override():
 
 def test_weights_missing_from_the_cache_name_the_file_and_the_folder(setup, torch_home):
     result = invoke("stats", "--model", "resnet18", "--weights", "IMAGENET1K_V1", "--data", setup["train"])
-    fails(result, 3, "--weights ResNet18_Weights.IMAGENET1K_V1: resnet18-f37072fd.pth is not in torch's hub cache",
-          str(torch_home), "cafa downloads nothing")
+    fails(
+        result,
+        3,
+        "--weights ResNet18_Weights.IMAGENET1K_V1: resnet18-f37072fd.pth is not in torch's hub cache",
+        str(torch_home),
+        "cafa downloads nothing",
+    )
     unknown = invoke("stats", "--model", "resnet18", "--weights", "IMAGENET1K_V9", "--data", setup["train"])
     fails(unknown, 2, "--weights IMAGENET1K_V9: no such file, nor weights of resnet18 by that name", "IMAGENET1K_V1")
 
@@ -236,17 +373,34 @@ def test_a_cached_file_whose_sha256_differs_from_its_name_is_refused(setup, torc
 
 
 def test_a_module_in_the_working_folder_is_importable_and_takes_model_args(setup, tmp_path, monkeypatch):
-    (tmp_path / "cwd_models.py").write_text(f"import sys\nsys.path.insert(0, {str(TINY_NET.rpartition('/')[0])!r})\n"
-                                            "import tiny_net\n\ndef small(num_classes=3, width=8):\n"
-                                            "    return tiny_net.TinyNet(num_classes=num_classes, width=width)\n")
+    (tmp_path / "cwd_models.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TINY_NET.rpartition('/')[0])!r})\n"
+        "import tiny_net\n\ndef small(num_classes=3, width=8):\n"
+        "    return tiny_net.TinyNet(num_classes=num_classes, width=width)\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
     torch.manual_seed(0)
     import tiny_net
 
     torch.save(tiny_net.TinyNet(width=4).state_dict(), tmp_path / "w4.pt")
-    result = invoke("stats", "--model", "cwd_models:small", "--model-arg", "width=4", "--weights", tmp_path / "w4.pt",
-                    "--data", setup["train"], *PLAIN, "--fraction", "1", "--out", tmp_path / "s.safetensors", "-q")
+    result = invoke(
+        "stats",
+        "--model",
+        "cwd_models:small",
+        "--model-arg",
+        "width=4",
+        "--weights",
+        tmp_path / "w4.pt",
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
     shown = json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)
     # recorded by the name typed and with its argument, so that adapt can build the same model again
@@ -262,27 +416,67 @@ def test_a_module_in_the_working_folder_is_importable_and_takes_model_args(setup
 
 
 def test_adapt_says_what_it_adapts_on_stderr_and_in_the_metrics(setup, tmp_path):
-    result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--batch-size", "6",
-                    "--metrics-json", tmp_path / "m.json")
+    result = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--data",
+        setup["train"],
+        "--batch-size",
+        "6",
+        "--metrics-json",
+        tmp_path / "m.json",
+    )
     assert result.exit_code == 0, result.stderr
     # tiny_net: three BatchNorm2d (8, 16 and 16 channels), a weight and a bias each
     assert "adapting 6 tensors (80 parameters) in BatchNorm2d\n" in result.stderr
-    assert metrics(tmp_path / "m.json")["adapted"] == {"tensors": 6, "parameters": 80, "layers": {"BatchNorm2d": 6},
-                                                       "batch_norms": 3}
-    every = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--params", "all",
-                   "--batch-size", "6")
+    assert metrics(tmp_path / "m.json")["adapted"] == {
+        "tensors": 6,
+        "parameters": 80,
+        "layers": {"BatchNorm2d": 6},
+        "batch_norms": 3,
+    }
+    every = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--data",
+        setup["train"],
+        "--params",
+        "all",
+        "--batch-size",
+        "6",
+    )
     assert "adapting 11 tensors (1,534 parameters) in BatchNorm2d (6), Conv2d (3), Linear (2)" in every.stderr
     assert "warning" not in result.stderr + every.stderr
 
 
 def test_outputs_constant_across_the_first_batch_get_a_warning(setup, tmp_path):
-    zero_head = factory(tmp_path, "def build():\n    net = tiny_net.build()\n    torch.nn.init.zeros_(net.head[3].weight)\n"
-                                  "    torch.nn.init.zeros_(net.head[3].bias)\n    return net")
+    zero_head = factory(
+        tmp_path,
+        "def build():\n    net = tiny_net.build()\n    torch.nn.init.zeros_(net.head[3].weight)\n"
+        "    torch.nn.init.zeros_(net.head[3].bias)\n    return net",
+    )
     result = invoke("adapt", "--model", zero_head, "--method", "source", "--data", setup["train"], *PLAIN)
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("the same outputs") == 1, result.stderr
     assert "train: the model gave all 18 images of the first batch the same outputs" in result.stderr
-    plain = invoke("adapt", "--model", TINY_NET, "--weights", setup["weights"], "--method", "source", "--data", setup["train"], *PLAIN)
+    plain = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--method",
+        "source",
+        "--data",
+        setup["train"],
+        *PLAIN,
+    )
     assert plain.exit_code == 0 and "the same outputs" not in plain.stderr
 
 
@@ -290,8 +484,10 @@ def test_test_images_of_another_size_than_the_statistics_get_a_warning(setup, tm
     larger = write_folder(tmp_path / "larger", per_class=2, size=24)
     result = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", larger)
     assert result.exit_code == 0, result.stderr
-    assert ("larger: its images enter the model at 24x24 pixels, the statistics' at 16x16 (resize none, crop none): "
-            "the features will not match the statistics") in result.stderr
+    assert (
+        "larger: its images enter the model at 24x24 pixels, the statistics' at 16x16 (resize none, crop none): "
+        "the features will not match the statistics"
+    ) in result.stderr
 
 
 # --- --interpolation ------------------------------------------------------------------
@@ -299,12 +495,50 @@ def test_test_images_of_another_size_than_the_statistics_get_a_warning(setup, tm
 
 def test_interpolation_is_a_setting_recorded_with_the_preprocessing(setup, tmp_path):
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8))
-    resized = {mode: Preprocessing(resize=12, crop=None, interpolation=mode).pixels(image) for mode in ("bilinear", "bicubic", "nearest")}
-    assert not torch.equal(resized["bilinear"], resized["bicubic"]) and not torch.equal(resized["bilinear"], resized["nearest"])
-    assert Preprocessing.from_dict({"resize": 8, "crop": None, "mean": [0], "std": [1], "channels": 1}).interpolation == "bilinear"
-    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], *PLAIN, "--resize", "12",
-                    "--interpolation", "nearest", "--fraction", "1", "--out", tmp_path / "s.safetensors", "-q")
+    resized = {
+        mode: Preprocessing(resize=12, crop=None, interpolation=mode).pixels(image)
+        for mode in ("bilinear", "bicubic", "nearest")
+    }
+    assert not torch.equal(resized["bilinear"], resized["bicubic"]) and not torch.equal(
+        resized["bilinear"], resized["nearest"]
+    )
+    assert (
+        Preprocessing.from_dict({"resize": 8, "crop": None, "mean": [0], "std": [1], "channels": 1}).interpolation
+        == "bilinear"
+    )
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        setup["train"],
+        *PLAIN,
+        "--resize",
+        "12",
+        "--interpolation",
+        "nearest",
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+        "-q",
+    )
     assert result.exit_code == 0, result.stderr
-    assert json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)["preprocessing"]["interpolation"] == "nearest"
-    wrong = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", setup["train"], "--interpolation", "lanczos")
+    assert (
+        json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)["preprocessing"]["interpolation"]
+        == "nearest"
+    )
+    wrong = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        setup["train"],
+        "--interpolation",
+        "lanczos",
+    )
     fails(wrong, 2, "--interpolation must be one of bilinear, bicubic, nearest, not 'lanczos'")

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ASSETS, PLAIN, TINY_NET, tiny_training_set
 from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
-from conftest import ASSETS, PLAIN, TINY_NET, tiny_training_set
 
 EXIT_INTERRUPTED = 130
 
@@ -67,16 +67,21 @@ runpy.run_module("cafa_cli", run_name="__main__")
 class Run:
     """One `cafa` process, signalled with `sig` once `ready(run)` holds."""
 
-    def __init__(self, folder: Path, args: list, ready, sig: signal.Signals, slow_write: bool = False, group: bool = False):
+    def __init__(
+        self, folder: Path, args: list, ready, sig: signal.Signals, slow_write: bool = False, group: bool = False
+    ):
         self.folder, self.ready, self.sig, self.group = folder, ready, sig, group
         self.marker = folder / "marker"
         self.stdout, self.stderr = folder / "stdout", folder / "stderr"
         env = {**os.environ, "CAFA_TEST_MARKER": str(self.marker), "CAFA_TEST_SLEEP": "0.4", "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-c", textwrap.dedent(SLOW_WRITE)] if slow_write else [sys.executable, "-m", "cafa_cli"]
+        command = (
+            [sys.executable, "-c", textwrap.dedent(SLOW_WRITE)] if slow_write else [sys.executable, "-m", "cafa_cli"]
+        )
         with open(self.stdout, "wb") as out, open(self.stderr, "wb") as err:
             # a session of its own: `group` signals reach the loader workers too, as Ctrl-C does
-            self.process = subprocess.Popen(command + [str(a) for a in args], stdout=out, stderr=err, env=env, cwd=folder,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command + [str(a) for a in args], stdout=out, stderr=err, env=env, cwd=folder, start_new_session=True
+            )
         self.signalled = False
         self.before = None  # the artifact's bytes before the run
 
@@ -110,7 +115,20 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         folder = root / f"stats-{sig.name}"
         folder.mkdir()
         out = folder / "s.safetensors"
-        args = ["stats", "--model", TINY_NET, "--weights", weights, *PLAIN, "--data", train, "--fraction", "1", "--out", out]
+        args = [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            weights,
+            *PLAIN,
+            "--data",
+            train,
+            "--fraction",
+            "1",
+            "--out",
+            out,
+        ]
         result = CliRunner().invoke(app, [str(a) for a in args] + ["--quiet"])  # the artifact a killed run must keep
         assert result.exit_code == 0, result.stderr
         before = out.read_bytes()
@@ -196,10 +214,16 @@ def _torch_loaded(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc to catch the process while it imports torch")
+@pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="reads /proc to catch the process while it imports torch"
+)
 def test_sigterm_while_torch_is_still_importing_exits_130(tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "cafa_cli", "inspect", tmp_path / "absent.safetensors"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cafa_cli", "inspect", tmp_path / "absent.safetensors"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 30
         while not _catches_sigterm(process.pid) and time.monotonic() < deadline:

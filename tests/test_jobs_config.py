@@ -4,8 +4,8 @@ defaults and their checks; the command line is generated from them."""
 from __future__ import annotations
 
 import subprocess
-import typing
 import sys
+import typing
 from dataclasses import MISSING, fields
 
 import pytest
@@ -27,7 +27,9 @@ def test_every_setting_is_recorded_as_given_or_says_why_not(config_type):
     for f in fields(config_type):
         recorded = f.metadata.get("recorded")
         assert recorded is True or (isinstance(recorded, str) and recorded.strip()), f"{config_type.__name__}.{f.name}"
-    assert set(recorded_as_given(config_type)) == {f.name for f in fields(config_type) if f.metadata["recorded"] is True}
+    assert set(recorded_as_given(config_type)) == {
+        f.name for f in fields(config_type) if f.metadata["recorded"] is True
+    }
 
 
 @pytest.mark.parametrize("name", COMMANDS)
@@ -44,8 +46,11 @@ def test_every_setting_is_an_option_with_its_default(name):
 
 def _choices(command) -> dict[str, tuple]:
     """Each option's choices, as typer offers them (from the setting's Literal type)."""
-    return {p.name: typing.get_args(p.type_descriptor.annotation) for p in command.params
-            if typing.get_origin(getattr(getattr(p, "type_descriptor", None), "annotation", None)) is typing.Literal}
+    return {
+        p.name: typing.get_args(p.type_descriptor.annotation)
+        for p in command.params
+        if typing.get_origin(getattr(getattr(p, "type_descriptor", None), "annotation", None)) is typing.Literal
+    }
 
 
 def test_choices_are_the_librarys():
@@ -57,10 +62,15 @@ def test_choices_are_the_librarys():
     assert hints  # the Literal types, as typer lists them in --help
     command = typer.main.get_command(app).commands["adapt"]
     choices = _choices(command)
-    assert "method" not in choices  # a name or a plug-in (module:factory): the settings check it, the help lists the names
+    assert (
+        "method" not in choices
+    )  # a name or a plug-in (module:factory): the settings check it, the help lists the names
     assert all(name in command.params[[p.name for p in command.params].index("method")].help for name in NAMES)
     assert choices["optimizer"] == options.OPTIMIZERS and choices["params"] == options.PARAM_SETS
-    assert choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and choices["reset"] == settings.RESET_POLICIES
+    assert (
+        choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES)
+        and choices["reset"] == settings.RESET_POLICIES
+    )
     assert choices["format"] == settings.RECORD_FORMATS
     stats_choices = _choices(typer.main.get_command(app).commands["stats"])
     assert stats_choices["covariance"] == options.COVARIANCE_CHOICES
@@ -106,8 +116,9 @@ def test_adapter_options_are_the_adapters_keywords():
     assert set(AdaptConfig().adapter_options()) <= keywords
 
 
-@pytest.mark.parametrize("command", [[], ["stats"], ["adapt"], ["bench"], ["inspect"], ["methods"], ["demo"], ["plot"],
-                                     ["plot", "features"]])
+@pytest.mark.parametrize(
+    "command", [[], ["stats"], ["adapt"], ["bench"], ["inspect"], ["methods"], ["demo"], ["plot"], ["plot", "features"]]
+)
 def test_dash_h_is_help_on_every_command(command):
     short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
     assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage: cafa" in short.stdout

@@ -10,8 +10,26 @@ from pathlib import Path
 import cafa_cli
 
 ROOT = Path(cafa_cli.__file__).parent
-LAYERS = {"cli": 4, "jobs": 3, "artifact": 2, "artifact_format": 2, "provenance": 2, "models": 2, "hub": 2, "checkpoints": 2, "zoo": 2,
-          "method": 1, "data": 1, "recipes": 1, "errors": 0, "files": 0, "factories": 0, "devices": 0, "__init__": 0, "__main__": 5}
+LAYERS = {
+    "cli": 4,
+    "jobs": 3,
+    "artifact": 2,
+    "artifact_format": 2,
+    "provenance": 2,
+    "models": 2,
+    "hub": 2,
+    "checkpoints": 2,
+    "zoo": 2,
+    "method": 1,
+    "data": 1,
+    "recipes": 1,
+    "errors": 0,
+    "files": 0,
+    "factories": 0,
+    "devices": 0,
+    "__init__": 0,
+    "__main__": 5,
+}
 
 
 def _room(module: str) -> str:

@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 import cafa_cli.artifact_format as artifact_format
 import cafa_cli.method.distances as distances
 from cafa_cli.artifact import read_artifact, write_artifact
-from cafa_cli.method.distances import ClassDistances
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.jobs.inspect import condition_numbers
-from cafa_cli.models import ModelSpec
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import check_options, choose_covariance, estimate
+from cafa_cli.method.moments import ClassMoments
+from cafa_cli.models import ModelSpec
 
 C, D = 5, 40
 COUNTS = [12, 9, 12, 15, 5]  # every class has fewer samples than dimensions
@@ -40,7 +40,10 @@ def features(counts=COUNTS, dim=D, seed=0):
     xs, ys = [], []
     for c, n in enumerate(counts):
         mixing = torch.eye(dim, dtype=torch.float64) + 0.3 * torch.randn(dim, dim, generator=g, dtype=torch.float64)
-        xs.append((torch.randn(n, dim, generator=g, dtype=torch.float64) * scales) @ mixing + 4 * torch.randn(dim, generator=g, dtype=torch.float64))
+        xs.append(
+            (torch.randn(n, dim, generator=g, dtype=torch.float64) * scales) @ mixing
+            + 4 * torch.randn(dim, generator=g, dtype=torch.float64)
+        )
         ys.append(torch.full((n,), c))
     x, y = torch.cat(xs).float(), torch.cat(ys)
     order = torch.randperm(len(y), generator=g)
@@ -212,7 +215,9 @@ def test_forced_lowrank_with_a_folded_class_is_still_exact():
     low = estimate(moments, "lowrank", "auto")
     assert low.factors.shape == (C, 40, D)  # k = min(max N_c − 1, d)
     z = probes(x)
-    torch.testing.assert_close(ClassDistances(low)(z).double(), dense_reference(z, x, y, low.shrinkage), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        ClassDistances(low)(z).double(), dense_reference(z, x, y, low.shrinkage), rtol=1e-4, atol=0
+    )
 
 
 @pytest.mark.parametrize("fill", [False, True], ids=["below d", "some classes fill d"])
@@ -229,7 +234,9 @@ def test_conditioning_of_lowrank_is_exact(tmp_path, fill):
     for c in range(C):
         rows = x[y == c].double()
         s = torch.cov(rows.T, correction=0)
-        expected.append(torch.linalg.cond(0.8 * s + 0.2 * torch.trace(s) / D * torch.eye(D, dtype=torch.float64)).item())
+        expected.append(
+            torch.linalg.cond(0.8 * s + 0.2 * torch.trace(s) / D * torch.eye(D, dtype=torch.float64)).item()
+        )
     np.testing.assert_allclose(conds, expected, rtol=1e-4)
 
 
@@ -264,7 +271,9 @@ def test_lowrank_constant_class_is_named():
 
 def test_lowrank_with_a_shrinkage_too_small_for_float32_says_so():
     x, y = features()
-    with pytest.raises(InputError, match=r"too small to invert in float32; use `shrinkage` auto \(or a larger value\)") as info:
+    with pytest.raises(
+        InputError, match=r"too small to invert in float32; use `shrinkage` auto \(or a larger value\)"
+    ) as info:
         estimate(moments_of(x, y), "lowrank", 1e-320, NAMES)
     assert "do not vary" not in str(info.value)
 
@@ -286,7 +295,16 @@ def test_v2_round_trip(tmp_path):
     assert a.metadata["format_version"] == "2" and a.covariance == "lowrank"
     assert a.metadata["rank"] == str(max(COUNTS) - 1)
     r = a.gaussians
-    for name in ("means", "factors", "counts", "shrinkage", "global_mean", "global_covariance", "isotropic", "spectrum"):
+    for name in (
+        "means",
+        "factors",
+        "counts",
+        "shrinkage",
+        "global_mean",
+        "global_covariance",
+        "isotropic",
+        "spectrum",
+    ):
         assert getattr(r, name).dtype == getattr(g, name).dtype, name
         assert torch.equal(getattr(r, name), getattr(g, name)), name
     with safe_open(str(path), framework="pt") as f:
@@ -329,11 +347,26 @@ BAD = [
     ("negative-isotropic", {}, _set("lowrank_isotropic", 4, -1.0), "'lowrank_isotropic' has values ≤ 0"),
     ("negative-spectrum", {}, _set("lowrank_spectrum", (1, 0), -0.5), "'lowrank_spectrum' has negative"),
     ("not-orthonormal", {}, _set("lowrank_basis", (4, 0, 0), 0.9), "not orthonormal"),
-    ("rank-disagrees", {"rank": "13"}, None, r"'lowrank_basis' has shape \(5, 14, 40\), metadata implies \(5, 13, 40\)"),
+    (
+        "rank-disagrees",
+        {"rank": "13"},
+        None,
+        r"'lowrank_basis' has shape \(5, 14, 40\), metadata implies \(5, 13, 40\)",
+    ),
     ("rank-missing", {"rank": None}, None, "metadata 'rank'"),
     ("rank-too-big", {"rank": "41"}, None, "metadata 'rank' is 41"),
-    ("spectrum-shape", {}, lambda t: t.__setitem__("lowrank_spectrum", t["lowrank_spectrum"][:, :3].clone()), r"'lowrank_spectrum' has shape \(5, 3\)"),
-    ("basis-dtype", {}, lambda t: t.__setitem__("lowrank_basis", t["lowrank_basis"].double()), "'lowrank_basis' has dtype F64"),
+    (
+        "spectrum-shape",
+        {},
+        lambda t: t.__setitem__("lowrank_spectrum", t["lowrank_spectrum"][:, :3].clone()),
+        r"'lowrank_spectrum' has shape \(5, 3\)",
+    ),
+    (
+        "basis-dtype",
+        {},
+        lambda t: t.__setitem__("lowrank_basis", t["lowrank_basis"].double()),
+        "'lowrank_basis' has dtype F64",
+    ),
     ("missing", {}, lambda t: t.pop("lowrank_isotropic"), "tensors missing: lowrank_isotropic"),
 ]
 
@@ -366,13 +399,39 @@ def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=4)  # 4 images per class < d = 6
     test = write_folder(tmp_path / "test", per_class=6, seed=3, shift=0.3)
     out = tmp_path / "s.safetensors"
-    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", train, *PLAIN, "--fraction", "1", "--out", out)
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        "--data",
+        train,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.stderr
     assert "covariance lowrank" in result.stderr
     artifact = read_artifact(out)
     assert artifact.metadata["covariance"] == "lowrank" and artifact.metadata["format_version"] == "2"
     assert artifact.gaussians.factors.shape == (3, 3, 6)
-    result = invoke("adapt", "--stats", out, "--model", TINY_NET, "--data", test, "--batch-size", "6", "--quiet", "--metrics-json", tmp_path / "m.json")
+    result = invoke(
+        "adapt",
+        "--stats",
+        out,
+        "--model",
+        TINY_NET,
+        "--data",
+        test,
+        "--batch-size",
+        "6",
+        "--quiet",
+        "--metrics-json",
+        tmp_path / "m.json",
+    )
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.strip().splitlines()) == 1 + 18
     assert json.loads((tmp_path / "m.json").read_text())["settings"]["covariance"] == "lowrank"
@@ -383,7 +442,22 @@ def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
     result = invoke("inspect", out)
     assert result.exit_code == 0 and "lowrank, 3 basis rows per class" in result.stdout
     forced = tmp_path / "full.safetensors"
-    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", train, *PLAIN, "--fraction", "1", "--covariance", "full", "--out", forced)
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        "--data",
+        train,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--covariance",
+        "full",
+        "--out",
+        forced,
+    )
     assert result.exit_code == 0, result.stderr
     assert read_artifact(forced).covariance == "full"
 
@@ -391,7 +465,22 @@ def test_cli_auto_writes_lowrank_and_adapt_runs_with_it(tmp_path, tiny_weights):
 def test_cli_lowrank_with_zero_shrinkage_is_a_usage_error(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=4)
     out = tmp_path / "s.safetensors"
-    result = invoke("stats", "--model", TINY_NET, "--weights", tiny_weights, "--data", train, *PLAIN, "--covariance", "lowrank", "--shrinkage", "0", "--out", out)
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        tiny_weights,
+        "--data",
+        train,
+        *PLAIN,
+        "--covariance",
+        "lowrank",
+        "--shrinkage",
+        "0",
+        "--out",
+        out,
+    )
     assert result.exit_code == 2
     assert "lowrank needs shrinkage" in result.stderr
     assert not out.exists()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import re
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -15,11 +15,11 @@ from helpers import factory, fails, stats_with_model
 from safetensors.torch import save_file
 from torch import nn
 
+from cafa_cli.checkpoints import read_state_dict
+from cafa_cli.devices import pick_device
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.method.features import FeatureClassifier, find_classifier
 from cafa_cli.models import build_model, resolve
-from cafa_cli.devices import pick_device
-from cafa_cli.checkpoints import read_state_dict
 
 
 def small_images(n=2, channels=3, size=32):
@@ -125,12 +125,15 @@ def test_classifier_not_called_in_forward():
         FeatureClassifier(Skips())(torch.zeros(2, 4))
 
 
-@pytest.mark.parametrize(("output", "needle"), [
-    (lambda y: (y, y), "returns a tuple for a batch of 2"),
-    (lambda y: y[:1], "of shape [1, 3] for a batch of 2"),  # a dropped row would drop a record
-    (lambda y: y.unsqueeze(1), "of shape [2, 1, 3]"),
-    (lambda y: y.long(), "torch.int64 of shape [2, 3]"),
-])
+@pytest.mark.parametrize(
+    ("output", "needle"),
+    [
+        (lambda y: (y, y), "returns a tuple for a batch of 2"),
+        (lambda y: y[:1], "of shape [1, 3] for a batch of 2"),  # a dropped row would drop a record
+        (lambda y: y.unsqueeze(1), "of shape [2, 1, 3]"),
+        (lambda y: y.long(), "torch.int64 of shape [2, 3]"),
+    ],
+)
 def test_a_forward_that_does_not_return_logits_is_named(output, needle):
     class Odd(nn.Module):
         def __init__(self):
@@ -201,8 +204,11 @@ def test_factory_that_raises(tmp_path):
 
 
 def test_malformed_factory_spec():
-    with pytest.raises(UsageError, match=r"^`model` tiny_net:not-an-identifier: expected 'path/to/file\.py:function' or "
-                                         r"'package\.module:function'$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^`model` tiny_net:not-an-identifier: expected 'path/to/file\.py:function' or "
+        r"'package\.module:function'$",
+    ):
         build_model("tiny_net:not-an-identifier")
 
 
@@ -233,12 +239,27 @@ def assert_loaded(wrapped: FeatureClassifier, state: dict[str, torch.Tensor]):
 
 @pytest.mark.parametrize(
     "fmt",
-    ["safetensors", "safetensors-named-pth", "SAFETENSORS", "pt", "state_dict", "model", "module_prefix", "wrapped_module_prefix", "pth"],
+    [
+        "safetensors",
+        "safetensors-named-pth",
+        "SAFETENSORS",
+        "pt",
+        "state_dict",
+        "model",
+        "module_prefix",
+        "wrapped_module_prefix",
+        "pth",
+    ],
 )
 def test_weights_formats(tmp_path, fmt):
     """The bytes decide the format, not the name: a .pth that is safetensors loads too."""
     state = reference_state()
-    names = {"safetensors": "w.safetensors", "safetensors-named-pth": "w.pth", "SAFETENSORS": "W.SAFETENSORS", "pth": "w.pth"}
+    names = {
+        "safetensors": "w.safetensors",
+        "safetensors-named-pth": "w.pth",
+        "SAFETENSORS": "W.SAFETENSORS",
+        "pth": "w.pth",
+    }
     path = tmp_path / names.get(fmt, "w.pt")
     prefixed = {f"module.{k}": v for k, v in state.items()}
     if fmt.lower().startswith("safetensors"):
@@ -416,7 +437,9 @@ GARBAGE = {
 def test_garbage_weights_are_not_a_checkpoint(tmp_path, name, data, trust):
     path = tmp_path / name
     path.write_bytes(data)
-    with pytest.raises(InputError, match=r"`weights` .*: (this is not a checkpoint torch can read \(|not a readable safetensors)") as info:
+    with pytest.raises(
+        InputError, match=r"`weights` .*: (this is not a checkpoint torch can read \(|not a readable safetensors)"
+    ) as info:
         read_state_dict(path, trust_checkpoint=trust)
     assert "trust_checkpoint" not in str(info.value), "trusting garbage cannot help"
     assert "\n" not in str(info.value)
@@ -517,7 +540,9 @@ def test_unknown_device_is_a_usage_error(device):
 
 def test_a_linear_that_does_not_make_the_logits_is_named():
     wrapped = FeatureClassifier(tiny_net.build(), "head.1")  # 16 -> 6, before the 6 -> 3 classifier
-    with pytest.raises(InputError, match="returns 3 logits but head.1 has 6 outputs, so it is not the layer that makes the logits"):
+    with pytest.raises(
+        InputError, match="returns 3 logits but head.1 has 6 outputs, so it is not the layer that makes the logits"
+    ):
         wrapped(small_images(channels=1, size=16))
 
 
@@ -534,25 +559,51 @@ def test_factory_file_missing(setup, tmp_path):
     fails(stats_with_model(setup, tmp_path, f"{tmp_path / 'absent.py'}:build"), 3, "no such file")
 
 
-@pytest.mark.parametrize("location, what", [("folder", "is a folder"), ("net.txt", "is not a .py file"), ("nowhere/net", "is no such file")])
+@pytest.mark.parametrize(
+    "location, what", [("folder", "is a folder"), ("net.txt", "is not a .py file"), ("nowhere/net", "is no such file")]
+)
 def test_a_factory_path_that_is_no_python_file_is_named_so(setup, tmp_path, monkeypatch, location, what):
     """`--model ./dir:build` gave importlib's TypeError about relative imports."""
     (tmp_path / "folder").mkdir()
     (tmp_path / "net.txt").write_text("def build(): pass\n")
     monkeypatch.chdir(tmp_path)
-    fails(stats_with_model(setup, tmp_path, f"./{location}:build"), 3, f"--model ./{location}:build: ./{location} {what}; give 'path/to/file.py:function'")
+    fails(
+        stats_with_model(setup, tmp_path, f"./{location}:build"),
+        3,
+        f"--model ./{location}:build: ./{location} {what}; give 'path/to/file.py:function'",
+    )
 
 
 def test_factory_that_does_not_import(setup, tmp_path):
     spec = factory(tmp_path, "import a_package_that_is_not_installed\n\ndef build():\n    return tiny_net.build()")
-    fails(stats_with_model(setup, tmp_path, spec), 3, "could not import", "ModuleNotFoundError", "a_package_that_is_not_installed")
+    fails(
+        stats_with_model(setup, tmp_path, spec),
+        3,
+        "could not import",
+        "ModuleNotFoundError",
+        "a_package_that_is_not_installed",
+    )
 
 
 def test_factory_that_does_not_return_a_module(setup, tmp_path):
-    fails(stats_with_model(setup, tmp_path, f"{ASSETS / 'tiny_net.py'}:not_a_module"), 3, "returned int, not a torch nn.Module")
+    fails(
+        stats_with_model(setup, tmp_path, f"{ASSETS / 'tiny_net.py'}:not_a_module"),
+        3,
+        "returned int, not a torch nn.Module",
+    )
 
 
 @pytest.mark.parametrize("count", ["0", "-3"])
 def test_num_classes_below_one(setup, tmp_path, count):
-    result = invoke("stats", "--model", "resnet18", "--num-classes", count, "--data", setup["train"], "--out", tmp_path / "s.safetensors")
+    result = invoke(
+        "stats",
+        "--model",
+        "resnet18",
+        "--num-classes",
+        count,
+        "--data",
+        setup["train"],
+        "--out",
+        tmp_path / "s.safetensors",
+    )
     fails(result, 2, f"--num-classes must be at least 1, not {count}")

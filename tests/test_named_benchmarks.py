@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PLAIN, TINY_NET, class_images, invoke, write_folder
+from helpers import adapt, fails, make_cifar10, rows
 
 from cafa_cli.data.benchmarks import CORRUPTIONS, expand_benchmarks
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, UsageError
-from conftest import PLAIN, TINY_NET, class_images, invoke, write_folder
-from helpers import adapt, fails, make_cifar10, rows
 
 FOUND = ("gaussian_noise", "fog", "contrast")  # listed out of the benchmark's order: fog comes after gaussian_noise
 
@@ -41,8 +41,10 @@ def cifar10_c(tmp_path) -> Path:
     labels = np.tile(np.repeat(np.arange(3), 2), 5)
     np.save(root / "labels.npy", labels)
     for corruption in ("fog", "snow"):
-        np.save(root / f"{corruption}.npy", np.concatenate([class_images(rng, int(label), 1, shift=0.05 * (i // 6))
-                                                            for i, label in enumerate(labels)]))
+        np.save(
+            root / f"{corruption}.npy",
+            np.concatenate([class_images(rng, int(label), 1, shift=0.05 * (i // 6)) for i, label in enumerate(labels)]),
+        )
     return root
 
 
@@ -63,29 +65,61 @@ def test_imagenet_c_predicts_as_the_severity_folders_do(setup, imagenet_c):
         assert named.exit_code == 0, named.stderr
         assert "recipe imagenet-c for cafa: optimizer sgd, lr 0.0025" in named.stderr  # auto: the named benchmark's
         folders = [str(imagenet_c / c / str(severity)) for c in ("gaussian_noise", "fog", "contrast")]
-        plain = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, *folders, "--batch-size", "4", "--quiet",
-                       "--recipe", "imagenet-c")
+        plain = invoke(
+            "adapt",
+            "--stats",
+            setup["artifact"],
+            "--model",
+            TINY_NET,
+            *folders,
+            "--batch-size",
+            "4",
+            "--quiet",
+            "--recipe",
+            "imagenet-c",
+        )
         assert plain.exit_code == 0, plain.stderr
         assert named.stdout == plain.stdout
         assert {Path(row["path"]).parent.parent.name for row in rows(named)} == {str(severity)}
         assert "ImageNet-C's images are stored 224x224" not in named.stderr  # the artifact's resize and crop are none
     resized = adapt(setup, f"imagenet-c:{imagenet_c}", "--resize", "16", "--crop", "16")
     assert resized.exit_code == 0, resized.stderr
-    assert "already resized and cropped; resize 16, crop 16 changes them again: give --resize none --crop none" in resized.stderr
+    assert (
+        "already resized and cropped; resize 16, crop 16 changes them again: give --resize none --crop none"
+        in resized.stderr
+    )
 
 
 def test_cifar10_c_root_reads_each_stack_at_its_severity(setup, cifar10_c, tmp_path):
     metrics = tmp_path / "m.json"
     named = adapt(setup, f"cifar10-c:{cifar10_c}", "--severity", "2", "--quiet", "--metrics-json", metrics)
     assert named.exit_code == 0, named.stderr
-    plain = invoke("adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--batch-size", "4", "--quiet",
-                   "--data", cifar10_c / "snow.npy", "--data", cifar10_c / "fog.npy",
-                   "--labels", cifar10_c / "labels.npy", "--severity", "2")
+    plain = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--batch-size",
+        "4",
+        "--quiet",
+        "--data",
+        cifar10_c / "snow.npy",
+        "--data",
+        cifar10_c / "fog.npy",
+        "--labels",
+        cifar10_c / "labels.npy",
+        "--severity",
+        "2",
+    )
     assert plain.exit_code == 0, plain.stderr
     # the benchmark's order (snow before fog), each stack's rows 6..11 (severity 2), labelled: the same predictions
     assert named.stdout == plain.stdout and len(rows(named)) == 12
     assert {r["path"].rsplit("#", 1)[1] for r in rows(named)} == {str(i) for i in range(6, 12)}
-    assert [d["data"] for d in json.loads(metrics.read_text())["domains"]] == [str(cifar10_c / "snow.npy"), str(cifar10_c / "fog.npy")]
+    assert [d["data"] for d in json.loads(metrics.read_text())["domains"]] == [
+        str(cifar10_c / "snow.npy"),
+        str(cifar10_c / "fog.npy"),
+    ]
     assert all(r["label"] for r in rows(named))
     default = adapt(setup, f"cifar10-c:{cifar10_c}", "--quiet", "--metrics-json", metrics)
     assert json.loads(metrics.read_text())["settings"]["severity"] == 5
@@ -113,8 +147,11 @@ def test_the_subset_keeps_the_listed_images_by_path_or_file_name(setup, imagenet
     assert sorted(Path(r["path"]).name for r in rows(by_name)) == ["0001.png"] * 3
     ids.write_text("z/none.png\n")
     fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", ids), 3, "none of its 1 image ids is an image of")
-    fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", tmp_path), 3,
-          f"--subset {tmp_path}: not a regular file (a folder, a device or a pipe); write the image ids to a file")
+    fails(
+        adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", tmp_path),
+        3,
+        f"--subset {tmp_path}: not a regular file (a folder, a device or a pipe); write the image ids to a file",
+    )
     fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--subset", tmp_path / "gone.txt"), 3, "gone.txt: no such file")
 
 
@@ -138,9 +175,27 @@ def test_clean_prints_the_source_models_error_on_the_clean_set(setup, tmp_path):
 
 def test_bench_takes_a_benchmark_root_as_a_column_per_corruption(setup, imagenet_c, tmp_path):
     report = tmp_path / "r.json"
-    result = invoke("bench", f"imagenet-c:{imagenet_c}", "--model", TINY_NET, "--weights", setup["weights"], "--train",
-                    setup["train"], *PLAIN, "--methods", "source,bn", "--batch-size", "4", "--workdir", tmp_path / "w",
-                    "--metrics-json", report, "--clean", setup["train"])
+    result = invoke(
+        "bench",
+        f"imagenet-c:{imagenet_c}",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--train",
+        setup["train"],
+        *PLAIN,
+        "--methods",
+        "source,bn",
+        "--batch-size",
+        "4",
+        "--workdir",
+        tmp_path / "w",
+        "--metrics-json",
+        report,
+        "--clean",
+        setup["train"],
+    )
     assert result.exit_code == 0, result.stderr
     header = result.stdout.splitlines()[0]
     assert header == "| method | gaussian_noise | fog | contrast | mean |"
@@ -169,7 +224,11 @@ def test_benchmark_layout_errors(imagenet_c, cifar10_c, tmp_path):
 
 
 def test_gradual_on_a_benchmark_needs_folders_and_no_severity(setup, imagenet_c, cifar10_c):
-    fails(adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--gradual", "--severity", "3"), 2, "--severity 3 picks one severity")
+    fails(
+        adapt(setup, f"imagenet-c:{imagenet_c}/fog", "--gradual", "--severity", "3"),
+        2,
+        "--severity 3 picks one severity",
+    )
     fails(adapt(setup, f"cifar10-c:{cifar10_c}/fog.npy", "--gradual"), 2, "--gradual visits the severity folders")
 
 
@@ -178,12 +237,28 @@ def test_a_misspelt_class_folder_gets_a_did_you_mean(setup, tmp_path):
     fails(adapt(setup, test), 3, "class folder(s) cc not in the model's class list")
     named = write_folder(tmp_path / "named", per_class=2, classes=("apple", "banana", "cherry"))
     (tmp_path / "classes.txt").write_text("apple\nbanana\ncherry\n")
-    result = invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", named, *PLAIN, "--fraction", "1",
-                    "--out", tmp_path / "s.safetensors", "--quiet")
+    result = invoke(
+        "stats",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--data",
+        named,
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--out",
+        tmp_path / "s.safetensors",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.stderr
     (named / "cherry").rename(named / "chery")
-    fails(invoke("adapt", "--stats", tmp_path / "s.safetensors", "--model", TINY_NET, "--data", named), 3,
-          "class folder(s) chery not in the model's class list (3 classes) (did you mean cherry for chery?)")
+    fails(
+        invoke("adapt", "--stats", tmp_path / "s.safetensors", "--model", TINY_NET, "--data", named),
+        3,
+        "class folder(s) chery not in the model's class list (3 classes) (did you mean cherry for chery?)",
+    )
 
 
 def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, imagenet_c, trained, tmp_path):
@@ -191,17 +266,44 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json")}
     weights = tmp_path / "trained.pt"  # a net that tells the classes apart, so that harder images cost it
     torch.save(trained[0].model.state_dict(), weights)
-    base = ["bench", f"imagenet-c:{imagenet_c}", "--model", TINY_NET, "--weights", weights, "--train", setup["train"],
-            *PLAIN, "--methods", "source,bn", "--batch-size", "4", "--workdir", tmp_path / "w"]
+    base = [
+        "bench",
+        f"imagenet-c:{imagenet_c}",
+        "--model",
+        TINY_NET,
+        "--weights",
+        weights,
+        "--train",
+        setup["train"],
+        *PLAIN,
+        "--methods",
+        "source,bn",
+        "--batch-size",
+        "4",
+        "--workdir",
+        tmp_path / "w",
+    ]
     result = invoke(*base, "--severities", "3,5", "--csv", out["csv"], "--metrics-json", out["json"])
     assert result.exit_code == 0, result.stderr
     long_table, by_condition = result.stdout.strip().split("\n\n")
     assert [line.split(" | ")[0] for line in long_table.splitlines()[2:]] == [
-        "| source, severity 3", "| bn, severity 3", "| source, severity 5", "| bn, severity 5"]
+        "| source, severity 3",
+        "| bn, severity 3",
+        "| source, severity 5",
+        "| bn, severity 5",
+    ]
     assert by_condition.splitlines()[0] == "| condition | source | bn |"
     assert [line.split(" | ")[0] for line in by_condition.splitlines()[2:]] == ["| severity 3", "| severity 5"]
     table = list(csv.DictReader(out["csv"].open()))
-    assert list(table[0]) == ["method", "order", "batch_size", "severity", "domain", "error_mean_percent", "error_std_percent"]
+    assert list(table[0]) == [
+        "method",
+        "order",
+        "batch_size",
+        "severity",
+        "domain",
+        "error_mean_percent",
+        "error_std_percent",
+    ]
     errors = {(r["method"], r["severity"], r["domain"]): r["error_mean_percent"] for r in table}
     # the severity folders hold other images (the fixture's seeds and shifts differ): so do the errors
     assert [errors[("source", "3", d)] for d in FOUND] != [errors[("source", "5", d)] for d in FOUND]
@@ -213,24 +315,66 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
             assert cells == [f"{float(errors[(method, severity, d)]):.2f}" for d in (*FOUND, "mean")]
     report = json.loads(out["json"].read_text())
     assert [(r["label"], r["severity"]) for r in report["rows"]] == [
-        ("source, severity 3", 3), ("bn, severity 3", 3), ("source, severity 5", 5), ("bn, severity 5", 5)]
+        ("source, severity 3", 3),
+        ("bn, severity 3", 3),
+        ("source, severity 5", 5),
+        ("bn, severity 5", 5),
+    ]
     assert (report["settings"]["severities"], report["settings"]["severity"]) == ("3,5", None)
 
 
 def test_bench_severity_is_the_test_domains_not_the_training_datas(setup, imagenet_c, tmp_path):
     """`--severity` reached the statistics' training folder too, which refused it (an image folder has none)."""
-    result = invoke("bench", f"imagenet-c:{imagenet_c}", "--severity", "3", "--methods", "cafa", "--model", TINY_NET, "--weights",
-                    setup["weights"], "--train", setup["train"], *PLAIN, "--fraction", "1", "--batch-size", "4",
-                    "--workdir", tmp_path / "w", "--quiet")
+    result = invoke(
+        "bench",
+        f"imagenet-c:{imagenet_c}",
+        "--severity",
+        "3",
+        "--methods",
+        "cafa",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--train",
+        setup["train"],
+        *PLAIN,
+        "--fraction",
+        "1",
+        "--batch-size",
+        "4",
+        "--workdir",
+        tmp_path / "w",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines()[0] == "| method | gaussian_noise | fog | contrast | mean |"
 
 
 def test_a_severity_axis_needs_data_with_severities(setup, imagenet_c, tmp_path):
-    base = ["bench", "--model", TINY_NET, "--weights", setup["weights"], "--train", setup["train"], *PLAIN, "--methods", "source",
-            "--workdir", tmp_path / "w"]
-    fails(invoke(*base, setup["train"], "--severities", "3,5"), 2, "--severity is only for .npy arrays that stack 5 severities")
+    base = [
+        "bench",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--train",
+        setup["train"],
+        *PLAIN,
+        "--methods",
+        "source",
+        "--workdir",
+        tmp_path / "w",
+    ]
+    fails(
+        invoke(*base, setup["train"], "--severities", "3,5"),
+        2,
+        "--severity is only for .npy arrays that stack 5 severities",
+    )
     fails(invoke(*base, f"imagenet-c:{imagenet_c}", "--severities", "3,4"), 3, "no severity folder", "gaussian_noise/4")
-    fails(invoke(*base, f"imagenet-c:{imagenet_c}", "--severities", "3,5", "--severity", "3"), 2,
-          "--severity 3 and --severities 3,5 both say which severities to run")
+    fails(
+        invoke(*base, f"imagenet-c:{imagenet_c}", "--severities", "3,5", "--severity", "3"),
+        2,
+        "--severity 3 and --severities 3,5 both say which severities to run",
+    )
     assert not (tmp_path / "w").exists()  # refused before any statistics

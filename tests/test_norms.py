@@ -9,20 +9,27 @@ import json
 
 import numpy as np
 import pytest
+import tiny_net
 import torch
-from safetensors import safe_open
-
 from conftest import PLAIN, TINY_NET, invoke, tiny_training_set, write_folder
 from helpers import fails
+from safetensors import safe_open
+
+from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods import create
-from cafa_cli.method.norms import (BatchStatisticsNorm, balance_histogram, balanced_statistics, class_mix_moments, correction_strength,
-                                   class_balanced_norms, iid_distance, use_test_batch_norm)
+from cafa_cli.method.norms import (
+    BatchStatisticsNorm,
+    balance_histogram,
+    balanced_statistics,
+    class_balanced_norms,
+    class_mix_moments,
+    correction_strength,
+    iid_distance,
+    use_test_batch_norm,
+)
 from cafa_cli.method.options import parse_norm
-from cafa_cli.errors import UsageError
-
-import tiny_net
 
 
 def moments64(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +41,10 @@ def source_classes(seed: int = 0):
     """Three source classes of [n, 4] 'BatchNorm inputs' with different means and spreads,
     and their moments (float64), as cafa stats --norm-moments records them."""
     g = torch.Generator().manual_seed(seed)
-    classes = [torch.randn(n, 4, generator=g, dtype=torch.float64) * s + m
-               for n, s, m in ((12, 1.0, -2.0), (9, 0.5, 1.0), (6, 2.0, 3.0))]
+    classes = [
+        torch.randn(n, 4, generator=g, dtype=torch.float64) * s + m
+        for n, s, m in ((12, 1.0, -2.0), (9, 0.5, 1.0), (6, 2.0, 3.0))
+    ]
     means = torch.stack([c.mean(0) for c in classes])
     variances = torch.stack([c.var(0, unbiased=False) for c in classes])
     return classes, means, variances
@@ -49,7 +58,11 @@ def balanced_population(classes: list[torch.Tensor]) -> tuple[torch.Tensor, torc
     return mean, sum(second) / len(classes) - mean.square()
 
 
-MIXES = {"one class": [(12, 1), (0, 0), (0, 0)], "two classes 9:1": [(9, 3), (3, 1), (0, 0)], "another class": [(0, 0), (0, 0), (6, 1)]}
+MIXES = {
+    "one class": [(12, 1), (0, 0), (0, 0)],
+    "two classes 9:1": [(9, 3), (3, 1), (0, 0)],
+    "another class": [(0, 0), (0, 0), (6, 1)],
+}
 
 
 @pytest.mark.parametrize("mix", MIXES.values(), ids=MIXES.keys())
@@ -60,7 +73,10 @@ def test_the_correction_gives_a_balanced_batch_under_the_same_shift(mix):
     class-balanced population under that shift, computed directly from the transformed rows."""
     classes, _, _ = source_classes()
     classes = [c[:rows] if rows else c for c, (rows, _) in zip(classes, mix)]  # the source moments are of the rows used
-    a, b = torch.tensor([2.0, 0.5, 1.5, 3.0], dtype=torch.float64), torch.tensor([1.0, -4.0, 0.0, 2.5], dtype=torch.float64)
+    a, b = (
+        torch.tensor([2.0, 0.5, 1.5, 3.0], dtype=torch.float64),
+        torch.tensor([1.0, -4.0, 0.0, 2.5], dtype=torch.float64),
+    )
     shifted = [c * a + b for c in classes]
     batch = torch.cat([torch.cat([c] * copies) for c, (_, copies) in zip(shifted, mix) if copies])
     shares = torch.tensor([rows * copies for rows, copies in mix], dtype=torch.float64) / len(batch)
@@ -79,10 +95,14 @@ def test_with_uniform_shares_the_batch_keeps_its_own_statistics():
     _, means, variances = source_classes()
     balanced_mean = means.mean(0)
     balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
-    mean_b, var_b = torch.tensor([0.3, 7.0, -1.0, 2.0], dtype=torch.float64), torch.tensor([0.2, 4.0, 1.0, 9.0], dtype=torch.float64)
+    mean_b, var_b = (
+        torch.tensor([0.3, 7.0, -1.0, 2.0], dtype=torch.float64),
+        torch.tensor([0.2, 4.0, 1.0, 9.0], dtype=torch.float64),
+    )
     for eps in (0.0, 1e-5):
-        mix = class_mix_moments(torch.full((3,), 1 / 3, dtype=torch.float64), means, variances + means.square(), balanced_mean,
-                                balanced_var)
+        mix = class_mix_moments(
+            torch.full((3,), 1 / 3, dtype=torch.float64), means, variances + means.square(), balanced_mean, balanced_var
+        )
         mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, eps)
         torch.testing.assert_close(mean, mean_b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(var, var_b, rtol=1e-12, atol=1e-12)
@@ -136,7 +156,9 @@ def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
     balanced_var = (variances + means.square()).mean(0) - balanced_mean.square()
     mix = class_mix_moments(shares.double(), means, variances + means.square(), balanced_mean, balanced_var)
     mean, var = balanced_statistics(mean_b, var_b, *mix, balanced_mean, balanced_var, bn.eps)
-    want = (x64 - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt() * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+    want = (x64 - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt() * weight.view(
+        1, -1, 1, 1
+    ) + bias.view(1, -1, 1, 1)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     probe = torch.randn_like(want)
     (out.double() * probe).sum().backward()
@@ -153,10 +175,19 @@ def test_every_layer_is_corrected_with_its_own_moments_when_all_are_corrected_at
     end): each layer's output and running statistics against its own correction, float64,
     from the input that reached it; a second batch moves them by 1/2 from the first's."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(bn_with_source(4), torch.nn.Conv2d(4, 6, 1), bn_with_source(6, eps=1e-3), torch.nn.ReLU(),
-                              torch.nn.Conv2d(6, 3, 1), bn_with_source(3, eps=0.1))
-    moments = {str(i): (torch.randn(5, m.num_features), torch.rand(5, m.num_features) + 0.5)
-               for i, m in enumerate(net) if isinstance(m, torch.nn.BatchNorm2d)}
+    net = torch.nn.Sequential(
+        bn_with_source(4),
+        torch.nn.Conv2d(4, 6, 1),
+        bn_with_source(6, eps=1e-3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(6, 3, 1),
+        bn_with_source(3, eps=0.1),
+    )
+    moments = {
+        str(i): (torch.randn(5, m.num_features), torch.rand(5, m.num_features) + 0.5)
+        for i, m in enumerate(net)
+        if isinstance(m, torch.nn.BatchNorm2d)
+    }
     use_test_batch_norm(net, "class-balanced", moments)
     balanced = class_balanced_norms(net)
     inputs, outputs = {}, {}
@@ -209,7 +240,9 @@ def test_ema_moves_once_a_batch_however_many_passes_it_takes():
     torch.testing.assert_close(layer.running_var.double(), 0.75 * source_var + 0.25 * var, rtol=1e-6, atol=1e-6)
     layer.new_batch()
     layer(x)
-    torch.testing.assert_close(layer.running_mean.double(), 0.75 ** 2 * source_mean + (1 - 0.75 ** 2) * mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        layer.running_mean.double(), 0.75**2 * source_mean + (1 - 0.75**2) * mean, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_source_normalises_with_the_source_statistics_and_ema_1_with_the_batch():
@@ -217,20 +250,31 @@ def test_source_normalises_with_the_source_statistics_and_ema_1_with_the_batch()
     bn = bn_with_source()
     x = torch.randn(8, 4, 3, 3) * 2 + 5
     torch.testing.assert_close(BatchStatisticsNorm(bn, "source")(x), bn(x))
-    torch.testing.assert_close(BatchStatisticsNorm(bn, "ema:1")(x), BatchStatisticsNorm(bn, "batch")(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        BatchStatisticsNorm(bn, "ema:1")(x), BatchStatisticsNorm(bn, "batch")(x), rtol=1e-5, atol=1e-5
+    )
 
 
 def adapter(trained, norm: str, method: str = "tent", class_moments=None, **options):
     model, gaussians, _, _ = trained
-    return Adapter(copy.deepcopy(model), create(method, gaussians if method == "cafa" else None), "cpu", norm=norm,
-                   class_moments=class_moments, **options)
+    return Adapter(
+        copy.deepcopy(model),
+        create(method, gaussians if method == "cafa" else None),
+        "cpu",
+        norm=norm,
+        class_moments=class_moments,
+        **options,
+    )
 
 
 def class_moments_of(model: FeatureClassifier, x: torch.Tensor, y: torch.Tensor) -> dict:
     """The classes' moments of every BatchNorm's input, straight from hooks, float64."""
     seen = {}
     layers = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
-    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0].double())) for name, m in layers.items()]
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0].double()))
+        for name, m in layers.items()
+    ]
     with torch.no_grad():
         model(x)
     for h in hooks:
@@ -285,11 +329,15 @@ def test_class_balanced_needs_the_class_moments_and_cotta_cannot_keep_running_st
     with pytest.raises(UsageError, match="`norm` ema:0.05 keeps statistics from batch to batch, which cotta cannot"):
         adapter(trained, "ema:0.05", "cotta")
     prior = adapter(trained, "prior:4", "cotta")  # settings without running statistics are fine, and are used
-    assert [(m.kind, m.prior) for m in prior.model.modules() if isinstance(m, BatchStatisticsNorm)] == [("prior", 4.0)] * 3
+    assert [(m.kind, m.prior) for m in prior.model.modules() if isinstance(m, BatchStatisticsNorm)] == [
+        ("prior", 4.0)
+    ] * 3
 
 
-@pytest.mark.parametrize("text", ["prior", "prior:-1", "prior:inf", "prior:1e39", "prior:1.5e9", "ema:0", "ema:1.5", "ema",
-                                  "batch:1", "balanced"])
+@pytest.mark.parametrize(
+    "text",
+    ["prior", "prior:-1", "prior:inf", "prior:1e39", "prior:1.5e9", "ema:0", "ema:1.5", "ema", "batch:1", "balanced"],
+)
 def test_norm_values_are_checked(text):
     with pytest.raises(UsageError, match="`norm` must be batch, prior:N"):
         parse_norm(text)
@@ -302,8 +350,22 @@ def stats_with_moments(tmp_path_factory):
     artifacts = {}
     for name, extra in (("plain", []), ("moments", ["--norm-moments"])):
         artifacts[name] = root / f"{name}.safetensors"
-        result = invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", train, *PLAIN, "--fraction", "1",
-                        "--out", artifacts[name], "--quiet", *extra)
+        result = invoke(
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            weights,
+            "--data",
+            train,
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            artifacts[name],
+            "--quiet",
+            *extra,
+        )
         assert result.exit_code == 0, result.stderr
     test = write_folder(root / "test", per_class=8, seed=3, shift=0.3)
     return {"root": root, "train": train, "weights": weights, "test": test, **artifacts}
@@ -322,7 +384,9 @@ def test_stats_records_each_class_moments_of_every_batch_norm_input(stats_with_m
     model = FeatureClassifier(net).eval()
     domain = open_domain(str(s["train"]), None)
     names = artifact.class_names
-    x = torch.stack([torch.from_numpy(np.asarray(domain.read(i), dtype=np.float32) / 255)[None] for i in range(len(domain))])  # PLAIN: pixels / 255
+    x = torch.stack(
+        [torch.from_numpy(np.asarray(domain.read(i), dtype=np.float32) / 255)[None] for i in range(len(domain))]
+    )  # PLAIN: pixels / 255
     y = torch.as_tensor([names.index(domain.class_names[label]) for label in domain.labels])
     want = class_moments_of(model, x, y)
     assert set(artifact.norm_moments) == set(want) and want
@@ -336,12 +400,29 @@ def test_stats_records_each_class_moments_of_every_batch_norm_input(stats_with_m
 
 def test_adapt_with_class_balanced_runs_and_without_the_moments_says_how_to_get_them(stats_with_moments, tmp_path):
     s = stats_with_moments
-    base = ["adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6", "--method", "tent",
-            "--order", "label-shift:1.0", "--quiet"]
+    base = [
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        s["weights"],
+        "--data",
+        s["test"],
+        "--batch-size",
+        "6",
+        "--method",
+        "tent",
+        "--order",
+        "label-shift:1.0",
+        "--quiet",
+    ]
     metrics = tmp_path / "m.json"
     ok = invoke(*base, "--stats", s["moments"], "--norm", "class-balanced", "--metrics-json", metrics)
     assert ok.exit_code == 0, ok.stderr
-    assert len(ok.stdout.splitlines()) == 1 + 24 and json.loads(metrics.read_text())["settings"]["norm"] == "class-balanced"
+    assert (
+        len(ok.stdout.splitlines()) == 1 + 24
+        and json.loads(metrics.read_text())["settings"]["norm"] == "class-balanced"
+    )
     plain = invoke(*base, "--stats", s["plain"], "--norm", "class-balanced")
     assert plain.exit_code == 3 and plain.stdout == ""
     assert "holds no class moments" in plain.stderr and "cafa stats --norm-moments" in plain.stderr
@@ -352,10 +433,28 @@ def test_adapt_with_class_balanced_runs_and_without_the_moments_says_how_to_get_
 
 def test_a_norm_that_the_method_ignores_gets_a_warning(stats_with_moments):
     s = stats_with_moments
-    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
-                    "--method", "t3a", "--norm", "source", "--stats", s["plain"])
+    result = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        s["weights"],
+        "--data",
+        s["test"],
+        "--batch-size",
+        "6",
+        "--method",
+        "t3a",
+        "--norm",
+        "source",
+        "--stats",
+        s["plain"],
+    )
     assert result.exit_code == 0, result.stderr
-    assert "`norm`" not in result.stderr and "--norm source changes nothing here: --method t3a keeps its own" in result.stderr
+    assert (
+        "`norm`" not in result.stderr
+        and "--norm source changes nothing here: --method t3a keeps its own" in result.stderr
+    )
 
 
 def test_the_old_bn_prior_option_is_gone_with_a_one_line_error(stats_with_moments):
@@ -364,16 +463,24 @@ def test_the_old_bn_prior_option_is_gone_with_a_one_line_error(stats_with_moment
     fails(result, 2, "No such option: --bn-prior", "--norm")  # one line, and it points to the option that replaced it
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda t, m: m.update(norm_layers='{"stem.1": 0}'), "metadata 'norm_layers' must map"),
-    (lambda t, m: m.update(norm_layers="[1, 2]"), "metadata 'norm_layers' must map"),
-    (lambda t, m: t.pop("norm.stem.1.var"), "tensors missing: norm.stem.1.var"),
-    (lambda t, m: t.update({"norm.stem.1.mean": t["norm.stem.1.mean"][:, :2].contiguous()}), "tensor 'norm.stem.1.mean' has shape"),
-    (lambda t, m: t["norm.stem.1.var"].sub_(100), "tensor 'norm.stem.1.var' has negative variances"),
-    (lambda t, m: t["norm.stem.1.mean"].fill_(float("nan")), "tensor 'norm.stem.1.mean' holds NaN"),
-], ids=["zero channels", "not a map", "a tensor missing", "another shape", "negative variance", "nan"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t, m: m.update(norm_layers='{"stem.1": 0}'), "metadata 'norm_layers' must map"),
+        (lambda t, m: m.update(norm_layers="[1, 2]"), "metadata 'norm_layers' must map"),
+        (lambda t, m: t.pop("norm.stem.1.var"), "tensors missing: norm.stem.1.var"),
+        (
+            lambda t, m: t.update({"norm.stem.1.mean": t["norm.stem.1.mean"][:, :2].contiguous()}),
+            "tensor 'norm.stem.1.mean' has shape",
+        ),
+        (lambda t, m: t["norm.stem.1.var"].sub_(100), "tensor 'norm.stem.1.var' has negative variances"),
+        (lambda t, m: t["norm.stem.1.mean"].fill_(float("nan")), "tensor 'norm.stem.1.mean' holds NaN"),
+    ],
+    ids=["zero channels", "not a map", "a tensor missing", "another shape", "negative variance", "nan"],
+)
 def test_damaged_class_moments_are_refused_when_the_artifact_is_read(stats_with_moments, tmp_path, damage, message):
     from safetensors.torch import save_file
+
     from cafa_cli.artifact import read_artifact
     from cafa_cli.errors import InputError
 
@@ -397,22 +504,65 @@ def test_inspect_says_whether_the_artifact_holds_class_moments(stats_with_moment
 
 def test_class_balanced_with_batches_of_one_image_is_warned_as_batch_statistics_are(stats_with_moments):
     s = stats_with_moments
-    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "1",
-                    "--method", "bn", "--norm", "class-balanced", "--stats", s["moments"])
+    result = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        s["weights"],
+        "--data",
+        s["test"],
+        "--batch-size",
+        "1",
+        "--method",
+        "bn",
+        "--norm",
+        "class-balanced",
+        "--stats",
+        s["moments"],
+    )
     assert result.exit_code == 0, result.stderr
     assert "--batch-size 1 normalises each image by its own statistics" in result.stderr
 
 
-def test_class_balanced_reads_the_default_artifact_and_does_not_call_it_unread(stats_with_moments, tmp_path, monkeypatch):
+def test_class_balanced_reads_the_default_artifact_and_does_not_call_it_unread(
+    stats_with_moments, tmp_path, monkeypatch
+):
     import shutil
 
     s = stats_with_moments
     monkeypatch.chdir(tmp_path)
     shutil.copy(s["moments"], tmp_path / "cafa-stats.safetensors")
-    result = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
-                    "--method", "bn", "--norm", "class-balanced", *PLAIN)
+    result = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        s["weights"],
+        "--data",
+        s["test"],
+        "--batch-size",
+        "6",
+        "--method",
+        "bn",
+        "--norm",
+        "class-balanced",
+        *PLAIN,
+    )
     assert result.exit_code == 0, result.stderr
     assert "not read" not in result.stderr
-    unread = invoke("adapt", "--model", TINY_NET, "--weights", s["weights"], "--data", s["test"], "--batch-size", "6",
-                    "--method", "bn", *PLAIN)
+    unread = invoke(
+        "adapt",
+        "--model",
+        TINY_NET,
+        "--weights",
+        s["weights"],
+        "--data",
+        s["test"],
+        "--batch-size",
+        "6",
+        "--method",
+        "bn",
+        *PLAIN,
+    )
     assert "cafa-stats.safetensors is here but not read" in unread.stderr

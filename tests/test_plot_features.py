@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_NET, invoke, write_folder
 from PIL import Image
 
-from cafa_cli.jobs.plot import figure as feature_figure
-
 from cafa_cli.jobs.plot import features as plot_features
+from cafa_cli.jobs.plot import figure as feature_figure
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create
-from conftest import TINY_NET, invoke, write_folder
 
 SMALL = ["--batch-size", "15", "--max-images", "45", "--quiet"]
 
@@ -37,8 +36,18 @@ def test_png_and_svg_are_valid_and_the_same_seed_gives_the_same_bytes(setup, dom
     files = {}
     for name in ("a.png", "b.png", "a.svg", "b.svg", "other-seed.png"):
         seed = ["--seed", "1"] if name.startswith("other") else []
-        result = invoke("plot", "features", domain, *model_of(setup), *SMALL, *seed, "--methods", "source,tent",
-                        "-o", tmp_path / name)
+        result = invoke(
+            "plot",
+            "features",
+            domain,
+            *model_of(setup),
+            *SMALL,
+            *seed,
+            "--methods",
+            "source,tent",
+            "-o",
+            tmp_path / name,
+        )
         assert result.exit_code == 0, result.stderr
         files[name] = (tmp_path / name).read_bytes()
     assert files["a.png"] == files["b.png"] and files["a.svg"] == files["b.svg"]
@@ -54,9 +63,21 @@ def test_png_and_svg_are_valid_and_the_same_seed_gives_the_same_bytes(setup, dom
 def test_json_gives_each_panels_numbers_and_the_stars_are_the_artifacts_means(setup, domain, tmp_path, monkeypatch):
     drawn = {}
     draw = feature_figure.draw
-    monkeypatch.setattr(feature_figure, "draw", lambda *args: drawn.update(embeddings=args[3], panels=args[2]) or draw(*args))
-    result = invoke("plot", "features", domain, *model_of(setup), *SMALL, "--methods", "source,tent,cafa", "--json",
-                    "-o", tmp_path / "f.png")
+    monkeypatch.setattr(
+        feature_figure, "draw", lambda *args: drawn.update(embeddings=args[3], panels=args[2]) or draw(*args)
+    )
+    result = invoke(
+        "plot",
+        "features",
+        domain,
+        *model_of(setup),
+        *SMALL,
+        "--methods",
+        "source,tent,cafa",
+        "--json",
+        "-o",
+        tmp_path / "f.png",
+    )
     assert result.exit_code == 0, result.stderr
     numbers = json.loads(result.stdout)
     assert numbers["images"] == numbers["labelled"] == 45 and numbers["classes"] == 3 and numbers["class_means_drawn"]
@@ -78,26 +99,48 @@ def test_unlabelled_images_are_drawn_in_one_colour_and_said_so(setup, domain, tm
     flat.mkdir()
     for p in sorted(Path(domain).rglob("*.png"))[::2]:
         (flat / f"{p.parent.name}-{p.name}").write_bytes(p.read_bytes())
-    result = invoke("plot", "features", flat, *model_of(setup), "--batch-size", "15", "--methods", "source,bn", "--json",
-                    "-o", tmp_path / "u.svg")
+    result = invoke(
+        "plot",
+        "features",
+        flat,
+        *model_of(setup),
+        "--batch-size",
+        "15",
+        "--methods",
+        "source,bn",
+        "--json",
+        "-o",
+        tmp_path / "u.svg",
+    )
     assert result.exit_code == 0, result.stderr
     assert "the images have no labels: the points are drawn in one colour" in result.stderr
     numbers = json.loads(result.stdout)
     assert numbers["labelled"] == 0 and numbers["images"] == 30
-    assert all(p["error"] is None and p["within_between"] is None and p["mahalanobis_per_dimension"] is None
-               for p in numbers["panels"])
+    assert all(
+        p["error"] is None and p["within_between"] is None and p["mahalanobis_per_dimension"] is None
+        for p in numbers["panels"]
+    )
     ElementTree.parse(tmp_path / "u.svg")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--methods", "source,magic"], "--methods names magic, which is no method; give some of source, bn, pl, tent, cafa, "
-                                    "global-fa, intra, euclidean, eta, eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust (or a "
-                                    "plug-in module:factory)"),
-    (["--methods", "tent,tent"], "--methods names tent twice; give each once"),
-    (["-o", "f.pdf"], "--out f.pdf: the figure is written as PNG or SVG by its extension; give a name ending in .png or .svg"),
-    (["--max-images", "-1"], "--max-images must be 0 (all) or more, not -1"),
-    (["--perplexity", "0"], "--perplexity must be a positive number, not 0.0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--methods", "source,magic"],
+            "--methods names magic, which is no method; give some of source, bn, pl, tent, cafa, "
+            "global-fa, intra, euclidean, eta, eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust (or a "
+            "plug-in module:factory)",
+        ),
+        (["--methods", "tent,tent"], "--methods names tent twice; give each once"),
+        (
+            ["-o", "f.pdf"],
+            "--out f.pdf: the figure is written as PNG or SVG by its extension; give a name ending in .png or .svg",
+        ),
+        (["--max-images", "-1"], "--max-images must be 0 (all) or more, not -1"),
+        (["--perplexity", "0"], "--perplexity must be a positive number, not 0.0"),
+    ],
+)
 def test_bad_options_are_one_line_usage_errors(setup, domain, tmp_path, args, message):
     result = invoke("plot", "features", domain, *model_of(setup), *SMALL, *args)
     assert result.exit_code == 2 and result.stdout == ""
@@ -107,16 +150,22 @@ def test_bad_options_are_one_line_usage_errors(setup, domain, tmp_path, args, me
 def test_two_domains_and_an_order_by_class_without_labels_are_refused(setup, domain, tmp_path):
     result = invoke("plot", "features", domain, domain, *model_of(setup), *SMALL)
     assert result.exit_code == 2
-    assert result.stderr.strip() == "cafa: error: cafa plot features embeds one domain, and 2 are given; give one DOMAIN"
+    assert (
+        result.stderr.strip() == "cafa: error: cafa plot features embeds one domain, and 2 are given; give one DOMAIN"
+    )
     flat = tmp_path / "flat"
     flat.mkdir()
     for p in sorted(Path(domain).rglob("*.png"))[:20]:
         (flat / f"{p.parent.name}-{p.name}").write_bytes(p.read_bytes())
-    result = invoke("plot", "features", flat, *model_of(setup), *SMALL, "--order", "label-shift:1.0", "-o", tmp_path / "x.png")
+    result = invoke(
+        "plot", "features", flat, *model_of(setup), *SMALL, "--order", "label-shift:1.0", "-o", tmp_path / "x.png"
+    )
     assert result.exit_code == 3 and not (tmp_path / "x.png").exists()
-    assert result.stderr.strip() == (f"cafa: error: {flat} has no labels, and --order label-shift:1.0 orders the stream by "
-                                     f"class; give labelled data (one folder per class, or an array with --labels), or use "
-                                     f"--order iid")
+    assert result.stderr.strip() == (
+        f"cafa: error: {flat} has no labels, and --order label-shift:1.0 orders the stream by "
+        f"class; give labelled data (one folder per class, or an array with --labels), or use "
+        f"--order iid"
+    )
 
 
 def test_without_matplotlib_or_scikit_learn_the_error_names_the_extra(setup, domain, tmp_path, monkeypatch):
@@ -130,8 +179,10 @@ def test_without_matplotlib_or_scikit_learn_the_error_names_the_extra(setup, dom
     monkeypatch.setattr(builtins, "__import__", no_sklearn)
     result = invoke("plot", "features", domain, *model_of(setup), *SMALL, "-o", tmp_path / "x.png")
     assert result.exit_code == 2 and not (tmp_path / "x.png").exists()
-    assert result.stderr.strip() == ("cafa: error: cafa plot features needs matplotlib and scikit-learn (sklearn is missing): "
-                                     "pip install 'cafa-cli[plot]'")
+    assert result.stderr.strip() == (
+        "cafa: error: cafa plot features needs matplotlib and scikit-learn (sklearn is missing): "
+        "pip install 'cafa-cli[plot]'"
+    )
 
 
 def test_the_feature_pass_after_the_stream_changes_no_weight_nor_running_statistic(trained):
@@ -145,7 +196,9 @@ def test_the_feature_pass_after_the_stream_changes_no_weight_nor_running_statist
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
     logits, features = adapter.features(xt[50:100])
     again = adapter.features(xt[50:100])
-    assert features.shape == (50, model.feature_dim) and torch.equal(features, again[1]) and torch.equal(logits, again[0])
+    assert (
+        features.shape == (50, model.feature_dim) and torch.equal(features, again[1]) and torch.equal(logits, again[0])
+    )
     assert all(torch.equal(before[k], v) for k, v in adapter.model.state_dict().items())
 
 
@@ -201,7 +254,10 @@ def trained_images():
 def test_without_a_domain_the_error_names_the_whole_command(setup):
     result = invoke("plot", "features", *model_of(setup))
     assert result.exit_code == 2 and result.stdout == ""
-    assert result.stderr.strip() == "cafa: error: give the test domains: cafa plot features DOMAIN... (or --data DOMAIN, repeated)"
+    assert (
+        result.stderr.strip()
+        == "cafa: error: give the test domains: cafa plot features DOMAIN... (or --data DOMAIN, repeated)"
+    )
 
 
 def test_a_panel_without_its_artifact_is_refused_before_any_panel_runs(setup, domain, tmp_path, monkeypatch):
@@ -213,6 +269,7 @@ def test_a_panel_without_its_artifact_is_refused_before_any_panel_runs(setup, do
     assert result.exit_code == 3 and result.stdout == "" and not (tmp_path / "f.png").exists()
     assert result.stderr.strip().splitlines() == [  # no recipe line: no panel ran
         "cafa: error: cafa-stats.safetensors: no such artifact; create one with cafa stats, or give the path of one with "
-        "--stats (--method cafa needs its class statistics)"]
+        "--stats (--method cafa needs its class statistics)"
+    ]
     result = invoke("plot", "features", domain, *SMALL, "-o", "f.png")  # no model either: still what cafa needs
     assert result.exit_code == 3 and "(--method cafa needs its class statistics)" in result.stderr

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import tiny_net
+import torch
 from conftest import PLAIN, TINY_NET, write_folder
 from PIL import Image
 from typer.testing import CliRunner
 
-from cafa_cli.method.norms import BatchStatisticsNorm
 from cafa_cli.artifact import read_artifact
-from cafa_cli.method.distances import ClassDistances
 from cafa_cli.cli.app import app
+from cafa_cli.method.distances import ClassDistances
+from cafa_cli.method.norms import BatchStatisticsNorm
 
 DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 
@@ -43,13 +43,35 @@ def api_run(tmp_path, tiny_weights, monkeypatch):
     train = write_folder(tmp_path / "train", per_class=5)
     test = write_folder(tmp_path / "test", per_class=12, seed=1, shift=0.5)
     artifact_path = tmp_path / "stats.safetensors"
-    result = CliRunner().invoke(app, ["stats", "--model", TINY_NET, "--weights", str(tiny_weights), "--data", str(train),
-                                      *PLAIN, "--fraction", "1", "--out", str(artifact_path)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--data",
+            str(train),
+            *PLAIN,
+            "--fraction",
+            "1",
+            "--out",
+            str(artifact_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     net = tiny_net.build()
     net.load_state_dict(torch.load(tiny_weights, weights_only=True))
-    scope = {"net": net, "train_loader": loader(train, 16), "test_loader": loader(test, 12), "artifact_path": str(artifact_path),
-             "class_names": ["a", "b", "c"], "model_name": TINY_NET, "weights_path": str(tiny_weights)}
+    scope = {
+        "net": net,
+        "train_loader": loader(train, 16),
+        "test_loader": loader(test, 12),
+        "artifact_path": str(artifact_path),
+        "class_names": ["a", "b", "c"],
+        "model_name": TINY_NET,
+        "weights_path": str(tiny_weights),
+    }
     kept, printed = [], []
     monkeypatch.chdir(tmp_path)  # where the doc saves its artifact
     for block in doc_blocks():
@@ -75,7 +97,9 @@ def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
     torch.testing.assert_close(from_api.shrinkage, from_cli.shrinkage, rtol=1e-6, atol=1e-9)
     assert from_api.counts.tolist() == [5, 5, 5]
     # the bases may differ in sign and order of rows; the distances they give may not
-    z = from_api.means[[0, 1, 2, 0]] + 0.3 * torch.randn(4, from_api.means.shape[1], generator=torch.Generator().manual_seed(0))
+    z = from_api.means[[0, 1, 2, 0]] + 0.3 * torch.randn(
+        4, from_api.means.shape[1], generator=torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(ClassDistances(from_api)(z), ClassDistances(from_cli)(z), rtol=1e-4, atol=1e-5)
 
 
@@ -107,7 +131,20 @@ def test_statistics_saved_from_the_api_serve_cafa_adapt(api_run, tiny_weights, t
     saved = tmp_path / "my-stats.safetensors"
     torch.testing.assert_close(read_artifact(saved).gaussians.means, kept[0]["gaussians"].means)
     test = write_folder(tmp_path / "more", per_class=4, seed=2)
-    result = CliRunner().invoke(app, ["adapt", "--stats", str(saved), "--model", TINY_NET, "--weights", str(tiny_weights),
-                                      "--data", str(test), "--quiet"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(saved),
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(tiny_weights),
+            "--data",
+            str(test),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.stderr  # the model and its parameters are recognised, the preprocessing taken
     assert len(result.stdout.splitlines()) == 1 + 12 and ",a," in result.stdout  # a header and one record per image

@@ -12,17 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_NET
 from helpers import fails
 from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
 
 from cafa_cli.cli.app import app, command_options
-from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
+from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import REGISTRY, method_class
 from cafa_cli.method.options import resolve_options
 from cafa_cli.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
-from conftest import TINY_NET
 
 NAMES = tuple(REGISTRY)
 
@@ -53,8 +53,14 @@ def test_the_published_values_the_methods_issue_names():
     assert shipped("eata", "cifar10-c").options["redundancy_margin"] == 0.4
     assert shipped("eata", "cifar100-c").options["redundancy_margin"] == 0.1
     assert shipped("eata", "cifar10-c").options["fisher_alpha"] == 1.0
-    assert shipped("eata", "imagenet-c").settings == {"optimizer": "sgd", "lr": 0.00025, "momentum": 0.9, "batch_size": 64,
-                                                       "params": "norm", "fisher_samples": 2000}
+    assert shipped("eata", "imagenet-c").settings == {
+        "optimizer": "sgd",
+        "lr": 0.00025,
+        "momentum": 0.9,
+        "batch_size": 64,
+        "params": "norm",
+        "fisher_samples": 2000,
+    }
     assert shipped("sar", "imagenet-c").options["frozen"][0] == "layer4"
     assert shipped("sar", "cifar10-c").settings["optimizer"] == "sgd"  # SAM over SGD, whatever the yaml says
     assert shipped("lame", "cifar10-c").options["affinity"] == "rbf"
@@ -77,8 +83,22 @@ def test_auto_takes_the_named_benchmarks_family_else_the_class_counts():
 
 def adapt(setup, *args):  # noqa: F811
     metrics = setup["root"] / "recipe-metrics.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--quiet", "--metrics-json", str(metrics), *args])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--quiet",
+            "--metrics-json",
+            str(metrics),
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     return json.loads(metrics.read_text())["settings"]
 
@@ -90,31 +110,84 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
     assert settings["recipe"]["requested"] == "cifar10-c" and settings["recipe"]["name"] == "cifar10-c"
     assert "cifar10_c/eata.yaml" in settings["recipe"]["source"]
     # the user's options win, one by one; the rest stay the recipe's
-    settings = adapt(setup, "--method", "eata", "--recipe", "imagenet-c", "--lr", "0.01", "--batch-size", "30",
-                     "--method-option", "redundancy_margin=0.3")
-    assert (settings["optimizer"], settings["lr"], settings["momentum"], settings["batch_size"]) == ("sgd", 0.01, 0.9, 30)
+    settings = adapt(
+        setup,
+        "--method",
+        "eata",
+        "--recipe",
+        "imagenet-c",
+        "--lr",
+        "0.01",
+        "--batch-size",
+        "30",
+        "--method-option",
+        "redundancy_margin=0.3",
+    )
+    assert (settings["optimizer"], settings["lr"], settings["momentum"], settings["batch_size"]) == (
+        "sgd",
+        0.01,
+        0.9,
+        30,
+    )
     assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.3, "fisher_alpha": 2000.0}
 
 
 def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa: F811
     """A typed value is not the published one: the line says whose it is. SGD's momentum is shown
     where the user's SGD replaced the recipe's Adam, since the recipe says nothing of it."""
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "eata", "--recipe", "cifar10-c", "--optimizer", "sgd", "--lr", "0.001",
-                                 "--method-option", "redundancy_margin=0.3"])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "eata",
+            "--recipe",
+            "cifar10-c",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.001",
+            "--method-option",
+            "redundancy_margin=0.3",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
-    assert line == ("recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
-                    "batch_size 200, params norm; entropy_margin 0.4, redundancy_margin 0.3 (yours; the recipe's 0.4), "
-                    "fisher_alpha 1.0")  # lr typed as published: no mark
+    assert line == (
+        "recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
+        "batch_size 200, params norm; entropy_margin 0.4, redundancy_margin 0.3 (yours; the recipe's 0.4), "
+        "fisher_alpha 1.0"
+    )  # lr typed as published: no mark
 
 
 def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # noqa: F811
     (tmp_path / "cafa.toml").write_text('[adapt]\nrecipe = "imagenet-c"\nlr = 0.02\n')
     defaults = read_defaults(tmp_path, command_options())
     metrics = tmp_path / "m.json"
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "tent", "--quiet", "--metrics-json", str(metrics)], default_map=defaults)
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "tent",
+            "--quiet",
+            "--metrics-json",
+            str(metrics),
+        ],
+        default_map=defaults,
+    )
     assert result.exit_code == 0, result.stderr
     settings = json.loads(metrics.read_text())["settings"]
     assert (settings["optimizer"], settings["lr"], settings["batch_size"]) == ("nesterov", 0.02, 64)
@@ -134,52 +207,153 @@ def test_a_printed_recipe_read_back_runs_the_same_settings(setup, tmp_path):  # 
 
 
 def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa: F811
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "lame"])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "lame",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert "no recipe for lame (no family for this model's class count): batch_size 200; affinity rbf" in result.stderr
     assert "optimizer" not in result.stderr  # lame trains nothing
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--method", "eata", "--method-option", "epsilon=0.4"],
-     "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha)"),
-    (["--method", "eata", "--method-option", "redundancy_margin=lots"],
-     "eata's option redundancy_margin must be a number, 0 or more, not 'lots'"),
-    (["--method", "lame", "--method-option", "affinity=cosine"], "lame's option affinity must be rbf, knn, linear"),
-    (["--method", "t3a", "--method-option", "filter_k=0"], "t3a's option filter_k must be a whole number, 1 or more, or all"),
-    (["--method", "tent", "--method-option", "eata.fisher_alpha=1"], "is for the method eata, and --method is tent"),
-    (["--method", "tent", "--method-option", "=1"], "expected NAME=VALUE"),
-    (["--method", "tent", "--recipe", "cifar11-c"], "--recipe must be one of auto, none, imagenet-c"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--method", "eata", "--method-option", "epsilon=0.4"],
+            "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha)",
+        ),
+        (
+            ["--method", "eata", "--method-option", "redundancy_margin=lots"],
+            "eata's option redundancy_margin must be a number, 0 or more, not 'lots'",
+        ),
+        (["--method", "lame", "--method-option", "affinity=cosine"], "lame's option affinity must be rbf, knn, linear"),
+        (
+            ["--method", "t3a", "--method-option", "filter_k=0"],
+            "t3a's option filter_k must be a whole number, 1 or more, or all",
+        ),
+        (
+            ["--method", "tent", "--method-option", "eata.fisher_alpha=1"],
+            "is for the method eata, and --method is tent",
+        ),
+        (["--method", "tent", "--method-option", "=1"], "expected NAME=VALUE"),
+        (["--method", "tent", "--recipe", "cifar11-c"], "--recipe must be one of auto, none, imagenet-c"),
+    ],
+)
 def test_a_bad_recipe_or_method_option_is_one_line_naming_what_is_valid(setup, args, message):  # noqa: F811
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 *args])
+    result = runner.invoke(
+        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), *args]
+    )
     fails(result, 2, message)
 
 
 def test_a_recipe_file_with_an_unknown_setting_or_option_is_named(setup, tmp_path):  # noqa: F811
     bad = tmp_path / "bad.toml"
-    bad.write_text('[eata]\nlearning_rate = 0.1\n')
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "eata", "--recipe", str(bad)])
+    bad.write_text("[eata]\nlearning_rate = 0.1\n")
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "eata",
+            "--recipe",
+            str(bad),
+        ],
+    )
     fails(result, 3, "no setting 'learning_rate'; a recipe sets optimizer, lr")
-    bad.write_text('[eata]\noptions = { margin = 0.1 }\n')
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "eata", "--recipe", str(bad)])
+    bad.write_text("[eata]\noptions = { margin = 0.1 }\n")
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "eata",
+            "--recipe",
+            str(bad),
+        ],
+    )
     fails(result, 3, "the method eata has no option margin")
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]),
-                                 "--method", "tent", "--recipe", str(bad)])
+    result = runner.invoke(
+        app,
+        [
+            "adapt",
+            "--stats",
+            str(setup["artifact"]),
+            "--model",
+            TINY_NET,
+            "--data",
+            str(setup["test"]),
+            "--method",
+            "tent",
+            "--recipe",
+            str(bad),
+        ],
+    )
     fails(result, 2, "has no table for the method tent (it has eata)")
 
 
 def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path):  # noqa: F811
     report = tmp_path / "b.json"
-    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "eta,lame", "--model", TINY_NET, "--weights",
-                                 str(setup["weights"]), "--train", str(setup["train"]), "--resize", "none", "--crop", "none",
-                                 "--mean", "0", "--std", "1", "--channels", "1", "--recipe", "cifar100-c", "--batch-size", "45",
-                                 "--method-option", "lame.affinity=knn", "--method-option", "entropy_margin=0.5",
-                                 "--workdir", str(tmp_path / "w"), "--metrics-json", str(report), "--quiet"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            "eta,lame",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(setup["weights"]),
+            "--train",
+            str(setup["train"]),
+            "--resize",
+            "none",
+            "--crop",
+            "none",
+            "--mean",
+            "0",
+            "--std",
+            "1",
+            "--channels",
+            "1",
+            "--recipe",
+            "cifar100-c",
+            "--batch-size",
+            "45",
+            "--method-option",
+            "lame.affinity=knn",
+            "--method-option",
+            "entropy_margin=0.5",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
     assert (rows["eta"]["optimizer"], rows["eta"]["batch_size"]) == ("adam", 45)  # --batch-size chosen: it wins
@@ -190,11 +364,41 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
 
 
 def test_a_bench_option_no_row_takes_is_named(setup, tmp_path):  # noqa: F811
-    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,bn", "--model", TINY_NET, "--weights",
-                                 str(setup["weights"]), "--method-option", "rho=0.1", "--workdir", str(tmp_path / "w")])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            "tent,bn",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(setup["weights"]),
+            "--method-option",
+            "rho=0.1",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     fails(result, 2, "--method-option rho=0.1: no row's method takes the option rho")
-    result = runner.invoke(app, ["bench", str(setup["test"]), "--methods", "tent,bn", "--model", TINY_NET, "--weights",
-                                 str(setup["weights"]), "--method-option", "sar.rho=0.1", "--workdir", str(tmp_path / "w")])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            "tent,bn",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(setup["weights"]),
+            "--method-option",
+            "sar.rho=0.1",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+    )
     fails(result, 2, "no row runs the method sar")
 
 

@@ -59,7 +59,9 @@ def test_the_estimate_and_its_distances_match_the_reference(covariance, per_clas
     got = ClassDistances(gaussians)(z)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.max()))
-    torch.testing.assert_close(ClassDistances(gaussians, metric="euclidean")(z).double(), reference.euclidean(z, means), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        ClassDistances(gaussians, metric="euclidean")(z).double(), reference.euclidean(z, means), rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("covariance, per_class", FORMS)
@@ -76,7 +78,9 @@ def test_the_cafa_and_intra_losses_and_the_cafa_gradient_match_the_reference(cov
     assert z64.grad.abs().max() > 0
     torch.testing.assert_close(z32.grad.double(), z64.grad, rtol=1e-3, atol=1e-4 * float(z64.grad.abs().max()))
     intra = losses.intra(ClassDistances(gaussians)(z), logits.argmax(1))
-    assert float(intra) == pytest.approx(float(reference.intra_loss(reference.mahalanobis(z, means, sigmas), logits)), rel=1e-4)
+    assert float(intra) == pytest.approx(
+        float(reference.intra_loss(reference.mahalanobis(z, means, sigmas), logits)), rel=1e-4
+    )
 
 
 def test_the_stored_factor_is_a_precision_factor_as_the_reference_defines_it():
@@ -89,7 +93,9 @@ def test_the_stored_factor_is_a_precision_factor_as_the_reference_defines_it():
     torch.testing.assert_close(reference.mahalanobis_from_factors(z, means, factors), expected)
     # the artifact's factor is another one (lower triangular), with the same distances
     assert torch.equal(gaussians.factors, gaussians.factors.tril())
-    torch.testing.assert_close(reference.mahalanobis_from_factors(z, gaussians.means, gaussians.factors), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        reference.mahalanobis_from_factors(z, gaussians.means, gaussians.factors), expected, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_global_alignment_and_its_source_moments_match_the_reference():
@@ -121,8 +127,12 @@ def test_the_baselines_losses_and_gradients_match_the_reference(name):
 REFERENCE_LOSSES = {
     "pl": lambda logits, z, means, sigmas, source: reference.pseudo_label(logits),
     "tent": lambda logits, z, means, sigmas, source: reference.entropy(logits),
-    "cafa": lambda logits, z, means, sigmas, source: reference.cafa_loss(reference.mahalanobis(z, means, sigmas), logits),
-    "intra": lambda logits, z, means, sigmas, source: reference.intra_loss(reference.mahalanobis(z, means, sigmas), logits),
+    "cafa": lambda logits, z, means, sigmas, source: reference.cafa_loss(
+        reference.mahalanobis(z, means, sigmas), logits
+    ),
+    "intra": lambda logits, z, means, sigmas, source: reference.intra_loss(
+        reference.mahalanobis(z, means, sigmas), logits
+    ),
     "euclidean": lambda logits, z, means, sigmas, source: reference.cafa_loss(reference.euclidean(z, means), logits),
     "global-fa": lambda logits, z, means, sigmas, source: reference.global_alignment(z, *source),
 }

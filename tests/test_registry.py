@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TINY_NET, invoke
 
 from cafa_cli.cli.completion import complete_method
 from cafa_cli.method.methods import REGISTRY, Entry, create
 from cafa_cli.method.methods.base import AdapterSurface
-from conftest import TINY_NET, invoke
 
 METHODS = Path(__file__).parents[1] / "src" / "cafa_cli" / "method" / "methods"
 
@@ -28,7 +28,7 @@ class Sharpen(Tent):
     name = "sharpen"
 '''
 
-RECIPE = '''
+RECIPE = """
 [method]
 summary = "entropy minimisation, registered from another package"
 paper = "none: a test of the registry"
@@ -39,7 +39,7 @@ cost = 1.0
 source = "the registry test's own"
 optimizer = "sgd"
 lr = 0.05
-'''
+"""
 
 
 @pytest.fixture
@@ -51,14 +51,27 @@ def registered(tmp_path, monkeypatch):
     (package / "sharpen.py").write_text(MODULE)
     (package / "sharpen.toml").write_text(RECIPE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(REGISTRY, "sharpen", Entry("outside.sharpen", "Sharpen", predicts_as_bn=True,
-                                                  recipe="outside:sharpen.toml"))
+    monkeypatch.setitem(
+        REGISTRY, "sharpen", Entry("outside.sharpen", "Sharpen", predicts_as_bn=True, recipe="outside:sharpen.toml")
+    )
     return "sharpen"
 
 
 def test_a_method_added_by_one_registry_entry_runs_through_cafa_adapt_with_its_recipe(registered, setup, tmp_path):
-    common = ["adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--batch-size", "6",
-              "--recipe", "cifar10-c", "-q"]
+    common = [
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--data",
+        setup["train"],
+        "--batch-size",
+        "6",
+        "--recipe",
+        "cifar10-c",
+        "-q",
+    ]
     mine = invoke(*common, "--method", registered, "--metrics-json", tmp_path / "m.json")
     assert mine.exit_code == 0, mine.stderr
     recorded = json.loads((tmp_path / "m.json").read_text())["settings"]
@@ -97,23 +110,26 @@ def surface() -> set[str]:
 @pytest.mark.parametrize("path", sorted(METHODS.glob("*.py")), ids=lambda path: path.name)
 def test_methods_use_only_the_adapter_surface_and_import_no_other_methods_helpers(path):
     tree = ast.parse(path.read_text())
-    used = {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "adapter"}
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "adapter"
+    }
     assert used <= surface(), f"{path.name} uses {sorted(used - surface())} of the Adapter, beyond AdapterSurface"
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cafa_cli.method.methods."):
             other = node.module.rsplit(".", 1)[1]
             # a method may build on another method's class (intra on cafa), not on its helpers
-            assert other == "base" or all(alias.name[0].isupper() and alias.name != alias.name.upper()
-                                          for alias in node.names), (path.name, node.module, [a.name for a in node.names])
+            assert other == "base" or all(
+                alias.name[0].isupper() and alias.name != alias.name.upper() for alias in node.names
+            ), (path.name, node.module, [a.name for a in node.names])
 
 
 def test_the_surface_is_what_the_adapter_has():
     import torch
-
-    from cafa_cli.method.adapter import Adapter
     from tiny_net import build
 
+    from cafa_cli.method.adapter import Adapter
     from cafa_cli.method.features import FeatureClassifier
 
     adapter = Adapter(FeatureClassifier(build()), create("tent"), torch.device("cpu"))

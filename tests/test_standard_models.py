@@ -33,15 +33,21 @@ def test_each_family_names_a_model_cafa_defines():
         assert robustbench.lookup(model).dataset == family.removesuffix("-c")
 
 
-@pytest.mark.parametrize("data, expected", [
-    (["cifar10-c:data/CIFAR-10-C"], ("cifar10-c", STANDARD)),
-    (["cifar100-c:data/CIFAR-100-C/fog.npy"], ("cifar100-c", "robustbench:cifar100/Hendrycks2020AugMix_ResNeXt")),
-    (["imagenet-c:/data/ImageNet-C", "imagenet-c:/data/ImageNet-C/spatter"], ("imagenet-c", "robustbench:imagenet/Standard_R50")),
-    (["fashion-mnist-c:cafa-demo/fashion-mnist-c-300"], None),  # the bundled demo's: fmnist-resnet's own data
-    (["cafa-demo/fashion-mnist-c-300/fog/3"], None),
-    (["data/CIFAR-10-C/fog.npy"], None),  # an array by path: nothing says which model it is for
-    (["cifar10-c:a", "cifar100-c:b"], None),  # two families: no one model fits both
-])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (["cifar10-c:data/CIFAR-10-C"], ("cifar10-c", STANDARD)),
+        (["cifar100-c:data/CIFAR-100-C/fog.npy"], ("cifar100-c", "robustbench:cifar100/Hendrycks2020AugMix_ResNeXt")),
+        (
+            ["imagenet-c:/data/ImageNet-C", "imagenet-c:/data/ImageNet-C/spatter"],
+            ("imagenet-c", "robustbench:imagenet/Standard_R50"),
+        ),
+        (["fashion-mnist-c:cafa-demo/fashion-mnist-c-300"], None),  # the bundled demo's: fmnist-resnet's own data
+        (["cafa-demo/fashion-mnist-c-300/fog/3"], None),
+        (["data/CIFAR-10-C/fog.npy"], None),  # an array by path: nothing says which model it is for
+        (["cifar10-c:a", "cifar100-c:b"], None),  # two families: no one model fits both
+    ],
+)
 def test_only_a_named_benchmark_of_a_family_implies_a_model(data, expected):
     assert standard_model(data) == expected
 
@@ -56,25 +62,37 @@ def test_the_standard_model_replaces_the_default_only(recipe):
         kept, line = with_standard_model(BenchConfig(data=["cifar10-c:d"], model=model, given=("model",)))
         assert kept.model == model and line is None
     # an explicit recipe on the demo's folders (docs/results.md's methods table) keeps fmnist-resnet
-    demo, line = with_standard_model(BenchConfig(data=["fm/fashion-mnist-c-100/fog/3"], recipe="cifar10-c", given=("recipe",)))
+    demo, line = with_standard_model(
+        BenchConfig(data=["fm/fashion-mnist-c-100/fog/3"], recipe="cifar10-c", given=("recipe",))
+    )
     assert demo.model == "fmnist-resnet" and line is None
 
 
 def test_the_training_set_is_taken_from_beside_the_benchmark_only_where_robustbench_keeps_it(tmp_path):
     (tmp_path / "data" / "CIFAR-10-C").mkdir(parents=True)
-    assert robustbench.training_set_beside(STANDARD, [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]) == \
-        (None, tmp_path / "data" / "cifar-10-batches-py")
+    assert robustbench.training_set_beside(STANDARD, [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]) == (
+        None,
+        tmp_path / "data" / "cifar-10-batches-py",
+    )
     (tmp_path / "data" / "cifar-10-batches-py").mkdir()
     found = (f"cifar10:{tmp_path / 'data'}", None)
     assert robustbench.training_set_beside(STANDARD, [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]) == found
     assert robustbench.training_set_beside(STANDARD, [f"cifar10-c:{tmp_path}/data/CIFAR-10-C/fog.npy"]) == found
-    assert robustbench.training_set_beside("robustbench:cifar10/Hendrycks2020AugMix_WRN",
-                                           [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]) == found
+    assert (
+        robustbench.training_set_beside(
+            "robustbench:cifar10/Hendrycks2020AugMix_WRN", [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]
+        )
+        == found
+    )
     # another dataset's benchmark, no benchmark, ImageNet (its training set lives anywhere): no place implied
-    assert robustbench.training_set_beside("robustbench:cifar100/Hendrycks2020AugMix_WRN",
-                                           [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]) == (None, None)
+    assert robustbench.training_set_beside(
+        "robustbench:cifar100/Hendrycks2020AugMix_WRN", [f"cifar10-c:{tmp_path}/data/CIFAR-10-C"]
+    ) == (None, None)
     assert robustbench.training_set_beside(STANDARD, [f"{tmp_path}/data/CIFAR-10-C/fog.npy"]) == (None, None)
-    assert robustbench.training_set_beside("robustbench:imagenet/Standard_R50", ["imagenet-c:/data/ImageNet-C"]) == (None, None)
+    assert robustbench.training_set_beside("robustbench:imagenet/Standard_R50", ["imagenet-c:/data/ImageNet-C"]) == (
+        None,
+        None,
+    )
 
 
 # --- end to end, in RobustBench's layout -----------------------------------------------------
@@ -105,11 +123,25 @@ def robustbench_folder(tmp_path, monkeypatch) -> Path:
 
 
 def test_bench_on_cifar10_c_runs_the_standard_model_with_cifar10_beside_it(robustbench_folder):
-    result = invoke("bench", "cifar10-c:data/CIFAR-10-C", "--recipe", "cifar10-c", "--methods", "source,cafa",
-                    "--fraction", "1", "--batch-size", "6", "--metrics-json", "r.json")
+    result = invoke(
+        "bench",
+        "cifar10-c:data/CIFAR-10-C",
+        "--recipe",
+        "cifar10-c",
+        "--methods",
+        "source,cafa",
+        "--fraction",
+        "1",
+        "--batch-size",
+        "6",
+        "--metrics-json",
+        "r.json",
+    )
     assert result.exit_code == 0, result.stderr
     assert f"model: {STANDARD}, the standard model of cifar10-c (give --model to change it)" in result.stderr
-    assert "--train cifar10:data: the training set of robustbench:cifar10/Standard, beside its benchmark" in result.stderr
+    assert (
+        "--train cifar10:data: the training set of robustbench:cifar10/Standard, beside its benchmark" in result.stderr
+    )
     settings = json.loads(Path("r.json").read_text())["settings"]
     assert settings["model"] == STANDARD and settings["train"] == "cifar10:data"
     assert Path(settings["weights"]) == (robustbench_folder / "models/cifar10/corruptions/Standard.pt").resolve()
@@ -118,14 +150,28 @@ def test_bench_on_cifar10_c_runs_the_standard_model_with_cifar10_beside_it(robus
 
 def test_an_explicit_model_or_train_wins(robustbench_folder):
     torch.save(tiny_net.build(num_classes=10).state_dict(), "tiny.pt")
-    result = invoke("bench", "cifar10-c:data/CIFAR-10-C", "--model", TINY_NET, "--weights", "tiny.pt", "--num-classes", "10",
-                    "--methods", "source", "--json", "r.json", *PLAIN)
+    result = invoke(
+        "bench",
+        "cifar10-c:data/CIFAR-10-C",
+        "--model",
+        TINY_NET,
+        "--weights",
+        "tiny.pt",
+        "--num-classes",
+        "10",
+        "--methods",
+        "source",
+        "--json",
+        "r.json",
+        *PLAIN,
+    )
     assert result.exit_code == 0, result.stderr
     assert "standard model" not in result.stderr
     assert json.loads(Path("r.json").read_text())["settings"]["model"] == TINY_NET
     # --train given: used as it is, said by nobody
-    given = invoke("bench", "cifar10-c:data/CIFAR-10-C/fog.npy", "--train", "cifar10:data", "--methods", "bn",
-                   "--json", "g.json")
+    given = invoke(
+        "bench", "cifar10-c:data/CIFAR-10-C/fog.npy", "--train", "cifar10:data", "--methods", "bn", "--json", "g.json"
+    )
     assert given.exit_code == 0, given.stderr
     assert "standard model of cifar10-c" in given.stderr and "beside its benchmark" not in given.stderr
 
@@ -134,30 +180,55 @@ def test_without_cifar10_beside_the_benchmark_the_error_names_the_flag_and_its_v
     for batch in (robustbench_folder / "data" / "cifar-10-batches-py").iterdir():
         batch.unlink()
     (robustbench_folder / "data" / "cifar-10-batches-py").rmdir()
-    fails(invoke("bench", "cifar10-c:data/CIFAR-10-C", "--methods", "source,cafa"), 2,
-          "--train is needed for cafa: the training data to compute class statistics from, robustbench:cifar10/Standard's: "
-          "give --train cifar10:DIR, DIR holding cifar-10-batches-py (--train cifar10:data); there is no "
-          "data/cifar-10-batches-py beside the benchmark")
+    fails(
+        invoke("bench", "cifar10-c:data/CIFAR-10-C", "--methods", "source,cafa"),
+        2,
+        "--train is needed for cafa: the training data to compute class statistics from, robustbench:cifar10/Standard's: "
+        "give --train cifar10:DIR, DIR holding cifar-10-batches-py (--train cifar10:data); there is no "
+        "data/cifar-10-batches-py beside the benchmark",
+    )
     # no row needs statistics: no training data either
     assert invoke("bench", "cifar10-c:data/CIFAR-10-C", "--methods", "source").exit_code == 0
     # a model of no known training set: the flag alone
     torch.save(tiny_net.build().state_dict(), "tiny.pt")
-    assert fails(invoke("bench", "cifar10-c:data/CIFAR-10-C", "--model", TINY_NET, "--weights", "tiny.pt", "--methods", "cafa"), 2) \
+    assert (
+        fails(
+            invoke(
+                "bench", "cifar10-c:data/CIFAR-10-C", "--model", TINY_NET, "--weights", "tiny.pt", "--methods", "cafa"
+            ),
+            2,
+        )
         == "cafa: error: --train is needed for cafa: the training data to compute class statistics from"
+    )
 
 
 def test_imagenet_c_takes_standard_r50_and_asks_for_imagenets_training_folder(tmp_path):
     write_folder(tmp_path / "ImageNet-C" / "fog" / "5", per_class=1)
-    fails(invoke("bench", f"imagenet-c:{tmp_path / 'ImageNet-C'}", "--methods", "cafa"), 2,
-          "robustbench:imagenet/Standard_R50's: give --train ImageNet's training folder of class folders "
-          "(--train /data/imagenet/train)")
+    fails(
+        invoke("bench", f"imagenet-c:{tmp_path / 'ImageNet-C'}", "--methods", "cafa"),
+        2,
+        "robustbench:imagenet/Standard_R50's: give --train ImageNet's training folder of class folders "
+        "(--train /data/imagenet/train)",
+    )
 
 
 def test_the_demos_benchmark_keeps_the_bundled_model(tmp_path):
     root = tmp_path / "fashion-mnist-c-2"
     write_folder(root / "fog" / "3", per_class=2, classes=FASHION_MNIST_CLASSES, size=28)
-    result = invoke("bench", f"fashion-mnist-c:{root}", "--severity", "3", "--methods", "source", "--recipe", "cifar10-c",
-                    "--json", tmp_path / "r.json", "--workdir", tmp_path / "w")
+    result = invoke(
+        "bench",
+        f"fashion-mnist-c:{root}",
+        "--severity",
+        "3",
+        "--methods",
+        "source",
+        "--recipe",
+        "cifar10-c",
+        "--json",
+        tmp_path / "r.json",
+        "--workdir",
+        tmp_path / "w",
+    )
     assert result.exit_code == 0, result.stderr
     assert "standard model" not in result.stderr
     assert json.loads((tmp_path / "r.json").read_text())["settings"]["model"] == "fmnist-resnet"
@@ -166,6 +237,9 @@ def test_the_demos_benchmark_keeps_the_bundled_model(tmp_path):
 def test_adapt_without_a_model_names_the_benchmarks_standard_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no cafa-stats.safetensors here
     write_folder(tmp_path / "ImageNet-C" / "fog" / "5", per_class=1)
-    fails(invoke("adapt", "imagenet-c:ImageNet-C", "--method", "tent"), 2,
-          "give the model with --model (and --weights) (the standard model of imagenet-c: --model "
-          "robustbench:imagenet/Standard_R50): --method tent needs no statistics")
+    fails(
+        invoke("adapt", "imagenet-c:ImageNet-C", "--method", "tent"),
+        2,
+        "give the model with --model (and --weights) (the standard model of imagenet-c: --model "
+        "robustbench:imagenet/Standard_R50): --method tent needs no statistics",
+    )

@@ -8,8 +8,8 @@ import torch
 from sklearn.covariance import OAS, ShrunkCovariance
 
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.method.moments import ClassMoments
 from cafa_cli.method.gaussians import estimate, oas_shrinkage, precision_cholesky, shrink
+from cafa_cli.method.moments import ClassMoments
 
 D = 5
 
@@ -79,7 +79,9 @@ def test_moments_match_numpy_with_fold_and_pending_paths():
         assert count == n
         assert mean.dtype == torch.float64 and scatter.dtype == torch.float64
         np.testing.assert_allclose(mean.numpy(), rows.mean(0), rtol=1e-10, atol=0)
-        np.testing.assert_allclose((scatter / n).numpy(), reference_cov(rows), rtol=1e-10, atol=1e-10 * np.abs(reference_cov(rows)).max())
+        np.testing.assert_allclose(
+            (scatter / n).numpy(), reference_cov(rows), rtol=1e-10, atol=1e-10 * np.abs(reference_cov(rows)).max()
+        )
 
 
 def test_moments_do_not_depend_on_batching():

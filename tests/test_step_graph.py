@@ -13,20 +13,34 @@ import json
 
 import pytest
 import torch
+from test_norms import class_moments_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cafa_cli.errors import UsageError
+from cafa_cli.method import step_graph
 from cafa_cli.method.adapter import WRITTEN, Adapter
 from cafa_cli.method.methods import REGISTRY, create
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.methods.tent import Tent
-from cafa_cli.method import step_graph
 from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
-from test_norms import class_moments_of
 
 NAMES = tuple(REGISTRY)
 
-CAPTURABLE = ["tent", "pl", "cafa", "intra", "euclidean", "global-fa", "eta", "eata", "cafa-eata", "bn", "source", "lame", "sar"]
+CAPTURABLE = [
+    "tent",
+    "pl",
+    "cafa",
+    "intra",
+    "euclidean",
+    "global-fa",
+    "eta",
+    "eata",
+    "cafa-eata",
+    "bn",
+    "source",
+    "lame",
+    "sar",
+]
 
 
 class Emulated:
@@ -67,7 +81,9 @@ def adapter_pair(trained, method: str = "tent", capture=Emulated, fused: bool = 
             adapter.optimizer = adapter._new_optimizer()
         made.append(adapter)
     graphed, eager = made
-    graphed.graph = StepGraph(graphed._eager_step, graphed._kept_state, graphed.device, capture=capture, written=WRITTEN)
+    graphed.graph = StepGraph(
+        graphed._eager_step, graphed._kept_state, graphed.device, capture=capture, written=WRITTEN
+    )
     return graphed, eager
 
 
@@ -105,10 +121,22 @@ aten = torch.ops.aten
 # what a captured step cannot do on a GPU, seen here as the operators dispatched: a tensor
 # made from Python data is copied from pageable host memory (refused during a capture), and
 # random numbers would differ between the checked eager step and the replay
-UNCAPTURABLE = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.randn.default, aten.rand.default,
-                aten.randint.low, aten.randint.default, aten.randperm.default, aten.normal_.default,
-                aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli.default, aten.bernoulli.p,
-                aten.multinomial.default, aten.exponential_.default}
+UNCAPTURABLE = {
+    aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
+    aten.randn.default,
+    aten.rand.default,
+    aten.randint.low,
+    aten.randint.default,
+    aten.randperm.default,
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.multinomial.default,
+    aten.exponential_.default,
+}
 
 
 class Uncapturable(TorchDispatchMode):
@@ -141,10 +169,15 @@ def test_no_replayable_step_makes_tensors_from_python_data_or_draws_random_numbe
     assert mode.seen == []
 
 
-@pytest.mark.parametrize("method, optimizer, method_options", [
-    ("cafa", "adam", {}), ("tent", "nesterov", {}), ("sar", "sgd", {}),
-    ("sar", "sgd", {"reset_below": 10.0}),  # its recovery on every batch: parameters and optimiser state put back
-])
+@pytest.mark.parametrize(
+    "method, optimizer, method_options",
+    [
+        ("cafa", "adam", {}),
+        ("tent", "nesterov", {}),
+        ("sar", "sgd", {}),
+        ("sar", "sgd", {"reset_below": 10.0}),  # its recovery on every batch: parameters and optimiser state put back
+    ],
+)
 @pytest.mark.parametrize("fused", [False, True], ids=["undone", "fused"])
 def test_the_optimiser_state_replays_as_it_steps(trained, fused, method, optimizer, method_options):
     """Adam's moments and step count (fused: on the device, made on the first step) and
@@ -202,7 +235,9 @@ class Counting(Tent):
 def test_a_step_that_keeps_state_out_of_place_is_never_captured(trained, keep, moved):
     model, _, x, _ = trained
     graphed = Adapter(copy.deepcopy(model), Counting(keep), lr=1e-2)
-    graphed.graph = StepGraph(graphed._eager_step, graphed._kept_state, graphed.device, capture=Emulated, written=WRITTEN)
+    graphed.graph = StepGraph(
+        graphed._eager_step, graphed._kept_state, graphed.device, capture=Emulated, written=WRITTEN
+    )
     before = Emulated.captures
     for images in stream_of(x):
         graphed.step(images)
@@ -210,8 +245,13 @@ def test_a_step_that_keeps_state_out_of_place_is_never_captured(trained, keep, m
     assert Emulated.captures == before
 
 
-@pytest.mark.parametrize("capture, why", [(Perturbed, "eager: a replay did not match the eager step"),
-                                          (Refused, "eager: the capture failed (operation not permitted when stream is capturing)")])
+@pytest.mark.parametrize(
+    "capture, why",
+    [
+        (Perturbed, "eager: a replay did not match the eager step"),
+        (Refused, "eager: the capture failed (operation not permitted when stream is capturing)"),
+    ],
+)
 def test_a_capture_that_fails_or_does_not_match_leaves_the_eager_step_in_place(trained, capture, why):
     graphed, eager = adapter_pair(trained, "cafa", capture=capture)
     _, _, x, _ = trained
@@ -225,7 +265,9 @@ def test_the_check_tolerates_rounding_but_not_a_wrong_value():
     assert step_graph._close(value + 1e-6, value)
     assert not step_graph._close(value + 0.1, value)
     assert not step_graph._close(torch.tensor([1.0, -2.0, 3.0, 0.0]), value)
-    assert step_graph._close(torch.tensor([1, 2]), torch.tensor([1, 2])) and not step_graph._close(torch.tensor([1, 2]), torch.tensor([1, 3]))
+    assert step_graph._close(torch.tensor([1, 2]), torch.tensor([1, 2])) and not step_graph._close(
+        torch.tensor([1, 2]), torch.tensor([1, 3])
+    )
 
 
 def test_oracle_labels_turn_the_graph_off(trained):
@@ -287,13 +329,17 @@ def test_kept_state_walks_the_method_but_not_modules_or_per_batch_values():
 
 
 @pytest.mark.parametrize("capture", [Emulated, Perturbed])
-def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_graph_off(setup, tmp_path, monkeypatch, capture):
+def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_graph_off(
+    setup, tmp_path, monkeypatch, capture
+):
     """`cafa adapt` as on a GPU (the graph allowed on the CPU here, the capture emulated):
     the same records as --no-cuda-graph, `step_runner` in the metrics, and one warning when
     the check failed."""
     from functools import partial
-    from cafa_cli.method import adapter as adapter_module
+
     from helpers import adapt
+
+    from cafa_cli.method import adapter as adapter_module
 
     data = setup["train"]
     eager = adapt(setup, data, "--method", "tent", "--no-cuda-graph", "--metrics-json", tmp_path / "eager.json")
@@ -309,5 +355,7 @@ def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_gr
         assert runner == "graph" and warnings == []
     else:
         assert runner == "eager: a replay did not match the eager step"
-        assert warnings == ["warning: the steps ran eagerly: a replay did not match the eager step; the predictions are the "
-                            "eager step's (--no-cuda-graph skips the attempt)"]
+        assert warnings == [
+            "warning: the steps ran eagerly: a replay did not match the eager step; the predictions are the "
+            "eager step's (--no-cuda-graph skips the attempt)"
+        ]

@@ -9,20 +9,26 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cafa_cli.method import distances
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.method import distances
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import create
 
 PIXELS = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
 
 
 def domain(name: str, x, y) -> Domain:
     images = [Image.fromarray((image[0].clamp(0, 1) * 255).round().byte().numpy()) for image in x]
-    return Domain(name, [f"{name}#{i}" for i in range(len(images))], np.asarray(y, dtype=np.int64), ["0", "1", "2"],
-                  lambda i: images[i], indexed_labels=True)
+    return Domain(
+        name,
+        [f"{name}#{i}" for i in range(len(images))],
+        np.asarray(y, dtype=np.int64),
+        ["0", "1", "2"],
+        lambda i: images[i],
+        indexed_labels=True,
+    )
 
 
 def confidences(trained, method: str, reset: str, domains: list[Domain]) -> dict[str, list[float]]:
@@ -30,8 +36,15 @@ def confidences(trained, method: str, reset: str, domains: list[Domain]) -> dict
     model, gaussians, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
     seen: dict[str, list[float]] = {}
-    adapt_domains(adapter, domains, PIXELS, batch_size=50, reset=reset, shuffle=False,
-                  on_records=lambda records, so_far: seen.setdefault(so_far.data, []).extend(r.confidence for r in records))
+    adapt_domains(
+        adapter,
+        domains,
+        PIXELS,
+        batch_size=50,
+        reset=reset,
+        shuffle=False,
+        on_records=lambda records, so_far: seen.setdefault(so_far.data, []).extend(r.confidence for r in records),
+    )
     return seen
 
 
@@ -62,8 +75,9 @@ def run(trained, method: str, domains: list[Domain], **options):
     model, gaussians, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
     records = []
-    results = adapt_domains(adapter, domains, PIXELS, batch_size=50, on_records=lambda batch, so_far: records.append(batch),
-                            **options)
+    results = adapt_domains(
+        adapter, domains, PIXELS, batch_size=50, on_records=lambda batch, so_far: records.append(batch), **options
+    )
     return results, records
 
 
@@ -72,9 +86,13 @@ def test_mixed_domains_are_one_interleaved_stream_with_an_error_per_domain(train
     so it is counted against the domain the image came from."""
     apart, _ = run(trained, "source", two_domains)
     together, batches = run(trained, "source", two_domains, mix_domains=True)
-    assert [(r.data, r.n, r.labelled, r.errors) for r in together] == [(r.data, r.n, r.labelled, r.errors) for r in apart]
+    assert [(r.data, r.n, r.labelled, r.errors) for r in together] == [
+        (r.data, r.n, r.labelled, r.errors) for r in apart
+    ]
     assert {record.ref.split("#")[0] for record in batches[0]} == {"a", "b"}  # interleaved, not one after the other
-    assert sorted(record.ref for batch in batches for record in batch) == sorted(two_domains[0].refs + two_domains[1].refs)
+    assert sorted(record.ref for batch in batches for record in batch) == sorted(
+        two_domains[0].refs + two_domains[1].refs
+    )
     adapted, _ = run(trained, "tent", two_domains, mix_domains=True)
     assert sum(r.n for r in adapted) == 300 and all(r.seconds > 0 for r in adapted)
 
@@ -88,6 +106,7 @@ def test_mixed_domains_order_the_whole_stream_by_class_when_asked(trained, two_d
 
 def test_groups_reset_per_group_not_per_domain(trained, two_domains):
     """gradual: the severities of one corruption are one group, adapted continually."""
+
     def confidences(**options) -> list[float]:
         _, batches = run(trained, "cafa", two_domains, **options)
         return [record.confidence for batch in batches for record in batch]
@@ -109,6 +128,12 @@ def test_each_domain_reports_its_own_skipped_steps_and_unrefined_batches(trained
 
     monkeypatch.setattr(distances, "CHUNK_BYTES", 1)  # a batch of 2 recomputes 2 of the 3 classes
     monkeypatch.setattr(distances, "REFINE_TOLERANCE", 1e-30)  # and all 3 are at risk
-    results = adapt_domains(adapter, [domain("a", x[:6], y[:6]), domain("b", x[6:12], y[6:12])], PIXELS, batch_size=2,
-                            shuffle=False, on_domain=nan_in_b)
+    results = adapt_domains(
+        adapter,
+        [domain("a", x[:6], y[:6]), domain("b", x[6:12], y[6:12])],
+        PIXELS,
+        batch_size=2,
+        shuffle=False,
+        on_domain=nan_in_b,
+    )
     assert [(r.skipped_steps, r.unrefined_batches) for r in results] == [(0, 3), (3, 0)]

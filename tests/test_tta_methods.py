@@ -183,7 +183,7 @@ def test_sar_scales_its_first_pass_as_fp16_does_without_changing_the_step(traine
     model, _, x, _ = trained
     plain = Adapter(copy.deepcopy(model), create("sar", reset_below=0.0), lr=1e-2)
     scaled = Adapter(copy.deepcopy(model), create("sar", reset_below=0.0), lr=1e-2)
-    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     seen = []
     original = scaled.scaler.scale
     scaled.scaler.scale = lambda loss: seen.append(float(loss)) or original(loss)
@@ -210,8 +210,9 @@ def test_sar_recovery_puts_back_the_running_statistics_too(trained):
     """Recovery restores what a step can change, trained parameters and buffers (here the
     running statistics of `norm` ema), and leaves every entry as the source's."""
     model, _, x, _ = trained
-    adapter = Adapter(copy.deepcopy(model), create("sar", reset_below=100.0), norm="ema:0.5", optimizer="sgd",
-                      momentum=0.9, lr=1e-2)
+    adapter = Adapter(
+        copy.deepcopy(model), create("sar", reset_below=100.0), norm="ema:0.5", optimizer="sgd", momentum=0.9, lr=1e-2
+    )
     source = {k: v.clone() for k, v in adapter.model.state_dict().items()}
     assert any("running_mean" in k for k in source)
     for i in range(2):
@@ -305,8 +306,11 @@ def test_output_only_methods_leave_the_model_unchanged(trained):
 def test_a_method_option_it_does_not_take_is_named():
     from cafa_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"sar has no option fisher_batches \(its options: entropy_margin, rho, "
-                                         r"reset_below, frozen\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"sar has no option fisher_batches \(its options: entropy_margin, rho, "
+        r"reset_below, frozen\)",
+    ):
         create("sar", fisher_batches=[])
     with pytest.raises(UsageError, match=r"the method tent has no option epsilon \(it takes none\)"):
         create("tent", epsilon=0.4)

@@ -15,11 +15,10 @@ from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import MemoryBank
+from cafa_cli.method.memory_bank import MemoryBank, timeliness_weights
 from cafa_cli.method.methods import create
 from cafa_cli.method.methods import rotta as rotta_module
 from cafa_cli.method.methods.cotta import CoTTA
-from cafa_cli.method.memory_bank import timeliness_weights
 from cafa_cli.method.methods.rotta import RobustBatchNorm, RoTTA, on_samples
 
 
@@ -95,9 +94,18 @@ def test_cotta_averages_the_teachers_logits_over_views_when_the_anchor_is_unsure
 
 def conv_net(seed: int = 0, classes: int = 5) -> FeatureClassifier:
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 8, 3, stride=2),
-                        nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(8),
-                        nn.Linear(8, classes))
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, stride=2),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, classes),
+    )
     with torch.no_grad():
         for m in net.modules():
             if isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d):
@@ -125,14 +133,20 @@ def reference_augment(images: torch.Tensor) -> torch.Tensor:
         shift = a._uniform(2 * n, (-a.TRANSLATE, a.TRANSLATE), x).view(n, 2) * 2
         flip = torch.where(torch.rand(n) < a.FLIP, -1.0, 1.0)
         theta = a._affine(angle, scale, shift, flip)
-        x = nn.functional.grid_sample(x, nn.functional.affine_grid(theta, list(x.shape), align_corners=False),
-                                      mode="bilinear", padding_mode="border", align_corners=False)
+        x = nn.functional.grid_sample(
+            x,
+            nn.functional.affine_grid(theta, list(x.shape), align_corners=False),
+            mode="bilinear",
+            padding_mode="border",
+            align_corners=False,
+        )
     x = x + a.NOISE * spread * torch.randn_like(x)
     return x.to(images.dtype).contiguous(memory_format=a._memory_format(images))
 
 
-@pytest.mark.parametrize("shape, channels_last", [((5, 3, 12, 12), False), ((5, 3, 12, 12), True), ((4, 1, 9, 7), False),
-                                                  ((6, 7), False)])
+@pytest.mark.parametrize(
+    "shape, channels_last", [((5, 3, 12, 12), False), ((5, 3, 12, 12), True), ((4, 1, 9, 7), False), ((6, 7), False)]
+)
 def test_views_drawn_at_once_are_the_views_drawn_one_a_call(shape, channels_last):
     x = torch.randn(shape)
     if channels_last:
@@ -140,13 +154,17 @@ def test_views_drawn_at_once_are_the_views_drawn_one_a_call(shape, channels_last
     torch.manual_seed(1)
     views = augment(x, 4)
     torch.manual_seed(1)
-    one_a_call = torch.stack([reference_augment(x) for _ in range(4)], 1).flatten(0, 1)  # row n·4 + v: view v of image n
+    one_a_call = torch.stack([reference_augment(x) for _ in range(4)], 1).flatten(
+        0, 1
+    )  # row n·4 + v: view v of image n
     assert torch.equal(views, one_a_call)
     assert views.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-@pytest.mark.parametrize("norm, channels_last, per_pass", [("batch", False, 512), ("batch", False, 3), ("batch", True, 512),
-                                                           ("prior:8", False, 512), ("source", False, 512)])
+@pytest.mark.parametrize(
+    "norm, channels_last, per_pass",
+    [("batch", False, 512), ("batch", False, 3), ("batch", True, 512), ("prior:8", False, 512), ("source", False, 512)],
+)
 def test_cotta_views_in_one_pass_are_the_views_one_pass_each(monkeypatch, norm, channels_last, per_pass):
     """The teacher's mean over views, several views a forward pass (each normalised with
     its own batch statistics), is the mean of one forward pass a view, within float
@@ -165,7 +183,9 @@ def test_cotta_views_in_one_pass_are_the_views_one_pass_each(monkeypatch, norm, 
     assert all("forward" not in vars(m) for m in method.teacher.modules())  # the layers are themselves again
 
 
-def views_mean_batched_and_looped(method: CoTTA, x: torch.Tensor, views: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def views_mean_batched_and_looped(
+    method: CoTTA, x: torch.Tensor, views: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's mean logits over `views` augmented views of x: CoTTA's one batched pass,
     and one pass a view, from the same random draws."""
     torch.manual_seed(seed)
@@ -227,7 +247,12 @@ def test_robust_batch_norm_statistics_after_two_batches_match_float64():
     torch.manual_seed(4)
     bn = nn.BatchNorm2d(3)
     with torch.no_grad():
-        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2), bn.weight.uniform_(0.5, 2), bn.bias.uniform_(-1, 1)
+        (
+            bn.running_mean.uniform_(-1, 1),
+            bn.running_var.uniform_(0.5, 2),
+            bn.weight.uniform_(0.5, 2),
+            bn.bias.uniform_(-1, 1),
+        )
     alpha = 0.05
     layer = RobustBatchNorm(bn, alpha)
     batches = [torch.randn(5, 3, 4, 4) * 3 + 1, torch.randn(6, 3, 4, 4) - 2]
@@ -298,8 +323,13 @@ def test_the_memory_bank_replaces_as_cstu_does(K, C):
         bank.add(torch.full((1, 2), float(ident)), torch.tensor([c]), torch.tensor([u]), ident)
         reference.add(c, u, ident)
         filled = bank.occupied
-        got = sorted(zip(bank.labels[filled].tolist(), bank.samples[filled][:, 0].long().tolist(),
-                         bank.age_counts[filled].tolist()))
+        got = sorted(
+            zip(
+                bank.labels[filled].tolist(),
+                bank.samples[filled][:, 0].long().tolist(),
+                bank.age_counts[filled].tolist(),
+            )
+        )
         assert got == reference.content(), ident
     assert int(bank.occupied.sum()) == K
 
@@ -313,8 +343,9 @@ class DeviceBank:
         self.slots = None
 
     def scores(self, ages, uncertainties):
-        return (self.lambda_t / (1 + torch.exp(-ages.double() / self.K))
-                + self.lambda_u * uncertainties.double() / math.log(self.C))
+        return self.lambda_t / (
+            1 + torch.exp(-ages.double() / self.K)
+        ) + self.lambda_u * uncertainties.double() / math.log(self.C)
 
     def add(self, sample, label, uncertainty, arrival):
         K = self.K
@@ -348,9 +379,19 @@ class DeviceBank:
         self.age_counts = torch.where(here, 0, self.age_counts) + (self.labels >= 0).long()
 
 
-@pytest.mark.parametrize("K, C, batch, every, lambda_t", [(64, 10, 16, 64, 1.0), (64, 10, 64, 64, 1.0), (10, 3, 7, 5, 1.0),
-                                                          (5, 3, 4, 0, 1.0), (12, 12, 9, 4, 1.0), (64, 1000, 32, 64, 1.0),
-                                                          (10, 3, 8, 8, 0.0), (64, 10, 16, 64, 0.0)])
+@pytest.mark.parametrize(
+    "K, C, batch, every, lambda_t",
+    [
+        (64, 10, 16, 64, 1.0),
+        (64, 10, 64, 64, 1.0),
+        (10, 3, 7, 5, 1.0),
+        (5, 3, 4, 0, 1.0),
+        (12, 12, 9, 4, 1.0),
+        (64, 1000, 32, 64, 1.0),
+        (10, 3, 8, 8, 0.0),
+        (64, 10, 16, 64, 0.0),
+    ],
+)
 def test_the_batched_bank_keeps_what_the_device_bank_kept(K, C, batch, every, lambda_t):
     """Offered a batch at a time (decided on the host), the bank holds exactly what the
     per-sample device bank holds at every pause: labels, ages, samples, bit for bit; on a
@@ -490,7 +531,9 @@ def test_a_rotta_step_on_the_bank_matches_float64(monkeypatch):
     torch.testing.assert_close(student.global_mean.double(), mean, rtol=1e-5, atol=1e-6)
     followed = method.teacher.model[1]
     torch.testing.assert_close(followed.weight.double(), (1 - nu) * w0 + nu * (w0 - lr * gw), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(followed.global_var.double(), var, rtol=1e-5, atol=1e-6)  # the teacher's own RBN moved too
+    torch.testing.assert_close(
+        followed.global_var.double(), var, rtol=1e-5, atol=1e-6
+    )  # the teacher's own RBN moved too
 
 
 def test_empty_slots_do_not_change_the_statistics():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import write_folder
 from typer.testing import CliRunner
 
+from cafa_cli.cli.app import app
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.sources import gradual_stages
-from cafa_cli.cli.app import app
 from cafa_cli.errors import InputError
-from conftest import write_folder
 
 runner = CliRunner()
 
@@ -62,13 +62,20 @@ def test_the_cli_says_so_for_the_demo_layout(tmp_path):
     assert f"give one of them ({fog}/3), or --gradual to visit them all" in result.stderr
 
 
-@pytest.mark.parametrize("args, why", [
-    (["--model", "fmnist-resnet", "--method", "tent", "--norm", "class-balanced"],
-     "create one with cafa stats --norm-moments, or give the path of one with --stats "
-     "(--norm class-balanced needs the class moments it records)"),
-    (["--model", "fmnist-resnet", "--method", "cafa"],
-     "create one with cafa stats, or give the path of one with --stats (--method cafa needs its class statistics)"),
-])
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (
+            ["--model", "fmnist-resnet", "--method", "tent", "--norm", "class-balanced"],
+            "create one with cafa stats --norm-moments, or give the path of one with --stats "
+            "(--norm class-balanced needs the class moments it records)",
+        ),
+        (
+            ["--model", "fmnist-resnet", "--method", "cafa"],
+            "create one with cafa stats, or give the path of one with --stats (--method cafa needs its class statistics)",
+        ),
+    ],
+)
 def test_a_missing_default_artifact_says_what_needs_it(tmp_path, monkeypatch, args, why):
     """With --model and no --stats, a user does not expect an artifact to be read; the error
     said only 'cafa-stats.safetensors: no such artifact'."""

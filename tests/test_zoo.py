@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from cafa_cli.data.fashion_mnist import (
+    DEFAULT_ROOT,
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    load_fashion_mnist,
+)
 from cafa_cli.errors import InputError
-from cafa_cli.data.fashion_mnist import DEFAULT_ROOT, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.zoo import BUNDLED, load_bundled
 
 DEBIAN_FILES_PRESENT = (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file()
@@ -57,8 +63,18 @@ def test_missing_root_names_the_debian_package(tmp_path):
 @pytest.mark.parametrize(
     "magic, dims, payload, reason",
     [
-        (0x801, (1, 28, 28), bytes(28 * 28), "magic number 0x00000801, expected 0x00000803"),  # label magic on an image file
-        (0x803, (2, 28, 28), bytes(28 * 28), "784 data bytes, the header announces 1568"),  # more images announced than present
+        (
+            0x801,
+            (1, 28, 28),
+            bytes(28 * 28),
+            "magic number 0x00000801, expected 0x00000803",
+        ),  # label magic on an image file
+        (
+            0x803,
+            (2, 28, 28),
+            bytes(28 * 28),
+            "784 data bytes, the header announces 1568",
+        ),  # more images announced than present
         (0x803, (1, 14, 14), bytes(14 * 14), "images are 14x14, expected 28x28"),  # wrong image size
     ],
 )
@@ -78,8 +94,11 @@ def test_truncated_gzip_raises_input_error(tmp_path, keep):
     write_idx(images, 0x803, (1, 28, 28), bytes(range(256)) * 3 + bytes(16), True)
     images.write_bytes(images.read_bytes()[:keep])
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x801, (1,), bytes([0]), True)
-    with pytest.raises(InputError, match=rf"^cannot read Fashion-MNIST file {re.escape(str(images))} \(.+\); "
-                                         "reinstall dataset-fashion-mnist or replace the file$"):
+    with pytest.raises(
+        InputError,
+        match=rf"^cannot read Fashion-MNIST file {re.escape(str(images))} \(.+\); "
+        "reinstall dataset-fashion-mnist or replace the file$",
+    ):
         load_fashion_mnist(tmp_path, "train")
 
 
@@ -111,7 +130,9 @@ def test_a_gzip_bomb_is_read_no_further_than_its_header_announces(tmp_path, kind
     assert bomb.stat().st_size < 400_000
     tracemalloc.start()
     try:
-        with pytest.raises(InputError, match=rf"{bomb.name} is malformed: more data bytes than the {announced} the header announces"):
+        with pytest.raises(
+            InputError, match=rf"{bomb.name} is malformed: more data bytes than the {announced} the header announces"
+        ):
             load_fashion_mnist(tmp_path, "train")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -125,7 +146,9 @@ def test_a_header_that_announces_billions_is_refused_before_anything_is_read(tmp
     write_idx(tmp_path / "train-labels-idx1-ubyte", 0x801, (2**32 - 1,), bytes(100), compress)
     if compress:
         (tmp_path / "train-labels-idx1-ubyte").rename(tmp_path / "train-labels-idx1-ubyte.gz")
-    with pytest.raises(InputError, match=r"the header announces 4,294,967,295 items, more than the 1,000,000 cafa reads"):
+    with pytest.raises(
+        InputError, match=r"the header announces 4,294,967,295 items, more than the 1,000,000 cafa reads"
+    ):
         load_fashion_mnist(tmp_path, "train")
 
 
@@ -172,12 +195,26 @@ def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_no
     from typer.testing import CliRunner
 
     from cafa_cli.artifact import read_artifact
-    from cafa_cli.cli.app import app
     from cafa_cli.checkpoints import sha256_of
+    from cafa_cli.cli.app import app
 
     runner = CliRunner()
     stats = tmp_path / "s.safetensors"
-    made = runner.invoke(app, ["stats", "--model", "fmnist-resnet", "--data", "fashion-mnist", "--per-class", "3", "--out", str(stats), "--quiet"])
+    made = runner.invoke(
+        app,
+        [
+            "stats",
+            "--model",
+            "fmnist-resnet",
+            "--data",
+            "fashion-mnist",
+            "--per-class",
+            "3",
+            "--out",
+            str(stats),
+            "--quiet",
+        ],
+    )
     assert made.exit_code == 0, made.stderr
     bundled = BUNDLED["fmnist-resnet"]
     recorded = read_artifact(stats, load_tensors=False).model
@@ -210,5 +247,8 @@ def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_no
     monkeypatch.setitem(BUNDLED, "fmnist-resnet", dataclasses.replace(bundled, weights=retrained))
     refused = runner.invoke(app, adapt)
     assert refused.exit_code == 3
-    assert "the bundled fmnist-resnet weights have changed" in refused.stderr and "--allow-weights-mismatch" in refused.stderr
+    assert (
+        "the bundled fmnist-resnet weights have changed" in refused.stderr
+        and "--allow-weights-mismatch" in refused.stderr
+    )
     assert runner.invoke(app, [*adapt, "--allow-weights-mismatch"]).exit_code == 0

@@ -17,14 +17,24 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
+from cafa_cli.artifact_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    bad,
+    check_layout,
+    check_small_tensors,
+    checked_factors,
+    checked_metadata,
+    expected_tensors,
+    norm_layers,
+    read_json,
+)
+from cafa_cli.checkpoints import HTML_MARKERS
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import CafaError, InputError
 from cafa_cli.files import atomic_write, open_safetensors, reading
-from cafa_cli.checkpoints import HTML_MARKERS
-from cafa_cli.models import ModelSpec
-from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.artifact_format import (FORMAT, FORMAT_VERSION, bad, check_layout, check_small_tensors, checked_factors,
-                                      checked_metadata, expected_tensors, norm_layers, read_json)
+from cafa_cli.models import ModelSpec
 
 
 @dataclass
@@ -108,7 +118,11 @@ def write_artifact(
         "feature_dim": str(d),
         "num_classes": str(C),
         "class_names": json.dumps(class_names),
-        **({"class_subset": json.dumps({"model_classes": model_classes, "outputs": outputs})} if outputs is not None else {}),
+        **(
+            {"class_subset": json.dumps({"model_classes": model_classes, "outputs": outputs})}
+            if outputs is not None
+            else {}
+        ),
         "shrinkage": json.dumps(
             {
                 "method": gaussians.shrinkage_method,
@@ -123,13 +137,21 @@ def write_artifact(
         **({"factory_sha256": factory_sha256} if factory_sha256 else {}),
         "preprocessing": preprocessing.to_json(),
         "sampling": json.dumps(sampling),
-        **({"norm_layers": json.dumps({name: int(mean.shape[1]) for name, (mean, _) in norm_moments.items()})} if norm_moments else {}),
+        **(
+            {"norm_layers": json.dumps({name: int(mean.shape[1]) for name, (mean, _) in norm_moments.items()})}
+            if norm_moments
+            else {}
+        ),
         "num_images": str(int(gaussians.counts.sum())),
         "cafa_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     factors = (
-        {"lowrank_basis": gaussians.factors, "lowrank_isotropic": gaussians.isotropic, "lowrank_spectrum": gaussians.spectrum}
+        {
+            "lowrank_basis": gaussians.factors,
+            "lowrank_isotropic": gaussians.isotropic,
+            "lowrank_spectrum": gaussians.spectrum,
+        }
         if lowrank
         else {"precision_cholesky": gaussians.factors}
     )
@@ -149,7 +171,9 @@ def write_artifact(
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         except SafetensorError as error:  # a full disk, a quota: safetensors reports the OS error in its own type
-            raise CafaError(f"cannot write {path} ({str(error).splitlines()[0][:200]}); check the free space of its folder") from None
+            raise CafaError(
+                f"cannot write {path} ({str(error).splitlines()[0][:200]}); check the free space of its folder"
+            ) from None
         try:
             written.append(read_artifact(tmp, load_tensors=False))
         except InputError as error:
@@ -173,8 +197,10 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         hint = f" (it holds {', '.join(found)})" if found else ""
         raise InputError(f"{path} is a folder; give the artifact file{hint}")
     if path.is_symlink() and not path.exists():
-        raise InputError(f"{path}: a symbolic link that leads nowhere (its target is missing, or the links form a loop); "
-                         f"give the artifact file itself")
+        raise InputError(
+            f"{path}: a symbolic link that leads nowhere (its target is missing, or the links form a loop); "
+            f"give the artifact file itself"
+        )
     if path.exists() and not path.is_file():
         raise InputError(f"{path}: not a regular file (a device or a pipe); give the artifact file cafa stats wrote")
     if not path.is_file():
@@ -189,17 +215,31 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
             return _read_open(f, path, load_tensors)
     except SafetensorError as error:
         if _is_torch_checkpoint(path):
-            raise bad(path, "this is a torch checkpoint, not a cafa artifact: give it as `weights`, and the file cafa stats wrote as `stats`") from None
-        raise bad(path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats") from None
+            raise bad(
+                path,
+                "this is a torch checkpoint, not a cafa artifact: give it as `weights`, and the file cafa stats wrote "
+                "as `stats`",
+            ) from None
+        raise bad(
+            path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats"
+        ) from None
     except (OSError, ValueError, RuntimeError, OverflowError) as error:
-        raise bad(path, f"unreadable artifact ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); re-create it with cafa stats") from None
+        raise bad(
+            path,
+            f"unreadable artifact ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}); "
+            "re-create it with cafa stats",
+        ) from None
 
 
 def _is_torch_checkpoint(path: Path) -> bool:
     """torch.save's zip archive (its first entry is `<name>/data.pkl`) or legacy pickle."""
     with open(path, "rb") as f:
         head = f.read(512)
-    return (head.startswith(b"PK\x03\x04") and b"data.pkl" in head) or head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"
+    return (
+        (head.startswith(b"PK\x03\x04") and b"data.pkl" in head)
+        or head[:1] == b"\x80"
+        and head[1:2] in b"\x02\x03\x04\x05"
+    )
 
 
 def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
@@ -217,9 +257,14 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
     if load_tensors:
         shrink_info = read_json(metadata, "shrinkage", path)
         numbers = isinstance(shrink_info, dict) and all(
-            isinstance(shrink_info.get(k), (int, float)) and 0 <= shrink_info[k] <= 1 for k in ("min", "mean", "max"))
+            isinstance(shrink_info.get(k), (int, float)) and 0 <= shrink_info[k] <= 1 for k in ("min", "mean", "max")
+        )
         if not numbers or not isinstance(shrink_info.get("method"), str):
-            raise bad(path, "metadata 'shrinkage' must hold the method and the min, mean and max λ, in [0, 1]; re-create the artifact with cafa stats")
+            raise bad(
+                path,
+                "metadata 'shrinkage' must hold the method and the min, mean and max λ, in [0, 1]; re-create the "
+                "artifact with cafa stats",
+            )
         gaussians = ClassGaussians(
             means=small["means"],
             factors=factors,
@@ -234,6 +279,16 @@ def _read_open(f, path: Path, load_tensors: bool) -> Artifact:
         )
     moments = None  # read with the metadata, whatever load_tensors: small, and checked with the other small tensors
     if "norm_layers" in metadata:
-        moments = {name: (small[f"norm.{name}.mean"], small[f"norm.{name}.var"]) for name in norm_layers(metadata, path)}
-    return Artifact(str(path), class_names, model, preprocessing, sampling if isinstance(sampling, dict) else {}, metadata, gaussians,
-                    moments)
+        moments = {
+            name: (small[f"norm.{name}.mean"], small[f"norm.{name}.var"]) for name in norm_layers(metadata, path)
+        }
+    return Artifact(
+        str(path),
+        class_names,
+        model,
+        preprocessing,
+        sampling if isinstance(sampling, dict) else {},
+        metadata,
+        gaussians,
+        moments,
+    )

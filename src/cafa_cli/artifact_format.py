@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.models import ModelSpec
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.method.options import COVARIANCE_MODES
+from cafa_cli.models import ModelSpec
 
 FORMAT = "cafa-stats"
 FORMAT_VERSION = 2  # what the writer writes and the reader reads (version 1 was never released)
@@ -36,22 +36,36 @@ def read_json(metadata: dict, key: str, path):
     try:
         return json.loads(metadata[key])
     except (KeyError, TypeError, json.JSONDecodeError):
-        raise bad(path, f"metadata field '{key}' is missing or not valid JSON; re-create the artifact with cafa stats") from None
+        raise bad(
+            path, f"metadata field '{key}' is missing or not valid JSON; re-create the artifact with cafa stats"
+        ) from None
 
 
 def checked_metadata(metadata: dict, path: Path):
     """(covariance, C, d, class names, model, preprocessing, sampling) from valid metadata."""
     if metadata.get("format") != FORMAT:
-        raise bad(path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')")
+        raise bad(
+            path, "a safetensors file, but not a cafa statistics artifact (metadata 'format' is not 'cafa-stats')"
+        )
     version = metadata.get("format_version")
     if version is None:
-        raise bad(path, "metadata field 'format_version' is missing; the file was edited or damaged: re-create it with cafa stats")
+        raise bad(
+            path,
+            "metadata field 'format_version' is missing; the file was edited or damaged: re-create it with cafa stats",
+        )
     if version != str(FORMAT_VERSION):
-        raise bad(path, f"artifact format version {version!r} is not supported by cafa {__version__} (it reads version "
-                         f"{FORMAT_VERSION}); re-create it or upgrade cafa")
+        raise bad(
+            path,
+            f"artifact format version {version!r} is not supported by cafa {__version__} (it reads version "
+            f"{FORMAT_VERSION}); re-create it or upgrade cafa",
+        )
     covariance = metadata.get("covariance")
     if covariance not in COVARIANCE_MODES:
-        raise bad(path, f"unknown covariance mode {covariance!r} (expected one of {', '.join(COVARIANCE_MODES)}); re-create it with cafa stats")
+        raise bad(
+            path,
+            f"unknown covariance mode {covariance!r} (expected one of {', '.join(COVARIANCE_MODES)}); re-create it "
+            "with cafa stats",
+        )
     try:
         d = int(metadata["feature_dim"])
         C = int(metadata["num_classes"])
@@ -65,19 +79,27 @@ def checked_metadata(metadata: dict, path: Path):
     if len(set(class_names)) != C:
         raise bad(path, "metadata 'class_names' repeats a name")
     if unusable_class_names(class_names):
-        raise bad(path, "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
-                         "with class folders (or a `classes` list) named otherwise")
+        raise bad(
+            path,
+            "metadata 'class_names' holds an empty name or one with a line break; re-create the artifact "
+            "with class folders (or a `classes` list) named otherwise",
+        )
     if "class_subset" in metadata:
         _check_class_subset(read_json(metadata, "class_subset", path), class_names, path)
     model_fields = read_json(metadata, "model", path)
     prep_fields = read_json(metadata, "preprocessing", path)
     sampling = read_json(metadata, "sampling", path)
     if not isinstance(model_fields, dict) or not isinstance(prep_fields, dict):
-        raise bad(path, "metadata 'model' and 'preprocessing' must be JSON objects; re-create the artifact with cafa stats")
+        raise bad(
+            path, "metadata 'model' and 'preprocessing' must be JSON objects; re-create the artifact with cafa stats"
+        )
     unknown = set(model_fields) - {field.name for field in fields(ModelSpec)}
     if unknown or "model" not in model_fields:
-        raise bad(path, f"metadata 'model' has {'unknown fields ' + listing(sorted(unknown)) if unknown else 'no model name'}; "
-                         f"re-create the artifact with cafa stats")
+        raise bad(
+            path,
+            f"metadata 'model' has {'unknown fields ' + listing(sorted(unknown)) if unknown else 'no model name'}; "
+            f"re-create the artifact with cafa stats",
+        )
     try:
         model = ModelSpec(**model_fields)
         preprocessing = Preprocessing.from_dict(prep_fields)
@@ -90,8 +112,11 @@ def checked_metadata(metadata: dict, path: Path):
     for key in ("parameters_sha256", "factory_sha256"):
         digest = metadata.get(key)
         if (digest is not None or key == "parameters_sha256") and not re.fullmatch("[0-9a-f]{64}", digest or ""):
-            raise bad(path, f"metadata '{key}' is {'missing' if digest is None else 'not a hex SHA-256'}; the file was edited or "
-                             f"damaged: re-create it with cafa stats")
+            raise bad(
+                path,
+                f"metadata '{key}' is {'missing' if digest is None else 'not a hex SHA-256'}; the file was edited or "
+                f"damaged: re-create it with cafa stats",
+            )
     return covariance, C, d, class_names, model, preprocessing, sampling
 
 
@@ -100,15 +125,23 @@ def _check_class_subset(subset, class_names: list[str], path: Path) -> None:
     each class of the statistics, whose names they must be."""
     model_classes = subset.get("model_classes") if isinstance(subset, dict) else None
     outputs = subset.get("outputs") if isinstance(subset, dict) else None
-    valid = (isinstance(model_classes, list) and all(isinstance(n, str) for n in model_classes)
-             and len(set(model_classes)) == len(model_classes) and not unusable_class_names(model_classes)
-             and isinstance(outputs, list) and len(outputs) == len(class_names)
-             and all(type(o) is int and 0 <= o < len(model_classes) for o in outputs)
-             and all(a < b for a, b in zip(outputs, outputs[1:]))
-             and [model_classes[o] for o in outputs] == class_names)
+    valid = (
+        isinstance(model_classes, list)
+        and all(isinstance(n, str) for n in model_classes)
+        and len(set(model_classes)) == len(model_classes)
+        and not unusable_class_names(model_classes)
+        and isinstance(outputs, list)
+        and len(outputs) == len(class_names)
+        and all(type(o) is int and 0 <= o < len(model_classes) for o in outputs)
+        and all(a < b for a, b in zip(outputs, outputs[1:]))
+        and [model_classes[o] for o in outputs] == class_names
+    )
     if not valid:
-        raise bad(path, "metadata 'class_subset' must hold the model's class names and, in increasing order, the output of "
-                         "each of 'class_names'; re-create the artifact with cafa stats")
+        raise bad(
+            path,
+            "metadata 'class_subset' must hold the model's class names and, in increasing order, the output of "
+            "each of 'class_names'; re-create the artifact with cafa stats",
+        )
 
 
 def expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path):
@@ -127,7 +160,10 @@ def expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path
             "lowrank_spectrum": ((C, k), torch.float32),
         }
     else:
-        factor_name, factor_shape = "precision_cholesky", {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance]
+        factor_name, factor_shape = (
+            "precision_cholesky",
+            {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance],
+        )
         factors = {"precision_cholesky": (factor_shape, torch.float32)}
     expected = {
         "means": ((C, d), torch.float32),
@@ -148,9 +184,14 @@ def norm_layers(metadata: dict, path: Path) -> dict[str, int]:
     if "norm_layers" not in metadata:
         return {}
     layers = read_json(metadata, "norm_layers", path)
-    if not (isinstance(layers, dict) and all(isinstance(k, str) and type(v) is int and v >= 1 for k, v in layers.items())):
-        raise bad(path, "metadata 'norm_layers' must map each BatchNorm's name to its channel count; re-create the artifact "
-                        "with cafa stats --norm-moments")
+    if not (
+        isinstance(layers, dict) and all(isinstance(k, str) and type(v) is int and v >= 1 for k, v in layers.items())
+    ):
+        raise bad(
+            path,
+            "metadata 'norm_layers' must map each BatchNorm's name to its channel count; re-create the artifact "
+            "with cafa stats --norm-moments",
+        )
     return layers
 
 
@@ -178,9 +219,16 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
     if (small["counts"] < 2).any():
         raise bad(path, "tensor 'counts' has classes with fewer than 2 samples")
     if metadata.get("num_images") != str(int(small["counts"].sum())):
-        raise bad(path, f"metadata 'num_images' ({metadata.get('num_images')}) is not the sum of the tensor 'counts' "
-                         f"({int(small['counts'].sum())}); the file was edited or damaged: re-create it with cafa stats")
-    negative = [name for name, tensor in small.items() if name.startswith("norm.") and name.endswith(".var") and (tensor < 0).any()]
+        raise bad(
+            path,
+            f"metadata 'num_images' ({metadata.get('num_images')}) is not the sum of the tensor 'counts' "
+            f"({int(small['counts'].sum())}); the file was edited or damaged: re-create it with cafa stats",
+        )
+    negative = [
+        name
+        for name, tensor in small.items()
+        if name.startswith("norm.") and name.endswith(".var") and (tensor < 0).any()
+    ]
     if negative:
         raise bad(path, f"tensor '{negative[0]}' has negative variances")
     _check_covariance(small["global_covariance"], path)
@@ -188,7 +236,9 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
         raise bad(path, "tensor 'shrinkage' has values outside [0, 1]")
     if covariance == "lowrank":
         if (small["lowrank_isotropic"] <= 0).any():
-            raise bad(path, "tensor 'lowrank_isotropic' has values ≤ 0; the covariance a·I + QᵀdiagQ(e) would be singular")
+            raise bad(
+                path, "tensor 'lowrank_isotropic' has values ≤ 0; the covariance a·I + QᵀdiagQ(e) would be singular"
+            )
         if (small["lowrank_spectrum"] < 0).any():
             raise bad(path, "tensor 'lowrank_spectrum' has negative values")
 
@@ -209,16 +259,21 @@ def _check_covariance(sigma: torch.Tensor, path) -> None:
     jitter = len(sigma64) * 1e-7 * scale
     _, info = torch.linalg.cholesky_ex(sigma64 + jitter * torch.eye(len(sigma64), dtype=torch.float64))
     if int(info) != 0 or (sigma64.diagonal() < 0).any():
-        raise bad(path, "tensor 'global_covariance' is not positive semi-definite (a covariance never is otherwise); "
-                        "re-create the artifact with cafa stats")
+        raise bad(
+            path,
+            "tensor 'global_covariance' is not positive semi-definite (a covariance never is otherwise); "
+            "re-create the artifact with cafa stats",
+        )
 
 
 def _valid_spec(m: ModelSpec) -> bool:
     """A model name, optional strings, and an optional positive class count (JSON can hold anything)."""
     strings = all(v is None or isinstance(v, str) for v in (m.weights, m.weights_sha256, m.classifier))
     count = m.num_classes is None or (type(m.num_classes) is int and m.num_classes >= 1)
-    arguments = m.model_args is None or (isinstance(m.model_args, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in m.model_args.items()))
+    arguments = m.model_args is None or (
+        isinstance(m.model_args, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in m.model_args.items())
+    )
     return isinstance(m.model, str) and bool(m.model) and strings and count and arguments
 
 
@@ -253,4 +308,8 @@ def _check_basis(path, block: torch.Tensor) -> None:
     gram = torch.bmm(block, block.transpose(1, 2))  # [c, k, k]: identity on the used rows
     used = (gram.diagonal(dim1=1, dim2=2) > 0.5).float()
     if (gram - torch.diag_embed(used)).abs().amax() > _ORTHONORMAL_TOLERANCE:
-        raise bad(path, "tensor 'lowrank_basis' is not orthonormal (each row must be a unit vector orthogonal to the others, or zero)")
+        raise bad(
+            path,
+            "tensor 'lowrank_basis' is not orthonormal (each row must be a unit vector orthogonal to the others, or "
+            "zero)",
+        )

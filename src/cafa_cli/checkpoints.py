@@ -8,17 +8,18 @@ import pickle
 import warnings
 import zipfile
 from pathlib import Path
+
 import torch
 from torch import nn
+
 from cafa_cli.errors import InputError, listing, out_of_memory
-from cafa_cli.files import open_safetensors
-from cafa_cli.files import reading
+from cafa_cli.files import open_safetensors, reading
+
 
 def is_step_counter(name: str) -> bool:
     """BatchNorm's num_batches_tracked: it counts training steps and changes nothing the
     model computes; old torchvision and converted checkpoints lack it."""
     return name.endswith("num_batches_tracked")
-
 
 
 HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
@@ -56,7 +57,9 @@ def sha256_of(path: str | Path) -> str:
 def check_weights_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"`weights` {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file"))
+        raise InputError(
+            f"`weights` {path}: " + ("a folder; give the weights file in it" if path.is_dir() else "no such file")
+        )
     return path
 
 
@@ -72,19 +75,27 @@ def read_state_dict(path: str | Path, trust_checkpoint: bool = False) -> dict[st
         start = f.read(512)
     head = start.lstrip().lower()
     if head.startswith(HTML_MARKERS):
-        raise InputError(f"`weights` {path}: this is a web page, not a checkpoint (the download saved HTML); download the file itself")
+        raise InputError(
+            f"`weights` {path}: this is a web page, not a checkpoint (the download saved HTML); download the file "
+            "itself"
+        )
     if head.startswith(LFS_POINTER):
         raise InputError(
             f"`weights` {path}: this is a Git LFS pointer, not the weights (the clone did not fetch them); "
             f"run git lfs pull in that repository, or download the file itself"
         )
-    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(start, path.stat().st_size):  # the bytes decide, as for images
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(
+        start, path.stat().st_size
+    ):  # the bytes decide, as for images
         from safetensors import SafetensorError
 
         try:
             with open_safetensors(path) as f:
                 if (f.metadata() or {}).get("format") == "cafa-stats":
-                    raise InputError(f"`weights` {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes it as `stats`)")
+                    raise InputError(
+                        f"`weights` {path}: this is a cafa statistics artifact, not model weights (cafa adapt takes "
+                        "it as `stats`)"
+                    )
                 state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"`weights` {path}: not a readable safetensors file ({error})") from None
@@ -110,10 +121,15 @@ def _torch_load(path: Path, trust_checkpoint: bool):
             raise _ran_plain_pickle(path) from None
         # "Unsupported operand": the bytes are not a pickle torch reads, so trusting them cannot help;
         # nor can it for a file torch.save did not write (text read as pickle opcodes names odd "globals")
-        if "weights_only" in str(error) and "Unsupported operand" not in str(error) and start.startswith(TORCH_SAVE_MARKERS):
+        if (
+            "weights_only" in str(error)
+            and "Unsupported operand" not in str(error)
+            and start.startswith(TORCH_SAVE_MARKERS)
+        ):
             raise UntrustedCheckpoint(
                 f"`weights` {path}: the checkpoint holds Python objects beyond tensors, and loading them "
-                f"can run arbitrary code; if you trust its source, pass `trust_checkpoint` (or re-save it as a state_dict)"
+                "can run arbitrary code; if you trust its source, pass `trust_checkpoint` (or re-save it as a "
+                "state_dict)"
             ) from None
         if start in PLAIN_PICKLE:
             raise InputError(
@@ -184,7 +200,7 @@ def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise InputError(f"`weights` {path}: expected a state_dict (names -> tensors), found {type(state).__name__}")
     if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     return state
 
 
@@ -198,19 +214,36 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
             parts.append(f"missing {listing(missing, 6)}")
         if unexpected:
             parts.append(f"unexpected {listing(unexpected, 6)}")
-        raise InputError(f"`weights` {path}: keys do not match the model: {'; '.join(parts)}; check `model` and `num_classes`")
+        raise InputError(
+            f"`weights` {path}: keys do not match the model: {'; '.join(parts)}; check `model` and `num_classes`"
+        )
     odd = [f"{k} ({_kind(v)})" for k, v in state.items() if k in own and _kind(v)]
     if odd:  # load_state_dict fails on them with a long message, or drops imaginary parts with a warning
-        raise InputError(f"`weights` {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
-                         f"(tensor.to_dense(), real parts)")
-    integer = [f"{k} ({str(state[k].dtype).removeprefix('torch.')})" for k, v in own.items()
-               if k in state and isinstance(v, torch.Tensor) and v.is_floating_point() and not state[k].is_floating_point()]
-    if integer:  # load_state_dict casts them (int32 3 is 3.0) and every prediction is garbage; quantized ones fail in it
-        raise InputError(f"`weights` {path}: {listing(integer, 3)}: not floating-point, for floating-point parameters of the model; "
-                         f"give the float weights (dequantize a quantized checkpoint: tensor.dequantize())")
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
+        raise InputError(
+            f"`weights` {path}: {listing(odd, 3)}: not a dense real tensor; save the weights as a plain state dict "
+            f"(tensor.to_dense(), real parts)"
+        )
+    integer = [
+        f"{k} ({str(state[k].dtype).removeprefix('torch.')})"
+        for k, v in own.items()
+        if k in state and isinstance(v, torch.Tensor) and v.is_floating_point() and not state[k].is_floating_point()
+    ]
+    if (
+        integer
+    ):  # load_state_dict casts them (int32 3 is 3.0) and every prediction is garbage; quantized ones fail in it
+        raise InputError(
+            f"`weights` {path}: {listing(integer, 3)}: not floating-point, for floating-point parameters of the model; "
+            f"give the float weights (dequantize a quantized checkpoint: tensor.dequantize())"
+        )
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if wrong:
-        raise InputError(f"`weights` {path}: shapes do not match the model: {', '.join(wrong[:3])}; check `model` and `num_classes`")
+        raise InputError(
+            f"`weights` {path}: shapes do not match the model: {', '.join(wrong[:3])}; check `model` and `num_classes`"
+        )
     model.load_state_dict(state, strict=False)  # every key was checked above
 
 

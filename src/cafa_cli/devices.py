@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from cafa_cli.errors import UsageError
 
+from cafa_cli.errors import UsageError
 
 GPU_OUT_OF_MEMORY = torch.cuda.OutOfMemoryError  # a RuntimeError, not a MemoryError
 

@@ -35,8 +35,11 @@ def out_of_memory(error: BaseException) -> bool:
     CPU allocator failing (a RuntimeError: "[enforce fail at alloc_cpu.cpp:127] err == 0.
     DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."). Matched by name
     and text, so that the command line need not import torch."""
-    return (isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
-            or (isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error)))
+    return (
+        isinstance(error, MemoryError)
+        or type(error).__name__ == "OutOfMemoryError"
+        or (isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error))
+    )
 
 
 def listing(items, limit: int = 5) -> str:

@@ -55,7 +55,9 @@ def parse_model_args(texts: list[str] | tuple[str, ...] | None, option: str = "`
         key, equals, value = str(text).partition("=")
         key = key.strip()
         if not equals or not key.isidentifier():
-            raise UsageError(f"{option} {text!r}: expected KEY=VALUE with KEY a keyword argument name (e.g. image_size=64)")
+            raise UsageError(
+                f"{option} {text!r}: expected KEY=VALUE with KEY a keyword argument name (e.g. image_size=64)"
+            )
         try:
             parsed = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -78,7 +80,9 @@ def import_factory(spec: str, option: str, what: str = "function"):
         # a path, and no module name: importlib would fail with a TypeError about relative imports
         path = Path(location)
         kind = "a folder" if path.is_dir() else "not a .py file" if path.exists() else "no such file"
-        raise InputError(f"{option} {spec}: {location} is {kind}; give 'path/to/file.py:{what}' or 'package.module:{what}'")
+        raise InputError(
+            f"{option} {spec}: {location} is {kind}; give 'path/to/file.py:{what}' or 'package.module:{what}'"
+        )
     try:
         if location.endswith(".py"):
             path = Path(location)
@@ -98,8 +102,10 @@ def import_factory(spec: str, option: str, what: str = "function"):
     except (InputError, UsageError):
         raise
     except SystemExit as error:  # a script's argparse or sys.exit: exit 0 here would tell CI the run succeeded
-        raise InputError(f"{option} {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
-                         f"at import?); keep it under if __name__ == '__main__':") from None
+        raise InputError(
+            f"{option} {spec}: importing {location} called sys.exit({error.code!r}) (argparse or a script's main "
+            f"at import?); keep it under if __name__ == '__main__':"
+        ) from None
     except Exception as error:  # a user's file can fail in any way; report it on one line
         raise InputError(f"{option} {spec}: could not import {location} ({type(error).__name__}: {error})") from None
     factory = getattr(module, function, None)

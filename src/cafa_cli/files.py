@@ -10,6 +10,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+
 from cafa_cli.errors import CafaError, InputError, WouldOverwrite
 
 
@@ -43,8 +44,10 @@ def _temporary_beside(target: Path) -> tuple[int, str]:
     try:
         return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as error:
-        raise InputError(f"cannot write {target}: folder {target.parent} does not take new files ({error.strerror or error}); "
-                         f"give a path in a folder you can write") from None
+        raise InputError(
+            f"cannot write {target}: folder {target.parent} does not take new files ({error.strerror or error}); "
+            f"give a path in a folder you can write"
+        ) from None
 
 
 def absolute(path: str | Path | None) -> str | None:
@@ -94,8 +97,10 @@ def reading(path: str | Path | None, what: str) -> None:
     identity, name = file_identity(str(path)), os.path.realpath(path)
     for option, output in _OUTPUTS.items():
         if file_identity(output) == identity or os.path.realpath(output) == name:
-            raise WouldOverwrite(f"{option} {output} is also {what}'s file {path}, which this command reads; writing it would "
-                             f"destroy that: give {option} another path")
+            raise WouldOverwrite(
+                f"{option} {output} is also {what}'s file {path}, which this command reads; writing it would "
+                f"destroy that: give {option} another path"
+            )
 
 
 def file_identity(path: str) -> tuple:
@@ -148,7 +153,9 @@ def replacing(path: str | Path):
         try:
             os.replace(tmp, target)
         except OSError as error:  # an immutable or busy target: name it, not the temporary file
-            raise InputError(f"cannot write {target}: {error.strerror or error}; check the file's permissions and attributes") from None
+            raise InputError(
+                f"cannot write {target}: {error.strerror or error}; check the file's permissions and attributes"
+            ) from None
         completed.append(str(path))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

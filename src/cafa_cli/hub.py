@@ -47,14 +47,18 @@ def library_of(model: str) -> tuple[str | None, str]:
     """('timm' or 'torchvision', NAME) for `timm:NAME` / `torchvision:NAME`, else (None, model)."""
     for library in ("timm", "torchvision"):
         if model.startswith(f"{library}:"):
-            return library, model[len(library) + 1:]
+            return library, model[len(library) + 1 :]
     return None, model
 
 
 def is_weights_name(weights: str) -> bool:
     """`--weights IMAGENET1K_V2`, not a file: no such file, no folder in it, no file suffix."""
-    return (not Path(weights).exists() and "/" not in weights and os.sep not in weights
-            and not weights.lower().endswith(WEIGHT_FILE_SUFFIXES))
+    return (
+        not Path(weights).exists()
+        and "/" not in weights
+        and os.sep not in weights
+        and not weights.lower().endswith(WEIGHT_FILE_SUFFIXES)
+    )
 
 
 # --- torchvision --------------------------------------------------------------
@@ -74,15 +78,21 @@ def torchvision_weights(name: str, weights: str):
     try:
         enum = torchvision.models.get_model_weights(name)
     except (ValueError, KeyError):
-        raise UsageError(f"`weights` {weights}: torchvision publishes no weights for {name}; give a weights file") from None
+        raise UsageError(
+            f"`weights` {weights}: torchvision publishes no weights for {name}; give a weights file"
+        ) from None
     prefix, dot, tag = weights.rpartition(".")
     if dot and prefix != enum.__name__:
-        raise UsageError(f"`weights` {weights} are not {name}'s; its weights are {enum.__name__}.<{'|'.join(enum.__members__)}>")
+        raise UsageError(
+            f"`weights` {weights} are not {name}'s; its weights are {enum.__name__}.<{'|'.join(enum.__members__)}>"
+        )
     try:
         return enum[tag]
     except KeyError:
-        raise UsageError(f"`weights` {weights}: no such file, nor weights of {name} by that name"
-                         f"{did_you_mean(tag, list(enum.__members__))}; torchvision has {', '.join(enum.__members__)}") from None
+        raise UsageError(
+            f"`weights` {weights}: no such file, nor weights of {name} by that name"
+            f"{did_you_mean(tag, list(enum.__members__))}; torchvision has {', '.join(enum.__members__)}"
+        ) from None
 
 
 def cached_torchvision_weights(member) -> CachedWeights:
@@ -90,20 +100,32 @@ def cached_torchvision_weights(member) -> CachedWeights:
     checked against the prefix in its name."""
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(member.url)
     name = f"{type(member).__name__}.{member.name}"
-    return CachedWeights(name, path, _checked_file(path, name, f"torch's hub cache {path.parent} ($TORCH_HOME/hub/checkpoints)",
-                                                   f"python -c \"import torchvision; torchvision.models.get_weight('{name}').get_state_dict()\""))
+    return CachedWeights(
+        name,
+        path,
+        _checked_file(
+            path,
+            name,
+            f"torch's hub cache {path.parent} ($TORCH_HOME/hub/checkpoints)",
+            f"python -c \"import torchvision; torchvision.models.get_weight('{name}').get_state_dict()\"",
+        ),
+    )
 
 
 def _checked_file(path: Path, name: str, cache: str, fetch: str) -> str:
     """The sha256 of a cached weights file, checked against the hash torch.hub puts in the name."""
     if not path.is_file():
-        raise InputError(f"`weights` {name}: {path.name} is not in {cache}; cafa downloads nothing: fetch it where there is a "
-                         f"network ({fetch}) and copy it to {path}")
+        raise InputError(
+            f"`weights` {name}: {path.name} is not in {cache}; cafa downloads nothing: fetch it where there is a "
+            f"network ({fetch}) and copy it to {path}"
+        )
     digest = sha256_of(path)
     expected = HASH_IN_NAME.search(path.name)
     if expected and not digest.startswith(expected.group(1)):
-        raise InputError(f"`weights` {name}: {path} has sha256 {digest[:12]}..., not the {expected.group(1)}... its name promises "
-                         f"(a partial or altered download); delete it and fetch it again")
+        raise InputError(
+            f"`weights` {name}: {path} has sha256 {digest[:12]}..., not the {expected.group(1)}... its name promises "
+            f"(a partial or altered download); delete it and fetch it again"
+        )
     return digest
 
 
@@ -113,7 +135,10 @@ def build_torchvision(name: str, kwargs: dict, weights: CachedWeights | None = N
     import torchvision
 
     if name not in torchvision_names():
-        raise UsageError(f"`model` torchvision:{name}: no such torchvision classification model{did_you_mean(name, torchvision_names())}")
+        raise UsageError(
+            f"`model` torchvision:{name}: no such torchvision classification "
+            f"model{did_you_mean(name, torchvision_names())}"
+        )
     if weights is None:
         return _built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
     member = torchvision.models.get_weight(weights.name)
@@ -158,13 +183,17 @@ def timm_config(name: str, tag: str | None = None):
     if not timm.is_model(architecture):
         raise UsageError(f"`model` timm:{name}: no such timm model{did_you_mean(architecture, timm.list_models())}")
     if tag and own_tag and tag != own_tag:
-        raise UsageError(f"`model` timm:{name} names the pretrained tag {own_tag}, and `weights` {tag}; give the tag once")
+        raise UsageError(
+            f"`model` timm:{name} names the pretrained tag {own_tag}, and `weights` {tag}; give the tag once"
+        )
     tag = tag or own_tag
     config = timm.get_pretrained_cfg(f"{architecture}.{tag}" if tag else architecture)
     if config is None:
         tags = [known.partition(".")[2] for known in timm.list_pretrained(f"{architecture}.*")]
-        raise UsageError(f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{did_you_mean(tag, tags)}"
-                         + (f"; its tags: {listing(tags, 8)}" if tags else ""))
+        raise UsageError(
+            f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{did_you_mean(tag, tags)}"
+            + (f"; its tags: {listing(tags, 8)}" if tags else "")
+        )
     return config
 
 
@@ -176,22 +205,37 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
     if config.hf_hub_id:
         from huggingface_hub import constants, try_to_load_from_cache
 
-        files = [config.hf_hub_filename] if config.hf_hub_filename else ["model.safetensors", "open_clip_model.safetensors",
-                                                                           "pytorch_model.bin"]
+        files = (
+            [config.hf_hub_filename]
+            if config.hf_hub_filename
+            else ["model.safetensors", "open_clip_model.safetensors", "pytorch_model.bin"]
+        )
         for file in files:
             found = try_to_load_from_cache(config.hf_hub_id, file, cache_dir=constants.HF_HUB_CACHE)
             if isinstance(found, str):
                 return CachedWeights(recorded, Path(found), _checked_blob(Path(found), recorded))
         folder = Path(constants.HF_HUB_CACHE) / f"models--{config.hf_hub_id.replace('/', '--')}"
-        raise InputError(f"`weights` {recorded}: timm's {config.hf_hub_id} ({' or '.join(files)}) is not in the Hugging Face "
-                         f"hub cache {constants.HF_HUB_CACHE} (looked in {folder}); cafa downloads nothing: fetch it where there "
-                         f"is a network (python -c \"import timm; timm.create_model('{config.architecture}.{recorded}', "
-                         f"pretrained=True)\") and copy that folder there, or set HF_HUB_CACHE")
+        raise InputError(
+            f"`weights` {recorded}: timm's {config.hf_hub_id} ({' or '.join(files)}) is not in the Hugging Face "
+            f"hub cache {constants.HF_HUB_CACHE} (looked in {folder}); cafa downloads nothing: fetch it where there "
+            f"is a network (python -c \"import timm; timm.create_model('{config.architecture}.{recorded}', "
+            f'pretrained=True)") and copy that folder there, or set HF_HUB_CACHE'
+        )
     if config.url:
         path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(config.url)
-        return CachedWeights(recorded, path, _checked_file(path, recorded, f"torch's hub cache {path.parent}",
-                                                           f"timm.create_model('{config.architecture}.{recorded}', pretrained=True)"))
-    raise UsageError(f"`weights` {recorded}: timm publishes no file for {config.architecture}.{recorded}; give a weights file")
+        return CachedWeights(
+            recorded,
+            path,
+            _checked_file(
+                path,
+                recorded,
+                f"torch's hub cache {path.parent}",
+                f"timm.create_model('{config.architecture}.{recorded}', pretrained=True)",
+            ),
+        )
+    raise UsageError(
+        f"`weights` {recorded}: timm publishes no file for {config.architecture}.{recorded}; give a weights file"
+    )
 
 
 def _checked_blob(path: Path, name: str) -> str:
@@ -199,8 +243,10 @@ def _checked_blob(path: Path, name: str) -> str:
     stores a large (LFS) file under its sha256 and links the snapshot's name to it."""
     digest, blob = sha256_of(path), path.resolve()
     if re.fullmatch("[0-9a-f]{64}", blob.name) and blob.name != digest:
-        raise InputError(f"`weights` {name}: {blob} has sha256 {digest[:12]}..., not the {blob.name[:12]}... its name promises "
-                         f"(a partial or altered download); delete it and fetch it again")
+        raise InputError(
+            f"`weights` {name}: {blob} has sha256 {digest[:12]}..., not the {blob.name[:12]}... its name promises "
+            f"(a partial or altered download); delete it and fetch it again"
+        )
     return digest
 
 
@@ -216,13 +262,19 @@ def build_timm(name: str, kwargs: dict, weights: CachedWeights | None = None) ->
     if outputs is not None and config.num_classes and outputs != config.num_classes:
         # timm would load the rest and leave a fresh random head: predictions would be noise,
         # and another head every run (adapt could not rebuild the model the artifact records)
-        raise UsageError(f"`model` timm:{name} with `weights` {weights.name} has {config.num_classes} outputs, and `num_classes` "
-                         f"{outputs} would put an untrained, random classifier on it; leave `num_classes` out, or give "
-                         f"`weights` a state dict file trained for {outputs} classes")
+        raise UsageError(
+            f"`model` timm:{name} with `weights` {weights.name} has {config.num_classes} outputs, and `num_classes` "
+            f"{outputs} would put an untrained, random classifier on it; leave `num_classes` out, or give "
+            f"`weights` a state dict file trained for {outputs} classes"
+        )
     state = read_state_dict(weights.path)
-    net = _built(f"timm:{name}", lambda: timm.create_model(full, pretrained=True, pretrained_cfg_overlay={"state_dict": state},
-                                                         **kwargs))
-    getattr(net, "pretrained_cfg", {}).pop("state_dict", None)  # the model keeps its config: not a second copy of the weights
+    net = _built(
+        f"timm:{name}",
+        lambda: timm.create_model(full, pretrained=True, pretrained_cfg_overlay={"state_dict": state}, **kwargs),
+    )
+    getattr(net, "pretrained_cfg", {}).pop(
+        "state_dict", None
+    )  # the model keeps its config: not a second copy of the weights
     return net
 
 
@@ -283,8 +335,10 @@ def _built(model: str, build):
     except TypeError as error:
         raise UsageError(f"`model` {model}: {_first_line(error)}; check `model_arg`") from None
     except Exception as error:  # a library's checks raise whatever they like (ValueError, AssertionError, RuntimeError)
-        raise InputError(f"`model` {model}: could not be built ({type(error).__name__}: {_first_line(error)}); check `model_arg`, "
-                         f"`num_classes` and `weights`") from None
+        raise InputError(
+            f"`model` {model}: could not be built ({type(error).__name__}: {_first_line(error)}); check `model_arg`, "
+            f"`num_classes` and `weights`"
+        ) from None
 
 
 def _first_line(error: BaseException) -> str:

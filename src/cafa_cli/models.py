@@ -1,5 +1,6 @@
 """A model by name: a torchvision architecture, a bundled model, `timm:NAME` /
-`torchvision:NAME` (hub.py), `robustbench:DATASET/NAME` (zoo/robustbench.py), or a factory (`file.py:fn`, `package.module:fn`), built with
+`torchvision:NAME` (hub.py), `robustbench:DATASET/NAME` (zoo/robustbench.py), or a factory
+(`file.py:fn`, `package.module:fn`), built with
 its keyword arguments, loaded with its weights and wrapped so that it returns its
 features too; and the fingerprints an artifact records of it."""
 
@@ -9,14 +10,16 @@ import hashlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from torch import nn
+
 from cafa_cli import hub
+from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
 from cafa_cli.errors import InputError, UsageError, did_you_mean
 from cafa_cli.factories import import_factory, is_factory
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
 from cafa_cli.zoo import robustbench
 
 
@@ -25,15 +28,18 @@ class ModelSpec:
     """What the artifact records so that `adapt` can rebuild the exact model."""
 
     model: str
-    weights: str | None = None  # absolute path, or pretrained weights by name (ResNet50_Weights.IMAGENET1K_V2, a timm tag)
+    weights: str | None = (
+        None  # absolute path, or pretrained weights by name (ResNet50_Weights.IMAGENET1K_V2, a timm tag)
+    )
     weights_sha256: str | None = None
     num_classes: int | None = None
     classifier: str | None = None
     model_args: dict[str, str] | None = None  # the constructor's or factory's keyword arguments: name -> repr(value)
 
 
-def build_model(model: str, num_classes: int | None = None, model_args: dict | None = None,
-                weights: hub.CachedWeights | None = None) -> nn.Module:
+def build_model(
+    model: str, num_classes: int | None = None, model_args: dict | None = None, weights: hub.CachedWeights | None = None
+) -> nn.Module:
     """A torchvision architecture name, a bundled model name, `timm:NAME`, `torchvision:NAME`,
     `robustbench:DATASET/NAME`, or `file.py:fn` / `pkg.mod:fn`, called with `model_args`
     (and `num_classes`); `weights` are pretrained weights by name, which the library's
@@ -54,7 +60,8 @@ def build_model(model: str, num_classes: int | None = None, model_args: dict | N
         return _from_factory(model, kwargs)
     if library is None and model not in hub.torchvision_names():
         raise UsageError(
-            f"`model` {model}: unknown architecture{did_you_mean(model, hub.torchvision_names())}; give a torchvision classification model, "
+            f"`model` {model}: unknown architecture{did_you_mean(model, hub.torchvision_names())}; give a torchvision "
+            "classification model, "
             f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, robustbench:DATASET/NAME, or a factory 'file.py:function'"
         )
     return hub.build_torchvision(name, kwargs, weights)
@@ -110,7 +117,9 @@ def resolve(
     if "num_classes" in model_args:  # --model-arg num_classes=10 is --num-classes 10, recorded as such
         given = model_args.pop("num_classes")
         if num_classes is not None and given != num_classes:
-            raise UsageError(f"`num_classes` {num_classes} and `model_arg` num_classes={given!r} disagree; give it once")
+            raise UsageError(
+                f"`num_classes` {num_classes} and `model_arg` num_classes={given!r} disagree; give it once"
+            )
         num_classes = given
     if num_classes is not None and type(num_classes) is not int:  # --model-arg num_classes=1.5
         raise UsageError(f"`num_classes` must be a whole number, not {num_classes!r}")
@@ -129,7 +138,9 @@ def resolve(
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
     recorded_weights, sha256 = (cached.name, cached.sha256) if cached else weights_record(model, weights)
     recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
-    spec = ModelSpec(canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
+    spec = ModelSpec(
+        canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args
+    )
     return wrapped, spec
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+
 from cafa_cli.artifact import Artifact
 from cafa_cli.errors import InputError
 from cafa_cli.factories import is_factory
@@ -33,9 +34,14 @@ def recorded_model(artifact: Artifact, given):
             f"or `model`/`weights` to use another model"
         )
     num_classes = given.num_classes or recorded.num_classes
-    return replace(given, model=recorded.model, weights=weights, num_classes=num_classes,
-                   classifier=given.classifier or recorded.classifier,
-                   model_args=given.model_args or [f"{key}={value}" for key, value in (recorded.model_args or {}).items()])
+    return replace(
+        given,
+        model=recorded.model,
+        weights=weights,
+        num_classes=num_classes,
+        classifier=given.classifier or recorded.classifier,
+        model_args=given.model_args or [f"{key}={value}" for key, value in (recorded.model_args or {}).items()],
+    )
 
 
 def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) -> str | None:
@@ -48,24 +54,34 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
     recorded = artifact.model
     same_code = artifact.factory_sha256 is not None and factory_sha256(spec.model) == artifact.factory_sha256
     same_function = recorded.model.rpartition(":")[2] == spec.model.rpartition(":")[2]
-    if spec.model != recorded.model and not (same_code and same_function):  # a factory file copied elsewhere is the same model
+    if spec.model != recorded.model and not (
+        same_code and same_function
+    ):  # a factory file copied elsewhere is the same model
         # its code may compute other features from the same parameters
         return f"{artifact.path} holds statistics of the model {recorded.model}, not of {spec.model}"
     if (spec.model_args or {}) != (recorded.model_args or {}):
         # other constructor arguments build another network (image_size, depth, ...)
-        return (f"{artifact.path} holds statistics of {recorded.model} with `model_arg` {_args(recorded.model_args)}, "
-                f"not {_args(spec.model_args)}")
+        return (
+            f"{artifact.path} holds statistics of {recorded.model} with `model_arg` {_args(recorded.model_args)}, "
+            f"not {_args(spec.model_args)}"
+        )
     if artifact.factory_sha256 is not None and not same_code:
         # the same parameters through edited code can give other features
-        return f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed (its sha256 differs)"
+        return (
+            f"{spec.model.rpartition(':')[0]} has changed since the statistics in {artifact.path} were computed "
+            f"(its sha256 differs)"
+        )
     if spec.weights_sha256 is not None and spec.weights_sha256 == recorded.weights_sha256:
         return None  # the same file
     if parameters_sha256(net.model) == artifact.parameters_sha256:
         return None  # the same parameters from another file
     differ = "parameters differ"
     if spec.weights is None and recorded.weights is None:
-        what = f"the bundled {spec.model} weights have changed" if bundled_model(spec.model) else (
-            f"{spec.model} initialised its parameters differently (it draws them at random? give `weights`)")
+        what = (
+            f"the bundled {spec.model} weights have changed"
+            if bundled_model(spec.model)
+            else (f"{spec.model} initialised its parameters differently (it draws them at random? give `weights`)")
+        )
         return f"{what} since the statistics in {artifact.path} were computed ({differ})"
     if spec.weights == recorded.weights:
         return f"{spec.weights} has changed since the statistics were computed ({differ})"

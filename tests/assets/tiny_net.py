@@ -17,10 +17,14 @@ class Block(nn.Module):
 class TinyNet(nn.Module):
     def __init__(self, num_classes=3, channels=1, width=8, feature_dim=6):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         self.block = Block(width, 2 * width)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width, feature_dim), nn.ReLU(), nn.Linear(feature_dim, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * width, feature_dim), nn.ReLU(), nn.Linear(feature_dim, num_classes)
+        )
 
     def forward(self, x):
         return self.head(self.pool(self.block(self.stem(x))))

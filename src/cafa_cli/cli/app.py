@@ -15,30 +15,41 @@ from typer.core import TyperGroup
 from cafa_cli import __version__
 from cafa_cli.cli import commands
 from cafa_cli.cli.defaults import CommandOptions, read_defaults
-from cafa_cli.data.values import decode_budget
 from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors, reader_gone, reports_errors
 from cafa_cli.cli.options import PanelledCommand
 from cafa_cli.cli.renamed import renamed_keys
 from cafa_cli.cli.streams import prepare_standard_streams
+from cafa_cli.data.values import decode_budget
 from cafa_cli.errors import CafaError
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig, command_line_only, names_code
 
 # each a line a terminal shows whole; a long one continues after a backslash
 EXAMPLES = {
-    "stats": ["cafa stats --model resnet50 --weights r50.safetensors --data ImageNet/train",
-              "cafa stats --model fmnist-resnet --data fashion-mnist --per-class 300 \\",
-              "    --covariance tied -o tied.safetensors"],
-    "adapt": ["cafa adapt ImageNet-C/fog/5 --resize none --crop none > fog5.csv",
-              "cafa adapt cafa-demo/fashion-mnist-c-300/*/3 --method tent --format jsonl"],
+    "stats": [
+        "cafa stats --model resnet50 --weights r50.safetensors --data ImageNet/train",
+        "cafa stats --model fmnist-resnet --data fashion-mnist --per-class 300 \\",
+        "    --covariance tied -o tied.safetensors",
+    ],
+    "adapt": [
+        "cafa adapt ImageNet-C/fog/5 --resize none --crop none > fog5.csv",
+        "cafa adapt cafa-demo/fashion-mnist-c-300/*/3 --method tent --format jsonl",
+    ],
     "inspect": ["cafa inspect cafa-stats.safetensors --json | jq .classes"],
     "demo": ["cafa demo", "cafa demo --corruptions all --data-only"],
-    "methods": ["cafa methods", "cafa methods eata --recipe cifar10-c > my.toml   # edit it, then:",
-                "cafa adapt DOMAIN --method eata --recipe my.toml"],
-    "plot features": ["cafa plot features cafa-demo/fashion-mnist-c-300/gaussian_noise/3 \\",
-                      "    --methods source,tent,cafa -o tsne.png"],
-    "bench": ["cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
-              "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors \\",
-              "    --train ImageNet/train --test-resize none --test-crop none"],
+    "methods": [
+        "cafa methods",
+        "cafa methods eata --recipe cifar10-c > my.toml   # edit it, then:",
+        "cafa adapt DOMAIN --method eata --recipe my.toml",
+    ],
+    "plot features": [
+        "cafa plot features cafa-demo/fashion-mnist-c-300/gaussian_noise/3 \\",
+        "    --methods source,tent,cafa -o tsne.png",
+    ],
+    "bench": [
+        "cafa bench cafa-demo/fashion-mnist-c-300/*/3 --seeds 0,1,2 --csv table.csv",
+        "cafa bench ImageNet-C/*/5 --model resnet50 --weights r50.safetensors \\",
+        "    --train ImageNet/train --test-resize none --test-crop none",
+    ],
 }
 
 
@@ -77,7 +88,9 @@ def _version(value: bool):
 @app.callback()
 def root(
     debug_: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = None,
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
 ):
     debug["on"] = debug_
 
@@ -97,10 +110,21 @@ for _name, _command, _summary in [
 ]:
     app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
 
-plot = typer.Typer(cls=_Group, name="plot", help="Figures of what adaptation does.", no_args_is_help=True,
-                   pretty_exceptions_enable=False, rich_markup_mode=None, context_settings=HELP)
-plot.command("features", cls=PanelledCommand, short_help="A domain's features before and after adaptation, in 2-D (t-SNE).",
-             epilog=_examples("plot features"))(reports_errors(commands.plot_features))
+plot = typer.Typer(
+    cls=_Group,
+    name="plot",
+    help="Figures of what adaptation does.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=HELP,
+)
+plot.command(
+    "features",
+    cls=PanelledCommand,
+    short_help="A domain's features before and after adaptation, in 2-D (t-SNE).",
+    epilog=_examples("plot features"),
+)(reports_errors(commands.plot_features))
 app.add_typer(plot, short_help="Figures: plot features (t-SNE of features before and after adaptation).")
 
 
@@ -145,7 +169,11 @@ def command_options() -> dict[str, CommandOptions]:
     """What cafa.toml may set for each command, read off the commands themselves."""
     return {
         name: CommandOptions(
-            keys={key: p.name for p in command.params for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])},
+            keys={
+                key: p.name
+                for p in command.params
+                for key in ([o[2:] for o in p.opts if o.startswith("--")] or [p.name])
+            },
             lists={p.name for p in command.params if p.multiple or p.nargs == -1},
             flags={p.name for p in command.params if getattr(p, "is_flag", False)},
             command_line_only=command_line_only(SETTINGS[name]) if name in SETTINGS else set(),

@@ -12,20 +12,26 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
+from cafa_cli import DEFAULT_ARTIFACT
+from cafa_cli.cli.completion import complete_method, complete_recipe
 from cafa_cli.cli.defaults import defaults_file
 from cafa_cli.cli.errors import as_flags, from_config
 from cafa_cli.cli.options import chosen_settings, domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
-from cafa_cli.cli.completion import complete_method, complete_recipe
-from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
 from cafa_cli.jobs.config.settings import OUTPUT
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.", rich_help_panel=OUTPUT)]
-Domains = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
-                                                        help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it.")]
-OneDomain = Annotated[Optional[list[str]], typer.Argument(metavar="DOMAIN", show_default=False,
-                                                        help="The test domain (one), as for cafa adapt.")]
+Domains = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        metavar="DOMAIN", show_default=False, help="Test domains, e.g. ImageNet-C/*/5 as the shell expands it."
+    ),
+]
+OneDomain = Annotated[
+    Optional[list[str]],
+    typer.Argument(metavar="DOMAIN", show_default=False, help="The test domain (one), as for cafa adapt."),
+]
 
 
 def keep_defaults_file(outputs: dict[str, str | None]) -> None:
@@ -61,13 +67,18 @@ def stats(ctx: typer.Context, quiet: Quiet = False, **settings):
 def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **settings):
     """Adapt a model online over test domains; print one prediction per image (CSV or JSONL)
     on stdout and a summary on stderr."""
+    from cafa_cli.data.benchmarks import source_of
     from cafa_cli.jobs import adapt as adapt_job
     from cafa_cli.jobs.shared.monitor import Monitor
-    from cafa_cli.data.benchmarks import source_of
     from cafa_cli.jobs.shared.report import summary_table
 
-    config = AdaptConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
-                            "given": chosen_settings(ctx, settings)})
+    config = AdaptConfig(
+        **{
+            **settings,
+            "data": domains_given(ctx, domains, settings["data"], from_config),
+            "given": chosen_settings(ctx, settings),
+        }
+    )
     keep_defaults_file(config.outputs())
     if config.predictions is None:
         stdout_needed()
@@ -101,14 +112,34 @@ def inspect(
 
 
 def methods(
-    name: Annotated[Optional[str], typer.Argument(metavar="METHOD", show_default=False, autocompletion=complete_method,
-                                                  help="A method: print its options and a recipe as TOML.")] = None,
-    recipe: Annotated[str, typer.Option("--recipe", metavar="NAME|FILE", autocompletion=complete_recipe,
-                                        help="With METHOD: the recipe to print, imagenet-c, cifar10-c, cifar100-c, a "
-                                             ".toml file, or none (the settings' own defaults).")] = "none",
-    output: Annotated[Optional[Literal["table", "markdown", "json"]], typer.Option(
-        "--format", show_default=False, help="Without METHOD: the table drawn to fit the terminal, markdown, or JSON "
-                                             "(default: table on a terminal, markdown into a file or pipe).")] = None,
+    name: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="METHOD",
+            show_default=False,
+            autocompletion=complete_method,
+            help="A method: print its options and a recipe as TOML.",
+        ),
+    ] = None,
+    recipe: Annotated[
+        str,
+        typer.Option(
+            "--recipe",
+            metavar="NAME|FILE",
+            autocompletion=complete_recipe,
+            help="With METHOD: the recipe to print, imagenet-c, cifar10-c, cifar100-c, a "
+            ".toml file, or none (the settings' own defaults).",
+        ),
+    ] = "none",
+    output: Annotated[
+        Optional[Literal["table", "markdown", "json"]],
+        typer.Option(
+            "--format",
+            show_default=False,
+            help="Without METHOD: the table drawn to fit the terminal, markdown, or JSON "
+            "(default: table on a terminal, markdown into a file or pipe).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Without METHOD: the table as JSON (--format json).")] = False,
 ):
     """List the methods (what each does, its paper, what it adapts, whether it needs an
@@ -158,8 +189,13 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.jobs import bench as bench_job
     from cafa_cli.jobs.shared.monitor import Monitor
 
-    config = BenchConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
-                            "given": chosen_settings(ctx, settings)})
+    config = BenchConfig(
+        **{
+            **settings,
+            "data": domains_given(ctx, domains, settings["data"], from_config),
+            "given": chosen_settings(ctx, settings),
+        }
+    )
     keep_defaults_file(config.outputs())
     stdout_needed()
     with Monitor(stderr(quiet), quiet, as_flags) as monitor:
@@ -177,8 +213,13 @@ def plot_features(ctx: typer.Context, domains: OneDomain = None, quiet: Quiet = 
     from cafa_cli.jobs.shared.monitor import Monitor
     from cafa_cli.jobs.shared.report import to_json
 
-    config = FeaturesPlotConfig(**{**settings, "data": domains_given(ctx, domains, settings["data"], from_config),
-                                   "given": chosen_settings(ctx, settings)})
+    config = FeaturesPlotConfig(
+        **{
+            **settings,
+            "data": domains_given(ctx, domains, settings["data"], from_config),
+            "given": chosen_settings(ctx, settings),
+        }
+    )
     keep_defaults_file(config.outputs())
     if config.json:
         stdout_needed()

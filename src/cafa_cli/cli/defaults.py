@@ -16,10 +16,10 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from cafa_cli.cli.renamed import warn_renamed
 from cafa_cli.errors import UsageError, did_you_mean
 from cafa_cli.factories import is_factory
-
 
 CONFIG_FILE = "cafa.toml"
 
@@ -56,9 +56,14 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
     defaults: dict[str, dict] = {}
     for command, values in table.items():
         if command not in commands:
-            raise UsageError(f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(commands))}")
+            raise UsageError(
+                f"{path}: [{prefix}{command}] is not a cafa command; use one of {', '.join(sorted(commands))}"
+            )
         if not isinstance(values, dict):
-            raise UsageError(f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on a line of its own")
+            raise UsageError(
+                f"{path}: {prefix}{command} = {values!r} must be a table of its options, e.g. [{prefix}{command}] on "
+                "a line of its own"
+            )
         defaults[command], options = {}, commands[command]
         for key, value in values.items():
             new = options.renamed.get(key.replace("_", "-"))
@@ -67,18 +72,26 @@ def read_defaults(folder: str | Path, commands: dict[str, CommandOptions]) -> di
                 key = new
             name = options.keys.get(key.replace("_", "-"))  # batch_size as well as batch-size
             if name is None:
-                raise UsageError(f"{path}: [{prefix}{command}] has no option {key!r}{did_you_mean(key, list(options.keys))}")
+                raise UsageError(
+                    f"{path}: [{prefix}{command}] has no option {key!r}{did_you_mean(key, list(options.keys))}"
+                )
             if name in options.command_line_only:
-                raise UsageError(f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
-                                 f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line")
+                raise UsageError(
+                    f"{path}: [{prefix}{command}] sets {key!r}, which lets code run or lifts a safety check; "
+                    f"a config file may not: remove it and give --{name.replace('_', '-')} on the command line"
+                )
             if name in options.names_code and names_code(value):
-                raise UsageError(f"{path}: [{prefix}{command}] {key} = {value!r} names code to run, which a config file may "
-                                 f"not (code runs only when named on the command line); remove it and give "
-                                 f"--{name.replace('_', '-')} on the command line")
+                raise UsageError(
+                    f"{path}: [{prefix}{command}] {key} = {value!r} names code to run, which a config file may "
+                    f"not (code runs only when named on the command line); remove it and give "
+                    f"--{name.replace('_', '-')} on the command line"
+                )
             if name in defaults[command]:
                 raise UsageError(f"{path}: [{prefix}{command}] sets {key!r} twice (with - and with _); keep one")
             if isinstance(value, bool) and name not in options.flags:
-                raise UsageError(f"{path}: [{prefix}{command}] {key} = {str(value).lower()}: {key} takes a value, not true or false")
+                raise UsageError(
+                    f"{path}: [{prefix}{command}] {key} = {str(value).lower()}: {key} takes a value, not true or false"
+                )
             if isinstance(value, str) and name in options.lists:
                 value = [value]
             elif isinstance(value, list) and name not in options.lists:
@@ -101,7 +114,9 @@ def names_code(value) -> bool:
 
 def defaults_file(folder: str | Path) -> Path | None:
     """The file read_defaults reads: cafa.toml, else pyproject.toml, else None."""
-    return next((Path(folder) / name for name in (CONFIG_FILE, "pyproject.toml") if (Path(folder) / name).is_file()), None)
+    return next(
+        (Path(folder) / name for name in (CONFIG_FILE, "pyproject.toml") if (Path(folder) / name).is_file()), None
+    )
 
 
 def defaults_source(folder: str | Path) -> str:
@@ -115,4 +130,6 @@ def _load(path: Path) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise UsageError(f"{path}: not valid TOML ({error})") from None
     except OSError as error:
-        raise UsageError(f"{path}: cannot read it ({error.strerror or error}); fix its permissions, or move it away") from None
+        raise UsageError(
+            f"{path}: cannot read it ({error.strerror or error}); fix its permissions, or move it away"
+        ) from None

@@ -19,7 +19,9 @@ from cafa_cli.files import completed
 
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
-OUT_OF_MEMORY = "out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)"
+OUT_OF_MEMORY = (
+    "out of memory; lower --batch-size, or use a smaller artifact (cafa stats --covariance lowrank, tied or diag)"
+)
 debug = {"on": False}  # set by the root command's --debug
 
 
@@ -47,7 +49,11 @@ def _config_hint(ctx: typer.Context | None, message: str) -> str:
     if ctx is None or named is None:
         return ""
     param = next((p for p in ctx.command.params if named.group() in p.opts), None)
-    return f" ({named.group()} set in {defaults_source(Path.cwd())})" if param is not None and from_config(ctx, param.name) else ""
+    return (
+        f" ({named.group()} set in {defaults_source(Path.cwd())})"
+        if param is not None and from_config(ctx, param.name)
+        else ""
+    )
 
 
 @contextmanager
@@ -64,7 +70,9 @@ def one_line_usage_errors():
             raise
         ctx, param = getattr(error, "ctx", None), getattr(error, "param", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        if ctx is not None and param is not None and param.name and from_config(ctx, param.name):  # the user typed no such value: say where it is
+        if (
+            ctx is not None and param is not None and param.name and from_config(ctx, param.name)
+        ):  # the user typed no such value: say where it is
             hint = f" (set in {defaults_source(Path.cwd())})"
         # typer checks choices through pydantic, which puts "Value error, " before the reason
         message = error.format_message().replace(": Value error, ", ": ", 1)
@@ -106,13 +114,19 @@ def reports_errors(command):
                 raise fail(OUT_OF_MEMORY, EXIT_RUNTIME) from None
             if debug["on"]:
                 raise
-            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and not error.filename:
+            if (
+                isinstance(error, OSError)
+                and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                and not error.filename
+            ):
                 # the files cafa writes name themselves (files.naming_failures): this is stdout
                 raise fail(f"cannot write standard output: {error.strerror}", EXIT_RUNTIME) from None
             if isinstance(error, OSError) and error.filename:
                 # a path the tool was given: missing, unreadable, not writable, or the disk is full
                 given = isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
-                raise fail(f"{error.filename}: {error.strerror or error}", EXIT_INPUT if given else EXIT_RUNTIME) from None
+                raise fail(
+                    f"{error.filename}: {error.strerror or error}", EXIT_INPUT if given else EXIT_RUNTIME
+                ) from None
             first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             raise fail(f"{type(error).__name__}: {first} (run with --debug for the traceback)", EXIT_RUNTIME) from None
 

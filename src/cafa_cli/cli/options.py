@@ -18,6 +18,7 @@ from cafa_cli.cli.renamed import respelled
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
 from cafa_cli.recipes import SETTINGS as RECIPE_SETTINGS
+
 COMPLETIONS = {"method": complete_method, "methods": complete_methods, "recipe": complete_recipe}  # by setting
 OTHER = "Other options"
 
@@ -73,10 +74,19 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
         if show_default and f.name in RECIPE_SETTINGS and issubclass(config_type, RecipeOptions):
             # `recipe` auto replaces it for most methods: the plain default would mislead
             help, show_default = f"{help}  [default: the recipe's, else {shown_default(default)}]", False
-        option = typer.Option(*names, help=help, metavar=meta["metavar"], rich_help_panel=meta["panel"],
-                              show_default=show_default, autocompletion=COMPLETIONS.get(f.name))
-        parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=Annotated[hint, option]))
+        option = typer.Option(
+            *names,
+            help=help,
+            metavar=meta["metavar"],
+            rich_help_panel=meta["panel"],
+            show_default=show_default,
+            autocompletion=COMPLETIONS.get(f.name),
+        )
+        parameters.append(
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[hint, option]
+            )
+        )
     return parameters
 
 
@@ -107,7 +117,12 @@ def with_settings(config_type, skip: tuple[str, ...] = ()):
 def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str] | None, from_config) -> list[str]:
     """The DOMAIN arguments and --data values. Those typed on the command line replace
     what cafa.toml gives (under either name), as any option typed replaces the file's."""
-    typed = [path for name, paths in (("data", data), ("domains", domains)) if not from_config(ctx, name) for path in paths or []]
+    typed = [
+        path
+        for name, paths in (("data", data), ("domains", domains))
+        if not from_config(ctx, name)
+        for path in paths or []
+    ]
     given = typed or [*(data or []), *(domains or [])]
     if not given:
         raise UsageError(f"give the test domains: {ctx.command_path} DOMAIN... (or --data DOMAIN, repeated)")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from pathlib import Path
+
 import numpy as np
 from PIL import Image
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.data.domain import Domain, MAX_CLASSES, UNLABELLED
-from cafa_cli.files import reading
 
+from cafa_cli.data.domain import MAX_CLASSES, UNLABELLED, Domain
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.files import reading
 
 NPY_MAGIC = b"\x93NUMPY"
 
@@ -30,13 +31,20 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
         with open(path, "rb") as f:
             magic = f.read(len(NPY_MAGIC))
         if magic != NPY_MAGIC:
-            why = "the file is empty" if not magic else "a .npz archive" if magic.startswith(b"PK") else "no .npy header"
+            why = (
+                "the file is empty" if not magic else "a .npz archive" if magic.startswith(b"PK") else "no .npy header"
+            )
             raise InputError(f"{what} {path}: not a NumPy .npy array ({why}); {instead}")
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as error:
         if "Python objects" in str(error) or "pickle" in str(error):
-            raise InputError(f"{what} {path}: the array holds Python objects, which cafa does not load; {instead}") from None
-        raise InputError(f"{what} {path}: not a readable .npy array ({error}); the file is damaged or cut short: save it again with numpy.save") from None
+            raise InputError(
+                f"{what} {path}: the array holds Python objects, which cafa does not load; {instead}"
+            ) from None
+        raise InputError(
+            f"{what} {path}: not a readable .npy array ({error}); the file is damaged or cut short: save it again "
+            "with numpy.save"
+        ) from None
 
 
 def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> Domain:
@@ -58,16 +66,20 @@ def _array_domain(path: Path, labels_path: str | None, severity: int | None) -> 
         if raw.min(initial=0) < 0:  # -1 too: it would pass for "unlabelled" and leave images out of the error
             raise InputError(f"`labels` {labels_path}: labels must be class indices >= 0, not {int(raw.min())}")
         if raw.max(initial=0) >= MAX_CLASSES:  # one name is made per class index: 2**40 of them exhaust the memory
-            raise InputError(f"`labels` {labels_path}: class index {int(raw.max())} is past any classifier's outputs "
-                             f"(at most {MAX_CLASSES:,}); check that the file holds class indices")
+            raise InputError(
+                f"`labels` {labels_path}: class index {int(raw.max())} is past any classifier's outputs "
+                f"(at most {MAX_CLASSES:,}); check that the file holds class indices"
+            )
         labels = np.asarray(raw, dtype=np.int64)
     rows = np.arange(len(images))
     if severity is not None:
         if not 1 <= severity <= 5:
             raise UsageError(f"`severity` must be 1-5, not {severity}")
         if len(images) % 5:
-            raise InputError(f"`data` {path}: {len(images)} rows do not split into 5 severities; "
-                             f"`severity` is for arrays that stack 5 severities of equal size (CIFAR-10-C): leave it out for one")
+            raise InputError(
+                f"`data` {path}: {len(images)} rows do not split into 5 severities; "
+                f"`severity` is for arrays that stack 5 severities of equal size (CIFAR-10-C): leave it out for one"
+            )
         per = len(images) // 5
         rows = rows[(severity - 1) * per : severity * per]
     if len(labels) == len(images):
@@ -146,22 +158,35 @@ def _cifar_images(path: Path, label_key: str, num_classes: int) -> tuple[np.ndar
     would turn float pixels black, and a short label list would shift every later label."""
     batch = _read_cifar_batch(path)
     pixels, labels = batch.get("data"), batch.get(label_key)
-    if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.ndim == 2 and pixels.shape[1] == 3072):
+    if not (
+        isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.ndim == 2 and pixels.shape[1] == 3072
+    ):
         found = f"{pixels.dtype} {pixels.shape}" if isinstance(pixels, np.ndarray) else type(pixels).__name__
-        raise InputError(f"{path}: not a CIFAR batch ('data' must be an N×3072 uint8 array, not {found}); {CIFAR_AGAIN}")
+        raise InputError(
+            f"{path}: not a CIFAR batch ('data' must be an N×3072 uint8 array, not {found}); {CIFAR_AGAIN}"
+        )
     labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else np.empty(0, dtype=object)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or len(labels) != len(pixels):
-        raise InputError(f"{path}: not a CIFAR batch ('{label_key}' must hold one integer per image, {len(pixels)}); {CIFAR_AGAIN}")
+        raise InputError(
+            f"{path}: not a CIFAR batch ('{label_key}' must hold one integer per image, {len(pixels)}); {CIFAR_AGAIN}"
+        )
     if len(labels) and not 0 <= labels.min() <= labels.max() < num_classes:
         bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
-        raise InputError(f"{path}: label {bad} is out of range for the {num_classes} classes its meta file names; {CIFAR_AGAIN}")
+        raise InputError(
+            f"{path}: label {bad} is out of range for the {num_classes} classes its meta file names; {CIFAR_AGAIN}"
+        )
     return pixels, labels.astype(np.int64)
 
 
-def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str, name: str = "") -> Domain:
+def _cifar(
+    root: Path | None, folder: str, files: list[str], meta: str, label_key: str, names_key: str, name: str = ""
+) -> Domain:
     """CIFAR's python version; `name` tells its test set from its training set ("": training)."""
     if root is None:
-        raise UsageError(f"give the folder that holds {folder}: e.g. `data` {'cifar10' if '10' in folder else 'cifar100'}{name}:/data")
+        raise UsageError(
+            f"give the folder that holds {folder}: e.g. `data` "
+            f"{'cifar10' if '10' in folder else 'cifar100'}{name}:/data"
+        )
     base = root / folder if (root / folder).is_dir() else root
     missing = [f for f in files + [meta] if not (base / f).is_file()]
     if missing:
@@ -171,12 +196,16 @@ def _cifar(root: Path | None, folder: str, files: list[str], meta: str, label_ke
         )
     names = _read_cifar_batch(base / meta).get(names_key)
     if not isinstance(names, list) or not names or not all(isinstance(n, (bytes, str)) for n in names):
-        raise InputError(f"{base / meta}: not CIFAR's meta file ('{names_key}' must list the class names); {CIFAR_AGAIN}")
+        raise InputError(
+            f"{base / meta}: not CIFAR's meta file ('{names_key}' must list the class names); {CIFAR_AGAIN}"
+        )
     names = [_text(n, base / meta, "a class name") for n in names]
     batches = [_cifar_images(base / f, label_key, len(names)) for f in files]
     images = np.concatenate([pixels for pixels, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     labels = np.concatenate([labels for _, labels in batches])
-    domain_name = f"{folder}/{files[0]}" if name else folder  # the training set's as in earlier versions (artifacts' hashes)
+    domain_name = (
+        f"{folder}/{files[0]}" if name else folder
+    )  # the training set's as in earlier versions (artifacts' hashes)
     refs = [f"{domain_name}#{i}" for i in range(len(images))]
     return Domain(domain_name, refs, labels, names, lambda i: Image.fromarray(images[i]))
 
@@ -204,8 +233,13 @@ def _fashion_mnist(root: Path | None, split: str) -> Domain:
 
     images, labels = load_fashion_mnist(root, split)
     refs = [f"fashion-mnist-{split}#{i}" for i in range(len(images))]
-    return Domain(f"fashion-mnist-{split}", refs, labels.astype(np.int64), list(FASHION_MNIST_CLASSES),
-                  lambda i: Image.fromarray(images[i]))
+    return Domain(
+        f"fashion-mnist-{split}",
+        refs,
+        labels.astype(np.int64),
+        list(FASHION_MNIST_CLASSES),
+        lambda i: Image.fromarray(images[i]),
+    )
 
 
 TRAINING_SETS: dict[str, Callable[[Path | None], Domain]] = {

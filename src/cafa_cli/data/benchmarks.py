@@ -18,19 +18,25 @@ they have no severities, and `source` leaves their source domain out."""
 from __future__ import annotations
 
 from pathlib import Path
-from cafa_cli.errors import InputError, UsageError, listing
+
 from cafa_cli.data.arrays import _array_domain
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.domain_sets import DOMAIN_SETS, domains_in, is_one_domain, open_member, source_domain, targets
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS
 from cafa_cli.data.folders import _folder_domain
+from cafa_cli.errors import InputError, UsageError, listing
 
 # the 15 corruptions of ImageNet-C (Hendrycks & Dietterich, ICLR 2019), in its tables' order;
 # the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)
 CORRUPTIONS = BENCHMARK_CORRUPTIONS
 FOLDERS, ARRAYS, DOMAINS = "folders", "arrays", "domains"  # corruption/severity folders, stacked arrays, domain folders
-BENCHMARKS = {"imagenet-c": FOLDERS, "fashion-mnist-c": FOLDERS, "cifar10-c": ARRAYS, "cifar100-c": ARRAYS,
-              **{kind: DOMAINS for kind in DOMAIN_SETS}}
+BENCHMARKS = {
+    "imagenet-c": FOLDERS,
+    "fashion-mnist-c": FOLDERS,
+    "cifar10-c": ARRAYS,
+    "cifar100-c": ARRAYS,
+    **{kind: DOMAINS for kind in DOMAIN_SETS},
+}
 DEFAULT_SEVERITY = 5
 
 
@@ -53,8 +59,10 @@ def expand_benchmarks(specs: list[str], source: str | None = None) -> tuple[list
         if missing:
             kind = benchmark_of(spec)[0]
             total, noun = (len(DOMAIN_SETS[kind]), f"{kind} domains") if kind in DOMAIN_SETS else (15, "corruptions")
-            notes.append(f"`data` {spec}: {total - len(missing)} of the {total} {noun} found (no {listing(missing)}); "
-                         f"those found are used")
+            notes.append(
+                f"`data` {spec}: {total - len(missing)} of the {total} {noun} found (no {listing(missing)}); "
+                f"those found are used"
+            )
     if source is None:
         return domains, notes
     return targets([(domain, *(benchmark_of(domain) or (None, None))) for domain in domains], source), notes
@@ -79,11 +87,15 @@ def _members_of(spec: str) -> tuple[list[str], list[str]]:
     if not root.exists():
         raise InputError(f"`data` {spec}: no such {'file or ' if BENCHMARKS[kind] == ARRAYS else ''}folder {root}")
     if BENCHMARKS[kind] == FOLDERS and not root.is_dir():
-        raise InputError(f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<corruption>/<severity>/<class>/<images>: "
-                         f"give ROOT or one corruption's folder ({kind}:ROOT/fog)")
+        raise InputError(
+            f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<corruption>/<severity>/<class>/<images>: "
+            f"give ROOT or one corruption's folder ({kind}:ROOT/fog)"
+        )
     if BENCHMARKS[kind] == DOMAINS and not root.is_dir():
-        raise InputError(f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<domain>/<class>/<images>: give ROOT "
-                         f"or one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]})")
+        raise InputError(
+            f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<domain>/<class>/<images>: give ROOT "
+            f"or one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]})"
+        )
     if _one_corruption(kind, root):
         return [spec], []
     if BENCHMARKS[kind] == DOMAINS:
@@ -91,9 +103,13 @@ def _members_of(spec: str) -> tuple[list[str], list[str]]:
     suffix = ".npy" if BENCHMARKS[kind] == ARRAYS else ""
     found = [c for c in CORRUPTIONS if (root / f"{c}{suffix}").exists()]
     if not found:
-        layout = "ROOT/<corruption>.npy and ROOT/labels.npy" if suffix else "ROOT/<corruption>/<severity>/<class>/<images>"
-        raise InputError(f"`data` {spec}: none of the 15 {kind} corruptions ({listing(CORRUPTIONS, 3)}) is in {root}; "
-                         f"give the folder laid out as {layout}, or one corruption ({kind}:ROOT/fog{suffix})")
+        layout = (
+            "ROOT/<corruption>.npy and ROOT/labels.npy" if suffix else "ROOT/<corruption>/<severity>/<class>/<images>"
+        )
+        raise InputError(
+            f"`data` {spec}: none of the 15 {kind} corruptions ({listing(CORRUPTIONS, 3)}) is in {root}; "
+            f"give the folder laid out as {layout}, or one corruption ({kind}:ROOT/fog{suffix})"
+        )
     return [f"{kind}:{root / (c + suffix)}" for c in found], [c for c in CORRUPTIONS if c not in found]
 
 
@@ -121,16 +137,22 @@ def open_benchmark(spec: str, labels: str | None, severity: int | None) -> Domai
     if BENCHMARKS[kind] == FOLDERS:
         folder = path / str(severity)
         if not folder.is_dir():
-            raise InputError(f"`data` {spec}: no severity folder {folder} (the {kind} layout is ROOT/<corruption>/<severity>/"
-                             f"<class>/<images>); give another `severity`, or the ROOT")
+            raise InputError(
+                f"`data` {spec}: no severity folder {folder} (the {kind} layout is ROOT/<corruption>/<severity>/"
+                f"<class>/<images>); give another `severity`, or the ROOT"
+            )
         return _folder_domain(folder)
     if path.is_dir():
-        raise InputError(f"`data` {spec}: a folder; give ROOT, the folder that holds <corruption>.npy and labels.npy, "
-                         f"or one corruption's {kind}:ROOT/fog.npy")
+        raise InputError(
+            f"`data` {spec}: a folder; give ROOT, the folder that holds <corruption>.npy and labels.npy, "
+            f"or one corruption's {kind}:ROOT/fog.npy"
+        )
     label_file = path.parent / "labels.npy"
     if not label_file.is_file():
-        raise InputError(f"`data` {spec}: no labels.npy beside {path.name} (the {kind} layout); put {kind}'s labels.npy in "
-                         f"{path.parent}")
+        raise InputError(
+            f"`data` {spec}: no labels.npy beside {path.name} (the {kind} layout); put {kind}'s labels.npy in "
+            f"{path.parent}"
+        )
     return _array_domain(path, str(label_file), severity)
 
 
@@ -156,6 +178,8 @@ def stages_of(spec: str) -> str:
     if BENCHMARKS[kind] == DOMAINS:
         raise UsageError(f"`gradual` visits the severities of a corruption; {kind}'s domains have none: drop `gradual`")
     if BENCHMARKS[kind] == ARRAYS:
-        raise UsageError(f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "
-                         f"file: give `severity` instead, or the corruption as folders")
+        raise UsageError(
+            f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "
+            f"file: give `severity` instead, or the corruption as folders"
+        )
     return str(path)

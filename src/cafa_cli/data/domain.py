@@ -9,10 +9,12 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
 import numpy as np
 from PIL import Image, UnidentifiedImageError
-from cafa_cli.errors import InputError, listing, repeated
+
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.errors import InputError, listing, repeated
 
 # what reading a damaged, truncated or hostile image file raises
 UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -61,10 +63,14 @@ def relabel(domain: Domain, class_names: list[str], listed_as: str = "the model'
     unknown_used = [n for n in unknown if domain.class_names.index(n) in used]
     if unknown_used:
         shown = listing(unknown_used)
-        remedy = (_severity_remedy(domain.name, unknown_used) or
-                  "rename them to the model's class names, or compute the statistics with their class list (cafa stats `classes`)")
+        remedy = (
+            _severity_remedy(domain.name, unknown_used)
+            or "rename them to the model's class names, or compute the statistics with their class list (cafa stats "
+            "`classes`)"
+        )
         raise InputError(
-            f"{domain.name}: class folder(s) {shown} not in {listed_as} ({len(class_names)} classes){did_you_mean(unknown_used, class_names)}; "
+            f"{domain.name}: class folder(s) {shown} not in {listed_as} ({len(class_names)} "
+            f"classes){did_you_mean(unknown_used, class_names)}; "
             f"{remedy}"
         )
     positions = [find(n) for n in domain.class_names]
@@ -78,8 +84,10 @@ def _severity_remedy(name: str, unknown: list[str]) -> str | None:
     was meant. Renaming the folders, the usual remedy, would be wrong there."""
     if not all(folder in ("1", "2", "3", "4", "5") for folder in unknown):
         return None
-    return (f"they look like severity folders: give one of them ({name.rstrip('/')}/{unknown[0]}), "
-            f"or `gradual` to visit them all")
+    return (
+        f"they look like severity folders: give one of them ({name.rstrip('/')}/{unknown[0]}), "
+        f"or `gradual` to visit them all"
+    )
 
 
 def _class_finder(class_names: list[str]) -> Callable[[str], int | None]:
@@ -123,15 +131,19 @@ def read_class_list(path: str, setting: str = "classes") -> list[str]:
         # a pipe (`--classes <(...)`) can be read only once, and the list is read more than once
         raise InputError(f"`{setting}` {path}: not a regular file (a folder or a pipe); write the class list to a file")
     if not file.is_file():
-        raise InputError(f"`{setting}` {path}: no such file (give one class name per line"
-                         f"{', in output order' if setting == 'classes' else ''})")
+        raise InputError(
+            f"`{setting}` {path}: no such file (give one class name per line"
+            f"{', in output order' if setting == 'classes' else ''})"
+        )
     try:
         text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
         binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
     except UnicodeDecodeError:
         binary = True
     if binary:
-        raise InputError(f"`{setting}` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line")
+        raise InputError(
+            f"`{setting}` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line"
+        )
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise InputError(f"`{setting}` {path}: the file lists no class names")

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 import numpy as np
-from cafa_cli.errors import InputError, UsageError, listing
+
 from cafa_cli.data.domain import Domain, did_you_mean, relabel
 from cafa_cli.data.folders import _folder_domain, _path_order, read_image
+from cafa_cli.errors import InputError, UsageError, listing
 
 DOMAIN_SETS = {
     "office-home": ("Art", "Clipart", "Product", "Real_World"),
@@ -40,19 +42,132 @@ LAYOUT = "ROOT/<domain>/<class>/<images>"
 # test-time-adaptation benchmark (mariodoebler/test-time-adaptation, datasets/domainnet126_lists),
 # which all 4 agree on
 DOMAINNET126_CLASSES = (
-    "aircraft_carrier", "alarm_clock", "ant", "anvil", "asparagus", "axe", "banana", "basket", "bathtub", "bear",
-    "bee", "bird", "blackberry", "blueberry", "bottlecap", "broccoli", "bus", "butterfly", "cactus", "cake",
-    "calculator", "camel", "camera", "candle", "cannon", "canoe", "carrot", "castle", "cat", "ceiling_fan", "cello",
-    "cell_phone", "chair", "chandelier", "coffee_cup", "compass", "computer", "cow", "crab", "crocodile",
-    "cruise_ship", "dog", "dolphin", "dragon", "drums", "duck", "dumbbell", "elephant", "eyeglasses", "feather",
-    "fence", "fish", "flamingo", "flower", "foot", "fork", "frog", "giraffe", "goatee", "grapes", "guitar",
-    "hammer", "helicopter", "helmet", "horse", "kangaroo", "lantern", "laptop", "leaf", "lion", "lipstick",
-    "lobster", "microphone", "monkey", "mosquito", "mouse", "mug", "mushroom", "onion", "panda", "peanut", "pear",
-    "peas", "pencil", "penguin", "pig", "pillow", "pineapple", "potato", "power_outlet", "purse", "rabbit",
-    "raccoon", "rhinoceros", "rifle", "saxophone", "screwdriver", "sea_turtle", "see_saw", "sheep", "shoe",
-    "skateboard", "snake", "speedboat", "spider", "squirrel", "strawberry", "streetlight", "string_bean",
-    "submarine", "swan", "table", "teapot", "teddy-bear", "television", "The_Eiffel_Tower",
-    "The_Great_Wall_of_China", "tiger", "toe", "train", "truck", "umbrella", "vase", "watermelon", "whale", "zebra",
+    "aircraft_carrier",
+    "alarm_clock",
+    "ant",
+    "anvil",
+    "asparagus",
+    "axe",
+    "banana",
+    "basket",
+    "bathtub",
+    "bear",
+    "bee",
+    "bird",
+    "blackberry",
+    "blueberry",
+    "bottlecap",
+    "broccoli",
+    "bus",
+    "butterfly",
+    "cactus",
+    "cake",
+    "calculator",
+    "camel",
+    "camera",
+    "candle",
+    "cannon",
+    "canoe",
+    "carrot",
+    "castle",
+    "cat",
+    "ceiling_fan",
+    "cello",
+    "cell_phone",
+    "chair",
+    "chandelier",
+    "coffee_cup",
+    "compass",
+    "computer",
+    "cow",
+    "crab",
+    "crocodile",
+    "cruise_ship",
+    "dog",
+    "dolphin",
+    "dragon",
+    "drums",
+    "duck",
+    "dumbbell",
+    "elephant",
+    "eyeglasses",
+    "feather",
+    "fence",
+    "fish",
+    "flamingo",
+    "flower",
+    "foot",
+    "fork",
+    "frog",
+    "giraffe",
+    "goatee",
+    "grapes",
+    "guitar",
+    "hammer",
+    "helicopter",
+    "helmet",
+    "horse",
+    "kangaroo",
+    "lantern",
+    "laptop",
+    "leaf",
+    "lion",
+    "lipstick",
+    "lobster",
+    "microphone",
+    "monkey",
+    "mosquito",
+    "mouse",
+    "mug",
+    "mushroom",
+    "onion",
+    "panda",
+    "peanut",
+    "pear",
+    "peas",
+    "pencil",
+    "penguin",
+    "pig",
+    "pillow",
+    "pineapple",
+    "potato",
+    "power_outlet",
+    "purse",
+    "rabbit",
+    "raccoon",
+    "rhinoceros",
+    "rifle",
+    "saxophone",
+    "screwdriver",
+    "sea_turtle",
+    "see_saw",
+    "sheep",
+    "shoe",
+    "skateboard",
+    "snake",
+    "speedboat",
+    "spider",
+    "squirrel",
+    "strawberry",
+    "streetlight",
+    "string_bean",
+    "submarine",
+    "swan",
+    "table",
+    "teapot",
+    "teddy-bear",
+    "television",
+    "The_Eiffel_Tower",
+    "The_Great_Wall_of_China",
+    "tiger",
+    "toe",
+    "train",
+    "truck",
+    "umbrella",
+    "vase",
+    "watermelon",
+    "whale",
+    "zebra",
 )
 
 
@@ -72,8 +187,10 @@ def domains_in(spec: str, kind: str, root: Path) -> tuple[list[str], list[str]]:
     folders = {_key(entry.name): entry for entry in root.iterdir() if entry.is_dir() and not entry.name.startswith(".")}
     found = [folders[_key(domain)] for domain in DOMAIN_SETS[kind] if _key(domain) in folders]
     if not found:
-        raise InputError(f"`data` {spec}: none of the {len(DOMAIN_SETS[kind])} {kind} domains ({listing(DOMAIN_SETS[kind])}) "
-                         f"is in {root}; give the folder laid out as {LAYOUT}, or one domain ({kind}:ROOT/{DOMAIN_SETS[kind][0]})")
+        raise InputError(
+            f"`data` {spec}: none of the {len(DOMAIN_SETS[kind])} {kind} domains ({listing(DOMAIN_SETS[kind])}) "
+            f"is in {root}; give the folder laid out as {LAYOUT}, or one domain ({kind}:ROOT/{DOMAIN_SETS[kind][0]})"
+        )
     if kind != "domainnet126":  # its domains are each checked against the subset's 126 classes when opened
         _check_same_classes(spec, found)
     return [f"{kind}:{folder}" for folder in found], [d for d in DOMAIN_SETS[kind] if _key(d) not in folders]
@@ -82,16 +199,23 @@ def domains_in(spec: str, kind: str, root: Path) -> tuple[list[str], list[str]]:
 def _check_same_classes(spec: str, folders: list[Path]) -> None:
     """Every domain holds the same class folders: else the sorted names would number the
     classes of one domain otherwise than the model's outputs."""
-    classes = {folder: {entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith(".")}
-               for folder in folders}
+    classes = {
+        folder: {entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith(".")}
+        for folder in folders
+    }
     first = folders[0]
     for folder in folders[1:]:
         lacks, extra = sorted(classes[first] - classes[folder]), sorted(classes[folder] - classes[first])
         if lacks or extra:
-            differences = [*([f"lacks {listing(lacks)}"] if lacks else []), *([f"adds {listing(extra)}"] if extra else [])]
-            raise InputError(f"`data` {spec}: the domains hold different class folders: {folder.name} "
-                             f"{' and '.join(differences)} against {first.name} ({len(classes[first])} classes); every "
-                             f"domain must hold the model's classes, one folder each: fix or rename them")
+            differences = [
+                *([f"lacks {listing(lacks)}"] if lacks else []),
+                *([f"adds {listing(extra)}"] if extra else []),
+            ]
+            raise InputError(
+                f"`data` {spec}: the domains hold different class folders: {folder.name} "
+                f"{' and '.join(differences)} against {first.name} ({len(classes[first])} classes); every "
+                f"domain must hold the model's classes, one folder each: fix or rename them"
+            )
 
 
 def open_member(spec: str, kind: str, path: Path, labels: str | None, severity: int | None) -> Domain:
@@ -104,9 +228,11 @@ def open_member(spec: str, kind: str, path: Path, labels: str | None, severity: 
     if not path.is_dir():
         raise InputError(f"`data` {spec}: no such folder {path} (the {kind} layout is {LAYOUT})")
     if not is_one_domain(kind, path):
-        raise InputError(f"`data` {spec}: {path.name} is not one of the {kind} domains ({listing(DOMAIN_SETS[kind])}); "
-                         f"give one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]}); the ROOT stands for its domains "
-                         f"in cafa adapt and cafa bench only")
+        raise InputError(
+            f"`data` {spec}: {path.name} is not one of the {kind} domains ({listing(DOMAIN_SETS[kind])}); "
+            f"give one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]}); the ROOT stands for its domains "
+            f"in cafa adapt and cafa bench only"
+        )
     if kind != "domainnet126":
         return _folder_domain(path)
     listed = list_file(path)
@@ -115,10 +241,12 @@ def open_member(spec: str, kind: str, path: Path, labels: str | None, severity: 
     domain = _folder_domain(path)
     if set(domain.class_names) != set(DOMAINNET126_CLASSES):
         missing = [name for name in DOMAINNET126_CLASSES if name not in domain.class_names]
-        raise InputError(f"`data` {spec}: {path} has {len(domain.class_names)} class folders, and DomainNet-126 has 126"
-                         + (f" ({listing(missing)} missing)" if missing else "")
-                         + f"; put the benchmark's {path.name}_list.txt in {path.parent} (the test-time-adaptation "
-                         f"benchmark's layout), or give domainnet:{path.parent} for all of DomainNet's classes")
+        raise InputError(
+            f"`data` {spec}: {path} has {len(domain.class_names)} class folders, and DomainNet-126 has 126"
+            + (f" ({listing(missing)} missing)" if missing else "")
+            + f"; put the benchmark's {path.name}_list.txt in {path.parent} (the test-time-adaptation "
+            f"benchmark's layout), or give domainnet:{path.parent} for all of DomainNet's classes"
+        )
     return relabel(domain, list(DOMAINNET126_CLASSES))
 
 
@@ -141,11 +269,16 @@ def _listed_domain(folder: Path, listed: Path) -> Domain:
         fields = line.split()
         parts = fields[0].split("/")
         if len(fields) != 2 or not fields[1].isdigit() or len(parts) < 3 or parts[0] != folder.name:
-            raise InputError(f"{listed} line {number}: expected `{folder.name}/<class>/<image> <label>`, not {line.strip()!r}")
+            raise InputError(
+                f"{listed} line {number}: expected `{folder.name}/<class>/<image> <label>`, not {line.strip()!r}"
+            )
         label, name = int(fields[1]), parts[1]
         if label >= len(DOMAINNET126_CLASSES) or DOMAINNET126_CLASSES[label] != name:
-            said = (f"class {DOMAINNET126_CLASSES.index(name)} in DomainNet-126's order, not {label}"
-                    if name in DOMAINNET126_CLASSES else "not one of DomainNet-126's classes")
+            said = (
+                f"class {DOMAINNET126_CLASSES.index(name)} in DomainNet-126's order, not {label}"
+                if name in DOMAINNET126_CLASSES
+                else "not one of DomainNet-126's classes"
+            )
             raise InputError(f"{listed} line {number}: {name} is {said}; give the benchmark's own list")
         refs.append(os.path.join(folder.parent, *parts))
         labels.append(label)
@@ -153,12 +286,19 @@ def _listed_domain(folder: Path, listed: Path) -> Domain:
         raise InputError(f"{listed} lists no images; give the benchmark's list of {folder.name}'s images")
     absent = [ref for ref in refs if not os.path.isfile(ref)]
     if absent:
-        raise InputError(f"{len(absent)} of the {len(refs)} images {listed.name} lists are not under {folder.parent} (the "
-                         f"first: {absent[0]}); its paths are below ROOT, the folder that holds {folder.name}/ and the list")
+        raise InputError(
+            f"{len(absent)} of the {len(refs)} images {listed.name} lists are not under {folder.parent} (the "
+            f"first: {absent[0]}); its paths are below ROOT, the folder that holds {folder.name}/ and the list"
+        )
     order = sorted(range(len(refs)), key=lambda i: _path_order(refs[i]))  # as a folder lists them: the same stream
     refs = [refs[i] for i in order]
-    return Domain(str(folder), refs, np.asarray(labels, dtype=np.int64)[order], list(DOMAINNET126_CLASSES),
-                  lambda i: read_image(refs[i]))
+    return Domain(
+        str(folder),
+        refs,
+        np.asarray(labels, dtype=np.int64)[order],
+        list(DOMAINNET126_CLASSES),
+        lambda i: read_image(refs[i]),
+    )
 
 
 def source_domain(source: str, kinds: list[str]) -> str:
@@ -167,14 +307,18 @@ def source_domain(source: str, kinds: list[str]) -> str:
     such domain."""
     sets = list(dict.fromkeys(kind for kind in kinds if kind in DOMAIN_SETS))
     if not sets:
-        raise UsageError(f"`source` {source} names the source domain of a domain-adaptation benchmark "
-                         f"({', '.join(kind + ':ROOT' for kind in DOMAIN_SETS)}), and `data` holds none; give one, "
-                         f"or drop `source`")
+        raise UsageError(
+            f"`source` {source} names the source domain of a domain-adaptation benchmark "
+            f"({', '.join(kind + ':ROOT' for kind in DOMAIN_SETS)}), and `data` holds none; give one, "
+            f"or drop `source`"
+        )
     for kind in sets:
         known = {_key(domain): domain for domain in DOMAIN_SETS[kind]}
         if _key(source) not in known:
-            raise UsageError(f"`source` {source}: {kind} has no such domain (its domains: {listing(DOMAIN_SETS[kind], 6)})"
-                             f"{did_you_mean([source], list(DOMAIN_SETS[kind]))}")
+            raise UsageError(
+                f"`source` {source}: {kind} has no such domain (its domains: {listing(DOMAIN_SETS[kind], 6)})"
+                f"{did_you_mean([source], list(DOMAIN_SETS[kind]))}"
+            )
     return next(domain for domain in DOMAIN_SETS[sets[0]] if _key(domain) == _key(source))
 
 
@@ -183,6 +327,8 @@ def targets(domains: list[tuple[str, str | None, Path | None]], source: str) -> 
     named `source`; an error when none is left."""
     kept = [spec for spec, kind, path in domains if kind not in DOMAIN_SETS or _key(path.name) != _key(source)]
     if not kept:
-        raise UsageError(f"`source` {source} leaves no target domain in `data`; give the benchmark's ROOT (its other "
-                         f"domains are the targets), or the target domains")
+        raise UsageError(
+            f"`source` {source} leaves no target domain in `data`; give the benchmark's ROOT (its other "
+            f"domains are the targets), or the target domains"
+        )
     return kept

@@ -11,10 +11,11 @@ import math
 import os
 import zlib
 from pathlib import Path
+
 import numpy as np
+
 from cafa_cli.errors import InputError
 from cafa_cli.files import reading
-
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
 
@@ -70,9 +71,7 @@ ALL_FILE_NAMES = tuple(
 )
 
 
-def load_fashion_mnist(
-    root: str | Path | None = None, split: str = "train"
-) -> tuple[np.ndarray, np.ndarray]:
+def load_fashion_mnist(root: str | Path | None = None, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """Return (images uint8 [N,28,28], labels int64 [N]) of one split.
 
     `root` wins over the CAFA_FASHION_MNIST variable, which wins over the Debian
@@ -148,8 +147,7 @@ def read_idx(path: Path, magic: int, dims: int) -> np.ndarray:
             data = _read_at_most(stream, expected + 1)
     except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
         raise InputError(
-            f"cannot read Fashion-MNIST file {path} ({error}); reinstall dataset-fashion-mnist "
-            f"or replace the file"
+            f"cannot read Fashion-MNIST file {path} ({error}); reinstall dataset-fashion-mnist or replace the file"
         ) from None
     if len(data) > expected:
         raise malformed(path, f"more data bytes than the {expected} the header announces")
@@ -169,7 +167,9 @@ def _check_header(header: np.ndarray, path: Path, magic: int, dims: int) -> tupl
     if dims == 3 and sizes[1:] != (IMAGE_SIDE, IMAGE_SIDE):  # width x height, as image sizes are given everywhere
         raise malformed(path, f"images are {sizes[2]}x{sizes[1]}, expected {IMAGE_SIDE}x{IMAGE_SIDE}")
     if sizes[0] > MAX_ITEMS:
-        raise malformed(path, f"the header announces {sizes[0]:,} items, more than the {MAX_ITEMS:,} cafa reads from one file")
+        raise malformed(
+            path, f"the header announces {sizes[0]:,} items, more than the {MAX_ITEMS:,} cafa reads from one file"
+        )
     return sizes
 
 
@@ -188,6 +188,5 @@ def _read_at_most(stream, limit: int) -> np.ndarray:
 
 def malformed(path: Path, detail: str) -> InputError:
     return InputError(
-        f"Fashion-MNIST file {path} is malformed: {detail}; reinstall dataset-fashion-mnist "
-        f"or replace the file"
+        f"Fashion-MNIST file {path} is malformed: {detail}; reinstall dataset-fashion-mnist or replace the file"
     )

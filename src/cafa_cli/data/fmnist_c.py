@@ -12,20 +12,32 @@ import shutil
 import warnings
 import zlib
 from pathlib import Path
+
 import numpy as np
 from PIL import Image
-from cafa_cli.errors import UsageError, repeated
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
-from cafa_cli.files import make_workdir
 
+from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.errors import UsageError, repeated
+from cafa_cli.files import make_workdir
 
 # The 15 corruptions of the ImageNet-C benchmark, and the 4 held out for choosing
 # hyper-parameters (never reported).
 BENCHMARK_CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise",
-    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
-    "snow", "frost", "fog", "brightness",
-    "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
 )
 
 
@@ -71,7 +83,9 @@ def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) 
         warnings.simplefilter("ignore")
         for i, image in enumerate(images):
             rgb = np.repeat(image[..., None], 3, axis=2)
-            corrupted = np.asarray(library.corrupt(rgb, severity=severity, corruption_name=corruption), dtype=np.float64)
+            corrupted = np.asarray(
+                library.corrupt(rgb, severity=severity, corruption_name=corruption), dtype=np.float64
+            )
             out[i] = np.clip(corrupted.mean(axis=2), 0, 255).round().astype(np.uint8)
     return out
 
@@ -115,7 +129,13 @@ def build_training_subset(workdir: Path, per_class: int, seed: int = 0, root=Non
 
 
 def build_corrupted(
-    workdir: Path, corruptions: list[str], severity: int, per_class: int | None = None, seed: int = 0, root=None, on_domain=None
+    workdir: Path,
+    corruptions: list[str],
+    severity: int,
+    per_class: int | None = None,
+    seed: int = 0,
+    root=None,
+    on_domain=None,
 ) -> list[Path]:
     """One ImageFolder per corruption at `severity`; re-uses folders already complete."""
     check_corruptions(corruptions, severity, per_class)
@@ -131,6 +151,10 @@ def build_corrupted(
                 images, labels = all_images[rows], all_labels[rows]
             if on_domain:
                 on_domain(corruption)
-            write_image_folder(folder, corrupt_grey(images, corruption, severity, (seed + zlib.crc32(corruption.encode())) % 2**32), labels)
+            write_image_folder(
+                folder,
+                corrupt_grey(images, corruption, severity, (seed + zlib.crc32(corruption.encode())) % 2**32),
+                labels,
+            )
         folders.append(folder)
     return folders

@@ -5,17 +5,35 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
-from cafa_cli.errors import InputError, listing
-from cafa_cli.data.domain import Domain, UNLABELLED
-from cafa_cli.data.values import BUDGET_VARIABLE, BYTES_PER_PIXEL, decode_budget
 
+from cafa_cli.data.domain import UNLABELLED, Domain
+from cafa_cli.data.values import BUDGET_VARIABLE, BYTES_PER_PIXEL, decode_budget
+from cafa_cli.errors import InputError, listing
 
 # Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
 # name: without this list a PostScript file named .jpg in an untrusted folder would be
 # handed to Ghostscript (EPS), a program outside this process.
-DECODERS = ("JPEG", "PNG", "WEBP", "AVIF", "BMP", "DIB", "GIF", "TIFF", "PPM", "TGA", "JPEG2000", "ICO", "PCX", "SGI", "QOI", "DDS")
+DECODERS = (
+    "JPEG",
+    "PNG",
+    "WEBP",
+    "AVIF",
+    "BMP",
+    "DIB",
+    "GIF",
+    "TIFF",
+    "PPM",
+    "TGA",
+    "JPEG2000",
+    "ICO",
+    "PCX",
+    "SGI",
+    "QOI",
+    "DDS",
+)
 
 
 def _extensions_of(formats: tuple[str, ...]) -> set[str]:
@@ -29,15 +47,16 @@ IMAGE_EXTENSIONS = _extensions_of(DECODERS)
 LOOKED_FOR = f"files of {', '.join(DECODERS)} by their extensions"
 
 
-
-
 def is_image(path: str) -> bool:
     """An image file by its extension; hidden files (macOS `._x.jpg`) are not data. A broken
     symlink counts, so that it is reported as unreadable rather than dropped unseen.
     Plain strings, not Paths: an ImageNet-C domain lists 50,000 of them (about 2x faster)."""
     name = os.path.basename(path)
-    return (not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
-            and (os.path.isfile(path) or os.path.islink(path)))
+    return (
+        not name.startswith(".")
+        and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+        and (os.path.isfile(path) or os.path.islink(path))
+    )
 
 
 def _path_order(path: str) -> list[str]:
@@ -53,7 +72,10 @@ def _images_below(folder: Path) -> list[str]:
     found, seen, top = [], set(), os.path.realpath(folder)
 
     def unreadable(error: OSError) -> None:
-        raise InputError(f"cannot list the folder {error.filename} ({error.strerror}); fix its permissions, or move it out of the data")
+        raise InputError(
+            f"cannot list the folder {error.filename} ({error.strerror}); fix its permissions, or move it out of the "
+            "data"
+        )
 
     for here, subfolders, files in os.walk(folder, followlinks=True, onerror=unreadable):
         real = os.path.realpath(here)
@@ -61,7 +83,9 @@ def _images_below(folder: Path) -> list[str]:
             subfolders.clear()
             continue
         seen.add(real)
-        subfolders[:] = [name for name in subfolders if not name.startswith(".") and not _holds(os.path.join(here, name), top)]
+        subfolders[:] = [
+            name for name in subfolders if not name.startswith(".") and not _holds(os.path.join(here, name), top)
+        ]
         found += [path for path in (os.path.join(here, name) for name in files) if is_image(path)]
     return sorted(found, key=_path_order)
 
@@ -69,8 +93,6 @@ def _images_below(folder: Path) -> list[str]:
 def _holds(folder: str, inner: str) -> bool:
     real = os.path.realpath(folder)
     return os.path.commonpath([real, inner]) == real
-
-
 
 
 def within_budget(image: Image.Image, budget: int) -> Image.Image:
@@ -88,8 +110,10 @@ def within_budget(image: Image.Image, budget: int) -> Image.Image:
             if image.size[0] * image.size[1] * per_pixel <= budget:
                 return image
     raise Image.DecompressionBombError(
-        f"{width}x{height} pixels ({image.mode}) would take {width * height * per_pixel / 2**20:,.0f} MB decoded, above the "
-        f"decoding budget of {budget / 2**20:,.0f} MB ({BUDGET_VARIABLE}); shrink the image, or raise the budget")
+        f"{width}x{height} pixels ({image.mode}) would take {width * height * per_pixel / 2**20:,.0f} MB decoded, "
+        "above the "
+        f"decoding budget of {budget / 2**20:,.0f} MB ({BUDGET_VARIABLE}); shrink the image, or raise the budget"
+    )
 
 
 def read_image(path: str) -> Image.Image:
@@ -102,7 +126,9 @@ def read_image(path: str) -> Image.Image:
             return upright(image)
     except UnidentifiedImageError:
         empty = Path(path).stat().st_size == 0
-        raise UnidentifiedImageError("empty file (0 bytes)" if empty else f"not an image in a format cafa reads: {', '.join(DECODERS)}") from None
+        raise UnidentifiedImageError(
+            "empty file (0 bytes)" if empty else f"not an image in a format cafa reads: {', '.join(DECODERS)}"
+        ) from None
 
 
 def upright(image: Image.Image) -> Image.Image:
@@ -127,7 +153,9 @@ def _folder_domain(root: Path) -> Domain:
         images = _images_below(folder)
         refs += images
         labels += [label] * len(images)
-    top = sorted((path for path in (os.path.join(root, name) for name in os.listdir(root)) if is_image(path)), key=_path_order)
+    top = sorted(
+        (path for path in (os.path.join(root, name) for name in os.listdir(root)) if is_image(path)), key=_path_order
+    )
     notes = []
     if refs and top:
         # they have no label, and a labelled run cannot mix in unlabelled images: say so, not drop them unseen
@@ -138,10 +166,7 @@ def _folder_domain(root: Path) -> Domain:
     if not refs:
         if not top and class_dirs:
             shown = listing(d.name for d in class_dirs)
-            raise InputError(
-                f"`data` {root}: no images found in the class folders {shown} "
-                f"(looked for {LOOKED_FOR})"
-            )
+            raise InputError(f"`data` {root}: no images found in the class folders {shown} (looked for {LOOKED_FOR})")
         if not top:
             raise InputError(
                 f"`data` {root}: no images found (looked for {LOOKED_FOR}, in class sub-folders and at the top level)"
@@ -149,7 +174,9 @@ def _folder_domain(root: Path) -> Domain:
         refs = top
         labels = [UNLABELLED] * len(refs)
         class_names = []
-    return Domain(str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]), notes=notes)
+    return Domain(
+        str(root), refs, np.asarray(labels, dtype=np.int64), class_names, lambda i: read_image(refs[i]), notes=notes
+    )
 
 
 def _stdin_domain(stream) -> Domain:

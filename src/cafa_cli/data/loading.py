@@ -8,14 +8,15 @@ import signal
 import sys
 import warnings
 from dataclasses import dataclass, replace
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from cafa_cli.errors import InputError
+
+from cafa_cli.data.domain import UNREADABLE, Domain
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.domain import Domain
-from cafa_cli.data.domain import UNREADABLE
 from cafa_cli.data.values import check_batch_size, check_num_workers, usable_cores
+from cafa_cli.errors import InputError
 
 
 class _DomainImages(Dataset):
@@ -38,7 +39,9 @@ class _DomainImages(Dataset):
 
 @dataclass
 class Batch:
-    images: torch.Tensor | None  # uint8 pixels (Preprocessing.normalize makes them model input); None when every image failed to read
+    images: (
+        torch.Tensor | None
+    )  # uint8 pixels (Preprocessing.normalize makes them model input); None when every image failed to read
     indices: list[int]  # positions in the domain of the images that were read
     failures: list[tuple[int, str]]  # (position, why) of the images that were not
 

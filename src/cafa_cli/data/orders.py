@@ -37,7 +37,9 @@ from cafa_cli.errors import InputError
 MAX_SLOTS = 100  # RoTTA's: as many time slots as classes, at most 100
 
 
-def stream_order(labels: np.ndarray, order: str = "iid", shuffle: bool = True, seed: int = 0, name: str = "the data") -> np.ndarray:
+def stream_order(
+    labels: np.ndarray, order: str = "iid", shuffle: bool = True, seed: int = 0, name: str = "the data"
+) -> np.ndarray:
     """The positions of `labels`' images in stream order. `name` is what a message calls
     the images when an order needs labels they lack."""
     kind, value = parse_order(order)
@@ -55,8 +57,10 @@ def check_labels(labels: np.ndarray, order: str, name: str = "the data") -> None
     missing, n = int((labels == UNLABELLED).sum()), len(labels)
     if missing and parse_order(order)[0] != "iid":
         what = "has no labels" if missing == n else f"has {missing} unlabelled image(s) of {n}"
-        raise InputError(f"{name} {what}, and `order` {order} orders the stream by class; give labelled data (one folder "
-                         f"per class, or an array with `labels`), or use `order` iid")
+        raise InputError(
+            f"{name} {what}, and `order` {order} orders the stream by class; give labelled data (one folder "
+            f"per class, or an array with `labels`), or use `order` iid"
+        )
 
 
 def label_shift_order(labels: np.ndarray, severity: float, rng: np.random.Generator) -> np.ndarray:

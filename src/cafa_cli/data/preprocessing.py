@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+
 import numpy as np
 import torch
 from PIL import Image
+
 from cafa_cli.data.values import MAX_PIXELS, check_preprocessing
 from cafa_cli.errors import UsageError
-
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
 
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
 
 
 @dataclass(frozen=True)
@@ -45,14 +44,21 @@ class Preprocessing:
         for name in ("mean", "std"):
             values = getattr(self, name)
             if len(values) not in (1, self.channels) and values == getattr(Preprocessing, name):
-                raise UsageError(f"`channels` {self.channels}: the default `{name}` is ImageNet's, with one value per RGB channel; "
-                                 f"give `mean` and `std` for your images, one value each")
+                raise UsageError(
+                    f"`channels` {self.channels}: the default `{name}` is ImageNet's, with one value per RGB channel; "
+                    f"give `mean` and `std` for your images, one value each"
+                )
             if len(values) not in (1, self.channels):
-                counts = "1 value for 1 channel" if self.channels == 1 else f"1 or {self.channels} values for {self.channels} channels"
+                counts = (
+                    "1 value for 1 channel"
+                    if self.channels == 1
+                    else f"1 or {self.channels} values for {self.channels} channels"
+                )
                 raise UsageError(f"`{name}` needs {counts}, got {len(values)}")
         if self.resize is not None and self.crop is not None and self.crop > self.resize:
             raise UsageError(
-                f"`crop` {self.crop} is larger than `resize` {self.resize}: the centre crop would pad the image with black; "
+                f"`crop` {self.crop} is larger than `resize` {self.resize}: the centre crop would pad the image with "
+                "black; "
                 f"give `crop` {self.resize} or less"
             )
 
@@ -106,7 +112,8 @@ class Preprocessing:
         new_width, new_height = self.resized_size(width, height)
         if new_width * new_height > max(MAX_PIXELS, width * height):
             raise Image.DecompressionBombError(
-                f"{width}x{height} pixels; resized to {self.resize} on its shorter side it would be {new_width}x{new_height}, "
+                f"{width}x{height} pixels; resized to {self.resize} on its shorter side it would be "
+                f"{new_width}x{new_height}, "
                 f"{new_width * new_height:,} pixels, more than the {MAX_PIXELS:,} cafa makes of one image"
             )
 
@@ -118,8 +125,10 @@ class Preprocessing:
         width, height = self.resized_size(*image.size)
         if self.crop <= min(width, height):
             return None
-        return (f"{where}: `crop` {self.crop} is larger than its images ({width}x{height} after `resize` "
-                f"{self.resize or 'none'}), so the crop pads them with black; give `crop` {min(width, height)} or less")
+        return (
+            f"{where}: `crop` {self.crop} is larger than its images ({width}x{height} after `resize` "
+            f"{self.resize or 'none'}), so the crop pads them with black; give `crop` {min(width, height)} or less"
+        )
 
     def per_channel(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(mean, std) with one value per channel: `--mean 0.5` is `--mean 0.5,0.5,0.5` for RGB."""
@@ -133,7 +142,9 @@ class Preprocessing:
 
 def _numbers(values, name: str) -> tuple[float, ...]:
     # float() would take the text "0.5" one character at a time and fail on the "."
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    if not isinstance(values, (list, tuple)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+    ):
         raise ValueError(f"'{name}' must be a list of numbers, not {values!r}")
     return tuple(float(v) for v in values)
 
@@ -186,6 +197,8 @@ def _float_to_grey(image: Image.Image) -> Image.Image:
         raise ValueError("a floating-point image with NaN or infinite values")
     low, high = float(values.min()), float(values.max())
     if low < 0 or high > 255:
-        raise ValueError(f"a floating-point image with values from {low:g} to {high:g}; cafa reads floats in 0..1 "
-                         f"or 0..255: scale it to one of those, or save it as an 8- or 16-bit image")
+        raise ValueError(
+            f"a floating-point image with values from {low:g} to {high:g}; cafa reads floats in 0..1 "
+            f"or 0..255: scale it to one of those, or save it as an 8- or 16-bit image"
+        )
     return (image.point(lambda v: v * 255) if high <= 1 else image).convert("L")

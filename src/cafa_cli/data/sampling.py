@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+
 import numpy as np
-from cafa_cli.errors import InputError, listing
+
 from cafa_cli.data.domain import Domain
+from cafa_cli.errors import InputError, listing
 
 
 def stratified_subset(
@@ -42,8 +44,7 @@ def stratified_subset(
     if too_few:
         shown = listing(too_few)
         raise InputError(
-            f"classes with fewer than 2 selected images: {shown}; "
-            f"raise `fraction`/`per_class` or add images"
+            f"classes with fewer than 2 selected images: {shown}; raise `fraction`/`per_class` or add images"
         )
     return np.sort(np.concatenate(chosen))
 
@@ -55,6 +56,6 @@ def subset_sha256(domain: Domain, indices: np.ndarray) -> str:
     digest = hashlib.sha256()
     for i in indices:
         ref = domain.refs[i]
-        below = ref[len(domain.name):].lstrip("/") if ref.startswith(domain.name) else ref
+        below = ref[len(domain.name) :].lstrip("/") if ref.startswith(domain.name) else ref
         digest.update(f"{below}\t{domain.labels[i]}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()

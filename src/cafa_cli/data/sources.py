@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.data.domain import Domain, relabel
+
 from cafa_cli.data.arrays import TRAINING_SETS, _array_domain
 from cafa_cli.data.benchmarks import BENCHMARKS, benchmark_of, on_disk_benchmark, open_benchmark, stages_of
+from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.folders import _folder_domain, _stdin_domain
+from cafa_cli.errors import InputError, UsageError
 
 
 def open_domain(
@@ -30,10 +31,14 @@ def open_domain(
         return domain if class_names is None else relabel(domain, list(class_names))
     is_array = Path(spec).suffix.lower() == ".npy"
     if labels is not None and not is_array:
-        raise UsageError(f"`labels` is only for .npy arrays, and `data` {spec} is not one; image folders take labels from class folders")
+        raise UsageError(
+            f"`labels` is only for .npy arrays, and `data` {spec} is not one; image folders take labels from class "
+            "folders"
+        )
     if severity is not None and not is_array:
         raise UsageError(
-            "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C) and the named benchmarks (imagenet-c:ROOT, "
+            "`severity` is only for .npy arrays that stack 5 severities (CIFAR-10-C) and the named benchmarks "
+            "(imagenet-c:ROOT, "
             "cifar10-c:ROOT); for an image folder, give the folder of one severity as `data`"
         )
     kind, _, root = spec.partition(":")
@@ -77,7 +82,9 @@ def gradual_stages(spec: str) -> list[str]:
     corruption = path.parent if path.name.isdigit() and path.parent != path else path
     missing = [str(corruption / str(s)) for s in sorted(set(GRADUAL_SEVERITIES)) if not (corruption / str(s)).is_dir()]
     if missing:
-        raise InputError(f"`data` {spec}: `gradual` visits severities 1-5 of a corruption, which needs the corruption/severity "
-                         f"layout, and {', '.join(missing)} {'is not a folder' if len(missing) == 1 else 'are not folders'}; "
-                         f"build every severity (cafa demo --data-only --severities 1,2,3,4,5), or drop `gradual`")
+        raise InputError(
+            f"`data` {spec}: `gradual` visits severities 1-5 of a corruption, which needs the corruption/severity "
+            f"layout, and {', '.join(missing)} {'is not a folder' if len(missing) == 1 else 'are not folders'}; "
+            f"build every severity (cafa demo --data-only --severities 1,2,3,4,5), or drop `gradual`"
+        )
     return [str(corruption / str(s)) for s in GRADUAL_SEVERITIES]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+
 import numpy as np
-from cafa_cli.errors import InputError, UsageError, listing
+
 from cafa_cli.data.domain import UNLABELLED, Domain, did_you_mean, read_class_list
+from cafa_cli.errors import InputError, UsageError, listing
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,15 @@ def read_class_subset(path: str, model_classes: list[str], within: ClassSubset |
     allowed = within.names if within else model_classes
     unknown = [name for name in wanted if name not in allowed]
     if unknown:
-        where = f"the {len(allowed)} classes of the statistics' own class subset" if within else \
-            f"the model's {len(allowed)} classes"
-        raise InputError(f"`class_subset` {path}: {listing(unknown)} {'is' if len(unknown) == 1 else 'are'} not among {where}"
-                         f"{did_you_mean(unknown, allowed)}; list names of the model's class list (`classes`, or the artifact's)")
+        where = (
+            f"the {len(allowed)} classes of the statistics' own class subset"
+            if within
+            else f"the model's {len(allowed)} classes"
+        )
+        raise InputError(
+            f"`class_subset` {path}: {listing(unknown)} {'is' if len(unknown) == 1 else 'are'} not among {where}"
+            f"{did_you_mean(unknown, allowed)}; list names of the model's class list (`classes`, or the artifact's)"
+        )
     position = {name: i for i, name in enumerate(model_classes)}
     outputs = sorted(position[name] for name in wanted)  # the model's output order, whatever the file's
     return ClassSubset([model_classes[o] for o in outputs], outputs, list(model_classes))
@@ -47,13 +54,17 @@ def narrow(domain: Domain, subset: ClassSubset, drop_others: bool = False) -> Do
     lookup[subset.outputs] = np.arange(len(subset.outputs))
     lookup[-1] = UNLABELLED  # labels of -1 index the last entry: unlabelled stays unlabelled
     if len(domain.labels) and int(domain.labels.max()) >= len(subset.model_classes):
-        raise InputError(f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(subset.model_classes)} classes")
+        raise InputError(
+            f"{domain.name}: label {int(domain.labels.max())} is out of range for {len(subset.model_classes)} classes"
+        )
     labels = lookup[domain.labels]
     outside = labels == -2
     if outside.any() and not drop_others:
         names = sorted({subset.model_classes[label] for label in np.unique(domain.labels[outside]).tolist()})
-        raise InputError(f"{domain.name}: {int(outside.sum())} image(s) of class(es) {listing(names)}, which `class_subset` leaves "
-                         f"out, so they could never be predicted right; add the classes to the subset, or remove their images")
+        raise InputError(
+            f"{domain.name}: {int(outside.sum())} image(s) of class(es) {listing(names)}, which `class_subset` leaves "
+            f"out, so they could never be predicted right; add the classes to the subset, or remove their images"
+        )
     if not outside.any():
         return replace(domain, labels=labels, class_names=list(subset.names))
     return keep(replace(domain, labels=labels, class_names=list(subset.names)), np.flatnonzero(~outside))
@@ -63,8 +74,9 @@ def keep(domain: Domain, rows: np.ndarray) -> Domain:
     """The domain's images at `rows` only, in their order."""
     rows = np.asarray(rows, dtype=np.int64)
     read = domain.read
-    return replace(domain, refs=[domain.refs[int(r)] for r in rows], labels=domain.labels[rows],
-                   read=lambda i: read(int(rows[i])))
+    return replace(
+        domain, refs=[domain.refs[int(r)] for r in rows], labels=domain.labels[rows], read=lambda i: read(int(rows[i]))
+    )
 
 
 def read_image_ids(path: str) -> set[str]:
@@ -72,11 +84,19 @@ def read_image_ids(path: str) -> set[str]:
     (`n01440764/ILSVRC2012_val_00000293.JPEG`) or a file name."""
     file = Path(path)
     if file.exists() and not file.is_file():
-        raise InputError(f"`subset` {path}: not a regular file (a folder, a device or a pipe); write the image ids to a file")
+        raise InputError(
+            f"`subset` {path}: not a regular file (a folder, a device or a pipe); write the image ids to a file"
+        )
     if not file.is_file():
-        raise InputError(f"`subset` {path}: no such file (give one image id a line: CLASS/FILE as in a domain folder, or FILE)")
+        raise InputError(
+            f"`subset` {path}: no such file (give one image id a line: CLASS/FILE as in a domain folder, or FILE)"
+        )
     try:
-        ids = {line.strip().replace("\\", "/") for line in file.read_text(encoding="utf-8-sig").splitlines() if line.strip()}
+        ids = {
+            line.strip().replace("\\", "/")
+            for line in file.read_text(encoding="utf-8-sig").splitlines()
+            if line.strip()
+        }
     except UnicodeDecodeError:
         raise InputError(f"`subset` {path}: not a UTF-8 text file; give one image id a line") from None
     if not ids:
@@ -93,8 +113,10 @@ def keep_listed(domain: Domain, ids: set[str], path: str) -> tuple[Domain, str |
     relative = [os.path.relpath(ref, root).replace(os.sep, "/") for ref in domain.refs]
     rows = np.flatnonzero([rel in ids or os.path.basename(rel) in ids for rel in relative])
     if not len(rows):
-        raise InputError(f"`subset` {path}: none of its {len(ids):,} image ids is an image of {root}; ids are paths relative to "
-                         f"the domain's folder (n01440764/ILSVRC2012_val_00000293.JPEG) or file names")
+        raise InputError(
+            f"`subset` {path}: none of its {len(ids):,} image ids is an image of {root}; ids are paths relative to "
+            f"the domain's folder (n01440764/ILSVRC2012_val_00000293.JPEG) or file names"
+        )
     note = None
     if len(rows) < len(ids):
         note = f"`subset` {path}: {len(rows):,} of its {len(ids):,} images are in {root}"

@@ -43,7 +43,9 @@ INTERPOLATIONS = ("bilinear", "bicubic", "nearest")  # the resize filters (torch
 def check_preprocessing(values: dict, prefix: str = "") -> None:
     """Each value wrong by itself, whatever the others (the recipe checks the combination)."""
     if "interpolation" in values and values["interpolation"] not in INTERPOLATIONS:
-        raise UsageError(f"`{prefix}interpolation` must be one of {', '.join(INTERPOLATIONS)}, not {values['interpolation']!r}")
+        raise UsageError(
+            f"`{prefix}interpolation` must be one of {', '.join(INTERPOLATIONS)}, not {values['interpolation']!r}"
+        )
     if "channels" in values and values["channels"] not in (1, 3):
         raise UsageError(f"`{prefix}channels` must be 1 or 3, not {values['channels']}")
     if not all(math.isfinite(v) for name in ("mean", "std") for v in values.get(name, ())):
@@ -53,7 +55,9 @@ def check_preprocessing(values: dict, prefix: str = "") -> None:
     for name in ("resize", "crop"):
         value = values.get(name)
         if value is not None and (type(value) is not int or not 1 <= value <= MAX_SIDE):
-            raise UsageError(f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}")
+            raise UsageError(
+                f"`{prefix}{name}` must be a whole number of pixels from 1 to {MAX_SIDE}, or 'none'; not {value}"
+            )
 
 
 def check_batch_size(batch_size: int) -> None:
@@ -69,8 +73,10 @@ def check_num_workers(num_workers: int | None) -> None:
     cores = usable_cores()
     if num_workers > 4 * cores:
         # each is a process with its own copy of the interpreter: thousands exhaust the memory
-        raise UsageError(f"`num_workers` {num_workers} is more than 4 per CPU core ({cores} here); loader processes "
-                         f"beyond the cores only compete for them: give {cores} or fewer")
+        raise UsageError(
+            f"`num_workers` {num_workers} is more than 4 per CPU core ({cores} here); loader processes "
+            f"beyond the cores only compete for them: give {cores} or fewer"
+        )
 
 
 def usable_cores() -> int:
@@ -104,8 +110,28 @@ def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
 # Pillow's own limit (about 179 megapixels) would let a 373 KB PNG take gigabytes.
 BUDGET_VARIABLE = "CAFA_DECODE_BUDGET_MB"
 DEFAULT_BUDGET_MB = 150
-BYTES_PER_PIXEL = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "La": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4,
-                   "RGBa": 4, "RGBX": 4, "CMYK": 4, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}
+BYTES_PER_PIXEL = {
+    "1": 1,
+    "L": 1,
+    "P": 1,
+    "LA": 2,
+    "PA": 2,
+    "La": 2,
+    "RGB": 3,
+    "YCbCr": 3,
+    "LAB": 3,
+    "HSV": 3,
+    "RGBA": 4,
+    "RGBa": 4,
+    "RGBX": 4,
+    "CMYK": 4,
+    "I;16": 2,
+    "I;16L": 2,
+    "I;16B": 2,
+    "I;16N": 2,
+    "I": 4,
+    "F": 4,
+}
 
 
 def decode_budget() -> int:
@@ -116,6 +142,8 @@ def decode_budget() -> int:
     except ValueError:
         megabytes = math.nan
     if not 0 < megabytes < math.inf:
-        raise UsageError(f"{BUDGET_VARIABLE}={text!r}: give the decoding budget in MB, a positive number (default "
-                         f"{DEFAULT_BUDGET_MB})")
+        raise UsageError(
+            f"{BUDGET_VARIABLE}={text!r}: give the decoding budget in MB, a positive number (default "
+            f"{DEFAULT_BUDGET_MB})"
+        )
     return int(megabytes * 2**20)

@@ -14,13 +14,12 @@ from pathlib import Path
 from cafa_cli.data.fashion_mnist import check_installed
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted, build_training_subset, check_corruptions
 from cafa_cli.files import make_workdir
-from cafa_cli.jobs.bench import tables
-from cafa_cli.jobs.config.settings import recorded_as_given
-from cafa_cli.jobs.bench import run_bench
+from cafa_cli.jobs.bench import run_bench, tables
 from cafa_cli.jobs.bench.rows import parse_methods
 from cafa_cli.jobs.bench.runs import row_config
 from cafa_cli.jobs.bench.statistics import artifact_path, covariances_needed
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig
+from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.jobs.shared.monitor import Monitor
 
 MODEL = "fmnist-resnet"
@@ -62,11 +61,21 @@ def build_data_only(config: DemoConfig, monitor: Monitor) -> list[Path]:
     severities, corruptions = config.severity_list(), corruption_names(config)
     for severity in severities:  # every value checked before the first image is built
         check_corruptions(corruptions, severity, config.test_per_class or None)
-    return [folder for severity in severities
-            for folder in build_corrupted(Path(config.workdir), corruptions, severity, config.test_per_class or None,
-                                          config.seed, config.fashion_mnist,
-                                          on_domain=lambda name, s=severity: monitor.info(
-                                              f"corrupting: {name}" + (f"/{s}" if len(severities) > 1 else "")))]
+    return [
+        folder
+        for severity in severities
+        for folder in build_corrupted(
+            Path(config.workdir),
+            corruptions,
+            severity,
+            config.test_per_class or None,
+            config.seed,
+            config.fashion_mnist,
+            on_domain=lambda name, s=severity: monitor.info(
+                f"corrupting: {name}" + (f"/{s}" if len(severities) > 1 else "")
+            ),
+        )
+    ]
 
 
 def run_demo(config: DemoConfig = DemoConfig(), monitor: Monitor | None = None, echo=print) -> str:
@@ -82,17 +91,53 @@ def run_demo(config: DemoConfig = DemoConfig(), monitor: Monitor | None = None, 
     train = build_training_subset(workdir, config.train_per_class, config.seed, root)
     domains = [
         str(p)
-        for p in build_corrupted(workdir, corruptions, config.severity, test_per_class, config.seed, root,
-                                 on_domain=lambda name: monitor.info(f"corrupting test images: {name}"))
+        for p in build_corrupted(
+            workdir,
+            corruptions,
+            config.severity,
+            test_per_class,
+            config.seed,
+            root,
+            on_domain=lambda name: monitor.info(f"corrupting test images: {name}"),
+        )
     ]
-    bench = BenchConfig(data=domains, train=str(train), model=MODEL, methods=config.methods, seeds=str(config.seed),
-                        fraction=1.0, batch_size=config.batch_size, lr=config.lr, workdir=str(workdir))
+    bench = BenchConfig(
+        data=domains,
+        train=str(train),
+        model=MODEL,
+        methods=config.methods,
+        seeds=str(config.seed),
+        fraction=1.0,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        workdir=str(workdir),
+    )
     for covariance in covariances_needed(rows):
-        echo(command_line("cafa", "stats", "--model", MODEL, "--data", train, "--fraction", 1, "--seed", 0,
-                          "--covariance", covariance, "--out", artifact_path(workdir, covariance)))
+        echo(
+            command_line(
+                "cafa",
+                "stats",
+                "--model",
+                MODEL,
+                "--data",
+                train,
+                "--fraction",
+                1,
+                "--seed",
+                0,
+                "--covariance",
+                covariance,
+                "--out",
+                artifact_path(workdir, covariance),
+            )
+        )
     data_args = [w for d in domains for w in ("--data", d)]
     for row in rows:
         stats_args = ["--stats", artifact_path(workdir, row.covariance)] if row.covariance else ["--model", MODEL]
-        echo(command_line("cafa", "adapt", *stats_args, *data_args, *adapt_words(row_config(bench, row, config.seed, None, None))))
+        echo(
+            command_line(
+                "cafa", "adapt", *stats_args, *data_args, *adapt_words(row_config(bench, row, config.seed, None, None))
+            )
+        )
     results = run_bench(bench, rows, [config.seed], monitor)
     return tables.markdown(tables.summarise(results, rows, domains, [config.seed]), domains, [config.seed])

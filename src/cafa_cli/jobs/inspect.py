@@ -8,11 +8,11 @@ from contextlib import nullcontext
 import torch
 from rich.cells import cell_len
 from rich.text import Text
+
 from cafa_cli.artifact import Artifact
 from cafa_cli.errors import printable
 from cafa_cli.method.gaussians import _one_thread
 from cafa_cli.models import bundled_model
-
 
 _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
 _ONE_THREAD_DIM = 256  # up to this feature dim the SVDs run on one thread
@@ -80,8 +80,13 @@ def render(summary: dict) -> Text:
     """The summary for people: "key  value" lines under a few headings, no JSON. Each value
     stays on its line, to be printed without wrapping: a path or a sha256 is never broken
     (a terminal narrower than it wraps it on screen, and a copy of it is still whole)."""
-    sections = {"artifact": _about(summary), "model": _model(summary), "training images": _sampling(summary["sampling"]),
-                "gaussians": _gaussians(summary), "sha256": _hashes(summary)}
+    sections = {
+        "artifact": _about(summary),
+        "model": _model(summary),
+        "training images": _sampling(summary["sampling"]),
+        "gaussians": _gaussians(summary),
+        "sha256": _hashes(summary),
+    }
     if len(summary["classes"]) > _CLASSES_LISTED:
         sections["per class"] = _class_ranges(summary["classes"])
     width = max(cell_len(key) for lines in sections.values() for key, _ in lines)
@@ -114,18 +119,33 @@ def _plain(value) -> str:
 
 
 def _about(summary: dict) -> list[tuple[str, str]]:
-    return [("file", summary["path"]), ("format", summary["format"]),
-            ("written", f"by cafa {summary['cafa_version']}, {summary['created']}")]
+    return [
+        ("file", summary["path"]),
+        ("format", summary["format"]),
+        ("written", f"by cafa {summary['cafa_version']}, {summary['created']}"),
+    ]
 
 
 def _model(summary: dict) -> list[tuple[str, str]]:
     model, prep = summary["model"], summary["preprocessing"]
-    no_file = "(packaged with the bundled model)" if bundled_model(model["model"]) else "(none: the model's own initialisation)"
+    no_file = (
+        "(packaged with the bundled model)"
+        if bundled_model(model["model"])
+        else "(none: the model's own initialisation)"
+    )
     args = "".join(f", {key}={value}" for key, value in (model.get("model_args") or {}).items())
-    return [("model", f"{model['model']}, classifier {model['classifier']}{args}"),
-            ("weights", model["weights"] or no_file),
-            ("input", (f"{prep['channels']} channel{'s' if prep['channels'] != 1 else ''}, resize {_plain(prep['resize'])}, "
-                       f"crop {_plain(prep['crop'])}, {prep['interpolation']}, mean {_plain(prep['mean'])}, std {_plain(prep['std'])}"))]
+    return [
+        ("model", f"{model['model']}, classifier {model['classifier']}{args}"),
+        ("weights", model["weights"] or no_file),
+        (
+            "input",
+            (
+                f"{prep['channels']} channel{'s' if prep['channels'] != 1 else ''}, resize {_plain(prep['resize'])}, "
+                f"crop {_plain(prep['crop'])}, {prep['interpolation']}, mean {_plain(prep['mean'])}, std "
+                f"{_plain(prep['std'])}"
+            ),
+        ),
+    ]
 
 
 def _sampling(sampling: dict) -> list[tuple[str, str]]:
@@ -137,26 +157,49 @@ def _sampling(sampling: dict) -> list[tuple[str, str]]:
 
 def _gaussians(summary: dict) -> list[tuple[str, str]]:
     cond, shrink = summary["conditioning"], summary["shrinkage"]
-    subset = (f" of the model's {summary['model_outputs']} outputs (a class subset)"
-              if summary["model_outputs"] != summary["num_classes"] else "")
+    subset = (
+        f" of the model's {summary['model_outputs']} outputs (a class subset)"
+        if summary["model_outputs"] != summary["num_classes"]
+        else ""
+    )
     rank = f", {summary['rank']} basis rows per class (a·I + low rank, exact)" if summary.get("rank") else ""
-    moments = (f"{len(summary['norm_layers'])} BatchNorm inputs, each class's mean and variance (for --norm class-balanced)"
-               if summary.get("norm_layers") else "none (cafa stats --norm-moments records them, for --norm class-balanced)")
-    return [("classes", f"{summary['num_classes']}{subset}, feature dim {summary['feature_dim']}, {summary['num_images']} images"),
-            ("covariance", summary["covariance"] + rank),
-            ("shrinkage", (f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: "
-                           f"λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}")),
-            ("conditioning", (f"cond(Σ) min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g} "
-                              f"over {cond['classes_measured']} classes")),
-            ("norm moments", moments)]
+    moments = (
+        f"{len(summary['norm_layers'])} BatchNorm inputs, each class's mean and variance (for --norm class-balanced)"
+        if summary.get("norm_layers")
+        else "none (cafa stats --norm-moments records them, for --norm class-balanced)"
+    )
+    return [
+        (
+            "classes",
+            f"{summary['num_classes']}{subset}, feature dim {summary['feature_dim']}, {summary['num_images']} images",
+        ),
+        ("covariance", summary["covariance"] + rank),
+        (
+            "shrinkage",
+            (
+                f"{shrink['method']} toward {shrink.get('target', 'tr(S)/d I')}: "
+                f"λ min {shrink['min']:.4f}, mean {shrink['mean']:.4f}, max {shrink['max']:.4f}"
+            ),
+        ),
+        (
+            "conditioning",
+            (
+                f"cond(Σ) min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g} "
+                f"over {cond['classes_measured']} classes"
+            ),
+        ),
+        ("norm moments", moments),
+    ]
 
 
 def _hashes(summary: dict) -> list[tuple[str, str]]:
     """The fingerprints in full, each alone on its line: what a reader compares."""
     weights, images = summary["model"]["weights_sha256"], summary["sampling"].get("images_sha256")
-    return [("weights", weights or "none"),
-            ("parameters", summary["parameters_sha256"] or "none: written before cafa recorded one"),
-            *([("images", _plain(images))] if images else [])]
+    return [
+        ("weights", weights or "none"),
+        ("parameters", summary["parameters_sha256"] or "none: written before cafa recorded one"),
+        *([("images", _plain(images))] if images else []),
+    ]
 
 
 def _class_table(classes: list[dict]) -> str:
@@ -164,14 +207,21 @@ def _class_table(classes: list[dict]) -> str:
     names = [printable(c["name"]) for c in classes]
     width = max(map(cell_len, ["class", *names]))
     lines = [f"  class{' ' * (width - 5)}  images  λ"]
-    lines += [f"  {name}{' ' * (width - cell_len(name))}  {c['count']:>6}  {c['shrinkage']:.4f}" for name, c in zip(names, classes)]
+    lines += [
+        f"  {name}{' ' * (width - cell_len(name))}  {c['count']:>6}  {c['shrinkage']:.4f}"
+        for name, c in zip(names, classes)
+    ]
     return "\n".join(lines)
 
 
 def _class_ranges(classes: list[dict]) -> list[tuple[str, str]]:
     """Many classes: the spread of their image counts and λ, not a line each."""
+
     def spread(values: list, form: str) -> str:
         values = sorted(values)
         return f"min {values[0]:{form}}, median {values[len(values) // 2]:{form}}, max {values[-1]:{form}}"
 
-    return [("images", spread([c["count"] for c in classes], "d")), ("λ", spread([c["shrinkage"] for c in classes], ".4f"))]
+    return [
+        ("images", spread([c["count"] for c in classes], "d")),
+        ("λ", spread([c["shrinkage"] for c in classes], ".4f")),
+    ]

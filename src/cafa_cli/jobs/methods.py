@@ -26,8 +26,16 @@ def methods_table() -> list[dict]:
     for name in REGISTRY:
         about = description(name)
         cost = about["cost"]
-        rows.append({"method": name, "summary": about["summary"], "paper": about["paper"], "adapts": about["adapts"],
-                     "artifact": REGISTRY[name].needs_statistics, "step ÷ TENT (CPU)": None if cost is None else float(cost)})
+        rows.append(
+            {
+                "method": name,
+                "summary": about["summary"],
+                "paper": about["paper"],
+                "adapts": about["adapts"],
+                "artifact": REGISTRY[name].needs_statistics,
+                "step ÷ TENT (CPU)": None if cost is None else float(cost),
+            }
+        )
     return rows
 
 
@@ -54,13 +62,26 @@ def terminal_table(rows: list[dict], width: int) -> Table:
     if width < _STACKED_BELOW:
         table = Table(Column("method", no_wrap=True), "about", show_lines=True, show_edge=False)
         for row in rows:
-            about = [cell(row["summary"]), f"paper: {cell(row['paper'])}", f"adapts: {cell(row['adapts'])}",
-                     f"artifact: {cell(row['artifact'])}; {COLUMNS[-1]}: {cell(row[COLUMNS[-1]])}"]
+            about = [
+                cell(row["summary"]),
+                f"paper: {cell(row['paper'])}",
+                f"adapts: {cell(row['adapts'])}",
+                f"artifact: {cell(row['artifact'])}; {COLUMNS[-1]}: {cell(row[COLUMNS[-1]])}",
+            ]
             table.add_row(Text(printable(row["method"])), Text("\n".join(map(printable, about)), overflow="fold"))
         return table
-    table = Table(Column("method", no_wrap=True), "summary", "paper", Column("adapts", max_width=24), "artifact",
-                  Column("step ÷ TENT", justify="right", max_width=6), show_lines=True, show_edge=False,
-                  caption="step ÷ TENT: the time of one step over TENT's, on the CPU", caption_justify="left")
+    table = Table(
+        Column("method", no_wrap=True),
+        "summary",
+        "paper",
+        Column("adapts", max_width=24),
+        "artifact",
+        Column("step ÷ TENT", justify="right", max_width=6),
+        show_lines=True,
+        show_edge=False,
+        caption="step ÷ TENT: the time of one step over TENT's, on the CPU",
+        caption_justify="left",
+    )
     for row in rows:
         table.add_row(*(Text(printable(cell(row[column])), overflow="fold") for column in COLUMNS))
     return table
@@ -73,24 +94,38 @@ def method_recipe(name: str, recipe: str = "none") -> str:
     if name not in REGISTRY:
         raise UsageError(f"no method {name!r}; the methods: {', '.join(REGISTRY)}")
     if recipe == "auto":
-        raise UsageError("`recipe` auto chooses a family from the test data and the model; name one: "
-                         f"{', '.join(FAMILIES)} (or none, or a .toml file)")
+        raise UsageError(
+            "`recipe` auto chooses a family from the test data and the model; name one: "
+            f"{', '.join(FAMILIES)} (or none, or a .toml file)"
+        )
     if recipe not in (*FAMILIES, "none") and not recipe.endswith(".toml"):
         raise UsageError(f"`recipe` must be one of {', '.join(FAMILIES)}, none, or a .toml file, not {recipe!r}")
     chosen = recipe_for(recipe, name, [], None)  # None for `none`
     method = method_class(name)
     defaults = {f.name: f.default for f in fields(AdaptConfig) if f.name in SETTINGS}
-    relevant = [key for key in SETTINGS if (method.trains or key not in TRAINING_SETTINGS)
-                and (key != "fisher_samples" or REGISTRY[name].without_source_images)]
+    relevant = [
+        key
+        for key in SETTINGS
+        if (method.trains or key not in TRAINING_SETTINGS)
+        and (key != "fisher_samples" or REGISTRY[name].without_source_images)
+    ]
     settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
     options = resolve_options(name, method.options, chosen.options if chosen else {})
     about = description(name)
-    header = [f"# {name}: {about['summary']}", f"# paper: {about['paper']}", f"# adapts: {about['adapts']}",
-              f"# needs an artifact (cafa stats): {'yes' if REGISTRY[name].needs_statistics else 'no'}",
-              f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
-              "# each option: its value here, then what it does and accepts (default)"]
-    comments = {option.name: f"{option.help}; {option.accepts()} (default {shown(option.default)})"
-                for option in method.options}
+    header = [
+        f"# {name}: {about['summary']}",
+        f"# paper: {about['paper']}",
+        f"# adapts: {about['adapts']}",
+        f"# needs an artifact (cafa stats): {'yes' if REGISTRY[name].needs_statistics else 'no'}",
+        f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
+        "# each option: its value here, then what it does and accepts (default)",
+    ]
+    comments = {
+        option.name: f"{option.help}; {option.accepts()} (default {shown(option.default)})" for option in method.options
+    }
     source = chosen.source if chosen else "none: the settings' own defaults"
-    return "\n".join(header) + "\n\n" + to_toml(name, settings, options, family=chosen and chosen.family, source=source,
-                                                 comments=comments)
+    return (
+        "\n".join(header)
+        + "\n\n"
+        + to_toml(name, settings, options, family=chosen and chosen.family, source=source, comments=comments)
+    )

@@ -5,25 +5,34 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.moments import NormInputMoments, accumulate_features
+
 from cafa_cli.artifact import Artifact, write_artifact
 from cafa_cli.artifact_format import unusable_class_names
-from cafa_cli.jobs.shared.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.data.sampling import stratified_subset, subset_sha256
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
-from cafa_cli.data.sampling import stratified_subset, subset_sha256
+from cafa_cli.devices import pick_device
 from cafa_cli.errors import InputError, listing
+from cafa_cli.jobs.config import StatsConfig
+from cafa_cli.jobs.shared.distributed import merge_on_root, process_group, rank_device
+from cafa_cli.jobs.shared.inputs import (
+    _check_classes,
+    _class_names_of,
+    _skip_warning,
+    default_class_names,
+    recipe,
+    recorded_data,
+    resolve_model,
+)
+from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.gaussians import estimate
+from cafa_cli.method.moments import NormInputMoments, accumulate_features
 from cafa_cli.models import factory_sha256, parameters_sha256
-from cafa_cli.devices import pick_device
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.jobs.config import StatsConfig
-from cafa_cli.jobs.shared.inputs import _check_classes, _class_names_of, _skip_warning, default_class_names, recipe, recorded_data, resolve_model
 
 
 @guards_outputs
@@ -48,20 +57,48 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
         _warn_short_classes(domain.labels, class_names, per_class, monitor)
     target = rank_device(target)
     with process_group(target) as (rank, world):
-        moments = _accumulate(net.to(target), domain, preprocess, indices[rank::world], class_names, target,
-                              config, monitor if rank == 0 else Monitor())
+        moments = _accumulate(
+            net.to(target),
+            domain,
+            preprocess,
+            indices[rank::world],
+            class_names,
+            target,
+            config,
+            monitor if rank == 0 else Monitor(),
+        )
         moments = merge_on_root(moments, rank, world)
     if moments is None:  # not rank 0: rank 0 writes the artifact
         return None
     gaussians = estimate(moments, config.covariance, shrinkage, class_names)
-    sampling = {"data": recorded_data(config.data), "fraction": fraction, "per_class": per_class, "seed": config.seed,
-                "images_sha256": subset_sha256(domain, indices), "batch_size": config.batch_size,
-                "skipped_images": moments.skipped_images, "input_size": getattr(moments, "input_size", None)}
+    sampling = {
+        "data": recorded_data(config.data),
+        "fraction": fraction,
+        "per_class": per_class,
+        "seed": config.seed,
+        "images_sha256": subset_sha256(domain, indices),
+        "batch_size": config.batch_size,
+        "skipped_images": moments.skipped_images,
+        "input_size": getattr(moments, "input_size", None),
+    }
     norm_moments = moments.norm_inputs.moments() if moments.norm_inputs is not None else None
     if config.norm_moments and not norm_moments:
-        monitor.warn("`norm_moments`: the model has no BatchNorm layers, so there are no class moments of their inputs to record")
-    return write_artifact(config.out, gaussians, class_names, spec, preprocess, sampling, fingerprint, factory_sha256(spec.model),
-                          subset.model_classes if subset else None, subset.outputs if subset else None, norm_moments or None)
+        monitor.warn(
+            "`norm_moments`: the model has no BatchNorm layers, so there are no class moments of their inputs to record"
+        )
+    return write_artifact(
+        config.out,
+        gaussians,
+        class_names,
+        spec,
+        preprocess,
+        sampling,
+        fingerprint,
+        factory_sha256(spec.model),
+        subset.model_classes if subset else None,
+        subset.outputs if subset else None,
+        norm_moments or None,
+    )
 
 
 def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: int, monitor: Monitor) -> None:
@@ -80,8 +117,9 @@ def sample_sha256(config: StatsConfig) -> str:
     return subset_sha256(domain, stratified_subset(domain.labels, class_names, fraction, per_class, config.seed))
 
 
-def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Preprocessing,
-                     monitor: Monitor) -> tuple[Domain, list[str], ClassSubset | None]:
+def _training_domain(
+    config: StatsConfig, net: FeatureClassifier, preprocess: Preprocessing, monitor: Monitor
+) -> tuple[Domain, list[str], ClassSubset | None]:
     """The labelled training data and its class names in the model's output order; with a
     `class_subset`, the images of its classes only, its names, and the subset."""
     data = config.data
@@ -101,8 +139,10 @@ def _training_domain(config: StatsConfig, net: FeatureClassifier, preprocess: Pr
     _check_classes(net, class_names, f"--data {data}")
     unusable = unusable_class_names(class_names)
     if unusable:  # before the feature pass, not when the artifact is checked at its end
-        raise InputError(f"class name(s) {listing(repr(name) for name in unusable)} cannot go into the predictions (blank, "
-                         f"or with a line break); rename those class folders (or `classes` lines)")
+        raise InputError(
+            f"class name(s) {listing(repr(name) for name in unusable)} cannot go into the predictions (blank, "
+            f"or with a line break); rename those class folders (or `classes` lines)"
+        )
     if not config.class_subset:
         return domain, class_names, None
     subset = read_class_subset(config.class_subset, class_names)
@@ -118,7 +158,9 @@ def _accumulate(net, domain, preprocess, indices, class_names, target, config: S
 
     def on_batch(batch):
         nonlocal skipped, input_size
-        if input_size is None and batch.images is not None:  # [height, width] entering the model: adapt compares its own
+        if (
+            input_size is None and batch.images is not None
+        ):  # [height, width] entering the model: adapt compares its own
             input_size = list(batch.images.shape[-2:])
         if norm_inputs is not None and batch.images is not None:
             norm_inputs.update(labels[batch.indices])

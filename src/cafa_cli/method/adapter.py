@@ -18,15 +18,22 @@ graphs of its own), no oracle labels. `cuda_graph` False turns it off."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+
 import torch
+
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
-from cafa_cli.method.norms import (RUNNING, BatchStatisticsNorm, balance_histogram, class_balanced_norms, norm_layers,
-                                   use_test_batch_norm)
+from cafa_cli.method.norms import (
+    RUNNING,
+    BatchStatisticsNorm,
+    balance_histogram,
+    class_balanced_norms,
+    norm_layers,
+    use_test_batch_norm,
+)
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
 from cafa_cli.method.step_graph import StepGraph, kept_state
-
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
 WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
@@ -44,7 +51,8 @@ def check_settings(device: torch.device = torch.device("cpu"), **options) -> Non
 class Adapter:
     """A model adapting online with `method` (methods.create(name, ...), or any Method):
     `step(images)` returns the logits of the forward pass that also computed the loss (the
-    prediction is made before the update; with `steps` > 1, before the batch's last update). `norm` says which statistics the BatchNorms
+    prediction is made before the update; with `steps` > 1, before the batch's last update).
+    `norm` says which statistics the BatchNorms
     normalise with (norms.py); `class_moments`, {BatchNorm name: (means, variances) [C,
     channels]} of the source classes (an artifact's `norm_moments`), is for `class-balanced`."""
 
@@ -68,21 +76,37 @@ class Adapter:
         if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
             # its BatchNorms may be swapped and its weights adapted: a second Adapter would
             # start from there, not from the source model, and reset() would return there
-            raise UsageError("this model already belongs to an Adapter; give each Adapter its own copy of the source "
-                             "model (copy.deepcopy before the first Adapter, or load it again)")
+            raise UsageError(
+                "this model already belongs to an Adapter; give each Adapter its own copy of the source "
+                "model (copy.deepcopy before the first Adapter, or load it again)"
+            )
         if not isinstance(method, Method):
-            raise UsageError(f"the Adapter takes a method object, not {method!r}: "
-                             f"cafa_cli.method.methods.create(name, gaussians, device) makes one")
+            raise UsageError(
+                f"the Adapter takes a method object, not {method!r}: "
+                f"cafa_cli.method.methods.create(name, gaussians, device) makes one"
+            )
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = resolve_device(device)
-        check_settings(device, params=params, optimizer=optimizer, lr=lr, momentum=momentum, steps=steps, norm=norm,
-                       precision=precision, compile=compile, cuda_graph=cuda_graph)
+        check_settings(
+            device,
+            params=params,
+            optimizer=optimizer,
+            lr=lr,
+            momentum=momentum,
+            steps=steps,
+            norm=norm,
+            precision=precision,
+            compile=compile,
+            cuda_graph=cuda_graph,
+        )
         method.check(model, device)
         self.norm = norm  # the setting in force
         if parse_norm(norm)[0] in RUNNING and not method.running_norms:
-            raise UsageError(f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
-                             f"cannot (it copies the model); use `norm` batch, prior:N or source")
+            raise UsageError(
+                f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
+                f"cannot (it copies the model); use `norm` batch, prior:N or source"
+            )
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels
         self.memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
@@ -90,7 +114,9 @@ class Adapter:
         # Eval mode throughout: BatchStatisticsNorm uses the batch statistics regardless, and
         # dropout / stochastic depth would only add noise to the predictions.
         self.model.eval()
-        self.batch_norms = use_test_batch_norm(self.model.model, norm, class_moments) if method.adapts_normalisation else 0
+        self.batch_norms = (
+            use_test_batch_norm(self.model.model, norm, class_moments) if method.adapts_normalisation else 0
+        )
         self.norms = norm_layers(self.model)  # the swapped ones
         self.balanced = class_balanced_norms(self.model)  # None unless `norm` is class-balanced
         self.params = method.parameters(self.model, params) if method.trains else []
@@ -132,8 +158,12 @@ class Adapter:
             if own:
                 kind = getattr(module, "source_type", type(module).__name__)
                 layers[kind] = layers.get(kind, 0) + own
-        return {"tensors": len(self.params), "parameters": sum(p.numel() for p in self.params),
-                "layers": dict(sorted(layers.items(), key=lambda item: -item[1])), "batch_norms": self.batch_norms}
+        return {
+            "tensors": len(self.params),
+            "parameters": sum(p.numel() for p in self.params),
+            "layers": dict(sorted(layers.items(), key=lambda item: -item[1])),
+            "batch_norms": self.batch_norms,
+        }
 
     @property
     def skipped_steps(self) -> int:
@@ -177,12 +207,18 @@ class Adapter:
     def _kept_state(self) -> dict:
         """What a step may change or read from one batch to the next (step_graph.py checks it stays in place)."""
         optimizer = self.optimizer
-        roots = {"model": self.model.state_dict(keep_vars=True), "skipped": self._skipped, "method": self.method,
-                 "norms": [{k: v for k, v in vars(layer).items() if not k.startswith("_")} for layer in self.norms]}
+        roots = {
+            "model": self.model.state_dict(keep_vars=True),
+            "skipped": self._skipped,
+            "method": self.method,
+            "norms": [{k: v for k, v in vars(layer).items() if not k.startswith("_")} for layer in self.norms],
+        }
         if optimizer is not None:
             roots["optimizer"] = [optimizer.state.get(p, {}) for p in self.params]
-            roots["settings"] = [{k: v for k, v in group.items() if k not in ("params", "capturable")}
-                                 for group in optimizer.param_groups]
+            roots["settings"] = [
+                {k: v for k, v in group.items() if k not in ("params", "capturable")}
+                for group in optimizer.param_groups
+            ]
         return kept_state(roots, skip=Method.per_batch)
 
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
@@ -190,8 +226,9 @@ class Adapter:
             return None
         fused = {"fused": True} if self._fused else {}
         if self._optimizer_kind in ("sgd", "nesterov"):
-            optimizer = torch.optim.SGD(self.params, lr=self._lr, momentum=self._momentum,
-                                        nesterov=self._optimizer_kind == "nesterov", **fused)
+            optimizer = torch.optim.SGD(
+                self.params, lr=self._lr, momentum=self._momentum, nesterov=self._optimizer_kind == "nesterov", **fused
+            )
         else:
             optimizer = torch.optim.Adam(self.params, lr=self._lr, **fused)
         with torch.inference_mode(False):  # reset() may be called under inference_mode; the steps change this state
@@ -293,13 +330,25 @@ class Adapter:
             logits, features = self.forward(images)
         return logits, features, self.method.loss(logits.float(), features.float())
 
-    def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
-              after_backward=None) -> torch.Tensor:
+    def apply(
+        self,
+        loss: torch.Tensor,
+        skipped: torch.Tensor | None = None,
+        *,
+        leave_out: torch.Tensor | None = None,
+        after_backward=None,
+    ) -> torch.Tensor:
         """One optimiser step on `loss`, for a method that owns its update (base.py): see _apply."""
         return self._apply(loss, skipped, leave_out=leave_out, after_backward=after_backward)
 
-    def _apply(self, loss: torch.Tensor, skipped: torch.Tensor | None, *, leave_out: torch.Tensor | None = None,
-               after_backward=None) -> torch.Tensor:
+    def _apply(
+        self,
+        loss: torch.Tensor,
+        skipped: torch.Tensor | None,
+        *,
+        leave_out: torch.Tensor | None = None,
+        after_backward=None,
+    ) -> torch.Tensor:
         """One optimiser step, left out on the device when the loss or a gradient is not
         finite, so that NaN never reaches the weights; also when `skipped`, the flag of this
         batch's earlier step, is set (the batch's later steps are left out too). Returns this
@@ -380,7 +429,9 @@ def _start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:
                 if group["momentum"] != 0:
                     state["momentum_buffer"] = torch.full_like(p, -0.0, memory_format=torch.preserve_format)
             elif not fused:
-                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as torch's Adam
+                scalar = (
+                    torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                )  # as torch's Adam
                 state["step"] = torch.tensor(0.0, dtype=scalar)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

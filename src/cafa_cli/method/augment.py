@@ -70,10 +70,16 @@ def augment(images: torch.Tensor, views: int = 1) -> torch.Tensor:
         x = grey + torch.stack([d["saturation"] for d in draws], 1).view(grid) * (x - grey)
     x = x.flatten(0, 1)
     if image:
-        angle, scale, shift, flip = (torch.stack([d[k] for d in draws], 1).flatten(0, 1)
-                                     for k in ("angle", "scale", "shift", "flip"))
-        x = F.grid_sample(x, F.affine_grid(_affine(angle, scale, shift, flip), list(x.shape), align_corners=False),
-                          mode="bilinear", padding_mode="border", align_corners=False)
+        angle, scale, shift, flip = (
+            torch.stack([d[k] for d in draws], 1).flatten(0, 1) for k in ("angle", "scale", "shift", "flip")
+        )
+        x = F.grid_sample(
+            x,
+            F.affine_grid(_affine(angle, scale, shift, flip), list(x.shape), align_corners=False),
+            mode="bilinear",
+            padding_mode="border",
+            align_corners=False,
+        )
     x = x.unflatten(0, (n, views)) + NOISE * spread * torch.stack([d["noise"] for d in draws], 1)
     x = x.flatten(0, 1)
     return x.to(images.dtype).contiguous(memory_format=_memory_format(images))
@@ -87,9 +93,13 @@ def _draws(n: int, x: torch.Tensor, colour: bool, image: bool) -> dict[str, torc
     if image:
         draws["angle"] = _uniform(n, (-DEGREES, DEGREES), x) * (math.pi / 180)
         draws["scale"] = _uniform(n, SCALE, x)
-        draws["shift"] = _uniform(2 * n, (-TRANSLATE, TRANSLATE), x).view(n, 2) * 2  # a share of the size; [-1, 1] spans 2
+        draws["shift"] = (
+            _uniform(2 * n, (-TRANSLATE, TRANSLATE), x).view(n, 2) * 2
+        )  # a share of the size; [-1, 1] spans 2
         draws["flip"] = torch.where(torch.rand(n, device=x.device) < FLIP, -1.0, 1.0)
-    draws["noise"] = torch.randn(x.shape, device=x.device, dtype=torch.float32)  # as randn_like(x) of the image grid_sample returns
+    draws["noise"] = torch.randn(
+        x.shape, device=x.device, dtype=torch.float32
+    )  # as randn_like(x) of the image grid_sample returns
     return draws
 
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
 from cafa_cli.errors import UsageError
 from cafa_cli.method.gaussians import ClassGaussians
-
 
 CHUNK_BYTES = 64 << 20  # one chunk's intermediate
 
@@ -95,7 +95,13 @@ class ClassDistances:
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if z.dim() != 2 or z.shape[1] != self.means.shape[1]:
             raise UsageError(f"distances take features [N, {self.means.shape[1]}], not {list(z.shape)}")
-        forms = {"full": self._full, "lowrank": self._lowrank, "diag": self._diag, "tied": self._tied, "euclidean": self._euclidean}
+        forms = {
+            "full": self._full,
+            "lowrank": self._lowrank,
+            "diag": self._diag,
+            "tied": self._tied,
+            "euclidean": self._euclidean,
+        }
         return forms[self.mode](z.float() - self.centre)
 
     def _diag(self, z: torch.Tensor) -> torch.Tensor:
@@ -104,24 +110,33 @@ class ClassDistances:
         weighted_z = (z * z) @ p.T
         weighted_means = (p * self.means.square()).sum(1)
         dist = (weighted_z - 2 * z @ (p * self.means).T + weighted_means).clamp_min(0)
-        return self._refined(dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p))
+        return self._refined(
+            dist, weighted_z.detach() + weighted_means, lambda classes: self._exact(z, self.means, classes, p)
+        )
 
     def _tied(self, z: torch.Tensor) -> torch.Tensor:
         whitened = z @ self.factor
         dist = _expanded_square_distance(whitened, self.whitened_means)
         magnitude = whitened.detach().square().sum(1, keepdim=True) + self.whitened_means.square().sum(1)
-        return self._refined(dist, magnitude, lambda classes: self._tied_exact(z, classes), work=len(z) * z.shape[1] ** 2)
+        return self._refined(
+            dist, magnitude, lambda classes: self._tied_exact(z, classes), work=len(z) * z.shape[1] ** 2
+        )
 
     def _euclidean(self, z: torch.Tensor) -> torch.Tensor:
         dist = _expanded_square_distance(z, self.means)
         magnitude = z.detach().square().sum(1, keepdim=True) + self.means.square().sum(1)
         return self._refined(dist, magnitude, lambda classes: self._exact(z, self.means, classes))
 
-    def _exact(self, z: torch.Tensor, means: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def _exact(
+        self, z: torch.Tensor, means: torch.Tensor, classes: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Σ_j w_cj (z_j − μ_cj)² from explicit differences for the given classes, [N, len(classes)]."""
         n, d = z.shape
         return _by_class_chunks(
-            _difference_chunk, z, len(classes), 4 * n * d,
+            _difference_chunk,
+            z,
+            len(classes),
+            4 * n * d,
             lambda part: (means[classes[part]], None if weights is None else weights[classes[part]]),
         )
 
@@ -129,20 +144,34 @@ class ClassDistances:
         """‖Lᵀ(z − μ_c)‖², subtracting before whitening, for the given classes."""
         n, d = z.shape
         return _by_class_chunks(
-            _full_chunk, z, len(classes), 4 * n * d,
+            _full_chunk,
+            z,
+            len(classes),
+            4 * n * d,
             lambda part: (self.means[classes[part]], self.factor.expand(len(classes[part]), d, d)),
         )
 
     def _full(self, z: torch.Tensor) -> torch.Tensor:
         n, d = z.shape
-        return _by_class_chunks(_full_chunk, z, self.num_classes, 4 * n * d, lambda part: (self.means[part], self.factors[part]))
+        return _by_class_chunks(
+            _full_chunk, z, self.num_classes, 4 * n * d, lambda part: (self.means[part], self.factors[part])
+        )
 
     def _lowrank(self, z: torch.Tensor) -> torch.Tensor:
         n, k = len(z), self.basis.shape[1]
         # [N, chunk, k] intermediates: at C = 1000, k = 63, N = 64 one chunk (16 MB) holds every class
         dist = _by_class_chunks(
-            _lowrank_chunk, z, self.num_classes, 4 * n * k,
-            lambda part: (self.means[part], self.basis[part], self.projected_means[part], self.inv_isotropic[part], self.inv_eigen[part]),
+            _lowrank_chunk,
+            z,
+            self.num_classes,
+            4 * n * k,
+            lambda part: (
+                self.means[part],
+                self.basis[part],
+                self.projected_means[part],
+                self.inv_isotropic[part],
+                self.inv_eigen[part],
+            ),
         )
         magnitude = (z.detach().square().sum(1, keepdim=True) + self.mean_norms) * self.inv_isotropic
         return self._refined(dist, magnitude, lambda classes: self._lowrank_exact(z, classes), work=n * z.shape[1] * k)
@@ -151,8 +180,16 @@ class ClassDistances:
         """D for the given classes from the explicit residual, [N, len(classes)]."""
         n, d = z.shape
         return _by_class_chunks(
-            _lowrank_exact_chunk, z, len(classes), 4 * n * d,
-            lambda part: (self.means[classes[part]], self.basis[classes[part]], self.inv_isotropic[classes[part]], self.inv_eigen[classes[part]]),
+            _lowrank_exact_chunk,
+            z,
+            len(classes),
+            4 * n * d,
+            lambda part: (
+                self.means[classes[part]],
+                self.basis[classes[part]],
+                self.inv_isotropic[classes[part]],
+                self.inv_eigen[classes[part]],
+            ),
         )
 
     def _refined(self, dist: torch.Tensor, magnitude: torch.Tensor, exact, work: int | None = None) -> torch.Tensor:

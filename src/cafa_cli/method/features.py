@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from cafa_cli.errors import InputError, UsageError, out_of_memory
+
 from cafa_cli.devices import DEVICE_FAILURES
+from cafa_cli.errors import InputError, UsageError, out_of_memory
 
 
 def find_classifier(model: nn.Module, name: str | None = None) -> tuple[str, nn.Linear]:
@@ -24,7 +25,9 @@ def find_classifier(model: nn.Module, name: str | None = None) -> tuple[str, nn.
         return name, layer
     linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
     if not linears:
-        raise InputError("the model has no nn.Linear classifier layer; CAFA needs the features that enter one (see `classifier`)")
+        raise InputError(
+            "the model has no nn.Linear classifier layer; CAFA needs the features that enter one (see `classifier`)"
+        )
     return linears[-1]
 
 
@@ -47,7 +50,9 @@ class FeatureClassifier(nn.Module):
         """Predict among these model outputs only: forward returns their logits, in this order,
         so that every method's loss (entropy, pseudo-labels) sees the subset's classes alone."""
         if not outputs or len(set(outputs)) != len(outputs) or not all(0 <= o < self.model_outputs for o in outputs):
-            raise UsageError(f"a class subset must name distinct model outputs in [0, {self.model_outputs}), not {outputs[:5]}...")
+            raise UsageError(
+                f"a class subset must name distinct model outputs in [0, {self.model_outputs}), not {outputs[:5]}..."
+            )
         self.outputs = torch.as_tensor(outputs, dtype=torch.long, device=self.classifier.weight.device)
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
@@ -93,8 +98,10 @@ class FeatureClassifier(nn.Module):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             weights = next((p.dtype for p in self.model.parameters()), x.dtype)
             if x.dtype != weights:  # only through the Python API: the CLI's batches are float32, as checked models are
-                raise InputError(f"the images are {x.dtype} but the model's weights are {weights}: give images of the "
-                                 f"weights' dtype ({first_line})") from error
+                raise InputError(
+                    f"the images are {x.dtype} but the model's weights are {weights}: give images of the "
+                    f"weights' dtype ({first_line})"
+                ) from error
             raise InputError(
                 f"the model cannot take these images (a batch of shape {list(x.shape)}): {first_line}; "
                 f"check `channels`, `resize` and `crop` against the input the model expects"
@@ -103,19 +110,36 @@ class FeatureClassifier(nn.Module):
             self._in_forward = False
             features, self._features = self._features, None
         if features is None:
-            raise InputError(f"the classifier layer {self.classifier_name} was not called in the forward pass; name the right one with `classifier`")
+            raise InputError(
+                f"the classifier layer {self.classifier_name} was not called in the forward pass; name the right one "
+                "with `classifier`"
+            )
         if features.dim() != 2:
             raise InputError(
                 f"the features entering {self.classifier_name} have shape {tuple(features.shape)}, not [batch, dim]; "
                 f"name a classifier that takes pooled features with `classifier`"
             )
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or len(logits) != len(x) or not logits.is_floating_point():
-            shape = f"a {type(logits).__name__}" if not isinstance(logits, torch.Tensor) else f"{logits.dtype} of shape {list(logits.shape)}"
-            raise InputError(f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
-                             f"give a factory whose forward returns the logits only")
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.dim() != 2
+            or len(logits) != len(x)
+            or not logits.is_floating_point()
+        ):
+            shape = (
+                f"a {type(logits).__name__}"
+                if not isinstance(logits, torch.Tensor)
+                else f"{logits.dtype} of shape {list(logits.shape)}"
+            )
+            raise InputError(
+                f"the model returns {shape} for a batch of {len(x)}, not float logits [batch, classes]; "
+                f"give a factory whose forward returns the logits only"
+            )
         if logits.shape[1] != self.model_outputs:
-            raise InputError(f"the model returns {logits.shape[1]} logits but {self.classifier_name} has {self.model_outputs} outputs, "
-                             f"so it is not the layer that makes the logits; name that one with `classifier`")
+            raise InputError(
+                f"the model returns {logits.shape[1]} logits but {self.classifier_name} has {self.model_outputs} "
+                "outputs, "
+                f"so it is not the layer that makes the logits; name that one with `classifier`"
+            )
         if self.outputs is not None:
             logits = logits.index_select(1, self.outputs)
         return logits, features

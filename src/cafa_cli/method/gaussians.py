@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+
 import torch
+
 from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.method.moments import ClassMoments, SQUARABLE
-
-
+from cafa_cli.method.moments import SQUARABLE, ClassMoments
 from cafa_cli.method.options import COVARIANCE_CHOICES
 
 
@@ -109,10 +109,15 @@ class ClassGaussians:
         def per_class(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(0, index)
 
-        return replace(self, means=per_class(self.means), counts=per_class(self.counts),
-                       factors=self.factors if self.covariance == "tied" else per_class(self.factors),
-                       shrinkage=self.shrinkage if self.covariance == "tied" else per_class(self.shrinkage),
-                       isotropic=per_class(self.isotropic), spectrum=per_class(self.spectrum))
+        return replace(
+            self,
+            means=per_class(self.means),
+            counts=per_class(self.counts),
+            factors=self.factors if self.covariance == "tied" else per_class(self.factors),
+            shrinkage=self.shrinkage if self.covariance == "tied" else per_class(self.shrinkage),
+            isotropic=per_class(self.isotropic),
+            spectrum=per_class(self.spectrum),
+        )
 
 
 def check_options(covariance: str, shrinkage: float | str) -> None:
@@ -158,7 +163,10 @@ def estimate(
     is held at a time."""
     check_options(covariance, shrinkage)
     if moments.consumed:
-        raise UsageError("these moments were already estimated (estimate frees them as it goes); accumulate them again for another estimate")
+        raise UsageError(
+            "these moments were already estimated (estimate frees them as it goes); accumulate them again for another "
+            "estimate"
+        )
     names = class_names or [str(c) for c in range(moments.num_classes)]
     counts = _checked_counts(moments, names)  # before anything is freed: more data can still be added
     moments.consumed = True
@@ -169,7 +177,9 @@ def estimate(
     return _estimate_dense(moments, covariance, shrinkage, names, counts)
 
 
-def _estimate_dense(moments: ClassMoments, covariance: str, shrinkage: float | str, names: list[str], counts: torch.Tensor) -> ClassGaussians:
+def _estimate_dense(
+    moments: ClassMoments, covariance: str, shrinkage: float | str, names: list[str], counts: torch.Tensor
+) -> ClassGaussians:
     """The full, tied and diag forms: Cholesky factors of the shrunk precisions (diag: 1/σ)."""
     C, d = moments.num_classes, moments.dim
     pooled = torch.zeros(d, d, dtype=torch.float64)
@@ -209,7 +219,9 @@ def _estimate_dense(moments: ClassMoments, covariance: str, shrinkage: float | s
     # the distances square the factors in float32: above ~1.8e19 (a variance below ~3e-39)
     # they are inf, every gradient vanishes and the run would end with no error
     if not float(per_class_factors.abs().amax()) <= SQUARABLE:
-        raise InputError("precision factors overflow float32 when squared (near-zero feature variance); raise `shrinkage`")
+        raise InputError(
+            "precision factors overflow float32 when squared (near-zero feature variance); raise `shrinkage`"
+        )
 
     return _gaussians(covariance, class_mean64, counts, pooled, per_class_factors, lambdas, shrinkage)
 
@@ -232,8 +244,14 @@ def _checked_counts(moments: ClassMoments, names: list[str]) -> torch.Tensor:
 
 
 def _gaussians(
-    covariance: str, class_mean64: torch.Tensor, counts: torch.Tensor, pooled: torch.Tensor, factors: torch.Tensor,
-    lambdas: torch.Tensor, shrinkage: float | str, **lowrank: torch.Tensor,
+    covariance: str,
+    class_mean64: torch.Tensor,
+    counts: torch.Tensor,
+    pooled: torch.Tensor,
+    factors: torch.Tensor,
+    lambdas: torch.Tensor,
+    shrinkage: float | str,
+    **lowrank: torch.Tensor,
 ) -> ClassGaussians:
     """The estimate, with the mean and total covariance of all features (for Global FA)
     from the class means and the pooled within-class scatter."""
@@ -271,7 +289,9 @@ def _one_thread():
             torch.set_num_threads(before)
 
 
-def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list[str], counts: torch.Tensor) -> ClassGaussians:
+def _estimate_lowrank(
+    moments: ClassMoments, shrinkage: float | str, names: list[str], counts: torch.Tensor
+) -> ClassGaussians:
     """Σ_c = (1 − λ_c)·S_c + a_c·I = a_c·I + Q_cᵀ diag(e_c) Q_c, a_c = λ_c·tr(S_c)/d.
 
     A class never folded (N_c < d) goes through the thin SVD of its N_c×d centred rows:
@@ -321,7 +341,11 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
             del scatter, v
         eigenvalues, vectors = eigenvalues[:k], _signs_fixed(vectors[:k])
         trace = float(eigenvalues.sum())
-        lam = oas_from_spectrum(trace, float(eigenvalues.square().sum()), d, n) if shrinkage == "auto" else float(shrinkage)
+        lam = (
+            oas_from_spectrum(trace, float(eigenvalues.square().sum()), d, n)
+            if shrinkage == "auto"
+            else float(shrinkage)
+        )
         a = lam * trace / d
         if not (a > 0 and torch.isfinite(torch.tensor(1 / a, dtype=torch.float32))):
             failed.append(f"{names[c]} (N={n}, d={d})")
@@ -336,12 +360,28 @@ def _estimate_lowrank(moments: ClassMoments, shrinkage: float | str, names: list
     pool(flush=True)
     if failed:
         shown = listing(failed)
-        why = "its features do not vary (tr(S) = 0), so the isotropic part of the low-rank form is 0" if constant else \
-            "the isotropic part of the low-rank form, λ·tr(S)/d, is too small to invert in float32"
-        raise InputError(f"covariance is singular for {shown}: {why}; use `shrinkage` auto (or a larger value), or check the features")
+        why = (
+            "its features do not vary (tr(S) = 0), so the isotropic part of the low-rank form is 0"
+            if constant
+            else "the isotropic part of the low-rank form, λ·tr(S)/d, is too small to invert in float32"
+        )
+        raise InputError(
+            f"covariance is singular for {shown}: {why}; use `shrinkage` auto (or a larger value), or check the "
+            "features"
+        )
     if rank_used < k:  # duplicate rows everywhere: drop padding no class uses
         basis, spectrum = basis[:, :rank_used].clone(), spectrum[:, :rank_used].clone()
-    return _gaussians("lowrank", class_mean64, counts, pooled, basis, lambdas, shrinkage, isotropic=isotropic.float(), spectrum=spectrum)
+    return _gaussians(
+        "lowrank",
+        class_mean64,
+        counts,
+        pooled,
+        basis,
+        lambdas,
+        shrinkage,
+        isotropic=isotropic.float(),
+        spectrum=spectrum,
+    )
 
 
 def _signs_fixed(vectors: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 # Distances are clamped into this range before the log: a sample sitting exactly on
 # a class mean (D = 0) or absurdly far from all (D overflowing) must give a finite loss.
 _MIN_DISTANCE = 1e-12
@@ -52,7 +51,9 @@ def intra(distances: torch.Tensor, pseudo_labels: torch.Tensor) -> torch.Tensor:
     return distances.clamp_max(_MAX_DISTANCE).gather(1, pseudo_labels.detach().view(-1, 1)).mean()
 
 
-def global_alignment(features: torch.Tensor, source_mean: torch.Tensor, source_covariance: torch.Tensor) -> torch.Tensor:
+def global_alignment(
+    features: torch.Tensor, source_mean: torch.Tensor, source_covariance: torch.Tensor
+) -> torch.Tensor:
     """Global FA: ‖μ_s − μ̂_t‖² + ‖Σ_s − Σ̂_t‖_F² with the test batch's mean and covariance."""
     z = features.float()
     mean = z.mean(0)

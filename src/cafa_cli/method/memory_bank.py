@@ -35,6 +35,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+
 from cafa_cli.method.options import Option
 
 CAPACITY = 64
@@ -58,7 +59,9 @@ class MemoryBank:
     (`add` when no step interleaves), `samples`/`occupied`/`ages` for a training step.
     Slots are allocated on the first offer."""
 
-    def __init__(self, num_classes: int, capacity: int = CAPACITY, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
+    def __init__(
+        self, num_classes: int, capacity: int = CAPACITY, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U
+    ):
         self.num_classes, self.capacity, self.lambda_t, self.lambda_u = num_classes, capacity, lambda_t, lambda_u
         self.per_class = capacity / num_classes
         self.reset()
@@ -113,8 +116,9 @@ class MemoryBank:
         for _ in self.offer(samples, labels, uncertainties, arrival):
             pass
 
-    def offer(self, samples: torch.Tensor, labels: torch.Tensor, uncertainties: torch.Tensor, arrival: int,
-              every: int = 0) -> Iterator[int]:
+    def offer(
+        self, samples: torch.Tensor, labels: torch.Tensor, uncertainties: torch.Tensor, arrival: int, every: int = 0
+    ) -> Iterator[int]:
         """As `add`, pausing after each sample whose number (arrival + 1 for the first) is a
         multiple of `every` (0: never), with the bank as that sample left it: yields that
         number. The samples are all offered once the iterator is exhausted."""
@@ -151,7 +155,12 @@ class MemoryBank:
             else:
                 self.filled += 1
             self.class_counts[c] += 1
-            labels[slot], self.host_terms[slot], self.host_arrivals[slot], self.entered[slot] = c, term, arrival, self.clock
+            labels[slot], self.host_terms[slot], self.host_arrivals[slot], self.entered[slot] = (
+                c,
+                term,
+                arrival,
+                self.clock,
+            )
         self.clock += 1
         return slot
 
@@ -184,7 +193,9 @@ class MemoryBank:
         """The decided samples into their slots, and the labels and ages to the device, in
         one host-to-device copy (asynchronous on a GPU)."""
         K, device = self.capacity, samples.device
-        host = torch.tensor(list(written) + list(written.values()) + self.host_labels + self.host_ages, dtype=torch.int64)
+        host = torch.tensor(
+            list(written) + list(written.values()) + self.host_labels + self.host_ages, dtype=torch.int64
+        )
         if device.type == "cuda":
             host = host.pin_memory()
         moved = host.to(device, non_blocking=True)

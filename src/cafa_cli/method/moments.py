@@ -4,9 +4,10 @@ matrices accumulated in float64, mergeable across shards."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-import torch
-from cafa_cli.errors import InputError, UsageError
 
+import torch
+
+from cafa_cli.errors import InputError, UsageError
 
 SQUARABLE = float(torch.finfo(torch.float32).max) ** 0.5  # the largest value whose square is a float32
 
@@ -45,12 +46,16 @@ class ClassMoments:
                 f"not {list(features.shape)} and {list(labels.shape)}"
             )
         if len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < self.num_classes):
-            raise UsageError(f"labels must be class indices in [0, {self.num_classes}), not {int(labels.min())}..{int(labels.max())}")
+            raise UsageError(
+                f"labels must be class indices in [0, {self.num_classes}), not {int(labels.min())}..{int(labels.max())}"
+            )
         if len(features) and not float(features.abs().amax()) <= SQUARABLE:
             # they would poison every moment of their class, and the artifact with it
-            raise InputError(f"the model's features hold NaN, infinite or huge values (above {SQUARABLE:.1e}, whose squares "
-                             f"overflow float32); check `mean` and `std` (a tiny `std` overflows) and the weights "
-                             f"(out-of-range or non-float values)")
+            raise InputError(
+                f"the model's features hold NaN, infinite or huge values (above {SQUARABLE:.1e}, whose squares "
+                f"overflow float32); check `mean` and `std` (a tiny `std` overflows) and the weights "
+                f"(out-of-range or non-float values)"
+            )
         for c in labels.unique().tolist():
             rows = features[labels == c]
             self.pending[c].append(rows)
@@ -131,7 +136,10 @@ class NormInputMoments:
 
         self.layers = {name: m for name, m in net.named_modules() if isinstance(m, _BatchNorm)}
         self.counts = torch.zeros(num_classes, dtype=torch.float64, device=device)
-        self.sums = {name: torch.zeros(num_classes, m.num_features, dtype=torch.float64, device=device) for name, m in self.layers.items()}
+        self.sums = {
+            name: torch.zeros(num_classes, m.num_features, dtype=torch.float64, device=device)
+            for name, m in self.layers.items()
+        }
         self.squares = {name: torch.zeros_like(t) for name, t in self.sums.items()}
         self.batch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hooks = [m.register_forward_pre_hook(self._keeper(name)) for name, m in self.layers.items()]
@@ -141,6 +149,7 @@ class NormInputMoments:
             x = inputs[0].detach().float()
             dims = list(range(2, x.dim()))
             self.batch[name] = (x.mean(dims) if dims else x, x.square().mean(dims) if dims else x.square())
+
         return keep
 
     def update(self, labels: torch.Tensor) -> None:

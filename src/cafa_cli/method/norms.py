@@ -35,7 +35,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from cafa_cli.errors import UsageError
 from cafa_cli.method.options import parse_norm
 
-
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 RUNNING = ("ema", "class-balanced")  # the settings that keep statistics from batch to batch
 BALANCED_MOMENTUM = 0.05  # class-balanced: the momentum once 1/t falls below it (RoTTA's α)
@@ -56,8 +55,10 @@ class BatchStatisticsNorm(nn.Module):
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
         self.kind, value = parse_norm(norm)
         if bn.running_mean is None and self.kind != "batch":
-            raise UsageError(f"`norm` {norm} needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
-                             f"keeps none (track_running_stats=False); use `norm` batch")
+            raise UsageError(
+                f"`norm` {norm} needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
+                f"keeps none (track_running_stats=False); use `norm` batch"
+            )
         self.prior = value if self.kind == "prior" else 0.0
         if bn.running_mean is not None:
             self.register_buffer("source_mean", bn.running_mean.detach().clone())
@@ -96,17 +97,23 @@ class BatchStatisticsNorm(nn.Module):
             # one value per channel (one image, 1×1 maps) has no variance: the source statistics stand in
             if self.balanced is not None:
                 self.balanced.fell_back.add(self.index)
-            return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
+            return nn.functional.batch_norm(
+                x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps
+            )
         if self.kind == "batch" or self.kind == "prior" and self.prior == 0:
             # the fused kernel: normalise by the batch's statistics, gradients through them
             if self.groups > 1:  # over the rows seen as [N, groups·channels, ...]: a view, no copy, when contiguous
                 grouped = x.reshape(x.shape[0] // self.groups, self.groups * x.shape[1], *x.shape[2:])
                 weight = None if self.weight is None else self.weight.repeat(self.groups)
                 bias = None if self.bias is None else self.bias.repeat(self.groups)
-                return nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=self.eps).view(x.shape)
+                return nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=self.eps).view(
+                    x.shape
+                )
             return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
         if self.kind == "source":
-            return nn.functional.batch_norm(x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps)
+            return nn.functional.batch_norm(
+                x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps
+            )
         if self.kind == "class-balanced":
             return self.balanced.normalise(self, x)
         dims = [0] + list(range(2, x.dim()))
@@ -150,7 +157,9 @@ class ClassBalancedNorms:
     where μ, σ² are the corrected statistics (balanced_statistics), m_h, v_h the source
     moments of the batch's class mix and μ̄, σ̄² those of a balanced one."""
 
-    def __init__(self, net: nn.Module, layers: list[BatchStatisticsNorm], moments: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(
+        self, net: nn.Module, layers: list[BatchStatisticsNorm], moments: list[tuple[torch.Tensor, torch.Tensor]]
+    ):
         self.layers, self.sizes = layers, [layer.running_mean.numel() for layer in layers]
         device = layers[0].running_mean.device
         means = [m.detach().float().to(device) for m, _ in moments]
@@ -158,15 +167,21 @@ class ClassBalancedNorms:
         # each layer's own, then laid end to end: a mean over the classes of a wider table rounds differently
         self.class_means, self.class_second = torch.cat(means, 1), torch.cat(seconds, 1)
         self.balanced_mean = torch.cat([m.mean(0) for m in means])
-        self.balanced_var = torch.cat([(second.mean(0) - m.mean(0).square()).clamp_min(0) for m, second in zip(means, seconds)])
+        self.balanced_var = torch.cat(
+            [(second.mean(0) - m.mean(0).square()).clamp_min(0) for m, second in zip(means, seconds)]
+        )
         self.eps = torch.cat([torch.full((n,), layer.eps, device=device) for n, layer in zip(self.sizes, layers)])
         self.spread = (self.balanced_var + self.eps).rsqrt()
         # the fused kernels write each layer's batch mean and (unbiased) variance into its part
         self.batch_mean, self.batch_var = torch.zeros_like(self.eps), torch.zeros_like(self.eps)
         self.outputs = list(zip(self.batch_mean.split(self.sizes), self.batch_var.split(self.sizes)))
         # a layer without affine parameters: 1 and 0 stand in
-        self.affine_parts = [(layer.weight, layer.bias) if layer.weight is not None else
-                             (torch.ones(n, device=device), torch.zeros(n, device=device)) for n, layer in zip(self.sizes, layers)]
+        self.affine_parts = [
+            (layer.weight, layer.bias)
+            if layer.weight is not None
+            else (torch.ones(n, device=device), torch.zeros(n, device=device))
+            for n, layer in zip(self.sizes, layers)
+        ]
         # the t-th batch's momentum max(0.05, 1/t) and 1 − it, read from this table by the batch
         # count, which is kept on the device: the step that reads them is the same at every
         # batch, so that a CUDA graph may replay it (step_graph.py)
@@ -190,8 +205,12 @@ class ClassBalancedNorms:
 
     def saved(self) -> tuple:
         """What a batch's passes change here, copied (the running statistics are the layers' buffers)."""
-        return (self.count.clone(), tuple(t.clone() for t in self.before),
-                None if self.histogram is None else self.histogram.clone(), self.begun)
+        return (
+            self.count.clone(),
+            tuple(t.clone() for t in self.before),
+            None if self.histogram is None else self.histogram.clone(),
+            self.begun,
+        )
 
     def restore(self, saved: tuple) -> None:
         """As it was when saved() was called, in the same tensors."""
@@ -240,14 +259,17 @@ class ClassBalancedNorms:
 
     def normalise(self, layer: BatchStatisticsNorm, x: torch.Tensor) -> torch.Tensor:
         if self.predicting:
-            return nn.functional.batch_norm(x, layer.running_mean, layer.running_var, layer.weight, layer.bias,
-                                            training=False, eps=layer.eps)
+            return nn.functional.batch_norm(
+                x, layer.running_mean, layer.running_var, layer.weight, layer.bias, training=False, eps=layer.eps
+            )
         if self.affines is None:  # a pass the hooks did not start (a layer called on its own)
             self._prepare()
         weight, bias = self.affines[layer.index]
         batch_mean, batch_var = self.outputs[layer.index]
         self.counts[layer.index] = x.numel() // x.shape[1]
-        return nn.functional.batch_norm(x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=layer.eps)
+        return nn.functional.batch_norm(
+            x, batch_mean, batch_var, weight, bias, training=True, momentum=1.0, eps=layer.eps
+        )
 
     def _pass_starts(self, module, inputs) -> None:
         if not self.predicting:
@@ -256,13 +278,17 @@ class ClassBalancedNorms:
     def _prepare(self) -> None:
         """This pass's affine parameters of every layer (they carry the gradient to the
         shared ones), for the batch's class mix."""
-        self.mix = class_mix_moments(self.histogram, self.class_means, self.class_second, self.balanced_mean, self.balanced_var)
+        self.mix = class_mix_moments(
+            self.histogram, self.class_means, self.class_second, self.balanced_mean, self.balanced_var
+        )
         mix_mean, mix_var = self.mix
         scale, shift = (mix_var + self.eps).sqrt() * self.spread, (self.balanced_mean - mix_mean) * self.spread
         weight, bias = (torch.cat(part) for part in zip(*self.affine_parts))
         weights, biases = (weight * scale).split(self.sizes), (bias - weight * shift).split(self.sizes)
         self.affines = list(zip(weights, biases))
-        torch._foreach_zero_([self.batch_mean, self.batch_var])  # a non-finite batch's leftovers would stay: 0·NaN is NaN
+        torch._foreach_zero_(
+            [self.batch_mean, self.batch_var]
+        )  # a non-finite batch's leftovers would stay: 0·NaN is NaN
         self.fell_back = set()
 
     def _pass_ends(self, module, inputs, output) -> None:
@@ -291,12 +317,18 @@ class ClassBalancedNorms:
         counts = tuple(self.counts)
         if counts not in self._unbias:  # the same for every batch of one size
             factors = [(n - 1) / n if n else 1.0 for n in counts]
-            self._unbias[counts] = torch.cat([torch.full((size,), f, device=self.eps.device) for size, f in zip(self.sizes, factors)])
+            self._unbias[counts] = torch.cat(
+                [torch.full((size,), f, device=self.eps.device) for size, f in zip(self.sizes, factors)]
+            )
         return self._unbias[counts]
 
 
-def moved_statistics(before: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor,
-                     rate: torch.Tensor) -> list[torch.Tensor]:
+def moved_statistics(
+    before: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    keep: torch.Tensor,
+    rate: torch.Tensor,
+) -> list[torch.Tensor]:
     """The running (mean, var) from before a batch moved toward `new` by `rate`: keep·old + rate·new."""
     return [keep * old + rate * value for old, value in zip(before, new)]
 
@@ -306,8 +338,15 @@ def finite_or(values: list[torch.Tensor], fallback: tuple[torch.Tensor, ...]) ->
     return [torch.where(value.isfinite(), value, old) for value, old in zip(values, fallback)]
 
 
-def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, m_h: torch.Tensor, v_h: torch.Tensor,
-                        balanced_mean: torch.Tensor, balanced_var: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_statistics(
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    m_h: torch.Tensor,
+    v_h: torch.Tensor,
+    balanced_mean: torch.Tensor,
+    balanced_var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's statistics (mean, var [channels]) as a class-balanced batch under the same
     covariate shift would have them (docs/design.md). The source's moments of a batch of
     its class mix are m_h and v_h (class_mix_moments); read the batch's as an affine change
@@ -319,8 +358,13 @@ def balanced_statistics(mean: torch.Tensor, var: torch.Tensor, m_h: torch.Tensor
     return mean + scale * (balanced_mean - m_h), (scale.square() * (balanced_var + eps) - eps).clamp_min(0)
 
 
-def class_mix_moments(histogram: torch.Tensor | None, class_means: torch.Tensor, class_second: torch.Tensor,
-                      balanced_mean: torch.Tensor, balanced_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def class_mix_moments(
+    histogram: torch.Tensor | None,
+    class_means: torch.Tensor,
+    class_second: torch.Tensor,
+    balanced_mean: torch.Tensor,
+    balanced_var: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(m_h, v_h): the source's mean and variance of a batch with class shares h (None:
     uniform), m_h = Σ h_k μ_k and v_h = Σ h_k E_k[x²] − m_h². h carries no gradient."""
     if histogram is None:
@@ -350,7 +394,13 @@ def iid_distance(classes: int, batch_size: int) -> float:
         return 0.0
     n, p = batch_size, 1 / classes
     k = torch.arange(n + 1, dtype=torch.float64)
-    log_pmf = torch.lgamma(torch.tensor(n + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+    log_pmf = (
+        torch.lgamma(torch.tensor(n + 1.0))
+        - torch.lgamma(k + 1)
+        - torch.lgamma(n - k + 1)
+        + k * math.log(p)
+        + (n - k) * math.log1p(-p)
+    )
     return float(0.5 * classes * (log_pmf.exp() * (k / n - p).abs()).sum())
 
 
@@ -368,16 +418,23 @@ def use_test_batch_norm(model: nn.Module, norm: str = "batch", class_moments: di
     if parse_norm(norm)[0] == "class-balanced":
         missing = [name for name, _ in swaps if name not in (class_moments or {})]
         if missing:
-            raise UsageError(f"`norm` class-balanced needs the source class moments of every BatchNorm's input, and "
-                             f"{'none are' if len(missing) == len(swaps) else f'{len(missing)} layer(s) lack them, e.g. ' + missing[0] + ','} "
-                             f"given; make the statistics with cafa stats --norm-moments")
+            lacking = (
+                "none are" if len(missing) == len(swaps) else f"{len(missing)} layer(s) lack them, e.g. {missing[0]},"
+            )
+            raise UsageError(
+                f"`norm` class-balanced needs the source class moments of every BatchNorm's input, and {lacking} "
+                f"given; make the statistics with cafa stats --norm-moments"
+            )
     layers = []
     for name, module in swaps:
         layers.append(BatchStatisticsNorm(module, norm, name))
         replace_submodule(model, name, layers[-1])
     if parse_norm(norm)[0] == "class-balanced" and layers:
-        ClassBalancedNorms(model, layers, [checked_moments(class_moments[name], layer, name)
-                                           for (name, _), layer in zip(swaps, layers)])
+        ClassBalancedNorms(
+            model,
+            layers,
+            [checked_moments(class_moments[name], layer, name) for (name, _), layer in zip(swaps, layers)],
+        )
     return len(swaps)
 
 
@@ -387,12 +444,16 @@ def replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def checked_moments(moments: tuple[torch.Tensor, torch.Tensor], layer: BatchStatisticsNorm, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_moments(
+    moments: tuple[torch.Tensor, torch.Tensor], layer: BatchStatisticsNorm, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(means, variances) of the layer's input per source class, each [C, channels], or a UsageError."""
     means, variances = moments
     if means.shape != variances.shape or means.dim() != 2 or means.shape[1] != layer.running_mean.numel():
-        raise UsageError(f"the class moments of the BatchNorm at {name or 'the top'} are {list(means.shape)}, not "
-                         f"[classes, {layer.running_mean.numel()}]; compute them with this model (cafa stats --norm-moments)")
+        raise UsageError(
+            f"the class moments of the BatchNorm at {name or 'the top'} are {list(means.shape)}, not "
+            f"[classes, {layer.running_mean.numel()}]; compute them with this model (cafa stats --norm-moments)"
+        )
     return means, variances
 
 

@@ -19,11 +19,21 @@ COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 # a one-batch domain with no output.
 MAX_STEPS = 1000
 MAX_PRIOR = 1e9  # prior:N beyond this is the source statistics alone (use `source`), and N·μ would overflow float32
-NORM_FORMS = "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]) or class-balanced"  # the statistics BatchNorms use (norms.py)
+# the statistics BatchNorms use (norms.py)
+NORM_FORMS = "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]) or class-balanced"
 
 
-def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: float = 1e-3, momentum: float = 0.9, steps: int = 1,
-                          norm: str = "batch", precision: str = "fp32", compile: bool = False, cuda_graph: bool = True) -> None:
+def check_adapter_options(
+    params: str = "norm",
+    optimizer: str = "adam",
+    lr: float = 1e-3,
+    momentum: float = 0.9,
+    steps: int = 1,
+    norm: str = "batch",
+    precision: str = "fp32",
+    compile: bool = False,
+    cuda_graph: bool = True,
+) -> None:
     """Each of the Adapter's keyword options, checked before it changes anything."""
     parse_norm(norm)
     for option, value in {"`compile`": compile, "`cuda_graph`": cuda_graph}.items():
@@ -35,7 +45,11 @@ def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: flo
             raise UsageError(f"{option} must be a number, not {value!r}")
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise UsageError(f"`steps` must be a whole number, not {steps!r}")
-    choices = {"`params`": (params, PARAM_SETS), "`optimizer`": (optimizer, OPTIMIZERS), "`precision`": (precision, PRECISIONS)}
+    choices = {
+        "`params`": (params, PARAM_SETS),
+        "`optimizer`": (optimizer, OPTIMIZERS),
+        "`precision`": (precision, PRECISIONS),
+    }
     for option, (value, allowed) in choices.items():
         if value not in allowed:
             raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
@@ -46,7 +60,9 @@ def check_adapter_options(params: str = "norm", optimizer: str = "adam", lr: flo
     if not 0 <= momentum < 1:
         raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
     if optimizer == "nesterov" and momentum == 0:
-        raise UsageError("`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd")
+        raise UsageError(
+            "`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd"
+        )
 
 
 def parse_norm(text: str) -> tuple[str, float | None]:
@@ -151,7 +167,11 @@ def _names(value):
     if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
         return _INVALID
     names = tuple(item.strip() for item in items if item.strip())
-    return names if all(all(part.isidentifier() or part.isdigit() for part in name.split(".")) for name in names) else _INVALID
+    return (
+        names
+        if all(all(part.isidentifier() or part.isdigit() for part in name.split(".")) for name in names)
+        else _INVALID
+    )
 
 
 _CONVERT = {
@@ -183,4 +203,6 @@ def resolve_options(method: str, declared: tuple[Option, ...], given: dict) -> d
     if unknown:
         takes = f"its options: {', '.join(known)}" if known else "it takes none"
         raise UsageError(f"the method {method} has no option {', '.join(unknown)} ({takes})")
-    return {name: option.value(method, given[name]) if name in given else option.default for name, option in known.items()}
+    return {
+        name: option.value(method, given[name]) if name in given else option.default for name, option in known.items()
+    }

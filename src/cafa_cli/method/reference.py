@@ -17,8 +17,9 @@ def moments(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return z.double().mean(0), centred.T @ centred / len(z)
 
 
-def class_gaussians(z: torch.Tensor, labels: torch.Tensor, num_classes: int, shrinkage: float = 0.0,
-                    covariance: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+def class_gaussians(
+    z: torch.Tensor, labels: torch.Tensor, num_classes: int, shrinkage: float = 0.0, covariance: str = "full"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """μ_c, Σ_c of each class's source features, Σ_c shrunk to (1 − λ)Σ_c + λ·tr(Σ_c)/d·I.
     `tied`: the pooled Σ = Σ_c N_c Σ_c / N for every class, shrunk likewise; `diag`: the
     diagonal of the shrunk Σ_c. Returns the means [C, d] and covariances [C, d, d]."""

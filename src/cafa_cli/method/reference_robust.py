@@ -13,7 +13,10 @@ import torch
 
 from cafa_cli.method import reference
 
-SKEW_START, SKEW_FULL = 0.25, 0.65  # the class-balanced correction's (norms.py): where the skew starts to count, and counts fully
+SKEW_START, SKEW_FULL = (
+    0.25,
+    0.65,
+)  # the class-balanced correction's (norms.py): where the skew starts to count, and counts fully
 
 
 def iid_distance(classes: int, n: int) -> float:
@@ -50,19 +53,23 @@ def batch_statistics(x: torch.Tensor, weights: torch.Tensor | None = None) -> tu
     return x.mean(1), x.var(1, unbiased=False)
 
 
-def shared_statistics(x: torch.Tensor, global_mean: torch.Tensor, global_var: torch.Tensor, share,
-                      weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_statistics(
+    x: torch.Tensor, global_mean: torch.Tensor, global_var: torch.Tensor, share, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """μ = (1 − ρ)μ_g + ρ μ_B and σ² = (1 − ρ)σ²_g + ρ σ²_B."""
     mean, var = batch_statistics(x, weights)
     share = torch.as_tensor(share, dtype=torch.float64)
     return (1 - share) * global_mean.double() + share * mean, (1 - share) * global_var.double() + share * var
 
 
-def normalise(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-              eps: float) -> torch.Tensor:
+def normalise(
+    x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     """γ (x − μ) / √(σ² + ε) + β, per channel."""
     shape = [1, -1] + [1] * (x.dim() - 2)
-    return (x.double() - mean.view(shape)) / (var.view(shape) + eps).sqrt() * weight.double().view(shape) + bias.double().view(shape)
+    return (x.double() - mean.view(shape)) / (var.view(shape) + eps).sqrt() * weight.double().view(
+        shape
+    ) + bias.double().view(shape)
 
 
 def moved(global_statistic: torch.Tensor, bank_statistic: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -75,8 +82,14 @@ def timeliness(ages: torch.Tensor) -> torch.Tensor:
     return 1 / (1 + torch.exp(ages.double()))
 
 
-def bank_loss(z: torch.Tensor, logits: torch.Tensor, means: torch.Tensor, sigmas: torch.Tensor, ages: torch.Tensor,
-              filled: torch.Tensor) -> torch.Tensor:
+def bank_loss(
+    z: torch.Tensor,
+    logits: torch.Tensor,
+    means: torch.Tensor,
+    sigmas: torch.Tensor,
+    ages: torch.Tensor,
+    filled: torch.Tensor,
+) -> torch.Tensor:
     """L = Σ_m w(A_m) · log( D_ŷm(z_m) / Σ_c D_c(z_m) ) / M over the M filled slots of the bank
     (features z and logits of one pass over it, ŷ = argmax of those logits)."""
     distances = reference.mahalanobis(z, means, sigmas)

@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from cafa_cli.method import losses
 from cafa_cli.method.options import Option
 
@@ -16,9 +17,15 @@ REDUNDANCY = 0.05  # ε: a sample whose probabilities are this close (cosine) to
 MOMENTUM = 0.9  # of the moving mean probability vector
 
 SELECTION_OPTIONS = (
-    Option("entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"),
-    Option("redundancy_margin", REDUNDANCY, "ε: a sample is redundant when the cosine of its probabilities and their "
-           "moving mean is ε or more", "weight"),
+    Option(
+        "entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"
+    ),
+    Option(
+        "redundancy_margin",
+        REDUNDANCY,
+        "ε: a sample is redundant when the cosine of its probabilities and their moving mean is ε or more",
+        "weight",
+    ),
 )
 
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from typing import Callable
-import torch
 
+import torch
 
 WARMUP = 3  # eager batches before a capture, as torch's CUDA graph examples warm up
 TOLERANCE = 1e-3  # of a tensor's largest magnitude: how far a replay may be from an eager step
@@ -64,8 +64,14 @@ class StepGraph:
     names start with one of `written` are taken as written by every step (torch's version
     counter, which finds the others, does not see the writes of its fused optimisers)."""
 
-    def __init__(self, step: Callable[[torch.Tensor], torch.Tensor], state: Callable[[], dict], device: torch.device,
-                 capture=CudaCapture, written: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor], torch.Tensor],
+        state: Callable[[], dict],
+        device: torch.device,
+        capture=CudaCapture,
+        written: tuple[str, ...] = (),
+    ):
         self.step, self.state, self.capture, self.always_written = step, state, capture, written
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.off: str | None = None  # why the graph is off for good: every batch eager
@@ -114,8 +120,11 @@ class StepGraph:
         if moved:
             self.off = self.failed = f"a step replaces or moves {', '.join(sorted(moved)[:3])}"
         # what a step writes: what a capture's check puts back
-        self.written = [name for name, version in versions.items()
-                        if after[name]._version != version or name.startswith(self.always_written)]
+        self.written = [
+            name
+            for name, version in versions.items()
+            if after[name]._version != version or name.startswith(self.always_written)
+        ]
         return prediction
 
     def _capture(self, images: torch.Tensor) -> torch.Tensor:
@@ -171,8 +180,12 @@ def kept_state(roots: dict, skip: tuple[str, ...] = ()) -> dict:
             items = value.items()
         elif isinstance(value, (list, tuple)):
             items = enumerate(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, type) and not inspect.isroutine(value) \
-                and not type(value).__module__.startswith("torch"):  # a method's own objects, a plug-in's too
+        elif (
+            hasattr(value, "__dict__")
+            and not isinstance(value, type)
+            and not inspect.isroutine(value)
+            and not type(value).__module__.startswith("torch")
+        ):  # a method's own objects, a plug-in's too
             items = ((key, item) for key, item in vars(value).items() if key not in skip)
         else:
             return
@@ -207,4 +220,3 @@ def _close(value: torch.Tensor, expected: torch.Tensor) -> bool:
     finite = expected.isfinite()
     scale = expected[finite].abs().max() if finite.any() else torch.zeros((), dtype=torch.float64)
     return bool(((value - expected)[finite].abs() <= TOLERANCE * scale.clamp_min(1e-30)).all())
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from cafa_cli.method.features import FeatureClassifier
 
 
@@ -33,4 +34,3 @@ def follow(teacher: list[torch.Tensor], student: list[torch.Tensor], momentum: f
     with torch.no_grad():
         torch._foreach_mul_(teacher, momentum)
         torch._foreach_add_(teacher, [p.detach() for p in student], alpha=1 - momentum)
-

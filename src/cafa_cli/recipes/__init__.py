@@ -37,8 +37,11 @@ SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fis
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
 DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
 # the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
-STANDARD_MODELS = {"imagenet-c": "robustbench:imagenet/Standard_R50", "cifar10-c": "robustbench:cifar10/Standard",
-                   "cifar100-c": "robustbench:cifar100/Hendrycks2020AugMix_ResNeXt"}
+STANDARD_MODELS = {
+    "imagenet-c": "robustbench:imagenet/Standard_R50",
+    "cifar10-c": "robustbench:cifar10/Standard",
+    "cifar100-c": "robustbench:cifar100/Hendrycks2020AugMix_ResNeXt",
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,13 @@ class Recipe:
 
     def record(self) -> dict:
         """What the metrics and bench JSON keep of it."""
-        return {"name": self.family, "origin": self.origin, "source": self.source, "settings": dict(self.settings),
-                "options": dict(self.options)}
+        return {
+            "name": self.family,
+            "origin": self.origin,
+            "source": self.source,
+            "settings": dict(self.settings),
+            "options": dict(self.options),
+        }
 
 
 def description(method: str) -> dict:
@@ -93,8 +101,10 @@ def read_file(path: str) -> dict[str, Recipe]:
     except tomllib.TOMLDecodeError as error:
         raise InputError(f"`recipe` {path}: not valid TOML ({error})") from None
     if not document:
-        raise InputError(f"`recipe` {path}: holds no method table; write one per method, e.g. [eata] (cafa methods eata "
-                         f"--recipe cifar10-c prints one)")
+        raise InputError(
+            f"`recipe` {path}: holds no method table; write one per method, e.g. [eata] (cafa methods eata "
+            f"--recipe cifar10-c prints one)"
+        )
     recipes = {}
     for method, table in document.items():
         if not isinstance(table, dict):
@@ -134,14 +144,18 @@ def recipe_for(name: str, method: str, data: list[str], num_classes: int | None)
     if name.endswith(".toml"):
         recipes = read_file(name)
         if method not in recipes:
-            raise UsageError(f"`recipe` {name} has no table for the method {method} (it has {', '.join(recipes)}); add "
-                             f"[{method}], or choose another `recipe`")
+            raise UsageError(
+                f"`recipe` {name} has no table for the method {method} (it has {', '.join(recipes)}); add "
+                f"[{method}], or choose another `recipe`"
+            )
         return recipes[method]
     family = family_for(data, num_classes) if name == "auto" else name
     if family is None or ":" in method:  # a plug-in brings no shipped recipe
         if ":" in method and name != "auto":
-            raise UsageError(f"the plug-in method {method} has no shipped `recipe` {name}; give its settings as options, "
-                             f"or a recipe file with a [{method!r}] table")
+            raise UsageError(
+                f"the plug-in method {method} has no shipped `recipe` {name}; give its settings as options, "
+                f"or a recipe file with a [{method!r}] table"
+            )
         return None
     recipe = shipped(method, family)
     if recipe is None:
@@ -149,8 +163,15 @@ def recipe_for(name: str, method: str, data: list[str], num_classes: int | None)
     return recipe
 
 
-def to_toml(method: str, settings: dict, options: dict, *, family: str | None = None, source: str | None = None,
-            comments: dict[str, str] | None = None) -> str:
+def to_toml(
+    method: str,
+    settings: dict,
+    options: dict,
+    *,
+    family: str | None = None,
+    source: str | None = None,
+    comments: dict[str, str] | None = None,
+) -> str:
     """A recipe as the TOML a user's file holds (`--recipe FILE` reads it back), an option's
     help from `comments` after it."""
     table = _key(method)
@@ -166,11 +187,15 @@ def to_toml(method: str, settings: dict, options: dict, *, family: str | None = 
     return "\n".join(lines) + "\n"
 
 
-def _recipe(method: str, family: str | None, table: dict, origin: str, where: str, extra: tuple[str, ...] = ()) -> Recipe:
+def _recipe(
+    method: str, family: str | None, table: dict, origin: str, where: str, extra: tuple[str, ...] = ()
+) -> Recipe:
     allowed = (*SETTINGS, "source", "options", *extra)
     unknown = [key for key in table if key not in allowed]
     if unknown:
-        raise InputError(f"recipe {where}: no setting {', '.join(map(repr, unknown))}; a recipe sets {', '.join(allowed)}")
+        raise InputError(
+            f"recipe {where}: no setting {', '.join(map(repr, unknown))}; a recipe sets {', '.join(allowed)}"
+        )
     options = table.get("options", {})
     if not isinstance(options, dict):
         raise InputError(f"recipe {where}: options must be a table (options = {{ name = value }}), not {options!r}")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch import nn
 
-from cafa_cli.errors import CafaError, UsageError
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+from cafa_cli.errors import CafaError, UsageError
 from cafa_cli.zoo.fmnist_resnet import FmnistResNet
 
 ZOO_DIR = Path(__file__).resolve().parent

@@ -68,8 +68,9 @@ class WideStage(nn.Module):
 
     def __init__(self, blocks: int, inputs: int, outputs: int, stride: int):
         super().__init__()
-        self.layer = nn.Sequential(*(PreActBlock(inputs if i == 0 else outputs, outputs, stride if i == 0 else 1)
-                                     for i in range(blocks)))
+        self.layer = nn.Sequential(
+            *(PreActBlock(inputs if i == 0 else outputs, outputs, stride if i == 0 else 1) for i in range(blocks))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
@@ -113,7 +114,9 @@ class ResNeXtBlock(nn.Module):
         self.bn_expand = nn.BatchNorm2d(4 * planes)
         self.downsample: nn.Sequential | None = None
         if stride != 1 or inputs != 4 * planes:
-            self.downsample = nn.Sequential(nn.Conv2d(inputs, 4 * planes, 1, stride, bias=False), nn.BatchNorm2d(4 * planes))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inputs, 4 * planes, 1, stride, bias=False), nn.BatchNorm2d(4 * planes)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn_reduce(self.conv_reduce(x)))
@@ -136,8 +139,16 @@ class CifarResNeXt(nn.Module):
         self.bn_1 = nn.BatchNorm2d(64)
         inputs, stages = 64, []
         for planes, stride in ((64, 1), (128, 2), (256, 2)):
-            stages.append(nn.Sequential(*(ResNeXtBlock(inputs if i == 0 else 4 * planes, planes, cardinality, base_width,
-                                                       stride if i == 0 else 1) for i in range(blocks))))
+            stages.append(
+                nn.Sequential(
+                    *(
+                        ResNeXtBlock(
+                            inputs if i == 0 else 4 * planes, planes, cardinality, base_width, stride if i == 0 else 1
+                        )
+                        for i in range(blocks)
+                    )
+                )
+            )
             inputs = 4 * planes
         self.stage_1, self.stage_2, self.stage_3 = stages
         self.classifier = nn.Linear(inputs, num_classes)
@@ -161,7 +172,14 @@ def _resnet50() -> nn.Module:
 # net would do inside (nothing, 0.5/0.5, or ImageNet's ImageNormalizer)
 CIFAR_RAW = {"resize": 32, "crop": 32, "mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0), "channels": 3}
 CIFAR_HALF = {**CIFAR_RAW, "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
-IMAGENET = {"resize": 256, "crop": 224, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "channels": 3, "interpolation": "bilinear"}
+IMAGENET = {
+    "resize": 256,
+    "crop": 224,
+    "mean": IMAGENET_MEAN,
+    "std": IMAGENET_STD,
+    "channels": 3,
+    "interpolation": "bilinear",
+}
 
 
 @dataclass(frozen=True)
@@ -193,20 +211,43 @@ def _entries() -> list[RobustBenchModel]:
     models = []
     for dataset, classes in (("cifar10", 10), ("cifar100", 100)):
         models += [
-            RobustBenchModel(dataset, "Hendrycks2020AugMix_WRN", "WideResNet-40-2",
-                             lambda classes=classes: WideResNet(40, 2, classes), CIFAR_HALF),
-            RobustBenchModel(dataset, "Hendrycks2020AugMix_ResNeXt", "ResNeXt-29 (cardinality 4, base width 32)",
-                             lambda classes=classes: CifarResNeXt(29, 4, 32, classes), CIFAR_HALF),
+            RobustBenchModel(
+                dataset,
+                "Hendrycks2020AugMix_WRN",
+                "WideResNet-40-2",
+                lambda classes=classes: WideResNet(40, 2, classes),
+                CIFAR_HALF,
+            ),
+            RobustBenchModel(
+                dataset,
+                "Hendrycks2020AugMix_ResNeXt",
+                "ResNeXt-29 (cardinality 4, base width 32)",
+                lambda classes=classes: CifarResNeXt(29, 4, 32, classes),
+                CIFAR_HALF,
+            ),
         ]
-    models.append(RobustBenchModel("cifar10", "Standard", "WideResNet-28-10", lambda: WideResNet(28, 10, 10), CIFAR_RAW))
-    models += [RobustBenchModel("imagenet", name, "ResNet-50 (torchvision)", _resnet50, IMAGENET)
-               for name in ("Hendrycks2020AugMix", "Hendrycks2020Many")]
-    models.append(RobustBenchModel("imagenet", "Standard_R50", "ResNet-50 (torchvision)", _resnet50, IMAGENET,
-                                   torchvision_weights="ResNet50_Weights.IMAGENET1K_V1"))
+    models.append(
+        RobustBenchModel("cifar10", "Standard", "WideResNet-28-10", lambda: WideResNet(28, 10, 10), CIFAR_RAW)
+    )
+    models += [
+        RobustBenchModel("imagenet", name, "ResNet-50 (torchvision)", _resnet50, IMAGENET)
+        for name in ("Hendrycks2020AugMix", "Hendrycks2020Many")
+    ]
+    models.append(
+        RobustBenchModel(
+            "imagenet",
+            "Standard_R50",
+            "ResNet-50 (torchvision)",
+            _resnet50,
+            IMAGENET,
+            torchvision_weights="ResNet50_Weights.IMAGENET1K_V1",
+        )
+    )
     return models
 
 
 MODELS: dict[str, RobustBenchModel] = {entry.model: entry for entry in _entries()}
+
 
 def is_robustbench(model: str | None) -> bool:
     return bool(model) and model.startswith(PREFIX)
@@ -216,15 +257,19 @@ def lookup(model: str) -> RobustBenchModel:
     """The model `robustbench:DATASET/NAME` names, or a UsageError that says what exists."""
     if model in MODELS:
         return MODELS[model]
-    dataset, slash, name = model[len(PREFIX):].partition("/")
+    dataset, slash, name = model[len(PREFIX) :].partition("/")
     if not slash or dataset not in DATASETS:
-        raise UsageError(f"`model` {model}: give robustbench:DATASET/NAME with DATASET one of {', '.join(DATASETS)} "
-                         f"(robustbench:cifar10/Standard)")
+        raise UsageError(
+            f"`model` {model}: give robustbench:DATASET/NAME with DATASET one of {', '.join(DATASETS)} "
+            f"(robustbench:cifar10/Standard)"
+        )
     names = [entry.name for entry in MODELS.values() if entry.dataset == dataset]
     close = [f"robustbench:{dataset}/{n}" for n in names if n.lower() == name.lower()]
     hint = f" (did you mean {close[0]}?)" if close else ""
-    raise UsageError(f"`model` {model}: cafa defines no such RobustBench {dataset} corruptions model{hint}; it has "
-                     f"{', '.join(names)}; for another, write a factory file that builds it")
+    raise UsageError(
+        f"`model` {model}: cafa defines no such RobustBench {dataset} corruptions model{hint}; it has "
+        f"{', '.join(names)}; for another, write a factory file that builds it"
+    )
 
 
 def build(model: str, model_args: dict | None) -> nn.Module:
@@ -244,13 +289,21 @@ def weights_file(model: str, weights: str | None) -> str:
     path = entry.default_weights()
     if not path.is_file():
         if entry.torchvision_weights:
-            fetch = f"python -c \"import torchvision; torchvision.models.get_weight('{entry.torchvision_weights}').get_state_dict()\""
+            weights = entry.torchvision_weights
+            fetch = f"python -c \"import torchvision; torchvision.models.get_weight('{weights}').get_state_dict()\""
         else:
-            fetch = (f"python -c \"from robustbench.utils import load_model; load_model('{entry.name}', dataset='{entry.dataset}', "
-                     f"threat_model='{THREAT_MODEL}')\"")
-        where = "" if path.is_absolute() else f" ({path.resolve()})"  # RobustBench's folder is relative to the working one
-        raise InputError(f"`model` {model}: its checkpoint {path} is not there{where}; cafa downloads nothing: "
-                         f"fetch it where there is a network ({fetch}) and copy it there, or give `weights` FILE")
+            fetch = (
+                f"python -c \"from robustbench.utils import load_model; load_model('{entry.name}', "
+                f"dataset='{entry.dataset}', "
+                f"threat_model='{THREAT_MODEL}')\""
+            )
+        where = (
+            "" if path.is_absolute() else f" ({path.resolve()})"
+        )  # RobustBench's folder is relative to the working one
+        raise InputError(
+            f"`model` {model}: its checkpoint {path} is not there{where}; cafa downloads nothing: "
+            f"fetch it where there is a network ({fetch}) and copy it there, or give `weights` FILE"
+        )
     return str(path)
 
 
@@ -293,10 +346,11 @@ def checkpoint_state(model: str, state: dict[str, torch.Tensor], path: str) -> d
         found = state.pop(key).flatten().tolist()
         expected = [float(v) for v in entry.preprocessing[part]]
         if len(found) != len(expected) or any(abs(a - b) > 1e-6 for a, b in zip(found, expected)):
-            raise InputError(f"`weights` {path}: its {key} is {[round(v, 4) for v in found]}, not the "
-                             f"{[round(v, 4) for v in expected]} of RobustBench's {entry.name}: not this model's checkpoint; "
-                             f"check `model`")
+            raise InputError(
+                f"`weights` {path}: its {key} is {[round(v, 4) for v in found]}, not the "
+                f"{[round(v, 4) for v in expected]} of RobustBench's {entry.name}: not this model's checkpoint; "
+                f"check `model`"
+            )
     if state and all(key.startswith("model.") for key in state):
-        state = {key[len("model."):]: value for key, value in state.items()}
+        state = {key[len("model.") :]: value for key, value in state.items()}
     return state
-

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cafa_cli.files import atomic_write
-from cafa_cli.errors import CafaError
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
+from cafa_cli.errors import CafaError
+from cafa_cli.files import atomic_write
 from cafa_cli.zoo.fmnist_resnet import FmnistResNet
 
 DEFAULT_OUT = Path(__file__).resolve().with_name("fmnist_resnet.safetensors")
@@ -78,15 +78,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m cafa_cli.zoo.train_fmnist",
         description="Train the bundled Fashion-MNIST ResNet from scratch on the CPU.",
     )
-    parser.add_argument("--data-root", type=Path, default=None,
-                        help="folder with the idx files (default: $CAFA_FASHION_MNIST or "
-                             "/usr/share/datasets/fashion-mnist)")
+    parser.add_argument(
+        "--data-root",
+        type=Path,
+        default=None,
+        help="folder with the idx files (default: $CAFA_FASHION_MNIST or /usr/share/datasets/fashion-mnist)",
+    )
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="safetensors file to write (default: the packaged weights)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: 2, the budget the weights were made with)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="safetensors file to write (default: the packaged weights)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 2, the budget the weights were made with)",
+    )
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
@@ -144,17 +152,19 @@ def random_contrast_brightness(images: torch.Tensor, generator: torch.Generator)
 def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = math.ceil(len(images) / BATCH_SIZE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=PEAK_LR, momentum=MOMENTUM,
-                                nesterov=True, weight_decay=WEIGHT_DECAY)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=PEAK_LR, epochs=epochs,
-                                                   steps_per_epoch=steps_per_epoch)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=PEAK_LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
+    )
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=PEAK_LR, epochs=epochs, steps_per_epoch=steps_per_epoch
+    )
     model.train()
     for epoch in range(1, epochs + 1):
         epoch_started = time.perf_counter()
         order = torch.randperm(len(images), generator=generator)
         loss_sum, correct = 0.0, 0
         for start in range(0, len(images), BATCH_SIZE):
-            batch = order[start:start + BATCH_SIZE]
+            batch = order[start : start + BATCH_SIZE]
             inputs = normalize(augment(images[batch], generator))
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels[batch])
@@ -164,9 +174,12 @@ def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: 
             schedule.step()
             loss_sum += loss.item() * len(batch)
             correct += (logits.argmax(1) == labels[batch]).sum().item()
-        print(f"epoch {epoch}/{epochs}: loss {loss_sum / len(images):.4f}, "
-              f"train accuracy {correct / len(images):.4f} (augmented), "
-              f"{time.perf_counter() - epoch_started:.0f} s", flush=True)
+        print(
+            f"epoch {epoch}/{epochs}: loss {loss_sum / len(images):.4f}, "
+            f"train accuracy {correct / len(images):.4f} (augmented), "
+            f"{time.perf_counter() - epoch_started:.0f} s",
+            flush=True,
+        )
 
 
 @torch.no_grad()
@@ -174,8 +187,8 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> fl
     model.eval()
     correct = 0
     for start in range(0, len(images), EVAL_BATCH_SIZE):
-        logits = model(normalize(images[start:start + EVAL_BATCH_SIZE]))
-        correct += (logits.argmax(1) == labels[start:start + EVAL_BATCH_SIZE]).sum().item()
+        logits = model(normalize(images[start : start + EVAL_BATCH_SIZE]))
+        correct += (logits.argmax(1) == labels[start : start + EVAL_BATCH_SIZE]).sum().item()
     return correct / len(images)
 
 

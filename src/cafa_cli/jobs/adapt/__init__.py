@@ -4,21 +4,29 @@ write the records and the metrics; under torchrun, the domains spread over the r
 from __future__ import annotations
 
 from dataclasses import replace
-from cafa_cli.jobs.shared.clean import clean_summary
-from cafa_cli.errors import UsageError
+
 from cafa_cli.devices import pick_device
-from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.jobs.shared.results import DomainResult
-from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.jobs.config.settings import factory_file
-from cafa_cli.jobs.shared.distributed import (RankMonitor, block, gather_on_root, launched_by_torchrun, process_group, rank_device,
-                                     show_other_ranks, why_domains_depend)
-from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
-from cafa_cli.jobs.shared.report import metrics, prediction_records, write_json
-from cafa_cli.jobs.shared.what_runs import adapting_line, recipe_line
+from cafa_cli.errors import UsageError
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
-
+from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.config.settings import factory_file
+from cafa_cli.jobs.shared.clean import clean_summary
+from cafa_cli.jobs.shared.distributed import (
+    RankMonitor,
+    block,
+    gather_on_root,
+    launched_by_torchrun,
+    process_group,
+    rank_device,
+    show_other_ranks,
+    why_domains_depend,
+)
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.jobs.shared.report import metrics, prediction_records, write_json
+from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.jobs.shared.what_runs import adapting_line, recipe_line
 
 
 @guards_outputs
@@ -37,13 +45,20 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
         job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
         # known only now: the paths stdin listed, and the model files an artifact named
         recorded = job.recorded_settings
-        check_outputs(config.outputs(), {"`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
-                                         "artifact's model": factory_file(recorded["model"]),
-                                         "artifact's weights": recorded["weights"]})
+        check_outputs(
+            config.outputs(),
+            {
+                "`data` -": [ref for domain in job.domains if domain.name == "-" for ref in domain.refs],
+                "artifact's model": factory_file(recorded["model"]),
+                "artifact's weights": recorded["weights"],
+            },
+        )
         part = job
         if world > 1:
             part = part_of(job, block(stream_units(job), rank, world))
-            said.info(f"adapting {', '.join(dict.fromkeys(short_name(domain.name) for domain in part.domains)) or 'nothing'}")
+            said.info(
+                f"adapting {', '.join(dict.fromkeys(short_name(domain.name) for domain in part.domains)) or 'nothing'}"
+            )
         if rank > 0:
             kept = []  # this rank's records, batch by batch, for rank 0 to write after its own
             gather_on_root((kept, part.run(kept.append, said), said.said()), rank, world)
@@ -65,7 +80,10 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
         results = [*results, *(result for _, theirs, _ in others for result in theirs)]
         show_other_ranks(said, [said.said(), *(theirs for _, _, theirs in others)])
     if config.metrics_json:
-        write_json(config.metrics_json, {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted})
+        write_json(
+            config.metrics_json,
+            {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted},
+        )
     return results
 
 
@@ -76,5 +94,7 @@ def check_spread(config: AdaptConfig) -> None:
         why = "every rank would read `data` - (paths on standard input)", "give the folders or files"
     if why:
         problem, fix = why
-        raise UsageError(f"cafa adapt under torchrun spreads the domains over the ranks, but {problem}: "
-                         f"{fix + ', or ' if fix else ''}run it without torchrun")
+        raise UsageError(
+            f"cafa adapt under torchrun spreads the domains over the ranks, but {problem}: "
+            f"{fix + ', or ' if fix else ''}run it without torchrun"
+        )

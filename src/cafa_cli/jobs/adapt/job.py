@@ -5,23 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
 import numpy as np
+
+from cafa_cli.data.benchmarks import benchmark_of
+from cafa_cli.data.domain import Domain, padding_note
+from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.errors import listing
+from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.shared.inputs import _skip_warning
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.jobs.shared.what_runs import constant_outputs, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import entry_of
 from cafa_cli.method.methods.base import Method
-from cafa_cli.data.domain import Domain, padding_note
-from cafa_cli.data.benchmarks import benchmark_of
-from cafa_cli.errors import listing
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.jobs.shared.results import DomainResult
-from cafa_cli.jobs.adapt.stream import adapt_domains
-from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.method.options import parse_norm
-from cafa_cli.jobs.shared.inputs import (_skip_warning)
-from cafa_cli.jobs.shared.what_runs import constant_outputs, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.recipes import Recipe
-
 
 
 @dataclass
@@ -36,7 +37,9 @@ class Adaptation:
     recorded_settings: dict  # every setting, for the metrics JSON
     statistics_preprocess: Preprocessing | None = None  # the artifact's, when there is one
     statistics_sampling: dict | None = None  # the artifact's record of the images the statistics came from
-    groups: list[int] | None = None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
+    groups: list[int] | None = (
+        None  # `gradual`: the corruption of each domain (a severity), which --reset domain resets at
+    )
     notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
     clean: dict | None = None  # the source model's error on `clean`, when given
     recipe: Recipe | None = None  # the published setting the run took what the user did not choose from
@@ -49,35 +52,60 @@ class Adaptation:
         s = self.config
         without = entry_of(s.method).without_source_images
         if without and not s.fisher_data:
-            notes.append(f"--method {s.method} without --fisher-data {without}; give --fisher-data PATH (e.g. the "
-                         f"training images)")
+            notes.append(
+                f"--method {s.method} without --fisher-data {without}; give --fisher-data PATH (e.g. the "
+                f"training images)"
+            )
         method = self.adapter.method
-        if self.adapter.batch_norms == 0 and method.adapts_normalisation and not method.trains and not method.owns_update \
-                and type(method).output is Method.output:  # it would only renormalise, and there is nothing to renormalise
-            notes.append(f"the model has no BatchNorm layers, so `method` {s.method} gives the same predictions as source")
+        if (
+            self.adapter.batch_norms == 0
+            and method.adapts_normalisation
+            and not method.trains
+            and not method.owns_update
+            and type(method).output is Method.output
+        ):  # it would only renormalise, and there is nothing to renormalise
+            notes.append(
+                f"the model has no BatchNorm layers, so `method` {s.method} gives the same predictions as source"
+            )
         if s.norm != "batch" and not self.adapter.batch_norms:
-            notes.append(f"`norm` {s.norm} changes nothing here: "
-                         + ("the model has no BatchNorm layers" if self.adapter.method.adapts_normalisation
-                            else f"`method` {s.method} keeps its own normalisation statistics"))
+            notes.append(
+                f"`norm` {s.norm} changes nothing here: "
+                + (
+                    "the model has no BatchNorm layers"
+                    if self.adapter.method.adapts_normalisation
+                    else f"`method` {s.method} keeps its own normalisation statistics"
+                )
+            )
         if s.batch_size == 1 and self._batch_statistics():
-            notes.append("`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
-                         "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`")
+            notes.append(
+                "`batch_size` 1 normalises each image by its own statistics, which costs accuracy; "
+                "add `norm` prior:16 (source statistics as a prior) or raise `batch_size`"
+            )
         grouped = [short_name(d.name) for d in domains if _one_class_after_another(d.labels)]
         if not s.shuffle and s.method != "source" and grouped:
-            notes.append(f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
-                         f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle")
+            notes.append(
+                f"--no-shuffle streams {listing(grouped)} one class after another: each batch holds about one class, "
+                f"which its normalisation and updates adapt to, and the error rises; drop --no-shuffle"
+            )
         stored_cropped = [d for d in s.data if (benchmark_of(d) or ("",))[0] == "imagenet-c"]
         if stored_cropped and (self.preprocess.resize or self.preprocess.crop):
             # RobustBench #59: resizing and cropping them again zooms in and costs accuracy silently
-            notes.append(f"{listing(stored_cropped)}: ImageNet-C's images are stored 224x224, already resized and cropped; "
-                         f"{_geometry(self.preprocess)} changes them again: give `resize` none `crop` none")
+            notes.append(
+                f"{listing(stored_cropped)}: ImageNet-C's images are stored 224x224, already resized and cropped; "
+                f"{_geometry(self.preprocess)} changes them again: give `resize` none `crop` none"
+            )
         made = self.statistics_preprocess
         if made and (made.resize, made.crop) != (self.preprocess.resize, self.preprocess.crop):
-            notes.append(f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images stored already cropped "
-                         f"(ImageNet-C); otherwise the features will not match the statistics")
+            notes.append(
+                f"{_geometry(self.preprocess)} differ from the statistics' ({_geometry(made)}): right for test images "
+                "stored already cropped "
+                f"(ImageNet-C); otherwise the features will not match the statistics"
+            )
         if made and (made.channels, made.per_channel()) != (self.preprocess.channels, self.preprocess.per_channel()):
-            notes.append(f"`mean`/`std`/`channels` differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
-                         f"{made.channels} channel(s)): the features will not match the statistics")
+            notes.append(
+                f"`mean`/`std`/`channels` differ from the statistics' (mean {list(made.mean)}, std {list(made.std)}, "
+                f"{made.channels} channel(s)): the features will not match the statistics"
+            )
         return notes
 
     def _batch_statistics(self) -> bool:
@@ -91,21 +119,30 @@ class Adaptation:
         of whose images can be read gets its error alone."""
         s, notes = self.config, []
         domains = list({id(domain): domain for domain in self.domains}.values())
-        streams = {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))} if s.mix_domains else {
-            short_name(d.name): len(d) for d in domains}
+        streams = (
+            {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))}
+            if s.mix_domains
+            else {short_name(d.name): len(d) for d in domains}
+        )
         alone = [name for name, n in streams.items() if n % s.batch_size == 1]
         if s.batch_size > 1 and self._batch_statistics() and alone:
-            notes.append(f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
-                         f"choose a `batch_size` that leaves more, or add `norm` prior:16")
+            notes.append(
+                f"the last batch of {listing(alone)} holds 1 image, normalised by its own statistics; "
+                f"choose a `batch_size` that leaves more, or add `norm` prior:16"
+            )
         one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
         if entry_of(s.method).predicts_as_bn and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
-            notes.append(f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` {s.batch_size}, "
-                         f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`")
+            notes.append(
+                f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` "
+                f"{s.batch_size}, "
+                f"predicted before any update: {s.method} cannot differ from bn there; lower `batch_size`"
+            )
         return notes
 
-    def run(self, on_records=lambda records: None, monitor: Monitor | None = None,
-            warned: set[str] | None = None) -> list[DomainResult]:
+    def run(
+        self, on_records=lambda records: None, monitor: Monitor | None = None, warned: set[str] | None = None
+    ) -> list[DomainResult]:
         """The stream; warnings to `monitor`, each of the batch cautions once (not again when in
         `warned`, which gets them: a bench's runs share one)."""
         monitor = monitor or Monitor()
@@ -150,18 +187,24 @@ class Adaptation:
             # fp16's loss scaler skips a few steps by design while it settles; otherwise a
             # skipped update means the objective itself is broken and the run is bn's
             if result.skipped_steps and s.precision != "fp16":
-                monitor.warn(f"{short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
-                             f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`")
+                monitor.warn(
+                    f"{short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
+                    f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`"
+                )
             if result.unrefined_batches:
-                monitor.warn(f"{short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
-                             f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
-                             f"faster form's rounding error")
+                monitor.warn(
+                    f"{short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "
+                    f"distances recomputed against float32 rounding than a batch recomputes; the rest kept the "
+                    f"faster form's rounding error"
+                )
         self.recorded_settings["step_runner"] = self.adapter.step_runner  # graph, or eager and why (step_graph.py)
         graph = self.adapter.graph
         if graph is not None and graph.failed and graph.failed not in warned:
             warned.add(graph.failed)
-            monitor.warn(f"the steps ran eagerly: {graph.failed}; the predictions are the eager step's (--no-cuda-graph "
-                         f"skips the attempt)")
+            monitor.warn(
+                f"the steps ran eagerly: {graph.failed}; the predictions are the eager step's (--no-cuda-graph "
+                f"skips the attempt)"
+            )
         return results
 
 
@@ -178,8 +221,11 @@ def part_of(job: Adaptation, units) -> Adaptation:
     units = list(units)
     groups = job.groups if job.groups is not None else range(len(job.domains))
     kept = [k for k, group in enumerate(groups) if group in units]
-    return replace(job, domains=[job.domains[k] for k in kept],
-                   groups=[units.index(groups[k]) for k in kept] if job.groups is not None else None)
+    return replace(
+        job,
+        domains=[job.domains[k] for k in kept],
+        groups=[units.index(groups[k]) for k in kept] if job.groups is not None else None,
+    )
 
 
 # what to do when the test data has another number of classes than the model's outputs

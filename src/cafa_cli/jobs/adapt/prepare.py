@@ -6,36 +6,43 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 from pathlib import Path
+
 import numpy as np
 import torch
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create, entry_of, is_plugin
+
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.artifact import Artifact, read_artifact
+from cafa_cli.checkpoints import UntrustedCheckpoint
+from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.orders import check_labels
-from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
-from cafa_cli.jobs.shared.clean import clean_error
+from cafa_cli.devices import pick_device
 from cafa_cli.errors import InputError, UsageError, WouldOverwrite, listing, repeated
 from cafa_cli.files import absolute
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.models import ModelSpec, canonical_model
-from cafa_cli.devices import pick_device
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.checkpoints import UntrustedCheckpoint
+from cafa_cli.jobs.adapt.job import Adaptation, _geometry
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
+from cafa_cli.jobs.shared.clean import clean_error
+from cafa_cli.jobs.shared.inputs import (
+    _check_classes,
+    _class_names_of,
+    default_class_names,
+    default_preprocessing,
+    recorded_data,
+    resolve_model,
+)
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.methods import create, entry_of, is_plugin
 from cafa_cli.method.options import check_precision, parse_norm
-from cafa_cli.jobs.shared.inputs import (_check_classes, _class_names_of, default_class_names, default_preprocessing,
-                                  recorded_data, resolve_model)
+from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.provenance import model_mismatch, recorded_model
 from cafa_cli.recipes import Recipe, recipe_for, standard_model
-from cafa_cli.jobs.adapt.job import Adaptation, _geometry
-
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -58,9 +65,11 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
         if config.weights is not None or config.trust_checkpoint:
             raise
         # the user named no weights: do not invite them to trust a file the artifact chose
-        raise InputError(f"{artifact.path} names the weights {model.weights}, which hold Python objects beyond tensors "
-                         f"(unpickling them can run code); re-save them as a state dict (.safetensors) and give them "
-                         f"with `weights`") from None
+        raise InputError(
+            f"{artifact.path} names the weights {model.weights}, which hold Python objects beyond tensors "
+            f"(unpickling them can run code); re-save them as a state dict (.safetensors) and give them "
+            f"with `weights`"
+        ) from None
     except UsageError as error:
         if not named_by_artifact or isinstance(error, WouldOverwrite):
             raise
@@ -72,12 +81,18 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
                 f"the model's features have {net.feature_dim} dimensions but {artifact.path} was made for "
                 f"{artifact.feature_dim}; recompute the statistics for this model"
             )
-        _check_classes(net, artifact.model_class_names, artifact.path,
-                       "check `model` and `num_classes`, or compute statistics for this model with cafa stats")
+        _check_classes(
+            net,
+            artifact.model_class_names,
+            artifact.path,
+            "check `model` and `num_classes`, or compute statistics for this model with cafa stats",
+        )
         if not config.allow_weights_mismatch:
             mismatch = model_mismatch(artifact, spec, net)
             if mismatch:
-                raise InputError(f"{mismatch}; compute statistics for it with cafa stats, or pass `allow_weights_mismatch`")
+                raise InputError(
+                    f"{mismatch}; compute statistics for it with cafa stats, or pass `allow_weights_mismatch`"
+                )
     return net, artifact, spec
 
 
@@ -89,8 +104,10 @@ def check_model_and_artifact_named(config: AdaptConfig) -> None:
     if config.model is None and config.stats is None and not needed and not Path(stats_path).exists():
         standard = standard_model(config.data)
         hint = f" (the standard model of {standard[0]}: `model` {standard[1]})" if standard else ""
-        raise UsageError(f"give the model with `model` (and `weights`){hint}: `method` {config.method} needs no statistics, "
-                         f"and there is no {stats_path} to name it")
+        raise UsageError(
+            f"give the model with `model` (and `weights`){hint}: `method` {config.method} needs no statistics, "
+            f"and there is no {stats_path} to name it"
+        )
     if config.stats is None and needed and not Path(stats_path).exists() and not Path(stats_path).is_symlink():
         raise InputError(missing_default_artifact(config))
 
@@ -106,9 +123,14 @@ def missing_default_artifact(config: AdaptConfig) -> str:
     here: it says what needs one, since with `model` given a user expects none to be read."""
     balanced = parse_norm(config.norm)[0] == "class-balanced"
     create = "cafa stats --norm-moments" if balanced else "cafa stats"
-    why = (f"`method` {config.method} needs its class statistics" if entry_of(config.method).needs_statistics
-           else "`norm` class-balanced needs the class moments it records")
-    return f"{DEFAULT_ARTIFACT}: no such artifact; create one with {create}, or give the path of one with `stats` ({why})"
+    why = (
+        f"`method` {config.method} needs its class statistics"
+        if entry_of(config.method).needs_statistics
+        else "`norm` class-balanced needs the class moments it records"
+    )
+    return (
+        f"{DEFAULT_ARTIFACT}: no such artifact; create one with {create}, or give the path of one with `stats` ({why})"
+    )
 
 
 def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> str | None:
@@ -118,14 +140,20 @@ def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> s
     stats, model, method = config.stats, config.model, config.method
     if stats is not None or model is None or needs_artifact(config) or not Path(DEFAULT_ARTIFACT).is_file():
         return None
-    return (f"{DEFAULT_ARTIFACT} is here but not read (with `model`, a method that needs no statistics reads an artifact only when "
-            f"named), so `method` {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std {list(preprocess.std)} "
-            f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's")
+    return (
+        f"{DEFAULT_ARTIFACT} is here but not read (with `model`, a method that needs no statistics reads an artifact "
+        "only when "
+        f"named), so `method` {method} uses {_geometry(preprocess)}, mean {list(preprocess.mean)}, std "
+        f"{list(preprocess.std)} "
+        f"and the model's or the data's class names; pass `stats` {DEFAULT_ARTIFACT} to use the artifact's"
+    )
 
 
 FIX_CLASSES = "check `num_classes`, or give the class list in output order with `classes`"
-FEWER_CLASSES = (f"{FIX_CLASSES}; for a test set of some of the model's classes (ImageNet-R's or ImageNet-A's 200 of 1,000) "
-                 f"give `classes` and the test set's classes as `class_subset` (docs/usage.md, Benchmarks)")
+FEWER_CLASSES = (
+    f"{FIX_CLASSES}; for a test set of some of the model's classes (ImageNet-R's or ImageNet-A's 200 of 1,000) "
+    f"give `classes` and the test set's classes as `class_subset` (docs/usage.md, Benchmarks)"
+)
 
 
 def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> Adaptation:
@@ -139,7 +167,11 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     config, recipe = with_recipe(config, net.num_classes)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
-    base = artifact.preprocessing if artifact else default_preprocessing(spec.model, spec.weights, config.model_arguments())
+    base = (
+        artifact.preprocessing
+        if artifact
+        else default_preprocessing(spec.model, spec.weights, config.model_arguments())
+    )
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
         preprocess = base.with_changes(changes)
@@ -150,8 +182,10 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     subset = class_subset(config, artifact, model_classes)
     paths, groups, notes = stream_domains(config)
     ids = (config.subset, read_image_ids(config.subset)) if config.subset else None
-    opened = {path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
-              for path in dict.fromkeys(paths)}
+    opened = {
+        path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
+        for path in dict.fromkeys(paths)
+    }
     domains = [opened[path] for path in paths]
     for domain in opened.values():  # before any prediction is written
         check_labels(domain.labels, config.order, domain.name)
@@ -161,16 +195,30 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     if class_names is None:
         class_names = _class_names_of(domains, net)
         domains = [relabel(d, class_names) for d in domains]
-        _check_classes(net, class_names, "the data", FEWER_CLASSES if len(class_names) < net.num_classes else FIX_CLASSES)
+        _check_classes(
+            net, class_names, "the data", FEWER_CLASSES if len(class_names) < net.num_classes else FIX_CLASSES
+        )
     elif artifact is None:  # the artifact's list was checked with it
-        _check_classes(net, model_classes, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list")
+        _check_classes(
+            net, model_classes, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list"
+        )
     if subset:
         net.restrict_outputs(subset.outputs)
     clean = None
     if config.clean:  # the source model, before the Adapter changes it; prepared as the statistics' training images
-        clean_domain = open_test_domain(config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True)
-        clean = clean_error(net, clean_domain, artifact.preprocessing if artifact else preprocess, config.batch_size,
-                            config.num_workers, device, config.strict, monitor or Monitor())
+        clean_domain = open_test_domain(
+            config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True
+        )
+        clean = clean_error(
+            net,
+            clean_domain,
+            artifact.preprocessing if artifact else preprocess,
+            config.batch_size,
+            config.num_workers,
+            device,
+            config.strict,
+            monitor or Monitor(),
+        )
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.fisher_data:
@@ -182,17 +230,41 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             raise
         raise InputError(f"{error} (in the recipe {recipe.origin})") from None
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
-        raise UsageError(f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
-                         f"does not say it takes them (a Method's takes_labels, read through class_labels())")
-    adapter = Adapter(net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset))
+        raise UsageError(
+            f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
+            f"does not say it takes them (a Method's takes_labels, read through class_labels())"
+        )
+    adapter = Adapter(
+        net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset)
+    )
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
-    recorded["class_subset"] = {"file": absolute(config.class_subset), "classes": len(subset.names),
-                                "model_outputs": len(subset.model_classes)} if subset else None
+    recorded["class_subset"] = (
+        {
+            "file": absolute(config.class_subset),
+            "classes": len(subset.names),
+            "model_outputs": len(subset.model_classes),
+        }
+        if subset
+        else None
+    )
     recorded["recipe"] = {"requested": config.recipe, **(recipe.record() if recipe else {"name": None})}
     recorded["method_options"] = {option.name: getattr(method, option.name) for option in method.options} or (
-        config.method_options() if is_plugin(config.method) else {})
-    return Adaptation(adapter, domains, preprocess, class_names, config, recorded, artifact.preprocessing if artifact else None,
-                      artifact.sampling if artifact else None, groups, notes, clean, recipe)
+        config.method_options() if is_plugin(config.method) else {}
+    )
+    return Adaptation(
+        adapter,
+        domains,
+        preprocess,
+        class_names,
+        config,
+        recorded,
+        artifact.preprocessing if artifact else None,
+        artifact.sampling if artifact else None,
+        groups,
+        notes,
+        clean,
+        recipe,
+    )
 
 
 def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Recipe | None]:
@@ -203,7 +275,9 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
         return config, None
     kept = config.chosen()
     try:
-        return replace(config, **{k: v for k, v in recipe.settings.items() if k not in kept}, given=tuple(sorted(kept))), recipe
+        return replace(
+            config, **{k: v for k, v in recipe.settings.items() if k not in kept}, given=tuple(sorted(kept))
+        ), recipe
     except UsageError as error:
         raise InputError(f"the recipe {recipe.origin}: {error}") from None
 
@@ -216,39 +290,59 @@ def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, li
     data, notes = expand_benchmarks(config.data, config.source)
     twice = repeated([d for d in data if d != "-"], key=recorded_data) if config.mix_domains else []
     if twice:  # interleaved with itself, every image would be read and predicted twice
-        raise UsageError(f"`mix_domains`: the domain {twice[0]} is given twice (also as a relative and an absolute path, "
-                         f"or with a trailing /); give each domain once")
+        raise UsageError(
+            f"`mix_domains`: the domain {twice[0]} is given twice (also as a relative and an absolute path, "
+            f"or with a trailing /); give each domain once"
+        )
     if not config.gradual:
         return data, None, notes
     stages = [gradual_stages(path) for path in data]
-    return ([stage for corruption in stages for stage in corruption], [k for k, corruption in enumerate(stages) for _ in corruption],
-            notes)
+    return (
+        [stage for corruption in stages for stage in corruption],
+        [k for k, corruption in enumerate(stages) for _ in corruption],
+        notes,
+    )
 
 
 def check_oracle_labels(name: str, labels: np.ndarray) -> None:
     """`oracle` gives the loss each image's true label: every image of the domain needs one."""
     missing = int((labels < 0).sum())
     if missing:
-        raise UsageError(f"{name}: `oracle` gives the loss each image's true label, and {missing} of its {len(labels)} "
-                         f"image(s) have none; give labelled data (one folder per class, or an array with `labels`), or drop "
-                         f"`oracle`")
+        raise UsageError(
+            f"{name}: `oracle` gives the loss each image's true label, and {missing} of its {len(labels)} "
+            f"image(s) have none; give labelled data (one folder per class, or an array with `labels`), or drop "
+            f"`oracle`"
+        )
 
 
 def class_subset(config: AdaptConfig, artifact: Artifact | None, model_classes: list[str] | None) -> ClassSubset | None:
     """The classes predicted among: `class_subset`'s, within the statistics' own subset when
     they are of one; the statistics' subset; or None (every output)."""
-    recorded = ClassSubset(artifact.class_names, artifact.outputs, artifact.model_class_names) \
-        if artifact and artifact.outputs != list(range(len(artifact.model_class_names))) else None
+    recorded = (
+        ClassSubset(artifact.class_names, artifact.outputs, artifact.model_class_names)
+        if artifact and artifact.outputs != list(range(len(artifact.model_class_names)))
+        else None
+    )
     if not config.class_subset:
         return recorded
     if model_classes is None:
-        raise UsageError(f"`class_subset` {config.class_subset} names classes, and the model's class list is not known; give "
-                         f"the names of all its outputs in order with `classes` (ImageNet: the sorted wnids, ls train/)")
+        raise UsageError(
+            f"`class_subset` {config.class_subset} names classes, and the model's class list is not known; give "
+            f"the names of all its outputs in order with `classes` (ImageNet: the sorted wnids, ls train/)"
+        )
     return read_class_subset(config.class_subset, model_classes, within=recorded)
 
 
-def open_test_domain(path: str, labels: str | None, severity: int | None, model_classes: list[str] | None,
-                     subset: ClassSubset | None, ids: tuple[str, set[str]] | None, notes: list[str], clean: bool = False) -> Domain:
+def open_test_domain(
+    path: str,
+    labels: str | None,
+    severity: int | None,
+    model_classes: list[str] | None,
+    subset: ClassSubset | None,
+    ids: tuple[str, set[str]] | None,
+    notes: list[str],
+    clean: bool = False,
+) -> Domain:
     """One test domain, its labels as the model's outputs (a subset's positions with one), and
     only the images listed in `ids` (the `subset` file and its ids), with a note on the notes
     for listed images it lacks. The `clean` set keeps the subset's classes only (ImageNet's
@@ -284,8 +378,10 @@ def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: Clas
     if parse_norm(config.norm)[0] != "class-balanced" or artifact is None:
         return None
     if artifact.norm_moments is None:
-        raise InputError(f"{artifact.path} holds no class moments of the BatchNorms' inputs, which `norm` class-balanced "
-                         f"corrects with; re-create it with cafa stats --norm-moments, or choose another `norm`")
+        raise InputError(
+            f"{artifact.path} holds no class moments of the BatchNorms' inputs, which `norm` class-balanced "
+            f"corrects with; re-create it with cafa stats --norm-moments, or choose another `norm`"
+        )
     if subset is None or subset.outputs == artifact.outputs:
         return artifact.norm_moments
     rows = torch.as_tensor(subset_rows(artifact, subset))
@@ -305,8 +401,9 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
             yield preprocess.normalize(batch.images.to(device))
 
 
-def _recorded_settings(config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec,
-                       preprocess: Preprocessing) -> dict:
+def _recorded_settings(
+    config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec, preprocess: Preprocessing
+) -> dict:
     """Every setting the results depend on, as resolved, for the metrics JSON."""
     return {
         **{name: getattr(config, name) for name in recorded_as_given(AdaptConfig)},

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
 import numpy as np
 import torch
-from cafa_cli.jobs.shared.results import DomainResult, Record
-from cafa_cli.method.adapter import Adapter
+
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.jobs.config.settings import RESET_POLICIES
-from cafa_cli.data.preprocessing import Preprocessing
-
-
+from cafa_cli.jobs.shared.results import DomainResult, Record
+from cafa_cli.method.adapter import Adapter
 
 
 def check_reset(reset: str) -> None:
@@ -94,8 +94,10 @@ def adapt_domains(
             if reset == "episodic":
                 adapter.reset()
             if len(members) > 1:  # the batch's time and skipped updates go to the domains of its images
-                now, in_batch = time.perf_counter(), np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]],
-                                                                 minlength=len(domains))
+                now, in_batch = (
+                    time.perf_counter(),
+                    np.bincount(owner[[*batch.indices, *(i for i, _ in batch.failures)]], minlength=len(domains)),
+                )
                 counts = _counts(adapter)
                 for k in np.flatnonzero(in_batch):
                     results[k].seconds += (now - clock) * in_batch[k] / in_batch.sum()
@@ -127,26 +129,40 @@ def mixed(domains: list[Domain]) -> tuple[Domain, np.ndarray]:
         k = owner[i]
         return domains[k].read(int(i - offsets[k]))
 
-    whole = Domain(f"{len(domains)} domains mixed", [ref for domain in domains for ref in domain.refs],
-                   np.concatenate([domain.labels for domain in domains]), domains[0].class_names, read)
+    whole = Domain(
+        f"{len(domains)} domains mixed",
+        [ref for domain in domains for ref in domain.refs],
+        np.concatenate([domain.labels for domain in domains]),
+        domains[0].class_names,
+        read,
+    )
     return whole, owner
 
 
-def _step(adapter: Adapter, domain: Domain, preprocess: Preprocessing, batch: Batch,
-          on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None, oracle: bool = False) -> list[Record]:
+def _step(
+    adapter: Adapter,
+    domain: Domain,
+    preprocess: Preprocessing,
+    batch: Batch,
+    on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
+    oracle: bool = False,
+) -> list[Record]:
     if batch.images is None:
         return []
     if oracle:  # the labels of the images read, in the batch's order; only the method's loss reads them
-        adapter.method.oracle_labels = torch.as_tensor(domain.labels[batch.indices], dtype=torch.int64).to(adapter.device,
-                                                                                                            non_blocking=True)
+        adapter.method.oracle_labels = torch.as_tensor(domain.labels[batch.indices], dtype=torch.int64).to(
+            adapter.device, non_blocking=True
+        )
     logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
     if on_logits is not None:
         on_logits(domain, batch.images, logits)
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
         # -inf alone is a masked class, which some models use
-        raise InputError(f"{domain.name}: the model's outputs are NaN or infinite; check `mean` and `std` (a tiny `std` "
-                         f"overflows) and the weights (out-of-range or non-float values), or lower `lr`")
+        raise InputError(
+            f"{domain.name}: the model's outputs are NaN or infinite; check `mean` and `std` (a tiny `std` "
+            f"overflows) and the weights (out-of-range or non-float values), or lower `lr`"
+        )
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)
     return [

@@ -13,30 +13,37 @@ import gc
 from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
+
+from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.data.arrays import TRAINING_SETS
+from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.data.sources import on_disk
-from cafa_cli.jobs.shared.distributed import RankMonitor, gather_on_root, show_other_ranks, wait_for_all, why_domains_depend
+from cafa_cli.devices import pick_device
 from cafa_cli.errors import InputError
 from cafa_cli.files import make_workdir
-from cafa_cli.checkpoints import check_weights_file
-from cafa_cli.devices import pick_device
-from cafa_cli.jobs.bench import tables
-from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
 from cafa_cli.jobs.adapt.job import part_of
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation
-from cafa_cli.jobs.shared.clean import clean_summary
-from cafa_cli.data.benchmarks import expand_benchmarks, source_of
-from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.jobs.shared.distributed import process_group, rank_device
-from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
-from cafa_cli.models import pretrained_by_name
-from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.method.gaussians import check_options
-from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.record import ROW_SETTINGS, write_json
+from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
 from cafa_cli.jobs.bench.runs import check_domains, check_method_options, row_config, training_data, with_standard_model
 from cafa_cli.jobs.bench.statistics import covariances_needed, ensure_statistics, shared_class_list, statistics_needed
-
+from cafa_cli.jobs.config import BenchConfig
+from cafa_cli.jobs.shared.clean import clean_summary
+from cafa_cli.jobs.shared.distributed import (
+    RankMonitor,
+    gather_on_root,
+    process_group,
+    rank_device,
+    show_other_ranks,
+    wait_for_all,
+    why_domains_depend,
+)
+from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.method.gaussians import check_options
+from cafa_cli.models import pretrained_by_name
 
 
 @guards_outputs
@@ -44,13 +51,17 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     """The whole `bench` command: the grid, then the table as markdown (returned) and as
     the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
     config, model_line = with_standard_model(config)
-    rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods)))))
+    rows = with_fractions(
+        config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods))))
+    )
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     if config.plot:
         tables.check_plotting()
     target = rank_device(pick_device(config.device))
-    domains, notes = expand_benchmarks(config.data, config.source)  # a benchmark's ROOT: a column per corruption or domain
+    domains, notes = expand_benchmarks(
+        config.data, config.source
+    )  # a benchmark's ROOT: a column per corruption or domain
     train, train_line = training_data(config.train, config.model, config.data, rows)
     config = replace(config, device=str(target), train=train, data=domains)
     clean, settings = {}, {}
@@ -82,9 +93,16 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
 
 
-def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: Monitor, rank: int = 0,
-              world: int = 1, clean: dict | None = None,
-              settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult] | None:
+def run_bench(
+    config: BenchConfig,
+    rows: list[Row],
+    seeds: list[int],
+    monitor: Monitor,
+    rank: int = 0,
+    world: int = 1,
+    clean: dict | None = None,
+    settings: dict | None = None,
+) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode (and fraction) the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
@@ -104,8 +122,10 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
     if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
         raise InputError(f"`train` {config.train}: no such file or folder")
     workdir = make_workdir(config.workdir)
-    artifacts = {(covariance, fraction): ensure_statistics(config, covariance, monitor, fraction)
-                 for covariance, fraction in statistics_needed(rows)}
+    artifacts = {
+        (covariance, fraction): ensure_statistics(config, covariance, monitor, fraction)
+        for covariance, fraction in statistics_needed(rows)
+    }
     wait_for_all(world)  # rank 0 has written the artifacts
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
@@ -120,13 +140,26 @@ def run_bench(config: BenchConfig, rows: list[Row], seeds: list[int], monitor: M
         settings.update({label: row for _, part, _ in parts for label, row in part.items()})
     gathered = {key: result for part, _, _ in parts for key, result in part.items()}
     # in the order one process runs them: the JSON report lists the runs in this order
-    return {(row.label, domain, seed): gathered[(row.label, domain, seed)] for row in rows for seed in seeds for domain in config.data}
+    return {
+        (row.label, domain, seed): gathered[(row.label, domain, seed)]
+        for row in rows
+        for seed in seeds
+        for domain in config.data
+    }
 
 
-
-def run_grid(config: BenchConfig, rows: list[Row], seeds: list[int], artifacts: dict[str, Path], classes: str | None,
-             monitor: Monitor, rank: int = 0, world: int = 1, clean: dict | None = None,
-             settings: dict | None = None) -> dict[tuple[str, str, int], DomainResult]:
+def run_grid(
+    config: BenchConfig,
+    rows: list[Row],
+    seeds: list[int],
+    artifacts: dict[str, Path],
+    classes: str | None,
+    monitor: Monitor,
+    rank: int = 0,
+    world: int = 1,
+    clean: dict | None = None,
+    settings: dict | None = None,
+) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the grid's runs
     (grid_runs) are independent, so under torchrun each rank takes every world-th, and
     adapts those of one (row, seed) in one stream, starting afresh at each domain. The
@@ -170,9 +203,16 @@ def grid_runs(config: BenchConfig, rows: list[Row], seeds: list[int]) -> list[tu
     index of the domain it adapts), one per domain where each starts from the source
     weights by itself (`reset` domain), else one (row, seed, None) over every domain."""
     apart = len(config.data) > 1
-    return [(row, seed, domain) for row in rows for seed in seeds
-            for domain in (range(len(config.data)) if apart and not why_domains_depend(row.method, config.reset, config.mix_domains)
-                           else [None])]
+    return [
+        (row, seed, domain)
+        for row in rows
+        for seed in seeds
+        for domain in (
+            range(len(config.data))
+            if apart and not why_domains_depend(row.method, config.reset, config.mix_domains)
+            else [None]
+        )
+    ]
 
 
 def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:
@@ -182,7 +222,11 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
     merged = [DomainResult(domain) for domain in domains]
     for group, result in zip(groups, results):
         whole = merged[group]
-        whole.n, whole.labelled, whole.errors = whole.n + result.n, whole.labelled + result.labelled, whole.errors + result.errors
+        whole.n, whole.labelled, whole.errors = (
+            whole.n + result.n,
+            whole.labelled + result.labelled,
+            whole.errors + result.errors,
+        )
         whole.skipped_images += result.skipped_images
         whole.skipped_steps += result.skipped_steps
         whole.seconds += result.seconds

@@ -5,77 +5,121 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+
+from cafa_cli import __version__
+from cafa_cli.checkpoints import sha256_of
+from cafa_cli.data.benchmarks import source_of
+from cafa_cli.data.loading import loader_processes
 from cafa_cli.devices import pick_device
+from cafa_cli.files import absolute, open_safetensors
+from cafa_cli.jobs.adapt.prepare import effective_severity
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.rows import Row
-from cafa_cli.jobs.adapt.prepare import effective_severity
-from cafa_cli.data.benchmarks import source_of
+from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
-from cafa_cli import __version__
 from cafa_cli.jobs.shared import report
-from cafa_cli.data.loading import loader_processes
-from cafa_cli.files import absolute, open_safetensors
-from cafa_cli.models import weights_record
-from cafa_cli.checkpoints import sha256_of
 from cafa_cli.jobs.shared.inputs import recipe
-from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed
-
+from cafa_cli.models import weights_record
 
 # what the JSON report records of each row's settings, as its runs resolved them
-ROW_SETTINGS = ("recipe", "optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples", "method_options")
+ROW_SETTINGS = (
+    "recipe",
+    "optimizer",
+    "lr",
+    "momentum",
+    "batch_size",
+    "steps",
+    "params",
+    "fisher_samples",
+    "method_options",
+)
 
 
-def write_json(path: str, config: BenchConfig, rows: list[Row], seeds: list[int], table: list[dict], results: dict,
-               clean: dict | None = None, settings: dict | None = None) -> None:
+def write_json(
+    path: str,
+    config: BenchConfig,
+    rows: list[Row],
+    seeds: list[int],
+    table: list[dict],
+    results: dict,
+    clean: dict | None = None,
+    settings: dict | None = None,
+) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
     `auto` picks one), the artifacts by content, and the options every row shared (each
     run's seed is under "runs")."""
     labels = tables.domain_labels(config.data)
-    shared = {**{name: getattr(config, name) for name in recorded_as_given(BenchConfig)}, "shuffle": True}  # bench streams are shuffled
+    shared = {
+        **{name: getattr(config, name) for name in recorded_as_given(BenchConfig)},
+        "shuffle": True,
+    }  # bench streams are shuffled
     shared["num_workers"] = loader_processes(config.num_workers, pick_device(config.device))
     fraction, per_class = (None, None) if config.fractions else config.training_sample()  # else each row's
-    artifacts = {artifact_key(*key): _artifact_record(artifact_path(Path(config.workdir), *key), key[1])
-                 for key in statistics_needed(rows)}
+    artifacts = {
+        artifact_key(*key): _artifact_record(artifact_path(Path(config.workdir), *key), key[1])
+        for key in statistics_needed(rows)
+    }
     payload = {
         "cafa_version": __version__,
         "versions": report.software_versions(),
         "unit": "error %",
         "seeds": seeds,
         "domains": [{"data": d, "label": labels[d]} for d in config.data],
-        "table": [{"method": r["method"], **{labels[k]: {"mean": m, "std": s}
-                                             for k, (m, s) in r["cells"].items()}} for r in table],
+        "table": [
+            {"method": r["method"], **{labels[k]: {"mean": m, "std": s} for k, (m, s) in r["cells"].items()}}
+            for r in table
+        ],
         "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
-        "rows": [{"label": r.label, "method": r.method, "covariance": r.covariance,
-                  "covariance_used": artifacts[artifact_key(*r.statistics)]["covariance"] if r.statistics else None,
-                  "order": r.order_of(config),
-                  # on a severity axis or with the oracle twins, each row's own
-                  **({"severity": r.severity} if config.severities else {}), **({"oracle": r.oracle} if config.oracle else {}),
-                  **({"fraction": r.fraction} if config.fractions else {}),
-                  **(settings or {}).get(r.label, {"params": r.params_of(config), "lr": r.lr_of(config),
-                                                   "batch_size": r.batch_size_of(config)})} for r in rows],
+        "rows": [
+            {
+                "label": r.label,
+                "method": r.method,
+                "covariance": r.covariance,
+                "covariance_used": artifacts[artifact_key(*r.statistics)]["covariance"] if r.statistics else None,
+                "order": r.order_of(config),
+                # on a severity axis or with the oracle twins, each row's own
+                **({"severity": r.severity} if config.severities else {}),
+                **({"oracle": r.oracle} if config.oracle else {}),
+                **({"fraction": r.fraction} if config.fractions else {}),
+                **(settings or {}).get(
+                    r.label,
+                    {"params": r.params_of(config), "lr": r.lr_of(config), "batch_size": r.batch_size_of(config)},
+                ),
+            }
+            for r in rows
+        ],
         "artifacts": artifacts,
         **({"clean": clean} if clean else {}),
         "settings": {
-            **shared, "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)), "train": config.train, "model": config.model,
+            **shared,
+            "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)),
+            "train": config.train,
+            "model": config.model,
             **dict(zip(("weights", "weights_sha256"), weights_record(config.model, config.weights))),
             "model_args": config.model_args,
-            "classes": absolute(config.classes), "labels": absolute(config.labels),
+            "classes": absolute(config.classes),
+            "labels": absolute(config.labels),
             "severity": None if config.severities else effective_severity(config),  # else each row's
             "source": source_of(config),
             **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),
             **({"subset": absolute(config.subset)} if config.subset else {}),
-            "fraction": fraction, "per_class": per_class, "shrinkage": config.shrinkage_value(),
-            "preprocessing": {"train": asdict(recipe(config, config.model)),
-                              "test": asdict(recipe(config, config.model, config.test_preprocessing_changes()))},
+            "fraction": fraction,
+            "per_class": per_class,
+            "shrinkage": config.shrinkage_value(),
+            "preprocessing": {
+                "train": asdict(recipe(config, config.model)),
+                "test": asdict(recipe(config, config.model, config.test_preprocessing_changes())),
+            },
         },
     }
     report.write_json(path, payload)
 
 
 def artifact_key(covariance: str, fraction: float | None) -> str:
-    """An artifact's key in the JSON report: its covariance mode (`auto`), and its fraction on a sweep (`auto, fraction 0.01`)."""
+    """An artifact's key in the JSON report: its covariance mode (`auto`), and its fraction
+    on a sweep (`auto, fraction 0.01`)."""
     return covariance if fraction is None else f"{covariance}, fraction {fraction}"
 
 
@@ -85,6 +129,11 @@ def _artifact_record(path: Path, fraction: float | None = None) -> dict:
     training fraction on a fraction sweep."""
     with open_safetensors(path) as f:
         metadata = f.metadata()
-    return {"path": str(path.resolve()), "sha256": sha256_of(path), "covariance": metadata["covariance"],
-            "created": metadata.get("created"), "parameters_sha256": metadata.get("parameters_sha256"),
-            **({"fraction": fraction} if fraction is not None else {})}
+    return {
+        "path": str(path.resolve()),
+        "sha256": sha256_of(path),
+        "covariance": metadata["covariance"],
+        "created": metadata.get("created"),
+        "parameters_sha256": metadata.get("parameters_sha256"),
+        **({"fraction": fraction} if fraction is not None else {}),
+    }

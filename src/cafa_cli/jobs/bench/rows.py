@@ -6,21 +6,24 @@ fraction sweep, each row with statistics at every training fraction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import oracle_methods
 from cafa_cli.method.methods import REGISTRY, is_plugin
 from cafa_cli.method.options import parse_norm
 
-
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
 # parameter updated), and CAFA with the dense or low-rank form forced. The plain
 # methods that need statistics use `auto`, as `cafa stats` does by default.
-VARIANTS = {"cafa-tied": ("cafa", "tied", None), "cafa-diag": ("cafa", "diag", None), "cafa-full": ("cafa", "auto", "all"),
-            "cafa-dense": ("cafa", "full", None), "cafa-lowrank": ("cafa", "lowrank", None)}
-
-
+VARIANTS = {
+    "cafa-tied": ("cafa", "tied", None),
+    "cafa-diag": ("cafa", "diag", None),
+    "cafa-full": ("cafa", "auto", "all"),
+    "cafa-dense": ("cafa", "full", None),
+    "cafa-lowrank": ("cafa", "lowrank", None),
+}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class Row:
     order: str | None = None  # this row's --order, on a grid with an order axis
     batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
     severity: int | None = None  # this row's --severity, on a grid with a severity axis
-    condition: str = ""  # its order, batch size and severity as the table names them ("label-shift:0.5, batch 8"), on such a grid
+    condition: str = (
+        ""  # its order, batch size and severity as the table names them ("label-shift:0.5, batch 8"), on such a grid
+    )
     oracle: bool = False  # CAFA-Oracle: the true labels in the class-aware loss
     fraction: float | None = None  # the training fraction of its statistics, on a fraction sweep
 
@@ -72,12 +77,23 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
     for order in config.order_list():
         for batch_size in config.batch_size_list():
             for severity in config.severity_list():
-                named = ([order] * (config.orders is not None) + [f"batch {batch_size}"] * (config.batch_sizes is not None)
-                         + [f"severity {severity}"] * (config.severities is not None))
+                named = (
+                    [order] * (config.orders is not None)
+                    + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+                    + [f"severity {severity}"] * (config.severities is not None)
+                )
                 condition = ", ".join(named)
-                grid += [replace(row, label=f"{row.label}, {condition}", order=order, batch_size=batch_size,
-                                 severity=severity if config.severities is not None else None, condition=condition)
-                         for row in rows]
+                grid += [
+                    replace(
+                        row,
+                        label=f"{row.label}, {condition}",
+                        order=order,
+                        batch_size=batch_size,
+                        severity=severity if config.severities is not None else None,
+                        condition=condition,
+                    )
+                    for row in rows
+                ]
     return grid
 
 
@@ -89,13 +105,20 @@ def with_fractions(config: BenchConfig, rows: list[Row]) -> list[Row]:
     if config.fractions is None:
         return rows
     if not any(row.covariance for row in rows):
-        raise UsageError(f"`fractions` computes the statistics at each fraction, and no row of `methods` {config.methods} reads "
-                         f"them; add a row that does (cafa, intra, ...)")
+        raise UsageError(
+            f"`fractions` computes the statistics at each fraction, and no row of `methods` {config.methods} reads "
+            f"them; add a row that does (cafa, intra, ...)"
+        )
     swept = []
     for k, fraction in enumerate(config.fraction_list()):
         condition = f"fraction {fraction}"  # as Python writes it: two fractions never share a name
-        swept += [replace(row, label=f"{row.label}, {condition}", fraction=fraction, condition=condition) if row.covariance
-                  else row for row in rows if row.covariance or k == 0]
+        swept += [
+            replace(row, label=f"{row.label}, {condition}", fraction=fraction, condition=condition)
+            if row.covariance
+            else row
+            for row in rows
+            if row.covariance or k == 0
+        ]
     return swept
 
 
@@ -109,8 +132,10 @@ def with_oracle(config: BenchConfig, rows: list[Row]) -> list[Row]:
     takers = oracle_methods()
     takes = [row for row in rows if row.method in takers]
     if not takes:
-        raise UsageError(f"`oracle` adds a CAFA-Oracle row after each row whose loss uses the predicted class "
-                         f"({', '.join(takers)}, and cafa's variants); `methods` {config.methods} has none")
+        raise UsageError(
+            f"`oracle` adds a CAFA-Oracle row after each row whose loss uses the predicted class "
+            f"({', '.join(takers)}, and cafa's variants); `methods` {config.methods} has none"
+        )
     twins = []
     for row in rows:
         twins.append(row)
@@ -149,8 +174,10 @@ def parse_methods(text: str) -> list[Row]:
         elif is_plugin(name):
             method, covariance, params = name, "auto", None
         else:
-            raise UsageError(f"`methods`: unknown method {name!r}; choose from {', '.join((*REGISTRY, *VARIANTS))}, "
-                             f"or give a plug-in 'file.py:factory'")
+            raise UsageError(
+                f"`methods`: unknown method {name!r}; choose from {', '.join((*REGISTRY, *VARIANTS))}, "
+                f"or give a plug-in 'file.py:factory'"
+            )
         try:
             lr = float(lr_text) if lr_text else None
         except ValueError:

@@ -7,24 +7,29 @@ from __future__ import annotations
 import json
 from dataclasses import fields, replace
 from pathlib import Path
+
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.errors import InputError, UsageError, repeated
-from cafa_cli.models import bundled_model
-from cafa_cli.jobs.bench.rows import Row
-from cafa_cli.method.methods import entry_of
-from cafa_cli.method.options import parse_norm
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
+from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.config.settings import InputOptions, parse_method_options
 from cafa_cli.jobs.shared.inputs import recorded_data
 from cafa_cli.method.gaussians import auto_shrinkage_method
+from cafa_cli.method.methods import entry_of
+from cafa_cli.method.options import parse_norm
+from cafa_cli.models import bundled_model
 from cafa_cli.recipes import standard_model
 from cafa_cli.zoo import robustbench
 
 
-
-def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool = False,
-                  severities: list[int | None] | None = None, oracle: bool = False) -> None:
+def check_domains(
+    domains: list[str],
+    data_choice: InputOptions,
+    gradual: bool = False,
+    severities: list[int | None] | None = None,
+    oracle: bool = False,
+) -> None:
     """Each test domain given once, readable with its options and labelled (at each of
     `severities`, default `severity`; every image, for the `oracle` rows), before any
     statistics are computed; with `gradual`, each corruption and its severities."""
@@ -37,8 +42,10 @@ def check_domains(domains: list[str], data_choice: InputOptions, gradual: bool =
         for severity in severities or [data_choice.severity]:
             labels = open_domain(domain, None, data_choice.labels, severity).labels
             if not (labels >= 0).any():
-                raise InputError(f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
-                                 f"(or an array with `labels`)")
+                raise InputError(
+                    f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
+                    f"(or an array with `labels`)"
+                )
             if oracle:
                 check_oracle_labels(domain, labels)
 
@@ -59,18 +66,29 @@ def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str
 
 def shared(source, target_type, **overrides):
     """A `target_type` settings object with every field `source` has too, then `overrides`."""
-    common = {f.name: getattr(source, f.name) for f in fields(target_type) if f.name in {g.name for g in fields(source)}}
+    common = {
+        f.name: getattr(source, f.name) for f in fields(target_type) if f.name in {g.name for g in fields(source)}
+    }
     return target_type(**{**common, **overrides})
 
 
-def stats_config(config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0,
-                 fraction: float | None = None) -> StatsConfig:
+def stats_config(
+    config: BenchConfig, covariance: str, out: Path, subset_seed: int = 0, fraction: float | None = None
+) -> StatsConfig:
     """The `cafa stats` run of one covariance mode: the bench's model, training data and
     sampling (at `fraction` on a fraction sweep), on its device, batch size and loader
     processes. `severity` picks the test domains' severity, which the training data has not."""
-    return shared(config, StatsConfig, data=config.train, covariance=covariance, out=str(out), seed=subset_seed,
-                  norm_moments=parse_norm(config.norm)[0] == "class-balanced", severity=None,
-                  **({"fraction": fraction} if fraction is not None else {}))
+    return shared(
+        config,
+        StatsConfig,
+        data=config.train,
+        covariance=covariance,
+        out=str(out),
+        seed=subset_seed,
+        norm_moments=parse_norm(config.norm)[0] == "class-balanced",
+        severity=None,
+        **({"fraction": fraction} if fraction is not None else {}),
+    )
 
 
 def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, classes: str | None) -> AdaptConfig:
@@ -79,22 +97,42 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
     row's recipe fills what neither the bench's options nor the row itself (NAME@LR,
     cafa-full's params, a grid axis) chose; its method options are those of `method_option`
     that name its method or that it takes."""
-    own = {"lr": row.lr, "params": row.params, "order": row.order, "batch_size": row.batch_size, "severity": row.severity}
-    return shared(config, AdaptConfig, method=row.method, lr=row.lr_of(config), params=row.params_of(config), seed=seed,
-                  order=row.order_of(config), batch_size=row.batch_size_of(config), severity=row.severity_of(config),
-                  oracle=row.oracle, stats=stats, classes=None if stats else classes,
-                  fisher_data=fisher_data(config, row),
-                  resize=config.resize if config.test_resize is None else config.test_resize,
-                  crop=config.crop if config.test_crop is None else config.test_crop,
-                  method_option=row_method_options(config, row.method),
-                  given=tuple(sorted(config.chosen() | {name for name, value in own.items() if value is not None})))
+    own = {
+        "lr": row.lr,
+        "params": row.params,
+        "order": row.order,
+        "batch_size": row.batch_size,
+        "severity": row.severity,
+    }
+    return shared(
+        config,
+        AdaptConfig,
+        method=row.method,
+        lr=row.lr_of(config),
+        params=row.params_of(config),
+        seed=seed,
+        order=row.order_of(config),
+        batch_size=row.batch_size_of(config),
+        severity=row.severity_of(config),
+        oracle=row.oracle,
+        stats=stats,
+        classes=None if stats else classes,
+        fisher_data=fisher_data(config, row),
+        resize=config.resize if config.test_resize is None else config.test_resize,
+        crop=config.crop if config.test_crop is None else config.test_crop,
+        method_option=row_method_options(config, row.method),
+        given=tuple(sorted(config.chosen() | {name for name, value in own.items() if value is not None})),
+    )
 
 
 def row_method_options(config: BenchConfig, method: str) -> list[str]:
     """The `method_option` entries for a row of `method`, as NAME=VALUE: those scoped to
     it (METHOD.NAME=VALUE) and the plain ones it takes."""
-    return [f"{name}={value}" for scope, name, value in parse_method_options(config.method_option)
-            if scope == method or (scope is None and name in _options_taken(method))]
+    return [
+        f"{name}={value}"
+        for scope, name, value in parse_method_options(config.method_option)
+        if scope == method or (scope is None and name in _options_taken(method))
+    ]
 
 
 def _options_taken(method: str) -> set[str]:
@@ -110,10 +148,14 @@ def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
     for scope, name, value in parse_method_options(config.method_option):
         entry = f"{scope + '.' if scope else ''}{name}={value}"
         if scope is not None and scope not in methods:
-            raise UsageError(f"`method_option` {entry}: no row runs the method {scope} (rows: {', '.join(sorted(methods))})")
+            raise UsageError(
+                f"`method_option` {entry}: no row runs the method {scope} (rows: {', '.join(sorted(methods))})"
+            )
         if scope is None and not any(name in _options_taken(method) for method in methods):
-            raise UsageError(f"`method_option` {entry}: no row's method takes the option {name}; cafa methods NAME lists "
-                             f"a method's options")
+            raise UsageError(
+                f"`method_option` {entry}: no row's method takes the option {name}; cafa methods NAME lists "
+                f"a method's options"
+            )
 
 
 def fisher_data(config: BenchConfig, row: Row) -> str | None:
@@ -139,15 +181,22 @@ def training_data(train: str | None, model: str, data: list[str], rows: list[Row
         raise UsageError(needed)
     found, looked = robustbench.training_set_beside(model, data)
     if found:
-        return found, f"`train` {found}: the training set of {model}, beside its benchmark as RobustBench keeps it " \
-                      f"(give `train` to change it)"
+        return (
+            found,
+            f"`train` {found}: the training set of {model}, beside its benchmark as RobustBench keeps it "
+            f"(give `train` to change it)",
+        )
     dataset = robustbench.lookup(model).dataset
     if dataset not in robustbench.TRAINING_FOLDERS:
-        raise UsageError(f"{needed}, {model}'s: give `train` ImageNet's training folder of class folders "
-                         f"(`train` /data/imagenet/train)")
+        raise UsageError(
+            f"{needed}, {model}'s: give `train` ImageNet's training folder of class folders "
+            f"(`train` /data/imagenet/train)"
+        )
     where = f"; there is no {looked} beside the benchmark" if looked else ""
-    raise UsageError(f"{needed}, {model}'s: give `train` {dataset}:DIR, DIR holding {robustbench.TRAINING_FOLDERS[dataset]} "
-                     f"(`train` {dataset}:data){where}")
+    raise UsageError(
+        f"{needed}, {model}'s: give `train` {dataset}:DIR, DIR holding {robustbench.TRAINING_FOLDERS[dataset]} "
+        f"(`train` {dataset}:data){where}"
+    )
 
 
 def with_standard_model(config: BenchConfig) -> tuple[BenchConfig, str | None]:

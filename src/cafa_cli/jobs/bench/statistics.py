@@ -4,20 +4,20 @@ in its workdir and re-used while they still match the bench's model, data and se
 from __future__ import annotations
 
 from pathlib import Path
+
 from cafa_cli.artifact import read_artifact
-from cafa_cli.data.sources import open_domain
 from cafa_cli.data.domain import read_class_list
+from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, printable, undecodable
 from cafa_cli.files import atomic_write
-from cafa_cli.models import bundled_model
 from cafa_cli.jobs.bench.rows import Row
+from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
 from cafa_cli.jobs.config import BenchConfig, StatsConfig
 from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
-from cafa_cli.jobs.stats import compute_statistics, sample_sha256
-from cafa_cli.provenance import model_mismatch
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
-
+from cafa_cli.jobs.stats import compute_statistics, sample_sha256
+from cafa_cli.models import bundled_model
+from cafa_cli.provenance import model_mismatch
 
 
 def covariances_needed(rows: list[Row]) -> list[str]:
@@ -32,7 +32,9 @@ def statistics_needed(rows: list[Row]) -> list[tuple[str, float | None]]:
 
 def artifact_path(workdir: Path, covariance: str, fraction: float | None = None) -> Path:
     """One artifact a covariance mode, and on a fraction sweep one a fraction too (`stats-auto-fraction0.01`)."""
-    return workdir / (f"stats-{covariance}.safetensors" if fraction is None else f"stats-{covariance}-fraction{fraction}.safetensors")
+    return workdir / (
+        f"stats-{covariance}.safetensors" if fraction is None else f"stats-{covariance}-fraction{fraction}.safetensors"
+    )
 
 
 def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor, fraction: float | None = None) -> Path:
@@ -75,8 +77,10 @@ def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, P
     # them), spaces around a name or a line break in it would not come back
     unwritable = [n for n in names if any(undecodable(ch) for ch in n) or n != n.strip() or len(n.splitlines()) > 1]
     if unwritable:
-        raise InputError(f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
-                         f"statistics (a name that is not UTF-8, or spaces around it); rename it")
+        raise InputError(
+            f"class folder {printable(repr(unwritable[0]))} cannot go into the class list file for the rows without "
+            f"statistics (a name that is not UTF-8, or spaces around it); rename it"
+        )
     path = workdir / "classes.txt"
     if write:
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(f"{name}\n" for name in names), encoding="utf-8"))

@@ -8,6 +8,7 @@ import csv
 import os
 import statistics as stats_lib
 from pathlib import Path
+
 from cafa_cli.errors import UsageError
 from cafa_cli.files import atomic_write
 
@@ -22,7 +23,9 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
     """Column labels, one per domain (and `mean`): `fog`, or `fog/3` and `fog/5` when
     the short ones would collide (with each other or with `mean`), up to the whole path."""
     labels = {d: domain_label(d) for d in domains}
-    paths = {d: Path(os.path.abspath(d)) if Path(d).exists() else Path(d) for d in domains}  # names as given, links not followed
+    paths = {
+        d: Path(os.path.abspath(d)) if Path(d).exists() else Path(d) for d in domains
+    }  # names as given, links not followed
     for depth in range(2, max((len(p.parts) for p in paths.values()), default=0) + 1):
         shown = [*labels.values(), "mean"]
         clashing = {d for d in domains if shown.count(labels[d]) > 1}
@@ -107,7 +110,10 @@ def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str
     the note under the table says."""
     fractions, names, means = _fraction_sweep(table, rows)
     flat = [name for name in names if (name, None) in means]
-    lines = ["| method / fraction | " + " | ".join(str(f) for f in fractions) + " |", "|---|" + "---:|" * len(fractions)]
+    lines = [
+        "| method / fraction | " + " | ".join(str(f) for f in fractions) + " |",
+        "|---|" + "---:|" * len(fractions),
+    ]
     cell = {(name, f): means[(name, None if name in flat else f)] for name in names for f in fractions}
     best = {f: min(cell[(name, f)][0] for name in names) for f in fractions}
     for name in names:
@@ -118,7 +124,10 @@ def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str
             texts.append(f"**{text}**" if mean == best[f] else text)
         lines.append(f"| {name} | " + " | ".join(texts) + " |")
     if flat:
-        lines += ["", f"({', '.join(flat)}: no statistics, so not run per fraction; the same error stands under every fraction.)"]
+        lines += [
+            "",
+            f"({', '.join(flat)}: no statistics, so not run per fraction; the same error stands under every fraction.)",
+        ]
     return "\n".join(lines)
 
 
@@ -171,8 +180,14 @@ def _colours(plt, count: int) -> list:
 def _legend_outside(ax, handles: list | None = None) -> None:
     """The legend right of the axes, where it covers no bar or line (the figure is saved
     with bbox_inches="tight", which widens it to hold the legend); `handles` in their order."""
-    ax.legend(**({"handles": handles} if handles else {}), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
-              frameon=False, fontsize="small")
+    ax.legend(
+        **({"handles": handles} if handles else {}),
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        frameon=False,
+        fontsize="small",
+    )
 
 
 def _save(plt, fig, path: str) -> None:
@@ -181,8 +196,16 @@ def _save(plt, fig, path: str) -> None:
     with a random uuid unless svg.hashsalt is set)."""
     svg = Path(path).suffix.lower() == ".svg"
     with plt.rc_context({"svg.hashsalt": "cafa"}):
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="svg" if svg else "png", dpi=120, bbox_inches="tight",
-                                                   metadata={"Date": None} if svg else None))
+        atomic_write(
+            path,
+            lambda tmp: fig.savefig(
+                tmp,
+                format="svg" if svg else "png",
+                dpi=120,
+                bbox_inches="tight",
+                metadata={"Date": None} if svg else None,
+            ),
+        )
     plt.close(fig)
 
 
@@ -193,9 +216,17 @@ def plot_conditions(path: str, table: list[dict], rows: list) -> None:
     means = {(r.condition, r.name): entry["cells"]["mean"] for r, entry in zip(rows, table)}
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(conditions)), 4))
     for name, colour in zip(names, _colours(plt, len(names))):
-        ax.errorbar(range(len(conditions)), [means[(c, name)][0] for c in conditions],
-                    yerr=[means[(c, name)][1] for c in conditions], marker="o", color=colour, capsize=4, capthick=1.2,
-                    elinewidth=1.2, label=name)
+        ax.errorbar(
+            range(len(conditions)),
+            [means[(c, name)][0] for c in conditions],
+            yerr=[means[(c, name)][1] for c in conditions],
+            marker="o",
+            color=colour,
+            capsize=4,
+            capthick=1.2,
+            elinewidth=1.2,
+            label=name,
+        )
     ax.set_xticks(range(len(conditions)))
     ax.set_xticklabels(conditions, rotation=45, ha="right")
     ax.set_ylabel("error % (mean over domains)")
@@ -215,8 +246,15 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
     for k, (row, colour) in enumerate(zip(table, _colours(plt, len(table)))):
         means = [row["cells"][key][0] for key in keys]
         stds = [row["cells"][key][1] for key in keys]
-        ax.bar([i + k * width for i in range(len(keys))], means, width, color=colour, label=row["method"],
-               yerr=stds if any(stds) else None, error_kw=ERROR_BARS)
+        ax.bar(
+            [i + k * width for i in range(len(keys))],
+            means,
+            width,
+            color=colour,
+            label=row["method"],
+            yerr=stds if any(stds) else None,
+            error_kw=ERROR_BARS,
+        )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
     labels = domain_labels(domains)
     ax.set_xticklabels([labels[k] for k in keys], rotation=45, ha="right")
@@ -242,12 +280,25 @@ def plot_fractions(path: str, table: list[dict], rows: list) -> None:
     for name in names:
         colour = colour if oracle[name] else next(colours)  # a twin follows its row (rows.with_oracle)
         if (name, None) in means:
-            handles.append(ax.axhline(means[(name, None)][0], color=colour, linestyle=":", linewidth=1.5,
-                                      label=f"{name} (no statistics)"))
+            handles.append(
+                ax.axhline(
+                    means[(name, None)][0], color=colour, linestyle=":", linewidth=1.5, label=f"{name} (no statistics)"
+                )
+            )
             continue
         stds = [means[(name, f)][1] for f in fractions]
-        handles.append(ax.errorbar(fractions, [means[(name, f)][0] for f in fractions], yerr=stds if any(stds) else None,
-                                   color=colour, marker="o", linestyle="--" if oracle[name] else "-", capsize=3, label=name))
+        handles.append(
+            ax.errorbar(
+                fractions,
+                [means[(name, f)][0] for f in fractions],
+                yerr=stds if any(stds) else None,
+                color=colour,
+                marker="o",
+                linestyle="--" if oracle[name] else "-",
+                capsize=3,
+                label=name,
+            )
+        )
     ax.set_xscale("log")
     ax.set_xticks(fractions, labels=[str(f) for f in fractions])
     ax.minorticks_off()  # the fractions are the ticks; the log axis's minor ticks would be unlabelled clutter

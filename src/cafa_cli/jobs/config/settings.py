@@ -9,8 +9,14 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
-from cafa_cli.data.values import (check_batch_size, check_num_workers, check_preprocessing, parse_floats, parse_order,
-                                  parse_size)
+from cafa_cli.data.values import (
+    check_batch_size,
+    check_num_workers,
+    check_preprocessing,
+    parse_floats,
+    parse_order,
+    parse_size,
+)
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.factories import code_file, parse_model_args
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
@@ -31,7 +37,15 @@ DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each I
 # help panels, in the order --help shows them: as a user decides, what to adapt with first,
 # and last the settings a recipe gives (docs/usage.md explains each at length)
 METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION = (
-    "Method", "Data", "Model", "Stream", "Statistics", "Output", "Runtime", "Adaptation (a recipe sets these; what you give wins)")
+    "Method",
+    "Data",
+    "Model",
+    "Stream",
+    "Statistics",
+    "Output",
+    "Runtime",
+    "Adaptation (a recipe sets these; what you give wins)",
+)
 PANELS = (METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION)
 
 
@@ -44,9 +58,20 @@ AS_SAMPLE = "resolved: the training sample, a fraction or a count"
 OUTPUT_FILE = "an output"
 
 
-def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[str, ...] = (), metavar: str | None = None,
-            panel: str | None = None, show_default: bool = True, command_line_only: bool = False, names_code: bool = False,
-            option: bool = True, recorded: bool | str = True):
+def setting(
+    default=MISSING,
+    help: str = "",
+    *,
+    factory=MISSING,
+    flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    panel: str | None = None,
+    show_default: bool = True,
+    command_line_only: bool = False,
+    names_code: bool = False,
+    option: bool = True,
+    recorded: bool | str = True,
+):
     """A config field with what its command-line option needs. `flags` replaces the
     generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
     setting that lets code run or lifts a safety check, which no config file may set;
@@ -54,8 +79,17 @@ def setting(default=MISSING, help: str = "", *, factory=MISSING, flags: tuple[st
     file may set to a plain name only; `option` False, a field the command fills itself.
     `recorded` True: the run's JSON record keeps the value as given (recorded_as_given);
     else the reason it does not, which tests/test_jobs_config.py requires of every field."""
-    metadata = {"help": help, "flags": flags, "metavar": metavar, "panel": panel, "show_default": show_default,
-                "command_line_only": command_line_only, "names_code": names_code, "option": option, "recorded": recorded}
+    metadata = {
+        "help": help,
+        "flags": flags,
+        "metavar": metavar,
+        "panel": panel,
+        "show_default": show_default,
+        "command_line_only": command_line_only,
+        "names_code": names_code,
+        "option": option,
+        "recorded": recorded,
+    }
     if factory is not MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -71,17 +105,48 @@ def recorded_as_given(config_type) -> tuple[str, ...]:
 class ModelOptions:
     """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
 
-    model: str | None = setting(None, "torchvision architecture (resnet50), bundled model (fmnist-resnet), timm:NAME, robustbench:DATASET/NAME, or a factory file.py:function (its code runs; command line only). docs/usage.md, Models",
-                                flags=("--model", "-m"), metavar="NAME", panel=MODEL, names_code=True, recorded=AS_BUILT)
-    weights: str | None = setting(None, "State dict (.safetensors, or .pt/.pth read with weights_only=True), or pretrained weights by name from the local cache, never downloaded (IMAGENET1K_V2, a timm tag).",
-                                  flags=("--weights", "-w"), metavar="PATH|NAME", panel=MODEL, recorded=AS_BUILT)
-    model_args: list[str] = setting(help="A keyword argument of the model's constructor or factory, KEY=VALUE "
-                                    "(repeatable): image_size=64, drop_rate=0.1; a value is a Python literal, else text.",
-                                    factory=list, flags=("--model-arg",), metavar="KEY=VALUE", panel=MODEL, recorded=AS_BUILT)
-    num_classes: int | None = setting(None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL, recorded=AS_BUILT)
-    classifier: str | None = setting(None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL, recorded=AS_BUILT)
-    trust_checkpoint: bool = setting(False, "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
-                                     "arbitrary code: only for files you trust.", panel=MODEL, command_line_only=True, recorded="lets a checkpoint's code run, and changes no result")
+    model: str | None = setting(
+        None,
+        "torchvision architecture (resnet50), bundled model (fmnist-resnet), timm:NAME, robustbench:DATASET/NAME, or "
+        "a factory file.py:function (its code runs; command line only). docs/usage.md, Models",
+        flags=("--model", "-m"),
+        metavar="NAME",
+        panel=MODEL,
+        names_code=True,
+        recorded=AS_BUILT,
+    )
+    weights: str | None = setting(
+        None,
+        "State dict (.safetensors, or .pt/.pth read with weights_only=True), or pretrained weights by name from the "
+        "local cache, never downloaded (IMAGENET1K_V2, a timm tag).",
+        flags=("--weights", "-w"),
+        metavar="PATH|NAME",
+        panel=MODEL,
+        recorded=AS_BUILT,
+    )
+    model_args: list[str] = setting(
+        help="A keyword argument of the model's constructor or factory, KEY=VALUE "
+        "(repeatable): image_size=64, drop_rate=0.1; a value is a Python literal, else text.",
+        factory=list,
+        flags=("--model-arg",),
+        metavar="KEY=VALUE",
+        panel=MODEL,
+        recorded=AS_BUILT,
+    )
+    num_classes: int | None = setting(
+        None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL, recorded=AS_BUILT
+    )
+    classifier: str | None = setting(
+        None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL, recorded=AS_BUILT
+    )
+    trust_checkpoint: bool = setting(
+        False,
+        "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
+        "arbitrary code: only for files you trust.",
+        panel=MODEL,
+        command_line_only=True,
+        recorded="lets a checkpoint's code run, and changes no result",
+    )
 
     def model_inputs(self) -> dict[str, str | None]:
         """The files the model is read from, which no output may replace."""
@@ -102,31 +167,79 @@ class ModelOptions:
 class InputOptions:
     """How images are read and preprocessed. None: the artifact's, the bundled model's, or ImageNet's."""
 
-    classes: str | None = setting(None, "File with one class name per line, in the model's output order (default: an "
-                                  "artifact's or a bundled model's list, else the sorted folder names).", metavar="PATH",
-                                  panel=DATA, recorded=AS_PATH)
-    class_subset: str | None = setting(None, "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/usage.md, Benchmarks.",
-                                       metavar="PATH", panel=DATA, recorded=AS_PATH)
-    labels: str | None = setting(None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA, recorded=AS_PATH)
-    severity: int | None = setting(None, "Severity 1-5 of a named benchmark or a stacked array (default 5 there).",
-                                   metavar="N", panel=DATA, recorded="resolved: with the named benchmarks' default filled in")
-    resize: str | None = setting(None, "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
-                                 "(adapt), the bundled model's, or 256.", metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
-    crop: str | None = setting(None, "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
-                               "already 224x224: use --resize none --crop none.", metavar="PX", panel=DATA, recorded=AS_PREPROCESSING)
-    mean: str | None = setting(None, "Normalisation mean, one value or one per channel; default as --resize's, or "
-                               "ImageNet's.", metavar="X[,X,X]", panel=DATA, recorded=AS_PREPROCESSING)
-    std: str | None = setting(None, "Normalisation std, one value or one per channel; default as --mean's.",
-                              metavar="X[,X,X]", panel=DATA, recorded=AS_PREPROCESSING)
+    classes: str | None = setting(
+        None,
+        "File with one class name per line, in the model's output order (default: an "
+        "artifact's or a bundled model's list, else the sorted folder names).",
+        metavar="PATH",
+        panel=DATA,
+        recorded=AS_PATH,
+    )
+    class_subset: str | None = setting(
+        None,
+        "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/usage.md, Benchmarks.",
+        metavar="PATH",
+        panel=DATA,
+        recorded=AS_PATH,
+    )
+    labels: str | None = setting(
+        None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA, recorded=AS_PATH
+    )
+    severity: int | None = setting(
+        None,
+        "Severity 1-5 of a named benchmark or a stacked array (default 5 there).",
+        metavar="N",
+        panel=DATA,
+        recorded="resolved: with the named benchmarks' default filled in",
+    )
+    resize: str | None = setting(
+        None,
+        "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
+        "(adapt), the bundled model's, or 256.",
+        metavar="PX",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
+    crop: str | None = setting(
+        None,
+        "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
+        "already 224x224: use --resize none --crop none.",
+        metavar="PX",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
+    mean: str | None = setting(
+        None,
+        "Normalisation mean, one value or one per channel; default as --resize's, or ImageNet's.",
+        metavar="X[,X,X]",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
+    std: str | None = setting(
+        None,
+        "Normalisation std, one value or one per channel; default as --mean's.",
+        metavar="X[,X,X]",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
     channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA, recorded=AS_PREPROCESSING)
-    interpolation: str | None = setting(None, "Resize filter: bilinear, bicubic or nearest. Default: the artifact's "
-                                        "(adapt), the model's own (timm, torchvision weights by name), or bilinear.",
-                                        metavar="MODE", panel=DATA, recorded=AS_PREPROCESSING)
+    interpolation: str | None = setting(
+        None,
+        "Resize filter: bilinear, bicubic or nearest. Default: the artifact's "
+        "(adapt), the model's own (timm, torchvision weights by name), or bilinear.",
+        metavar="MODE",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
 
     def preprocessing_changes(self, prefix: str = "") -> dict:
         """The preprocessing values given (None: not given), parsed and each checked by itself."""
-        texts = {"resize": (self.resize, parse_size), "crop": (self.crop, parse_size),
-                 "mean": (self.mean, parse_floats), "std": (self.std, parse_floats)}
+        texts = {
+            "resize": (self.resize, parse_size),
+            "crop": (self.crop, parse_size),
+            "mean": (self.mean, parse_floats),
+            "std": (self.std, parse_floats),
+        }
         changes = {key: parse(text, prefix + key) for key, (text, parse) in texts.items() if text is not None}
         if self.channels is not None:
             changes["channels"] = self.channels
@@ -143,18 +256,40 @@ class InputOptions:
 class TestDataOptions:
     """Which test images, beyond the domains: an image-id list, and a clean set to check the model on."""
 
-    subset: str | None = setting(None, "File of image ids to keep in each test domain, one a line (RobustBench's 5,000-image ImageNet-C list).",
-                                 metavar="PATH", panel=DATA, recorded=AS_PATH)
-    clean: str | None = setting(None, "The benchmark's clean test set: the source model's error on it is printed first, as a sanity check.", metavar="PATH", panel=DATA, recorded="resolved: the source model's error on it")
-    source: str | None = setting(None, "The source domain of a domain-adaptation benchmark (office-home, domainnet): left out of the targets.",
-                                 metavar="DOMAIN", panel=DATA, recorded='resolved: the source domain the benchmark names')
+    subset: str | None = setting(
+        None,
+        "File of image ids to keep in each test domain, one a line (RobustBench's 5,000-image ImageNet-C list).",
+        metavar="PATH",
+        panel=DATA,
+        recorded=AS_PATH,
+    )
+    clean: str | None = setting(
+        None,
+        "The benchmark's clean test set: the source model's error on it is printed first, as a sanity check.",
+        metavar="PATH",
+        panel=DATA,
+        recorded="resolved: the source model's error on it",
+    )
+    source: str | None = setting(
+        None,
+        "The source domain of a domain-adaptation benchmark (office-home, domainnet): left out of the targets.",
+        metavar="DOMAIN",
+        panel=DATA,
+        recorded="resolved: the source domain the benchmark names",
+    )
 
 
 @dataclass(kw_only=True)
 class RuntimeOptions:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", metavar="DEVICE", panel=RUNTIME)
-    num_workers: int | None = setting(None, "Data loading processes. Default: on CUDA the cores this process may use, less one (shared among torchrun's ranks); on the CPU 0.",
-                                      metavar="N", panel=RUNTIME, show_default=False)
+    num_workers: int | None = setting(
+        None,
+        "Data loading processes. Default: on CUDA the cores this process may use, less one (shared among torchrun's "
+        "ranks); on the CPU 0.",
+        metavar="N",
+        panel=RUNTIME,
+        show_default=False,
+    )
     strict: bool = setting(False, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME)
 
     def _check_runtime(self) -> None:
@@ -167,16 +302,34 @@ class RuntimeOptions:
 class AdaptationOptions:
     """How the model adapts: the Adapter's keyword arguments, one to one."""
 
-    params: ParamSet = setting("norm", "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION)
-    optimizer: Optimizer = setting("adam", "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C "
-                                   "code).", panel=ADAPTATION)
+    params: ParamSet = setting(
+        "norm", "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION
+    )
+    optimizer: Optimizer = setting(
+        "adam", "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).", panel=ADAPTATION
+    )
     lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
     momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
     steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
-    norm: str = setting("batch", "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; needs cafa stats --norm-moments). docs/usage.md, Normalisation statistics", metavar="NORM", panel=ADAPTATION)
+    norm: str = setting(
+        "batch",
+        "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; "
+        "needs cafa stats --norm-moments). docs/usage.md, Normalisation statistics",
+        metavar="NORM",
+        panel=ADAPTATION,
+    )
     precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=RUNTIME)
-    compile: bool = setting(False, "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).", panel=RUNTIME)
-    cuda_graph: bool = setting(True, "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once.", flags=("--cuda-graph/--no-cuda-graph",), panel=RUNTIME)
+    compile: bool = setting(
+        False,
+        "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).",
+        panel=RUNTIME,
+    )
+    cuda_graph: bool = setting(
+        True,
+        "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once.",
+        flags=("--cuda-graph/--no-cuda-graph",),
+        panel=RUNTIME,
+    )
 
     def adapter_options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
@@ -189,13 +342,26 @@ class AdaptationOptions:
 class RecipeOptions:
     """Which published setting a method runs with, and its own options beyond it."""
 
-    recipe: str = setting("auto", "The methods' published settings: auto (from the benchmark or the class count), imagenet-c, cifar10-c, cifar100-c, none, or a .toml file (cafa methods NAME --recipe R prints one).",
-                          metavar="NAME|FILE", panel=METHOD)
-    method_option: list[str] = setting(help="A method's own option NAME=VALUE (repeatable), e.g. redundancy_margin=0.4; METHOD.NAME=VALUE for one method of a bench. cafa methods NAME lists them.", factory=list,
-                                       flags=("--method-option",), metavar="NAME=VALUE", panel=METHOD)
+    recipe: str = setting(
+        "auto",
+        "The methods' published settings: auto (from the benchmark or the class count), imagenet-c, cifar10-c, "
+        "cifar100-c, none, or a .toml file (cafa methods NAME --recipe R prints one).",
+        metavar="NAME|FILE",
+        panel=METHOD,
+    )
+    method_option: list[str] = setting(
+        help="A method's own option NAME=VALUE (repeatable), e.g. redundancy_margin=0.4; METHOD.NAME=VALUE for one "
+        "method of a bench. cafa methods NAME lists them.",
+        factory=list,
+        flags=("--method-option",),
+        metavar="NAME=VALUE",
+        panel=METHOD,
+    )
     # the settings the user chose, which a recipe does not replace (the command line fills it);
     # None: those that differ from their defaults
-    given: tuple[str, ...] | None = setting(None, option=False, recorded='what the user typed, which a recipe leaves as it is')
+    given: tuple[str, ...] | None = setting(
+        None, option=False, recorded="what the user typed, which a recipe leaves as it is"
+    )
 
     def recipe_file(self) -> str | None:
         return self.recipe if self.recipe.endswith(".toml") else None
@@ -221,10 +387,16 @@ def parse_method_options(entries: list[str]) -> list[tuple[str | None, str, str]
         key, equals, value = str(entry).partition("=")
         method, dot, name = key.strip().rpartition(".")
         if not equals or not name.isidentifier() or (dot and not method):
-            raise UsageError(f"`method_option` {entry!r}: expected NAME=VALUE (e.g. redundancy_margin=0.4), or "
-                             f"METHOD.NAME=VALUE for one method of a bench")
+            raise UsageError(
+                f"`method_option` {entry!r}: expected NAME=VALUE (e.g. redundancy_margin=0.4), or "
+                f"METHOD.NAME=VALUE for one method of a bench"
+            )
         parsed.append((method or None, name, value.strip()))
-    twice = [f"{m + '.' if m else ''}{n}" for k, (m, n, _) in enumerate(parsed) if (m, n) in [(a, b) for a, b, _ in parsed[:k]]]
+    twice = [
+        f"{m + '.' if m else ''}{n}"
+        for k, (m, n, _) in enumerate(parsed)
+        if (m, n) in [(a, b) for a, b, _ in parsed[:k]]
+    ]
     if twice:
         raise UsageError(f"`method_option` gives {twice[0]} twice; give each once")
     return parsed
@@ -234,10 +406,19 @@ def parse_method_options(entries: list[str]) -> list[tuple[str | None, str, str]
 class MethodDataOptions:
     """What a method needs beyond the model, its statistics and the test data."""
 
-    fisher_data: str | None = setting(None, "eata: clean source images (as --data) for its Fisher anti-forgetting term; without them eata runs as eta.",
-                                      metavar="PATH", panel=ADAPTATION, recorded='resolved: the data as opened')
-    fisher_samples: int = setting(2000, "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
-                                  metavar="N", panel=ADAPTATION)
+    fisher_data: str | None = setting(
+        None,
+        "eata: clean source images (as --data) for its Fisher anti-forgetting term; without them eata runs as eta.",
+        metavar="PATH",
+        panel=ADAPTATION,
+        recorded="resolved: the data as opened",
+    )
+    fisher_samples: int = setting(
+        2000,
+        "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
+        metavar="N",
+        panel=ADAPTATION,
+    )
 
     def _check_method_data(self) -> None:
         at_least("fisher_samples", self.fisher_samples, 1)
@@ -247,26 +428,54 @@ class MethodDataOptions:
 class StreamOptions:
     """The order and grouping of the test images: adapt_domains' keyword arguments."""
 
-    batch_size: int = setting(200, "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C).", metavar="N", panel=STREAM)
-    reset: Reset = setting("domain", "domain (each domain from the source weights), episodic (every batch), never "
-                           "(continual).", panel=STREAM)
-    order: str = setting("iid", "Order of each domain's images: iid, label-shift:S (the paper's), or dirichlet:D (NOTE's and RoTTA's; 0.1, 0.01). docs/usage.md, Stream settings",
-                         metavar="ORDER", panel=STREAM)
-    mix_domains: bool = setting(False, "All domains interleaved into one stream (errors still per domain).", panel=STREAM)
-    gradual: bool = setting(False, "Visit each corruption at severities 1,2,3,4,5,4,3,2,1 (CoTTA's gradual setting); DOMAIN is the corruption's folder.", panel=STREAM)
+    batch_size: int = setting(
+        200,
+        "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C).",
+        metavar="N",
+        panel=STREAM,
+    )
+    reset: Reset = setting(
+        "domain",
+        "domain (each domain from the source weights), episodic (every batch), never (continual).",
+        panel=STREAM,
+    )
+    order: str = setting(
+        "iid",
+        "Order of each domain's images: iid, label-shift:S (the paper's), or dirichlet:D (NOTE's and RoTTA's; 0.1, "
+        "0.01). docs/usage.md, Stream settings",
+        metavar="ORDER",
+        panel=STREAM,
+    )
+    mix_domains: bool = setting(
+        False, "All domains interleaved into one stream (errors still per domain).", panel=STREAM
+    )
+    gradual: bool = setting(
+        False,
+        "Visit each corruption at severities 1,2,3,4,5,4,3,2,1 (CoTTA's gradual setting); DOMAIN is the corruption's "
+        "folder.",
+        panel=STREAM,
+    )
 
     def _check_stream(self) -> None:
         check_batch_size(self.batch_size)
         parse_order(self.order)
         if self.mix_domains and self.gradual:
-            raise UsageError("`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them")
+            raise UsageError(
+                "`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them"
+            )
 
 
 @dataclass(kw_only=True)
 class OracleOptions:
     """An analysis of labelled streams: the paper's CAFA-Oracle."""
 
-    oracle: bool = setting(False, "CAFA-Oracle: the class-aware loss takes the true labels in place of the predictions; the predictions reported are still the model's. For cafa, intra, euclidean and cafa-eata; bench adds a NAME-oracle row after each of theirs.", panel=ADAPTATION)
+    oracle: bool = setting(
+        False,
+        "CAFA-Oracle: the class-aware loss takes the true labels in place of the predictions; the predictions "
+        "reported are still the model's. For cafa, intra, euclidean and cafa-eata; bench adds a NAME-oracle row after "
+        "each of theirs.",
+        panel=ADAPTATION,
+    )
 
 
 def oracle_methods() -> list[str]:
@@ -282,21 +491,39 @@ def check_oracle(method: str) -> None:
     from cafa_cli.method.methods import is_plugin
 
     if not is_plugin(method) and method not in oracle_methods():
-        raise UsageError(f"`oracle` gives the true labels to a loss that uses the predicted class ({', '.join(oracle_methods())}); "
-                         f"`method` {method} takes none, so the oracle would change nothing")
+        raise UsageError(
+            f"`oracle` gives the true labels to a loss that uses the predicted class ({', '.join(oracle_methods())}); "
+            f"`method` {method} takes none, so the oracle would change nothing"
+        )
 
 
 @dataclass(kw_only=True)
 class SamplingOptions:
     """Which training images the statistics come from, and how they are regularised."""
 
-    fraction: float | None = setting(None, f"Stratified fraction of each class's training images, in (0, 1]; default "
-                                     f"{DEFAULT_FRACTION}.", metavar="F", panel=STATISTICS, show_default=False, recorded=AS_SAMPLE)
-    per_class: int | None = setting(None, "This many training images per class instead of a --fraction.", metavar="N",
-                                    panel=STATISTICS, recorded=AS_SAMPLE)
-    shrinkage: str = setting("auto", "'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: "
-                             "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.", metavar="auto|λ",
-                             panel=STATISTICS, recorded='resolved: a number, or auto')
+    fraction: float | None = setting(
+        None,
+        f"Stratified fraction of each class's training images, in (0, 1]; default {DEFAULT_FRACTION}.",
+        metavar="F",
+        panel=STATISTICS,
+        show_default=False,
+        recorded=AS_SAMPLE,
+    )
+    per_class: int | None = setting(
+        None,
+        "This many training images per class instead of a --fraction.",
+        metavar="N",
+        panel=STATISTICS,
+        recorded=AS_SAMPLE,
+    )
+    shrinkage: str = setting(
+        "auto",
+        "'auto' (OAS per class; diag: a λ for the variances alone) or λ in [0, 1]: "
+        "Σ = (1-λ)S + λ tr(S)/d I. 0 is the paper's unregularised estimate.",
+        metavar="auto|λ",
+        panel=STATISTICS,
+        recorded="resolved: a number, or auto",
+    )
 
     def training_sample(self) -> tuple[float | None, int | None]:
         """(fraction, None) or (None, per_class): a fraction of 0.05 when neither is given."""
@@ -318,6 +545,7 @@ class SamplingOptions:
         self.training_sample()
         self.shrinkage_value()
 
+
 def factory_file(spec: str | None) -> str | None:
     """The file of a `file.py:function` or `module:function` model or plug-in, else None:
     code the command reads and runs."""
@@ -328,7 +556,9 @@ def at_least(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"`{name}` must be a whole number, not {value!r}")
     if value < low:
-        raise UsageError(f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}")
+        raise UsageError(
+            f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}"
+        )
 
 
 def parse_shrinkage(value: float | str) -> float | str:
@@ -370,7 +600,9 @@ def parse_severities(text: str, name: str) -> list[int]:
 
 def check_gradual_severity(config) -> None:
     if config.gradual and config.severity is not None:
-        raise UsageError(f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them")
+        raise UsageError(
+            f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them"
+        )
 
 
 def check_seed(name: str, seed: int) -> None:
@@ -380,5 +612,7 @@ def check_seed(name: str, seed: int) -> None:
 
 def check_covariance(covariance: str, shrinkage: float | str) -> None:
     if shrinkage == 0 and covariance == "lowrank":
-        raise UsageError("`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
-                         "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full")
+        raise UsageError(
+            "`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
+            "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full"
+        )

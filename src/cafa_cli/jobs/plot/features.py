@@ -25,11 +25,11 @@ from cafa_cli.data.loading import batches
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
 from cafa_cli.errors import InputError
-from cafa_cli.jobs.plot import figure as feature_figure
 from cafa_cli.jobs.adapt.job import Adaptation, short_name
 from cafa_cli.jobs.adapt.prepare import check_model_and_artifact_named, needs_artifact, prepare_adaptation
 from cafa_cli.jobs.bench.runs import row_method_options, shared
 from cafa_cli.jobs.config import AdaptConfig, FeaturesPlotConfig
+from cafa_cli.jobs.plot import figure as feature_figure
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import percent
@@ -75,11 +75,15 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
     gaussians = artifact_gaussians(config, class_names, monitor)
     for panel in panels:
         panel.within_between = scatter_ratio(panel.features, panel.labels)
-        panel.mahalanobis = None if gaussians is None else mahalanobis_per_dimension(panel.features, panel.labels, gaussians)
+        panel.mahalanobis = (
+            None if gaussians is None else mahalanobis_per_dimension(panel.features, panel.labels, gaussians)
+        )
     labelled = any((panel.labels != UNLABELLED).any() for panel in panels)
     if not labelled:
-        monitor.info("the images have no labels: the points are drawn in one colour, and the scatter and Mahalanobis "
-                     "numbers (which need each image's class) are not computed")
+        monitor.info(
+            "the images have no labels: the points are drawn in one colour, and the scatter and Mahalanobis "
+            "numbers (which need each image's class) are not computed"
+        )
     means = None if gaussians is None else gaussians.means.numpy()
     embeddings = [feature_figure.embed(panel.features, means, config.seed, config.perplexity) for panel in panels]
     feature_figure.draw(plotting, config.out, panels, embeddings, class_names, config.seed, short_name(config.data[0]))
@@ -88,7 +92,9 @@ def run(config: FeaturesPlotConfig, monitor: Monitor) -> dict:
 
 def method_config(config: FeaturesPlotConfig, method: str) -> AdaptConfig:
     """The `cafa adapt` run of one panel: the plot's settings, that method, its own method options."""
-    return shared(config, AdaptConfig, method=method, method_option=row_method_options(config, method), given=config.given)
+    return shared(
+        config, AdaptConfig, method=method, method_option=row_method_options(config, method), given=config.given
+    )
 
 
 def sampled(job: Adaptation, count: int | None, seed: int) -> Adaptation:
@@ -107,7 +113,9 @@ def stratified_rows(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
     exact = np.array([len(group) for group in groups]) * count / len(labels)
     quotas = np.floor(exact).astype(int)
     quotas[np.argsort(quotas - exact, kind="stable")[: count - quotas.sum()]] += 1
-    return np.sort(np.concatenate([rng.choice(group, size=quota, replace=False) for group, quota in zip(groups, quotas)]))
+    return np.sort(
+        np.concatenate([rng.choice(group, size=quota, replace=False) for group, quota in zip(groups, quotas)])
+    )
 
 
 def adapted_features(job: Adaptation) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +147,9 @@ def artifact_gaussians(config: FeaturesPlotConfig, class_names: list[str], monit
         return None
     artifact = read_artifact(path, load_tensors=True)
     if artifact.gaussians is None or list(artifact.class_names) != list(class_names):
-        monitor.warn(f"{path} holds no class Gaussians of the domain's classes in their order: no class means are drawn")
+        monitor.warn(
+            f"{path} holds no class Gaussians of the domain's classes in their order: no class means are drawn"
+        )
         return None
     return artifact.gaussians
 
@@ -187,8 +197,15 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
         "class_means_drawn": means,
         "seed": config.seed,
         "embedding": feature_figure.embedding_record(config.perplexity),
-        "panels": [{"method": p.method, "error": p.error, "within_between": p.within_between,
-                    "mahalanobis_per_dimension": p.mahalanobis} for p in panels],
+        "panels": [
+            {
+                "method": p.method,
+                "error": p.error,
+                "within_between": p.within_between,
+                "mahalanobis_per_dimension": p.mahalanobis,
+            }
+            for p in panels
+        ],
     }
 
 
@@ -198,8 +215,12 @@ def numbers_table(numbers: dict) -> Table:
     for column in ("method", "error %", "W/B scatter", "Mahalanobis/d"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for panel in numbers["panels"]:
-        table.add_row(panel["method"], percent(panel["error"]), _number(panel["within_between"], 3),
-                      _number(panel["mahalanobis_per_dimension"], 2))
+        table.add_row(
+            panel["method"],
+            percent(panel["error"]),
+            _number(panel["within_between"], 3),
+            _number(panel["mahalanobis_per_dimension"], 2),
+        )
     return table
 
 

@@ -24,15 +24,21 @@ def libraries():
         from matplotlib.figure import Figure
         from sklearn.manifold import TSNE
     except ImportError as error:
-        raise UsageError(f"cafa plot features needs matplotlib and scikit-learn ({(error.name or 'a module').split('.')[0]} is missing): {INSTALL}") from None
+        raise UsageError(
+            f"cafa plot features needs matplotlib and scikit-learn ({(error.name or 'a module').split('.')[0]} is "
+            f"missing): {INSTALL}"
+        ) from None
     return Figure, TSNE
 
 
 def embedding_record(perplexity: float) -> dict:
     import sklearn
 
-    return {"library": f"scikit-learn {sklearn.__version__}", "method": "t-SNE (Barnes-Hut, PCA initialisation)",
-            "perplexity": perplexity}
+    return {
+        "library": f"scikit-learn {sklearn.__version__}",
+        "method": "t-SNE (Barnes-Hut, PCA initialisation)",
+        "perplexity": perplexity,
+    }
 
 
 def embed(features: np.ndarray, means: np.ndarray | None, seed: int, perplexity: float) -> np.ndarray:
@@ -43,13 +49,22 @@ def embed(features: np.ndarray, means: np.ndarray | None, seed: int, perplexity:
 
     points = features if means is None else np.concatenate([features, means.astype(features.dtype)])
     if len(points) < MIN_POINTS:
-        raise InputError(f"{len(points)} points (images and class means) are too few to embed; give at least {MIN_POINTS}")
-    tsne = TSNE(n_components=2, perplexity=min(perplexity, (len(points) - 1) / 3), init="pca", learning_rate="auto",
-                random_state=seed)
+        raise InputError(
+            f"{len(points)} points (images and class means) are too few to embed; give at least {MIN_POINTS}"
+        )
+    tsne = TSNE(
+        n_components=2,
+        perplexity=min(perplexity, (len(points) - 1) / 3),
+        init="pca",
+        learning_rate="auto",
+        random_state=seed,
+    )
     return tsne.fit_transform(points.astype(np.float64))
 
 
-def draw(libraries, path: str, panels, embeddings: list[np.ndarray], class_names: list[str], seed: int, title: str) -> None:
+def draw(
+    libraries, path: str, panels, embeddings: list[np.ndarray], class_names: list[str], seed: int, title: str
+) -> None:
     """One panel a method, side by side: the images coloured by class (grey without labels), the
     class means as large stars of their class's colour; written to `path` as PNG or SVG."""
     Figure, _ = libraries
@@ -65,17 +80,29 @@ def draw(libraries, path: str, panels, embeddings: list[np.ndarray], class_names
         ax.scatter(points[~known, 0], points[~known, 1], s=5, color="0.55", linewidths=0, alpha=0.7)
         ax.scatter(points[known, 0], points[known, 1], s=5, color=colours[panel.labels[known]], linewidths=0, alpha=0.7)
         if len(means):
-            ax.scatter(means[:, 0], means[:, 1], s=220, marker="*", color=colours[: len(means)], edgecolors="black",
-                       linewidths=0.9, zorder=3)
+            ax.scatter(
+                means[:, 0],
+                means[:, 1],
+                s=220,
+                marker="*",
+                color=colours[: len(means)],
+                edgecolors="black",
+                linewidths=0.9,
+                zorder=3,
+            )
         ax.set_title(panel_title(panel), fontsize=9)
         ax.set_xticks([])
         ax.set_yticks([])
     if (panels[0].labels != UNLABELLED).any() and len(class_names) <= LEGEND_CLASSES:
-        handles = [matplotlib.lines.Line2D([], [], linestyle="", marker="o", markersize=5, color=colours[c], label=name)
-                   for c, name in enumerate(class_names)]
+        handles = [
+            matplotlib.lines.Line2D([], [], linestyle="", marker="o", markersize=5, color=colours[c], label=name)
+            for c, name in enumerate(class_names)
+        ]
         figure.legend(handles=handles, loc="lower center", ncol=min(len(class_names), 10), fontsize=7, frameon=False)
-    notes = ["stars are the artifact's class means" if len(embeddings[0]) > len(panels[0].labels) else "",
-             "" if (panels[0].labels != UNLABELLED).any() else "no labels: one colour"]
+    notes = [
+        "stars are the artifact's class means" if len(embeddings[0]) > len(panels[0].labels) else "",
+        "" if (panels[0].labels != UNLABELLED).any() else "no labels: one colour",
+    ]
     figure.suptitle("; ".join([f"{title}: features (t-SNE)", *filter(None, notes)]), fontsize=10)
     figure.tight_layout(rect=(0, 0.08 if len(class_names) <= LEGEND_CLASSES else 0, 1, 1))
     save(figure, path, seed)
@@ -83,9 +110,11 @@ def draw(libraries, path: str, panels, embeddings: list[np.ndarray], class_names
 
 def panel_title(panel) -> str:
     name = "source (before)" if panel.method == "source" else panel.method
-    numbers = [f"error {100 * panel.error:.1f}%" if panel.error is not None else None,
-               f"W/B {panel.within_between:.3f}" if panel.within_between is not None else None,
-               f"Mahalanobis/d {panel.mahalanobis:.2f}" if panel.mahalanobis is not None else None]
+    numbers = [
+        f"error {100 * panel.error:.1f}%" if panel.error is not None else None,
+        f"W/B {panel.within_between:.3f}" if panel.within_between is not None else None,
+        f"Mahalanobis/d {panel.mahalanobis:.2f}" if panel.mahalanobis is not None else None,
+    ]
     shown = [text for text in numbers if text]
     return name + ("\n" + ", ".join(shown) if shown else "")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
@@ -15,13 +16,23 @@ from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.features import FeatureClassifier
 
 
-def clean_error(net: FeatureClassifier, domain: Domain, preprocess: Preprocessing, batch_size: int, num_workers: int | None,
-                device: torch.device, strict: bool, monitor: Monitor) -> dict:
+def clean_error(
+    net: FeatureClassifier,
+    domain: Domain,
+    preprocess: Preprocessing,
+    batch_size: int,
+    num_workers: int | None,
+    device: torch.device,
+    strict: bool,
+    monitor: Monitor,
+) -> dict:
     """{"data", "n", "error"} of the model as it is (eval mode, its own BatchNorm
     statistics, no update) on a labelled domain. Run before the Adapter changes the model."""
     labelled = np.flatnonzero(domain.labels >= 0)
     if not len(labelled):
-        raise InputError(f"`clean` {domain.name}: no labels, so no error; give the clean test set with one folder per class")
+        raise InputError(
+            f"`clean` {domain.name}: no labels, so no error; give the clean test set with one folder per class"
+        )
     net = net.to(device).eval()
     errors = seen = 0
     monitor.start(f"clean {domain.name}", len(labelled))
@@ -41,5 +52,7 @@ def clean_error(net: FeatureClassifier, domain: Domain, preprocess: Preprocessin
 
 
 def clean_summary(result: dict) -> str:
-    return (f"source model's clean error on {result['data']}: {100 * result['error']:.2f}% of {result['n']:,} images "
-            f"(no adaptation; a sanity check of the weights, classes and preprocessing)")
+    return (
+        f"source model's clean error on {result['data']}: {100 * result['error']:.2f}% of {result['n']:,} images "
+        f"(no adaptation; a sanity check of the weights, classes and preprocessing)"
+    )

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.methods import is_plugin
@@ -31,8 +33,10 @@ def torchrun_rank() -> int:
     rank, world = _environment_number("RANK", -1), _environment_number("WORLD_SIZE", 1)
     if not 0 <= rank < world:
         # a process group would wait for a rank that never comes
-        raise UsageError(f"RANK={os.environ.get('RANK', '(unset)')} with WORLD_SIZE={world}: launch with torchrun, which sets both, "
-                         f"or unset WORLD_SIZE to run one process")
+        raise UsageError(
+            f"RANK={os.environ.get('RANK', '(unset)')} with WORLD_SIZE={world}: launch with torchrun, which sets both, "
+            f"or unset WORLD_SIZE to run one process"
+        )
     return rank
 
 
@@ -77,12 +81,16 @@ def rank_device(device: torch.device) -> torch.device:
     if not (launched_by_torchrun() and device.type == "cuda"):
         return device
     if device.index is not None:  # every rank on one GPU: NCCL refuses it, and they would share its memory
-        raise UsageError(f"`device` {device} under torchrun would put every rank on one GPU; give `device` cuda "
-                         f"(or auto): each rank takes the GPU of its LOCAL_RANK")
+        raise UsageError(
+            f"`device` {device} under torchrun would put every rank on one GPU; give `device` cuda "
+            f"(or auto): each rank takes the GPU of its LOCAL_RANK"
+        )
     local = _environment_number("LOCAL_RANK", 0)
     if not 0 <= local < torch.cuda.device_count():
-        raise UsageError(f"LOCAL_RANK={local}, but this machine has {torch.cuda.device_count()} GPU(s); "
-                         f"launch at most that many processes per node (torchrun --nproc-per-node)")
+        raise UsageError(
+            f"LOCAL_RANK={local}, but this machine has {torch.cuda.device_count()} GPU(s); "
+            f"launch at most that many processes per node (torchrun --nproc-per-node)"
+        )
     return torch.device("cuda", local)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from cafa_cli.errors import printable
 
 
@@ -65,8 +67,12 @@ class Monitor:
     def warn(self, message: str) -> None:
         if not self.quiet:
             # a path may hold [brackets] that rich would read as markup
-            self.console.print(f"[yellow]warning:[/] {escape(printable(self.render(message)))}", markup=True, highlight=False,
-                               soft_wrap=True)
+            self.console.print(
+                f"[yellow]warning:[/] {escape(printable(self.render(message)))}",
+                markup=True,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def info(self, message: str) -> None:
         if not self.quiet:

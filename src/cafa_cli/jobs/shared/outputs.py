@@ -6,18 +6,22 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+
 from cafa_cli.data.folders import IMAGE_EXTENSIONS
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import UsageError
 from cafa_cli.files import check_writable, file_identity, is_device, writing
-
 
 IMAGE_INPUTS = ("`data`", "`train`", "`clean`")  # the options whose folders are searched for images
 
 
 def _each_path(options: dict[str, str | list[str] | None]) -> list[tuple[str, str]]:
     """(option, path) for every path given, an option that takes several once for each."""
-    return [(option, path) for option, paths in options.items() for path in ([paths] if isinstance(paths, str) else paths or [])]
+    return [
+        (option, path)
+        for option, paths in options.items()
+        for path in ([paths] if isinstance(paths, str) else paths or [])
+    ]
 
 
 def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[str] | None]) -> None:
@@ -35,7 +39,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
         if path is None or is_device(path):
             continue
         if path == "-":
-            raise UsageError(f"{option} -: only the records of cafa adapt (`predictions`) go to standard output; give {option} a file name")
+            raise UsageError(
+                f"{option} -: only the records of cafa adapt (`predictions`) go to standard output; give {option} a "
+                "file name"
+            )
         check_writable(path)
         key = os.path.realpath(path)
         inside = [folder_option for folder_option, folder in folders if key.startswith(folder + os.sep)]
@@ -43,16 +50,23 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
             raise UsageError(f"{option} {path} is a file inside an input folder; give {option} a path outside the data")
         read_by = [folder_option for folder_option in inside if folder_option in IMAGE_INPUTS]
         if read_by and Path(path).suffix.lower() in IMAGE_EXTENSIONS:
-            raise UsageError(f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside the data")
+            raise UsageError(
+                f"{option} {path} would be read as an image of {read_by[0]} next time; give {option} a path outside "
+                "the data"
+            )
         identity = file_identity(path)
         if identity in taken:
-            raise UsageError(f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} another path")
+            raise UsageError(
+                f"{option} {path} is also the {taken[identity]} file; writing it would destroy that: give {option} "
+                "another path"
+            )
         taken[identity] = option
 
 
 def guards_outputs(job):
     """A job `job(config, ...)` during which every input it opens (files.reading) is checked
     against `config.outputs()`: the inputs that check_outputs, before the work, cannot know."""
+
     @functools.wraps(job)
     def run(config, *args, **kwargs):
         with writing(config.outputs()):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import codecs
-import importlib.metadata
 import csv
+import importlib.metadata
 import io
 import json
 import math
@@ -14,14 +14,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
+
 from rich.table import Table
 from rich.text import Text
+
 from cafa_cli import __version__
-from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.errors import UsageError, printable, undecodable
+from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.jobs.config.settings import RECORD_FORMATS
 from cafa_cli.jobs.shared.results import DomainResult, Record
-
 
 FIELDS = ("path", "prediction", "label", "confidence")
 
@@ -159,8 +160,11 @@ def overall(results: Sequence[DomainResult]) -> dict:
 
 def software_versions() -> dict[str, str]:
     """What ran: results can change with torch's kernels as well as with cafa."""
-    return {"cafa": __version__, "python": platform.python_version(),
-            **{package: importlib.metadata.version(package) for package in ("torch", "torchvision")}}
+    return {
+        "cafa": __version__,
+        "python": platform.python_version(),
+        **{package: importlib.metadata.version(package) for package in ("torch", "torchvision")},
+    }
 
 
 def metrics(method: str, results: Sequence[DomainResult], settings: dict, clean: dict | None = None) -> dict:

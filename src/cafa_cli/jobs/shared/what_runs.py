@@ -23,7 +23,10 @@ def adapting_line(adapted: dict, method: str) -> str:
         return f"adapting {adapted['tensors']} tensors ({adapted['parameters']:,} parameters) in {kinds}"
     norms = adapted["batch_norms"]
     if norms:
-        return f"adapting no parameters: `method` {method} normalises with test-batch statistics in {norms} BatchNorm layers"
+        return (
+            f"adapting no parameters: `method` {method} normalises with test-batch statistics in {norms} BatchNorm "
+            f"layers"
+        )
     return f"adapting nothing: `method` {method} predicts with the source model as it is"
 
 
@@ -37,9 +40,11 @@ def constant_outputs(logits: torch.Tensor) -> bool:
 
 
 def constant_outputs_note(where: str, count: int) -> str:
-    return (f"{where}: the model gave all {count} images of the first batch the same outputs, so every image gets the same "
-            f"prediction, whatever the method (a randomly initialised or zero classifier head?); check `weights` "
-            f"(a pretrained head), `classifier` and `model_arg`")
+    return (
+        f"{where}: the model gave all {count} images of the first batch the same outputs, so every image gets the same "
+        f"prediction, whatever the method (a randomly initialised or zero classifier head?); check `weights` "
+        f"(a pretrained head), `classifier` and `model_arg`"
+    )
 
 
 def statistics_input_size(preprocessing: Preprocessing | None, sampling: dict | None) -> tuple[int, int] | None:
@@ -53,16 +58,20 @@ def statistics_input_size(preprocessing: Preprocessing | None, sampling: dict | 
     return None
 
 
-def size_note(where: str, images: torch.Tensor, statistics: tuple[int, int] | None, made: Preprocessing | None) -> str | None:
+def size_note(
+    where: str, images: torch.Tensor, statistics: tuple[int, int] | None, made: Preprocessing | None
+) -> str | None:
     """A warning when the test images enter the model at another size than the statistics'
     (a 64-px test set against statistics at 224 px): the features then differ in kind."""
     size = tuple(images.shape[-2:])
     if statistics is None or size == tuple(statistics):
         return None
     recipe = f" (resize {made.resize or 'none'}, crop {made.crop or 'none'})" if made else ""
-    return (f"{where}: its images enter the model at {size[1]}x{size[0]} pixels, the statistics' at "
-            f"{statistics[1]}x{statistics[0]}{recipe}: the features will not match the statistics; give `resize`/`crop` "
-            f"that make them {statistics[1]}x{statistics[0]}, or compute statistics at this size")
+    return (
+        f"{where}: its images enter the model at {size[1]}x{size[0]} pixels, the statistics' at "
+        f"{statistics[1]}x{statistics[0]}{recipe}: the features will not match the statistics; give `resize`/`crop` "
+        f"that make them {statistics[1]}x{statistics[0]}, or compute statistics at this size"
+    )
 
 
 def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
@@ -74,11 +83,18 @@ def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
     published, published_options = recipe.get("settings", {}), recipe.get("options", {})
     keys = ("optimizer", "lr", "momentum", "batch_size", "params") if trains else ("batch_size",)
     # momentum is SGD's: shown where the recipe sets it, or where the user's SGD takes the default
-    values = ", ".join(_setting(key, recorded[key], published) for key in keys
-                       if recipe.get("origin") is None or key in published
-                       or (key == "momentum" and recorded["optimizer"] != published.get("optimizer", recorded["optimizer"])))
-    chosen = "; ".join(filter(None, [values, ", ".join(_setting(key, value, published_options, shown)
-                                                       for key, value in options.items())]))
+    values = ", ".join(
+        _setting(key, recorded[key], published)
+        for key in keys
+        if recipe.get("origin") is None
+        or key in published
+        or (key == "momentum" and recorded["optimizer"] != published.get("optimizer", recorded["optimizer"]))
+    )
+    chosen = "; ".join(
+        filter(
+            None, [values, ", ".join(_setting(key, value, published_options, shown) for key, value in options.items())]
+        )
+    )
     if recipe.get("origin") is None:
         why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"
         return f"no recipe for {method} ({why}): {chosen}"

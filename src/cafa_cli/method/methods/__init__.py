@@ -58,8 +58,13 @@ REGISTRY: dict[str, Entry] = {
     "intra": Entry("cafa", "IntraOnly", needs_statistics=True, predicts_as_bn=True),
     "euclidean": Entry("cafa", "Euclidean", needs_statistics=True, predicts_as_bn=True),
     "eta": Entry("eata", "Eta", on_device=True, predicts_as_bn=True),
-    "eata": Entry("eata", "Eata", on_device=True, predicts_as_bn=True,
-                  without_source_images="runs as eta: its Fisher anti-forgetting term needs clean source images"),
+    "eata": Entry(
+        "eata",
+        "Eata",
+        on_device=True,
+        predicts_as_bn=True,
+        without_source_images="runs as eta: its Fisher anti-forgetting term needs clean source images",
+    ),
     "cafa-eata": Entry("cafa_eata", "CafaEata", needs_statistics=True, predicts_as_bn=True),
     "sar": Entry("sar", "Sar", on_device=True, predicts_as_bn=True),
     "t3a": Entry("t3a", "T3A"),
@@ -98,8 +103,10 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
         raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {name}")
     entry = REGISTRY[name]
     if entry.needs_statistics and gaussians is None:
-        raise UsageError(f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
-                         f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features")
+        raise UsageError(
+            f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
+            f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features"
+        )
     method = method_class(name)
     inputs = {key: options.pop(key) for key in method.inputs if key in options}
     options = {**resolve_options(name, method.options, options), **inputs}
@@ -126,9 +133,9 @@ def is_plugin(name: str) -> bool:
 
 def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     from cafa_cli.errors import InputError, UsageError
+    from cafa_cli.factories import import_factory
     from cafa_cli.method.methods.base import Method
     from cafa_cli.method.options import Option, resolve_options
-    from cafa_cli.factories import import_factory
 
     factory, function = import_factory(spec, "`method`", "factory")
     declared = getattr(factory, "options", ())
@@ -138,10 +145,14 @@ def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     try:
         method = factory(gaussians, device, **options)
     except (Exception, SystemExit) as error:  # a user's code can fail in any way; one line
-        raise InputError(f"`method` {spec}: {function}(gaussians, device) failed ({type(error).__name__}: {error})") from None
+        raise InputError(
+            f"`method` {spec}: {function}(gaussians, device) failed ({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(method, Method):
-        raise InputError(f"`method` {spec}: {function}() returned {type(method).__name__}, not a Method "
-                         f"(subclass cafa_cli.method.methods.base.Method)")
+        raise InputError(
+            f"`method` {spec}: {function}() returned {type(method).__name__}, not a Method "
+            f"(subclass cafa_cli.method.methods.base.Method)"
+        )
     if method.needs_statistics and gaussians is None:
         raise UsageError(f"the plug-in method {spec} needs class statistics: give --stats (an artifact of cafa stats)")
     return method

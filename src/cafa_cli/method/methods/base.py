@@ -66,13 +66,13 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
 from cafa_cli.devices import pick_device
 from cafa_cli.errors import UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.method.norms import BatchStatisticsNorm, NORM_LAYERS
+from cafa_cli.method.norms import NORM_LAYERS, BatchStatisticsNorm
 from cafa_cli.method.options import Option, resolve_options
-
 
 STEP_HOOKS = ("loss", "update", "output", "before_step", "after_step")  # what a step runs of a method
 
@@ -90,8 +90,14 @@ class AdapterSurface(Protocol):
     source_state: dict[str, torch.Tensor]  # the model's state_dict at the source weights
     scaler: torch.amp.GradScaler | None  # fp16's loss scaler (None otherwise), for extra gradients
 
-    def apply(self, loss: torch.Tensor, skipped: torch.Tensor | None = None, *, leave_out: torch.Tensor | None = None,
-              after_backward=None) -> torch.Tensor:
+    def apply(
+        self,
+        loss: torch.Tensor,
+        skipped: torch.Tensor | None = None,
+        *,
+        leave_out: torch.Tensor | None = None,
+        after_backward=None,
+    ) -> torch.Tensor:
         """One optimiser step on `loss`, left out on the device when it or a gradient is not
         finite (or `skipped`, or `leave_out`); `after_backward()` runs between the backward
         pass and the step. Returns the step's flag, float [1]: 1 where it was left out."""
@@ -172,8 +178,10 @@ class Method:
                 f"outputs and {model.feature_dim}-dimensional features; compute them with this model"
             )
         if self.device is not None and self.device.type != device.type:
-            raise UsageError(f"the method {self.name} keeps its statistics on {self.device} but adapts on {device}; "
-                             f"create it with device={str(device)!r}")
+            raise UsageError(
+                f"the method {self.name} keeps its statistics on {self.device} but adapts on {device}; "
+                f"create it with device={str(device)!r}"
+            )
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The logits reported for the batch, from the forward pass's logits [N, C] and
@@ -203,10 +211,14 @@ class Method:
 def resolve_device(device: torch.device | str) -> torch.device:
     """`auto` and CUDA checked to be there (pick_device); a torch.device of another kind
     (mps, xla, meta) is the caller's choice."""
-    return pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
+    return (
+        pick_device(device) if isinstance(device, str) or torch.device(device).type == "cuda" else torch.device(device)
+    )
 
 
-def select_parameters(model: FeatureClassifier, which: str = "norm", frozen: tuple[str, ...] = ()) -> list[nn.Parameter]:
+def select_parameters(
+    model: FeatureClassifier, which: str = "norm", frozen: tuple[str, ...] = ()
+) -> list[nn.Parameter]:
     """Freeze everything, then unfreeze the normalisation affines (`norm`) or the
     whole feature extractor (`all`, the paper's CAFA-Full). The classifier stays fixed,
     and so do the modules that `frozen` names (in_frozen)."""

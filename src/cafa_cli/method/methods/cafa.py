@@ -21,6 +21,7 @@ the image's true label instead of the prediction; the reported predictions do no
 from __future__ import annotations
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians

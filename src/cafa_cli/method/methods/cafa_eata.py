@@ -17,6 +17,7 @@ CAFA's with EATA's margins for the benchmark family (recipes/cafa-eata.toml).
 from __future__ import annotations
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.selection import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
@@ -29,8 +30,13 @@ class CafaEata(Cafa):
     filters_samples = True
     takes_labels = True  # the oracle replaces ŷ; EATA's selection still reads the model's entropy
 
-    def __init__(self, gaussians, device: torch.device | str = "cpu", entropy_margin: float = MARGIN,
-                 redundancy_margin: float = REDUNDANCY):
+    def __init__(
+        self,
+        gaussians,
+        device: torch.device | str = "cpu",
+        entropy_margin: float = MARGIN,
+        redundancy_margin: float = REDUNDANCY,
+    ):
         super().__init__(gaussians, device)
         self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin)
         self.selection = Selection(self.entropy_margin, self.redundancy_margin)

@@ -37,11 +37,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
 from cafa_cli.errors import InputError
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import (CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank,
-                                        timeliness_weights)
+from cafa_cli.method.memory_bank import (
+    CAPACITY,
+    LAMBDA_T,
+    LAMBDA_U,
+    SCHEDULE_OPTIONS,
+    SCORE_OPTIONS,
+    UPDATE_EVERY,
+    MemoryBank,
+    timeliness_weights,
+)
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.norms import correction_strength, replace_submodule, weighted_statistics
@@ -61,8 +70,10 @@ class SharedStatisticsNorm(nn.Module):
     def __init__(self, bn: _BatchNorm, name: str = ""):
         super().__init__()
         if bn.running_mean is None:
-            raise InputError(f"cafa-robust needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
-                             f"keeps none (track_running_stats=False); use a model trained with them, or another method")
+            raise InputError(
+                f"cafa-robust needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
+                f"keeps none (track_running_stats=False); use a model trained with them, or another method"
+            )
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
@@ -104,18 +115,48 @@ class CafaRobust(Cafa):
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
-    options = SCHEDULE_OPTIONS + (
-        Option("statistics_momentum", MOMENTUM, "α: the global statistics move this far toward the bank's at each step on the bank", "fraction"),
-        Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "positive"),
-        Option("gate_power", GATE_POWER, "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images", "weight"),
-    ) + SCORE_OPTIONS
+    options = (
+        SCHEDULE_OPTIONS
+        + (
+            Option(
+                "statistics_momentum",
+                MOMENTUM,
+                "α: the global statistics move this far toward the bank's at each step on the bank",
+                "fraction",
+            ),
+            Option("prior", PRIOR, "N₀: a batch of n images gets the share n/(n + N₀) of the statistics", "positive"),
+            Option(
+                "gate_power",
+                GATE_POWER,
+                "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images",
+                "weight",
+            ),
+        )
+        + SCORE_OPTIONS
+    )
 
-    def __init__(self, gaussians, device: torch.device | str = "cpu", memory_size: int = CAPACITY,
-                 update_every: int = UPDATE_EVERY, statistics_momentum: float = MOMENTUM, prior: float = PRIOR,
-                 gate_power: float = GATE_POWER, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
+    def __init__(
+        self,
+        gaussians,
+        device: torch.device | str = "cpu",
+        memory_size: int = CAPACITY,
+        update_every: int = UPDATE_EVERY,
+        statistics_momentum: float = MOMENTUM,
+        prior: float = PRIOR,
+        gate_power: float = GATE_POWER,
+        lambda_t: float = LAMBDA_T,
+        lambda_u: float = LAMBDA_U,
+    ):
         super().__init__(gaussians, device)
-        self.set_options(memory_size=memory_size, update_every=update_every, statistics_momentum=statistics_momentum, prior=prior,
-                         gate_power=gate_power, lambda_t=lambda_t, lambda_u=lambda_u)
+        self.set_options(
+            memory_size=memory_size,
+            update_every=update_every,
+            statistics_momentum=statistics_momentum,
+            prior=prior,
+            gate_power=gate_power,
+            lambda_t=lambda_t,
+            lambda_u=lambda_u,
+        )
         self.layers: list[SharedStatisticsNorm] = []
         self.model: FeatureClassifier | None = None
         self.bank: MemoryBank | None = None

@@ -49,6 +49,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
@@ -75,9 +76,12 @@ def _uses_the_batch(layer: nn.Module) -> bool:
 def groupable(model: nn.Module) -> bool:
     """Whether views_as_groups can stand in for one forward pass a group: every layer that
     takes batch statistics is a BatchStatisticsNorm with the batch's own (`norm` batch)."""
-    return all(not _uses_the_batch(m) or isinstance(m, BatchStatisticsNorm)
-               and (m.kind == "batch" or m.kind == "prior" and m.prior == 0)
-               for m in model.modules())
+    return all(
+        not _uses_the_batch(m)
+        or isinstance(m, BatchStatisticsNorm)
+        and (m.kind == "batch" or m.kind == "prior" and m.prior == 0)
+        for m in model.modules()
+    )
 
 
 @contextmanager
@@ -100,7 +104,9 @@ def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.T
     """Each sample's −½ Σ_c [softmax(t)_c log softmax(s)_c + softmax(s)_c log softmax(t)_c],
     [N]: the official ImageNet-C loss; the target t carries no gradient."""
     target = target_logits.detach()
-    return 0.5 * soft_cross_entropy(student_logits, target) - 0.5 * (student_logits.softmax(1) * target.log_softmax(1)).sum(1)
+    return 0.5 * soft_cross_entropy(student_logits, target) - 0.5 * (
+        student_logits.softmax(1) * target.log_softmax(1)
+    ).sum(1)
 
 
 class CoTTA(Method):
@@ -109,18 +115,37 @@ class CoTTA(Method):
     owns_update = True
     options = (
         Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),
-        Option("restore_probability", RESTORE_PROBABILITY, "p: each trained value goes back to the source's with it",
-               "fraction"),
-        Option("confidence_threshold", CONFIDENCE_THRESHOLD, "τ: below this mean source confidence the pseudo-label "
-               "averages the augmented views", "fraction"),
+        Option(
+            "restore_probability",
+            RESTORE_PROBABILITY,
+            "p: each trained value goes back to the source's with it",
+            "fraction",
+        ),
+        Option(
+            "confidence_threshold",
+            CONFIDENCE_THRESHOLD,
+            "τ: below this mean source confidence the pseudo-label averages the augmented views",
+            "fraction",
+        ),
         Option("augmentations", AUGMENTATIONS, "K, the augmented views (0: the teacher's prediction always)", "count0"),
         Option("loss", "ce", "ce, or sce (the official ImageNet-C symmetric cross-entropy)", "choice", LOSSES),
     )
 
-    def __init__(self, teacher_momentum: float = TEACHER_MOMENTUM, restore_probability: float = RESTORE_PROBABILITY,
-                 confidence_threshold: float = CONFIDENCE_THRESHOLD, augmentations: int = AUGMENTATIONS, loss: str = "ce"):
-        self.set_options(teacher_momentum=teacher_momentum, restore_probability=restore_probability,
-                         confidence_threshold=confidence_threshold, augmentations=augmentations, loss=loss)
+    def __init__(
+        self,
+        teacher_momentum: float = TEACHER_MOMENTUM,
+        restore_probability: float = RESTORE_PROBABILITY,
+        confidence_threshold: float = CONFIDENCE_THRESHOLD,
+        augmentations: int = AUGMENTATIONS,
+        loss: str = "ce",
+    ):
+        self.set_options(
+            teacher_momentum=teacher_momentum,
+            restore_probability=restore_probability,
+            confidence_threshold=confidence_threshold,
+            augmentations=augmentations,
+            loss=loss,
+        )
         self.params: list[torch.nn.Parameter] = []
         self.names: list[str] = []  # the trained parameters' names, shared by the three copies
         self.teacher: FeatureClassifier | None = None

@@ -36,6 +36,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device, select_parameters
 from cafa_cli.method.options import Option
@@ -44,8 +45,9 @@ from cafa_cli.method.selection import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Sel
 FISHER_ALPHA = 2000.0  # β
 
 
-def fisher_information(model: FeatureClassifier, params: list[torch.nn.Parameter], batches: Iterable[torch.Tensor],
-                       device: torch.device) -> list[torch.Tensor]:
+def fisher_information(
+    model: FeatureClassifier, params: list[torch.nn.Parameter], batches: Iterable[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
     """Each parameter's diagonal Fisher information: the mean over `batches` of the squared
     gradient of the batch's cross-entropy against the model's own predictions."""
     fisher = [torch.zeros_like(p) for p in params]
@@ -66,8 +68,9 @@ class Eta(Method):
     options = SELECTION_OPTIONS
     filters_samples = True
 
-    def __init__(self, device: torch.device | str = "cpu", entropy_margin: float = MARGIN,
-                 redundancy_margin: float = REDUNDANCY):
+    def __init__(
+        self, device: torch.device | str = "cpu", entropy_margin: float = MARGIN, redundancy_margin: float = REDUNDANCY
+    ):
         self.device = resolve_device(device)
         self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin)
         self.selection = Selection(self.entropy_margin, self.redundancy_margin)
@@ -89,12 +92,20 @@ class Eata(Eta):
 
     name = "eata"
     capturable = True  # its loss keeps its state in place (base.py)
-    options = (*SELECTION_OPTIONS, Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting "
-                                          "term", "weight"))
+    options = (
+        *SELECTION_OPTIONS,
+        Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting term", "weight"),
+    )
     inputs = ("fisher_batches",)
 
-    def __init__(self, device: torch.device | str = "cpu", fisher_batches: Iterable[torch.Tensor] | None = None,
-                 entropy_margin: float = MARGIN, redundancy_margin: float = REDUNDANCY, fisher_alpha: float = FISHER_ALPHA):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        fisher_batches: Iterable[torch.Tensor] | None = None,
+        entropy_margin: float = MARGIN,
+        redundancy_margin: float = REDUNDANCY,
+        fisher_alpha: float = FISHER_ALPHA,
+    ):
         super().__init__(device, entropy_margin, redundancy_margin)
         self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin, fisher_alpha=fisher_alpha)
         self.fisher_batches = fisher_batches

@@ -14,6 +14,7 @@ Defaults, as CAFA's: Adam, lr 1e-3, batch 200.
 from __future__ import annotations
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.methods.base import Method, resolve_device

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.options import Option
 
@@ -56,8 +57,9 @@ def rbf_affinity(features: torch.Tensor, k: int = KNN, sigma: float | str = "aut
     return torch.exp(-distances.square() / (2 * sigma**2))
 
 
-def affinity_matrix(features: torch.Tensor, kind: str = "rbf", k: int = KNN, sigma: float | str = "auto",
-                    symmetric: bool = False) -> torch.Tensor:
+def affinity_matrix(
+    features: torch.Tensor, kind: str = "rbf", k: int = KNN, sigma: float | str = "auto", symmetric: bool = False
+) -> torch.Tensor:
     """The affinity `kind` of the (normalised) features, made symmetric when asked."""
     if kind == "rbf":
         kernel = rbf_affinity(features, k, sigma)
@@ -68,8 +70,9 @@ def affinity_matrix(features: torch.Tensor, kind: str = "rbf", k: int = KNN, sig
     return (kernel + kernel.T) / 2 if symmetric else kernel
 
 
-def laplacian_assignment(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = LAMBDA,
-                         max_steps: int = MAX_STEPS) -> torch.Tensor:
+def laplacian_assignment(
+    unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = LAMBDA, max_steps: int = MAX_STEPS
+) -> torch.Tensor:
     """LAME's fixed-point iterations from Y = softmax(−unary); see the module's docstring.
     Every iteration runs (three operators each: a launch apiece on a GPU, where a check
     between them would wait for the device), and the energies and the stop are found
@@ -89,8 +92,9 @@ def laplacian_assignment(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda
     if max_steps < 3:  # the stop is tried from the third iteration
         return assignment
     assignments, pairwise = torch.stack(iterates), torch.stack(pairwises)  # [steps, N, C]
-    energy = (unary * assignments - bound_lambda * pairwise * assignments
-              + assignments * assignments.clamp_min(1e-20).log()).sum((1, 2))
+    energy = (
+        unary * assignments - bound_lambda * pairwise * assignments + assignments * assignments.clamp_min(1e-20).log()
+    ).sum((1, 2))
     return assignments.index_select(0, stopping_iteration(energy).reshape(1))[0]  # indexing by a tensor would read it
 
 
@@ -117,10 +121,18 @@ class Lame(Method):
         Option("max_steps", MAX_STEPS, "the most fixed-point iterations a batch", "count"),
     )
 
-    def __init__(self, affinity: str = "rbf", knn: int = KNN, sigma: float | str = "auto", symmetric: bool = False,
-                 bound_lambda: float = LAMBDA, max_steps: int = MAX_STEPS):
-        self.set_options(affinity=affinity, knn=knn, sigma=sigma, symmetric=symmetric, bound_lambda=bound_lambda,
-                         max_steps=max_steps)
+    def __init__(
+        self,
+        affinity: str = "rbf",
+        knn: int = KNN,
+        sigma: float | str = "auto",
+        symmetric: bool = False,
+        bound_lambda: float = LAMBDA,
+        max_steps: int = MAX_STEPS,
+    ):
+        self.set_options(
+            affinity=affinity, knn=knn, sigma=sigma, symmetric=symmetric, bound_lambda=bound_lambda, max_steps=max_steps
+        )
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         unary = -(logits.softmax(1) + 1e-10).log()

@@ -12,6 +12,7 @@ Defaults, as the CAFA paper's CIFAR runs: Adam, lr 1e-3, batch 200.
 from __future__ import annotations
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.methods.base import Method
 

@@ -41,11 +41,20 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
 from cafa_cli.errors import InputError
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import (CAPACITY, LAMBDA_T, LAMBDA_U, SCHEDULE_OPTIONS, SCORE_OPTIONS, UPDATE_EVERY, MemoryBank,
-                                        timeliness_weights)
+from cafa_cli.method.memory_bank import (
+    CAPACITY,
+    LAMBDA_T,
+    LAMBDA_U,
+    SCHEDULE_OPTIONS,
+    SCORE_OPTIONS,
+    UPDATE_EVERY,
+    MemoryBank,
+    timeliness_weights,
+)
 from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
 from cafa_cli.method.norms import replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
@@ -63,8 +72,10 @@ class RobustBatchNorm(nn.Module):
     def __init__(self, bn: _BatchNorm, momentum: float, name: str = ""):
         super().__init__()
         if bn.running_mean is None:
-            raise InputError(f"rotta needs the running statistics of every BatchNorm, and the one at {name or 'the top'} keeps "
-                             f"none (track_running_stats=False); use a model trained with them, or another method")
+            raise InputError(
+                f"rotta needs the running statistics of every BatchNorm, and the one at {name or 'the top'} keeps "
+                f"none (track_running_stats=False); use a model trained with them, or another method"
+            )
         self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, momentum
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
@@ -72,7 +83,9 @@ class RobustBatchNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
-            return nn.functional.batch_norm(x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps)
+            return nn.functional.batch_norm(
+                x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps
+            )
         shape = [1, -1] + [1] * (x.dim() - 2)
         xf = x.float()  # statistics in float32 under autocast too
         batch_mean, batch_var = weighted_statistics(xf, self.weights)
@@ -112,16 +125,37 @@ class RoTTA(Method):
     name = "rotta"
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()
-    options = SCHEDULE_OPTIONS + (
-        Option("teacher_momentum", TEACHER_MOMENTUM, "1 − ν: the teacher's moving average θ' ← (1 − ν)θ' + νθ", "fraction"),
-        Option("bn_momentum", BN_MOMENTUM, "α, the robust BatchNorms' momentum", "fraction"),
-    ) + SCORE_OPTIONS
+    options = (
+        SCHEDULE_OPTIONS
+        + (
+            Option(
+                "teacher_momentum",
+                TEACHER_MOMENTUM,
+                "1 − ν: the teacher's moving average θ' ← (1 − ν)θ' + νθ",
+                "fraction",
+            ),
+            Option("bn_momentum", BN_MOMENTUM, "α, the robust BatchNorms' momentum", "fraction"),
+        )
+        + SCORE_OPTIONS
+    )
 
-    def __init__(self, memory_size: int = CAPACITY, update_every: int = UPDATE_EVERY,
-                 teacher_momentum: float = TEACHER_MOMENTUM, bn_momentum: float = BN_MOMENTUM,
-                 lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U):
-        self.set_options(memory_size=memory_size, update_every=update_every, teacher_momentum=teacher_momentum,
-                         bn_momentum=bn_momentum, lambda_t=lambda_t, lambda_u=lambda_u)
+    def __init__(
+        self,
+        memory_size: int = CAPACITY,
+        update_every: int = UPDATE_EVERY,
+        teacher_momentum: float = TEACHER_MOMENTUM,
+        bn_momentum: float = BN_MOMENTUM,
+        lambda_t: float = LAMBDA_T,
+        lambda_u: float = LAMBDA_U,
+    ):
+        self.set_options(
+            memory_size=memory_size,
+            update_every=update_every,
+            teacher_momentum=teacher_momentum,
+            bn_momentum=bn_momentum,
+            lambda_t=lambda_t,
+            lambda_u=lambda_u,
+        )
         self.params: list[torch.nn.Parameter] = []
         self.names: list[str] = []
         self.student: FeatureClassifier | None = None

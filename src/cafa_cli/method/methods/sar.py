@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
@@ -43,8 +44,9 @@ EMA_MOMENTUM = 0.9
 FROZEN = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm")
 
 
-def reliable_entropy(logits: torch.Tensor, keep: torch.Tensor | None = None,
-                     margin: float = MARGIN) -> tuple[torch.Tensor, torch.Tensor]:
+def reliable_entropy(
+    logits: torch.Tensor, keep: torch.Tensor | None = None, margin: float = MARGIN
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean entropy of the samples below E0 = margin·ln C (and in `keep`), and that mask; 0 when none."""
     entropy = losses.entropies(logits)
     below = entropy.detach() < margin * math.log(logits.shape[1])
@@ -58,16 +60,32 @@ class Sar(Method):
     capturable = True  # its state changes in place (base.py)
     filters_samples = True
     options = (
-        Option("entropy_margin", MARGIN, "E0 as a share of ln C: a sample is reliable when its entropy is below E0", "positive"),
+        Option(
+            "entropy_margin",
+            MARGIN,
+            "E0 as a share of ln C: a sample is reliable when its entropy is below E0",
+            "positive",
+        ),
         Option("rho", RHO, "ρ, the radius of the sharpness-aware perturbation", "positive"),
-        Option("reset_below", RESET_BELOW, "recover the source model when the loss's moving average falls below this",
-               "weight"),
-        Option("frozen", FROZEN, "modules left out of the update, by name (whole dotted components); empty: none",
-               "names"),
+        Option(
+            "reset_below",
+            RESET_BELOW,
+            "recover the source model when the loss's moving average falls below this",
+            "weight",
+        ),
+        Option(
+            "frozen", FROZEN, "modules left out of the update, by name (whole dotted components); empty: none", "names"
+        ),
     )
 
-    def __init__(self, device: torch.device | str = "cpu", entropy_margin: float = MARGIN, rho: float = RHO,
-                 reset_below: float = RESET_BELOW, frozen: tuple[str, ...] = FROZEN):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        entropy_margin: float = MARGIN,
+        rho: float = RHO,
+        reset_below: float = RESET_BELOW,
+        frozen: tuple[str, ...] = FROZEN,
+    ):
         self.device = resolve_device(device)
         self.set_options(entropy_margin=entropy_margin, rho=rho, reset_below=reset_below, frozen=frozen)
         self.params: list[torch.nn.Parameter] = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method
@@ -37,8 +38,9 @@ class T3A(Method):
     name = "t3a"
     adapts_normalisation = False
     trains = False
-    options = (Option("filter_k", FILTER_K, "M, the supports kept per class (lowest entropy first), or all",
-                      "count_or_all"),)
+    options = (
+        Option("filter_k", FILTER_K, "M, the supports kept per class (lowest entropy first), or all", "count_or_all"),
+    )
 
     def __init__(self, filter_k: int | str = FILTER_K):
         self.set_options(filter_k=filter_k)
@@ -50,7 +52,9 @@ class T3A(Method):
         self.model = model  # its classifier is moved to the device with it
 
     def reset(self) -> None:
-        self.supports: torch.Tensor | None = None  # [C, M, d], normalised; zeros in empty places (`all`: their sum, [C, d])
+        self.supports: torch.Tensor | None = (
+            None  # [C, M, d], normalised; zeros in empty places (`all`: their sum, [C, d])
+        )
         self.entropies: torch.Tensor | None = None  # [C, M]; +inf in empty places (`all`: None)
 
     def _start(self) -> None:

@@ -14,6 +14,7 @@ between domains.
 from __future__ import annotations
 
 import torch
+
 from cafa_cli.method import losses
 from cafa_cli.method.methods.base import Method
 
