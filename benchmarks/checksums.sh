@@ -3,9 +3,11 @@
 # table, `cafa adapt` predictions and metrics (without times and paths' dates) for every
 # built-in method and a few stream settings, and a bench table.
 # Usage: benchmarks/checksums.sh WORKDIR  (re-uses WORKDIR/cafa-demo's data when there)
-# Ends by comparing with benchmarks/checksums.expected: the sums of 7e563d8 on the 2-core
-# dev VM, torch 2.14.1 CPU, in WORKDIR /tmp/ck (the metrics record absolute paths, so use
-# the same WORKDIR); another CPU or torch may differ. About 6 minutes on 2 cores.
+# Ends by comparing with benchmarks/checksums.expected, made on the 2-core dev VM, torch
+# 2.14.1 CPU, in WORKDIR /tmp/ck (the metrics record absolute paths, so use the same
+# WORKDIR); another CPU or torch may differ. About 12 minutes on 2 cores. Its predictions
+# (demo, adapt-*, bench) are 7e563d8's byte for byte; its metrics are 761b843's, which added
+# the raw `method_option` entries to the settings (7e563d8's differ by that key alone).
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
