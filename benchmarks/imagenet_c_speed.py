@@ -162,6 +162,7 @@ def timed_adapt(
         str(workers),
         "--precision",
         precision,
+        "--cuda-graph",  # opt-in (issue 45): this measures whether it should become the default
         "--quiet",
         "--metrics-json",
         str(metrics_json),

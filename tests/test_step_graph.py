@@ -9,6 +9,7 @@ cannot show, a GPU must: that the kernels are captured at all (benchmarks/gpu_ch
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 
 import pytest
@@ -295,9 +296,22 @@ def test_a_subclass_that_changes_the_step_is_replayed_only_when_it_says_so():
     assert Tent.capturable and Named.capturable and not Louder.capturable
 
 
+def test_the_graph_is_opt_in_until_it_has_been_measured_on_a_gpu(trained):
+    """Issue 45: a path that has never run on its hardware is not the default, in the Python
+    API, the settings and the command line alike; the first GPU measurement may turn it on."""
+    from cafa_cli.jobs.config import AdaptConfig, BenchConfig
+    from cafa_cli.method.options import check_adapter_options
+
+    model, _, _, _ = trained
+    adapter = Adapter(copy.deepcopy(model), create("tent"))
+    assert adapter.graph is None and adapter.step_runner == "eager: cuda_graph is off"
+    assert AdaptConfig().cuda_graph is False and BenchConfig().cuda_graph is False
+    assert inspect.signature(check_adapter_options).parameters["cuda_graph"].default is False
+
+
 def test_why_a_step_runs_eagerly(trained):
     model, gaussians, _, _ = trained
-    adapter = Adapter(copy.deepcopy(model), create("tent"))
+    adapter = Adapter(copy.deepcopy(model), create("tent"), cuda_graph=True)
     assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
     adapter.device = torch.device("cuda")  # what the Adapter would decide on a GPU
     why = adapter._why_no_graph
@@ -345,7 +359,7 @@ def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_gr
     eager = adapt(setup, data, "--method", "tent", "--no-cuda-graph", "--metrics-json", tmp_path / "eager.json")
     monkeypatch.setattr(adapter_module.Adapter, "_why_no_graph", lambda self, *settings: None)
     monkeypatch.setattr(adapter_module, "StepGraph", partial(StepGraph, capture=capture))
-    graphed = adapt(setup, data, "--method", "tent", "--metrics-json", tmp_path / "graph.json")
+    graphed = adapt(setup, data, "--method", "tent", "--cuda-graph", "--metrics-json", tmp_path / "graph.json")
     assert eager.exit_code == graphed.exit_code == 0, graphed.stderr
     assert graphed.stdout == eager.stdout  # 18 images in batches of 4: 3 warm-up, a checked capture, the last 2 eager
     runner = json.loads((tmp_path / "graph.json").read_text())["settings"]["step_runner"]

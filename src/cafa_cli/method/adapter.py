@@ -10,10 +10,11 @@ torch's fused Adam and SGD take the flag and leave the parameters and their stat
 and `torch.where` puts back the parameters and state saved before it, bit for bit. The
 skipped updates are counted on the device and read only when `skipped_steps` is.
 
-On CUDA the steady-state step is captured as one CUDA graph and replayed (step_graph.py)
-where that is safe: a method that says its step is replayable (`Method.capturable`; every
-`norm` keeps its statistics in place), fp32 or bf16, not `compile` (torch.compile has
-graphs of its own), no oracle labels. `cuda_graph` False turns it off."""
+With `cuda_graph` on CUDA, the steady-state step is captured as one CUDA graph and
+replayed (step_graph.py) where that is safe: a method that says its step is replayable
+(`Method.capturable`; every `norm` keeps its statistics in place), fp32 or bf16, not
+`compile` (torch.compile has graphs of its own), no oracle labels. It is off by default:
+a path that has never run on a GPU is not the default (issue 45; docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class Adapter:
         norm: str = "batch",
         precision: str = "fp32",
         compile: bool = False,
-        cuda_graph: bool = True,
+        cuda_graph: bool = False,
         class_moments: dict | None = None,
     ):
         if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):

@@ -325,8 +325,9 @@ class AdaptationOptions:
         panel=RUNTIME,
     )
     cuda_graph: bool = setting(
-        True,
-        "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once.",
+        False,
+        "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once. "
+        "Opt-in: not yet measured on a GPU.",
         flags=("--cuda-graph/--no-cuda-graph",),
         panel=RUNTIME,
     )
