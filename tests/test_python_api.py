@@ -148,3 +148,14 @@ def test_statistics_saved_from_the_api_serve_cafa_adapt(api_run, tiny_weights, t
     )
     assert result.exit_code == 0, result.stderr  # the model and its parameters are recognised, the preprocessing taken
     assert len(result.stdout.splitlines()) == 1 + 12 and ",a," in result.stdout  # a header and one record per image
+
+
+def test_an_artifact_written_the_documented_way_records_the_classifier_as_cafa_stats_does(api_run, tmp_path):
+    from cafa_cli.jobs.inspect import describe
+
+    saved, made_by_cli = read_artifact(tmp_path / "my-stats.safetensors"), read_artifact(tmp_path / "stats.safetensors")
+    assert describe(saved)["model"]["classifier"] == "head.3"  # cafa inspect: "classifier head.3", not None
+    assert saved.model == made_by_cli.model  # model, weights and their sha256, classifier: as cafa stats records them
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "my-stats.safetensors")])
+    assert shown.exit_code == 0, shown.output
+    assert "classifier head.3" in shown.output

@@ -442,3 +442,32 @@ def test_the_shell_completes_method_and_recipe_names_through_the_commands():
     assert values("cafa bench --methods tent,r") == ["tent,rotta"]
     assert values("cafa bench --recipe image") == ["imagenet-c"]
     assert values("cafa methods co") == ["cotta"]
+
+
+def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
+    """`Adapter(model, method, **recipe.adapter_settings())`, as docs/python-api.md says; the
+    settings left out are the stream's batch size and EATA's Fisher images."""
+    import tiny_net
+
+    from cafa_cli.method.adapter import Adapter
+    from cafa_cli.method.features import FeatureClassifier
+    from cafa_cli.method.methods import create
+    from cafa_cli.recipes import ADAPTER_SETTINGS
+
+    keywords = {name for name, p in inspect.signature(Adapter.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(ADAPTER_SETTINGS) == set(SETTINGS) & keywords
+    assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples"}
+    recipe = shipped("tent", "cifar10-c")
+    with pytest.raises(TypeError, match="batch_size"):  # why the method exists
+        Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.settings)
+    adapter = Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.adapter_settings())
+    assert adapter.optimizer.param_groups[0]["lr"] == recipe.settings["lr"]
+    assert "batch_size" in recipe.settings and "batch_size" not in recipe.adapter_settings()
+    for name in NAMES:
+        for family in FAMILIES:
+            settings = shipped(name, family).adapter_settings()
+            assert set(settings) <= keywords, (name, family)
+            # the keywords are the method's whatever it is; tent takes every optimiser and parameter set
+            Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **settings)
+    eata = shipped("eata", "cifar10-c")
+    assert "fisher_samples" in eata.settings and "fisher_samples" not in eata.adapter_settings()

@@ -2,7 +2,10 @@
 `torchvision:NAME` (hub.py), `robustbench:DATASET/NAME` (zoo/robustbench.py), or a factory
 (`file.py:fn`, `package.module:fn`), built with
 its keyword arguments, loaded with its weights and wrapped so that it returns its
-features too; and the fingerprints an artifact records of it."""
+features too; and the fingerprints an artifact records of it.
+
+Public (docs/python-api.md): `load_model`, which loads a model as `--model`/`--weights` do,
+`model_spec`, what an artifact records of it, `ModelSpec` and `parameters_sha256`."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch import nn
 from cafa_cli import hub
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
 from cafa_cli.errors import InputError, UsageError, did_you_mean
-from cafa_cli.factories import import_factory, is_factory
+from cafa_cli.factories import import_factory, is_factory, parse_model_args
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.zoo import robustbench
@@ -60,9 +63,9 @@ def build_model(
         return _from_factory(model, kwargs)
     if library is None and model not in hub.torchvision_names():
         raise UsageError(
-            f"`model` {model}: unknown architecture{did_you_mean(model, hub.torchvision_names())}; give a torchvision "
-            "classification model, "
-            f"one of {', '.join(sorted(BUNDLED))}, timm:NAME, robustbench:DATASET/NAME, or a factory 'file.py:function'"
+            f"`model` {model}: unknown architecture{did_you_mean(model, [*BUNDLED, *hub.torchvision_names()])}; "
+            f"give a torchvision classification model, one of {', '.join(sorted(BUNDLED))}, timm:NAME, "
+            "robustbench:DATASET/NAME, or a factory 'file.py:function'"
         )
     return hub.build_torchvision(name, kwargs, weights)
 
@@ -136,12 +139,94 @@ def resolve(
     wrapped = FeatureClassifier(net, classifier).eval()
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
-    recorded_weights, sha256 = (cached.name, cached.sha256) if cached else weights_record(model, weights)
-    recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
-    spec = ModelSpec(
-        canonical_model(model), recorded_weights, sha256, num_classes, wrapped.classifier_name, recorded_args
+    recorded_weights = (cached.name, cached.sha256) if cached else weights_record(model, weights)
+    return wrapped, _spec(wrapped, model, recorded_weights, num_classes, model_args)
+
+
+def load_model(
+    model: str,
+    weights: str | None = None,
+    *,
+    num_classes: int | None = None,
+    classifier: str | None = None,
+    model_args: dict | None = None,
+    trust_checkpoint: bool = False,
+) -> FeatureClassifier:
+    """The model `cafa adapt --model MODEL --weights WEIGHTS` runs, wrapped as the Adapter
+    takes it (FeatureClassifier), in eval mode on the CPU: a bundled model with its packaged
+    weights (fmnist-resnet), a torchvision architecture with a weights file or pretrained
+    weights by name from the local cache (never downloaded), timm:NAME, torchvision:NAME,
+    robustbench:DATASET/NAME, or a factory file.py:fn. The keywords are the options of the
+    same names (`model_args`: {name: value}, Python literals as --model-arg takes them).
+    Resolved by the command line's own code (jobs/shared/inputs.py resolve_model), its
+    checks included: an architecture without weights (random, different in every run) and
+    weights that are not float32 or not finite are refused. Errors are CafaErrors."""
+    from cafa_cli.jobs.config.settings import ModelOptions  # deferred: the jobs build on this module
+    from cafa_cli.jobs.shared.inputs import resolve_model
+
+    options = ModelOptions(
+        model=model,
+        weights=weights,
+        model_args=_model_arg_texts(model_args),
+        num_classes=num_classes,
+        classifier=classifier,
+        trust_checkpoint=trust_checkpoint,
     )
-    return wrapped, spec
+    return resolve_model(options)[0]
+
+
+def model_spec(
+    model: FeatureClassifier,
+    name: str,
+    weights: str | None = None,
+    *,
+    num_classes: int | None = None,
+    model_args: dict | None = None,
+) -> ModelSpec:
+    """What an artifact records of `model` (the FeatureClassifier of the network that `name`,
+    `weights`, `num_classes` and `model_args` build, as load_model takes them), as `cafa stats`
+    records it: a factory file and a weights file by their absolute paths, the weights' sha256
+    (or pretrained weights' full name), and the classifier layer the FeatureClassifier uses,
+    so that `cafa adapt` and `cafa inspect` find what the statistics were made with."""
+    if not isinstance(model, FeatureClassifier):
+        raise UsageError(
+            f"model_spec takes the FeatureClassifier the statistics were made with, not {type(model).__name__}: "
+            f"wrap the network, FeatureClassifier(net), or load it with load_model"
+        )
+    _model_arg_texts(model_args)  # literals only: the artifact records them as texts to read back
+    return _spec(model, name, weights_record(name, weights), num_classes, model_args or {})
+
+
+def _spec(
+    wrapped: FeatureClassifier,
+    model: str,
+    recorded_weights: tuple[str | None, str | None],
+    num_classes: int | None,
+    model_args: dict,
+) -> ModelSpec:
+    weights, sha256 = recorded_weights
+    recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
+    return ModelSpec(canonical_model(model), weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
+
+
+def _model_arg_texts(model_args: dict | None) -> list[str]:
+    """`model_args` as --model-arg's KEY=VALUE texts; each value must come back from its text
+    (a Python literal), as the command line and an artifact's record give it."""
+    if model_args is None:
+        return []
+    if not isinstance(model_args, dict):
+        raise UsageError(f"`model_args` must be a dict of keyword arguments, {{name: value}}, not {model_args!r}")
+    texts = [f"{key}={value!r}" for key, value in model_args.items()]
+    parsed = parse_model_args(texts, "`model_args`")
+    changed = [
+        key for key, value in model_args.items() if parsed.get(key) != value or type(parsed.get(key)) is not type(value)
+    ]
+    if changed:
+        raise UsageError(
+            f"`model_args` {changed[0]}={model_args[changed[0]]!r} is not a Python literal; give numbers, text, "
+            f"True/False/None, or tuples and lists of them, as --model-arg takes them"
+        )
+    return texts
 
 
 def model_weights(model: str | None, weights: str | None) -> str | None:

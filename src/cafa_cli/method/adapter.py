@@ -18,11 +18,13 @@ a path that has never run on a GPU is not the default (issue 45; docs/performanc
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import copy
+import threading
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import InputError, UsageError
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import (
@@ -31,15 +33,18 @@ from cafa_cli.method.norms import (
     balance_histogram,
     class_balanced_norms,
     norm_layers,
+    replace_submodule,
     use_test_batch_norm,
 )
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
+from cafa_cli.method.state import restore, snapshot
 from cafa_cli.method.step_graph import StepGraph, kept_state
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
 WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
 
 
+STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s, checked by load_state_dict
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
@@ -74,6 +79,11 @@ class Adapter:
         cuda_graph: bool = False,
         class_moments: dict | None = None,
     ):
+        if not isinstance(model, FeatureClassifier):
+            raise UsageError(
+                f"the Adapter takes a FeatureClassifier, not a bare {type(model).__name__}: wrap the network, "
+                f"FeatureClassifier(net) (cafa_cli.method.features), which finds its classifier layer"
+            )
         if getattr(model.model, OWNED, False) or any(isinstance(m, BatchStatisticsNorm) for m in model.modules()):
             # its BatchNorms may be swapped and its weights adapted: a second Adapter would
             # start from there, not from the source model, and reset() would return there
@@ -121,6 +131,7 @@ class Adapter:
         self.norms = norm_layers(self.model)  # the swapped ones
         self.balanced = class_balanced_norms(self.model)  # None unless `norm` is class-balanced
         self.params = method.parameters(self.model, params) if method.trains else []
+        check_weights_precision(self.params, optimizer)
         if not method.trains:
             self.model.requires_grad_(False)
         self._optimizer_kind, self._lr, self._momentum = optimizer, lr, momentum
@@ -146,6 +157,17 @@ class Adapter:
         if self._graph_off is None:
             self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
+        self._in_use = threading.Lock()
+        # what a saved state must have been made with to be loaded here (load_state_dict)
+        self._settings = {
+            "params": params,
+            "optimizer": optimizer,
+            "lr": lr,
+            "momentum": momentum,
+            "steps": steps,
+            "norm": norm,
+            "precision": precision,
+        }
 
     def adapted(self) -> dict:
         """What the updates change: the number of tensors and of values, and the layer
@@ -252,15 +274,122 @@ class Adapter:
         if self.graph is not None:  # its optimiser state and the method's are new tensors
             self.graph.drop()
 
+    def export(self) -> torch.nn.Module:
+        """The adapted network for serving, a plain copy: each normalisation layer the Adapter
+        swapped in becomes a torch BatchNorm in eval mode holding the adapted affines and the
+        statistics the stream arrived at (`norm` batch or prior: a running estimate of the test
+        batches' statistics, BatchNorm's own momentum 0.1; ema and class-balanced: their running
+        statistics; source: the source's), so that it predicts one image as it predicts a batch.
+        A teacher-student method's teacher is what serves (Method.served_network). Methods whose
+        predictions are not their network's (t3a's prototypes, lame's batch assignment) have
+        nothing to export."""
+        with self._one_thread():
+            if type(self.method).output is not Method.output:
+                name = self.method.name or type(self.method).__name__
+                raise UsageError(
+                    f"{name} predicts with more than its network (it changes the logits a batch at a time): an "
+                    f"exported network would predict otherwise; serve through the Adapter's step"
+                )
+            net = copy.deepcopy(self.method.served_network(self).model)
+            for name, module in list(net.named_modules()):
+                if callable(getattr(module, "frozen", None)):
+                    replace_submodule(net, name, module.frozen())
+            if hasattr(net, OWNED):
+                delattr(net, OWNED)
+            return net.eval().requires_grad_(False)
+
+    def state_dict(self) -> dict:
+        """Everything the adaptation has arrived at, as tensors and plain data that
+        torch.save writes and torch.load(weights_only=True) reads: the weights, the
+        optimiser's state, the running statistics, the method's own state (its moving means,
+        banks, teachers: Method.state_dict) and torch's random number generator (CoTTA's and
+        RoTTA's augmentations draw from it). load_state_dict() of a new Adapter made the same
+        way (model, method, settings) goes on from there bit for bit."""
+        with self._one_thread():
+            return {
+                "format": STATE_FORMAT,
+                "method": self.method.name or type(self.method).__name__,
+                "settings": dict(self._settings),
+                "model": snapshot(self.model.state_dict()),
+                "optimizer": None if self.optimizer is None else snapshot(self.optimizer.state_dict()),
+                "scaler": None if self.scaler is None else snapshot(self.scaler.state_dict()),
+                "skipped": self._skipped.clone(),
+                "norms": [snapshot(layer.before) for layer in self.norms],
+                "balanced": None if self.balanced is None else snapshot(self.balanced.saved()),
+                "method_state": self.method.state_dict(),
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """A state_dict() put back, of an Adapter of the same method and settings: the stream
+        goes on from where that one was. torch's random number generator is set to where it was."""
+        with self._one_thread():
+            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+                raise InputError("not a saved Adapter state (Adapter.state_dict(), cafa adapt --state)")
+            method = self.method.name or type(self.method).__name__
+            if state["method"] != method or state["settings"] != self._settings:
+                theirs = {"method": state["method"], **state["settings"]}
+                ours = {"method": method, **self._settings}
+                differ = [
+                    f"{key} {theirs.get(key)} (here {ours.get(key)})" for key in ours if theirs.get(key) != ours[key]
+                ]
+                raise UsageError(
+                    f"the saved state is of another adaptation: {', '.join(differ)}; adapt with its settings"
+                )
+            self.model.load_state_dict(state["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.scaler is not None:
+                self.scaler.load_state_dict(state["scaler"])
+            self._skipped.copy_(state["skipped"])
+            for layer, before in zip(self.norms, state["norms"]):
+                layer.before = restore(layer.before, before)
+            if self.balanced is not None:
+                self.balanced.restore(restore(self.balanced.saved(), state["balanced"]))
+            self.method.load_state_dict(state["method_state"])
+            torch.set_rng_state(state["rng"])
+            if state["cuda_rng"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+            if self.graph is not None:  # its optimiser state and the method's may be new tensors
+                self.graph.drop()
+
     def step(self, images: torch.Tensor) -> torch.Tensor:
+        with self._one_thread():
+            images = self._batch(images)
+            if self.graph is None:
+                return self._eager_step(images)
+            if self.method.oracle_labels is not None:  # the true labels, new each batch, are no input of the graph
+                self.graph.off = "oracle labels change every batch"
+            return self.graph(images)
+
+    def _batch(self, images: torch.Tensor) -> torch.Tensor:
+        if not isinstance(images, torch.Tensor) or images.dim() == 0 or images.shape[0] == 0:
+            shape = list(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise UsageError(f"a batch is a tensor of one image or more, [N, channels, height, width]; not {shape}")
         images = images.to(self.device, non_blocking=True)
-        if images.dim() == 4:
-            images = images.contiguous(memory_format=self.memory_format)
-        if self.graph is None:
-            return self._eager_step(images)
-        if self.method.oracle_labels is not None:  # the true labels, new each batch, are no input of the graph
-            self.graph.off = "oracle labels change every batch"
-        return self.graph(images)
+        return images.contiguous(memory_format=self.memory_format) if images.dim() == 4 else images
+
+    def __getstate__(self) -> dict:  # copy.deepcopy: a lock cannot be copied, and a copy is free anyway
+        return {key: value for key, value in vars(self).items() if key != "_in_use"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._in_use = threading.Lock()
+
+    @contextmanager
+    def _one_thread(self):
+        """One call at a time: a step changes the weights, the optimiser and the method's
+        state, which a second thread's step or features() would read half-changed."""
+        if not self._in_use.acquire(blocking=False):
+            raise UsageError(
+                "this Adapter is already in a call from another thread; an Adapter adapts one stream: give each "
+                "thread its own Adapter (each with its own copy of the model), or serialise the calls with a lock"
+            )
+        try:
+            yield
+        finally:
+            self._in_use.release()
 
     def _eager_step(self, images: torch.Tensor) -> torch.Tensor:
         self._new_batch(images)
@@ -276,9 +405,10 @@ class Adapter:
         far (method.reporting_network), changing nothing: no update, and the statistics a forward
         pass moves (`norm` ema:M, class-balanced) put back after it, so that each batch is seen as
         if it came next in the stream."""
-        images = images.to(self.device, non_blocking=True)
-        if images.dim() == 4:
-            images = images.contiguous(memory_format=self.memory_format)
+        with self._one_thread():
+            return self._features(self._batch(images))
+
+    def _features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         network = self.method.reporting_network(self)
         saved = {name: value.clone() for name, value in network.state_dict().items()}
         balanced = None if self.balanced is None else self.balanced.saved()
@@ -379,7 +509,8 @@ class Adapter:
         flag = torch.maximum(flag, earlier)
         held = flag if leave_out is None else torch.maximum(flag, leave_out.float().reshape(1))
         with torch.no_grad():
-            self._step(held)
+            # a step that wrote a value that is not finite (an overflow of low-precision weights) is undone too
+            flag = torch.maximum(flag, self._step(held))
             if self.scaler is not None:
                 self.scaler.update()
                 # as if neither the step nor the update had been tried: no backward pass, no new scale
@@ -391,8 +522,10 @@ class Adapter:
             self._skipped += (flag - earlier).long().sum()
         return flag
 
-    def _step(self, skip: torch.Tensor) -> None:
-        """The optimiser's step, which changes nothing where `skip` (float [1]) is 1."""
+    def _step(self, skip: torch.Tensor) -> torch.Tensor:
+        """The optimiser's step, which changes nothing where `skip` (float [1]) is 1; returns
+        float [1], 1 where the values it wrote were not all finite, which it then put back
+        (torch's fused CUDA kernels take the flag before the step: they check only that)."""
         optimizer = self.optimizer
         if optimizer.defaults.get("fused"):
             # torch refuses a capture of a step not marked capturable, and warns about an eager
@@ -405,15 +538,30 @@ class Adapter:
                 optimizer.step()
             finally:
                 del optimizer.found_inf
-            return
+            return torch.zeros_like(skip)
         # what the step may change: the parameters and the state there is (_start_state made it)
         changed = [p for group in optimizer.param_groups for p in group["params"]]
         changed += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         saved = [t.clone() for t in changed]
         optimizer.step()
-        keep = skip.bool().reshape(())
+        written = torch.zeros_like(skip)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [p for p in changed if p.is_floating_point()], written, torch.ones_like(written)
+        )
+        keep = torch.maximum(skip, written).bool().reshape(())
         for now, before in zip(changed, saved):
             torch.where(keep, before, now, out=now)
+        return written
+
+
+def check_weights_precision(params: list[torch.nn.Parameter], optimizer: str) -> None:
+    """Adam on float16 weights writes NaN: its ε (1e-8) is 0 in float16, and its second
+    moment underflows, so an update divides by zero. Refused (bf16 has float32's range)."""
+    if optimizer == "adam" and any(p.dtype == torch.float16 for p in params):
+        raise UsageError(
+            "the weights to adapt are float16, and Adam's update underflows there and writes NaN; keep the model in "
+            "float32 and give `precision` fp16 (autocast: fp16 speed, float32 weights), or use `optimizer` sgd"
+        )
 
 
 def _start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:

@@ -37,6 +37,8 @@ from cafa_cli.method.options import parse_norm
 
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 RUNNING = ("ema", "class-balanced")  # the settings that keep statistics from batch to batch
+SERVED = ("batch", "prior")  # the settings whose layers keep an estimate for serving (BatchStatisticsNorm.frozen)
+SERVED_MOMENTUM = 0.1  # that estimate's momentum: BatchNorm's own
 BALANCED_MOMENTUM = 0.05  # class-balanced: the momentum once 1/t falls below it (RoTTA's α)
 # class-balanced: how far a batch's class histogram must be from uniform (as a share of the
 # way from what an i.i.d. batch of its size shows to one class alone) before its correction
@@ -71,6 +73,16 @@ class BatchStatisticsNorm(nn.Module):
             # torch.compile compile again for every value
             self.register_buffer("rate", torch.full((), value, device=bn.running_mean.device), persistent=False)
             self.register_buffer("keep", torch.full((), 1 - value, device=bn.running_mean.device), persistent=False)
+        if self.kind in SERVED:
+            # what a model exported for serving normalises with (Adapter.export, frozen): an average
+            # of the test batches' statistics, each forward pass moving it by BatchNorm's own
+            # momentum, from 0 and corrected for that start as Adam corrects its moments, so that
+            # no share of it is the source's; it changes no prediction of the stream. In the
+            # running statistics' dtype, which the fused kernel needs them in
+            like = bn.running_mean if bn.running_mean is not None else torch.empty(0, device=bn.weight.device)
+            self.register_buffer("served_mean", like.new_zeros(bn.num_features))
+            self.register_buffer("served_var", like.new_zeros(bn.num_features))
+            self.register_buffer("served_passes", torch.zeros((), dtype=torch.int64, device=like.device))
         self.before: tuple[torch.Tensor, torch.Tensor] | None = None  # ema: running statistics before this batch
         self.balanced: ClassBalancedNorms | None = None
         self.index = 0  # its place among the balanced layers
@@ -109,7 +121,10 @@ class BatchStatisticsNorm(nn.Module):
                 return nn.functional.batch_norm(grouped, None, None, weight, bias, training=True, eps=self.eps).view(
                     x.shape
                 )
-            return nn.functional.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
+            self.served_passes += 1
+            return nn.functional.batch_norm(
+                x, self.served_mean, self.served_var, self.weight, self.bias, True, SERVED_MOMENTUM, self.eps
+            )
         if self.kind == "source":
             return nn.functional.batch_norm(
                 x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps
@@ -122,6 +137,12 @@ class BatchStatisticsNorm(nn.Module):
         var, mean = torch.var_mean(x.float(), dims, unbiased=False)
         if self.kind == "prior":
             n = x.shape[0]
+            with torch.no_grad():  # as the fused kernel moves them for `batch`, with the unbiased variance
+                self.served_passes += 1
+                count = x.numel() // x.shape[1]
+                self.served_mean.lerp_(mean.detach().to(self.served_mean.dtype), SERVED_MOMENTUM)
+                unbiased = var.detach() * count / max(count - 1, 1)
+                self.served_var.lerp_(unbiased.to(self.served_var.dtype), SERVED_MOMENTUM)
             mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
             var = (self.prior * self.source_var + n * var) / (self.prior + n)
         else:
@@ -131,6 +152,23 @@ class BatchStatisticsNorm(nn.Module):
         if self.weight is not None:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out
+
+    def frozen(self) -> nn.Module:
+        """A plain BatchNorm in eval mode with this layer's affines and the statistics the stream
+        arrived at, for serving: `batch` and `prior` their running estimate of the test
+        statistics, `ema` and `class-balanced` their running statistics, `source` the source's."""
+        if self.kind in RUNNING:
+            mean, var = self.running_mean, self.running_var
+        elif self.kind == "source" or (self.kind in SERVED and int(self.served_passes) == 0):
+            # no test batch seen: the source's (a layer that keeps none normalises as a fresh BatchNorm)
+            if hasattr(self, "source_mean"):
+                mean, var = self.source_mean, self.source_var
+            else:
+                mean, var = torch.zeros_like(self.served_mean), torch.ones_like(self.served_var)
+        else:
+            started = 1 - (1 - SERVED_MOMENTUM) ** int(self.served_passes)  # the share the passes have
+            mean, var = self.served_mean / started, self.served_var / started
+        return plain_batch_norm(self.source_type, self.weight, self.bias, mean, var, self.eps)
 
     def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ema: the running statistics from before this batch moved toward (mean, var): kept, and returned."""
@@ -474,3 +512,22 @@ def weighted_statistics(x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.T
     count = (w.sum() * (x[0].numel() / x.shape[1])).clamp_min(1)
     mean = (x * w).sum(dims) / count
     return mean, ((x - mean.view([1, -1] + [1] * (x.dim() - 2))).square() * w).sum(dims) / count
+
+
+def plain_batch_norm(
+    kind: str,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> nn.Module:
+    """An eval-mode torch BatchNorm of `kind` (BatchNorm2d, ...) holding these values, detached."""
+    layer = getattr(nn, kind, nn.BatchNorm2d)(len(mean), eps=eps, affine=weight is not None)
+    with torch.no_grad():
+        if weight is not None:
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+        layer.running_mean.copy_(mean)
+        layer.running_var.copy_(var)
+    return layer.to(mean.device).eval()

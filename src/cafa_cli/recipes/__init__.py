@@ -22,6 +22,7 @@ of the family on it when no `model` is chosen. Torch-free.
 
 from __future__ import annotations
 
+import inspect
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -30,10 +31,14 @@ from pathlib import Path
 
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.files import reading
+from cafa_cli.method.options import check_adapter_options
 
 FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
 NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
 SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples")  # what a recipe may set
+# those of SETTINGS that are the Adapter's keyword arguments (the others are the stream's batch_size and
+# EATA's fisher_samples): the keywords check_adapter_options checks, which are the Adapter's
+ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in inspect.signature(check_adapter_options).parameters)
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
 DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
 # the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
@@ -54,6 +59,13 @@ class Recipe:
     settings: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     origin: str = "shipped"  # or the user's file
+
+    def adapter_settings(self) -> dict:
+        """The settings that are the Adapter's keyword arguments (optimizer, lr, momentum,
+        steps, params): `Adapter(model, method, **recipe.adapter_settings())`. The others are
+        not the Adapter's: `batch_size` is the stream's, `fisher_samples` the number of clean
+        images EATA's Fisher term is computed from."""
+        return {key: value for key, value in self.settings.items() if key in ADAPTER_SETTINGS}
 
     def record(self) -> dict:
         """What the metrics and bench JSON keep of it."""

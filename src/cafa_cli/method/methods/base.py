@@ -73,6 +73,7 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.norms import NORM_LAYERS, BatchStatisticsNorm
 from cafa_cli.method.options import Option, resolve_options
+from cafa_cli.method.state import restore, snapshot
 
 STEP_HOOKS = ("loss", "update", "output", "before_step", "after_step")  # what a step runs of a method
 
@@ -129,6 +130,8 @@ class Method:
     oracle_labels: torch.Tensor | None = None
     capturable: bool = False  # its step may be replayed from a CUDA graph (module docstring)
     per_batch: tuple[str, ...] = ("leave_out", "oracle_labels")  # made and used within a step: not state
+    # made once from what it was given and never changed by a step: not saved with its state
+    unsaved: tuple[str, ...] = ("gaussians", "device")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -198,6 +201,11 @@ class Method:
         (`adapter.forward`); a teacher-student method's teacher."""
         return adapter.forward
 
+    def served_network(self, adapter: AdapterSurface) -> FeatureClassifier:
+        """The network that serves its predictions once the stream is over (Adapter.export):
+        the adapted model; a teacher-student method's teacher."""
+        return adapter.model
+
     def before_step(self, images: torch.Tensor) -> None:
         """Called with each batch (on the Adapter's device) before its forward pass."""
 
@@ -206,6 +214,18 @@ class Method:
 
     def reset(self) -> None:
         """Called when the model goes back to the source weights: drop any state kept."""
+
+    def state_dict(self) -> dict:
+        """What the method carries from batch to batch, as plain data (method/state.py): every
+        attribute but those made once from its inputs (`unsaved`), its inputs and per-batch
+        values. The Adapter saves it with the weights and the optimiser (Adapter.state_dict)."""
+        left_out = {*self.unsaved, *self.inputs, *self.per_batch}
+        return {key: snapshot(value) for key, value in vars(self).items() if key not in left_out}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A state_dict() of this method, put back (in place where the tensors already are)."""
+        for key, saved in state.items():
+            setattr(self, key, restore(getattr(self, key, None), saved))
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -34,6 +34,7 @@ class Cafa(Method):
     needs_statistics = True
     takes_labels = True  # CAFA-Oracle: the true labels in place of ŷ (base.py)
     metric = "mahalanobis"
+    unsaved = (*Method.unsaved, "distances")  # made from the statistics: GBs on ImageNet, and never changed
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
         self.gaussians, self.device = gaussians, resolve_device(device)

@@ -53,7 +53,7 @@ from cafa_cli.method.memory_bank import (
 )
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.norms import correction_strength, replace_submodule, weighted_statistics
+from cafa_cli.method.norms import correction_strength, plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 
 MOMENTUM = 0.05  # α
@@ -75,11 +75,17 @@ class SharedStatisticsNorm(nn.Module):
                 f"keeps none (track_running_stats=False); use a model trained with them, or another method"
             )
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
+        self.source_type = type(bn).__name__  # for a plain one of the same kind (frozen)
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
         self.share: float | torch.Tensor | None = None
         self.weights: torch.Tensor | None = None
         self.momentum: float | None = None
+
+    def frozen(self) -> nn.Module:
+        """A plain eval-mode BatchNorm with these affines and the global statistics the stream
+        arrived at, for serving (Adapter.export)."""
+        return plain_batch_norm(self.source_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1, -1] + [1] * (x.dim() - 2)

@@ -172,6 +172,9 @@ class CoTTA(Method):
     def reporting_network(self, adapter: AdapterSurface) -> torch.nn.Module:
         return self.teacher  # its predictions are reported, the student only trains
 
+    def served_network(self, adapter: AdapterSurface) -> FeatureClassifier:
+        return self.teacher
+
     def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         with torch.no_grad(), adapter.autocast:
             target, features = self.pseudo_label(images)

@@ -24,6 +24,7 @@ class GlobalFA(Method):
     name = "global-fa"
     capturable = True  # a CUDA graph may replay its step (base.py)
     needs_statistics = True
+    unsaved = (*Method.unsaved, "mean", "covariance")  # the source's, from the statistics: never changed
 
     def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
         self.gaussians, self.device = gaussians, resolve_device(device)

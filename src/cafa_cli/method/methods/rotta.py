@@ -56,7 +56,7 @@ from cafa_cli.method.memory_bank import (
     timeliness_weights,
 )
 from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
-from cafa_cli.method.norms import replace_submodule, weighted_statistics
+from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
 
@@ -77,9 +77,15 @@ class RobustBatchNorm(nn.Module):
                 f"none (track_running_stats=False); use a model trained with them, or another method"
             )
         self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, momentum
+        self.source_type = type(bn).__name__  # for a plain one of the same kind (frozen)
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
         self.weights: torch.Tensor | None = None
+
+    def frozen(self) -> nn.Module:
+        """A plain eval-mode BatchNorm with these affines and the global statistics the stream
+        arrived at, for serving (Adapter.export)."""
+        return plain_batch_norm(self.source_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
@@ -184,6 +190,9 @@ class RoTTA(Method):
 
     def reporting_network(self, adapter: AdapterSurface) -> torch.nn.Module:
         return self.teacher  # its predictions are reported, the student only trains
+
+    def served_network(self, adapter: AdapterSurface) -> FeatureClassifier:
+        return self.teacher
 
     def before_step(self, images: torch.Tensor) -> None:
         self.fresh = True

@@ -1,0 +1,167 @@
+"""The Adapter as an engineer deploys it (issue 44): a network exported for serving one
+image at a time, a state saved and resumed bit for bit, weights whose precision cannot be
+ruined silently, and one thread at a time."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+
+from cafa_cli.errors import CafaError, UsageError
+from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods import REGISTRY, create
+from cafa_cli.method.methods.tent import Tent
+
+NAMES = tuple(REGISTRY)
+OPTIONS = {
+    "cotta": {"augmentations": 2},
+    "rotta": {"memory_size": 12, "update_every": 12},
+    "cafa-robust": {"memory_size": 12, "update_every": 12},
+    "lame": {},
+    "t3a": {"filter_k": 5},
+}
+
+
+def adapter_of(trained, name: str, **settings) -> Adapter:
+    model, gaussians, _, _ = trained
+    method = create(name, gaussians if REGISTRY[name].needs_statistics else None, "cpu", **OPTIONS.get(name, {}))
+    return Adapter(copy.deepcopy(model), method, "cpu", lr=1e-2, **settings)
+
+
+def error(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(1) != labels).float().mean())
+
+
+@pytest.mark.parametrize("norm", ["batch", "prior:16", "ema:0.05", "source"])
+def test_an_exported_network_predicts_one_image_as_a_batch_and_near_the_adapted_error(trained, norm):
+    _, _, x, y = trained
+    adapter = adapter_of(trained, "tent", norm=norm)
+    streamed = torch.cat([adapter.step(batch) for batch in x.split(30)])
+    served = adapter.export()
+    assert not any("cafa_cli" in type(m).__module__ for m in served.modules())  # plain torch layers only
+    with torch.no_grad():
+        batch = served(x)
+        alone = torch.cat([served(image[None]) for image in x])
+    assert error(alone, y) == error(batch, y)  # frozen statistics: the batch does not matter
+    torch.testing.assert_close(alone, batch, rtol=1e-4, atol=1e-5)
+    # the statistics the stream arrived at serve about as well as the stream's own batches did
+    assert error(batch, y) <= error(streamed, y) + 0.05, (error(batch, y), error(streamed, y))
+
+
+def test_export_loads_into_the_plain_architecture_and_leaves_the_adapter_as_it_was(trained):
+    model, _, x, _ = trained
+    adapter = adapter_of(trained, "cafa")
+    for batch in x.split(30):
+        adapter.step(batch)
+    before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    served = adapter.export()
+    plain = copy.deepcopy(model.model)
+    plain.load_state_dict(served.state_dict())  # no missing or unexpected keys: the source architecture's
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), served(x))
+    assert all(torch.equal(before[k], v) for k, v in adapter.model.state_dict().items())
+
+
+def test_a_teacher_serves_for_a_teacher_student_method_and_batch_methods_refuse(trained):
+    _, _, x, _ = trained
+    rotta = adapter_of(trained, "rotta")
+    for batch in x.split(30):
+        rotta.step(batch)
+    with torch.no_grad():
+        served = rotta.export()(x[:5])
+    assert served.shape == (5, 3) and torch.isfinite(served).all()
+    for name in ("t3a", "lame"):
+        with pytest.raises(UsageError, match=f"{name} predicts with more than its network"):
+            adapter_of(trained, name).export()
+
+
+def saved_and_loaded(state: dict) -> dict:
+    """Through a file, as a restart reads it: torch.save, then torch.load(weights_only=True)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_saved_state_goes_on_in_a_new_adapter_bit_for_bit(trained, name):
+    """N batches, save, load into a fresh Adapter: its next M batches are those of N + M in one go."""
+    _, _, x, _ = trained
+    batches = x.split(25)
+    first = adapter_of(trained, name, norm="ema:0.05" if name in ("tent", "sar") else "batch")
+    for batch in batches[:6]:
+        first.step(batch)
+    state = saved_and_loaded(first.state_dict())
+    went_on = [first.step(batch) for batch in batches[6:]]
+    second = adapter_of(trained, name, norm="ema:0.05" if name in ("tent", "sar") else "batch")
+    second.load_state_dict(state)
+    resumed = [second.step(batch) for batch in batches[6:]]
+    assert all(torch.equal(a, b) for a, b in zip(went_on, resumed))
+    assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()))
+
+
+def test_a_state_of_another_adaptation_is_refused(trained):
+    state = adapter_of(trained, "tent").state_dict()
+    with pytest.raises(UsageError, match="another adaptation: lr 0.01 \\(here 0.001\\)"):
+        model, _, _, _ = trained
+        Adapter(copy.deepcopy(model), create("tent"), "cpu").load_state_dict(state)
+    with pytest.raises(CafaError, match="not a saved Adapter state"):
+        adapter_of(trained, "tent").load_state_dict({"model": {}})
+
+
+def test_float16_weights_with_adam_are_refused_and_never_written_non_finite(trained):
+    model, _, x, _ = trained
+    with pytest.raises(UsageError, match="float16, and Adam's update underflows"):
+        Adapter(copy.deepcopy(model).half(), create("tent"), "cpu")
+    for dtype, optimizer in [(torch.float16, "sgd"), (torch.bfloat16, "adam"), (torch.bfloat16, "sgd")]:
+        adapter = Adapter(copy.deepcopy(model).to(dtype), create("tent"), "cpu", optimizer=optimizer, lr=1e-2)
+        for batch in x.split(50):
+            adapter.step(batch.to(dtype))
+        assert all(torch.isfinite(p).all() for p in adapter.params) and adapter.skipped_steps == 0, (dtype, optimizer)
+
+
+class Overflowing(Tent):
+    """Finite losses and gradients whose update overflows the weights (lr 1e10 · 1e30)."""
+
+    def loss(self, logits, features):
+        return logits.sum() * 1e30
+
+
+def test_an_update_that_writes_a_value_that_is_not_finite_is_undone_and_counted(trained):
+    model, _, x, _ = trained
+    adapter = Adapter(copy.deepcopy(model), Overflowing(), "cpu", optimizer="sgd", lr=1e10, momentum=0.0)
+    before = [p.clone() for p in adapter.params]
+    for batch in x.split(50):
+        adapter.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, adapter.params))
+    assert adapter.skipped_steps == len(x.split(50))
+
+
+def test_one_thread_at_a_time(trained):
+    _, _, x, _ = trained
+    adapter = adapter_of(trained, "tent")
+    failures = []
+    adapter._in_use.acquire()  # a step under way in this thread
+    try:
+        worker = threading.Thread(target=lambda: failures.append(pytest.raises(UsageError, adapter.step, x[:4])))
+        worker.start()
+        worker.join()
+    finally:
+        adapter._in_use.release()
+    assert "already in a call from another thread" in str(failures[0].value)
+    assert adapter.step(x[:4]).shape == (4, 3)  # free again
+
+
+def test_rough_edges_get_one_line_errors(trained):
+    model, _, x, _ = trained
+    with pytest.raises(UsageError, match="takes a FeatureClassifier, not a bare"):
+        Adapter(copy.deepcopy(model.model), create("tent"), "cpu")
+    adapter = adapter_of(trained, "tent")
+    with pytest.raises(UsageError, match="one image or more"):
+        adapter.step(x[:0])
+    with pytest.raises(UsageError, match="one image or more"):
+        adapter.features(x[:0])
