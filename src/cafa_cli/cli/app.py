@@ -21,6 +21,7 @@ from cafa_cli.cli.renamed import renamed_keys
 from cafa_cli.cli.streams import prepare_standard_streams
 from cafa_cli.data.values import decode_budget
 from cafa_cli.errors import CafaError
+from cafa_cli.interrupts import interrupt
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig, command_line_only, names_code
 
 # each a line a terminal shows whole; a long one continues after a backslash
@@ -133,7 +134,7 @@ def _interrupt(signum, frame):
         # Unwinding stops the loader workers mid-transfer: the errors that background
         # threads and finalisers then raise are noise once the run is being interrupted.
         threading.excepthook = sys.unraisablehook = lambda *args: None
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    interrupt(signum)  # at once, or when the adaptation step under way is whole
 
 
 def main() -> None:

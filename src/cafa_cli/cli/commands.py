@@ -15,7 +15,7 @@ import typer
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.cli.completion import complete_method, complete_recipe
 from cafa_cli.cli.defaults import defaults_file
-from cafa_cli.cli.errors import as_flags, from_config
+from cafa_cli.cli.errors import as_flags, from_config, gate
 from cafa_cli.cli.options import chosen_settings, domains_given, with_settings
 from cafa_cli.cli.streams import stderr, stdout_needed
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
@@ -70,7 +70,7 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     from cafa_cli.data.benchmarks import source_of
     from cafa_cli.jobs import adapt as adapt_job
     from cafa_cli.jobs.shared.monitor import Monitor
-    from cafa_cli.jobs.shared.report import summary_table
+    from cafa_cli.jobs.shared.report import above_max_error, print_table, summary_table
 
     config = AdaptConfig(
         **{
@@ -90,7 +90,8 @@ def adapt(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     if results is not None:  # None: a torchrun rank other than 0, whose results rank 0 shows
         # the title names what the errors are of: CAFA-Oracle's are not the method's own
         method = config.method + (" --oracle" if config.oracle else "")
-        console.print(summary_table(method, results, source_of(config)))
+        print_table(console, summary_table(method, results, source_of(config)))
+        gate(above_max_error(results, config.max_error, method))  # last: every output is written
 
 
 def inspect(
@@ -199,9 +200,10 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
     keep_defaults_file(config.outputs())
     stdout_needed()
     with Monitor(stderr(quiet), quiet, as_flags) as monitor:
-        table = bench_job.run(config, monitor)
-    if table is not None:  # None on a torchrun rank other than 0: rank 0 reports
-        print(table)
+        report = bench_job.run(config, monitor)
+    if report is not None:  # None on a torchrun rank other than 0: rank 0 reports
+        print(report.text, flush=True)
+        gate(bench_job.above_max_error(report.table, config.max_error))  # last: every output is written
 
 
 @with_settings(FeaturesPlotConfig, skip=("reset", "mix_domains", "gradual"))

@@ -17,6 +17,7 @@ from cafa_cli.cli.defaults import defaults_source
 from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, out_of_memory, printable
 from cafa_cli.files import completed
 
+EXIT_ABOVE_MAX_ERROR = 4  # --max-error: the run worked, and its error is above the threshold a CI job gates on
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 OUT_OF_MEMORY = (
@@ -34,6 +35,13 @@ def fail(message: str, code: int) -> typer.Exit:
     """Print the tool's one-line error and return the Exit to raise."""
     typer.echo(f"cafa: error: {printable(as_flags(message))}", err=True)
     return typer.Exit(code=code)
+
+
+def gate(reason: str | None) -> None:
+    """--max-error, called once every output is written: the one-line reason and its own exit
+    code when the run's error is above the threshold (a CI job tells it from a failure)."""
+    if reason:
+        raise fail(reason, EXIT_ABOVE_MAX_ERROR)
 
 
 def from_config(ctx: typer.Context, name: str) -> bool:

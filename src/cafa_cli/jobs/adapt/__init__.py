@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.devices import pick_device
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, listing
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
 from cafa_cli.jobs.config import AdaptConfig
@@ -43,6 +44,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
     with process_group(pick_device(config.device)) as (rank, world):
         said = RankMonitor(monitor if rank == 0 else None)
         job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
+        check_gate_has_labels(config, job.domains)
         # known only now: the paths stdin listed, and the model files an artifact named
         recorded = job.recorded_settings
         check_outputs(
@@ -85,6 +87,19 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted},
         )
     return results
+
+
+def check_gate_has_labels(config: AdaptConfig, domains: list[Domain]) -> None:
+    """`max_error` gates on the error of the labelled images: with none among the domains
+    there is nothing to gate on. Known once the domains are opened; refused before the
+    first image is adapted or any record written."""
+    if config.max_error is None or any((domain.labels != UNLABELLED).any() for domain in domains):
+        return
+    names = listing(dict.fromkeys(short_name(domain.name) for domain in domains))
+    raise UsageError(
+        f"`max_error` gates on the error of the labelled images, and no image of {names} has a label; give "
+        f"labelled domains (one folder per class, or an array with `labels`), or leave out `max_error`"
+    )
 
 
 def check_spread(config: AdaptConfig) -> None:

@@ -13,13 +13,14 @@ import gc
 from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
+from typing import NamedTuple
 
 from cafa_cli.checkpoints import check_weights_file
 from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.data.sources import on_disk
 from cafa_cli.devices import pick_device
-from cafa_cli.errors import InputError
+from cafa_cli.errors import InputError, listing
 from cafa_cli.files import make_workdir
 from cafa_cli.jobs.adapt.job import part_of
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation
@@ -41,15 +42,22 @@ from cafa_cli.jobs.shared.distributed import (
 )
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.jobs.shared.report import above
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.method.gaussians import check_options
 from cafa_cli.models import pretrained_by_name
 
 
+class BenchReport(NamedTuple):
+    text: str  # the markdown for stdout
+    table: list[dict]  # tables.summarise's: each row's errors in %, which `max_error` gates on
+
+
 @guards_outputs
-def run(config: BenchConfig, monitor: Monitor) -> str | None:
-    """The whole `bench` command: the grid, then the table as markdown (returned) and as
-    the CSV, JSON and plot files the config names; None on a torchrun rank other than 0."""
+def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
+    """The whole `bench` command: the grid, then the table as markdown (returned, with the
+    table) and as the CSV, JSON and plot files the config names; None on a torchrun rank
+    other than 0."""
     config, model_line = with_standard_model(config)
     rows = with_fractions(
         config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods))))
@@ -89,8 +97,25 @@ def run(config: BenchConfig, monitor: Monitor) -> str | None:
     if config.source:  # the columns are the targets; the model and its statistics are the source's
         text = f"source: {source_of(config)}\n\n{text}"
     if sweep:
-        return f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
-    return f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}" if axes else text
+        text = f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
+    elif axes:
+        text = f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}"
+    return BenchReport(text, table)
+
+
+def above_max_error(table: list[dict], max_error: float | None) -> str | None:
+    """Why `cafa bench --max-error` fails the run, in one line naming the rows whose mean
+    error over the domains (the table's mean column, %, mean over the seeds) is above it;
+    None when none is (or it is not asked for)."""
+    if max_error is None:
+        return None
+    over = [(row["method"], row["cells"]["mean"][0]) for row in table if above(row["cells"]["mean"][0], max_error)]
+    if len(over) == 1:
+        return f"mean error {over[0][1]:.2f} % is above `max_error` {max_error:g} ({over[0][0]})"
+    if over:
+        rows = listing(f"{label} {error:.2f} %" for label, error in over)
+        return f"mean error is above `max_error` {max_error:g} in {len(over)} of {len(table)} rows: {rows}"
+    return None
 
 
 def run_bench(
@@ -123,7 +148,7 @@ def run_bench(
         raise InputError(f"`train` {config.train}: no such file or folder")
     workdir = make_workdir(config.workdir)
     artifacts = {
-        (covariance, fraction): ensure_statistics(config, covariance, monitor, fraction)
+        (covariance, fraction): ensure_statistics(config, covariance, monitor, fraction, rank, world)
         for covariance, fraction in statistics_needed(rows)
     }
     wait_for_all(world)  # rank 0 has written the artifacts

@@ -64,7 +64,7 @@ def write_json(
     payload = {
         "cafa_version": __version__,
         "versions": report.software_versions(),
-        "unit": "error %",
+        "unit": report.ERROR_PERCENT,  # the table's; each run's and the clean set's `error` is a fraction, named there
         "seeds": seeds,
         "domains": [{"data": d, "label": labels[d]} for d in config.data],
         "table": [
@@ -91,7 +91,7 @@ def write_json(
             for r in rows
         ],
         "artifacts": artifacts,
-        **({"clean": clean} if clean else {}),
+        **({"clean": report.with_unit(clean)} if clean else {}),
         "settings": {
             **shared,
             "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)),

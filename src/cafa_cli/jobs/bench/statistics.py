@@ -3,6 +3,10 @@ in its workdir and re-used while they still match the bench's model, data and se
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cafa_cli.artifact import read_artifact
@@ -13,6 +17,7 @@ from cafa_cli.files import atomic_write
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
 from cafa_cli.jobs.config import BenchConfig, StatsConfig
+from cafa_cli.jobs.shared.distributed import wait_for_all
 from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.stats import compute_statistics, sample_sha256
@@ -37,22 +42,82 @@ def artifact_path(workdir: Path, covariance: str, fraction: float | None = None)
     )
 
 
-def ensure_statistics(config: BenchConfig, covariance: str, monitor: Monitor, fraction: float | None = None) -> Path:
+def ensure_statistics(
+    config: BenchConfig,
+    covariance: str,
+    monitor: Monitor,
+    fraction: float | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> Path:
     """The artifact for one covariance mode (at `fraction`, on a sweep), re-used when it was
     made for the same model and data; computed on the device, batch size and loader
-    processes of the bench."""
+    processes of the bench. Checked, computed and written under the artifact's lock, so
+    that a second bench sharing the workdir waits for the first and re-uses its artifact.
+    Under torchrun the ranks compute it together, and rank 0, which writes it, holds the lock."""
     path = artifact_path(Path(config.workdir), covariance, fraction)
     stats = stats_config(config, covariance, path, fraction=fraction)
-    if path.is_file():
-        try:
-            if _made_for(read_artifact(path, load_tensors=False), stats):
-                return path
-        except InputError:
-            pass
-    at = "" if fraction is None else f", `fraction` {fraction}"
-    monitor.info(f"computing statistics (`covariance` {covariance}{at}) → {path}")
-    compute_statistics(stats, monitor)
+    with statistics_lock(path, monitor, hold=rank == 0):
+        wait_for_all(world)  # no rank looks at the artifact before rank 0 holds its lock
+        if path.is_file():
+            try:
+                if _made_for(read_artifact(path, load_tensors=False), stats):
+                    return path
+            except InputError:
+                pass
+        at = "" if fraction is None else f", `fraction` {fraction}"
+        monitor.info(f"computing statistics (`covariance` {covariance}{at}) → {path}")
+        compute_statistics(stats, monitor)  # written (on rank 0) before it returns, so before the lock goes
     return path
+
+
+def lock_path(artifact: Path) -> Path:
+    """The file whose lock guards an artifact: beside it, hidden, one an artifact, so that
+    benches needing different statistics in one workdir do not wait for each other."""
+    return artifact.with_name(f".{artifact.name}.lock")
+
+
+@contextmanager
+def statistics_lock(artifact: Path, monitor: Monitor, hold: bool = True) -> Iterator[None]:
+    """An exclusive lock (flock) on the artifact's lock file while the block runs (with
+    `hold`); when another process holds it, says so and waits. Where no lock can be had
+    the block runs without one: the artifact is still written whole (atomically), only
+    perhaps computed twice. The lock goes when the file is closed, or with the process
+    however it ends; the file stays (removing it would let a third process lock a new file
+    while a second still waits on the old one)."""
+    lock = _open_lock_file(artifact) if hold else None
+    if lock is None:
+        yield
+        return
+    try:
+        _take(lock, artifact, monitor)
+        yield
+    finally:
+        os.close(lock)
+
+
+def _open_lock_file(artifact: Path) -> int | None:
+    """The lock file, made when missing; read-only when another user made it (flock needs
+    no write access); None in a workdir this process can neither write nor read."""
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return os.open(lock_path(artifact), flags, 0o666)
+        except OSError:
+            continue
+    return None
+
+
+def _take(lock: int, artifact: Path, monitor: Monitor) -> None:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        monitor.info(
+            f"waiting for another process (a bench with the same `workdir`) that holds the lock on {artifact}; "
+            f"its statistics are re-used if they fit"
+        )
+        fcntl.flock(lock, fcntl.LOCK_EX)  # Ctrl-C still interrupts the wait (PEP 475: the handler raises)
+    except OSError:  # a file system without locks (some network mounts)
+        pass
 
 
 def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, Path], write: bool = True) -> str | None:

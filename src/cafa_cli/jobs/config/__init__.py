@@ -61,6 +61,9 @@ from cafa_cli.jobs.config.settings import (
 from cafa_cli.method.methods import REGISTRY, is_plugin
 from cafa_cli.recipes import STANDARD_MODELS
 
+# why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
+GATE = "a check of the result after the run, which changes no result"
+
 
 @dataclass(kw_only=True)
 class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
@@ -190,10 +193,18 @@ class AdaptConfig(
     metrics_json: str | None = setting(
         None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE
     )
+    max_error: float | None = setting(
+        None,
+        "A CI gate: exit 4 when the error over the labelled images is above PCT %, after every output is written.",
+        metavar="PCT",
+        panel=OUTPUT,
+        recorded=GATE,
+    )
 
     def __post_init__(self):
         if self.predictions == "-":  # stdout, as without the option
             self.predictions = None
+        check_max_error(self.max_error)
         if self.method not in REGISTRY and not is_plugin(self.method):
             raise UsageError(
                 f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {self.method}"
@@ -390,9 +401,18 @@ class BenchConfig(
         panel=OUTPUT,
         recorded=OUTPUT_FILE,
     )
+    max_error: float | None = setting(
+        None,
+        "A CI gate: exit 4 when a row's mean error over the domains (the table's mean column) is above PCT %, "
+        "after every output is written.",
+        metavar="PCT",
+        panel=OUTPUT,
+        recorded=GATE,
+    )
 
     def __post_init__(self):
         check(self)
+        check_max_error(self.max_error)
         check_gradual_severity(self)
         self.seed_list()
         self.order_list()
@@ -706,6 +726,14 @@ class FeaturesPlotConfig(
             "`fisher_data`": self.fisher_data,
             "`methods`": [file for file in map(factory_file, self.method_list()) if file],
         }
+
+
+def check_max_error(value: float | None) -> None:
+    """`max_error` is a percentage, as the summary and the bench table show the error (NaN compares with nothing)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise UsageError(f"`max_error` must be a percentage in [0, 100], not {value!r}")
 
 
 def check(config) -> None:

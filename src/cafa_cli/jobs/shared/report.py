@@ -15,6 +15,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -25,6 +26,12 @@ from cafa_cli.jobs.config.settings import RECORD_FORMATS
 from cafa_cli.jobs.shared.results import DomainResult, Record
 
 FIELDS = ("path", "prediction", "label", "confidence")
+# The units of the errors in the JSON outputs, named by a `unit` key in each object that
+# holds errors: every `error` is a fraction of the labelled images (as it has always been,
+# so readers that multiply by 100 stay right); bench's `table` holds the percentages its
+# markdown table shows (docs/usage.md, Units of the errors)
+ERROR_FRACTION = "error fraction"
+ERROR_PERCENT = "error %"
 
 
 def check_format(fmt: str) -> None:
@@ -152,6 +159,7 @@ def overall(results: Sequence[DomainResult]) -> dict:
         "n": n,
         "labelled": labelled,
         "error": errors / labelled if labelled else None,
+        "unit": ERROR_FRACTION,
         "skipped_images": sum(len(r.skipped_images) for r in results),
         "skipped_steps": sum(r.skipped_steps for r in results),
         "seconds": round(sum(r.seconds for r in results), 3),
@@ -175,8 +183,13 @@ def metrics(method: str, results: Sequence[DomainResult], settings: dict, clean:
         **overall(results),
         "domains": [domain_record(r) for r in results],
         "settings": settings,
-        **({"clean": clean} if clean else {}),
+        **({"clean": with_unit(clean)} if clean else {}),
     }
+
+
+def with_unit(record: dict) -> dict:
+    """An `error` record made elsewhere (the clean set's, clean.clean_error), with its unit."""
+    return {**record, "unit": ERROR_FRACTION}
 
 
 def domain_record(r: DomainResult) -> dict:
@@ -185,6 +198,7 @@ def domain_record(r: DomainResult) -> dict:
         "n": r.n,
         "labelled": r.labelled,
         "error": r.error,
+        "unit": ERROR_FRACTION,
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
         **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
@@ -221,6 +235,40 @@ def write_json(path: str, payload: dict) -> None:
 
 def percent(error: float | None) -> str:
     return "n/a" if error is None else f"{100 * error:.2f}"
+
+
+def above(error_percent: float, max_error: float) -> bool:
+    """Whether an error (%) is above `max_error` by more than the rounding of the ×100 and
+    the means (7 % comes out as 7.000000000000001): an error at the threshold passes."""
+    return error_percent > max_error + 1e-9
+
+
+def above_max_error(results: Sequence[DomainResult], max_error: float | None, method: str) -> str | None:
+    """Why `cafa adapt --max-error` fails the run, in one line; None when it passes (or is not
+    asked for). The error is over every labelled image read, as the summary's `all` row."""
+    if max_error is None:
+        return None
+    labelled = sum(r.labelled for r in results)
+    # the domains have labels (adapt checked them), and a domain with no readable image is refused: only
+    # a domain whose labelled images all failed while its unlabelled ones were read gets here; fail closed
+    if not labelled:
+        return f"no labelled image could be read, so there is no error to hold to `max_error` {max_error:g}"
+    error = 100 * sum(r.errors for r in results) / labelled
+    return f"error {error:.2f} % is above `max_error` {max_error:g} ({method})" if above(error, max_error) else None
+
+
+# columns for a table printed into a log or a pipe: more than any row needs, so that rich
+# lays the table out at its own width instead of the 80 columns it assumes there
+UNWRAPPED = 100_000
+
+
+def print_table(console: Console, table: Table) -> None:
+    """On a terminal the table fits the window (a long path folds onto more lines); into a
+    log or a pipe each row stays on one line, whole, for grep and diff."""
+    if console.is_terminal:
+        console.print(table)
+    else:
+        Console(file=console.file, width=UNWRAPPED, quiet=console.quiet, highlight=False).print(table)
 
 
 def summary_table(method: str, results: Sequence[DomainResult], source: str | None = None) -> Table:
