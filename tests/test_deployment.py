@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from test_cli_adapt import setup  # noqa: F401  (its trained net, artifact and shifted test folder)
 
 from cafa_cli.errors import CafaError, UsageError
 from cafa_cli.method.adapter import Adapter
@@ -165,3 +166,71 @@ def test_rough_edges_get_one_line_errors(trained):
         adapter.step(x[:0])
     with pytest.raises(UsageError, match="one image or more"):
         adapter.features(x[:0])
+
+
+def test_cafa_adapt_state_goes_on_with_a_continual_stream_across_runs(setup, tmp_path):
+    """Two runs with --state, domain A then domain B, predict B as one continual run of A and B."""
+    from conftest import write_folder
+    from helpers import adapt, rows
+
+    other = write_folder(tmp_path / "other", per_class=6, seed=9, shift=0.5)
+    common = ["--method", "tent", "--reset", "never", "-q"]
+    both = adapt(setup, setup["test"], "--data", other, *common)
+    state = tmp_path / "s.pt"
+    first = adapt(setup, setup["test"], *common, "--state", state)
+    assert first.exit_code == 0 and state.is_file(), first.stderr
+    second = adapt(setup, other, *common, "--state", state)
+    assert both.exit_code == second.exit_code == 0, second.stderr
+    tail = rows(both)[len(rows(first)) :]
+    assert rows(second) == tail and len(tail) == 18
+    assert torch.load(state, weights_only=True)["method"] == "tent"  # no pickled code in it
+
+
+def test_cafa_adapt_state_needs_a_continual_stream_and_refuses_another_adaptations(setup, tmp_path):
+    from helpers import adapt, fails
+
+    fails(adapt(setup, setup["test"], "--state", tmp_path / "s.pt"), 2, "--state goes on with a continual stream")
+    state = tmp_path / "s.pt"
+    made = adapt(setup, setup["test"], "--method", "tent", "--reset", "never", "-q", "--state", state)
+    assert made.exit_code == 0, made.stderr
+    fails(
+        adapt(setup, setup["test"], "--method", "tent", "--reset", "never", "--lr", "0.5", "--state", state),
+        2,
+        "another adaptation: lr 0.001 (here 0.5)",
+    )
+    state.write_bytes(b"not a state")
+    fails(adapt(setup, setup["test"], "--method", "tent", "--reset", "never", "--state", state), 3, "not a state")
+
+
+def test_cafa_adapt_export_writes_a_network_that_serves_one_image_as_a_batch(setup, tmp_path):
+    import tiny_net
+    from helpers import adapt
+    from safetensors.torch import load_file
+
+    exported = tmp_path / "served.safetensors"
+    result = adapt(setup, setup["test"], "--method", "tent", "-q", "--export", exported)
+    assert result.exit_code == 0, result.stderr
+    net = tiny_net.build().eval()
+    net.load_state_dict(load_file(exported))  # the plain architecture, no key missing or left over
+    x = torch.rand(8, 1, 16, 16) * 255
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([net(image[None]) for image in x]), net(x), rtol=1e-4, atol=1e-3)
+
+
+def test_a_signal_during_a_step_waits_for_it_and_a_second_one_does_not():
+    import signal
+
+    from cafa_cli.interrupts import interrupt, whole
+
+    done = []
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        with whole():
+            interrupt(signal.SIGINT)  # deferred: the step goes on
+            done.append("step")
+    assert done == ["step"]
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with whole():
+            interrupt(signal.SIGINT)
+            interrupt(signal.SIGTERM)  # a second one while the first waits: at once
+            done.append("never")
+    assert done == ["step"]

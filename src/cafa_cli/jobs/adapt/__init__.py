@@ -8,6 +8,7 @@ from dataclasses import replace
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.devices import pick_device
 from cafa_cli.errors import UsageError, listing
+from cafa_cli.jobs.adapt.deployment import load_state, save_state, write_export
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
 from cafa_cli.jobs.config import AdaptConfig
@@ -38,6 +39,11 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
     `reset` domain); rank 0 writes every record in stream order and the metrics, and
     returns every result; the other ranks write nothing and return None."""
     if launched_by_torchrun():
+        if config.export:
+            raise UsageError(
+                "`export` writes the network the whole stream arrived at, which torchrun spreads over its "
+                "ranks: run it without torchrun"
+            )
         check_spread(config)
         config = replace(config, device=str(rank_device(pick_device(config.device))))
     check_outputs(config.outputs(), config.inputs())
@@ -74,7 +80,24 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             said.info(adapting_line(adapted, config.method))
             if job.clean:
                 said.info(clean_summary(job.clean))
-            results = part.run(writer.write, said)
+            if config.state:
+                went_on = load_state(job.adapter, config.state)
+                said.info(
+                    f"going on from the state in {config.state}"
+                    if went_on
+                    else f"no state in {config.state} yet: starting from the source model"
+                )
+            try:
+                results = part.run(writer.write, said)
+            except KeyboardInterrupt:
+                if config.state:  # between two batches (interrupts.py): the state is a whole batch's
+                    save_state(job.adapter, config.state)
+                    said.info(f"interrupted: the state so far is saved in {config.state}")
+                raise
+            if config.state:
+                save_state(job.adapter, config.state)
+            if config.export:
+                write_export(job.adapter, config.export, job.recorded_settings)
             others = gather_on_root(([], results, said.said()), rank, world)[1:]
             for kept, _, _ in others:
                 for records in kept:

@@ -13,6 +13,7 @@ from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.interrupts import whole
 from cafa_cli.jobs.config.settings import RESET_POLICIES
 from cafa_cli.jobs.shared.results import DomainResult, Record
 from cafa_cli.method.adapter import Adapter
@@ -153,7 +154,8 @@ def _step(
         adapter.method.oracle_labels = torch.as_tensor(domain.labels[batch.indices], dtype=torch.int64).to(
             adapter.device, non_blocking=True
         )
-    logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
+    with whole():  # a signal waits for the step: the state is never half a batch's (interrupts.py)
+        logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
     if on_logits is not None:
         on_logits(domain, batch.images, logits)
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):

@@ -200,11 +200,31 @@ class AdaptConfig(
         panel=OUTPUT,
         recorded=GATE,
     )
+    export: str | None = setting(
+        None,
+        "Write the adapted network for serving, at the end of the stream: a safetensors state dict of the model's "
+        "own architecture, its BatchNorms holding the statistics the stream arrived at (docs/python-api.md, Serving).",
+        metavar="PATH",
+        panel=OUTPUT,
+        recorded=OUTPUT_FILE,
+    )
+    state: str | None = setting(
+        None,
+        "Go on from the adaptation state saved in this file (when it is there) and save it there at the end, and "
+        "when interrupted: a continual stream (`reset` never) across restarts.",
+        metavar="PATH",
+        panel=STREAM,
+    )
 
     def __post_init__(self):
         if self.predictions == "-":  # stdout, as without the option
             self.predictions = None
         check_max_error(self.max_error)
+        if self.state is not None and self.reset != "never":
+            raise UsageError(
+                f"`state` goes on with a continual stream, and `reset` {self.reset} starts each "
+                f"{'batch' if self.reset == 'episodic' else 'domain'} from the source model: give `reset` never"
+            )
         if self.method not in REGISTRY and not is_plugin(self.method):
             raise UsageError(
                 f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {self.method}"
@@ -224,7 +244,13 @@ class AdaptConfig(
             )
 
     def outputs(self) -> dict[str, str | None]:
-        return {"`predictions`": self.predictions, "`metrics_json`": self.metrics_json}
+        # `state` is read and written again by design: an output, kept from every input
+        return {
+            "`predictions`": self.predictions,
+            "`metrics_json`": self.metrics_json,
+            "`export`": self.export,
+            "`state`": self.state,
+        }
 
     def inputs(self) -> dict[str, str | list[str] | None]:
         return {

@@ -1,0 +1,59 @@
+"""What `cafa adapt` keeps of an adaptation for later: the adapted network for serving
+(`export`, a safetensors state dict of the model's own architecture) and the adaptation's
+whole state (`state`, to go on with a continual stream after a restart)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cafa_cli import __version__
+from cafa_cli.errors import InputError
+from cafa_cli.files import atomic_write
+from cafa_cli.method.adapter import Adapter
+
+EXPORT_FORMAT = "cafa-export"
+MAX_STATE_BYTES = 64 << 30  # a state holds the weights, the optimiser's moments and a method's banks
+
+
+def write_export(adapter: Adapter, path: str, settings: dict) -> None:
+    """The served network's state dict (Adapter.export), atomically, with what made it in the
+    metadata: it loads into the plain architecture with load_state_dict."""
+    network = adapter.export()
+    tensors = {name: value.detach().contiguous().cpu() for name, value in network.state_dict().items()}
+    metadata = {
+        "format": EXPORT_FORMAT,
+        "cafa_version": __version__,
+        "method": settings["method"],
+        "model": str(settings.get("model")),
+        "norm": settings["norm"],
+        "settings": json.dumps(settings, default=str),
+    }
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def load_state(adapter: Adapter, path: str) -> bool:
+    """The state saved at `path` put into `adapter`; False when there is none yet (a first run)."""
+    file = Path(path)
+    if not file.exists():
+        return False
+    if not file.is_file() or file.stat().st_size > MAX_STATE_BYTES:
+        raise InputError(f"`state` {path}: not a file cafa adapt saved a state in; give another path")
+    try:
+        state = torch.load(file, map_location=adapter.device, weights_only=True)
+    except Exception as error:  # a torn or foreign file fails in torch's own ways: one line
+        raise InputError(
+            f"`state` {path}: not a state cafa adapt saved ({type(error).__name__}); remove it to start from the "
+            f"source model"
+        ) from None
+    adapter.load_state_dict(state)
+    return True
+
+
+def save_state(adapter: Adapter, path: str) -> None:
+    """The adaptation's state, atomically (a crash leaves the previous one)."""
+    state = adapter.state_dict()
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
