@@ -11,12 +11,12 @@ from torch import nn
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.method import reference, reference_robust
 from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.class_balanced import correction_strength
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import estimate
 from cafa_cli.method.methods import create
 from cafa_cli.method.methods.cafa_robust import SharedStatisticsNorm
 from cafa_cli.method.moments import ClassMoments
-from cafa_cli.method.norms import correction_strength
 
 C, D_IN, D = 3, 5, 4
 SHRINKAGE = 0.2

@@ -17,16 +17,18 @@ from safetensors import safe_open
 
 from cafa_cli.errors import UsageError
 from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.class_balanced import (
+    balance_histogram,
+    balanced_statistics,
+    class_mix_moments,
+    correction_strength,
+    iid_distance,
+)
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods import create
 from cafa_cli.method.norms import (
     BatchStatisticsNorm,
-    balance_histogram,
-    balanced_statistics,
     class_balanced_norms,
-    class_mix_moments,
-    correction_strength,
-    iid_distance,
     use_test_batch_norm,
 )
 from cafa_cli.method.options import parse_norm

@@ -25,12 +25,12 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.method.class_balanced import balance_histogram
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
 from cafa_cli.method.norms import (
     RUNNING,
     BatchStatisticsNorm,
-    balance_histogram,
     class_balanced_norms,
     norm_layers,
     replace_submodule,

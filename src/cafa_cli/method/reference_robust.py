@@ -16,7 +16,7 @@ from cafa_cli.method import reference
 SKEW_START, SKEW_FULL = (
     0.25,
     0.65,
-)  # the class-balanced correction's (norms.py): where the skew starts to count, and counts fully
+)  # the class-balanced correction's (class_balanced.py): where the skew starts to count, and counts fully
 
 
 def iid_distance(classes: int, n: int) -> float:

@@ -11,7 +11,7 @@ source running statistics, and normalises a batch B of n images with
 (μ_B, σ²_B the batch's biased statistics; N₀ the prior's weight, Schneider et al.'s prior
 with the global statistics in place of the source's). n_eff = n·(1 − s)^p shrinks the
 batch's share when its class mix is skewed: s ∈ [0, 1] is the class-balanced correction's
-skew strength (norms.correction_strength) of the mean softmax of a first, no-gradient pass
+skew strength (class_balanced.correction_strength) of the mean softmax of a first, no-gradient pass
 normalised with the global statistics alone. An i.i.d. batch of 200 is normalised 93 % by
 its own statistics (as BN), a one-class batch by the global ones, one image mostly by them.
 
@@ -40,6 +40,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.errors import InputError
 from cafa_cli.method import losses
+from cafa_cli.method.class_balanced import correction_strength
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.memory_bank import (
     CAPACITY,
@@ -53,7 +54,7 @@ from cafa_cli.method.memory_bank import (
 )
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.norms import correction_strength, plain_batch_norm, replace_submodule, weighted_statistics
+from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 
 MOMENTUM = 0.05  # α
