@@ -18,13 +18,12 @@ a path that has never run on a GPU is not the default (issue 45; docs/performanc
 
 from __future__ import annotations
 
-import copy
-import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.errors import UsageError
+from cafa_cli.method import serving
 from cafa_cli.method.class_balanced import balance_histogram
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import Method, resolve_device
@@ -33,19 +32,16 @@ from cafa_cli.method.norms import (
     BatchStatisticsNorm,
     class_balanced_norms,
     norm_layers,
-    replace_submodule,
     use_test_batch_norm,
 )
+from cafa_cli.method.optimiser import check_weights_precision, guarded_step, new_optimizer
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
-from cafa_cli.method.state import restore, snapshot
+from cafa_cli.method.serving import OWNED
 from cafa_cli.method.step_graph import StepGraph, kept_state
+from cafa_cli.method.threads import OneThreadAtATime
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype of each precision
 WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
-
-
-STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s, checked by load_state_dict
-OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
 def check_settings(device: torch.device = torch.device("cpu"), **options) -> None:
@@ -54,7 +50,7 @@ def check_settings(device: torch.device = torch.device("cpu"), **options) -> Non
     check_precision(options.get("precision", "fp32"), device.type)
 
 
-class Adapter:
+class Adapter(OneThreadAtATime):
     """A model adapting online with `method` (methods.create(name, ...), or any Method):
     `step(images)` returns the logits of the forward pass that also computed the loss (the
     prediction is made before the update; with `steps` > 1, before the batch's last update).
@@ -79,6 +75,7 @@ class Adapter:
         cuda_graph: bool = False,
         class_moments: dict | None = None,
     ):
+        self._one_thread_only()
         if not isinstance(model, FeatureClassifier):
             raise UsageError(
                 f"the Adapter takes a FeatureClassifier, not a bare {type(model).__name__}: wrap the network, "
@@ -157,7 +154,6 @@ class Adapter:
         if self._graph_off is None:
             self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
-        self._in_use = threading.Lock()
         # what a saved state must have been made with to be loaded here (load_state_dict)
         self._settings = {
             "params": params,
@@ -245,18 +241,7 @@ class Adapter:
         return kept_state(roots, skip=Method.per_batch)
 
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
-        if not self.params:
-            return None
-        fused = {"fused": True} if self._fused else {}
-        if self._optimizer_kind in ("sgd", "nesterov"):
-            optimizer = torch.optim.SGD(
-                self.params, lr=self._lr, momentum=self._momentum, nesterov=self._optimizer_kind == "nesterov", **fused
-            )
-        else:
-            optimizer = torch.optim.Adam(self.params, lr=self._lr, **fused)
-        with torch.inference_mode(False):  # reset() may be called under inference_mode; the steps change this state
-            _start_state(optimizer, fused=self._fused)
-        return optimizer
+        return new_optimizer(self.params, self._optimizer_kind, self._lr, self._momentum, self._fused)
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self.device.type) if self._scaled and self.params else None
@@ -284,19 +269,7 @@ class Adapter:
         predictions are not their network's (t3a's prototypes, lame's batch assignment) have
         nothing to export."""
         with self._one_thread():
-            if type(self.method).output is not Method.output:
-                name = self.method.name or type(self.method).__name__
-                raise UsageError(
-                    f"{name} predicts with more than its network (it changes the logits a batch at a time): an "
-                    f"exported network would predict otherwise; serve through the Adapter's step"
-                )
-            net = copy.deepcopy(self.method.served_network(self).model)
-            for name, module in list(net.named_modules()):
-                if callable(getattr(module, "frozen", None)):
-                    replace_submodule(net, name, module.frozen())
-            if hasattr(net, OWNED):
-                delattr(net, OWNED)
-            return net.eval().requires_grad_(False)
+            return serving.export(self)
 
     def state_dict(self) -> dict:
         """Everything the adaptation has arrived at, as tensors and plain data that
@@ -306,53 +279,13 @@ class Adapter:
         RoTTA's augmentations draw from it). load_state_dict() of a new Adapter made the same
         way (model, method, settings) goes on from there bit for bit."""
         with self._one_thread():
-            return {
-                "format": STATE_FORMAT,
-                "method": self.method.name or type(self.method).__name__,
-                "settings": dict(self._settings),
-                "model": snapshot(self.model.state_dict()),
-                "optimizer": None if self.optimizer is None else snapshot(self.optimizer.state_dict()),
-                "scaler": None if self.scaler is None else snapshot(self.scaler.state_dict()),
-                "skipped": self._skipped.clone(),
-                "norms": [snapshot(layer.before) for layer in self.norms],
-                "balanced": None if self.balanced is None else snapshot(self.balanced.saved()),
-                "method_state": self.method.state_dict(),
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            }
+            return serving.state_of(self)
 
     def load_state_dict(self, state: dict) -> None:
         """A state_dict() put back, of an Adapter of the same method and settings: the stream
         goes on from where that one was. torch's random number generator is set to where it was."""
         with self._one_thread():
-            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-                raise InputError("not a saved Adapter state (Adapter.state_dict(), cafa adapt --state)")
-            method = self.method.name or type(self.method).__name__
-            if state["method"] != method or state["settings"] != self._settings:
-                theirs = {"method": state["method"], **state["settings"]}
-                ours = {"method": method, **self._settings}
-                differ = [
-                    f"{key} {theirs.get(key)} (here {ours.get(key)})" for key in ours if theirs.get(key) != ours[key]
-                ]
-                raise UsageError(
-                    f"the saved state is of another adaptation: {', '.join(differ)}; adapt with its settings"
-                )
-            self.model.load_state_dict(state["model"])
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
-            if self.scaler is not None:
-                self.scaler.load_state_dict(state["scaler"])
-            self._skipped.copy_(state["skipped"])
-            for layer, before in zip(self.norms, state["norms"]):
-                layer.before = restore(layer.before, before)
-            if self.balanced is not None:
-                self.balanced.restore(restore(self.balanced.saved(), state["balanced"]))
-            self.method.load_state_dict(state["method_state"])
-            torch.set_rng_state(state["rng"])
-            if state["cuda_rng"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-            if self.graph is not None:  # its optimiser state and the method's may be new tensors
-                self.graph.drop()
+            serving.load_state(self, state)
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         with self._one_thread():
@@ -369,27 +302,6 @@ class Adapter:
             raise UsageError(f"a batch is a tensor of one image or more, [N, channels, height, width]; not {shape}")
         images = images.to(self.device, non_blocking=True)
         return images.contiguous(memory_format=self.memory_format) if images.dim() == 4 else images
-
-    def __getstate__(self) -> dict:  # copy.deepcopy: a lock cannot be copied, and a copy is free anyway
-        return {key: value for key, value in vars(self).items() if key != "_in_use"}
-
-    def __setstate__(self, state: dict) -> None:
-        vars(self).update(state)
-        self._in_use = threading.Lock()
-
-    @contextmanager
-    def _one_thread(self):
-        """One call at a time: a step changes the weights, the optimiser and the method's
-        state, which a second thread's step or features() would read half-changed."""
-        if not self._in_use.acquire(blocking=False):
-            raise UsageError(
-                "this Adapter is already in a call from another thread; an Adapter adapts one stream: give each "
-                "thread its own Adapter (each with its own copy of the model), or serialise the calls with a lock"
-            )
-        try:
-            yield
-        finally:
-            self._in_use.release()
 
     def _eager_step(self, images: torch.Tensor) -> torch.Tensor:
         self._new_batch(images)
@@ -510,7 +422,7 @@ class Adapter:
         held = flag if leave_out is None else torch.maximum(flag, leave_out.float().reshape(1))
         with torch.no_grad():
             # a step that wrote a value that is not finite (an overflow of low-precision weights) is undone too
-            flag = torch.maximum(flag, self._step(held))
+            flag = torch.maximum(flag, guarded_step(self.optimizer, held))
             if self.scaler is not None:
                 self.scaler.update()
                 # as if neither the step nor the update had been tried: no backward pass, no new scale
@@ -521,69 +433,6 @@ class Adapter:
                     torch.where(untried, before, now, out=now)
             self._skipped += (flag - earlier).long().sum()
         return flag
-
-    def _step(self, skip: torch.Tensor) -> torch.Tensor:
-        """The optimiser's step, which changes nothing where `skip` (float [1]) is 1; returns
-        float [1], 1 where the values it wrote were not all finite, which it then put back
-        (torch's fused CUDA kernels take the flag before the step: they check only that)."""
-        optimizer = self.optimizer
-        if optimizer.defaults.get("fused"):
-            # torch refuses a capture of a step not marked capturable, and warns about an eager
-            # step that is (a fused step computes the same either way)
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            for group in optimizer.param_groups:
-                group["capturable"] = capturing
-            optimizer.found_inf = skip.reshape(())  # torch.amp's protocol (GradScaler.step sets it so too)
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.found_inf
-            return torch.zeros_like(skip)
-        # what the step may change: the parameters and the state there is (_start_state made it)
-        changed = [p for group in optimizer.param_groups for p in group["params"]]
-        changed += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        saved = [t.clone() for t in changed]
-        optimizer.step()
-        written = torch.zeros_like(skip)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [p for p in changed if p.is_floating_point()], written, torch.ones_like(written)
-        )
-        keep = torch.maximum(skip, written).bool().reshape(())
-        for now, before in zip(changed, saved):
-            torch.where(keep, before, now, out=now)
-        return written
-
-
-def check_weights_precision(params: list[torch.nn.Parameter], optimizer: str) -> None:
-    """Adam on float16 weights writes NaN: its ε (1e-8) is 0 in float16, and its second
-    moment underflows, so an update divides by zero. Refused (bf16 has float32's range)."""
-    if optimizer == "adam" and any(p.dtype == torch.float16 for p in params):
-        raise UsageError(
-            "the weights to adapt are float16, and Adam's update underflows there and writes NaN; keep the model in "
-            "float32 and give `precision` fp16 (autocast: fp16 speed, float32 weights), or use `optimizer` sgd"
-        )
-
-
-def _start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:
-    """The optimiser's state as its first step would create it, made now, so that a step
-    left out can put back what was there before (it made nothing). Adam: step 0 and zero
-    moments (fused Adam keeps its count on the device and makes its own). SGD's momentum
-    buffer: -0.0, the additive identity, so its first update, buffer·momentum + gradient,
-    is the gradient bit for bit, as torch's copy of it is; torch's fused SGD would leave a
-    left-out first step's buffer uninitialised."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if isinstance(optimizer, torch.optim.SGD):
-                if group["momentum"] != 0:
-                    state["momentum_buffer"] = torch.full_like(p, -0.0, memory_format=torch.preserve_format)
-            elif not fused:
-                scalar = (
-                    torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                )  # as torch's Adam
-                state["step"] = torch.tensor(0.0, dtype=scalar)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _autocast(device: torch.device, precision: str):
