@@ -161,7 +161,7 @@ def load_model(
     Resolved by the command line's own code (jobs/shared/inputs.py resolve_model), its
     checks included: an architecture without weights (random, different in every run) and
     weights that are not float32 or not finite are refused. Errors are CafaErrors."""
-    from cafa_cli.jobs.config.settings import ModelOptions  # deferred: the jobs build on this module
+    from cafa_cli.jobs.config.data import ModelOptions  # deferred: the jobs build on this module
     from cafa_cli.jobs.shared.inputs import resolve_model
 
     options = ModelOptions(

@@ -12,7 +12,7 @@ from cafa_cli.jobs.adapt.deployment import load_state, save_state, write_export
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.jobs.config.settings import factory_file
+from cafa_cli.jobs.config.checks import factory_file
 from cafa_cli.jobs.shared.clean import clean_summary
 from cafa_cli.jobs.shared.distributed import (
     RankMonitor,

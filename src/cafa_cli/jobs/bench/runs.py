@@ -13,7 +13,8 @@ from cafa_cli.errors import InputError, UsageError, repeated
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
-from cafa_cli.jobs.config.settings import InputOptions, parse_method_options
+from cafa_cli.jobs.config.data import InputOptions
+from cafa_cli.jobs.config.settings import parse_method_options
 from cafa_cli.jobs.shared.inputs import recorded_data
 from cafa_cli.method.gaussians import auto_shrinkage_method
 from cafa_cli.method.methods import entry_of

@@ -12,13 +12,10 @@ from typing import Literal
 from cafa_cli.data.values import (
     check_batch_size,
     check_num_workers,
-    check_preprocessing,
-    parse_floats,
     parse_order,
-    parse_size,
 )
-from cafa_cli.errors import UsageError, repeated
-from cafa_cli.factories import code_file, parse_model_args
+from cafa_cli.errors import UsageError
+from cafa_cli.jobs.config.checks import at_least, parse_shrinkage
 from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
@@ -56,6 +53,7 @@ AS_PATH = "resolved: an absolute path"
 AS_PREPROCESSING = "resolved: as `preprocessing`, defaults filled in"
 AS_SAMPLE = "resolved: the training sample, a fraction or a count"
 OUTPUT_FILE = "an output"
+GATE = "a check of the result after the run, which changes no result"
 
 
 def setting(
@@ -99,184 +97,6 @@ def recorded_as_given(config_type) -> tuple[str, ...]:
     """The settings a run's JSON record keeps as given, in field order: those whose field
     says `recorded` True (the adapt metrics' and the bench JSON's `settings`)."""
     return tuple(f.name for f in fields(config_type) if f.metadata.get("recorded", True) is True)
-
-
-@dataclass(kw_only=True)
-class ModelOptions:
-    """Which model: a torchvision name, a bundled model, or a factory, with its weights."""
-
-    model: str | None = setting(
-        None,
-        "torchvision architecture (resnet50), bundled model (fmnist-resnet), timm:NAME, robustbench:DATASET/NAME, or "
-        "a factory file.py:function (its code runs; command line only). docs/usage.md, Models",
-        flags=("--model", "-m"),
-        metavar="NAME",
-        panel=MODEL,
-        names_code=True,
-        recorded=AS_BUILT,
-    )
-    weights: str | None = setting(
-        None,
-        "State dict (.safetensors, or .pt/.pth read with weights_only=True), or pretrained weights by name from the "
-        "local cache, never downloaded (IMAGENET1K_V2, a timm tag).",
-        flags=("--weights", "-w"),
-        metavar="PATH|NAME",
-        panel=MODEL,
-        recorded=AS_BUILT,
-    )
-    model_args: list[str] = setting(
-        help="A keyword argument of the model's constructor or factory, KEY=VALUE "
-        "(repeatable): image_size=64, drop_rate=0.1; a value is a Python literal, else text.",
-        factory=list,
-        flags=("--model-arg",),
-        metavar="KEY=VALUE",
-        panel=MODEL,
-        recorded=AS_BUILT,
-    )
-    num_classes: int | None = setting(
-        None, "Outputs of a torchvision architecture or factory.", metavar="N", panel=MODEL, recorded=AS_BUILT
-    )
-    classifier: str | None = setting(
-        None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL, recorded=AS_BUILT
-    )
-    trust_checkpoint: bool = setting(
-        False,
-        "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
-        "arbitrary code: only for files you trust.",
-        panel=MODEL,
-        command_line_only=True,
-        recorded="lets a checkpoint's code run, and changes no result",
-    )
-
-    def model_inputs(self) -> dict[str, str | None]:
-        """The files the model is read from, which no output may replace."""
-        return {"`model`": factory_file(self.model), "`weights`": self.weights}
-
-    def model_arguments(self) -> dict:
-        """`model_args` parsed: {KEY: value}."""
-        return parse_model_args(self.model_args, "`model_arg`")
-
-    def _check_model(self) -> None:
-        self.model_args = list(self.model_args or [])  # none given on the command line: None
-        if self.num_classes is not None:
-            at_least("num_classes", self.num_classes, 1)
-        self.model_arguments()
-
-
-@dataclass(kw_only=True)
-class InputOptions:
-    """How images are read and preprocessed. None: the artifact's, the bundled model's, or ImageNet's."""
-
-    classes: str | None = setting(
-        None,
-        "File with one class name per line, in the model's output order (default: an "
-        "artifact's or a bundled model's list, else the sorted folder names).",
-        metavar="PATH",
-        panel=DATA,
-        recorded=AS_PATH,
-    )
-    class_subset: str | None = setting(
-        None,
-        "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/usage.md, Benchmarks.",
-        metavar="PATH",
-        panel=DATA,
-        recorded=AS_PATH,
-    )
-    labels: str | None = setting(
-        None, "Labels .npy for a .npy array of images.", metavar="PATH", panel=DATA, recorded=AS_PATH
-    )
-    severity: int | None = setting(
-        None,
-        "Severity 1-5 of a named benchmark or a stacked array (default 5 there).",
-        metavar="N",
-        panel=DATA,
-        recorded="resolved: with the named benchmarks' default filled in",
-    )
-    resize: str | None = setting(
-        None,
-        "Resize the shorter side to this (pixels or 'none'). Default: the artifact's "
-        "(adapt), the bundled model's, or 256.",
-        metavar="PX",
-        panel=DATA,
-        recorded=AS_PREPROCESSING,
-    )
-    crop: str | None = setting(
-        None,
-        "Centre crop (pixels or 'none'); default as --resize's, or 224. ImageNet-C is "
-        "already 224x224: use --resize none --crop none.",
-        metavar="PX",
-        panel=DATA,
-        recorded=AS_PREPROCESSING,
-    )
-    mean: str | None = setting(
-        None,
-        "Normalisation mean, one value or one per channel; default as --resize's, or ImageNet's.",
-        metavar="X[,X,X]",
-        panel=DATA,
-        recorded=AS_PREPROCESSING,
-    )
-    std: str | None = setting(
-        None,
-        "Normalisation std, one value or one per channel; default as --mean's.",
-        metavar="X[,X,X]",
-        panel=DATA,
-        recorded=AS_PREPROCESSING,
-    )
-    channels: int | None = setting(None, "1 (grey) or 3 (RGB).", metavar="N", panel=DATA, recorded=AS_PREPROCESSING)
-    interpolation: str | None = setting(
-        None,
-        "Resize filter: bilinear, bicubic or nearest. Default: the artifact's "
-        "(adapt), the model's own (timm, torchvision weights by name), or bilinear.",
-        metavar="MODE",
-        panel=DATA,
-        recorded=AS_PREPROCESSING,
-    )
-
-    def preprocessing_changes(self, prefix: str = "") -> dict:
-        """The preprocessing values given (None: not given), parsed and each checked by itself."""
-        texts = {
-            "resize": (self.resize, parse_size),
-            "crop": (self.crop, parse_size),
-            "mean": (self.mean, parse_floats),
-            "std": (self.std, parse_floats),
-        }
-        changes = {key: parse(text, prefix + key) for key, (text, parse) in texts.items() if text is not None}
-        if self.channels is not None:
-            changes["channels"] = self.channels
-        if self.interpolation is not None:
-            changes["interpolation"] = self.interpolation
-        check_preprocessing(changes, prefix)
-        return changes
-
-    def _check_input(self) -> None:
-        self.preprocessing_changes()
-
-
-@dataclass(kw_only=True)
-class TestDataOptions:
-    """Which test images, beyond the domains: an image-id list, and a clean set to check the model on."""
-
-    subset: str | None = setting(
-        None,
-        "File of image ids to keep in each test domain, one a line (RobustBench's 5,000-image ImageNet-C list).",
-        metavar="PATH",
-        panel=DATA,
-        recorded=AS_PATH,
-    )
-    clean: str | None = setting(
-        None,
-        "The benchmark's clean test set: the source model's error on it is printed first, as a sanity check.",
-        metavar="PATH",
-        panel=DATA,
-        recorded="resolved: the source model's error on it",
-    )
-    source: str | None = setting(
-        None,
-        "The source domain of a domain-adaptation benchmark (office-home, domainnet): left out of the targets.",
-        metavar="DOMAIN",
-        panel=DATA,
-        recorded="resolved: the source domain the benchmark names",
-    )
 
 
 @dataclass(kw_only=True)
@@ -545,75 +365,3 @@ class SamplingOptions:
     def _check_sampling(self) -> None:
         self.training_sample()
         self.shrinkage_value()
-
-
-def factory_file(spec: str | None) -> str | None:
-    """The file of a `file.py:function` or `module:function` model or plug-in, else None:
-    code the command reads and runs."""
-    return code_file(spec)
-
-
-def at_least(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"`{name}` must be a whole number, not {value!r}")
-    if value < low:
-        raise UsageError(
-            f"`{name}` must be at least {low}, not {value}" if low else f"`{name}` must be 0 or more, not {value}"
-        )
-
-
-def parse_shrinkage(value: float | str) -> float | str:
-    if value == "auto":
-        return value
-    try:
-        lam = float(value)
-    except (TypeError, ValueError):
-        lam = float("nan")
-    if not 0.0 <= lam <= 1.0:
-        raise UsageError(f"`shrinkage` must be 'auto' or a number in [0, 1], not {value!r}")
-    return lam
-
-
-def _axis(text: str, name: str, what: str) -> list[str]:
-    """A comma-separated grid axis: its values, each once."""
-    values = [value.strip() for value in text.split(",") if value.strip()]
-    if not values:
-        raise UsageError(f"`{name}` names no value; give {what}, or leave `{name}` out")
-    twice = repeated(values)
-    if twice:
-        raise UsageError(f"`{name}` names {twice[0]} twice; give each once")
-    return values
-
-
-def parse_severities(text: str, name: str) -> list[int]:
-    """Comma-separated corruption severities, each 1-5 and once."""
-    try:
-        severities = [int(value) for value in _axis(text, name, "a severity")]
-    except ValueError:
-        raise UsageError(f"`{name}` takes comma-separated whole numbers 1-5, not {text!r}") from None
-    wrong = [s for s in severities if not 1 <= s <= 5]
-    if wrong:
-        raise UsageError(f"`{name}`: a severity is 1-5, not {wrong[0]}")
-    if len(set(severities)) < len(severities):
-        raise UsageError(f"`{name}` names a severity twice: {text}")
-    return severities
-
-
-def check_gradual_severity(config) -> None:
-    if config.gradual and config.severity is not None:
-        raise UsageError(
-            f"`severity` {config.severity} picks one severity, and `gradual` visits all five; give one of them"
-        )
-
-
-def check_seed(name: str, seed: int) -> None:
-    if not 0 <= seed < 2**63:  # torch's and numpy's generators take 64-bit seeds
-        raise UsageError(f"`{name}` must be 0 or more and below 2**63, not {seed}")
-
-
-def check_covariance(covariance: str, shrinkage: float | str) -> None:
-    if shrinkage == 0 and covariance == "lowrank":
-        raise UsageError(
-            "`covariance` lowrank needs shrinkage: with `shrinkage` 0 the isotropic part a = λ·tr(S)/d is 0 "
-            "and the covariance is singular; use `shrinkage` auto (or a value > 0), or `covariance` full"
-        )

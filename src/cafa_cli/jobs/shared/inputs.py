@@ -13,7 +13,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import InputError, UsageError, listing
 from cafa_cli.factories import is_factory
-from cafa_cli.jobs.config.settings import InputOptions, ModelOptions
+from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, resolve
 

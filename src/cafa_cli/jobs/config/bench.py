@@ -1,0 +1,318 @@
+"""`cafa bench`'s settings: rows of methods, the grid's axes, the statistics and the outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cafa_cli.data.values import check_batch_size, parse_order
+from cafa_cli.errors import UsageError, repeated
+from cafa_cli.jobs.config.checks import (
+    _axis,
+    check,
+    check_gradual_severity,
+    check_max_error,
+    check_seed,
+    factory_file,
+    parse_severities,
+)
+from cafa_cli.jobs.config.data import InputOptions, ModelOptions, TestDataOptions
+from cafa_cli.jobs.config.settings import (
+    AS_BUILT,
+    AS_PATH,
+    AS_PREPROCESSING,
+    BENCH_METHODS,
+    DATA,
+    GATE,
+    METHOD,
+    MODEL,
+    OUTPUT,
+    OUTPUT_FILE,
+    STATISTICS,
+    STREAM,
+    AdaptationOptions,
+    MethodDataOptions,
+    OracleOptions,
+    RecipeOptions,
+    RuntimeOptions,
+    SamplingOptions,
+    StreamOptions,
+    setting,
+)
+from cafa_cli.recipes import STANDARD_MODELS
+
+# why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
+
+
+@dataclass(kw_only=True)
+class BenchConfig(
+    ModelOptions,
+    InputOptions,
+    TestDataOptions,
+    SamplingOptions,
+    AdaptationOptions,
+    RecipeOptions,
+    MethodDataOptions,
+    OracleOptions,
+    StreamOptions,
+    RuntimeOptions,
+):
+    """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
+
+    data: list[str] = setting(
+        help="A labelled test domain (repeatable), or a benchmark such as imagenet-c:ROOT. docs/usage.md, Data",
+        factory=list,
+        flags=("--data", "-d"),
+        metavar="PATH",
+        panel=DATA,
+        recorded="resolved: the domains as opened, each with its error",
+    )
+    train: str | None = setting(
+        None,
+        "Training images for the statistics (as cafa stats --data). Default: fashion-mnist for fmnist-resnet; CIFAR "
+        "beside a RobustBench CIFAR benchmark.",
+        metavar="PATH",
+        panel=DATA,
+        recorded=AS_PATH,
+    )
+    model: str | None = setting(
+        "fmnist-resnet",
+        ModelOptions.__dataclass_fields__["model"].metadata["help"] + " On a "
+        "named benchmark the default is its family's standard model: "
+        + "; ".join(f"{family}:ROOT, {model}" for family, model in STANDARD_MODELS.items())
+        + ".",
+        flags=("--model", "-m"),
+        metavar="NAME",
+        panel=MODEL,
+        names_code=True,
+        recorded=AS_BUILT,
+    )
+    test_resize: str | None = setting(
+        None,
+        "--resize for the test domains only (default: --resize). ImageNet-C: none.",
+        metavar="PX",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
+    test_crop: str | None = setting(
+        None,
+        "--crop for the test domains only (default: --crop). ImageNet-C: none.",
+        metavar="PX",
+        panel=DATA,
+        recorded=AS_PREPROCESSING,
+    )
+    methods: str = setting(
+        BENCH_METHODS,
+        "Rows, comma-separated: methods, cafa-tied, cafa-diag, cafa-dense, cafa-lowrank, cafa-full, all, or a "
+        "plug-in; NAME@LR gives a row its own learning rate.",
+        metavar="M[@LR],...",
+        panel=METHOD,
+        names_code=True,
+        recorded="resolved: the rows, each with its method and settings",
+    )
+    seeds: str = setting(
+        "0",
+        "Stream-order seeds, comma-separated; mean ± std over them.",
+        metavar="N,...",
+        panel=STREAM,
+        recorded="resolved: each run's seed",
+    )
+    orders: str | None = setting(
+        None,
+        "Grid axis: stream orders (as --order), comma-separated; every row runs under each.",
+        metavar="ORDER,...",
+        panel=STREAM,
+        show_default=False,
+    )
+    batch_sizes: str | None = setting(
+        None,
+        "Grid axis: batch sizes, comma-separated (e.g. 1,2,4,8 with --norm prior:N); every row runs with each.",
+        metavar="N,...",
+        panel=STREAM,
+        show_default=False,
+    )
+    severities: str | None = setting(
+        None,
+        "Grid axis: severities 1-5, comma-separated; every row runs at each.",
+        metavar="N,...",
+        panel=DATA,
+        show_default=False,
+    )
+    fractions: str | None = setting(
+        None,
+        "Sweep axis: training fractions, comma-separated: statistics computed at each, rows that use them run with "
+        "each.",
+        metavar="F,...",
+        panel=STATISTICS,
+        show_default=False,
+    )
+    batch_size: int = setting(
+        200,
+        "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C); the "
+        "statistics are computed in batches of this size too.",
+        metavar="N",
+        panel=STREAM,
+    )
+    workdir: str = setting(
+        "cafa-bench",
+        "Where artifacts are kept and re-used.",
+        metavar="DIR",
+        panel=OUTPUT,
+        recorded="where the statistics are kept, by content",
+    )
+    csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE)
+    metrics_json: str | None = setting(
+        None,
+        "Write the table, every run's errors and the settings as JSON.",
+        metavar="PATH",
+        panel=OUTPUT,
+        recorded=OUTPUT_FILE,
+    )
+    plot: str | None = setting(
+        None,
+        "Write a figure (SVG for .svg, else PNG; needs matplotlib): bars, or a line per method on a grid axis.",
+        metavar="PATH",
+        panel=OUTPUT,
+        recorded=OUTPUT_FILE,
+    )
+    max_error: float | None = setting(
+        None,
+        "A CI gate: exit 4 when a row's mean error over the domains (the table's mean column) is above PCT %, "
+        "after every output is written.",
+        metavar="PCT",
+        panel=OUTPUT,
+        recorded=GATE,
+    )
+
+    def __post_init__(self):
+        check(self)
+        check_max_error(self.max_error)
+        check_gradual_severity(self)
+        self.seed_list()
+        self.order_list()
+        self.batch_size_list()
+        self.severity_list()
+        self.fraction_list()
+        InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
+
+    def outputs(self) -> dict[str, str | None]:
+        return {"`csv`": self.csv, "`metrics_json`": self.metrics_json, "`plot`": self.plot}
+
+    def inputs(self) -> dict[str, str | list[str] | None]:
+        return {
+            "`train`": self.train,
+            **self.model_inputs(),
+            "`labels`": self.labels,
+            "`classes`": self.classes,
+            "`class_subset`": self.class_subset,
+            "`subset`": self.subset,
+            "`clean`": self.clean,
+            "`data`": self.data,
+            "`workdir`": self.workdir,
+            "`recipe`": self.recipe_file(),
+            "`fisher_data`": self.fisher_data,
+            "`methods`": [
+                file
+                for file in (
+                    factory_file(label.strip().rpartition("@")[0] or label.strip()) for label in self.methods.split(",")
+                )
+                if file
+            ],
+        }
+
+    def order_list(self) -> list[str]:
+        """The orders the grid runs: `orders`, else `order` alone."""
+        if self.orders is None:
+            return [self.order]
+        if self.order != "iid":
+            raise UsageError(
+                f"`order` {self.order} and `orders` {self.orders} both say which orders to run; give one of them"
+            )
+        orders = _axis(self.orders, "orders", "an order")
+        # label-shift:1 and label-shift:1.0 are one order: compare what they mean, not how they are spelled
+        same = repeated(orders, key=lambda order: parse_order(order, "orders"))
+        if same:
+            spellings = [order for order in orders if parse_order(order, "orders") == parse_order(same[0], "orders")]
+            raise UsageError(f"`orders` names one order twice ({', '.join(spellings)}); give each once")
+        return orders
+
+    def batch_size_list(self) -> list[int]:
+        """The adaptation batch sizes the grid runs: `batch_sizes`, else `batch_size` alone
+        (which also sizes the statistics' batches)."""
+        if self.batch_sizes is None:
+            return [self.batch_size]
+        try:
+            sizes = [int(size) for size in _axis(self.batch_sizes, "batch_sizes", "a batch size")]
+        except ValueError:
+            raise UsageError(f"`batch_sizes` takes comma-separated whole numbers, not {self.batch_sizes!r}") from None
+        for size in sizes:
+            check_batch_size(size)
+        if len(set(sizes)) < len(sizes):
+            raise UsageError(f"`batch_sizes` names a batch size twice: {self.batch_sizes}")
+        return sizes
+
+    def severity_list(self) -> list[int | None]:
+        """The severities the grid runs: `severities`, else `severity` alone (None: the data's own)."""
+        if self.severities is None:
+            return [self.severity]
+        if self.severity is not None:
+            raise UsageError(
+                f"`severity` {self.severity} and `severities` {self.severities} both say which severities to "
+                f"run; give one of them"
+            )
+        if self.gradual:
+            raise UsageError(
+                f"`severities` {self.severities} runs each severity apart, and `gradual` visits all five in "
+                f"one stream; give one of them"
+            )
+        return parse_severities(self.severities, "severities")
+
+    def fraction_list(self) -> list[float | None]:
+        """The training fractions the statistics are computed at: `fractions`, else [None]
+        (`fraction` or `per_class` alone, as `training_sample` reads them)."""
+        if self.fractions is None:
+            return [None]
+        for name in ("fraction", "per_class"):
+            if getattr(self, name) is not None:
+                raise UsageError(
+                    f"`{name}` {getattr(self, name)} and `fractions` {self.fractions} both say how many training "
+                    f"images the statistics take; give one of them"
+                )
+        for name in ("orders", "batch_sizes", "severities"):
+            if getattr(self, name) is not None:
+                raise UsageError(
+                    f"`fractions` makes a table of its own (methods × fractions), and so does `{name}`; run "
+                    f"them in two benches"
+                )
+        try:
+            fractions = [float(value) for value in _axis(self.fractions, "fractions", "a fraction")]
+        except ValueError:
+            raise UsageError(f"`fractions` takes comma-separated numbers in (0, 1], not {self.fractions!r}") from None
+        wrong = [f for f in fractions if not 0 < f <= 1]
+        if wrong:
+            raise UsageError(f"`fractions`: a fraction is in (0, 1], not {wrong[0]:g}")
+        twice = repeated(fractions)
+        if twice:
+            raise UsageError(f"`fractions` names {twice[0]:g} twice ({self.fractions}); give each once")
+        return fractions
+
+    def grid_axes(self) -> bool:
+        """Whether the grid has an order, batch-size or severity axis (else the table is the plain one)."""
+        return self.orders is not None or self.batch_sizes is not None or self.severities is not None
+
+    def seed_list(self) -> list[int]:
+        try:
+            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise UsageError(f"`seeds` takes comma-separated integers, not {self.seeds!r}") from None
+        if not seeds:
+            raise UsageError("`seeds` names no seed")
+        for seed in seeds:
+            check_seed("seeds", seed)
+        if len(set(seeds)) < len(seeds):
+            raise UsageError(f"`seeds` names a seed twice: {self.seeds}")
+        return seeds
+
+    def test_preprocessing_changes(self) -> dict:
+        """The test domains' preprocessing: the shared options, then --test-resize / --test-crop."""
+        test = InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
+        return {**self.preprocessing_changes(), **test}
