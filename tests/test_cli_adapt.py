@@ -634,7 +634,14 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     )
     # the stream settings that cannot go with those (--no-shuffle, --mix-domains) in a second run
     streams = AdaptConfig(
-        data=["x"], method="cafa", order="label-shift:0.5", gradual=True, oracle=True, fisher_samples=9
+        data=["x"],
+        method="cafa",
+        order="label-shift:0.5",
+        gradual=True,
+        oracle=True,
+        fisher_samples=9,
+        reset="never",
+        state="s.pt",
     )
     defaults = AdaptConfig()
     written_apart = ("method", "recipe", "method_option")  # adapt_words writes them first, in their own way

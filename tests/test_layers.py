@@ -27,6 +27,7 @@ LAYERS = {
     "files": 0,
     "factories": 0,
     "devices": 0,
+    "interrupts": 0,
     "__init__": 0,
     "__main__": 5,
 }

@@ -19,7 +19,7 @@ from torch import nn
 
 from cafa_cli import hub
 from cafa_cli.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
-from cafa_cli.errors import InputError, UsageError, did_you_mean
+from cafa_cli.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.factories import import_factory, is_factory, parse_model_args
 from cafa_cli.files import absolute
 from cafa_cli.method.features import FeatureClassifier
@@ -158,21 +158,15 @@ def load_model(
     weights by name from the local cache (never downloaded), timm:NAME, torchvision:NAME,
     robustbench:DATASET/NAME, or a factory file.py:fn. The keywords are the options of the
     same names (`model_args`: {name: value}, Python literals as --model-arg takes them).
-    Resolved by the command line's own code (jobs/shared/inputs.py resolve_model), its
+    Resolved as the command line resolves it (checked_model), its
     checks included: an architecture without weights (random, different in every run) and
     weights that are not float32 or not finite are refused. Errors are CafaErrors."""
-    from cafa_cli.jobs.config.data import ModelOptions  # deferred: the jobs build on this module
-    from cafa_cli.jobs.shared.inputs import resolve_model
-
-    options = ModelOptions(
-        model=model,
-        weights=weights,
-        model_args=_model_arg_texts(model_args),
-        num_classes=num_classes,
-        classifier=classifier,
-        trust_checkpoint=trust_checkpoint,
-    )
-    return resolve_model(options)[0]
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise UsageError(f"`num_classes` must be a whole number of at least 1, not {num_classes!r}")
+    arguments = parse_model_args(_model_arg_texts(model_args), "`model_args`")
+    return checked_model(model, weights, num_classes, classifier, trust_checkpoint, arguments)[0]
 
 
 def model_spec(
@@ -277,3 +271,65 @@ def bundled_model(model: str | None):
     from cafa_cli.zoo import BUNDLED
 
     return BUNDLED.get(model)
+
+
+def checked_model(
+    model: str,
+    weights: str | None,
+    num_classes: int | None,
+    classifier: str | None,
+    trust_checkpoint: bool,
+    model_args: dict,
+) -> tuple[FeatureClassifier, ModelSpec]:
+    """resolve()'s model and spec, refused when it could not give reproducible results: an
+    architecture without weights, weights that are not float32 or not finite."""
+    net, spec = resolve(model, weights, num_classes, classifier, trust_checkpoint, model_args)
+    if spec.weights is None and not is_factory(spec.model) and bundled_model(spec.model) is None:
+        # torchvision's and timm's own initialisation is random: statistics and adaptation
+        # would each see another network, and no result could be reproduced
+        raise UsageError(
+            f"`model` {spec.model} without `weights` is an untrained network with random weights, different in "
+            f"every run; give `weights` FILE (a state dict of this architecture), or pretrained weights by name from "
+            f"the local cache (IMAGENET1K_V2, a timm tag)"
+        )
+    _check_parameters(net.model)
+    return net, spec
+
+
+def _check_parameters(model: torch.nn.Module) -> None:
+    """float32 values, all finite: other dtypes meet float32 images and fail with a message
+    about the input, and NaN weights make every prediction NaN, with exit 0."""
+    kinds = {
+        "meta" if p.is_meta else str(p.dtype).removeprefix("torch.")
+        for p in model.parameters()
+        if p.is_floating_point() or p.is_meta
+    }
+    if kinds - {"float32"}:
+        raise InputError(
+            f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
+            f"(model.float(), with its values) — mixed precision on CUDA is `precision` bf16 or fp16"
+        )
+    broken = [
+        name
+        for name, tensor in model.state_dict().items()
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if broken:
+        raise InputError(
+            f"the model's weights hold NaN or infinite values in {listing(broken)}; "
+            f"the checkpoint is damaged or was saved after training diverged: use another"
+        )
+    # a variance below 0 normalises to NaN: every prediction of a method on the source
+    # statistics would be NaN, which a check of the outputs would blame on `mean`/`std`
+    negative = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        and module.running_var is not None
+        and bool((module.running_var < 0).any())
+    ]
+    if negative:
+        raise InputError(
+            f"the model's BatchNorm running variances are negative in {listing(negative)}; the checkpoint "
+            f"is damaged (a variance is never below 0): use another"
+        )

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from cafa_cli import hub
 from cafa_cli.data.domain import Domain, read_class_list
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import on_disk
-from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.factories import is_factory
+from cafa_cli.errors import InputError, listing
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.models import ModelSpec, bundled_model, resolve
+from cafa_cli.models import ModelSpec, bundled_model, checked_model
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:
@@ -53,58 +50,10 @@ def default_class_names(model: str | None, options: InputOptions) -> list[str] |
 
 
 def resolve_model(model: ModelOptions) -> tuple[FeatureClassifier, ModelSpec]:
-    net, spec = resolve(
+    """The model the options name, built, its weights loaded and checked (models.checked_model)."""
+    return checked_model(
         model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint, model.model_arguments()
     )
-    if spec.weights is None and not is_factory(spec.model) and bundled_model(spec.model) is None:
-        # torchvision's and timm's own initialisation is random: statistics and adaptation
-        # would each see another network, and no result could be reproduced
-        raise UsageError(
-            f"`model` {spec.model} without `weights` is an untrained network with random weights, different in "
-            f"every run; give `weights` FILE (a state dict of this architecture), or pretrained weights by name from "
-            f"the local cache (IMAGENET1K_V2, a timm tag)"
-        )
-    _check_parameters(net.model)
-    return net, spec
-
-
-def _check_parameters(model: torch.nn.Module) -> None:
-    """float32 values, all finite: other dtypes meet float32 images and fail with a message
-    about the input, and NaN weights make every prediction NaN, with exit 0."""
-    kinds = {
-        "meta" if p.is_meta else str(p.dtype).removeprefix("torch.")
-        for p in model.parameters()
-        if p.is_floating_point() or p.is_meta
-    }
-    if kinds - {"float32"}:
-        raise InputError(
-            f"the model's parameters are {listing(sorted(kinds))}, not float32; return a float32 model "
-            f"(model.float(), with its values) — mixed precision on CUDA is `precision` bf16 or fp16"
-        )
-    broken = [
-        name
-        for name, tensor in model.state_dict().items()
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
-    ]
-    if broken:
-        raise InputError(
-            f"the model's weights hold NaN or infinite values in {listing(broken)}; "
-            f"the checkpoint is damaged or was saved after training diverged: use another"
-        )
-    # a variance below 0 normalises to NaN: every prediction of a method on the source
-    # statistics would be NaN, which a check of the outputs would blame on `mean`/`std`
-    negative = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
-        and module.running_var is not None
-        and bool((module.running_var < 0).any())
-    ]
-    if negative:
-        raise InputError(
-            f"the model's BatchNorm running variances are negative in {listing(negative)}; the checkpoint "
-            f"is damaged (a variance is never below 0): use another"
-        )
 
 
 def _class_names_of(domains: list[Domain], net: FeatureClassifier) -> list[str]:
