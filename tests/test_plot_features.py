@@ -84,6 +84,7 @@ def test_json_gives_each_panels_numbers_and_the_stars_are_the_artifacts_means(se
     assert [p["method"] for p in numbers["panels"]] == ["source", "tent", "cafa"]
     for panel in numbers["panels"]:
         assert 0 <= panel["error"] <= 1 and panel["within_between"] > 0 and panel["mahalanobis_per_dimension"] > 0
+        assert panel["unit"] == "error fraction"
     # 45 images and 3 class means in each panel; adapting moves the features, so the embeddings differ
     source, tent, cafa = drawn["embeddings"]
     assert source.shape == tent.shape == (48, 2)

@@ -32,7 +32,7 @@ from cafa_cli.jobs.config import AdaptConfig, FeaturesPlotConfig
 from cafa_cli.jobs.plot import figure as feature_figure
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
-from cafa_cli.jobs.shared.report import percent
+from cafa_cli.jobs.shared.report import ERROR_FRACTION, percent
 from cafa_cli.jobs.shared.what_runs import recipe_line
 from cafa_cli.method.distances import ClassDistances
 from cafa_cli.method.gaussians import ClassGaussians
@@ -201,6 +201,7 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
             {
                 "method": p.method,
                 "error": p.error,
+                "unit": ERROR_FRACTION,  # as every JSON's `error` (docs/usage.md, Units of the errors)
                 "within_between": p.within_between,
                 "mahalanobis_per_dimension": p.mahalanobis,
             }
