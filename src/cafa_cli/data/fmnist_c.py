@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import warnings
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,14 +74,49 @@ def check_corruptions(corruptions: list[str], severity: int, per_class: int | No
         raise UsageError(f"`test_per_class` must be 0 (all) or more, not {per_class}")
 
 
+# Where corrupt-tta (0.1.7, corruptions.py) draws its random numbers; its API takes no generator:
+# - NumPy's global RandomState (np.random.normal, poisson, randint, uniform): gaussian_noise,
+#   shot_noise, speckle_noise, glass_blur, motion_blur, snow, frost, fog, spatter, elastic_transform.
+# - scikit-image's random_noise(..., rng=None), that is a fresh np.random.default_rng() seeded from
+#   the OS on every call, so no global seed reaches it: impulse_noise.
+# - nowhere: defocus_blur, gaussian_blur, zoom_blur, contrast, brightness, saturate, jpeg_compression,
+#   pixelate. None uses Python's `random` or OpenCV's generator.
+@contextmanager
+def _seeded_corruptions(library, seed: int) -> Iterator[None]:
+    """Every draw of the block's corruptions from generators seeded with `seed`, one stream per domain.
+
+    NumPy's global RandomState is seeded, and restored afterwards; corrupt-tta's module-level
+    `random_noise` (impulse_noise's) is swapped, for the block, for one given an explicit
+    `np.random.default_rng(seed)`. Both are process-wide: the data is built in one thread.
+    """
+    module = library.corruptions
+    unseeded = getattr(module, "random_noise", None)
+    if unseeded is None:  # a corrupt-tta whose impulse_noise no longer goes through this name
+        raise RuntimeError(f"corrupt-tta {library.__version__}: cannot seed impulse_noise (no random_noise)")
+    generator = np.random.default_rng(seed)
+
+    def random_noise(image, *args, **kwargs):
+        return unseeded(image, *args, **{**kwargs, "rng": generator})
+
+    state = np.random.get_state()
+    np.random.seed(seed)  # as before this change: the same bytes for the global-RandomState corruptions
+    module.random_noise = random_noise
+    try:
+        yield
+    finally:
+        module.random_noise = unseeded
+        np.random.set_state(state)
+
+
 def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) -> np.ndarray:
-    """Corrupt 28x28 grey uint8 images (as grey RGB, the library's input) back to grey uint8."""
+    """Corrupt 28x28 grey uint8 images (as grey RGB, the library's input) back to grey uint8.
+
+    The same images, corruption, severity and seed give the same bytes (_seeded_corruptions).
+    """
     check_corruptions([corruption], severity)
     library = _corruptions()
-    # corrupt-tta draws from NumPy's global generator: seed it so that a domain is reproducible
-    np.random.seed(seed)
     out = np.empty_like(images)
-    with warnings.catch_warnings():
+    with _seeded_corruptions(library, seed), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i, image in enumerate(images):
             rgb = np.repeat(image[..., None], 3, axis=2)
