@@ -1,5 +1,6 @@
 """Files the commands write and read: outputs checked before a long job, written
-atomically, and safetensors files opened whatever their names' encoding."""
+atomically, small text inputs read only when regular and bounded, and safetensors files
+opened whatever their names' encoding."""
 
 from __future__ import annotations
 
@@ -115,6 +116,80 @@ def file_identity(path: str) -> tuple:
 def is_device(path: str | Path) -> bool:
     """/dev/null, /dev/stdout, a FIFO: something that exists and is not a regular file."""
     return Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir()
+
+
+def read_small_text(
+    path: str | Path, what: str, limit: int, fix: str, *, encoding: str = "utf-8", error: type = InputError
+) -> str:
+    """The text of a small input (a recipe, cafa.toml, a list of classes, image ids or images),
+    read only when `path` is a regular file of at most `limit` bytes.
+
+    A FIFO is never opened (open() would wait for a writer for ever), nor a folder, device or
+    socket: each is refused on its os.stat. A size over `limit` is refused before reading,
+    and the reading stops at limit + 1 bytes all the same, for files whose size lies (/proc).
+    Every failure is one `error` line `WHAT PATH: PROBLEM; FIX` (`what` as `reading` takes it,
+    '' for a file named by its path alone)."""
+    name = f"{what} {path}" if what else str(path)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        problem = "a symbolic link that leads nowhere" if os.path.islink(path) else "no such file"
+        raise error(f"{name}: {problem}; {fix}") from None
+    except OSError as failure:
+        raise error(f"{name}: cannot read it ({failure.strerror or failure}); {fix}") from None
+    if not stat.S_ISREG(found.st_mode):
+        raise error(f"{name}: not a regular file ({_kind(found.st_mode)}); {fix}")
+    if found.st_size > limit:
+        raise error(
+            f"{name}: {found.st_size:,} bytes, over the limit of {_size(limit)} (no real one comes near it); {fix}"
+        )
+    # O_NONBLOCK: should a FIFO take the file's place after the stat, opening it returns at once
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as failure:
+        raise error(f"{name}: cannot read it ({failure.strerror or failure}); {fix}") from None
+    with os.fdopen(descriptor, "rb", buffering=0) as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{name}: not a regular file ({_kind(mode)}); {fix}")
+        chunks, total = [], 0
+        try:
+            while total <= limit:
+                chunk = file.read(min(1 << 20, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+        except OSError as failure:
+            raise error(f"{name}: cannot read it ({failure.strerror or failure}); {fix}") from None
+    if total > limit:
+        raise error(f"{name}: more than the limit of {_size(limit)} to read (its size said less); {fix}")
+    try:
+        return b"".join(chunks).decode(encoding)
+    except UnicodeDecodeError:
+        raise error(f"{name}: not a UTF-8 text file; {fix}") from None
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for the messages of read_small_text."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def _size(limit: int) -> str:
+    """1 MiB, 16 MiB, 512 KiB: a limit as the messages state it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if limit >= scale and limit % scale == 0:
+            return f"{limit // scale} {unit}"
+    return f"{limit:,} bytes"
 
 
 # outputs this command has completed: an interrupted command names them (cli/errors.py)

@@ -13,6 +13,7 @@ command line win over the file.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,13 @@ from pathlib import Path
 from cafa_cli.cli.renamed import warn_renamed
 from cafa_cli.errors import UsageError, did_you_mean
 from cafa_cli.factories import is_factory
+from cafa_cli.files import read_small_text
 
 CONFIG_FILE = "cafa.toml"
+# The most cafa.toml or pyproject.toml may hold: a cafa.toml is a few lines, and the
+# pyproject.toml files of large projects are tens of KB; a file over 4 MiB is none of them
+# (a link to /dev/zero, a sparse file) and is refused unread, before every command.
+CONFIG_LIMIT = 4 << 20
 
 
 @dataclass
@@ -113,23 +119,22 @@ def names_code(value) -> bool:
 
 
 def defaults_file(folder: str | Path) -> Path | None:
-    """The file read_defaults reads: cafa.toml, else pyproject.toml, else None."""
+    """The file read_defaults reads: cafa.toml, else pyproject.toml, else None. Anything by
+    that name counts (a folder, a pipe, a dangling link too), so that _load refuses it rather
+    than the defaults being quietly taken from elsewhere or not at all."""
     return next(
-        (Path(folder) / name for name in (CONFIG_FILE, "pyproject.toml") if (Path(folder) / name).is_file()), None
+        (Path(folder) / name for name in (CONFIG_FILE, "pyproject.toml") if os.path.lexists(Path(folder) / name)), None
     )
 
 
 def defaults_source(folder: str | Path) -> str:
     """Where read_defaults found the defaults, for errors about their values."""
-    return CONFIG_FILE if (Path(folder) / CONFIG_FILE).is_file() else "[tool.cafa] in pyproject.toml"
+    return CONFIG_FILE if os.path.lexists(Path(folder) / CONFIG_FILE) else "[tool.cafa] in pyproject.toml"
 
 
 def _load(path: Path) -> dict:
+    text = read_small_text(path, "", CONFIG_LIMIT, "fix it, or move it away", error=UsageError)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
         raise UsageError(f"{path}: not valid TOML ({error})") from None
-    except OSError as error:
-        raise UsageError(
-            f"{path}: cannot read it ({error.strerror or error}); fix its permissions, or move it away"
-        ) from None

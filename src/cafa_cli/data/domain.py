@@ -15,10 +15,15 @@ from PIL import Image, UnidentifiedImageError
 
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import InputError, listing, repeated
+from cafa_cli.files import read_small_text
 
 # what reading a damaged, truncated or hostile image file raises
 UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
 MAX_CLASSES = 1_000_000  # class indices in a labels array; ImageNet-21k has 21,841 classes
+# The most a class list (`classes`, `class_subset`) may hold: ImageNet's 1,000 names are 10 KB
+# as wnids and 30 KB as words, ImageNet-21k's 21,841 under 1 MB; a file over 16 MiB is no
+# class list (a link to /dev/zero, a sparse file) and is refused unread.
+CLASS_LIST_LIMIT = 16 << 20
 
 
 UNLABELLED = -1
@@ -135,15 +140,11 @@ def read_class_list(path: str, setting: str = "classes") -> list[str]:
             f"`{setting}` {path}: no such file (give one class name per line"
             f"{', in output order' if setting == 'classes' else ''})"
         )
-    try:
-        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of the first name
-        binary = "\0" in text  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
-    except UnicodeDecodeError:
-        binary = True
-    if binary:
-        raise InputError(
-            f"`{setting}` {path}: not a UTF-8 text file; the class list must be UTF-8 text with one class name per line"
-        )
+    fix = "the class list must be UTF-8 text with one class name per line"
+    # utf-8-sig: a byte-order mark (Windows editors) is not part of the first name
+    text = read_small_text(path, f"`{setting}`", CLASS_LIST_LIMIT, fix, encoding="utf-8-sig")
+    if "\0" in text:  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
+        raise InputError(f"`{setting}` {path}: not a UTF-8 text file; {fix}")
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise InputError(f"`{setting}` {path}: the file lists no class names")

@@ -30,6 +30,7 @@ import numpy as np
 from cafa_cli.data.domain import Domain, did_you_mean, relabel
 from cafa_cli.data.folders import _folder_domain, _path_order, read_image
 from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import read_small_text
 
 DOMAIN_SETS = {
     "office-home": ("Art", "Clipart", "Product", "Real_World"),
@@ -37,6 +38,11 @@ DOMAIN_SETS = {
     "domainnet126": ("clipart", "painting", "real", "sketch"),
 }
 LAYOUT = "ROOT/<domain>/<class>/<images>"
+# The most a DomainNet-126 list (ROOT/<domain>_list.txt) may hold: the benchmark's biggest,
+# real_list.txt (about 70,000 images), is under 3 MB, and DomainNet's own biggest list, of all
+# 345 classes, about 5 MB; a file over 32 MiB is no such list (a link to /dev/zero, a sparse
+# file) and is refused unread.
+DOMAIN_LIST_LIMIT = 32 << 20
 
 # DomainNet-126's classes in its label order: read off the labels of the 4 domain lists of the
 # test-time-adaptation benchmark (mariodoebler/test-time-adaptation, datasets/domainnet126_lists),
@@ -236,7 +242,7 @@ def open_member(spec: str, kind: str, path: Path, labels: str | None, severity: 
     if kind != "domainnet126":
         return _folder_domain(path)
     listed = list_file(path)
-    if listed.is_file():
+    if os.path.lexists(listed):  # a folder, a pipe or a dangling link by that name is refused, not passed over
         return _listed_domain(path, listed)
     domain = _folder_domain(path)
     if set(domain.class_names) != set(DOMAINNET126_CLASSES):
@@ -258,10 +264,9 @@ def list_file(folder: Path) -> Path:
 def _listed_domain(folder: Path, listed: Path) -> Domain:
     """The images a DomainNet-126 list names, each line `<domain>/<class>/<file> <label>` with
     the path under ROOT and the label in the subset's order (checked against the class folder)."""
-    try:
-        text = listed.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read {listed} ({error}); it must be the benchmark's UTF-8 list of images") from None
+    text = read_small_text(
+        listed, "", DOMAIN_LIST_LIMIT, f"give the benchmark's list of {folder.name}'s images, a UTF-8 text file"
+    )
     refs, labels = [], []
     for number, line in enumerate(text.splitlines(), 1):  # the published lists end their lines with \r\n
         if not line.strip():

@@ -12,6 +12,12 @@ import numpy as np
 
 from cafa_cli.data.domain import UNLABELLED, Domain, did_you_mean, read_class_list
 from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import read_small_text
+
+# The most a `subset` list may hold: all 50,000 of ImageNet's validation images as
+# n01440764/ILSVRC2012_val_00000293.JPEG lines are 2.4 MB (RobustBench's 5,000: 240 KB); a file
+# over 16 MiB is no such list (a link to /dev/zero, a sparse file) and is refused unread.
+SUBSET_LIMIT = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,8 @@ def read_image_ids(path: str) -> set[str]:
         raise InputError(
             f"`subset` {path}: no such file (give one image id a line: CLASS/FILE as in a domain folder, or FILE)"
         )
-    try:
-        ids = {
-            line.strip().replace("\\", "/")
-            for line in file.read_text(encoding="utf-8-sig").splitlines()
-            if line.strip()
-        }
-    except UnicodeDecodeError:
-        raise InputError(f"`subset` {path}: not a UTF-8 text file; give one image id a line") from None
+    text = read_small_text(path, "`subset`", SUBSET_LIMIT, "give one image id a line", encoding="utf-8-sig")
+    ids = {line.strip().replace("\\", "/") for line in text.splitlines() if line.strip()}
     if not ids:
         raise InputError(f"`subset` {path}: the file lists no image ids")
     return ids

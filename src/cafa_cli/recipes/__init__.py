@@ -27,14 +27,16 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import reading
+from cafa_cli.files import read_small_text, reading
 from cafa_cli.method.options import check_adapter_options
 
 FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
 NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
+# The most a user's recipe file may hold: every shipped recipe together is under 20 KB, so a
+# file over 1 MiB is no recipe (a link to /dev/zero, a sparse file), and is refused unread.
+RECIPE_LIMIT = 1 << 20
 SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples")  # what a recipe may set
 # those of SETTINGS that are the Adapter's keyword arguments (the others are the stream's batch_size and
 # EATA's fisher_samples): the keywords check_adapter_options checks, which are the Adapter's
@@ -102,12 +104,12 @@ def check_name(name: str) -> None:
 def read_file(path: str) -> dict[str, Recipe]:
     """A user's recipe file: {method: Recipe}, each table checked for its keys."""
     reading(path, "`recipe`")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise InputError(f"`recipe` {path}: cannot read it ({error.strerror or error})") from None
-    except UnicodeDecodeError:
-        raise InputError(f"`recipe` {path}: not a UTF-8 text file") from None
+    text = read_small_text(
+        path,
+        "`recipe`",
+        RECIPE_LIMIT,
+        "give a UTF-8 TOML file of method tables (cafa methods NAME --recipe cifar10-c prints one)",
+    )
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
