@@ -125,6 +125,12 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
         for label, name in enumerate(CLASSES)
         for image in sorted((data / name).iterdir())
     )
+    # the size and modification time of each image read, by absolute path: an edit in place is another sample
+    stamped = "".join(
+        f"{image}\t{image.stat().st_size}\t{image.stat().st_mtime_ns}\n"
+        for name in CLASSES
+        for image in sorted((data / name).iterdir())
+    )
     assert json.loads(meta["sampling"]) == {
         "data": str(data),
         "fraction": 1.0,
@@ -132,6 +138,7 @@ def test_artifact_records_model_preprocessing_and_sampling(setup, tmp_path):
         "seed": 0,
         "batch_size": 128,
         "images_sha256": hashlib.sha256(listed.encode()).hexdigest(),
+        "file_stamps": hashlib.sha256(stamped.encode()).hexdigest(),
         "skipped_images": 0,
         "input_size": [16, 16],
     }

@@ -3,6 +3,8 @@ class-conditional Gaussians, and write them as an artifact."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -11,7 +13,7 @@ from cafa_cli.artifact_format import unusable_class_names
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.sampling import stratified_subset, subset_sha256
+from cafa_cli.data.sampling import file_stamps, source_files, stratified_subset, subset_sha256
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
 from cafa_cli.devices import pick_device
@@ -53,6 +55,8 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
     domain, class_names, subset = _training_domain(config, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
+    # taken before the images are read: one edited while they are is then edited since
+    stamps = file_stamps(source_files(domain, indices, config.data))
     if per_class:
         _warn_short_classes(domain.labels, class_names, per_class, monitor)
     target = rank_device(target)
@@ -77,6 +81,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
         "per_class": per_class,
         "seed": config.seed,
         "images_sha256": subset_sha256(domain, indices),
+        "file_stamps": stamps,
         "batch_size": config.batch_size,
         "skipped_images": moments.skipped_images,
         "input_size": getattr(moments, "input_size", None),
@@ -108,13 +113,25 @@ def _warn_short_classes(labels: np.ndarray, class_names: list[str], per_class: i
         monitor.warn(f"`per_class` {per_class}: fewer images in {listing(short)}; all of theirs are used")
 
 
-def sample_sha256(config: StatsConfig) -> str:
-    """The `images_sha256` compute_statistics would record for this config, found
-    without the feature pass: whether an artifact holds this sample of the data as it is now."""
+class Sample(NamedTuple):
+    """The sample an artifact made now would hold, by the keys compute_statistics records."""
+
+    images_sha256: str  # which images: their paths (rows) and labels
+    file_stamps: str | None  # the sizes and modification times of the files they are read from
+    images: int
+    files: list[str] | None
+
+
+def sample_keys(config: StatsConfig) -> Sample:
+    """The `images_sha256` and `file_stamps` compute_statistics would record for
+    this config, found without the feature pass (one stat a file, nothing read): whether an
+    artifact holds this sample of the data as it is now."""
     fraction, per_class = config.training_sample()
     net, _ = resolve_model(config)
     domain, class_names, _ = _training_domain(config, net, recipe(config, config.model), Monitor())
-    return subset_sha256(domain, stratified_subset(domain.labels, class_names, fraction, per_class, config.seed))
+    indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
+    files = source_files(domain, indices, config.data)
+    return Sample(subset_sha256(domain, indices), file_stamps(files), len(indices), files)
 
 
 def _training_domain(

@@ -12,7 +12,7 @@ from pathlib import Path
 from cafa_cli.artifact import read_artifact
 from cafa_cli.data.domain import read_class_list
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, printable, undecodable
+from cafa_cli.errors import InputError, listing, printable, undecodable
 from cafa_cli.files import atomic_write
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
@@ -20,7 +20,7 @@ from cafa_cli.jobs.config import BenchConfig, StatsConfig
 from cafa_cli.jobs.shared.distributed import wait_for_all
 from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.jobs.stats import compute_statistics, sample_sha256
+from cafa_cli.jobs.stats import Sample, compute_statistics, sample_keys
 from cafa_cli.models import bundled_model
 from cafa_cli.provenance import model_mismatch
 
@@ -60,15 +60,39 @@ def ensure_statistics(
     with statistics_lock(path, monitor, hold=rank == 0):
         wait_for_all(world)  # no rank looks at the artifact before rank 0 holds its lock
         if path.is_file():
-            try:
-                if _made_for(read_artifact(path, load_tensors=False), stats):
-                    return path
-            except InputError:
-                pass
+            why, sample = _check(path, stats)
+            if why is None and sample is not None:
+                monitor.info(
+                    f"re-using statistics in {path}, made from the same {_images(sample)} (sizes and times unchanged)"
+                )
+                return path
+            if why:
+                monitor.info(f"not re-using statistics in {path}: {why}")
         at = "" if fraction is None else f", `fraction` {fraction}"
         monitor.info(f"computing statistics (`covariance` {covariance}{at}) → {path}")
         compute_statistics(stats, monitor)  # written (on rank 0) before it returns, so before the lock goes
     return path
+
+
+def _check(path: Path, stats: StatsConfig) -> tuple[str | None, Sample | None]:
+    """_mismatch of the artifact at `path`; '' where the model or data cannot be opened
+    (compute_statistics then says what is wrong with them, as an error)."""
+    try:
+        artifact = read_artifact(path, load_tensors=False)
+    except InputError as error:
+        return f"it is not a readable artifact ({error})", None
+    try:
+        return _mismatch(artifact, stats)
+    except InputError:
+        return "", None
+
+
+def _images(sample: Sample) -> str:
+    """'18 images', or for images from arrays '18 images of train-images-idx3-ubyte.gz'."""
+    noun = f"{sample.images} image{'' if sample.images == 1 else 's'}"
+    if sample.files is None or len(sample.files) == sample.images:
+        return noun
+    return f"{noun} of {listing(Path(file).name for file in sample.files)}"
 
 
 def lock_path(artifact: Path) -> Path:
@@ -152,25 +176,59 @@ def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, P
     return str(path)
 
 
-def _made_for(artifact, stats: StatsConfig) -> bool:
-    """Whether an artifact holds these statistics, compared as compute_statistics records
-    them (absolute paths: a relative --train or --workdir must match on a second run) and
-    as cafa adapt checks the model (the same parameters in another file are the same)."""
-    fraction, per_class = stats.training_sample()
-    wanted = {"data": recorded_data(stats.data), "fraction": fraction, "per_class": per_class, "seed": stats.seed}
-    if not (
-        stats.classifier in (None, artifact.model.classifier)
-        and (stats.classes is None or read_class_list(stats.classes) == artifact.model_class_names)
-        and (set(read_class_list(stats.class_subset, "class_subset")) if stats.class_subset else None)
-        == (set(artifact.class_names) if "class_subset" in artifact.metadata else None)
-        and artifact.preprocessing == recipe(stats, stats.model)
-        and all(artifact.sampling.get(key) == value for key, value in wanted.items())
-        and same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance)
-        and ("norm_layers" in artifact.metadata or not stats.norm_moments)
-    ):
-        return False
+def _mismatch(artifact, stats: StatsConfig) -> tuple[str | None, Sample | None]:
+    """Why an artifact does not hold these statistics (None when it does), and the sample
+    they would be made from (None where it was not needed to tell). Compared as
+    compute_statistics records them (absolute paths: a relative --train or --workdir must
+    match on a second run), as cafa adapt checks the model (the same parameters in another
+    file are the same), and by the sizes and modification times of the files the images
+    are read from (an image edited in place under its name is another image)."""
+    why = _other_settings(artifact, stats)
+    if why is not None:
+        return why, None
     net, spec = resolve_model(stats)
-    if model_mismatch(artifact, spec, net) is not None:
-        return False
-    # the same folder may hold other images since (added, removed, relabelled): compare the sample drawn
-    return artifact.sampling.get("images_sha256") == sample_sha256(stats)
+    why = model_mismatch(artifact, spec, net)
+    if why is not None:
+        return why, None
+    # the same folder may hold other images since (added, removed, relabelled), or the same
+    # ones edited in place: compare the sample drawn, then its files' sizes and times
+    sample = sample_keys(stats)
+    recorded = artifact.sampling.get("images_sha256"), artifact.sampling.get("file_stamps")
+    if recorded[0] is None:
+        return "it was made before cafa recorded which images a sample holds", sample
+    if recorded[0] != sample.images_sha256:
+        return "the images drawn differ (images added to, removed from or relabelled in the training data)", sample
+    if sample.file_stamps is None:  # arrays of a kind source_files does not know: whether they changed is unknown
+        return "the files these images are read from are not known, so whether they changed cannot be told", sample
+    if recorded[1] is None:
+        return "it was made before cafa recorded the sizes and modification times of the images", sample
+    if recorded[1] != sample.file_stamps:
+        return (
+            f"the training images changed since: the same {_images(sample)} by name and label, but other sizes "
+            f"or modification times (edited or replaced in place)"
+        ), sample
+    return None, sample
+
+
+def _other_settings(artifact, stats: StatsConfig) -> str | None:
+    """Why an artifact was made with other settings than these, or None."""
+    if stats.classifier not in (None, artifact.model.classifier):
+        return "it was made with another `classifier`"
+    if stats.classes is not None and read_class_list(stats.classes) != artifact.model_class_names:
+        return "it was made with another class list (`classes`)"
+    subset = set(read_class_list(stats.class_subset, "class_subset")) if stats.class_subset else None
+    if subset != (set(artifact.class_names) if "class_subset" in artifact.metadata else None):
+        return "it was made for another `class_subset`"
+    if artifact.preprocessing != recipe(stats, stats.model):
+        return "it was made with other preprocessing"
+    if artifact.sampling.get("data") != recorded_data(stats.data):
+        return f"it was made from other training data ({printable(str(artifact.sampling.get('data')))})"
+    fraction, per_class = stats.training_sample()
+    wanted = {"fraction": fraction, "per_class": per_class, "seed": stats.seed}
+    if any(artifact.sampling.get(key) != value for key, value in wanted.items()):
+        return "it was made from another sample of the training data (another `fraction`, `per_class` or seed)"
+    if not same_shrinkage(stats.shrinkage_value(), artifact.metadata.get("shrinkage"), artifact.covariance):
+        return "it was made with another `shrinkage`"
+    if stats.norm_moments and "norm_layers" not in artifact.metadata:
+        return "it holds no class moments of the normalisation layers' inputs, which `norm` class-balanced needs"
+    return None
