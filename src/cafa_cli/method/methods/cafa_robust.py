@@ -76,7 +76,9 @@ class SharedStatisticsNorm(nn.Module):
                 f"keeps none (track_running_stats=False); use a model trained with them, or another method"
             )
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
-        self.source_type = type(bn).__name__  # for a plain one of the same kind (frozen)
+        self.plain_type = type(
+            bn
+        ).__name__  # for a plain one of the same kind (frozen); not `source_type`, which says what adapts
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
         self.share: float | torch.Tensor | None = None
@@ -86,7 +88,7 @@ class SharedStatisticsNorm(nn.Module):
     def frozen(self) -> nn.Module:
         """A plain eval-mode BatchNorm with these affines and the global statistics the stream
         arrived at, for serving (Adapter.export)."""
-        return plain_batch_norm(self.source_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
+        return plain_batch_norm(self.plain_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1, -1] + [1] * (x.dim() - 2)

@@ -77,7 +77,9 @@ class RobustBatchNorm(nn.Module):
                 f"none (track_running_stats=False); use a model trained with them, or another method"
             )
         self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, momentum
-        self.source_type = type(bn).__name__  # for a plain one of the same kind (frozen)
+        self.plain_type = type(
+            bn
+        ).__name__  # for a plain one of the same kind (frozen); not `source_type`, which says what adapts
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
         self.weights: torch.Tensor | None = None
@@ -85,7 +87,7 @@ class RobustBatchNorm(nn.Module):
     def frozen(self) -> nn.Module:
         """A plain eval-mode BatchNorm with these affines and the global statistics the stream
         arrived at, for serving (Adapter.export)."""
-        return plain_batch_norm(self.source_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
+        return plain_batch_norm(self.plain_type, self.weight, self.bias, self.global_mean, self.global_var, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
