@@ -234,3 +234,12 @@ def test_a_signal_during_a_step_waits_for_it_and_a_second_one_does_not():
             interrupt(signal.SIGTERM)  # a second one while the first waits: at once
             done.append("never")
     assert done == ["step"]
+
+
+def test_cafa_adapt_export_of_a_batch_method_is_refused_before_any_record(setup, tmp_path):
+    from helpers import adapt, fails
+
+    exported = tmp_path / "served.safetensors"
+    refused = adapt(setup, setup["test"], "--method", "lame", "--export", exported)
+    fails(refused, 2, "lame predicts with more than its network")
+    assert refused.stdout == "" and not exported.exists()

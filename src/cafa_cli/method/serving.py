@@ -20,14 +20,20 @@ STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s, checked by load
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
-def export(adapter: Adapter) -> torch.nn.Module:
-    """Adapter.export(): the served network, its normalisation layers frozen (see there)."""
-    if type(adapter.method).output is not Method.output:
-        name = adapter.method.name or type(adapter.method).__name__
+def check_exportable(method: Method) -> None:
+    """A UsageError for a method whose predictions are not its network's (t3a, lame): known
+    before a stream, so that `cafa adapt --export` refuses before any work."""
+    if type(method).output is not Method.output:
+        name = method.name or type(method).__name__
         raise UsageError(
             f"{name} predicts with more than its network (it changes the logits a batch at a time): an "
             f"exported network would predict otherwise; serve through the Adapter's step"
         )
+
+
+def export(adapter: Adapter) -> torch.nn.Module:
+    """Adapter.export(): the served network, its normalisation layers frozen (see there)."""
+    check_exportable(adapter.method)
     net = copy.deepcopy(adapter.method.served_network(adapter).model)
     for name, module in list(net.named_modules()):
         if callable(getattr(module, "frozen", None)):

@@ -29,6 +29,7 @@ from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import metrics, prediction_records, write_json
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import adapting_line, recipe_line
+from cafa_cli.method.serving import check_exportable
 
 
 @guards_outputs
@@ -51,6 +52,8 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
         said = RankMonitor(monitor if rank == 0 else None)
         job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
         check_gate_has_labels(config, job.domains)
+        if config.export:
+            check_exportable(job.adapter.method)  # before any record is written, not after the stream
         # known only now: the paths stdin listed, and the model files an artifact named
         recorded = job.recorded_settings
         check_outputs(
