@@ -12,6 +12,10 @@
 # what is left. Each stage writes its JSON to $OUT as it goes (perf.py after every row),
 # so a stage cut off keeps what it measured; the log ($OUT/log) has every line printed.
 # Estimates for an H100 are the limits' reasoning, not measurements.
+#   capture  (90 s, ~30 s) tests/test_step_graph_cuda.py and test_step_graph.py under pytest on
+#            the device: every replayable method captured by CUDA itself and replayed as its
+#            eager twin steps (fp32, bf16; three norms), every other one eager with its reason:
+#            capture.xml (junit) and the log. On the CPU (DRY=1) the CUDA file is skipped.
 #   step     (90 s each, ~60 s) TENT and CAFA low-rank, each in a process of its own
 #            (perf.py --fresh), replayed from a CUDA graph and eager (--eager: rows
 #            tent+eager, cafa-lowrank+eager; each row's step_runner says which ran),
@@ -34,7 +38,7 @@
 #            (last: the issue has its figure already, and compile may yield to CUDA graphs)
 # Throughout, nvidia-smi logs the SM clock, temperature and power each second (smi.csv):
 # a card that clocks down after minutes of load is one of the history hypotheses.
-# That is 10 files; at most 8 come back from a device call, so at the end all but the log
+# That is 11 files; at most 8 come back from a device call, so at the end all but the log
 # are packed into $OUT/results.tar (the script ends within BUDGET, before the call's limit).
 # Optional stages (not in the default list; they predate issue 33):
 #   sync     step_sync.py: today's TENT and CAFA low-rank step counted (aten operators, about
@@ -50,7 +54,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; PY=${PY:-python3}; DRY=${DRY:-0}
-STAGES=${STAGES:-"step methods speed history compile"}
+STAGES=${STAGES:-"capture step methods speed history compile"}
 # the CPU is far slower than the card: a dry run's limits are SCALE times the H100's
 if [ "$DRY" = 1 ]; then SCALE=${SCALE:-4}; BUDGET=${BUDGET:-2400}; else SCALE=${SCALE:-1}; BUDGET=${BUDGET:-530}; fi
 WORKERS=${WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
@@ -108,6 +112,8 @@ HISTORY=(--methods lame,sar,rotta,cafa-robust,cotta --norms class-balanced --sta
          --rows "tent,lame,sar,rotta,cafa-robust,cotta,tent --norm class-balanced,cafa --norm class-balanced,tent-again,cafa-lowrank")
 for name in $STAGES; do
   case $name in
+    capture) stage capture 90 "$PY" -m pytest -q -p no:cacheprovider -rfs --junitxml="$OUT/capture.xml" \
+               tests/test_step_graph_cuda.py tests/test_step_graph.py ;;
     step) for p in $PRECISIONS; do
             stage "step-$p" 90 "${PERF[@]}" --precision "$p" --fresh --methods none --covariances lowrank --eager \
               --rows tent,tent+eager,cafa-lowrank,cafa-lowrank+eager --trace "$OUT/trace-step-$p.txt" --json "$OUT/step-$p.json"
