@@ -27,8 +27,9 @@
 #            TENT again and CAFA low-rank: methods.json. Its last rows are also the history
 #            check with the state kept (cafa-lowrank's ratio_to_tent: TENT timed first, before
 #            the other rows; ratio_to_tent_again: TENT after the same history as CAFA)
-#   speed    (240 s, ~180 s) a 50,000-image ImageNet-C-shaped domain and a hard-linked copy
-#            of it adapted in one `cafa adapt` process, fp32 then bf16: each domain's loop,
+#   speed    (240 s, ~200 s) a 50,000-image ImageNet-C-shaped domain and a hard-linked copy
+#            of it adapted in one `cafa adapt` process, fp32 then bf16, each stepped by the CUDA
+#            graph and then eagerly (--no-cuda-graph; ~45 s a run on an H200): each domain's loop,
 #            the marginal domain time and the 75-domain estimate, then PIL vs nvjpeg: speed.json
 #   history  (120 s, ~60 s) the methods stage again with --between-rows clean (gc,
 #            empty_cache, cudnn.benchmark off, dynamo reset): history-clean.json. How to read
@@ -62,14 +63,14 @@ if [ "$DRY" = 1 ]; then
   MODEL=(--model fmnist-resnet --batch 4 --size 28 --channels 1 --device cpu)
   TIMING=(--repeats 1 --rounds 1 --stats-batches 2); SYNC=(--repeats 1 --rounds 2)
   PRECISIONS="fp32"
-  SPEED=(--images 4 --classes 2 --workers 0 --domains 2 --precisions fp32 --no-decode --root /tmp/gpu-checks-dry-domain)
+  SPEED=(--images 4 --classes 2 --workers 0 --domains 2 --precisions fp32,fp32+eager --no-decode --root /tmp/gpu-checks-dry-domain)
   SMALL=(--images 4 --classes 2 --workers 0 --precisions fp32 --root /tmp/gpu-checks-dry-small)
   GEMM=(--classes 20 --rank 7 --dim 64 --batch 8 --repeats 2 --device cpu); LOADER=(--images 64 --workers 0)
 else
   MODEL=(--model resnet50 --classes 1000 --batch 64)
   TIMING=(--repeats 10 --rounds 5); SYNC=(--repeats 5 --rounds 3)
   PRECISIONS="fp32 bf16"
-  SPEED=(--images 50000 --workers "$WORKERS" --domains 2 --precisions fp32,bf16)
+  SPEED=(--images 50000 --workers "$WORKERS" --domains 2 --precisions fp32,bf16,fp32+eager,bf16+eager)
   SMALL=(--images 6400 --workers "$WORKERS" --root /tmp/imagenet-c-small)
   GEMM=(--classes 1000); LOADER=(--images 6400 --workers "0,4,$WORKERS")
 fi

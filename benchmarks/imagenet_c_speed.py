@@ -132,6 +132,7 @@ def timed_adapt(
     batch: int,
     profile: Path | None = None,
     torch_profile: Path | None = None,
+    cuda_graph: bool = True,
 ) -> dict:
     # under cProfile the main process's time splits into start-up, waiting on the loader
     # and waiting on the GPU (the loader processes are not profiled); torch.profiler
@@ -144,7 +145,7 @@ def timed_adapt(
             "-m",
             "cafa_cli",
         ]
-    metrics_json = domains[0].parent / f"m-{precision}.json"
+    metrics_json = domains[0].parent / f"m-{precision}-{'graph' if cuda_graph else 'eager'}.json"
     command = [
         sys.executable,
         *program,
@@ -162,7 +163,7 @@ def timed_adapt(
         str(workers),
         "--precision",
         precision,
-        "--cuda-graph",  # opt-in (issue 45): this measures whether it should become the default
+        "--cuda-graph" if cuda_graph else "--no-cuda-graph",  # named either way: the figure says which ran
         "--quiet",
         "--metrics-json",
         str(metrics_json),
@@ -251,7 +252,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--classes", type=int, default=1000, help="class folders (ImageNet-C: 1000)")
-    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument(
+        "--precisions",
+        default="fp32,bf16",
+        help="one adapt run each, stepped by a CUDA graph; PRECISION+eager (bf16+eager) steps eagerly",
+    )
     parser.add_argument(
         "--domains",
         type=int,
@@ -314,19 +319,23 @@ def main() -> None:
         )
     domains = [domain, *domain_copies(domain, args.domains - 1)]
     result["adapt"] = []
-    for precision in args.precisions.split(","):
+    for run in args.precisions.split(","):
+        precision, _, runner = run.partition("+")  # bf16+eager: the same, every step eager
         # a line before each stage, so that a run cut off by a time limit shows where it was
-        print(f"adapt {precision}: running cafa adapt over {len(domains)} domain(s) ...", flush=True)
-        row = timed_adapt(artifact, domains, args.workers, precision, args.batch, args.profile, args.torch_profile)
+        print(f"adapt {run}: running cafa adapt over {len(domains)} domain(s) ...", flush=True)
+        row = timed_adapt(
+            artifact, domains, args.workers, precision, args.batch, args.profile, args.torch_profile, runner != "eager"
+        )
+        row["run"] = run
         result["adapt"].append(row)
         print(
-            f"adapt {row['precision']}: {row['images']} images in {row['wall_s']:.1f} s wall "
+            f"adapt {run}: {row['images']} images in {row['wall_s']:.1f} s wall "
             f"({row['loop_s']:.1f} s in the loop, {row['outside_loop_s']:.1f} s outside it; {row['images_per_s_wall']:.0f} img/s)",
             flush=True,
         )
         if "marginal_domain_s" in row:
             print(
-                f"adapt {row['precision']}: each domain's loop {', '.join(f'{s:.1f}' for s in row['domain_loop_s'])} s; "
+                f"adapt {run}: each domain's loop {', '.join(f'{s:.1f}' for s in row['domain_loop_s'])} s; "
                 f"marginal domain {row['marginal_domain_s']:.1f} s; 75 domains ~{row['imagenet_c_estimate_s']:.0f} s",
                 flush=True,
             )

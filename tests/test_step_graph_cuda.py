@@ -30,7 +30,7 @@ def pair(trained, method: str, norm: str = "batch", precision: str = "fp32"):
     if norm == "class-balanced":
         options["class_moments"] = class_moments_of(model, x, y)
     return [
-        Adapter(copy.deepcopy(model), create(method, gaussians), "cuda", cuda_graph=graph, **options)
+        Adapter(copy.deepcopy(model), create(method, gaussians, "cuda"), "cuda", cuda_graph=graph, **options)
         for graph in (True, False)
     ]
 
