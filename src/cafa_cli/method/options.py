@@ -32,7 +32,7 @@ def check_adapter_options(
     norm: str = "batch",
     precision: str = "fp32",
     compile: bool = False,
-    cuda_graph: bool = False,
+    cuda_graph: bool = True,
 ) -> None:
     """Each of the Adapter's keyword options, checked before it changes anything."""
     parse_norm(norm)

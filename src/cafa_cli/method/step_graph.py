@@ -33,6 +33,7 @@ is tested on the CPU with an emulated graph (tests/test_step_graph.py).
 
 from __future__ import annotations
 
+import gc
 import inspect
 from contextlib import contextmanager
 from typing import Callable
@@ -50,7 +51,7 @@ class CudaCapture:
     def __init__(self, function: Callable[[], torch.Tensor], stream):
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the data loader's threads (pinning batches) may call CUDA meanwhile
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+        with _no_garbage_collection(), torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
             self.output = function()
 
     def replay(self) -> torch.Tensor:
@@ -160,6 +161,22 @@ class StepGraph:
         with torch.cuda.stream(self.stream):
             yield
         current.wait_stream(self.stream)
+
+
+@contextmanager
+def _no_garbage_collection():
+    """Collect now and not during a capture: a collection that frees an earlier graph (a
+    reset Adapter's, another bench row's) calls CUDA in the capturing thread, which ends the
+    capture with 'operation not permitted when stream is capturing'. torch >= 2.9 no longer
+    collects before a capture (pytorch/pytorch#161037); on an H200 one capture in 78 failed so."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def kept_state(roots: dict, skip: tuple[str, ...] = ()) -> dict:

