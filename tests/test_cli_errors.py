@@ -448,7 +448,7 @@ def test_unknown_format(setup):
 
 def test_unknown_reset_policy(setup):
     result = adapt(setup, setup["train"], "--reset", "sometimes")
-    fails(result, 2, "Invalid value for '--reset'", "is not one of 'domain', 'episodic', 'never'")
+    fails(result, 2, "--reset must be domain, episodic, never or every:N", "not 'sometimes'")
     assert result.stdout == ""
 
 

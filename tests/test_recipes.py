@@ -439,14 +439,14 @@ def test_the_shell_completes_method_and_recipe_names_through_the_commands():
         return subprocess.run([str(cafa)], env=env, capture_output=True, text=True, timeout=60).stdout.split()
 
     assert values("cafa adapt --method e") == ["euclidean", "eta", "eata"]
-    assert values("cafa bench --methods tent,r") == ["tent,rotta"]
+    assert sorted(values("cafa bench --methods tent,r")) == sorted(f"tent,{n}" for n in NAMES if n.startswith("r"))
     assert values("cafa bench --recipe image") == ["imagenet-c"]
     assert values("cafa methods co") == ["cotta"]
 
 
 def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
     """`Adapter(model, method, **recipe.adapter_settings())`, as docs/python-api.md says; the
-    settings left out are the stream's batch size and EATA's Fisher images."""
+    settings left out are the stream's batch size and reset schedule, and EATA's Fisher images."""
     import tiny_net
 
     from cafa_cli.method.adapter import Adapter
@@ -456,7 +456,7 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
 
     keywords = {name for name, p in inspect.signature(Adapter.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert set(ADAPTER_SETTINGS) == set(SETTINGS) & keywords
-    assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples"}
+    assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples", "reset"}
     recipe = shipped("tent", "cifar10-c")
     with pytest.raises(TypeError, match="batch_size"):  # why the method exists
         Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.settings)

@@ -41,6 +41,7 @@ CAPTURABLE = [
     "source",
     "lame",
     "sar",
+    "rdumb",
 ]
 
 

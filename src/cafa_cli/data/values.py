@@ -103,6 +103,20 @@ def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
     raise UsageError(f"`{name}` must be {ORDER_FORMS}, not {text!r}")
 
 
+# --reset: when the model goes back to the source weights (jobs/adapt/stream.py)
+RESET_FORMS = "domain, episodic, never or every:N (N updates, N >= 1)"
+
+
+def parse_reset(text: str, name: str = "reset") -> tuple[str, int | None]:
+    """'domain' -> ('domain', None), likewise 'episodic' and 'never'; 'every:1000' -> ('every', 1000)."""
+    kind, colon, value_text = str(text).strip().partition(":")
+    if kind in ("domain", "episodic", "never") and not colon:
+        return kind, None
+    if kind == "every" and value_text.isdigit() and int(value_text) >= 1:
+        return kind, int(value_text)
+    raise UsageError(f"`{name}` must be {RESET_FORMS}, not {text!r}")
+
+
 # Decoding budget: the most memory one image's decoded pixels may take, per loader
 # process (CAFA_DECODE_BUDGET_MB, default 150 MB: 50 megapixels of 8-bit RGB). The header
 # is read first; a JPEG above the budget is decoded at 1/2, 1/4 or 1/8 of its size by its

@@ -37,7 +37,8 @@ NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
 # The most a user's recipe file may hold: every shipped recipe together is under 20 KB, so a
 # file over 1 MiB is no recipe (a link to /dev/zero, a sparse file), and is refused unread.
 RECIPE_LIMIT = 1 << 20
-SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples")  # what a recipe may set
+# what a recipe may set; `reset` is a method's own only where it is its schedule (rdumb's every:N)
+SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples", "reset")
 # those of SETTINGS that are the Adapter's keyword arguments (the others are the stream's batch_size and
 # EATA's fisher_samples): the keywords check_adapter_options checks, which are the Adapter's
 ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in inspect.signature(check_adapter_options).parameters)
@@ -65,7 +66,7 @@ class Recipe:
     def adapter_settings(self) -> dict:
         """The settings that are the Adapter's keyword arguments (optimizer, lr, momentum,
         steps, params): `Adapter(model, method, **recipe.adapter_settings())`. The others are
-        not the Adapter's: `batch_size` is the stream's, `fisher_samples` the number of clean
+        not the Adapter's: `batch_size` and `reset` are the stream's, `fisher_samples` the number of clean
         images EATA's Fisher term is computed from."""
         return {key: value for key, value in self.settings.items() if key in ADAPTER_SETTINGS}
 

@@ -12,16 +12,11 @@ from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError, UsageError
+from cafa_cli.data.values import parse_reset
+from cafa_cli.errors import InputError
 from cafa_cli.interrupts import whole
-from cafa_cli.jobs.config.settings import RESET_POLICIES
 from cafa_cli.jobs.shared.results import DomainResult, Record
 from cafa_cli.method.adapter import Adapter
-
-
-def check_reset(reset: str) -> None:
-    if reset not in RESET_POLICIES:
-        raise UsageError(f"`reset` must be one of {', '.join(RESET_POLICIES)}, not {reset}")
 
 
 def adapt_domains(
@@ -47,7 +42,9 @@ def adapt_domains(
     one result per domain.
 
     reset: `domain` starts each domain from the source weights, `episodic` restores
-    them after every batch, `never` adapts continually across domains. With `groups`
+    them after every batch, `never` adapts continually across domains, `every:N` too but
+    restores them after every N batches that updated (RDumb's schedule), counted across
+    domains. With `groups`
     (a number per domain) `domain` resets only where the number changes: at each
     corruption of the gradual setting, not at each of its severities. `order` orders each
     domain's images (data/orders.py). `mix_domains` makes the domains one stream, ordered
@@ -56,7 +53,8 @@ def adapt_domains(
     domain (of the whole stream when mixed). `on_first_batch` gets each stream's first
     batch of images (uint8 pixels) and their logits, before their records are made.
     """
-    check_reset(reset)
+    policy, period = parse_reset(reset)
+    updates = 0  # batches adapted on since the last reset (`every:N`)
     groups = list(range(len(domains))) if groups is None else list(groups)
     # the stream order has its own generator; this one is for whatever else draws from
     # torch's (a factory model's noise, the loader's worker seeds): --seed repeats a run
@@ -65,7 +63,7 @@ def adapt_domains(
     streams = [list(range(len(domains)))] if mix_domains and len(domains) > 1 else [[k] for k in range(len(domains))]
     for members in streams:
         first = members[0]
-        if reset == "domain" and first > 0 and groups[first] != groups[first - 1]:
+        if policy == "domain" and first > 0 and groups[first] != groups[first - 1]:
             adapter.reset()
         if len(members) == 1:
             domain, owner, so_far = domains[first], np.full(len(domains[first]), first), results[first]
@@ -92,8 +90,13 @@ def adapt_domains(
                         result.labelled += 1
                         result.errors += record.prediction != record.label
             on_records(records, so_far)
-            if reset == "episodic":
+            if policy == "episodic":
                 adapter.reset()
+            elif policy == "every" and batch.images is not None:
+                updates += 1
+                if updates == period:
+                    adapter.reset()
+                    updates = 0
             if len(members) > 1:  # the batch's time and skipped updates go to the domains of its images
                 now, in_batch = (
                     time.perf_counter(),

@@ -45,7 +45,9 @@ from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import above
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.method.gaussians import check_options
+from cafa_cli.method.methods import is_plugin
 from cafa_cli.models import pretrained_by_name
+from cafa_cli.recipes import FAMILIES, shipped
 
 
 class BenchReport(NamedTuple):
@@ -234,10 +236,19 @@ def grid_runs(config: BenchConfig, rows: list[Row], seeds: list[int]) -> list[tu
         for seed in seeds
         for domain in (
             range(len(config.data))
-            if apart and not why_domains_depend(row.method, config.reset, config.mix_domains)
+            if apart and not why_domains_depend(row.method, row_reset(config, row), config.mix_domains)
             else [None]
         )
     ]
+
+
+def row_reset(config: BenchConfig, row: Row) -> str:
+    """The `reset` a row runs under: the bench's when chosen, else its method's schedule
+    where a shipped recipe gives one (rdumb's every:N, the same in every family)."""
+    if "reset" in config.chosen() or is_plugin(row.method):
+        return config.reset
+    schedules = {recipe.settings.get("reset") for family in FAMILIES if (recipe := shipped(row.method, family))}
+    return next(iter(schedules - {None}), config.reset)
 
 
 def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:

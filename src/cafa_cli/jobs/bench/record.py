@@ -32,6 +32,7 @@ ROW_SETTINGS = (
     "steps",
     "params",
     "fisher_samples",
+    "reset",
     "method_options",
 )
 

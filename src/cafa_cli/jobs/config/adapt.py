@@ -117,6 +117,11 @@ class AdaptConfig(
             self.predictions = None
         check_max_error(self.max_error)
         if self.state is not None and self.reset != "never":
+            if self.reset.startswith("every:"):
+                raise UsageError(
+                    f"`state` goes on with a continual stream and does not keep `reset` {self.reset}'s count of "
+                    f"updates: give `reset` never"
+                )
             raise UsageError(
                 f"`state` goes on with a continual stream, and `reset` {self.reset} starts each "
                 f"{'batch' if self.reset == 'episodic' else 'domain'} from the source model: give `reset` never"

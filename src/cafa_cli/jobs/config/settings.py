@@ -13,6 +13,7 @@ from cafa_cli.data.values import (
     check_batch_size,
     check_num_workers,
     parse_order,
+    parse_reset,
 )
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.config.checks import at_least, parse_shrinkage
@@ -21,9 +22,7 @@ from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]
-RESET_POLICIES = ("domain", "episodic", "never")  # when the model goes back to the source weights
 RECORD_FORMATS = ("csv", "jsonl")
-Reset = Literal[RESET_POLICIES]  # type: ignore[valid-type]
 Covariance = Literal[COVARIANCE_CHOICES]  # type: ignore[valid-type]
 RecordFormat = Literal[RECORD_FORMATS]  # type: ignore[valid-type]
 
@@ -255,9 +254,11 @@ class StreamOptions:
         metavar="N",
         panel=STREAM,
     )
-    reset: Reset = setting(
+    reset: str = setting(
         "domain",
-        "domain (each domain from the source weights), episodic (every batch), never (continual).",
+        "domain (each domain from the source weights), episodic (every batch), never (continual), every:N "
+        "(continual, back to the source weights after every N updates: RDumb's schedule).",
+        metavar="RESET",
         panel=STREAM,
     )
     order: str = setting(
@@ -280,6 +281,7 @@ class StreamOptions:
     def _check_stream(self) -> None:
         check_batch_size(self.batch_size)
         parse_order(self.order)
+        parse_reset(self.reset)
         if self.mix_domains and self.gradual:
             raise UsageError(
                 "`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them"

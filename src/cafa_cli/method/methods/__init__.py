@@ -67,6 +67,7 @@ REGISTRY: dict[str, Entry] = {
     ),
     "cafa-eata": Entry("cafa_eata", "CafaEata", needs_statistics=True, predicts_as_bn=True),
     "sar": Entry("sar", "Sar", on_device=True, predicts_as_bn=True),
+    "rdumb": Entry("rdumb", "RDumb", on_device=True, predicts_as_bn=True),  # eta under its recipe's reset every:1000
     "t3a": Entry("t3a", "T3A"),
     "lame": Entry("lame", "Lame"),
     "cotta": Entry("cotta", "CoTTA"),
