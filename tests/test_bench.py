@@ -641,6 +641,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "steps": 1,
             "params": "all",
             "fisher_samples": 2000,
+            "reset": "episodic",
             "method_options": {},
         }
     ]

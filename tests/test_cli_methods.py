@@ -135,7 +135,7 @@ def test_eata_without_fisher_data_says_so_in_one_line_and_runs_as_eta(setup):
     eata, eta = adapt(setup, "--method", "eata", quiet=False), adapt(setup, "--method", "eta")
     assert eata.exit_code == eta.exit_code == 0, eata.stderr
     said = [w for w in warnings(eata) if "eata" in w]
-    assert len(said) == 1 and "runs as eta" in said[0] and "--fisher-data" in said[0]
+    assert len(said) == 1 and "runs as eta" in said[0] and "--source-data" in said[0]
     assert eata.stdout == eta.stdout
 
 
@@ -155,6 +155,9 @@ def test_eata_with_fisher_data_adds_its_fisher_term(setup):
     assert result.exit_code == 0, result.stderr
     assert not [w for w in warnings(result) if "eata" in w]
     assert len(rows(result)) == 90
+    # --source-data is the option's name for every method's source images; --fisher-data another
+    named = adapt(setup, "--method", "eata", "--source-data", setup["train"], "--fisher-samples", "60", "--lr", "0.05")
+    assert named.exit_code == 0 and named.stdout == result.stdout, named.stderr
 
 
 def test_fisher_samples_below_one_is_a_usage_error(setup):

@@ -51,9 +51,9 @@ class Adaptation:
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
         without = entry_of(s.method).without_source_images
-        if without and not s.fisher_data:
+        if without and not s.source_data:
             notes.append(
-                f"--method {s.method} without --fisher-data {without}; give --fisher-data PATH (e.g. the "
+                f"--method {s.method} without --source-data {without}; give --source-data PATH (e.g. the "
                 f"training images)"
             )
         method = self.adapter.method

@@ -221,7 +221,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         )
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
-    if entry_of(config.method).without_source_images and config.fisher_data:
+    if entry_of(config.method).without_source_images and config.source_data:
         options["fisher_batches"] = fisher_batches(config, preprocess, device)
     try:
         method = create(config.method, gaussians, device, **options)
@@ -389,11 +389,11 @@ def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: Clas
 
 
 def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
-    """EATA's source images: `fisher_samples` of `fisher_data` at random (seed 0), prepared
+    """EATA's source images: `fisher_samples` of `source_data` at random (seed 0), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
-    domain = open_domain(config.fisher_data)
+    domain = open_domain(config.source_data)
     if len(domain) == 0:
-        raise InputError(f"`fisher_data` {config.fisher_data}: no images")
+        raise InputError(f"`source_data` {config.source_data}: no images")
     count = min(config.fisher_samples, len(domain))
     indices = np.sort(np.random.default_rng(0).choice(len(domain), size=count, replace=False))
     for batch in batches(domain, preprocess, config.batch_size, indices, config.num_workers, device):
@@ -416,7 +416,7 @@ def _recorded_settings(
         **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
-        "fisher_data": recorded_data(config.fisher_data) if config.fisher_data else None,
+        "source_data": recorded_data(config.source_data) if config.source_data else None,
         "severity": effective_severity(config),
         "source": source_of(config),
         "preprocessing": asdict(preprocess),

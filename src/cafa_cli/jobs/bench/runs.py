@@ -118,7 +118,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         oracle=row.oracle,
         stats=stats,
         classes=None if stats else classes,
-        fisher_data=fisher_data(config, row),
+        source_data=source_data(config, row),
         resize=config.resize if config.test_resize is None else config.test_resize,
         crop=config.crop if config.test_crop is None else config.test_crop,
         method_option=row_method_options(config, row.method),
@@ -159,11 +159,11 @@ def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
             )
 
 
-def fisher_data(config: BenchConfig, row: Row) -> str | None:
-    """EATA's source images: --fisher-data, else the training data when the test images are
+def source_data(config: BenchConfig, row: Row) -> str | None:
+    """EATA's source images: --source-data, else the training data when the test images are
     prepared as the training images are (no --test-resize/--test-crop)."""
-    if not entry_of(row.method).without_source_images or config.fisher_data:
-        return config.fisher_data
+    if not entry_of(row.method).without_source_images or config.source_data:
+        return config.source_data
     return config.train if config.test_resize is None and config.test_crop is None else None
 
 

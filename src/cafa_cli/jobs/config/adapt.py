@@ -165,7 +165,7 @@ class AdaptConfig(
             "`data`": self.data,
             "`recipe`": self.recipe_file(),
             "`method`": factory_file(self.method),
-            "`fisher_data`": self.fisher_data,
+            "`source_data`": self.source_data,
         }
 
     def method_options(self) -> dict:

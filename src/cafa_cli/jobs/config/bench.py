@@ -209,7 +209,7 @@ class BenchConfig(
             "`data`": self.data,
             "`workdir`": self.workdir,
             "`recipe`": self.recipe_file(),
-            "`fisher_data`": self.fisher_data,
+            "`source_data`": self.source_data,
             "`methods`": [
                 file
                 for file in (

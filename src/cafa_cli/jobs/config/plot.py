@@ -139,6 +139,6 @@ class FeaturesPlotConfig(
             "`class_subset`": self.class_subset,
             "`data`": self.data,
             "`recipe`": self.recipe_file(),
-            "`fisher_data`": self.fisher_data,
+            "`source_data`": self.source_data,
             "`methods`": [file for file in map(factory_file, self.method_list()) if file],
         }

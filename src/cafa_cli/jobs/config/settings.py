@@ -226,16 +226,18 @@ def parse_method_options(entries: list[str]) -> list[tuple[str | None, str, str]
 class MethodDataOptions:
     """What a method needs beyond the model, its statistics and the test data."""
 
-    fisher_data: str | None = setting(
+    source_data: str | None = setting(
         None,
-        "eata: clean source images (as --data) for its Fisher anti-forgetting term; without them eata runs as eta.",
+        "Clean labelled source images (as --data), for the methods that use them: eata's Fisher anti-forgetting term "
+        "(without them eata runs as eta). --fisher-data is another name for it.",
         metavar="PATH",
+        flags=("--source-data", "--fisher-data"),
         panel=ADAPTATION,
         recorded="resolved: the data as opened",
     )
     fisher_samples: int = setting(
         2000,
-        "eata: how many --fisher-data images (at random, seed 0) the Fisher term uses.",
+        "eata: how many --source-data images (at random, seed 0) the Fisher term uses.",
         metavar="N",
         panel=ADAPTATION,
     )

@@ -37,7 +37,7 @@ class Entry:
     # stream of one batch it predicts exactly as bn (t3a, lame, cotta and rotta change the
     # prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
     predicts_as_bn: bool = False
-    # it takes clean source images (`fisher_data`, as `fisher_batches`); without them it
+    # it takes clean source images (`source_data`, as eata's `fisher_batches`); without them it
     # runs as this says (a warning); None: it takes none
     without_source_images: str | None = None
     # its recipe file, "package:file.toml"; None: this tool's recipes/NAME.toml
