@@ -183,7 +183,7 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
     moved = any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))
-    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame"))
+    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame", "ttaug"))
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
@@ -324,8 +324,7 @@ def test_an_unknown_method_name_is_a_usage_error_in_library_words():
     """`method` in backticks: the command line shows it as --method."""
     with pytest.raises(
         UsageError,
-        match="`method` must be one of source, bn, pl, tent, cafa, global-fa, intra, euclidean, eta, "
-        "eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust, or a plug-in module:factory, not nope",
+        match=f"`method` must be one of {', '.join(NAMES)}, or a plug-in module:factory, not nope",
     ):
         create("nope")
     with pytest.raises(UsageError, match="the Adapter takes a method object, not 'tent'"):
@@ -471,11 +470,11 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
         assert method.needs_statistics == (
-            name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust")
+            name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust", "rmt", "santa")
         )
         output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
         own_normalisation = ("rotta", "cafa-robust")  # BatchNorms of their own, swapped in by the method itself
-        assert method.trains == (name not in ("bn", *output_only))
+        assert method.trains == (name not in ("bn", "ttaug", *output_only))  # ttaug: views, no training
         assert method.adapts_normalisation == (name not in (*output_only, *own_normalisation))
 
 

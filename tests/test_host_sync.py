@@ -145,7 +145,13 @@ def test_the_recorder_sees_each_kind_of_read():
 # RoTTA's memory bank decides on the host which samples it keeps, each after the one
 # before, from one transfer of the batch's pseudo-labels and uncertainties (memory_bank.py):
 # that one read a batch and no other (cafa-robust keeps the same bank) (it replaced ~1,300 small device operators a step)
-ONE_READ_A_BATCH = {"rotta": "Tensor.tolist at memory_bank.py", "cafa-robust": "Tensor.tolist at memory_bank.py"}
+ONE_READ_A_BATCH = {
+    "rotta": "Tensor.tolist at memory_bank.py",
+    "cafa-robust": "Tensor.tolist at memory_bank.py",
+    "cmf": "aten.nonzero.default at cmf.py",
+    "deyo": "aten.nonzero.default at deyo.py",  # the entropy-kept samples, whose shuffled pass takes their statistics
+    "roid": "aten.nonzero.default at roid.py",  # the kept samples, whose views take their own batch statistics
+}
 
 
 @pytest.mark.parametrize("method", NAMES)

@@ -17,7 +17,7 @@ from PIL import Image
 from cafa_cli.jobs.plot import features as plot_features
 from cafa_cli.jobs.plot import figure as feature_figure
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
+from cafa_cli.method.methods import REGISTRY, create
 
 SMALL = ["--batch-size", "15", "--max-images", "45", "--quiet"]
 
@@ -129,8 +129,7 @@ def test_unlabelled_images_are_drawn_in_one_colour_and_said_so(setup, domain, tm
     [
         (
             ["--methods", "source,magic"],
-            "--methods names magic, which is no method; give some of source, bn, pl, tent, cafa, "
-            "global-fa, intra, euclidean, eta, eata, cafa-eata, sar, t3a, lame, cotta, rotta, cafa-robust (or a "
+            f"--methods names magic, which is no method; give some of {', '.join(REGISTRY)} (or a "
             "plug-in module:factory)",
         ),
         (["--methods", "tent,tent"], "--methods names tent twice; give each once"),

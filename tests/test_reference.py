@@ -142,7 +142,11 @@ REFERENCE_LOSSES = {
 # teachers and memory banks): tests/test_tta_methods.py and tests/test_tta_teacher_student.py
 # check each against its own float64 computation; cafa-robust, tests/test_cafa_robust.py against
 # method/reference_robust.py
-TESTED_ELSEWHERE = ("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust", "rdumb")
+TESTED_ELSEWHERE = (
+    *("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust", "rdumb"),
+    # issue 41's, each in tests/test_fidelity_NAME.py
+    *("cmf", "roid", "deyo", "rmt", "adacontrast", "santa", "rpl", "memo", "ttaug"),
+)
 
 
 def test_every_registered_method_has_a_reference():

@@ -42,6 +42,7 @@ CAPTURABLE = [
     "lame",
     "sar",
     "rdumb",
+    "rpl",
 ]
 
 

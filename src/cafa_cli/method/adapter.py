@@ -114,7 +114,7 @@ class Adapter(OneThreadAtATime):
         if parse_norm(norm)[0] in RUNNING and not method.running_norms:
             raise UsageError(
                 f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
-                f"cannot (it copies the model); use `norm` batch, prior:N or source"
+                f"cannot (it copies the model); use `norm` batch, prior:N, alpha:A or source"
             )
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels
@@ -264,8 +264,9 @@ class Adapter(OneThreadAtATime):
         """The adapted network for serving, a plain copy: each normalisation layer the Adapter
         swapped in becomes a torch BatchNorm in eval mode holding the adapted affines and the
         statistics the stream arrived at (`norm` batch or prior: a running estimate of the test
-        batches' statistics, BatchNorm's own momentum 0.1; ema and class-balanced: their running
-        statistics; source: the source's), so that it predicts one image as it predicts a batch.
+        batches' statistics, BatchNorm's own momentum 0.1; alpha: that estimate mixed with the
+        source's; ema and class-balanced: their running statistics; unmix: its components'
+        mixture; source: the source's), so that it predicts one image as it predicts a batch.
         A teacher-student method's teacher is what serves (Method.served_network). Methods whose
         predictions are not their network's (t3a's prototypes, lame's batch assignment) have
         nothing to export."""
@@ -307,7 +308,9 @@ class Adapter(OneThreadAtATime):
     def _eager_step(self, images: torch.Tensor) -> torch.Tensor:
         self._new_batch(images)
         self.method.before_step(images)
-        prediction, features = self._update(images) if self.method.trains else self._predict(images)
+        # a method that owns its update runs it even when it trains nothing (ttaug's augmented passes)
+        owned = self.method.trains or self.method.owns_update
+        prediction, features = self._update(images) if owned else self._predict(images)
         with torch.no_grad():
             prediction = self.method.output(prediction, features)
         self.method.after_step(prediction)
@@ -316,7 +319,7 @@ class Adapter(OneThreadAtATime):
     def features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and features a step would report for `images` with the model as adapted so
         far (method.reporting_network), changing nothing: no update, and the statistics a forward
-        pass moves (`norm` ema:M, class-balanced) put back after it, so that each batch is seen as
+        pass moves (`norm` ema:M, class-balanced, unmix:K) put back after it, so that each batch is seen as
         if it came next in the stream."""
         with self._one_thread():
             return self._features(self._batch(images))
@@ -358,7 +361,7 @@ class Adapter(OneThreadAtATime):
         with torch.inference_mode(False), torch.enable_grad():
             if images.is_inference():  # made under inference_mode: autograd cannot save it for the backward pass
                 images = images.clone()
-            for _ in range(self.steps):
+            for _ in range(self.steps if self.method.trains else 1):  # no optimiser steps: one pass
                 # the last step's pass is reported, after the batch's earlier steps, as TENT's,
                 # EATA's, SAR's and CoTTA's code return it
                 if self.method.owns_update:  # SAR, CoTTA...: its own forward passes and steps (base.py)

@@ -24,6 +24,10 @@ generator, so that a run is a function of its seed (adapt_domains seeds it):
 Hue and gamma need pixel values and are left out, as is the blur (σ ≤ 0.5 pixel changes
 little and costs a convolution per view). Inputs that are not images ([N, d]) get the
 colour and noise steps only.
+
+The benchmark collection's lighter pipeline (get_tta_transforms with cotta_augs=False, which
+CMF and ROID use) has no blur and no noise and pads by reflection: `noise=False,
+padding="reflection"` (no noise is drawn then).
 """
 
 from __future__ import annotations
@@ -48,18 +52,19 @@ def _uniform(n: int, bounds: tuple[float, float], like: torch.Tensor) -> torch.T
     return torch.rand(n, device=like.device, dtype=torch.float32) * (high - low) + low
 
 
-def augment(images: torch.Tensor, views: int = 1) -> torch.Tensor:
+def augment(images: torch.Tensor, views: int = 1, *, noise: bool = True, padding: str = "border") -> torch.Tensor:
     """`views` random views of each image of `images` ([N, C, H, W] or [N, d], normalised):
     [N·views, ...], each image's views together (row n·views + v is view v of image n).
     The random numbers are drawn view after view, in the order `views` calls of
     augment(images) draw them, so view v is what the v-th of those calls returns; the
-    rest is computed once for all the views."""
+    rest is computed once for all the views. `noise` False leaves the noise out (none drawn);
+    `padding` is grid_sample's for the affine map: border (edge) or reflection."""
     n = len(images)
     x = images.float()
     dims = tuple(range(2, x.dim())) or (1,)
     spread, mean = torch.std_mean(x, dim=dims, correction=0, keepdim=True)
     colour, image = x.dim() == 4 and x.shape[1] == 3, x.dim() == 4
-    draws = [_draws(n, x, colour, image) for _ in range(views)]
+    draws = [_draws(n, x, colour, image, noise) for _ in range(views)]
     # [N, views, ...]: per-image values along dim 1, each draw's tensor one column
     grid = (n, views) + (1,) * (x.dim() - 1)
     contrast, brightness = (torch.stack([d[k] for d in draws], 1).view(grid) for k in ("contrast", "brightness"))
@@ -77,15 +82,15 @@ def augment(images: torch.Tensor, views: int = 1) -> torch.Tensor:
             x,
             F.affine_grid(_affine(angle, scale, shift, flip), list(x.shape), align_corners=False),
             mode="bilinear",
-            padding_mode="border",
+            padding_mode=padding,
             align_corners=False,
         )
-    x = x.unflatten(0, (n, views)) + NOISE * spread * torch.stack([d["noise"] for d in draws], 1)
-    x = x.flatten(0, 1)
+    if noise:
+        x = (x.unflatten(0, (n, views)) + NOISE * spread * torch.stack([d["noise"] for d in draws], 1)).flatten(0, 1)
     return x.to(images.dtype).contiguous(memory_format=_memory_format(images))
 
 
-def _draws(n: int, x: torch.Tensor, colour: bool, image: bool) -> dict[str, torch.Tensor]:
+def _draws(n: int, x: torch.Tensor, colour: bool, image: bool, noise: bool = True) -> dict[str, torch.Tensor]:
     """One view's random numbers, in the order the steps use them."""
     draws = {"contrast": _uniform(n, CONTRAST, x), "brightness": _uniform(n, BRIGHTNESS, x)}
     if colour:
@@ -97,9 +102,8 @@ def _draws(n: int, x: torch.Tensor, colour: bool, image: bool) -> dict[str, torc
             _uniform(2 * n, (-TRANSLATE, TRANSLATE), x).view(n, 2) * 2
         )  # a share of the size; [-1, 1] spans 2
         draws["flip"] = torch.where(torch.rand(n, device=x.device) < FLIP, -1.0, 1.0)
-    draws["noise"] = torch.randn(
-        x.shape, device=x.device, dtype=torch.float32
-    )  # as randn_like(x) of the image grid_sample returns
+    if noise:  # as randn_like(x) of the image grid_sample returns
+        draws["noise"] = torch.randn(x.shape, device=x.device, dtype=torch.float32)
     return draws
 
 

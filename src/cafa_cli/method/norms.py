@@ -16,7 +16,24 @@
   the t-th batch), from the source's. It needs each class's moments of every BatchNorm's
   input in the source data (`cafa stats --norm-moments`). A batch whose class mix looks
   i.i.d. is normalised with exactly its own statistics, as `batch`. The correction is
-  computed for all the layers at once (ClassBalancedNorms).
+  computed for all the layers at once (ClassBalancedNorms);
+- `alpha:A`: α-BN (You et al. 2021, "Test-time batch statistics calibration for covariate
+  shift"), a fixed mix of the source's and the batch's statistics, A the batch's share:
+  μ = (1 − A)·μ_s + A·μ_B, σ² = (1 − A)·σ_s² + A·σ_B², σ_B² the batch's unbiased variance,
+  as the benchmark collection's AlphaBatchNorm (mariodoebler/test-time-adaptation,
+  classification/methods/bn.py) computes it; the gradient flows through the batch's part;
+- `unmix:K`: UnMix-TNS (Tomar et al., ICLR 2024), K statistics components (μ_k, σ²_k)
+  in place of the batch's. They start around the source's: μ_k = μ_s + √(c·K/(K − 1))·σ_s·ε_k
+  (ε_k ~ N(0, 1), drawn once from a fixed seed), σ²_k = (1 − c)·σ_s², c = 0.5 (K = 1: the
+  source's). Each sample b, with its own mean m_b and variance v_b over the positions, is
+  assigned p_bk = softmax_k(cos(m_b, μ_k)/0.07) (no gradient) and normalised with the K
+  components each mixed with it by p_bk:
+  μ̃_bk = (1 − p_bk)·μ_k + p_bk·m_b, σ̃²_bk = (1 − p_bk)·σ²_k + p_bk·v_b,
+  μ_b = mean_k μ̃_bk, σ²_b = mean_k σ̃²_bk + mean_k μ̃²_bk − μ_b²;
+  then the components move toward the samples assigned to them, by BatchNorm's momentum m
+  (the layer's own, 0.1 in torchvision and timm): μ_k ← μ_k + m·mean_b p_bk·(m_b − μ_k),
+  likewise σ²_k with v_b (devavratTomar/unmixtns, tta_experiments/unmixtns.py). A
+  BatchNorm1d normalises with the source statistics, as theirs does.
 
 A batch may take several forward passes (`steps`, SAR's two passes): the running
 statistics move once a batch, from where they were before it (`new_batch`).
@@ -24,6 +41,7 @@ statistics move once a batch, from where they were before it (`new_batch`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,9 +55,14 @@ if TYPE_CHECKING:
     from cafa_cli.method.class_balanced import ClassBalancedNorms
 
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
-RUNNING = ("ema", "class-balanced")  # the settings that keep statistics from batch to batch
-SERVED = ("batch", "prior")  # the settings whose layers keep an estimate for serving (BatchStatisticsNorm.frozen)
+RUNNING = ("ema", "class-balanced", "unmix")  # the settings that keep statistics from batch to batch
+# the settings whose layers keep an estimate for serving (BatchStatisticsNorm.frozen)
+SERVED = ("batch", "prior", "alpha")
 SERVED_MOMENTUM = 0.1  # that estimate's momentum: BatchNorm's own
+# unmix:K, the authors' constants (devavratTomar/unmixtns, tta_experiments/unmixtns.py)
+UNMIX_SPREAD = 0.5  # c: the share of the source variance that the components' means spread over
+UNMIX_TEMPERATURE = 0.07  # of the softmax over the cosine similarities
+UNMIX_SEED = 0  # the components' starting noise: drawn from this seed, the same in every run
 
 
 class BatchStatisticsNorm(nn.Module):
@@ -47,7 +70,7 @@ class BatchStatisticsNorm(nn.Module):
     `norm` says (module docstring). Under `class-balanced` it belongs to the net's
     ClassBalancedNorms (`balanced`), which use_test_batch_norm makes."""
 
-    def __init__(self, bn: _BatchNorm, norm: str = "batch", name: str = ""):
+    def __init__(self, bn: _BatchNorm, norm: str = "batch", name: str = "", generator: torch.Generator | None = None):
         super().__init__()
         self.source_type = type(bn).__name__  # what it replaced (BatchNorm2d), for saying which layers adapt
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
@@ -61,12 +84,19 @@ class BatchStatisticsNorm(nn.Module):
         if bn.running_mean is not None:
             self.register_buffer("source_mean", bn.running_mean.detach().clone())
             self.register_buffer("source_var", bn.running_var.detach().clone())
-        if self.kind in RUNNING:  # in the state dict, so that the Adapter's reset() puts the source's back
+        if self.kind in ("ema", "class-balanced"):  # in the state dict: the Adapter's reset() puts the source's back
             self.register_buffer("running_mean", bn.running_mean.detach().clone().float())
             self.register_buffer("running_var", bn.running_var.detach().clone().float())
-        if self.kind == "ema":
-            # its momentum and 1 − it, as device scalars: a Python number would make
-            # torch.compile compile again for every value
+        if self.kind == "unmix":  # likewise: reset() puts back where they started
+            means, variances = unmix_start(
+                bn.running_mean, bn.running_var, int(value), generator or torch.Generator().manual_seed(UNMIX_SEED)
+            )
+            self.register_buffer("component_means", means)
+            self.register_buffer("component_vars", variances)
+            value = SERVED_MOMENTUM if bn.momentum is None else bn.momentum  # what the components move by
+        if self.kind in ("ema", "alpha", "unmix"):
+            # the momentum (alpha: the batch's share) and 1 − it, as device scalars: a Python
+            # number would make torch.compile compile again for every value
             self.register_buffer("rate", torch.full((), value, device=bn.running_mean.device), persistent=False)
             self.register_buffer("keep", torch.full((), 1 - value, device=bn.running_mean.device), persistent=False)
         if self.kind in SERVED:
@@ -79,7 +109,8 @@ class BatchStatisticsNorm(nn.Module):
             self.register_buffer("served_mean", like.new_zeros(bn.num_features))
             self.register_buffer("served_var", like.new_zeros(bn.num_features))
             self.register_buffer("served_passes", torch.zeros((), dtype=torch.int64, device=like.device))
-        self.before: tuple[torch.Tensor, torch.Tensor] | None = None  # ema: running statistics before this batch
+        # ema, unmix: running statistics (components) before this batch
+        self.before: tuple[torch.Tensor, torch.Tensor] | None = None
         self.balanced: ClassBalancedNorms | None = None
         self.index = 0  # its place among the balanced layers
         # `batch`: the batch's rows are this many groups (row n·groups + g: group g of sample
@@ -93,12 +124,19 @@ class BatchStatisticsNorm(nn.Module):
 
     def new_batch(self) -> None:
         """The next forward passes are of a new batch."""
-        if self.kind == "ema":
+        if self.kind in ("ema", "unmix"):
             # copied into the same tensors from the second batch on: a replayed step (step_graph.py) reads them there
+            kept = self._kept()
             if self.before is None:
-                self.before = (self.running_mean.clone(), self.running_var.clone())
+                self.before = (kept[0].clone(), kept[1].clone())
             else:
-                torch._foreach_copy_(list(self.before), [self.running_mean, self.running_var])
+                torch._foreach_copy_(list(self.before), kept)
+
+    def _kept(self) -> list[torch.Tensor]:
+        """The statistics kept from batch to batch (ema, unmix), in the state dict."""
+        if self.kind == "unmix":
+            return [self.component_means, self.component_vars]
+        return [self.running_mean, self.running_var]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[1] * self.groups and hasattr(self, "source_mean"):
@@ -127,20 +165,29 @@ class BatchStatisticsNorm(nn.Module):
             )
         if self.kind == "class-balanced":
             return self.balanced.normalise(self, x)
+        if self.kind == "unmix":
+            if self.source_type == "BatchNorm1d" or x.dim() == 2:  # the authors' UnMixTNS1d: the source statistics
+                return nn.functional.batch_norm(
+                    x, self.source_mean, self.source_var, self.weight, self.bias, training=False, eps=self.eps
+                )
+            return self._unmix(x)
         dims = [0] + list(range(2, x.dim()))
         # in float32 under autocast too, as the fused kernel keeps them: a bf16 mean has ~3
         # significant digits, and an fp16 variance overflows above 65504
         var, mean = torch.var_mean(x.float(), dims, unbiased=False)
-        if self.kind == "prior":
-            n = x.shape[0]
+        if self.kind in ("prior", "alpha"):
+            n, count = x.shape[0], x.numel() // x.shape[1]
+            unbiased = var * count / max(count - 1, 1)
             with torch.no_grad():  # as the fused kernel moves them for `batch`, with the unbiased variance
                 self.served_passes += 1
-                count = x.numel() // x.shape[1]
                 self.served_mean.lerp_(mean.detach().to(self.served_mean.dtype), SERVED_MOMENTUM)
-                unbiased = var.detach() * count / max(count - 1, 1)
-                self.served_var.lerp_(unbiased.to(self.served_var.dtype), SERVED_MOMENTUM)
-            mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
-            var = (self.prior * self.source_var + n * var) / (self.prior + n)
+                self.served_var.lerp_(unbiased.detach().to(self.served_var.dtype), SERVED_MOMENTUM)
+            if self.kind == "prior":
+                mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
+                var = (self.prior * self.source_var + n * var) / (self.prior + n)
+            else:  # α-BN mixes the unbiased variance, as the collection's BatchNorm of momentum 1 keeps it
+                mean = self.keep * self.source_mean + self.rate * mean
+                var = self.keep * self.source_var + self.rate * unbiased
         else:
             mean, var = self._move(mean, var)
         shape = [1, -1] + [1] * (x.dim() - 2)
@@ -152,9 +199,17 @@ class BatchStatisticsNorm(nn.Module):
     def frozen(self) -> nn.Module:
         """A plain BatchNorm in eval mode with this layer's affines and the statistics the stream
         arrived at, for serving: `batch` and `prior` their running estimate of the test
-        statistics, `ema` and `class-balanced` their running statistics, `source` the source's."""
-        if self.kind in RUNNING:
+        statistics, `alpha` that estimate mixed with the source's as a batch's are, `ema` and
+        `class-balanced` their running statistics, `unmix` the mixture of its components (what
+        a sample assigned to none would be normalised with), `source` the source's."""
+        if self.kind in ("ema", "class-balanced"):
             mean, var = self.running_mean, self.running_var
+        elif self.kind == "unmix":
+            if self.source_type == "BatchNorm1d":
+                mean, var = self.source_mean, self.source_var
+            else:
+                mean = self.component_means.mean(0)
+                var = self.component_vars.mean(0) + self.component_means.var(0, unbiased=False)
         elif self.kind == "source" or (self.kind in SERVED and int(self.served_passes) == 0):
             # no test batch seen: the source's (a layer that keeps none normalises as a fresh BatchNorm)
             if hasattr(self, "source_mean"):
@@ -164,7 +219,54 @@ class BatchStatisticsNorm(nn.Module):
         else:
             started = 1 - (1 - SERVED_MOMENTUM) ** int(self.served_passes)  # the share the passes have
             mean, var = self.served_mean / started, self.served_var / started
+            if self.kind == "alpha":
+                mean = self.keep * self.source_mean + self.rate * mean
+                var = self.keep * self.source_var + self.rate * var
         return plain_batch_norm(self.source_type, self.weight, self.bias, mean, var, self.eps)
+
+    def _unmix(self, x: torch.Tensor) -> torch.Tensor:
+        """unmix: each sample normalised with the components mixed with it (module docstring),
+        the components moved toward the batch's samples: kept, from where they were before it.
+
+        The means over the K components are sums of [B, K] @ [K, C] products, not the
+        authors' [B, K, C] tensors (128 components of 2048 channels at batch 64 would hold 64
+        MB a layer for the backward pass); the same values, computed about the components'
+        average c so that the variance is not a difference of large squares."""
+        if self.before is None:  # used outside an Adapter, which calls new_batch()
+            self.new_batch()
+        means, variances = self.before
+        k = means.shape[0]
+        # in float32 under autocast too: the products would otherwise run in bf16
+        with torch.autocast(x.device.type, enabled=False):
+            var, mean = torch.var_mean(x.float(), list(range(2, x.dim())), unbiased=False)  # each sample's, [B, C]
+            with torch.no_grad():
+                similarity = nn.functional.normalize(mean, dim=1) @ nn.functional.normalize(means, dim=1).T
+                p = (similarity / UNMIX_TEMPERATURE).softmax(1)  # [B, K]
+                centre = means.mean(0)
+                a = means - centre  # the components about their average: they sum to 0
+                rest = 1 - p
+            s = mean - centre
+            # mean_k μ̃_bk − c = (s_b − Σ_k p_bk·a_k)/K, as Σ_k a_k = 0 and Σ_k p_bk = 1
+            shift = (s - p @ a) / k
+            # mean_k (μ̃_bk − c)² = [Σ_k (1 − p)²a² + 2·s·Σ_k p(1 − p)a + s²·Σ_k p²]/K
+            spread = (rest.square() @ a.square() + 2 * s * ((p * rest) @ a) + s.square() * p.square().sum(1, True)) / k
+            # mean_k σ̃²_bk = [Σ_k σ²_k − Σ_k p·σ²_k + v_b]/K
+            within = (variances.sum(0) - p @ variances + var) / k
+            out_mean, out_var = centre + shift, within + spread - shift.square()
+            with torch.no_grad():
+                # mean_b p_bk·(m_b − μ_k) = [Σ_b p_bk·s_b − (Σ_b p_bk)·a_k]/B, and likewise for the variances
+                assigned, n = p.sum(0).unsqueeze(1), x.shape[0]  # Σ_b p_bk, [K, 1]
+                moved = [
+                    means + self.rate * (p.T @ s.detach() - assigned * a) / n,
+                    variances + self.rate * (p.T @ var.detach() - assigned * variances) / n,
+                ]
+                torch._foreach_copy_(self._kept(), finite_or(moved, self.before))
+        shape = list(out_mean.shape) + [1] * (x.dim() - 2)
+        out = (x - out_mean.view(shape)) * (out_var.view(shape) + self.eps).rsqrt()
+        if self.weight is not None:
+            affine = [1, -1] + [1] * (x.dim() - 2)
+            out = out * self.weight.view(affine) + self.bias.view(affine)
+        return out
 
     def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ema: the running statistics from before this batch moved toward (mean, var): kept, and returned."""
@@ -174,6 +276,21 @@ class BatchStatisticsNorm(nn.Module):
         with torch.no_grad():
             torch._foreach_copy_([self.running_mean, self.running_var], finite_or(moved, self.before))
         return moved[0], moved[1]
+
+
+def unmix_start(
+    mean: torch.Tensor, var: torch.Tensor, components: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """unmix:K's components at the start, [K, channels] each, float32 on the statistics'
+    device: the source mean plus noise that spreads them by the share c of the source
+    variance, each keeping the rest, so that their mixture has the source's variance (for
+    K > 1 in expectation). The noise is drawn on the CPU, the same on every device."""
+    mean, var = mean.detach().float(), var.detach().float()
+    if components == 1:
+        return mean[None].clone(), var[None].clone()
+    noise = torch.randn(components, mean.numel(), generator=generator).to(mean.device)
+    spread = math.sqrt(UNMIX_SPREAD * components / (components - 1))
+    return mean + spread * var.sqrt() * noise, ((1 - UNMIX_SPREAD) * var).expand(components, -1).clone()
 
 
 def moved_statistics(
@@ -207,8 +324,9 @@ def use_test_batch_norm(model: nn.Module, norm: str = "batch", class_moments: di
                 f"given; make the statistics with cafa stats --norm-moments"
             )
     layers = []
+    generator = torch.Generator().manual_seed(UNMIX_SEED)  # unmix: the layers' starting noise, in turn
     for name, module in swaps:
-        layers.append(BatchStatisticsNorm(module, norm, name))
+        layers.append(BatchStatisticsNorm(module, norm, name, generator))
         replace_submodule(model, name, layers[-1])
     if parse_norm(norm)[0] == "class-balanced" and layers:
         from cafa_cli.method.class_balanced import ClassBalancedNorms, checked_moments

@@ -20,7 +20,11 @@ COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 MAX_STEPS = 1000
 MAX_PRIOR = 1e9  # prior:N beyond this is the source statistics alone (use `source`), and N·μ would overflow float32
 # the statistics BatchNorms use (norms.py)
-NORM_FORMS = "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]) or class-balanced"
+MAX_COMPONENTS = 1024  # unmix:K beyond this holds K·channels statistics a layer for nothing (authors: 16, 128)
+NORM_FORMS = (
+    "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]), class-balanced, alpha:A (A in [0, 1]) "
+    f"or unmix:K (K a whole number from 1 to {MAX_COMPONENTS})"
+)
 
 
 def check_adapter_options(
@@ -66,15 +70,22 @@ def check_adapter_options(
 
 
 def parse_norm(text: str) -> tuple[str, float | None]:
-    """'batch' -> ('batch', None); 'prior:16' -> ('prior', 16.0); 'ema:0.05' -> ('ema', 0.05)."""
+    """'batch' -> ('batch', None); 'prior:16' -> ('prior', 16.0); 'ema:0.05' -> ('ema', 0.05);
+    'alpha:0.1' -> ('alpha', 0.1); 'unmix:16' -> ('unmix', 16.0)."""
     kind, colon, value_text = str(text).strip().partition(":")
     if kind in ("batch", "source", "class-balanced") and not colon:
         return kind, None
     try:
-        value = float(value_text) if kind in ("prior", "ema") and colon else math.nan
+        value = float(value_text) if kind in ("prior", "ema", "alpha", "unmix") and colon else math.nan
     except ValueError:
         value = math.nan
-    if kind == "prior" and 0 <= value <= MAX_PRIOR or kind == "ema" and 0 < value <= 1:
+    allowed = {
+        "prior": 0 <= value <= MAX_PRIOR,
+        "ema": 0 < value <= 1,
+        "alpha": 0 <= value <= 1,
+        "unmix": 1 <= value <= MAX_COMPONENTS and value.is_integer(),
+    }
+    if allowed.get(kind, False):
         return kind, value
     raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
 

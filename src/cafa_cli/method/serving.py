@@ -21,12 +21,13 @@ OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 
 def check_exportable(method: Method) -> None:
-    """A UsageError for a method whose predictions are not its network's (t3a, lame): known
-    before a stream, so that `cafa adapt --export` refuses before any work."""
-    if type(method).output is not Method.output:
+    """A UsageError for a method whose predictions are not its network's (t3a, lame; memo, ttaug:
+    Method.not_served): known before a stream, so that `cafa adapt --export` refuses before any work."""
+    why = "it changes the logits a batch at a time" if type(method).output is not Method.output else method.not_served
+    if why:
         name = method.name or type(method).__name__
         raise UsageError(
-            f"{name} predicts with more than its network (it changes the logits a batch at a time): an "
+            f"{name} predicts with more than its network ({why}): an "
             f"exported network would predict otherwise; serve through the Adapter's step"
         )
 

@@ -110,8 +110,9 @@ class Adaptation:
 
     def _batch_statistics(self) -> bool:
         """Whether each batch is normalised by its own statistics (class-balanced: corrected, but its own)."""
-        kind, prior = parse_norm(self.adapter.norm)
-        return (kind in ("batch", "class-balanced") or prior == 0.0) and self.adapter.batch_norms > 0
+        kind, value = parse_norm(self.adapter.norm)
+        own = kind in ("batch", "class-balanced") or (kind, value) in (("prior", 0.0), ("alpha", 1.0))
+        return own and self.adapter.batch_norms > 0
 
     def batch_cautions(self) -> list[str]:
         """The cautions about how the domains' images fall into batches (a last batch of one

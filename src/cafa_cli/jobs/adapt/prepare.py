@@ -38,7 +38,7 @@ from cafa_cli.jobs.shared.inputs import (
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create, entry_of, is_plugin
+from cafa_cli.method.methods import create, entry_of, is_plugin, method_class
 from cafa_cli.method.options import check_precision, parse_norm
 from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.provenance import model_mismatch, recorded_model
@@ -222,7 +222,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
-        options["fisher_batches"] = fisher_batches(config, preprocess, device)
+        options.update(source_images(config, preprocess, device, model_classes or class_names))
     try:
         method = create(config.method, gaussians, device, **options)
     except UsageError as error:  # `method_option` was checked with the settings: a recipe's own option is wrong
@@ -386,6 +386,44 @@ def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: Clas
         return artifact.norm_moments
     rows = torch.as_tensor(subset_rows(artifact, subset))
     return {name: (mean[rows], var[rows]) for name, (mean, var) in artifact.norm_moments.items()}
+
+
+def source_images(config: AdaptConfig, preprocess: Preprocessing, device: torch.device, class_names) -> dict:
+    """`source_data` as the input the method takes: eata's `fisher_batches` (images), rmt's
+    `source_batches` (images and their labels as model outputs, a new shuffled pass each time)."""
+    inputs = method_class(config.method).inputs
+    if "fisher_batches" in inputs:
+        return {"fisher_batches": fisher_batches(config, preprocess, device)}
+    if "source_batches" in inputs:
+        domain = open_domain(config.source_data, class_names)
+        return {"source_batches": LabelledBatches(domain, preprocess, config.batch_size, config.num_workers, device)}
+    return {}
+
+
+class LabelledBatches:
+    """A source domain's labelled images in batches, prepared as the test images; each
+    iteration a new pass in a new order (seeds 1, 2, ...), as a shuffling data loader's."""
+
+    def __init__(self, domain: Domain, preprocess: Preprocessing, batch_size: int, workers: int, device):
+        self.labelled = np.flatnonzero(domain.labels >= 0)
+        if len(self.labelled) == 0:
+            raise InputError(f"`source_data` {domain.name}: no labelled images (the method trains on their labels)")
+        self.domain, self.preprocess, self.batch_size, self.workers, self.device = (
+            domain,
+            preprocess,
+            batch_size,
+            workers,
+            device,
+        )
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        order = np.random.default_rng(self.passes).permutation(self.labelled)
+        for batch in batches(self.domain, self.preprocess, self.batch_size, order, self.workers, self.device):
+            if batch.images is not None:
+                labels = torch.as_tensor(self.domain.labels[batch.indices], dtype=torch.int64, device=self.device)
+                yield self.preprocess.normalize(batch.images.to(self.device)), labels
 
 
 def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):

@@ -133,7 +133,8 @@ class AdaptationOptions:
     norm: str = setting(
         "batch",
         "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; "
-        "needs cafa stats --norm-moments). docs/usage.md, Normalisation statistics",
+        "needs cafa stats --norm-moments), alpha:A (α-BN), unmix:K (UnMix-TNS). "
+        "docs/usage.md, Normalisation statistics",
         metavar="NORM",
         panel=ADAPTATION,
     )
@@ -229,7 +230,8 @@ class MethodDataOptions:
     source_data: str | None = setting(
         None,
         "Clean labelled source images (as --data), for the methods that use them: eata's Fisher anti-forgetting term "
-        "(without them eata runs as eta). --fisher-data is another name for it.",
+        "(without them eata runs as eta), rmt's warm-up and source replay (without them it runs source-free). "
+        "--fisher-data is another name for it.",
         metavar="PATH",
         flags=("--source-data", "--fisher-data"),
         panel=ADAPTATION,

@@ -67,11 +67,25 @@ REGISTRY: dict[str, Entry] = {
     ),
     "cafa-eata": Entry("cafa_eata", "CafaEata", needs_statistics=True, predicts_as_bn=True),
     "sar": Entry("sar", "Sar", on_device=True, predicts_as_bn=True),
+    "deyo": Entry("deyo", "DeYO", predicts_as_bn=True),
     "rdumb": Entry("rdumb", "RDumb", on_device=True, predicts_as_bn=True),  # eta under its recipe's reset every:1000
+    "rpl": Entry("rpl", "Rpl", predicts_as_bn=True),
+    "memo": Entry("memo", "Memo"),  # predicts each image after its own update
+    "ttaug": Entry("ttaug", "TTAug"),  # the mean over augmented views, not the plain pass
     "t3a": Entry("t3a", "T3A"),
     "lame": Entry("lame", "Lame"),
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
+    "rmt": Entry(
+        "rmt",
+        "Rmt",
+        needs_statistics=True,
+        without_source_images="runs as its authors' source-free variant: no warm-up and no source replay",
+    ),
+    "roid": Entry("roid", "Roid", on_device=True),  # not predicts_as_bn: its prior correction rescales the logits
+    "cmf": Entry("cmf", "CMF"),  # not predicts_as_bn: its prior correction rescales the logits
+    "adacontrast": Entry("adacontrast", "AdaContrast", on_device=True),  # predicts after its update
+    "santa": Entry("santa", "Santa", needs_statistics=True, predicts_as_bn=True),
     "cafa-robust": Entry("cafa_robust", "CafaRobust", needs_statistics=True),
 }
 

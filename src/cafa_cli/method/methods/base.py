@@ -28,7 +28,9 @@ a method do more than a loss and a plain step (each defaults to doing nothing ne
   CoTTA's teacher and student), once for each of the Adapter's `steps`, through the
   Adapter's surface for such methods, `AdapterSurface` below, and nothing else of it
   (tests/test_tta_methods.py checks every method file). It returns the logits and
-  features of the forward pass whose prediction is reported, and apply's flag.
+  features of the forward pass whose prediction is reported, and apply's flag. A method
+  that trains nothing (`trains` False) may own its update too: update() then runs once a
+  batch, calls no apply() and returns `skipped` as its flag (ttaug's augmented passes).
 
 A method says what it changes with four class attributes:
 
@@ -37,7 +39,7 @@ A method says what it changes with four class attributes:
   they keep the source running statistics);
 - `trains`: it has a loss and an optimiser (False: forward passes only, no gradients);
 - `running_norms`: the Adapter's `norm` may keep statistics from batch to batch (ema:M,
-  class-balanced) in its BatchNorms (False: CoTTA, whose teacher copies them).
+  class-balanced, unmix:K) in its BatchNorms (False: CoTTA, whose teacher copies them).
 
 A method whose step is device work alone sets `capturable`: the tensors it keeps change in
 place (`x += ...`, `x.copy_(...)`, never `self.x = new`), no Python value it keeps moves
@@ -118,6 +120,9 @@ class Method:
     # distances.refine_capacity), read by the Adapter once a domain; None: never
     unrefined: torch.Tensor | None = None
     owns_update: bool = False  # True: update() replaces the Adapter's forward, loss and step
+    # why its predictions are not its network's, so that no exported network predicts as it does
+    # (memo's update for each image, ttaug's augmented views); None: its network's (serving.py)
+    not_served: str | None = None
     leave_out: torch.Tensor | None = None  # set by loss(): True leaves this batch's step out
     options: tuple[Option, ...] = ()  # its own options, set by keyword in the constructor
     inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)

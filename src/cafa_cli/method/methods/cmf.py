@@ -1,0 +1,204 @@
+"""CMF: continual momentum filtering (Lee and Chang, "Continual Momentum Filtering on
+Parameter Space for Online Test-time Adaptation", ICLR 2024), as the benchmark collection
+runs it (mariodoebler/test-time-adaptation classification/methods/cmf.py, ported from the
+authors' OpenReview code).
+
+The student θ (the normalisation affines; BatchNorms on the test batch's statistics) takes
+one optimiser step a batch on a ROID-style loss, and then a Kalman filter in parameter
+space fuses it with a hidden model h, which tracks a source-anchored version of it.
+
+Loss, for a batch of N with p_n = softmax(f_θ(x_n)) and m the moving mean prediction
+(m ← μ m + (1 − μ) mean_n p_n after the weights are taken; uniform at the start):
+
+    d_n = 1 − cos(m, p_n),   c_n = −H(p_n),   each min-max normalised over the batch;
+    kept: d_n ≥ mean(d);     w_n = exp(d_n c_n / T) on the kept samples (no gradient);
+    SLR_n = −Σ_c q_nc log(q_nc / (1 − q_nc) + 1e-5),  q = clamp(p, 0, 0.99);
+    L = (1/N) Σ_kept w_n [SLR_n + SCE(f_θ(A(x_n)), f_θ(x_n))],
+
+A a random augmentation of the kept images (one forward pass of them alone, so that its
+BatchNorms take their statistics), SCE the symmetric cross-entropy with weight ½ each way
+and gradients through both logits, as the collection writes it.
+
+Filter, after each optimiser step (trained values only; P a scalar, 0 at the start;
+q = Q · (trained values) / 38,400, the count of a ViT-B/16's LayerNorm affines):
+
+    predict:  h ← α h + (1 − α) θ_source,     P ← α² P + q;
+    update:   β = (1 − q) / (P + 1 − q), at least 0.89 and 1 from 0.9999 on;
+              P ← β P,   h ← β h + (1 − β) θ        (1 − β: the Kalman gain);
+    fuse:     θ ← γ θ + (1 − γ) h.
+
+The prediction reported is the student's forward pass before the step, with ROID's prior
+correction: logits · (π + s)/(1 + s C), π the batch's mean prediction and
+s = max(1/N, 1/C) / max π (the logits scaled class by class, as the collection does).
+
+Options and their defaults, the collection's conf.py: α 0.99 (`alpha`), γ 0.99
+(`gamma`), Q 0.005 (`q`); ROID's T 1/3 (`temperature`), μ 0.9 (`probs_momentum`) and the
+three switches `weighting`, `consistency`, `prior_correction` (all on). Without
+`weighting` every sample is kept with w = 1. The collection's CMF.TYPE (lp, op) changes
+nothing there (both name the same hidden model once the update step has run), so there is
+no such option. As its reset does, reset() puts h and m back and keeps P.
+
+Not replayable as a CUDA graph: the augmentation draws random numbers, the kept samples
+are chosen on the host (their forward pass has its own size) and P is a Python number.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cafa_cli.method.augment import augment
+from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
+from cafa_cli.method.options import Option
+
+ALPHA, GAMMA, Q = 0.99, 0.99, 0.005
+TEMPERATURE, PROBS_MOMENTUM = 1 / 3, 0.9
+Q_REFERENCE = 38400  # trained values of a ViT-B/16 (25 LayerNorms × 768 × 2), which Q is given for
+BETA_FLOOR, BETA_ONE = 0.89, 0.9999  # the collection's bounds on β
+SLR_CLIP, SLR_EPS = 0.99, 1e-5
+
+
+def soft_likelihood_ratio(logits: torch.Tensor) -> torch.Tensor:
+    """Each sample's −Σ_c q_c log(q_c / (1 − q_c) + ε), q = clamp(softmax, 0, 0.99), [N]."""
+    q = logits.softmax(1).clamp(0.0, SLR_CLIP)
+    return -(q * torch.log(q / (1 - q) + SLR_EPS)).sum(1)
+
+
+def symmetric_cross_entropy(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each sample's −½ Σ_c softmax(t)_c log softmax(x)_c − ½ Σ_c softmax(x)_c log softmax(t)_c,
+    [N]; gradients through both x and t (the collection detaches neither)."""
+    return -0.5 * (target.softmax(1) * x.log_softmax(1)).sum(1) - 0.5 * (x.softmax(1) * target.log_softmax(1)).sum(1)
+
+
+def min_max(x: torch.Tensor) -> torch.Tensor:
+    return (x - x.min()) / (x.max() - x.min())
+
+
+def prior_corrected(logits: torch.Tensor) -> torch.Tensor:
+    """ROID's prior correction: the logits times the batch's smoothed mean prediction."""
+    n, classes = logits.shape
+    prior = logits.softmax(1).mean(0)
+    smooth = max(1 / n, 1 / classes) / prior.max()
+    return logits * ((prior + smooth) / (1 + smooth * classes))
+
+
+def blend(target: list[torch.Tensor], other: list[torch.Tensor], momentum: float) -> None:
+    """target ← m·target + (1 − m)·other, in place; nothing at m = 1, as the collection skips it."""
+    if momentum < 1.0:
+        torch._foreach_mul_(target, momentum)
+        torch._foreach_add_(target, torch._foreach_mul(other, 1 - momentum))
+
+
+class CMF(Method):
+    name = "cmf"
+    owns_update = True
+    options = (
+        Option("alpha", ALPHA, "α: the hidden model's pull toward the source, h ← αh + (1 − α)θ_source", "fraction"),
+        Option("gamma", GAMMA, "γ: the student's fusion with the hidden model, θ ← γθ + (1 − γ)h", "fraction"),
+        Option("q", Q, "Q: the hidden model's process noise, per 38,400 trained values", "weight"),
+        Option("temperature", TEMPERATURE, "T: the sample weights' temperature, exp(d·c/T)", "positive"),
+        Option("probs_momentum", PROBS_MOMENTUM, "μ: the moving mean prediction's momentum", "fraction"),
+        Option(
+            "weighting",
+            True,
+            "weigh samples by certainty and diversity; keep those of at least the mean diversity",
+            "flag",
+        ),
+        Option("consistency", True, "add the symmetric cross-entropy to an augmented view", "flag"),
+        Option("prior_correction", True, "scale the reported logits by the batch's smoothed prior", "flag"),
+    )
+    unsaved = (*Method.unsaved, "params", "source")
+
+    def __init__(
+        self,
+        alpha: float = ALPHA,
+        gamma: float = GAMMA,
+        q: float = Q,
+        temperature: float = TEMPERATURE,
+        probs_momentum: float = PROBS_MOMENTUM,
+        weighting: bool = True,
+        consistency: bool = True,
+        prior_correction: bool = True,
+    ):
+        self.set_options(
+            alpha=alpha,
+            gamma=gamma,
+            q=q,
+            temperature=temperature,
+            probs_momentum=probs_momentum,
+            weighting=weighting,
+            consistency=consistency,
+            prior_correction=prior_correction,
+        )
+        # the augmented pass is the batch's last forward pass, which statistics kept from batch
+        # to batch (`norm` ema:M, class-balanced) would be left at; refused with it on
+        self.running_norms = not self.consistency
+        self.params: list[torch.nn.Parameter] = []
+        self.source: list[torch.Tensor] = []  # θ_source of the trained values
+        self.hidden: list[torch.Tensor] = []  # h
+        self.variance = 0.0  # P, the same for every value: a number on the host, no device read
+        self.noise = 0.0  # q, Q scaled by the trained count
+        self.class_probs: torch.Tensor | None = None  # m
+
+    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        self.params = select_parameters(model, which)
+        self.source = [p.detach().clone() for p in self.params]
+        self.hidden = [p.detach().clone() for p in self.params]
+        self.noise = self.q * sum(p.numel() for p in self.params) / Q_REFERENCE
+        self.class_probs = torch.full((model.num_classes,), 1 / model.num_classes, device=self.params[0].device)
+        return self.params
+
+    def reset(self) -> None:
+        """h back to the source and m to uniform; P goes on, as the collection's reset leaves it."""
+        if self.hidden:
+            torch._foreach_copy_(self.hidden, self.source)
+        if self.class_probs is not None:
+            self.class_probs.fill_(1 / len(self.class_probs))
+
+    def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
+        with adapter.autocast:
+            logits, features = adapter.forward(images)
+        outputs = logits.float()
+        weights, kept = self.weigh(outputs)
+        n = len(images)
+        loss = torch.where(kept, soft_likelihood_ratio(outputs) * weights, 0.0).sum() / n
+        if self.consistency:
+            chosen = kept.nonzero().squeeze(1)  # a host read: the view's forward pass has their number of rows
+            if len(chosen):
+                views = augment(images[chosen], noise=False, padding="reflection")
+                with adapter.autocast:
+                    augmented, _ = adapter.forward(views)
+                consistency = symmetric_cross_entropy(augmented.float(), outputs[chosen]) * weights[chosen]
+                loss = loss + consistency.sum() / n
+        flag = adapter.apply(loss, skipped)
+        with torch.no_grad():
+            self.filter()
+        return logits, features, flag
+
+    @torch.no_grad()
+    def weigh(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's weight w_n and whether it is kept, [N] each; moves m."""
+        probs = outputs.softmax(1)
+        if not self.weighting:
+            return torch.ones_like(outputs[:, 0]), torch.ones_like(outputs[:, 0], dtype=torch.bool)
+        diversity = min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
+        kept = ~(diversity < diversity.mean())  # NaN (all alike) keeps them all, as the collection's mask
+        certainty = min_max((probs * outputs.log_softmax(1)).sum(1))  # −H(p)
+        weights = torch.where(kept, torch.exp(diversity * certainty / self.temperature), 0.0)
+        self.class_probs.mul_(self.probs_momentum).add_((1 - self.probs_momentum) * probs.mean(0))
+        return weights, kept
+
+    def filter(self) -> None:
+        """The Kalman filter's predict and update steps on h, then θ fused with it."""
+        blend(self.hidden, self.source, self.alpha)
+        self.variance = self.alpha**2 * self.variance + self.noise
+        r = 1 - self.noise
+        beta = max(r / (self.variance + r), BETA_FLOOR)
+        beta = beta if beta < BETA_ONE else 1.0
+        self.variance = beta * self.variance
+        blend(self.hidden, [p.detach() for p in self.params], beta)
+        blend([p.detach() for p in self.params], self.hidden, self.gamma)
+
+    def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return prior_corrected(logits) if self.prior_correction else logits
