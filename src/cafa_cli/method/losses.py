@@ -1,5 +1,7 @@
 """Test-time objectives as plain tensor functions -> scalar loss: entropy and pseudo-label take
-logits, global alignment takes features, cafa and intra take class distances and pseudo-labels."""
+logits, global alignment takes features, cafa and intra take class distances and pseudo-labels.
+The per-sample terms ROID, CMF and RMT share (soft likelihood ratio, symmetric cross-entropy)
+and ROID's batch prior are here too, so that no method imports another's."""
 
 from __future__ import annotations
 
@@ -60,3 +62,34 @@ def global_alignment(
     centred = z - mean
     covariance = centred.T @ centred / len(z)
     return (source_mean - mean).square().sum() + (source_covariance - covariance).square().sum()
+
+
+SLR_CLIP = 0.99  # the soft likelihood ratio's largest probability
+SLR_EPS = 1e-5  # inside its logarithm
+
+
+def soft_likelihood_ratio(logits: torch.Tensor) -> torch.Tensor:
+    """Each sample's −Σ_c p̃_c log(p̃_c/(1 − p̃_c) + ε), p̃ = softmax clamped at 0.99, [N]:
+    entropy-like, but its gradient does not vanish as a prediction grows confident (ROID, CMF)."""
+    probs = torch.clamp(logits.softmax(1), min=0.0, max=SLR_CLIP)
+    return -(probs * torch.log(probs / (1 - probs) + SLR_EPS)).sum(1)
+
+
+def symmetric_cross_entropy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each sample's −½ Σ_c softmax(b)_c log softmax(a)_c − ½ Σ_c softmax(a)_c log softmax(b)_c,
+    [N], with gradients through both (detach one side for a teacher's target)."""
+    return -0.5 * (b.softmax(1) * a.log_softmax(1)).sum(1) - 0.5 * (a.softmax(1) * b.log_softmax(1)).sum(1)
+
+
+def min_max(scores: torch.Tensor) -> torch.Tensor:
+    """`scores` mapped onto [0, 1] by the batch's smallest and largest."""
+    return (scores - scores.min()) / (scores.max() - scores.min())
+
+
+def smoothed_prior(logits: torch.Tensor) -> torch.Tensor:
+    """The batch's mean prediction π, smoothed toward uniform: (π + s)/(1 + s·C), s =
+    max(1/N, 1/C)/max π, [C] (the smaller the batch, the less it is trusted; ROID's prior correction)."""
+    n, classes = logits.shape
+    prior = logits.softmax(1).mean(0)
+    smooth = max(1 / n, 1 / classes) / prior.max()
+    return (prior + smooth) / (1 + smooth * classes)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cafa_cli.method import losses
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
@@ -56,31 +57,6 @@ ALPHA, GAMMA, Q = 0.99, 0.99, 0.005
 TEMPERATURE, PROBS_MOMENTUM = 1 / 3, 0.9
 Q_REFERENCE = 38400  # trained values of a ViT-B/16 (25 LayerNorms × 768 × 2), which Q is given for
 BETA_FLOOR, BETA_ONE = 0.89, 0.9999  # the collection's bounds on β
-SLR_CLIP, SLR_EPS = 0.99, 1e-5
-
-
-def soft_likelihood_ratio(logits: torch.Tensor) -> torch.Tensor:
-    """Each sample's −Σ_c q_c log(q_c / (1 − q_c) + ε), q = clamp(softmax, 0, 0.99), [N]."""
-    q = logits.softmax(1).clamp(0.0, SLR_CLIP)
-    return -(q * torch.log(q / (1 - q) + SLR_EPS)).sum(1)
-
-
-def symmetric_cross_entropy(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Each sample's −½ Σ_c softmax(t)_c log softmax(x)_c − ½ Σ_c softmax(x)_c log softmax(t)_c,
-    [N]; gradients through both x and t (the collection detaches neither)."""
-    return -0.5 * (target.softmax(1) * x.log_softmax(1)).sum(1) - 0.5 * (x.softmax(1) * target.log_softmax(1)).sum(1)
-
-
-def min_max(x: torch.Tensor) -> torch.Tensor:
-    return (x - x.min()) / (x.max() - x.min())
-
-
-def prior_corrected(logits: torch.Tensor) -> torch.Tensor:
-    """ROID's prior correction: the logits times the batch's smoothed mean prediction."""
-    n, classes = logits.shape
-    prior = logits.softmax(1).mean(0)
-    smooth = max(1 / n, 1 / classes) / prior.max()
-    return logits * ((prior + smooth) / (1 + smooth * classes))
 
 
 def blend(target: list[torch.Tensor], other: list[torch.Tensor], momentum: float) -> None:
@@ -162,14 +138,14 @@ class CMF(Method):
         outputs = logits.float()
         weights, kept = self.weigh(outputs)
         n = len(images)
-        loss = torch.where(kept, soft_likelihood_ratio(outputs) * weights, 0.0).sum() / n
+        loss = torch.where(kept, losses.soft_likelihood_ratio(outputs) * weights, 0.0).sum() / n
         if self.consistency:
             chosen = kept.nonzero().squeeze(1)  # a host read: the view's forward pass has their number of rows
             if len(chosen):
                 views = augment(images[chosen], noise=False, padding="reflection")
                 with adapter.autocast:
                     augmented, _ = adapter.forward(views)
-                consistency = symmetric_cross_entropy(augmented.float(), outputs[chosen]) * weights[chosen]
+                consistency = losses.symmetric_cross_entropy(augmented.float(), outputs[chosen]) * weights[chosen]
                 loss = loss + consistency.sum() / n
         flag = adapter.apply(loss, skipped)
         with torch.no_grad():
@@ -182,9 +158,9 @@ class CMF(Method):
         probs = outputs.softmax(1)
         if not self.weighting:
             return torch.ones_like(outputs[:, 0]), torch.ones_like(outputs[:, 0], dtype=torch.bool)
-        diversity = min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
+        diversity = losses.min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
         kept = ~(diversity < diversity.mean())  # NaN (all alike) keeps them all, as the collection's mask
-        certainty = min_max((probs * outputs.log_softmax(1)).sum(1))  # −H(p)
+        certainty = losses.min_max((probs * outputs.log_softmax(1)).sum(1))  # −H(p)
         weights = torch.where(kept, torch.exp(diversity * certainty / self.temperature), 0.0)
         self.class_probs.mul_(self.probs_momentum).add_((1 - self.probs_momentum) * probs.mean(0))
         return weights, kept
@@ -201,4 +177,4 @@ class CMF(Method):
         blend([p.detach() for p in self.params], self.hidden, self.gamma)
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return prior_corrected(logits) if self.prior_correction else logits
+        return logits * losses.smoothed_prior(logits) if self.prior_correction else logits

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cafa_cli.errors import UsageError
+from cafa_cli.method import losses
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
@@ -78,15 +79,6 @@ TEACHER_MOMENTUM = 0.999  # α
 TEMPERATURE = 0.1  # τ
 PROJECTION_DIM = 128  # p
 WARMUP_SAMPLES = 50_000
-
-
-def symmetric_cross_entropy(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Each sample's −½ Σ_c [softmax(t)_c log softmax(s)_c + softmax(s)_c log softmax(t)_c],
-    [N]; the teacher's logits t carry no gradient, the student's s do in both terms."""
-    teacher = teacher.detach()
-    return -0.5 * (teacher.softmax(1) * student.log_softmax(1)).sum(1) - 0.5 * (
-        student.softmax(1) * teacher.log_softmax(1)
-    ).sum(1)
 
 
 class Ensemble(nn.Module):
@@ -213,7 +205,8 @@ class Rmt(Method):
                 teacher = self.teacher(images)[0].float()
         student, features = student.float(), features.float()
         self_training = (
-            0.5 * symmetric_cross_entropy(student, teacher) + 0.5 * symmetric_cross_entropy(viewed.float(), teacher)
+            0.5 * losses.symmetric_cross_entropy(student, teacher.detach())
+            + 0.5 * losses.symmetric_cross_entropy(viewed.float(), teacher.detach())
         ).mean()
         loss = self.lambda_ce_trg * self_training + self.lambda_cont * self.contrastive(
             features, viewed_features.float()
@@ -268,7 +261,7 @@ class Rmt(Method):
                 student, _ = adapter.forward(images)
                 with torch.no_grad():
                     teacher = self.teacher(images)[0].float()
-            adapter.apply(symmetric_cross_entropy(student.float(), teacher).mean())
+            adapter.apply(losses.symmetric_cross_entropy(student.float(), teacher.detach()).mean())
             self.follow_student()
         for group, rate in zip(groups, rates):
             group["lr"] = rate

@@ -61,34 +61,6 @@ from cafa_cli.method.teacher_student import follow
 SOURCE_MOMENTUM = 0.99  # α, of the weight ensemble
 PROBS_MOMENTUM = 0.9  # μ, of the moving mean prediction
 TEMPERATURE = 1 / 3  # T
-CLIP = 0.99  # the soft likelihood ratio's largest probability
-EPS = 1e-5  # inside its logarithm
-
-
-def soft_likelihood_ratio(logits: torch.Tensor) -> torch.Tensor:
-    """Each sample's −Σ_c p̃_c log(p̃_c/(1 − p̃_c) + ε), p̃ = softmax clamped at 0.99, [N]:
-    entropy-like, but its gradient does not vanish as a prediction grows confident."""
-    probs = torch.clamp(logits.softmax(1), min=0.0, max=CLIP)
-    return -(probs * torch.log(probs / (1 - probs) + EPS)).sum(1)
-
-
-def symmetric_cross_entropy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Each sample's −½ Σ_c softmax(b)_c log softmax(a)_c − ½ Σ_c softmax(a)_c log softmax(b)_c,
-    [N], with gradients through both (ROID's consistency between a view and the original)."""
-    return -0.5 * (b.softmax(1) * a.log_softmax(1)).sum(1) - 0.5 * (a.softmax(1) * b.log_softmax(1)).sum(1)
-
-
-def _min_max(scores: torch.Tensor) -> torch.Tensor:
-    return (scores - scores.min()) / (scores.max() - scores.min())
-
-
-def smoothed_prior(logits: torch.Tensor) -> torch.Tensor:
-    """The batch's mean prediction π, smoothed toward uniform: (π + s)/(1 + s·C), s =
-    max(1/N, 1/C)/max π, [C] (the smaller the batch, the less it is trusted)."""
-    n, classes = logits.shape
-    prior = logits.softmax(1).mean(0)
-    smooth = max(1 / n, 1 / classes) / prior.max()
-    return (prior + smooth) / (1 + smooth * classes)
 
 
 class Roid(Method):
@@ -153,7 +125,7 @@ class Roid(Method):
         else:  # every sample kept, with weight 1
             weights, keep = torch.ones(n, device=z.device), None
             self.count_kept(torch.full((), n, dtype=torch.int64, device=z.device))
-        loss = (soft_likelihood_ratio(z) * weights).sum() / n
+        loss = (losses.soft_likelihood_ratio(z) * weights).sum() / n
         if self.consistency:
             # the one read of a device value a batch: which samples the views are of, for the
             # views' batch statistics are those of the kept samples alone
@@ -163,7 +135,7 @@ class Roid(Method):
             kept_weights = weights if chosen is None else weights.index_select(0, chosen)
             with adapter.autocast:
                 views, _ = adapter.forward(augment(kept_images, noise=False, padding="reflection"))
-            loss = loss + (symmetric_cross_entropy(views.float(), originals) * kept_weights).sum() / n
+            loss = loss + (losses.symmetric_cross_entropy(views.float(), originals) * kept_weights).sum() / n
         flag = adapter.apply(loss, skipped)
         # θ ← αθ + (1 − α)θ⁰, in place, after each step (one left out too: theirs ensemble after every step)
         if self.source_momentum < 1:
@@ -176,9 +148,9 @@ class Roid(Method):
             probs = logits.softmax(1)
             if self.class_probs is None:
                 self.class_probs = torch.full((logits.shape[1],), 1 / logits.shape[1], device=logits.device)
-            diversity = _min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
+            diversity = losses.min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
             keep = ~(diversity < diversity.mean())  # as theirs: NaN scores (a constant batch) drop nothing
-            certainty = _min_max(-losses.entropies(logits))
+            certainty = losses.min_max(-losses.entropies(logits))
             weights = torch.where(keep, torch.exp(diversity * certainty / self.temperature), 0.0)
             momentum = self.probs_momentum
             self.class_probs.mul_(momentum).add_(probs.mean(0), alpha=1 - momentum)
@@ -187,4 +159,4 @@ class Roid(Method):
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The step's logits times the batch's smoothed prior (prior correction), as the
         authors' code reports them."""
-        return logits * smoothed_prior(logits) if self.prior_correction else logits
+        return logits * losses.smoothed_prior(logits) if self.prior_correction else logits
