@@ -640,6 +640,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "batch_size": 5,
             "steps": 1,
             "params": "all",
+            "norm": "prior:4",
             "fisher_samples": 2000,
             "reset": "episodic",
             "method_options": {},

@@ -456,7 +456,7 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
 
     keywords = {name for name, p in inspect.signature(Adapter.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert set(ADAPTER_SETTINGS) == set(SETTINGS) & keywords
-    assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples", "reset"}
+    assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples", "reset"}  # norm is the Adapter's
     recipe = shipped("tent", "cifar10-c")
     with pytest.raises(TypeError, match="batch_size"):  # why the method exists
         Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.settings)

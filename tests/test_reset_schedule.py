@@ -137,3 +137,25 @@ def test_a_state_cannot_follow_a_periodic_reset(setup, tmp_path):
     )
     assert result.exit_code == 2 and "count of updates" in result.stderr and "give --reset never" in result.stderr
     assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_a_recipe_may_set_the_normalisation_and_the_users_choice_wins(setup, tmp_path):
+    """ttaug and memo run one image a batch, where the test batch's statistics would
+    normalise an image to nothing: their recipes normalise as their authors did (α-BN, a
+    prior), a run records it, and `--norm` given by the user wins over it."""
+    assert {shipped(name, "cifar10-c").settings.get("norm") for name in ("ttaug", "memo")} == {"alpha:0.1"}
+    assert shipped("memo", "imagenet-c").settings["norm"] == "prior:16"
+    common = ["adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", setup["train"], "--method", "ttaug"]
+    common += ["-q", "--no-shuffle", "--recipe", "cifar10-c", "--method-option", "copies=2"]
+    runs = {}
+    for norm in (None, "alpha:0.1", "batch"):
+        chosen = [] if norm is None else ["--norm", norm]
+        result = invoke(*common, *chosen, "--metrics-json", tmp_path / f"{norm}.json")
+        assert result.exit_code == 0, result.stderr
+        runs[norm] = (result.stdout, json.loads((tmp_path / f"{norm}.json").read_text())["settings"]["norm"])
+    assert runs[None] == (runs["alpha:0.1"][0], "alpha:0.1")  # the recipe's, applied
+    assert runs["batch"][1] == "batch" and runs["batch"][0] != runs[None][0]  # the user's wins
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text('[ttaug]\nbatch_size = 1\nnorm = "alpha:2"\n')
+    bad = invoke(*common[:-4], "--recipe", recipe)
+    assert bad.exit_code == 3 and str(recipe) in bad.stderr and "'alpha:2'" in bad.stderr, bad.stderr  # a bad file

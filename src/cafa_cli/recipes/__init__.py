@@ -4,8 +4,9 @@ One TOML file per method (recipes/<method>.toml): a `[method]` table that descri
 (summary, paper, what it adapts, its step cost ÷ TENT's on the CPU from benchmarks/perf.py),
 then one table per family (imagenet-c, cifar10-c, cifar100-c) holding `source` (where the
 values come from), the settings the method was run with (SETTINGS: optimiser, learning
-rate, momentum, batch size, steps, which parameters adapt, EATA's Fisher images) and its
-own options (`options`, as the method declares them: methods/base.py).
+rate, momentum, batch size, steps, which parameters adapt, the normalisation, EATA's Fisher
+images, a reset schedule) and its own options (`options`, as the method declares them:
+methods/base.py).
 
 A user's recipe file (`--recipe my.toml`) has one table per method, named by the method,
 with the same keys; `cafa methods NAME --recipe R` prints one to start from.
@@ -37,8 +38,9 @@ NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
 # The most a user's recipe file may hold: every shipped recipe together is under 20 KB, so a
 # file over 1 MiB is no recipe (a link to /dev/zero, a sparse file), and is refused unread.
 RECIPE_LIMIT = 1 << 20
-# what a recipe may set; `reset` is a method's own only where it is its schedule (rdumb's every:N)
-SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "fisher_samples", "reset")
+# what a recipe may set; `reset` is a method's own only where it is its schedule (rdumb's every:N),
+# `norm` where its authors normalised otherwise than with the test batch (memo's prior, ttaug's α-BN)
+SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "norm", "fisher_samples", "reset")
 # those of SETTINGS that are the Adapter's keyword arguments (the others are the stream's batch_size and
 # EATA's fisher_samples): the keywords check_adapter_options checks, which are the Adapter's
 ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in inspect.signature(check_adapter_options).parameters)
@@ -65,7 +67,7 @@ class Recipe:
 
     def adapter_settings(self) -> dict:
         """The settings that are the Adapter's keyword arguments (optimizer, lr, momentum,
-        steps, params): `Adapter(model, method, **recipe.adapter_settings())`. The others are
+        steps, params, norm): `Adapter(model, method, **recipe.adapter_settings())`. The others are
         not the Adapter's: `batch_size` and `reset` are the stream's, `fisher_samples` the number of clean
         images EATA's Fisher term is computed from."""
         return {key: value for key, value in self.settings.items() if key in ADAPTER_SETTINGS}

@@ -31,6 +31,7 @@ ROW_SETTINGS = (
     "batch_size",
     "steps",
     "params",
+    "norm",
     "fisher_samples",
     "reset",
     "method_options",
