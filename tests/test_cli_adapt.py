@@ -642,6 +642,9 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
         fisher_samples=9,
         reset="never",
         state="s.pt",
+        rounds=3,
+        stream_rate="1/2",
+        step_cost="measured",
     )
     defaults = AdaptConfig()
     written_apart = ("method", "recipe", "method_option")  # adapt_words writes them first, in their own way

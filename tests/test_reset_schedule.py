@@ -51,7 +51,7 @@ def test_every_n_resets_after_each_nth_batch_across_domains(monkeypatch):
 
     adapter = Counting()
 
-    def step(adapter, domain, preprocess, batch, first, oracle):
+    def step(adapter, domain, preprocess, batch, first, oracle, pace):
         adapter.batches += 1
         return []
 

@@ -117,6 +117,17 @@ def parse_reset(text: str, name: str = "reset") -> tuple[str, int | None]:
     raise UsageError(f"`{name}` must be {RESET_FORMS}, not {text!r}")
 
 
+MAX_ROUNDS = 1000  # a long horizon: CoTTA and RoTTA report 10 rounds, the persistent-TTA papers up to 20
+
+
+def check_rounds(rounds: int, name: str = "rounds") -> None:
+    """How many times the whole domain sequence runs in one stream: a whole number, 1 to MAX_ROUNDS."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
+        raise UsageError(
+            f"`{name}` must be a whole number from 1 to {MAX_ROUNDS} (1: the sequence once), not {rounds!r}"
+        )
+
+
 # Decoding budget: the most memory one image's decoded pixels may take, per loader
 # process (CAFA_DECODE_BUDGET_MB, default 150 MB: 50 megapixels of 8-bit RGB). The header
 # is read first; a JPEG above the budget is decoded at 1/2, 1/4 or 1/8 of its size by its

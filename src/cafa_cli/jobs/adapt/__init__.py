@@ -26,7 +26,7 @@ from cafa_cli.jobs.shared.distributed import (
 )
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
-from cafa_cli.jobs.shared.report import metrics, prediction_records, write_json
+from cafa_cli.jobs.shared.report import metrics, prediction_records, protocol_lines, write_json
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import adapting_line, recipe_line
 from cafa_cli.method.serving import check_exportable
@@ -97,6 +97,8 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
                     save_state(job.adapter, config.state)
                     said.info(f"interrupted: the state so far is saved in {config.state}")
                 raise
+            for line in protocol_lines(job.protocol):
+                said.info(line)
             if config.state:
                 save_state(job.adapter, config.state)
             if config.export:
@@ -110,7 +112,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
     if config.metrics_json:
         write_json(
             config.metrics_json,
-            {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted},
+            {**metrics(config.method, results, job.recorded_settings, job.clean), "adapted": adapted, **job.protocol},
         )
     return results
 
@@ -131,6 +133,8 @@ def check_gate_has_labels(config: AdaptConfig, domains: list[Domain]) -> None:
 def check_spread(config: AdaptConfig) -> None:
     """Under torchrun the domains are spread over the ranks: each must be independent of those before it."""
     why = why_domains_depend(config.method, config.reset, config.mix_domains)
+    if why is None and (config.rounds > 1 or config.forgetting):
+        why = "`rounds` and `forgetting` follow the whole sequence of domains in one stream", "leave them out"
     if why is None and "-" in config.data:
         why = "every rank would read `data` - (paths on standard input)", "give the folders or files"
     if why:

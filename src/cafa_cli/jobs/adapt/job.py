@@ -4,22 +4,24 @@ cautions worth a warning before and during the stream, and the stream itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
 from cafa_cli.data.benchmarks import benchmark_of
 from cafa_cli.data.domain import Domain, padding_note
+from cafa_cli.data.pace import WAITS, Pace, parse_step_cost, parse_stream_rate, rate_label, table_cost
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import listing
+from cafa_cli.errors import UsageError, listing
 from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.config import AdaptConfig
+from cafa_cli.jobs.shared.clean import adapted_error
 from cafa_cli.jobs.shared.inputs import _skip_warning
 from cafa_cli.jobs.shared.monitor import Monitor
+from cafa_cli.jobs.shared.report import ERROR_FRACTION, short_name
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import constant_outputs, constant_outputs_note, size_note, statistics_input_size
 from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import entry_of
+from cafa_cli.method.methods import entry_of, is_plugin
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.options import parse_norm
 from cafa_cli.recipes import Recipe
@@ -43,6 +45,9 @@ class Adaptation:
     notes: list[str] = field(default_factory=list)  # what opening the data noticed beyond the domains' own notes
     clean: dict | None = None  # the source model's error on `clean`, when given
     recipe: Recipe | None = None  # the published setting the run took what the user did not choose from
+    forgetting: Domain | None = None  # the clean domain predicted after each test domain (`forgetting`)
+    # what the last run() found beyond the domains' errors: the stream's pace, the forgetting errors
+    protocol: dict = field(default_factory=dict)
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
@@ -170,12 +175,27 @@ class Adaptation:
             on_records(batch_records)
 
         s = self.config
+        domains, groups = self._rounds()
+        pace = self.pace()
+        forgotten = []
+
+        def stream_end(members: list[int]) -> None:
+            if self.forgetting is not None:
+                error = adapted_error(
+                    self.adapter, self.forgetting, self.preprocess, s.batch_size, s.num_workers, s.strict, monitor
+                )
+                last = members[-1]
+                after = domains[last].name if len(members) == 1 else f"{len(members)} domains mixed"
+                forgotten.append(
+                    {"after": after, "round": last // len(self.domains) + 1, **error, "unit": ERROR_FRACTION}
+                )
+
         results = adapt_domains(
             self.adapter,
-            self.domains,
+            domains,
             self.preprocess,
             **s.stream_options(),
-            groups=self.groups,
+            groups=groups,
             num_workers=s.num_workers,
             strict=s.strict,
             oracle=s.oracle,
@@ -183,7 +203,17 @@ class Adaptation:
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(short_name(domain.name), len(domain)),
             on_first_batch=first_batch,
+            on_stream_end=stream_end,
+            pace=pace,
         )
+        for k, result in enumerate(results):
+            result.round = k // len(self.domains) + 1 if s.rounds > 1 else None
+            result.paced = not pace.waits
+        self.protocol = {
+            **({"stream": pace_record(pace, s.step_cost, results)} if not pace.waits else {}),
+            **({"rounds": round_errors(results)} if s.rounds > 1 else {}),
+            **({"forgetting": forgotten} if self.forgetting is not None else {}),
+        }
         for result in results:
             # fp16's loss scaler skips a few steps by design while it settles; otherwise a
             # skipped update means the objective itself is broken and the run is bn's
@@ -207,6 +237,64 @@ class Adaptation:
                 f"skips the attempt)"
             )
         return results
+
+    def _rounds(self) -> tuple[list[Domain], list[int] | None]:
+        """The domains in stream order, the whole sequence `rounds` times, and their groups
+        (`reset` domain starts afresh where the group changes: at each domain, or with
+        `gradual` at each corruption, of every round)."""
+        rounds = self.config.rounds
+        if rounds == 1:
+            return self.domains, self.groups
+        groups = self.groups if self.groups is not None else list(range(len(self.domains)))
+        span = max(groups) + 1
+        return self.domains * rounds, [group + r * span for r in range(rounds) for group in groups]
+
+    def pace(self) -> Pace:
+        """The stream's pace (data/pace.py): a method's step cost from the table, a number
+        given, or None to measure it."""
+        s = self.config
+        rate = parse_stream_rate(s.stream_rate)
+        if rate == WAITS:
+            return Pace()
+        kind, given = parse_step_cost(s.step_cost)
+        cost = given.get(s.method, given.get(None)) if kind == "given" else None
+        if cost is None and kind != "measured":
+            cost = table_cost(s.method) if not is_plugin(s.method) else None
+            if cost is None:
+                raise UsageError(
+                    f"`stream_rate` {s.stream_rate} needs the step cost of {s.method}, which `cafa methods` has no "
+                    f"cost for; give `step_cost` K (forward passes of the source model) or measured"
+                )
+        return Pace(rate, cost)
+
+
+def pace_record(pace: Pace, step_cost: str, results: list[DomainResult]) -> dict:
+    """What the JSON and the summary report of a stream that does not wait: the rate, the
+    step cost k and where it came from, and the share of batches adapted on."""
+    kind = parse_step_cost(step_cost)[0]
+    batches = sum(r.batches for r in results)
+    return {
+        "rate": rate_label(pace.rate),
+        "cost": pace.mean_cost(),
+        "cost_from": "measured (the mean over the adapted batches)" if pace.cost is None else kind,
+        "adapted_share": sum(r.adapted_batches for r in results) / batches if batches else None,
+    }
+
+
+def round_errors(results: list[DomainResult]) -> list[dict]:
+    """The error of each pass over the domains (`rounds`), over its labelled images."""
+    rounds: dict[int, list[DomainResult]] = {}
+    for result in results:
+        rounds.setdefault(result.round, []).append(result)
+    return [
+        {
+            "round": number,
+            "n": sum(r.n for r in part),
+            "error": sum(r.errors for r in part) / labelled if (labelled := sum(r.labelled for r in part)) else None,
+            "unit": ERROR_FRACTION,
+        }
+        for number, part in rounds.items()
+    ]
 
 
 def stream_units(job: Adaptation) -> int:
@@ -242,9 +330,3 @@ def _one_class_after_another(labels: np.ndarray) -> bool:
 
 def _geometry(recipe: Preprocessing) -> str:
     return f"resize {recipe.resize or 'none'}, crop {recipe.crop or 'none'}"
-
-
-def short_name(name: str) -> str:
-    """`…/fog/5` → `fog/5` (the ImageNet-C layout), else the folder or file name."""
-    path = Path(name)
-    return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)

@@ -181,6 +181,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config)
     subset = class_subset(config, artifact, model_classes)
     paths, groups, notes = stream_domains(config)
+    if config.forgetting:
+        check_not_a_test_domain(config.forgetting, paths)
     ids = (config.subset, read_image_ids(config.subset)) if config.subset else None
     opened = {
         path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
@@ -219,6 +221,9 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             config.strict,
             monitor or Monitor(),
         )
+    forgetting = None
+    if config.forgetting:  # predicted by the adapted model as a test domain is: the test images' preprocessing
+        forgetting = open_test_domain(config.forgetting, None, None, model_classes or class_names, subset, None, notes)
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
@@ -264,6 +269,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         notes,
         clean,
         recipe,
+        forgetting,
     )
 
 
@@ -280,6 +286,16 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
         ), recipe
     except UsageError as error:
         raise InputError(f"the recipe {recipe.origin}: {error}") from None
+
+
+def check_not_a_test_domain(forgetting: str, paths: list[str]) -> None:
+    """`forgetting` measures what adapting on the test domains did to a domain the model is not
+    adapted on: one of the test domains would be adapted on and measured at once."""
+    if recorded_data(forgetting) in {recorded_data(path) for path in paths}:
+        raise UsageError(
+            f"`forgetting` {forgetting} is also a test domain; give a clean domain the stream does not adapt on "
+            f"(e.g. the benchmark's clean test set)"
+        )
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 
@@ -11,6 +12,7 @@ import torch
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
+from cafa_cli.data.pace import Pace
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.values import parse_reset
 from cafa_cli.errors import InputError
@@ -37,6 +39,8 @@ def adapt_domains(
     on_skip: Callable[[str, str], None] = lambda ref, why: None,
     on_domain: Callable[[Domain], None] = lambda domain: None,
     on_first_batch: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
+    on_stream_end: Callable[[list[int]], None] = lambda members: None,
+    pace: Pace | None = None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it;
     one result per domain.
@@ -51,8 +55,12 @@ def adapt_domains(
     as one. `oracle` gives the method each batch's true labels for its loss (CAFA-Oracle;
     every image must be labelled). `on_records` gets each batch's records and the result so far of their
     domain (of the whole stream when mixed). `on_first_batch` gets each stream's first
-    batch of images (uint8 pixels) and their logits, before their records are made.
+    batch of images (uint8 pixels) and their logits, before their records are made;
+    `on_stream_end` the domains of each stream as it ends (one, or all when mixed).
+    `pace`: a stream that does not wait (data/pace.py): the batches that arrive while the
+    method is busy are predicted by the model as adapted so far, without adapting.
     """
+    pace = pace or Pace()
     policy, period = parse_reset(reset)
     updates = 0  # batches adapted on since the last reset (`every:N`)
     groups = list(range(len(domains))) if groups is None else list(groups)
@@ -65,6 +73,8 @@ def adapt_domains(
         first = members[0]
         if policy == "domain" and first > 0 and groups[first] != groups[first - 1]:
             adapter.reset()
+        if policy == "domain" and (first == 0 or groups[first] != groups[first - 1]):
+            pace.restart()  # a stream afresh, as each domain is run on its own
         if len(members) == 1:
             domain, owner, so_far = domains[first], np.full(len(domains[first]), first), results[first]
         else:
@@ -81,7 +91,8 @@ def adapt_domains(
                 for result in _tallies(results[owner[i]], so_far):
                     result.skipped_images.append(ref)
                 on_skip(ref, why)
-            records = _step(adapter, domain, preprocess, batch, first, oracle)
+            adapts = batch.images is None or pace.adapts()
+            records = _step(adapter, domain, preprocess, batch, first, oracle, pace if adapts else None)
             first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
                 for result in _tallies(results[owner[i]], so_far):
@@ -89,8 +100,15 @@ def adapt_domains(
                     if record.label != UNLABELLED:
                         result.labelled += 1
                         result.errors += record.prediction != record.label
+            if batch.images is not None:
+                for k in np.unique(owner[batch.indices]):
+                    for result in _tallies(results[k], so_far):
+                        result.batches += 1
+                        result.adapted_batches += adapts
             on_records(records, so_far)
-            if policy == "episodic":
+            if not adapts:  # predicted while the method was busy: nothing changed, nothing to reset or count
+                pass
+            elif policy == "episodic":
                 adapter.reset()
             elif policy == "every" and batch.images is not None:
                 updates += 1
@@ -116,6 +134,7 @@ def adapt_domains(
                     f"{domains[k].name}: none of its {len(results[k].skipped_images)} image(s) could be read (see the "
                     f"warnings); check the files, or leave the domain out"
                 )
+        on_stream_end(members)
     return results
 
 
@@ -150,17 +169,62 @@ def _step(
     batch: Batch,
     on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
     oracle: bool = False,
+    pace: Pace | None = None,
 ) -> list[Record]:
+    """The batch's records: from an adaptation step, told to `pace`; without one (the method
+    busy), from the model as adapted so far, changing nothing (Adapter.features)."""
     if batch.images is None:
         return []
+    images = preprocess.normalize(batch.images.to(adapter.device, non_blocking=True))
+    if pace is None:
+        logits, _ = adapter.features(images)
+    else:
+        logits = _adapt(adapter, domain, batch, images, oracle, pace)
+    if on_logits is not None:
+        on_logits(domain, batch.images, logits)
+    return _records(domain, batch, logits)
+
+
+def _adapt(
+    adapter: Adapter, domain: Domain, batch: Batch, images: torch.Tensor, oracle: bool, pace: Pace
+) -> torch.Tensor:
+    """One adaptation step's logits; its cost in forward passes told to `pace` (measured when
+    it has none: the step's time over a forward pass of the same batch, as Alfarra et al. time it)."""
     if oracle:  # the labels of the images read, in the batch's order; only the method's loss reads them
         adapter.method.oracle_labels = torch.as_tensor(domain.labels[batch.indices], dtype=torch.int64).to(
             adapter.device, non_blocking=True
         )
+    measure = pace.cost is None and not pace.waits
+    started = _now(adapter) if measure else 0.0
     with whole():  # a signal waits for the step: the state is never half a batch's (interrupts.py)
-        logits = adapter.step(preprocess.normalize(batch.images.to(adapter.device, non_blocking=True)))
-    if on_logits is not None:
-        on_logits(domain, batch.images, logits)
+        logits = adapter.step(images)
+    if measure:
+        step = _now(adapter) - started
+        if pace.twin is None:  # made once: the network as the stream found it, with its normalisation
+            pace.twin = copy.deepcopy(adapter.model).requires_grad_(False)
+        pace.step_done(step / _forward_seconds(adapter, pace.twin, images))
+    elif not pace.waits:
+        pace.step_done()
+    return logits
+
+
+def _forward_seconds(adapter: Adapter, twin: torch.nn.Module, images: torch.Tensor) -> float:
+    """A forward pass of the batch through a copy of the network (so that no statistics of
+    the adapter's move), timed as the step was."""
+    started = _now(adapter)
+    with torch.no_grad(), adapter.autocast:
+        twin(images)
+    return max(_now(adapter) - started, 1e-9)
+
+
+def _now(adapter: Adapter) -> float:
+    """The time once the device has finished what was queued (a GPU runs ahead of the host)."""
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    return time.perf_counter()
+
+
+def _records(domain: Domain, batch: Batch, logits: torch.Tensor) -> list[Record]:
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
         # -inf alone is a masked class, which some models use

@@ -162,6 +162,7 @@ class AdaptConfig(
             "`class_subset`": self.class_subset,
             "`subset`": self.subset,
             "`clean`": self.clean,
+            "`forgetting`": self.forgetting,
             "`data`": self.data,
             "`recipe`": self.recipe_file(),
             "`method`": factory_file(self.method),

@@ -206,6 +206,7 @@ class BenchConfig(
             "`class_subset`": self.class_subset,
             "`subset`": self.subset,
             "`clean`": self.clean,
+            "`forgetting`": self.forgetting,
             "`data`": self.data,
             "`workdir`": self.workdir,
             "`recipe`": self.recipe_file(),

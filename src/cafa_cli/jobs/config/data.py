@@ -191,6 +191,14 @@ class TestDataOptions:
         panel=DATA,
         recorded="resolved: the source model's error on it",
     )
+    forgetting: str | None = setting(
+        None,
+        "A clean (source-distribution) labelled domain, predicted after each test domain with the weights as adapted "
+        "so far, without adapting on it: the error on it after each domain measures forgetting.",
+        metavar="PATH",
+        panel=DATA,
+        recorded=AS_PATH,
+    )
     source: str | None = setting(
         None,
         "The source domain of a domain-adaptation benchmark (office-home, domainnet): left out of the targets.",

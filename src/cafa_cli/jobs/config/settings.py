@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
+from cafa_cli.data.pace import parse_step_cost, parse_stream_rate
 from cafa_cli.data.values import (
     check_batch_size,
     check_num_workers,
+    check_rounds,
     parse_order,
     parse_reset,
 )
@@ -281,11 +283,36 @@ class StreamOptions:
         "folder.",
         panel=STREAM,
     )
+    rounds: int = setting(
+        1,
+        "Run the whole sequence of domains this many times in one stream (a long horizon; with `reset` never, the "
+        "persistent setting), the error of each round reported.",
+        metavar="N",
+        panel=STREAM,
+    )
+    stream_rate: str = setting(
+        "inf",
+        "A stream that does not wait: a batch arrives every R forward passes of the source model (1, 1/2, ...); those "
+        "that arrive while the method is busy are predicted without adapting (Alfarra et al., ICML 2024). inf: the "
+        "stream waits for each step.",
+        metavar="R",
+        panel=STREAM,
+    )
+    step_cost: str = setting(
+        "table",
+        "Under `stream_rate`, a step's cost in forward passes of the source model: table (cafa methods' cost "
+        "column), measured (in this run), a number, or METHOD=K pairs.",
+        metavar="table|measured|K",
+        panel=STREAM,
+    )
 
     def _check_stream(self) -> None:
         check_batch_size(self.batch_size)
         parse_order(self.order)
         parse_reset(self.reset)
+        check_rounds(self.rounds)
+        parse_stream_rate(self.stream_rate)
+        parse_step_cost(self.step_cost)
         if self.mix_domains and self.gradual:
             raise UsageError(
                 "`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them"

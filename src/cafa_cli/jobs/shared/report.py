@@ -202,6 +202,8 @@ def domain_record(r: DomainResult) -> dict:
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
         **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
+        **({"round": r.round} if r.round is not None else {}),
+        **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),
         "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
     }
@@ -275,13 +277,55 @@ def summary_table(method: str, results: Sequence[DomainResult], source: str | No
     title = f"cafa adapt --method {method}" + (f", source: {source}" if source else "")
     table = Table(title=title, title_justify="left")
     table.add_column("data", overflow="fold")  # a long path folds onto more lines rather than losing its end
-    for column in ("images", "error %", "skipped", "img/s"):
+    paced = any(r.paced for r in results)  # a stream that does not wait: the share of batches adapted on
+    for column in ("images", "error %", *(["adapted %"] * paced), "skipped", "img/s"):
         table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
-        table.add_row(Text(printable(r.data)), str(r.n), percent(r.error), str(len(r.skipped_images)), rate)
+        name = printable(r.data) + (f" (round {r.round})" if r.round is not None else "")
+        shares = [adapted_percent(r.adapted_batches, r.batches)] * paced
+        table.add_row(Text(name), str(r.n), percent(r.error), *shares, str(len(r.skipped_images)), rate)
     if len(results) > 1:
         total = overall(results)
         rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
-        table.add_row("all", str(total["n"]), percent(total["error"]), str(total["skipped_images"]), rate, style="bold")
+        shares = [adapted_percent(sum(r.adapted_batches for r in results), sum(r.batches for r in results))] * paced
+        table.add_row(
+            "all", str(total["n"]), percent(total["error"]), *shares, str(total["skipped_images"]), rate, style="bold"
+        )
     return table
+
+
+def adapted_percent(adapted: int, batches: int) -> str:
+    return f"{100 * adapted / batches:.0f}" if batches else "-"
+
+
+def protocol_lines(protocol: dict) -> list[str]:
+    """The summary's lines on a stream that does not wait, the rounds and forgetting (the JSON's keys)."""
+    lines = []
+    if "stream" in protocol:
+        stream = protocol["stream"]
+        cost = "no step" if stream["cost"] is None else f"{stream['cost']:.2f} forward passes a step"
+        lines.append(
+            f"stream rate {stream['rate']} (a batch every {stream['rate']} forward passes of the source model): "
+            f"{cost} ({stream['cost_from']}), adapted on {100 * (stream['adapted_share'] or 0):.0f}% of the batches"
+        )
+    if "rounds" in protocol:
+        rounds = protocol["rounds"]
+        lines.append("error by round: " + ", ".join(f"{r['round']}: {percent(r['error'])}%" for r in rounds))
+    if "forgetting" in protocol:
+        lines.append(
+            "forgetting, the error on the clean domain after each domain: "
+            + ", ".join(
+                printable(short_name(f["after"]))
+                + (f" (round {f['round']})" if len(protocol.get("rounds", [])) > 1 else "")
+                + f": {percent(f['error'])}%"
+                for f in protocol["forgetting"]
+            )
+        )
+    return lines
+
+
+def short_name(name: str) -> str:
+    """`…/fog/5` → `fog/5` (the ImageNet-C layout), else the folder or file name."""
+    path = Path(name)
+    return f"{path.parent.name}/{path.name}" if path.name.isdigit() and path.parent.name else (path.name or name)

@@ -24,6 +24,10 @@ class DomainResult:
     unrefined_batches: int = 0  # distances left partly in the expanded form (distances.refine_capacity)
     kept_samples: int | None = None  # samples a filtering method (EATA, SAR) kept for its updates; None: it keeps all
     seconds: float = 0.0
+    batches: int = 0  # batches with an image read
+    adapted_batches: int = 0  # of those, the ones adapted on (all but under a stream that does not wait)
+    round: int | None = None  # with `rounds` > 1, which pass over the domains (from 1)
+    paced: bool = False  # streamed without waiting for the method (`stream_rate`): its adapted share is reported
 
     @property
     def error(self) -> float | None:
