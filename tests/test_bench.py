@@ -384,6 +384,7 @@ def test_run_grid_gives_each_rank_every_world_th_run(monkeypatch):
             cautions=lambda: [],
             groups=None,
             clean=None,
+            protocol={},
         )
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)
@@ -643,6 +644,8 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "norm": "prior:4",
             "fisher_samples": 2000,
             "reset": "episodic",
+            "stream_rate": "inf",
+            "step_cost": "table",
             "method_options": {},
         }
     ]
@@ -751,6 +754,7 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
             cautions=lambda: [],
             groups=None,
             clean=None,
+            protocol={},
         )
 
     monkeypatch.setattr(bench, "prepare_adaptation", fake_prepare)

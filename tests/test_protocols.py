@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +192,55 @@ def test_bad_protocol_values_are_one_line_errors(setup, extra, message):
 def test_a_forgetting_domain_that_is_also_a_test_domain_is_refused(setup):
     result = _adapt(setup, "--forgetting", f"{setup['train']}/")
     assert result.exit_code == 2 and "also a test domain" in result.stderr and result.stdout == ""
+
+
+def test_bench_takes_rates_as_an_axis_and_reports_rounds_shares_and_forgetting(tmp_path, tiny_weights):
+    """A rate axis gives each row a `rate R` twin whose share of adapted batches is reported;
+    rounds give a table and a JSON list of the error by round (each round's error is the cell
+    of `cafa adapt --rounds`), forgetting a clean error after each domain of each run."""
+    from typer.testing import CliRunner
+
+    from cafa_cli.cli.app import app
+
+    mild = write_folder(tmp_path / "mild", per_class=6, seed=1, shift=0.2)
+    harsh = write_folder(tmp_path / "harsh", per_class=6, seed=2, shift=0.7)
+    clean = write_folder(tmp_path / "clean", per_class=4, seed=3)
+    args = ["bench", str(harsh), str(mild), "--methods", "tent@0.05", "--model", TINY_NET, "--weights"]
+    args += [str(tiny_weights), "--resize", "none", "--crop", "none", "--mean", "0", "--std", "1"]
+    args += ["--channels", "1", "--batch-size", "6", "--workdir", str(tmp_path / "w"), "--reset", "never"]
+    args += ["--stream-rates", "inf,1", "--rounds", "2", "--forgetting", str(clean), "--seeds", "0,1"]
+    result = CliRunner().invoke(app, [*args, "--metrics-json", str(tmp_path / "b.json"), "--csv", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.stderr
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert [row["label"] for row in saved["rows"]] == ["tent@0.05, rate inf", "tent@0.05, rate 1"]
+    assert [row["stream_rate"] for row in saved["rows"]] == ["inf", "1"]
+    protocols = {(p["method"], p["seed"]): p for p in saved["protocols"]}
+    paced = protocols[("tent@0.05, rate 1", 0)]
+    # 12 batches in one continual stream, k = 4.2: batches 0, 5 and 10 adapted, busy across domains
+    assert paced["stream"]["adapted_share"] == pytest.approx(3 / 12)
+    assert "stream" not in protocols[("tent@0.05, rate inf", 0)]
+    assert [r["round"] for r in paced["rounds"]] == [1, 2] and len(paced["forgetting"]) == 4
+    assert [(f["round"], Path(f["after"]).name) for f in paced["forgetting"]] == [
+        (1, "harsh"),
+        (1, "mild"),
+        (2, "harsh"),
+        (2, "mild"),
+    ]
+    assert "| method | round 1 | round 2 |" in result.stdout and "| tent@0.05, rate 1 | 25.0 |" in result.stdout
+    with open(tmp_path / "c") as f:
+        assert next(csv.reader(f))[:3] == ["method", "order", "stream_rate"]
+    # the table's cell is the error over both rounds: the mean of the two rounds' (equal sizes)
+    cell = saved["table"][0]["mean"]["mean"]
+    by_round = [
+        sum(100 * protocols[("tent@0.05, rate inf", s)]["rounds"][k]["error"] for s in (0, 1)) / 2 for k in (0, 1)
+    ]
+    assert cell == pytest.approx(sum(by_round) / 2)
+
+
+def test_bench_refuses_a_rate_and_a_rate_axis_together():
+    from cafa_cli.jobs.config import BenchConfig
+
+    with pytest.raises(UsageError, match="give one of them"):
+        BenchConfig(data=["x"], stream_rate="1", stream_rates="inf,1")
+    with pytest.raises(UsageError, match="twice"):
+        BenchConfig(data=["x"], stream_rates="1,1/1")

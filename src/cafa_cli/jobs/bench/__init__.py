@@ -74,14 +74,14 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     )  # a benchmark's ROOT: a column per corruption or domain
     train, train_line = training_data(config.train, config.model, config.data, rows)
     config = replace(config, device=str(target), train=train, data=domains)
-    clean, settings = {}, {}
+    clean, settings, protocols = {}, {}, {}
     with process_group(target) as (rank, world):
         for line in [model_line, train_line] if rank == 0 else []:
             if line:
                 monitor.info(line)
         for note in notes if rank == 0 else []:
             monitor.warn(note)
-        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings)
+        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings, protocols)
     if results is None:
         return None
     table = tables.summarise(results, rows, config.data, seeds)
@@ -89,9 +89,12 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     if config.csv:
         tables.write_csv(config.csv, table, config.data, rows if axes or sweep else None)
     if config.metrics_json:
-        write_json(config.metrics_json, config, rows, seeds, table, results, clean or None, settings)
+        write_json(config.metrics_json, config, rows, seeds, table, results, clean or None, settings, protocols)
+    rounds = tables.by_round(protocols, rows, seeds) if config.rounds > 1 else None
     if config.plot:
-        if sweep:
+        if rounds:
+            tables.plot_rounds(config.plot, rounds)
+        elif sweep:
             tables.plot_fractions(config.plot, table, rows)
         else:
             (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
@@ -102,6 +105,11 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
         text = f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
     elif axes:
         text = f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}"
+    if rounds:
+        text = f"{text}\n\n{tables.markdown_by_round(rounds, seeds)}"
+    shares = tables.adapted_shares(protocols, rows, seeds)
+    if shares:
+        text = f"{text}\n\n{tables.markdown_shares(shares)}"
     return BenchReport(text, table)
 
 
@@ -129,13 +137,15 @@ def run_bench(
     world: int = 1,
     clean: dict | None = None,
     settings: dict | None = None,
+    protocols: dict | None = None,
 ) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode (and fraction) the rows need (or re-used from the workdir), then the grid. Under torchrun every
     rank joins the statistics and runs its share of the grid; rank 0 gets every result,
     the other ranks None, and shows what the other ranks' runs said. With `clean` set, the
     source model's clean error goes into `clean`; with `settings`, each row's settings as its
-    runs resolved them (ROW_SETTINGS), on rank 0."""
+    runs resolved them (ROW_SETTINGS), and with `protocols` each run's protocol results (the
+    stream's pace, the error by round, forgetting: Adaptation.protocol), on rank 0."""
     monitor = RankMonitor(monitor if rank == 0 else None)
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
@@ -157,15 +167,17 @@ def run_bench(
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    resolved = {}
-    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved)
-    parts = gather_on_root((mine, resolved, monitor.said()), rank, world)
+    resolved, found = {}, {}
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved, found)
+    parts = gather_on_root((mine, resolved, found, monitor.said()), rank, world)
     if parts is None:
         return None
-    show_other_ranks(monitor, [said for _, _, said in parts])
+    show_other_ranks(monitor, [said for *_, said in parts])
     if settings is not None:
-        settings.update({label: row for _, part, _ in parts for label, row in part.items()})
-    gathered = {key: result for part, _, _ in parts for key, result in part.items()}
+        settings.update({label: row for _, part, _, _ in parts for label, row in part.items()})
+    if protocols is not None:
+        protocols.update({key: record for _, _, part, _ in parts for key, record in part.items()})
+    gathered = {key: result for part, *_ in parts for key, result in part.items()}
     # in the order one process runs them: the JSON report lists the runs in this order
     return {
         (row.label, domain, seed): gathered[(row.label, domain, seed)]
@@ -186,12 +198,14 @@ def run_grid(
     world: int = 1,
     clean: dict | None = None,
     settings: dict | None = None,
+    protocols: dict | None = None,
 ) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the grid's runs
     (grid_runs) are independent, so under torchrun each rank takes every world-th, and
     adapts those of one (row, seed) in one stream, starting afresh at each domain. The
     first (rank 0's) also measures the source model on `clean`, into `clean`; each row's
-    resolved settings (its recipe's and the bench's) go into `settings`."""
+    resolved settings (its recipe's and the bench's) go into `settings`, and each (row label,
+    seed)'s protocol results into `protocols`."""
     results, warned = {}, set()
     labels = tables.domain_labels(config.data)
     mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
@@ -214,7 +228,10 @@ def run_grid(
         if settings is not None:
             settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
         part = job if whole else part_of(job, domains)
-        for domain, result in zip(data, per_domain(part.run(monitor=monitor, warned=warned), part.groups, data)):
+        visits = across_rounds(part.run(monitor=monitor, warned=warned), run.rounds)
+        if protocols is not None and part.protocol:
+            protocols[(row.label, seed)] = part.protocol
+        for domain, result in zip(data, per_domain(visits, part.groups, data)):
             if result.error is None:
                 raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
             results[(row.label, domain, seed)] = result
@@ -236,7 +253,10 @@ def grid_runs(config: BenchConfig, rows: list[Row], seeds: list[int]) -> list[tu
         for seed in seeds
         for domain in (
             range(len(config.data))
-            if apart and not why_domains_depend(row.method, row_reset(config, row), config.mix_domains)
+            if apart
+            and config.rounds == 1
+            and not config.forgetting
+            and not why_domains_depend(row.method, row_reset(config, row), config.mix_domains)
             else [None]
         )
     ]
@@ -249,6 +269,15 @@ def row_reset(config: BenchConfig, row: Row) -> str:
         return config.reset
     schedules = {recipe.settings.get("reset") for family in FAMILIES if (recipe := shipped(row.method, family))}
     return next(iter(schedules - {None}), config.reset)
+
+
+def across_rounds(results: list[DomainResult], rounds: int) -> list[DomainResult]:
+    """With `rounds`, each visit's results of every round as one: a cell of the table is the
+    error over all rounds (the error of each round is the run's protocol)."""
+    if rounds == 1:
+        return results
+    visits = len(results) // rounds
+    return per_domain(results, [k % visits for k in range(len(results))], [r.data for r in results[:visits]])
 
 
 def per_domain(results: list[DomainResult], groups: list[int] | None, domains: list[str]) -> list[DomainResult]:
@@ -266,4 +295,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
         whole.skipped_images += result.skipped_images
         whole.skipped_steps += result.skipped_steps
         whole.seconds += result.seconds
+        whole.batches += result.batches
+        whole.adapted_batches += result.adapted_batches
+        whole.paced = result.paced
     return merged

@@ -34,6 +34,8 @@ ROW_SETTINGS = (
     "norm",
     "fisher_samples",
     "reset",
+    "stream_rate",
+    "step_cost",
     "method_options",
 )
 
@@ -47,6 +49,7 @@ def write_json(
     results: dict,
     clean: dict | None = None,
     settings: dict | None = None,
+    protocols: dict | None = None,
 ) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
@@ -93,6 +96,12 @@ def write_json(
             for r in rows
         ],
         "artifacts": artifacts,
+        # each run's stream pace, error by round and forgetting, where it ran under those protocols
+        **(
+            {"protocols": [{"method": m, "seed": s, **record} for (m, s), record in protocols.items()]}
+            if protocols
+            else {}
+        ),
         **({"clean": report.with_unit(clean)} if clean else {}),
         "settings": {
             **shared,

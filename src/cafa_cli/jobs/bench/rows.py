@@ -6,6 +6,7 @@ fraction sweep, each row with statistics at every training fraction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config import BenchConfig
@@ -34,6 +35,7 @@ class Row:
     lr: float | None = None  # this row's learning rate, when it differs from --lr
     params: str | None = None  # this row's --params, when it differs from the bench's
     order: str | None = None  # this row's --order, on a grid with an order axis
+    stream_rate: str | None = None  # this row's --stream-rate, on a grid with a stream-rate axis
     batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
     severity: int | None = None  # this row's --severity, on a grid with a severity axis
     condition: str = (
@@ -50,6 +52,9 @@ class Row:
 
     def order_of(self, config: BenchConfig) -> str:
         return self.order or config.order
+
+    def stream_rate_of(self, config: BenchConfig) -> str:
+        return self.stream_rate or config.stream_rate
 
     def batch_size_of(self, config: BenchConfig) -> int:
         return self.batch_size or config.batch_size
@@ -69,31 +74,33 @@ class Row:
 
 
 def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
-    """Every method row under every (order, batch size, severity) of the grid's axes,
-    condition by condition: `tent, batch 8`, `tent, severity 3`. Without axes, the rows as they are."""
+    """Every method row under every (order, stream rate, batch size, severity) of the grid's
+    axes, condition by condition: `tent, batch 8`, `tent, rate 1/2`. Without axes, the rows as they are."""
     if not config.grid_axes():
         return rows
     grid = []
-    for order in config.order_list():
-        for batch_size in config.batch_size_list():
-            for severity in config.severity_list():
-                named = (
-                    [order] * (config.orders is not None)
-                    + [f"batch {batch_size}"] * (config.batch_sizes is not None)
-                    + [f"severity {severity}"] * (config.severities is not None)
-                )
-                condition = ", ".join(named)
-                grid += [
-                    replace(
-                        row,
-                        label=f"{row.label}, {condition}",
-                        order=order,
-                        batch_size=batch_size,
-                        severity=severity if config.severities is not None else None,
-                        condition=condition,
-                    )
-                    for row in rows
-                ]
+    for order, rate, batch_size, severity in product(
+        config.order_list(), config.stream_rate_list(), config.batch_size_list(), config.severity_list()
+    ):
+        named = (
+            [order] * (config.orders is not None)
+            + [f"rate {rate}"] * (config.stream_rates is not None)
+            + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+            + [f"severity {severity}"] * (config.severities is not None)
+        )
+        condition = ", ".join(named)
+        grid += [
+            replace(
+                row,
+                label=f"{row.label}, {condition}",
+                order=order,
+                stream_rate=rate if config.stream_rates is not None else None,
+                batch_size=batch_size,
+                severity=severity if config.severities is not None else None,
+                condition=condition,
+            )
+            for row in rows
+        ]
     return grid
 
 

@@ -102,6 +102,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         "lr": row.lr,
         "params": row.params,
         "order": row.order,
+        "stream_rate": row.stream_rate,
         "batch_size": row.batch_size,
         "severity": row.severity,
     }
@@ -113,6 +114,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         params=row.params_of(config),
         seed=seed,
         order=row.order_of(config),
+        stream_rate=row.stream_rate_of(config),
         batch_size=row.batch_size_of(config),
         severity=row.severity_of(config),
         oracle=row.oracle,

@@ -92,7 +92,8 @@ def _condition_columns(rows: list | None) -> list[str]:
         return []
     if any(row.fraction is not None for row in rows):
         return ["fraction"]
-    return ["order", "batch_size", *["severity"] * any(row.severity is not None for row in rows)]
+    rates = ["stream_rate"] * any(row.stream_rate is not None for row in rows)
+    return ["order", *rates, "batch_size", *["severity"] * any(row.severity is not None for row in rows)]
 
 
 def _fraction_sweep(table: list[dict], rows: list) -> tuple[list[float], list[str], dict]:
@@ -308,3 +309,57 @@ def plot_fractions(path: str, table: list[dict], rows: list) -> None:
     _legend_outside(ax, handles)  # in the table's order, lines and flat lines mixed
     fig.tight_layout()
     _save(plt, fig, path)
+
+
+def by_round(protocols: dict, rows: list, seeds: list[int]) -> dict[str, list[tuple[float, float]]]:
+    """With `rounds`: per row, the error % of each round over all its domains, mean and std over the seeds."""
+    table = {}
+    for row in rows:
+        per_seed = [[100 * r["error"] for r in protocols[(row.label, seed)]["rounds"]] for seed in seeds]
+        table[row.label] = [_mean_std(list(values)) for values in zip(*per_seed)]
+    return table
+
+
+def markdown_by_round(rounds: dict[str, list[tuple[float, float]]], seeds: list[int]) -> str:
+    """The long-horizon table: a line per method, a column per round (the error over all domains)."""
+    count = max(len(errors) for errors in rounds.values())
+    lines = ["| method | " + " | ".join(f"round {k + 1}" for k in range(count)) + " |", "|---|" + "---:|" * count]
+    for label, errors in rounds.items():
+        cells = [f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "") for mean, std in errors]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_rounds(path: str, rounds: dict[str, list[tuple[float, float]]]) -> None:
+    """The long-horizon figure (RDumb's, the persistent-TTA papers'): error against round, a line per method."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (label, errors), colour in zip(rounds.items(), _colours(plt, len(rounds))):
+        numbers = range(1, len(errors) + 1)
+        ax.errorbar(numbers, [m for m, _ in errors], yerr=[s for _, s in errors], marker="o", color=colour, label=label)
+    ax.set_xlabel("round (one pass over every domain)")
+    ax.set_ylabel("error % (over the round's domains)")
+    ax.grid(axis="y", alpha=0.3)
+    _legend_outside(ax)
+    fig.tight_layout()
+    _save(plt, fig, path)
+
+
+def adapted_shares(protocols: dict, rows: list, seeds: list[int]) -> dict[str, tuple[float, float]]:
+    """Under a stream that does not wait: per row, the % of batches adapted on, mean and std over the seeds."""
+    shares = {}
+    for row in rows:
+        streams = [protocols.get((row.label, seed), {}).get("stream") for seed in seeds]
+        if all(streams):
+            shares[row.label] = _mean_std([100 * (stream["adapted_share"] or 0) for stream in streams])
+    return shares
+
+
+def markdown_shares(shares: dict[str, tuple[float, float]]) -> str:
+    lines = ["| method | adapted on, % of batches |", "|---|---:|"]
+    lines += [f"| {label} | {mean:.1f} |" for label, (mean, _) in shares.items()]
+    return "\n".join(lines)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return stats_lib.mean(values), stats_lib.stdev(values) if len(values) > 1 else 0.0

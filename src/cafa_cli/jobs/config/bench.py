@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cafa_cli.data.pace import parse_stream_rates
 from cafa_cli.data.values import check_batch_size, parse_order
 from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config.checks import (
@@ -130,6 +131,13 @@ class BenchConfig(
         panel=STREAM,
         show_default=False,
     )
+    stream_rates: str | None = setting(
+        None,
+        "Grid axis: stream rates (as --stream-rate), comma-separated, e.g. inf,1,1/2; every row runs under each.",
+        metavar="R,...",
+        panel=STREAM,
+        show_default=False,
+    )
     severities: str | None = setting(
         None,
         "Grid axis: severities 1-5, comma-separated; every row runs at each.",
@@ -189,6 +197,7 @@ class BenchConfig(
         check_gradual_severity(self)
         self.seed_list()
         self.order_list()
+        self.stream_rate_list()
         self.batch_size_list()
         self.severity_list()
         self.fraction_list()
@@ -235,6 +244,18 @@ class BenchConfig(
             spellings = [order for order in orders if parse_order(order, "orders") == parse_order(same[0], "orders")]
             raise UsageError(f"`orders` names one order twice ({', '.join(spellings)}); give each once")
         return orders
+
+    def stream_rate_list(self) -> list[str]:
+        """The stream rates the grid runs: `stream_rates`, else `stream_rate` alone."""
+        if self.stream_rates is None:
+            return [self.stream_rate]
+        if self.stream_rate != "inf":
+            raise UsageError(
+                f"`stream_rate` {self.stream_rate} and `stream_rates` {self.stream_rates} both say how fast the "
+                f"stream is; give one of them"
+            )
+        parse_stream_rates(self.stream_rates)
+        return [part.strip() for part in self.stream_rates.split(",")]
 
     def batch_size_list(self) -> list[int]:
         """The adaptation batch sizes the grid runs: `batch_sizes`, else `batch_size` alone
@@ -297,8 +318,9 @@ class BenchConfig(
         return fractions
 
     def grid_axes(self) -> bool:
-        """Whether the grid has an order, batch-size or severity axis (else the table is the plain one)."""
-        return self.orders is not None or self.batch_sizes is not None or self.severities is not None
+        """Whether the grid has an order, stream-rate, batch-size or severity axis (else the table is the plain one)."""
+        axes = (self.orders, self.stream_rates, self.batch_sizes, self.severities)
+        return any(axis is not None for axis in axes)
 
     def seed_list(self) -> list[int]:
         try:
