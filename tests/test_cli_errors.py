@@ -345,7 +345,7 @@ def test_batch_size_below_one(setup, tmp_path, command):
         result = stats(setup, setup["train"], "--batch-size", "0", "--out", tmp_path / "s.safetensors")
     else:
         result = adapt(setup, setup["train"], "--batch-size", "0")
-    fails(result, 2, "--batch-size must be at least 1 and below 2**31, not 0")
+    fails(result, 2, "--batch-size must be a whole number, at least 1 and below 2**31, not 0")
     assert result.stdout == "", "no CSV header before the options are checked"
 
 

@@ -240,7 +240,7 @@ def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa:
         (["--method", "lame", "--method-option", "affinity=cosine"], "lame's option affinity must be rbf, knn, linear"),
         (
             ["--method", "t3a", "--method-option", "filter_k=0"],
-            "t3a's option filter_k must be a whole number, 1 or more, or all",
+            "t3a's option filter_k must be a whole number from 1 to 10,000, or all",
         ),
         (
             ["--method", "tent", "--method-option", "eata.fisher_alpha=1"],

@@ -236,7 +236,7 @@ def test_cotta_is_a_function_of_the_seed_and_reset_brings_the_teacher_back(train
 def test_an_option_out_of_range_is_named():
     with pytest.raises(UsageError, match="cotta's option restore_probability must be a number in"):
         create("cotta", restore_probability=1.5)
-    with pytest.raises(UsageError, match="rotta's option memory_size must be a whole number, 1 or more"):
+    with pytest.raises(UsageError, match="rotta's option memory_size must be a whole number from 1 to 10,000"):
         create("rotta", memory_size=0)
 
 

@@ -61,8 +61,9 @@ def check_preprocessing(values: dict, prefix: str = "") -> None:
 
 
 def check_batch_size(batch_size: int) -> None:
-    if not 1 <= batch_size < 2**31:
-        raise UsageError(f"`batch_size` must be at least 1 and below 2**31, not {batch_size}")
+    """A whole number (not 10.0, true or "10", as a TOML file may write it), 1 to 2**31 - 1."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2**31:
+        raise UsageError(f"`batch_size` must be a whole number, at least 1 and below 2**31, not {batch_size!r}")
 
 
 def check_num_workers(num_workers: int | None) -> None:

@@ -44,7 +44,7 @@ LAMBDA_T = 1.0
 LAMBDA_U = 1.0
 # the options of a method that trains on the bank (rotta, cafa-robust): its size and schedule, then its score's weights
 SCHEDULE_OPTIONS = (
-    Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count"),
+    Option("memory_size", CAPACITY, "K, the samples the category-balanced memory bank holds", "count", most=10_000),
     Option("update_every", UPDATE_EVERY, "a training step on the bank after every this many samples", "count"),
 )
 SCORE_OPTIONS = (

@@ -109,19 +109,35 @@ class Option:
     help: str
     kind: str  # a key of OPTION_KINDS
     choices: tuple[str, ...] = ()  # for kind "choice"
+    most: int = 0  # for the whole-number kinds: the largest value (0: MOST_COUNT), so that memory and time stay sane
 
     def accepts(self) -> str:
-        return ", ".join(self.choices) if self.kind == "choice" else OPTION_KINDS[self.kind]
+        if self.kind == "choice":
+            return ", ".join(self.choices)
+        if self.kind.startswith("count"):
+            least = 0 if self.kind == "count0" else 1
+            return f"a whole number from {least} to {self.largest():,}" + (
+                ", or all" if self.kind.endswith("all") else ""
+            )
+        return OPTION_KINDS[self.kind]
+
+    def largest(self) -> int:
+        return self.most or MOST_COUNT
 
     def value(self, method: str, value):
         """`value` (from TOML, or the text after NAME= on the command line) as the method
         takes it; a UsageError naming the method, the option and what it accepts."""
         converted = _CONVERT[self.kind](value, self.choices)
+        if isinstance(converted, int) and not isinstance(converted, bool) and self.kind.startswith("count"):
+            converted = converted if converted <= self.largest() else _INVALID
         if converted is _INVALID:
             raise UsageError(f"{method}'s option {self.name} must be {self.accepts()}, not {value!r}")
         return converted
 
 
+# the largest whole-number option a method takes unless it says less (Option.most): a count beyond
+# it (a bank of 10^20 samples, 10^12 iterations) would exhaust memory or never finish
+MOST_COUNT = 1_000_000
 OPTION_KINDS = {
     "fraction": "a number in [0, 1]",
     "weight": "a number, 0 or more",
@@ -150,10 +166,10 @@ def _number(value):
 
 def _whole(value, least: int):
     if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
+        text = value.strip()
+        if not (text.isascii() and text.lstrip("+-").isdigit()) or len(text) > 20:  # '²' passes isdigit()
             return _INVALID
+        value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         return _INVALID
     return value

@@ -165,7 +165,13 @@ class AdaContrast(Method):
     running_norms = False  # its key encoder is a copy of the model, BatchNorms included
     owns_update = True
     options = (
-        Option("queue_size", QUEUE_SIZE, "K, the keys in the contrastive queue and the features in the bank", "count"),
+        Option(
+            "queue_size",
+            QUEUE_SIZE,
+            "K, the keys in the contrastive queue and the features in the bank",
+            "count",
+            most=262_144,
+        ),
         Option(
             "teacher_momentum", TEACHER_MOMENTUM, "m: the key encoder's moving average θ' ← mθ' + (1 − m)θ", "fraction"
         ),
@@ -173,7 +179,9 @@ class AdaContrast(Method):
         Option("alpha", 1.0, "α, the weight of the cross-entropy to the refined pseudo-labels", "weight"),
         Option("beta", 1.0, "β, the weight of the contrastive (InfoNCE) loss", "weight"),
         Option("eta", 1.0, "η, the weight of the diversity term", "weight"),
-        Option("num_neighbors", NUM_NEIGHBORS, "the bank's nearest features whose probabilities vote", "count"),
+        Option(
+            "num_neighbors", NUM_NEIGHBORS, "the bank's nearest features whose probabilities vote", "count", most=1024
+        ),
         Option("refine_after", REFINE_AFTER, "images seen before the pseudo-labels are refined", "count0"),
         Option("distance", "cosine", "the bank's distance", "choice", DISTANCES),
         Option(

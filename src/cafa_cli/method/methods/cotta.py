@@ -127,7 +127,13 @@ class CoTTA(Method):
             "τ: below this mean source confidence the pseudo-label averages the augmented views",
             "fraction",
         ),
-        Option("augmentations", AUGMENTATIONS, "K, the augmented views (0: the teacher's prediction always)", "count0"),
+        Option(
+            "augmentations",
+            AUGMENTATIONS,
+            "K, the augmented views (0: the teacher's prediction always)",
+            "count0",
+            most=1024,
+        ),
         Option("loss", "ce", "ce, or sce (the official ImageNet-C symmetric cross-entropy)", "choice", LOSSES),
     )
 

@@ -114,11 +114,13 @@ class Lame(Method):
     trains = False
     options = (
         Option("affinity", "rbf", "the affinity of the batch's features", "choice", AFFINITIES),
-        Option("knn", KNN, "k: rbf's σ is the mean distance to the k-th neighbour; knn's neighbours", "count"),
+        Option(
+            "knn", KNN, "k: rbf's σ is the mean distance to the k-th neighbour; knn's neighbours", "count", most=1024
+        ),
         Option("sigma", "auto", "rbf's σ: auto (from knn, as the official code), or a fixed one", "positive_or_auto"),
         Option("symmetric", False, "make the affinity symmetric, (W + Wᵀ)/2", "flag"),
         Option("bound_lambda", LAMBDA, "λ, the weight of the Laplacian term", "weight"),
-        Option("max_steps", MAX_STEPS, "the most fixed-point iterations a batch", "count"),
+        Option("max_steps", MAX_STEPS, "the most fixed-point iterations a batch", "count", most=10_000),
     )
 
     def __init__(

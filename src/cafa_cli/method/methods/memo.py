@@ -85,7 +85,9 @@ class Memo(Method):
     unsaved = (*Method.unsaved, "generator")
     per_batch = (*Method.per_batch, "adapted")
     options = (
-        Option("copies", COPIES, "B, the augmented views of each image its marginal entropy averages", "count"),
+        Option(
+            "copies", COPIES, "B, the augmented views of each image its marginal entropy averages", "count", most=1024
+        ),
         Option("crop", "padded", "the views' crop: padded (CIFAR's) or resized (ImageNet's)", "choice", CROPS),
     )
 

@@ -102,7 +102,13 @@ class Rmt(Method):
     options = (
         Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),
         Option("temperature", TEMPERATURE, "τ, the contrastive loss's temperature", "positive"),
-        Option("projection_dim", PROJECTION_DIM, "p, the projector's width (Linear d→p, ReLU, Linear p→p)", "count"),
+        Option(
+            "projection_dim",
+            PROJECTION_DIM,
+            "p, the projector's width (Linear d→p, ReLU, Linear p→p)",
+            "count",
+            most=8192,
+        ),
         Option("lambda_ce_trg", 1.0, "λ_trg, the weight of the symmetric cross-entropy to the teacher", "weight"),
         Option("lambda_cont", 1.0, "λ_cont, the weight of the contrastive loss to the source prototypes", "weight"),
         Option(

@@ -90,7 +90,13 @@ class Santa(Method):
     owns_update = True  # a second (augmented) pass and the anchor's pass each step
     options = (
         Option("temperature", TEMPERATURE, "τ, the contrastive loss's temperature", "positive"),
-        Option("projection_dim", PROJECTION_DIM, "p, the projector's width (Linear d→p, ReLU, Linear p→p)", "count"),
+        Option(
+            "projection_dim",
+            PROJECTION_DIM,
+            "p, the projector's width (Linear d→p, ReLU, Linear p→p)",
+            "count",
+            most=8192,
+        ),
         Option("lambda_ce_trg", 1.0, "λ_trg, the weight of the cross-entropy to the source anchor", "weight"),
         Option("lambda_cont", 1.0, "λ_cont, the weight of the contrastive loss to the source prototypes", "weight"),
     )

@@ -39,7 +39,13 @@ class T3A(Method):
     adapts_normalisation = False
     trains = False
     options = (
-        Option("filter_k", FILTER_K, "M, the supports kept per class (lowest entropy first), or all", "count_or_all"),
+        Option(
+            "filter_k",
+            FILTER_K,
+            "M, the supports kept per class (lowest entropy first), or all",
+            "count_or_all",
+            most=10_000,
+        ),
     )
 
     def __init__(self, filter_k: int | str = FILTER_K):

@@ -45,7 +45,7 @@ class TTAug(Method):
     generator: torch.Generator | None = None  # the views' random numbers; None: the device's default
     unsaved = (*Method.unsaved, "generator")
     options = (
-        Option("copies", COPIES, "B, the augmented views of each image averaged with it", "count"),
+        Option("copies", COPIES, "B, the augmented views of each image averaged with it", "count", most=1024),
         Option("average", "logits", "what is averaged: logits (the collection's) or probabilities", "choice", AVERAGES),
         Option("crop", "padded", "the views' crop: padded (CIFAR's) or resized (ImageNet's)", "choice", CROPS),
     )

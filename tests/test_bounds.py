@@ -1,0 +1,55 @@
+"""One bound for every number, wherever it is written (issue 40, §2): every whole-number
+option of every method has an upper bound that keeps memory and time sane, and a recipe's
+batch size is a whole number, not 10.0, true or "10"."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY_NET, invoke
+
+from cafa_cli.errors import UsageError
+from cafa_cli.method.methods import REGISTRY, options_of
+from cafa_cli.method.options import MOST_COUNT
+
+COUNTS = [
+    (method, option)
+    for method in REGISTRY
+    for option in options_of(method)
+    if option.kind in ("count", "count0", "count_or_all")
+]
+
+
+def test_every_method_has_whole_number_options_to_bound():
+    assert {"rotta", "t3a", "lame", "cotta", "memo", "ttaug", "adacontrast"} <= {m for m, _ in COUNTS}
+
+
+@pytest.mark.parametrize("method, option", COUNTS, ids=[f"{m}.{o.name}" for m, o in COUNTS])
+def test_a_whole_number_option_takes_up_to_its_bound_and_refuses_beyond(method, option):
+    assert 0 < option.largest() <= MOST_COUNT
+    assert option.default == "all" or option.default <= option.largest()  # the default is a value it takes
+    assert option.value(method, str(option.largest())) == option.largest()
+    for beyond in (option.largest() + 1, 10**21, "1" + "0" * 5000, "²", "1.0", "true"):
+        with pytest.raises(UsageError, match=f"{option.name} must be a whole number from"):
+            option.value(method, beyond)
+
+
+@pytest.mark.parametrize("written", ["10.0", "true", '"10"', "0", "-3"])
+def test_a_recipes_batch_size_is_a_whole_number(setup, tmp_path, written):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"[tent]\nbatch_size = {written}\n")
+    result = invoke(
+        "adapt",
+        "--stats",
+        setup["artifact"],
+        "--model",
+        TINY_NET,
+        "--data",
+        setup["train"],
+        "--method",
+        "tent",
+        "--recipe",
+        recipe,
+    )
+    assert result.exit_code == 3, result.stderr
+    assert str(recipe) in result.stderr and "batch-size must be a whole number" in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
