@@ -10,11 +10,13 @@
 #      (100 a class) predicted with the weights adapted so far.
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 # STAGES picks the parts (rate rounds); results land in $OUT (bench JSON, markdown, the figure).
+# WAITING: bench JSON files of the waiting stream on the same data and seeds (the recipes
+# table's, docs/results/recipes/*.json), for table 1's waiting columns.
 set -euo pipefail
 OUT=${OUT:-protocols-out}; WORK=${WORK:-/tmp/fmnist-c}; SEEDS=${SEEDS:-0,1,2}; STAGES=${STAGES:-"rate rounds"}
 RATE_ROWS=${RATE_ROWS:-source,bn,tent,cafa,eta,eata,cafa-eata,sar,t3a,lame,rotta,cotta,cafa-robust,deyo,roid,cmf,rmt,santa,rpl,rdumb,adacontrast}
 ROUND_ROWS=${ROUND_ROWS:-tent,cafa,eata,sar,rotta,cafa-robust,roid,cmf,rmt,santa,rdumb,deyo,rpl,adacontrast,cotta}
-ROUNDS=${ROUNDS:-10}; ROUND_PER_CLASS=${ROUND_PER_CLASS:-70}; ROUND_BATCH=${ROUND_BATCH:-64}
+WAITING=${WAITING:-}; ROUNDS=${ROUNDS:-10}; ROUND_PER_CLASS=${ROUND_PER_CLASS:-70}; ROUND_BATCH=${ROUND_BATCH:-64}
 TEST_PER_CLASS=300; source "$(dirname "$0")/fmnist_c.sh"
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -56,4 +58,4 @@ EOF
     --metrics-json "$OUT/rounds.json" --plot "$OUT/rounds.svg" --quiet > "$OUT/rounds.md"
   said "rounds done"
 fi
-"$PY" "$(dirname "$0")/protocols_tables.py" "$OUT" | tee "$OUT/tables.md"
+"$PY" "$(dirname "$0")/protocols_tables.py" "$OUT" $WAITING | tee "$OUT/tables.md"

@@ -1,13 +1,15 @@
 """The protocol tables of docs/results.md from benchmarks/protocols_table.sh's bench JSON files:
 
 1. rate.json: each row's error over the 15 domains (mean ± std over the seeds) under a stream
-   that does not wait, per order, with the share of batches it adapted on;
+   that does not wait, per order, with the share of batches it adapted on, beside the
+   waiting stream's error of the same seeds from the bench JSON files given after OUT (the
+   recipes table's: the first file that has a row NAME[@LR], ORDER wins);
 2. rounds.json: the error of each round of the long continual stream, and the last round
    against the first;
 3. rounds.json: forgetting, the error on the clean domain after the first domain, after the
    first round and after the last.
 
-    python benchmarks/protocols_tables.py OUT      # reads OUT/rate.json and OUT/rounds.json, where present
+    python benchmarks/protocols_tables.py OUT [WAITING.json ...]   # OUT/rate.json and OUT/rounds.json
 """
 
 from __future__ import annotations
@@ -24,7 +26,25 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f}" + (f" ± {std:.2f}" if len(values) > 1 else "")
 
 
-def rate_table(saved: dict) -> str:
+def waiting_errors(files: list[str], seeds: list[int], domains: set[str]) -> dict[tuple[str, str], float]:
+    """{(method, order): error % over `domains`, mean over `seeds`} of the waiting stream, from
+    bench JSON files whose rows are `NAME[@LR], ORDER` on the same domains; the first file
+    with a row wins."""
+    found: dict[tuple[str, str], float] = {}
+    for path in files:
+        runs: dict[tuple[str, str], dict[int, list[float]]] = {}
+        for run in json.loads(Path(path).read_text())["runs"]:
+            label, _, order = run["method"].rpartition(", ")
+            if run["seed"] in seeds and run["data"] in domains:
+                runs.setdefault((label.partition("@")[0], order), {}).setdefault(run["seed"], []).append(run["error"])
+        for key, by_seed in runs.items():
+            whole = set(by_seed) == set(seeds) and all(len(errors) == len(domains) for errors in by_seed.values())
+            if key not in found and whole:
+                found[key] = statistics.mean(100 * statistics.mean(errors) for errors in by_seed.values())
+    return found
+
+
+def rate_table(saved: dict, waiting: dict[tuple[str, str], float]) -> str:
     orders = list(dict.fromkeys(row["order"] for row in saved["rows"]))
     names = list(dict.fromkeys(row["label"].rpartition(", ")[0] for row in saved["rows"]))
     cells = {row["method"]: row["mean"] for row in saved["table"]}
@@ -32,13 +52,14 @@ def rate_table(saved: dict) -> str:
     for record in saved.get("protocols", []):
         shares.setdefault(record["method"], []).append(100 * record["stream"]["adapted_share"])
     rate = saved["rows"][0].get("stream_rate", "?")
-    header = " | ".join(f"{order}, rate {rate} | adapted %" for order in orders)
-    lines = [f"| method | {header} |", "|---|" + "---:|---:|" * len(orders)]
+    header = " | ".join(f"{order}, waiting | {order}, rate {rate} | adapted %" for order in orders)
+    lines = [f"| method | {header} |", "|---|" + "---:|---:|---:|" * len(orders)]
     for name in names:
         row = []
         for order in orders:
             label = f"{name}, {order}"
             cell = cells[label]
+            row.append(f"{waiting[(name, order)]:.2f}" if (name, order) in waiting else "—")
             row.append(f"{cell['mean']:.2f}" + (f" ± {cell['std']:.2f}" if len(saved["seeds"]) > 1 else ""))
             row.append(f"{statistics.mean(shares[label]):.1f}" if label in shares else "—")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
@@ -76,10 +97,13 @@ def forgetting_table(saved: dict) -> str:
     return "\n".join(lines)
 
 
-def main(out: str) -> None:
+def main(out: str, waiting_files: list[str]) -> None:
     rate, rounds = Path(out) / "rate.json", Path(out) / "rounds.json"
     if rate.exists():
-        print("## A stream that does not wait\n\n" + rate_table(json.loads(rate.read_text())) + "\n")
+        saved = json.loads(rate.read_text())
+        domains = {domain["data"] for domain in saved["domains"]}
+        table = rate_table(saved, waiting_errors(waiting_files, saved["seeds"], domains))
+        print("## A stream that does not wait\n\n" + table + "\n")
     if rounds.exists():
         saved = json.loads(rounds.read_text())
         print("## Error by round\n\n" + rounds_table(saved) + "\n")
@@ -87,4 +111,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
