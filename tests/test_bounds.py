@@ -53,3 +53,19 @@ def test_a_recipes_batch_size_is_a_whole_number(setup, tmp_path, written):
     assert result.exit_code == 3, result.stderr
     assert str(recipe) in result.stderr and "batch-size must be a whole number" in result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
+
+
+def test_an_integer_too_long_to_read_in_a_config_or_recipe_is_one_line(setup, tmp_path):
+    """tomllib raises a ValueError past Python's 4,300-digit limit, not its decode error:
+    every command failed with a traceback on such a cafa.toml."""
+    huge = "9" * 5000
+    recipe = tmp_path / "big.toml"
+    recipe.write_text(f"[tent]\nbatch_size = {huge}\n")
+    result = invoke("adapt", "--model", TINY_NET, "--data", setup["train"], "--method", "tent", "--recipe", recipe)
+    assert result.exit_code == 3 and "not valid TOML (an integer of more than 4,300 digits)" in result.stderr
+    from cafa_cli.cli.app import command_options
+    from cafa_cli.cli.defaults import read_defaults
+
+    (tmp_path / "cafa.toml").write_text(f"[adapt]\nbatch_size = {huge}\n")
+    with pytest.raises(UsageError, match=r"cafa.toml: not valid TOML \(an integer of more than 4,300 digits\)"):
+        read_defaults(tmp_path, command_options())

@@ -276,3 +276,11 @@ def open_safetensors(path: str | Path):
         return
     with safe_open(str(path), framework="pt") as f:
         yield f
+
+
+def toml_problem(error: ValueError) -> str:
+    """Why tomllib refused a text, in words: its own message, or for an integer beyond
+    Python's conversion limit (4,300 digits) that it is too long, not Python's advice."""
+    if "integer string conversion" in str(error):
+        return "an integer of more than 4,300 digits"
+    return str(error)

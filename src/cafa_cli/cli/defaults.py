@@ -21,7 +21,7 @@ from pathlib import Path
 from cafa_cli.cli.renamed import warn_renamed
 from cafa_cli.errors import UsageError, did_you_mean
 from cafa_cli.factories import is_factory
-from cafa_cli.files import read_small_text
+from cafa_cli.files import read_small_text, toml_problem
 
 CONFIG_FILE = "cafa.toml"
 # The most cafa.toml or pyproject.toml may hold: a cafa.toml is a few lines, and the
@@ -136,5 +136,5 @@ def _load(path: Path) -> dict:
     text = read_small_text(path, "", CONFIG_LIMIT, "fix it, or move it away", error=UsageError)
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise UsageError(f"{path}: not valid TOML ({error})") from None
+    except ValueError as error:  # TOMLDecodeError, or an integer past Python's 4,300 digits
+        raise UsageError(f"{path}: not valid TOML ({toml_problem(error)})") from None

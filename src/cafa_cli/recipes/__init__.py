@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import read_small_text, reading
+from cafa_cli.files import read_small_text, reading, toml_problem
 from cafa_cli.method.options import check_adapter_options
 
 FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
@@ -115,8 +115,8 @@ def read_file(path: str) -> dict[str, Recipe]:
     )
     try:
         document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise InputError(f"`recipe` {path}: not valid TOML ({error})") from None
+    except ValueError as error:  # TOMLDecodeError, or an integer past Python's 4,300 digits
+        raise InputError(f"`recipe` {path}: not valid TOML ({toml_problem(error)})") from None
     if not document:
         raise InputError(
             f"`recipe` {path}: holds no method table; write one per method, e.g. [eata] (cafa methods eata "
