@@ -330,6 +330,9 @@ def test_class_balanced_needs_the_class_moments_and_cotta_cannot_keep_running_st
         adapter(trained, "class-balanced")
     with pytest.raises(UsageError, match="`norm` ema:0.05 keeps statistics from batch to batch, which cotta cannot"):
         adapter(trained, "ema:0.05", "cotta")
+    # each method says its own reason: memo copies nothing, it is episodic
+    with pytest.raises(UsageError, match=r"which memo cannot \(it is episodic: no statistics pass"):
+        adapter(trained, "ema:0.05", "memo")
     prior = adapter(trained, "prior:4", "cotta")  # settings without running statistics are fine, and are used
     assert [(m.kind, m.prior) for m in prior.model.modules() if isinstance(m, BatchStatisticsNorm)] == [
         ("prior", 4.0)

@@ -111,10 +111,10 @@ class Adapter(OneThreadAtATime):
         )
         method.check(model, device)
         self.norm = norm  # the setting in force
-        if parse_norm(norm)[0] in RUNNING and not method.running_norms:
+        if parse_norm(norm)[0] in RUNNING and method.running_norms is not True:
             raise UsageError(
                 f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
-                f"cannot (it copies the model); use `norm` batch, prior:N, alpha:A or source"
+                f"cannot ({method.running_norms}); use `norm` batch, prior:N, alpha:A or source"
             )
         self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels

@@ -162,7 +162,7 @@ def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 
 class AdaContrast(Method):
     name = "adacontrast"
-    running_norms = False  # its key encoder is a copy of the model, BatchNorms included
+    running_norms = "its key encoder is a copy of the model, BatchNorms included"
     owns_update = True
     options = (
         Option(

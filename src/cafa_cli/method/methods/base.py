@@ -39,7 +39,8 @@ A method says what it changes with four class attributes:
   they keep the source running statistics);
 - `trains`: it has a loss and an optimiser (False: forward passes only, no gradients);
 - `running_norms`: the Adapter's `norm` may keep statistics from batch to batch (ema:M,
-  class-balanced, unmix:K) in its BatchNorms (False: CoTTA, whose teacher copies them).
+  class-balanced, unmix:K) in its BatchNorms; where it may not, the reason, in words
+  (CoTTA: "its teacher and anchor are copies of the model, BatchNorms included").
 
 A method whose step is device work alone sets `capturable`: the tensors it keeps change in
 place (`x += ...`, `x.copy_(...)`, never `self.x = new`), no Python value it keeps moves
@@ -113,7 +114,7 @@ class Method:
     needs_statistics: bool = False
     adapts_normalisation: bool = True
     trains: bool = True
-    running_norms: bool = True
+    running_norms: bool | str = True  # True, or why not
     gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
     device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
     # a count on the device of batches whose loss was computed less exactly than usual (cafa:

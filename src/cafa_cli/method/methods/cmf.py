@@ -109,7 +109,9 @@ class CMF(Method):
         )
         # the augmented pass is the batch's last forward pass, which statistics kept from batch
         # to batch (`norm` ema:M, class-balanced) would be left at; refused with it on
-        self.running_norms = not self.consistency
+        self.running_norms = (
+            "its augmented pass is the batch's last, where kept statistics would be left" if self.consistency else True
+        )
         self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ_source of the trained values
         self.hidden: list[torch.Tensor] = []  # h

@@ -111,7 +111,7 @@ def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.T
 
 class CoTTA(Method):
     name = "cotta"
-    running_norms = False  # its teacher and anchor are copies of the model, BatchNorms included
+    running_norms = "its teacher and anchor are copies of the model, BatchNorms included"
     owns_update = True
     options = (
         Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),

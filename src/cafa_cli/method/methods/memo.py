@@ -79,7 +79,7 @@ def views_as_one_sample(model: nn.Module, copies: int):
 class Memo(Method):
     name = "memo"
     owns_update = True  # an episode per image, each from the source weights
-    running_norms = False  # episodic: no statistics pass from one image to the next
+    running_norms = "it is episodic: no statistics pass from one image to the next"
     not_served = "each image is predicted after an update of its own, from the source weights"
     generator: torch.Generator | None = None  # the views' random numbers; None: the device's default
     unsaved = (*Method.unsaved, "generator")

@@ -97,7 +97,7 @@ class Ensemble(nn.Module):
 class Rmt(Method):
     name = "rmt"
     needs_statistics = True  # the source prototypes: the class means
-    running_norms = False  # its teacher is a copy of the model, BatchNorms included
+    running_norms = "its teacher is a copy of the model, BatchNorms included"
     owns_update = True
     options = (
         Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),

@@ -86,7 +86,7 @@ def prototype_contrast(
 class Santa(Method):
     name = "santa"
     needs_statistics = True  # the source prototypes: the class means
-    running_norms = False  # its anchor is a copy of the model, normalisation layers included
+    running_norms = "its anchor is a copy of the model, normalisation layers included"
     owns_update = True  # a second (augmented) pass and the anchor's pass each step
     options = (
         Option("temperature", TEMPERATURE, "τ, the contrastive loss's temperature", "positive"),
