@@ -69,3 +69,20 @@ def test_an_integer_too_long_to_read_in_a_config_or_recipe_is_one_line(setup, tm
     (tmp_path / "cafa.toml").write_text(f"[adapt]\nbatch_size = {huge}\n")
     with pytest.raises(UsageError, match=r"cafa.toml: not valid TOML \(an integer of more than 4,300 digits\)"):
         read_defaults(tmp_path, command_options())
+
+
+@pytest.mark.parametrize("frozen", ["layr2", "layer1,nothere", "layer"])
+def test_a_frozen_module_name_that_matches_nothing_is_refused(trained, frozen):
+    """§6: a typo in sar's `frozen` froze nothing, silently; each name a user gives must hold
+    some module (whole dotted components: `layer` is no component of `layer1`)."""
+    import copy
+
+    from cafa_cli.method.adapter import Adapter
+    from cafa_cli.method.methods import create
+
+    model, gaussians, _, _ = trained
+    names = [name for name, _ in model.named_modules()]
+    with pytest.raises(UsageError, match="sar's option frozen: .* names no module of the model"):
+        Adapter(copy.deepcopy(model), create("sar", gaussians, frozen=frozen))
+    chosen = next(name.split(".")[-1] for name in names if name.split(".")[-1] not in ("", "model"))
+    Adapter(copy.deepcopy(model), create("sar", gaussians, frozen=chosen))  # a name that holds a module is taken

@@ -267,6 +267,19 @@ def select_parameters(
     return unique
 
 
+def check_module_names(model: nn.Module, names: tuple[str, ...], option: str) -> None:
+    """Each of `names` a user gave holds some module of the model (in_frozen's rule): a typo
+    (`layr2`) would otherwise leave the model as it is, silently."""
+    modules = [name for name, _ in model.named_modules() if name not in ("", "model")]  # not the wrapper
+    unmatched = [name for name in names if not any(in_frozen(module, (name,)) for module in modules)]
+    if unmatched:
+        top = list(dict.fromkeys(module.split(".")[1 if module.startswith("model.") else 0] for module in modules))
+        raise UsageError(
+            f"{option}: {', '.join(unmatched)} names no module of the model (whole dotted components, e.g. layer4 "
+            f"or blocks.9; its top-level modules: {', '.join(top[:20])})"
+        )
+
+
 def in_frozen(module_name: str, frozen: tuple[str, ...]) -> bool:
     """Whether a module lies in one that `frozen` names: a name matches whole dotted
     components anywhere in the module's (`layer4` holds `model.layer4.0.bn1`; `blocks.9`

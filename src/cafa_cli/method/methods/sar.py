@@ -33,7 +33,13 @@ import torch
 
 from cafa_cli.method import losses
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
+from cafa_cli.method.methods.base import (
+    AdapterSurface,
+    Method,
+    check_module_names,
+    resolve_device,
+    select_parameters,
+)
 from cafa_cli.method.options import Option
 
 MARGIN = 0.4  # E0 = MARGIN · ln C
@@ -92,6 +98,8 @@ class Sar(Method):
         self.reset()
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        if tuple(self.frozen) != FROZEN:  # the defaults name ResNets' and ViTs' modules: a model has some
+            check_module_names(model, self.frozen, "sar's option frozen")
         self.params = select_parameters(model, which, self.frozen)
         self.saved = None
         return self.params
