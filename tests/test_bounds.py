@@ -86,3 +86,20 @@ def test_a_frozen_module_name_that_matches_nothing_is_refused(trained, frozen):
         Adapter(copy.deepcopy(model), create("sar", gaussians, frozen=frozen))
     chosen = next(name.split(".")[-1] for name in names if name.split(".")[-1] not in ("", "model"))
     Adapter(copy.deepcopy(model), create("sar", gaussians, frozen=chosen))  # a name that holds a module is taken
+
+
+def test_cafa_methods_prints_only_a_recipe_that_validates_and_escapes_control_characters(tmp_path):
+    """§6: it printed `lr = -5` and exited 0, and wrote a `source` with ESC raw to the terminal."""
+    bad = tmp_path / "bad.toml"
+    for written in ("lr = -5", 'batch_size = "x"', "momentum = 1.5", 'norm = "alpha:2"'):
+        bad.write_text(f"[tent]\n{written}\n")
+        result = invoke("methods", "tent", "--recipe", bad)
+        assert result.exit_code == 3 and str(bad) in result.stderr and result.stdout == "", (written, result.stderr)
+    escaped = tmp_path / "esc.toml"
+    escaped.write_text('[tent]\nlr = 0.5\nsource = "a\\u001b[31mred\\u0007"\n')
+    result = invoke("methods", "tent", "--recipe", escaped)
+    assert result.exit_code == 0 and "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert 'source = "a\\u001b[31mred\\u0007"' in result.stdout
+    again = tmp_path / "again.toml"
+    again.write_text(result.stdout)
+    assert invoke("methods", "tent", "--recipe", again).stdout == result.stdout  # it reads back as it was

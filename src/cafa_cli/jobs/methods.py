@@ -8,7 +8,7 @@ from dataclasses import fields
 from rich.table import Column, Table
 from rich.text import Text
 
-from cafa_cli.errors import UsageError, printable
+from cafa_cli.errors import InputError, UsageError, printable
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.method.methods import REGISTRY, method_class
 from cafa_cli.method.options import resolve_options, shown
@@ -110,6 +110,11 @@ def method_recipe(name: str, recipe: str = "none") -> str:
         and (key != "fisher_samples" or REGISTRY[name].without_source_images)
     ]
     settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
+    if chosen:  # a file's values are checked as a run checks them: what is printed reads back and runs
+        try:
+            AdaptConfig(method=name, **{key: value for key, value in chosen.settings.items()})
+        except UsageError as error:
+            raise InputError(f"the recipe {chosen.origin}: {error}") from None
     options = resolve_options(name, method.options, chosen.options if chosen else {})
     about = description(name)
     header = [

@@ -254,4 +254,6 @@ def _value(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_value(item) for item in value) + "]"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    # a control character (ESC from a file's `source`) as TOML's escape: never raw to a terminal
+    text = "".join(f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in text)
     return f'"{text}"'
