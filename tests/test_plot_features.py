@@ -82,6 +82,9 @@ def test_json_gives_each_panels_numbers_and_the_stars_are_the_artifacts_means(se
     numbers = json.loads(result.stdout)
     assert numbers["images"] == numbers["labelled"] == 45 and numbers["classes"] == 3 and numbers["class_means_drawn"]
     assert [p["method"] for p in numbers["panels"]] == ["source", "tent", "cafa"]
+    # 48 points cap t-SNE's perplexity below (48 - 1) / 3: the JSON gives the one used beside the one asked for
+    asked = numbers["embedding"]["perplexity_asked"]
+    assert asked > 47 / 3 and numbers["embedding"]["perplexity"] == 47 / 3
     for panel in numbers["panels"]:
         assert 0 <= panel["error"] <= 1 and panel["within_between"] > 0 and panel["mahalanobis_per_dimension"] > 0
         assert panel["unit"] == "error fraction"

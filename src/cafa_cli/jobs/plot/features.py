@@ -196,7 +196,9 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
         "classes": len(class_names),
         "class_means_drawn": means,
         "seed": config.seed,
-        "embedding": feature_figure.embedding_record(config.perplexity),
+        "embedding": feature_figure.embedding_record(
+            config.perplexity, len(panels[0].labels) + (len(class_names) if means else 0)
+        ),
         "panels": [
             {
                 "method": p.method,

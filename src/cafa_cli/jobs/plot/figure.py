@@ -31,14 +31,21 @@ def libraries():
     return Figure, TSNE
 
 
-def embedding_record(perplexity: float) -> dict:
+def embedding_record(perplexity: float, points: int) -> dict:
+    """What embedded the points: the perplexity used (capped, perplexity_used) and the one asked for."""
     import sklearn
 
     return {
         "library": f"scikit-learn {sklearn.__version__}",
         "method": "t-SNE (Barnes-Hut, PCA initialisation)",
-        "perplexity": perplexity,
+        "perplexity": perplexity_used(perplexity, points),
+        "perplexity_asked": perplexity,
     }
+
+
+def perplexity_used(perplexity: float, points: int) -> float:
+    """t-SNE's perplexity must stay below a third of the points: the one asked for, capped there."""
+    return min(perplexity, (points - 1) / 3)
 
 
 def embed(features: np.ndarray, means: np.ndarray | None, seed: int, perplexity: float) -> np.ndarray:
@@ -54,7 +61,7 @@ def embed(features: np.ndarray, means: np.ndarray | None, seed: int, perplexity:
         )
     tsne = TSNE(
         n_components=2,
-        perplexity=min(perplexity, (len(points) - 1) / 3),
+        perplexity=perplexity_used(perplexity, len(points)),
         init="pca",
         learning_rate="auto",
         random_state=seed,
