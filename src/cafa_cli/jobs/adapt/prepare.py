@@ -167,14 +167,13 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     config, recipe = with_recipe(config, net.num_classes)
     if artifact and config.classes:
         raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
-    base = (
-        artifact.preprocessing
-        if artifact
-        else default_preprocessing(spec.model, spec.weights, config.model_arguments())
-    )
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
-        preprocess = base.with_changes(changes)
+        preprocess = (
+            artifact.preprocessing.with_changes(changes)
+            if artifact
+            else default_preprocessing(spec.model, spec.weights, config.model_arguments(), changes)
+        )
     except UsageError as error:
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None

@@ -19,20 +19,23 @@ def recipe(options: InputOptions, model: str | None, changes: dict | None = None
     """The preprocessing the options give for `model`: its defaults (what the model and the
     weights the options name declare), then the values given (`changes`, when another
     side's geometry applies: bench's test domains). `options` holds the ModelOptions too."""
-    declared = default_preprocessing(model, options.weights, options.model_arguments())
-    return declared.with_changes(options.preprocessing_changes() if changes is None else changes)
+    changes = options.preprocessing_changes() if changes is None else changes
+    return default_preprocessing(model, options.weights, options.model_arguments(), changes)
 
 
 def default_preprocessing(
-    model: str | None, weights: str | None = None, model_args: dict | None = None
+    model: str | None, weights: str | None = None, model_args: dict | None = None, changes: dict | None = None
 ) -> Preprocessing:
     """The bundled model's preprocessing, or the one a timm model or torchvision weights
-    named by enum declare (hub.py), else ImageNet's at 256/224, bilinear."""
+    named by enum declare (hub.py), else ImageNet's at 256/224, bilinear; with the values the
+    user gave (`changes`) in place before anything is checked: a timm model made for one
+    channel (`in_chans=1`) declares a three-channel mean, which the user's replaces."""
+    changes = changes or {}
     bundled = bundled_model(model)
     if bundled:
-        return Preprocessing.from_dict(bundled.preprocessing)
+        return Preprocessing.from_dict(bundled.preprocessing).with_changes(changes)
     declared = hub.declared_preprocessing(model, weights, model_args or {}) if model else None
-    return Preprocessing(**declared) if declared else Preprocessing()
+    return Preprocessing(**{**(declared or {}), **changes})
 
 
 def default_class_names(model: str | None, options: InputOptions) -> list[str] | None:
