@@ -1055,7 +1055,7 @@ def test_grid_rows_run_every_method_under_every_condition_and_name_only_the_axes
         ({"orders": " , "}, "`orders` names no value"),
         ({"orders": "iid", "order": "label-shift:1"}, "`order` label-shift:1 and `orders` iid both say"),
         ({"batch_sizes": "1,x"}, "`batch_sizes` takes comma-separated whole numbers"),
-        ({"batch_sizes": "0"}, "`batch_size` must be at least 1"),
+        ({"batch_sizes": "0"}, "`batch_size` must be a whole number, at least 1"),
         ({"batch_sizes": "2,02"}, "`batch_sizes` names a batch size twice"),
         ({"severities": "1,x"}, "`severities` takes comma-separated whole numbers 1-5"),
         ({"severities": "0,5"}, "`severities`: a severity is 1-5, not 0"),

@@ -63,7 +63,7 @@ def test_imagenet_c_predicts_as_the_severity_folders_do(setup, imagenet_c):
     for severity, extra in ((5, []), (3, ["--severity", "3"])):
         named = adapt(setup, f"imagenet-c:{imagenet_c}", *extra)
         assert named.exit_code == 0, named.stderr
-        assert "recipe imagenet-c for cafa: optimizer sgd, lr 0.0025" in named.stderr  # auto: the named benchmark's
+        assert "recipe imagenet-c (auto, from the named benchmark) for cafa: optimizer sgd, lr 0.0025" in named.stderr
         folders = [str(imagenet_c / c / str(severity)) for c in ("gaussian_noise", "fog", "contrast")]
         plain = invoke(
             "adapt",

@@ -471,3 +471,16 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
             Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **settings)
     eata = shipped("eata", "cifar10-c")
     assert "fisher_samples" in eata.settings and "fisher_samples" not in eata.adapter_settings()
+
+
+def test_auto_says_how_it_chose_the_family():
+    """§7 of issue 40: `auto` took the family from the class count without saying so."""
+    from cafa_cli.jobs.shared.what_runs import recipe_line
+    from cafa_cli.recipes import recipe_for
+
+    assert recipe_for("auto", "tent", ["some/folder"], 10).chosen_by == "the model's 10 classes"
+    assert recipe_for("auto", "tent", ["imagenet-c:/data/in-c"], 10).chosen_by == "the named benchmark"
+    assert recipe_for("cifar10-c", "tent", ["some/folder"], 10).chosen_by == ""  # the user's choice: nothing to say
+    recorded = {"recipe": {"requested": "auto", **recipe_for("auto", "tent", [], 10).record()}, "method_options": {}}
+    recorded.update(optimizer="adam", lr=0.001, momentum=0.9, batch_size=200, params="norm")
+    assert recipe_line("tent", recorded).startswith("recipe cifar10-c (auto, from the model's 10 classes) for tent:")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from cafa_cli.errors import InputError, UsageError
@@ -64,6 +64,7 @@ class Recipe:
     settings: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     origin: str = "shipped"  # or the user's file
+    chosen_by: str = ""  # how `auto` chose the family: "the named benchmark", "the model's 10 classes"
 
     def adapter_settings(self) -> dict:
         """The settings that are the Adapter's keyword arguments (optimizer, lr, momentum,
@@ -80,6 +81,7 @@ class Recipe:
             "source": self.source,
             "settings": dict(self.settings),
             "options": dict(self.options),
+            **({"chosen_by": self.chosen_by} if self.chosen_by else {}),
         }
 
 
@@ -177,6 +179,9 @@ def recipe_for(name: str, method: str, data: list[str], num_classes: int | None)
     recipe = shipped(method, family)
     if recipe is None:
         raise UsageError(f"the method {method} has no recipe for {family}; choose `recipe` none")
+    if name == "auto":
+        by = "the named benchmark" if benchmark_family(data) else f"the model's {num_classes} classes"
+        recipe = replace(recipe, chosen_by=by)
     return recipe
 
 

@@ -99,6 +99,8 @@ def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
         why = "`recipe` none" if recipe["requested"] == "none" else "no family for this model's class count"
         return f"no recipe for {method} ({why}): {chosen}"
     name = recipe["name"] or recipe["origin"]
+    if recipe.get("chosen_by"):  # how auto chose, so that a family is not taken for the user's choice
+        name += f" (auto, from {recipe['chosen_by']})"
     return f"recipe {name} for {method}: {chosen}"
 
 

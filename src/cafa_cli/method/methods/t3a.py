@@ -13,8 +13,8 @@ model predicts for them, then each S_c keeps the M supports of lowest prediction
 (the entropy of the model's own softmax when the support was added). The batch is
 classified after its own features were added, as in the official code.
 
-Option: M = `filter_k`, 100 by default (the official code's default filter_K; the authors
-choose it per dataset by validation from 1, 5, 20, 50, 100, all), or `all` (their −1:
+Option: M = `filter_k`, 100 by default (Benchmark-TTA's tuned CIFAR value; the authors give
+no default, they choose it per dataset by validation from 1, 5, 20, 50, 100, all), or `all` (their −1:
 no filter, every support kept). The supports live on the device as a [C, M, d] tensor
 (C = 1000, d = 2048: 0.8 GB) and are merged with topk, so no step reads a device value;
 with `all` a prototype is the normalised sum of every support its class received, so
