@@ -244,3 +244,15 @@ def test_bench_refuses_a_rate_and_a_rate_axis_together():
         BenchConfig(data=["x"], stream_rate="1", stream_rates="inf,1")
     with pytest.raises(UsageError, match="twice"):
         BenchConfig(data=["x"], stream_rates="1,1/1")
+
+
+def test_a_table_whose_rows_ran_at_different_batch_sizes_or_optimisers_says_so():
+    from cafa_cli.jobs.bench.tables import differing_settings
+
+    same = {"tent": {"batch_size": 200, "optimizer": "adam"}, "cafa": {"batch_size": 200, "optimizer": "adam"}}
+    assert differing_settings(same) == ""
+    mixed = {**same, "rotta": {"batch_size": 64, "optimizer": "adam"}, "sar": {"batch_size": 200, "optimizer": "sgd"}}
+    assert differing_settings(mixed) == (
+        "Rows differ in batch_size: 200 (tent, cafa, sar); 64 (rotta).\n"
+        "Rows differ in optimizer: adam (tent, cafa, rotta); sgd (sar)."
+    )

@@ -110,6 +110,9 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     shares = tables.adapted_shares(protocols, rows, seeds)
     if shares:
         text = f"{text}\n\n{tables.markdown_shares(shares)}"
+    differing = tables.differing_settings(settings)
+    if differing:
+        text = f"{text}\n\n{differing}"
     return BenchReport(text, table)
 
 

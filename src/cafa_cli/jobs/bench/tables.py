@@ -363,3 +363,18 @@ def markdown_shares(shares: dict[str, tuple[float, float]]) -> str:
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return stats_lib.mean(values), stats_lib.stdev(values) if len(values) > 1 else 0.0
+
+
+def differing_settings(settings: dict[str, dict]) -> str:
+    """A line under the table when its rows ran with different batch sizes or optimisers
+    (their recipes'), so that the table is not read as one setting: 'Rows differ in
+    batch_size: 200 (tent, cafa), 64 (rotta).' Empty when they agree."""
+    lines = []
+    for key in ("batch_size", "optimizer"):
+        groups: dict = {}
+        for label, row in settings.items():
+            groups.setdefault(row.get(key), []).append(label)
+        if len(groups) > 1:
+            values = "; ".join(f"{value} ({', '.join(labels)})" for value, labels in groups.items())
+            lines.append(f"Rows differ in {key}: {values}.")
+    return "\n".join(lines)
