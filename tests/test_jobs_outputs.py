@@ -123,7 +123,7 @@ def test_outputs_inside_a_cifar_root_or_named_on_stdin_are_refused(setup, tmp_pa
     copy = tmp_path / "x.png"
     copy.write_bytes(image.read_bytes())
     result = adapt(setup, "-", "--predictions", copy, "--norm", "prior:16", input=f"{image}\n{copy}\n")
-    fails(result, 2, f"--predictions {copy} is also the --data - file")
+    fails(result, 2, f"--predictions {copy} is also the image {copy} of --data -")
     assert batch.read_bytes() == before and copy.read_bytes() == image.read_bytes()
     fails(
         adapt(setup, "-", "--data", "-", input=f"{image}\n"),

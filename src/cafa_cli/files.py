@@ -104,6 +104,52 @@ def reading(path: str | Path | None, what: str) -> None:
             )
 
 
+def reading_images(paths, what: str) -> None:
+    """The command is about to read these image files (a domain's, reached through links, list
+    lines or `..`): a UsageError, before any output is written, when one of its outputs is
+    one of them. Costs a stat an image only when an output file exists already (a rerun over
+    earlier results): a file that does not exist yet is no image."""
+    existing = {}
+    for option, output in _OUTPUTS.items():
+        try:
+            found = os.stat(output)
+        except OSError:
+            continue
+        existing[(found.st_dev, found.st_ino)] = (option, output)
+    if not existing:
+        return
+    for path in paths:
+        try:
+            found = os.stat(path)
+        except (OSError, ValueError):  # an array's `file#3`, a name with a NUL: not a file of its own
+            continue
+        hit = existing.get((found.st_dev, found.st_ino))
+        if hit:
+            option, output = hit
+            raise WouldOverwrite(
+                f"{option} {output} is also the image {path} of {what}, which this command reads (through a link "
+                f"or a list line); writing it would destroy that: give {option} another path"
+            )
+
+
+def standard_streams() -> dict[tuple, str]:
+    """{identity: name} of the files behind standard output (whatever it is: a file, a pipe,
+    a terminal) and standard error (when a regular file: a log the command appends to);
+    /dev/null is none of them, as writing there loses nothing."""
+    streams = {}
+    null = os.stat(os.devnull)
+    for fd, name in ((2, "standard error"), (1, "standard output")):
+        try:
+            found = os.fstat(fd)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (null.st_dev, null.st_ino):
+            continue
+        if fd == 1 or stat.S_ISREG(found.st_mode):
+            streams[(found.st_dev, found.st_ino)] = name
+    return streams
+
+
 def file_identity(path: str) -> tuple:
     """The file itself, whatever its name: a hard link or symlink to an input is that input."""
     try:

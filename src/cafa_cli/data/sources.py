@@ -11,6 +11,7 @@ from cafa_cli.data.benchmarks import BENCHMARKS, benchmark_of, on_disk_benchmark
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.folders import _folder_domain, _stdin_domain
 from cafa_cli.errors import InputError, UsageError
+from cafa_cli.files import reading_images
 
 
 def open_domain(
@@ -24,8 +25,15 @@ def open_domain(
 
     `class_names`, when given, is the model's output order (from `--classes` or the
     artifact); labels are mapped into it by name. Without it, an image folder's
-    sorted folder names become the class list.
+    sorted folder names become the class list. None of its images may be one of the
+    command's outputs, however they are reached (files.reading_images).
     """
+    domain = _open(spec, class_names, labels, severity, stdin)
+    reading_images(domain.refs, f"`data` {spec}")
+    return domain
+
+
+def _open(spec, class_names, labels, severity, stdin) -> Domain:
     if benchmark_of(spec) is not None:
         domain = open_benchmark(spec, labels, severity)
         return domain if class_names is None else relabel(domain, list(class_names))

@@ -10,7 +10,7 @@ from pathlib import Path
 from cafa_cli.data.folders import IMAGE_EXTENSIONS
 from cafa_cli.data.sources import on_disk
 from cafa_cli.errors import UsageError
-from cafa_cli.files import check_writable, file_identity, is_device, writing
+from cafa_cli.files import check_writable, file_identity, is_device, standard_streams, writing
 
 IMAGE_INPUTS = ("`data`", "`train`", "`clean`")  # the options whose folders are searched for images
 
@@ -35,8 +35,18 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
     given = [(option, on_disk(path)) for option, path in _each_path(inputs)]
     taken = {file_identity(path): option for option, path in given if path != "-" and Path(path).is_file()}
     folders = [(option, os.path.realpath(path)) for option, path in given if Path(path).is_dir()]
+    streams = standard_streams()
     for option, path in outputs.items():
-        if path is None or is_device(path):
+        if path is None:
+            continue
+        stream = streams.get(file_identity(path)) if path != "-" and os.path.exists(path) else None
+        if stream and not (option == "`predictions`" and stream == "standard output"):
+            # the records, the tables or the log go there too: one would replace or garble the other
+            raise UsageError(
+                f"{option} {path} is the file {stream} goes to (a redirection, /dev/stdout, /dev/fd/N); give "
+                f"{option} another path, or send {stream} elsewhere"
+            )
+        if is_device(path):
             continue
         if path == "-":
             raise UsageError(
