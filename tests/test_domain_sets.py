@@ -276,6 +276,20 @@ def test_domainnet126_reads_the_benchmark_lists_in_the_subsets_class_order(tmp_p
     (root / "clipart_list.txt").write_text("clipart/cello/gone.jpg 30\n")
     with pytest.raises(InputError, match="1 of the 1 images clipart_list.txt lists are not under"):
         open_domain(domains[0])
+    # issue 40 §5: a line stays below ROOT, in its own class, once; its label is ASCII digits
+    cello = os.listdir(clipart / "cello")[0]
+    for line in (
+        "clipart/cello/../../../outside.png 30",  # climbs out of ROOT
+        f"clipart/cell_phone/../cello/{cello} 31",  # relabels an image
+        f"clipart/./cello/{cello} 30",
+        f"clipart/cello/{cello} ³⁰",
+    ):
+        (root / "clipart_list.txt").write_text(f"{line}\n")
+        with pytest.raises(InputError, match="line 1: expected .* without . or .."):
+            open_domain(domains[0])
+    (root / "clipart_list.txt").write_text(f"clipart/cello/{cello} 30\nclipart/cello/{cello} 30\n")
+    with pytest.raises(InputError, match=f"line 2: clipart/cello/{cello} is listed twice \\(line 1 too\\)"):
+        open_domain(domains[0])
     (root / "clipart_list.txt").unlink()  # the folders of DomainNet's classes, without the list: not the subset
     with pytest.raises(
         InputError, match="has 4 class folders, and DomainNet-126 has 126 .*; put the benchmark's clipart_list.txt in"

@@ -267,16 +267,28 @@ def _listed_domain(folder: Path, listed: Path) -> Domain:
     text = read_small_text(
         listed, "", DOMAIN_LIST_LIMIT, f"give the benchmark's list of {folder.name}'s images, a UTF-8 text file"
     )
-    refs, labels = [], []
+    refs, labels, lines = [], [], {}
     for number, line in enumerate(text.splitlines(), 1):  # the published lists end their lines with \r\n
         if not line.strip():
             continue
         fields = line.split()
-        parts = fields[0].split("/")
-        if len(fields) != 2 or not fields[1].isdigit() or len(parts) < 3 or parts[0] != folder.name:
+        parts = fields[0].split("/") if fields else []
+        # exactly domain/class/file below ROOT: a `..` would climb out of it or relabel an image,
+        # and `²` passes isdigit() but not int()
+        plain = len(parts) == 3 and all(part not in ("", ".", "..") for part in parts)
+        if len(fields) != 2 or not (fields[1].isascii() and fields[1].isdigit()) or not plain:
             raise InputError(
-                f"{listed} line {number}: expected `{folder.name}/<class>/<image> <label>`, not {line.strip()!r}"
+                f"{listed} line {number}: expected `{folder.name}/<class>/<image> <label>`, the path below ROOT "
+                f"without . or .., not {line.strip()!r}"
             )
+        if parts[0] != folder.name:
+            raise InputError(f"{listed} line {number}: {fields[0]} is not an image of {folder.name}")
+        if fields[0] in lines:
+            raise InputError(
+                f"{listed} line {number}: {fields[0]} is listed twice (line {lines[fields[0]]} too), and would be "
+                f"predicted twice; give the benchmark's own list"
+            )
+        lines[fields[0]] = number
         label, name = int(fields[1]), parts[1]
         if label >= len(DOMAINNET126_CLASSES) or DOMAINNET126_CLASSES[label] != name:
             said = (
