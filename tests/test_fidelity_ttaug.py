@@ -57,7 +57,7 @@ def ttaug_reference(net, images, copies: int, crop: str, generator, average: str
 @pytest.mark.parametrize("average", ["logits", "probabilities"])
 def test_ttaug_averages_over_each_image_and_its_views_as_the_collection(recipe, average):
     r = shipped("ttaug", recipe)
-    assert r.settings == {"batch_size": 1}
+    assert r.settings == {"batch_size": 1, "norm": "alpha:0.1"}  # one image a batch: α-BN, not its own statistics
     assert r.options == {"copies": 32, "average": "logits", "crop": "resized" if recipe == "imagenet-c" else "padded"}
     o = {**r.options, "average": average, "copies": 5}  # fewer views: the same rule
     net = rectified()

@@ -110,7 +110,7 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     shares = tables.adapted_shares(protocols, rows, seeds)
     if shares:
         text = f"{text}\n\n{tables.markdown_shares(shares)}"
-    differing = tables.differing_settings(settings)
+    differing = tables.differing_settings(settings, skip=("batch_size",) if config.batch_sizes else ())
     if differing:
         text = f"{text}\n\n{differing}"
     return BenchReport(text, table)

@@ -365,12 +365,15 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return stats_lib.mean(values), stats_lib.stdev(values) if len(values) > 1 else 0.0
 
 
-def differing_settings(settings: dict[str, dict]) -> str:
+def differing_settings(settings: dict[str, dict], skip: tuple[str, ...] = ()) -> str:
     """A line under the table when its rows ran with different batch sizes or optimisers
     (their recipes'), so that the table is not read as one setting: 'Rows differ in
-    batch_size: 200 (tent, cafa), 64 (rotta).' Empty when they agree."""
+    batch_size: 200 (tent, cafa), 64 (rotta).' Empty when they agree; `skip` the settings a
+    grid axis varies on purpose."""
     lines = []
     for key in ("batch_size", "optimizer"):
+        if key in skip:
+            continue
         groups: dict = {}
         for label, row in settings.items():
             groups.setdefault(row.get(key), []).append(label)
