@@ -45,8 +45,10 @@ def waiting_errors(files: list[str], seeds: list[int], domains: set[str]) -> dic
 
 
 def rate_table(saved: dict, waiting: dict[tuple[str, str], float]) -> str:
+    """Rows `NAME, ORDER` on a bench with an order axis, `NAME` without one."""
     orders = list(dict.fromkeys(row["order"] for row in saved["rows"]))
-    names = list(dict.fromkeys(row["label"].rpartition(", ")[0] for row in saved["rows"]))
+    axis = any(row["label"].endswith(f", {row['order']}") for row in saved["rows"])
+    names = list(dict.fromkeys(row["label"].rpartition(", ")[0] if axis else row["label"] for row in saved["rows"]))
     cells = {row["method"]: row["mean"] for row in saved["table"]}
     shares: dict[str, list[float]] = {}
     for record in saved.get("protocols", []):
@@ -57,7 +59,7 @@ def rate_table(saved: dict, waiting: dict[tuple[str, str], float]) -> str:
     for name in names:
         row = []
         for order in orders:
-            label = f"{name}, {order}"
+            label = f"{name}, {order}" if axis else name
             cell = cells[label]
             row.append(f"{waiting[(name, order)]:.2f}" if (name, order) in waiting else "—")
             row.append(f"{cell['mean']:.2f}" + (f" ± {cell['std']:.2f}" if len(saved["seeds"]) > 1 else ""))
