@@ -26,6 +26,11 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f}" + (f" ± {std:.2f}" if len(values) > 1 else "")
 
 
+def _tail(path: str) -> str:
+    """A domain by its last three parts (fashion-mnist-c-300/fog/3), wherever its workdir was."""
+    return "/".join(Path(path).parts[-3:])
+
+
 def waiting_errors(files: list[str], seeds: list[int], domains: set[str]) -> dict[tuple[str, str], float]:
     """{(method, order): error % over `domains`, mean over `seeds`} of the waiting stream, from
     bench JSON files whose rows are `NAME[@LR], ORDER` on the same domains; the first file
@@ -35,7 +40,7 @@ def waiting_errors(files: list[str], seeds: list[int], domains: set[str]) -> dic
         runs: dict[tuple[str, str], dict[int, list[float]]] = {}
         for run in json.loads(Path(path).read_text())["runs"]:
             label, _, order = run["method"].rpartition(", ")
-            if run["seed"] in seeds and run["data"] in domains:
+            if run["seed"] in seeds and _tail(run["data"]) in domains:
                 runs.setdefault((label.partition("@")[0], order), {}).setdefault(run["seed"], []).append(run["error"])
         for key, by_seed in runs.items():
             whole = set(by_seed) == set(seeds) and all(len(errors) == len(domains) for errors in by_seed.values())
@@ -103,7 +108,7 @@ def main(out: str, waiting_files: list[str]) -> None:
     rate, rounds = Path(out) / "rate.json", Path(out) / "rounds.json"
     if rate.exists():
         saved = json.loads(rate.read_text())
-        domains = {domain["data"] for domain in saved["domains"]}
+        domains = {_tail(domain["data"]) for domain in saved["domains"]}
         table = rate_table(saved, waiting_errors(waiting_files, saved["seeds"], domains))
         print("## A stream that does not wait\n\n" + table + "\n")
     if rounds.exists():
