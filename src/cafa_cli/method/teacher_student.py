@@ -22,6 +22,12 @@ def frozen_copy(model: FeatureClassifier) -> FeatureClassifier:
     return twin
 
 
+def names_of(model: FeatureClassifier, params: list[torch.nn.Parameter]) -> list[str]:
+    """The names of `params` in `model`, in the model's order: what `named` finds them by in a copy."""
+    chosen = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in chosen]
+
+
 def named(model: FeatureClassifier, names: list[str]) -> list[torch.nn.Parameter]:
     """The parameters of `model` called `names`, in that order (the student's trained
     ones, found in a copy of it)."""

@@ -70,9 +70,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, with_classifier
 from cafa_cli.method.options import Option
-from cafa_cli.method.teacher_student import follow, frozen_copy, named
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of
 
 QUEUE_SIZE = 16_384  # K
 TEACHER_MOMENTUM = 0.999  # m
@@ -237,13 +237,8 @@ class AdaContrast(Method):
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`all`: every parameter, the classifier's too (the collection's configure_model);
         `norm`: the normalisation affines. The key encoder is a copy of the model."""
-        if which == "all":
-            model.requires_grad_(True)
-            self.params = list(model.parameters())
-        else:
-            self.params = select_parameters(model, which)
-        chosen = {id(p) for p in self.params}
-        self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
+        self.params = with_classifier(model, which)
+        self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
         self.new_memory()
         return self.params

@@ -267,6 +267,15 @@ def select_parameters(
     return unique
 
 
+def with_classifier(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+    """`all`: every parameter, the classifier's too, as CoTTA's, RMT's, AdaContrast's and MEMO's
+    authors train them; otherwise select_parameters' (the normalisation affines)."""
+    if which != "all":
+        return select_parameters(model, which)
+    model.requires_grad_(True)
+    return list(model.parameters())
+
+
 def check_module_names(model: nn.Module, names: tuple[str, ...], option: str) -> None:
     """Each of `names` a user gave holds some module of the model (in_frozen's rule): a typo
     (`layr2`) would otherwise leave the model as it is, silently."""

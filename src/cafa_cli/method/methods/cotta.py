@@ -52,10 +52,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, with_classifier
 from cafa_cli.method.norms import BatchStatisticsNorm
 from cafa_cli.method.options import Option
-from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of, soft_cross_entropy
 
 TEACHER_MOMENTUM = 0.999  # α
 RESTORE_PROBABILITY = 0.01  # p
@@ -160,13 +160,8 @@ class CoTTA(Method):
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """`norm`: the normalisation affines; `all`: every parameter, the classifier too (the
         official code). The teacher and the anchor are copies of the model as it adapts."""
-        if which == "all":
-            model.requires_grad_(True)
-            self.params = list(model.parameters())
-        else:
-            self.params = select_parameters(model, which)
-        chosen = {id(p) for p in self.params}
-        self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
+        self.params = with_classifier(model, which)
+        self.names = names_of(model, self.params)
         self.teacher, self.anchor = frozen_copy(model), frozen_copy(model)
         return self.params
 

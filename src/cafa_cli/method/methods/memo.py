@@ -46,7 +46,7 @@ from torch import nn
 
 from cafa_cli.method.augmix import CROPS, augmix
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, with_classifier
 from cafa_cli.method.norms import BatchStatisticsNorm
 from cafa_cli.method.options import Option
 
@@ -98,11 +98,7 @@ class Memo(Method):
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`norm`: the normalisation affines; `all`: every parameter, the classifier too (the authors')."""
-        if which == "all":
-            model.requires_grad_(True)
-            self.params = list(model.parameters())
-        else:
-            self.params = select_parameters(model, which)
+        self.params = with_classifier(model, which)
         return self.params
 
     def before_step(self, images: torch.Tensor) -> None:

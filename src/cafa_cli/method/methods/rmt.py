@@ -71,9 +71,9 @@ from cafa_cli.method import losses
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
+from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, with_classifier
 from cafa_cli.method.options import Option
-from cafa_cli.method.teacher_student import follow, frozen_copy, named
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of
 
 TEACHER_MOMENTUM = 0.999  # α
 TEMPERATURE = 0.1  # τ
@@ -162,13 +162,8 @@ class Rmt(Method):
         """`all`: every parameter, the classifier's too (the authors'); `norm`: the
         normalisation affines. Then the projector's, which the same optimiser trains (the
         authors add them as a group at the same rate). The teacher is a copy of the model."""
-        if which == "all":
-            model.requires_grad_(True)
-            self.params = list(model.parameters())
-        else:
-            self.params = select_parameters(model, which)
-        chosen = {id(p) for p in self.params}
-        self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
+        self.params = with_classifier(model, which)
+        self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
         width = self.projection_dim
         # torch's default initialisation, from its generator (seed it first to repeat a run)

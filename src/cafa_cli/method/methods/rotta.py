@@ -58,7 +58,7 @@ from cafa_cli.method.memory_bank import (
 from cafa_cli.method.methods.base import AdapterSurface, Method, select_parameters
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
-from cafa_cli.method.teacher_student import follow, frozen_copy, named, soft_cross_entropy
+from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of, soft_cross_entropy
 
 BN_MOMENTUM = 0.05  # α
 TEACHER_MOMENTUM = 0.999  # 1 − ν
@@ -176,8 +176,7 @@ class RoTTA(Method):
         """The parameters (chosen before the swap: the RBNs share them), the RBNs, and the teacher."""
         self.params = select_parameters(model, which)
         use_robust_batch_norm(model.model, self.bn_momentum)  # on the bare net: names as its state dict has them
-        chosen = {id(p) for p in self.params}
-        self.names = [name for name, p in model.named_parameters() if id(p) in chosen]
+        self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
         return self.params
