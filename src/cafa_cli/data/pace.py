@@ -105,6 +105,7 @@ class Pace:
 
     rate: float = WAITS
     cost: float | None = None
+    cost_from: str = "table"  # where `cost` came from: table or given (None: measured)
     busy: int = 0  # batches still to come while the method works on the last one
     costs: list[float] = field(default_factory=list)  # k of each adapted batch
     twin: object = None  # `measured`: the copy of the network a forward pass is timed on (the stream makes it)
@@ -130,6 +131,9 @@ class Pace:
     def restart(self) -> None:
         """A new stream (the model back at the source at a domain's start): the method is free."""
         self.busy = 0
+
+    def cost_source(self) -> str:
+        return "measured (the mean over the adapted batches)" if self.cost is None else self.cost_from
 
     def mean_cost(self) -> float | None:
         return sum(self.costs) / len(self.costs) if self.costs else None

@@ -210,7 +210,7 @@ class Adaptation:
             result.round = k // len(self.domains) + 1 if s.rounds > 1 else None
             result.paced = not pace.waits
         self.protocol = {
-            **({"stream": pace_record(pace, s.step_cost, results)} if not pace.waits else {}),
+            **({"stream": pace_record(pace, results)} if not pace.waits else {}),
             **({"rounds": round_errors(results)} if s.rounds > 1 else {}),
             **({"forgetting": forgotten} if self.forgetting is not None else {}),
         }
@@ -257,26 +257,28 @@ class Adaptation:
         if rate == WAITS:
             return Pace()
         kind, given = parse_step_cost(s.step_cost)
-        cost = given.get(s.method, given.get(None)) if kind == "given" else None
-        if cost is None and kind != "measured":
-            cost = table_cost(s.method) if not is_plugin(s.method) else None
-            if cost is None:
-                raise UsageError(
-                    f"`stream_rate` {s.stream_rate} needs the step cost of {s.method}, which `cafa methods` has no "
-                    f"cost for; give `step_cost` K (forward passes of the source model) or measured"
-                )
-        return Pace(rate, cost)
+        if kind == "measured":
+            return Pace(rate)
+        cost = given.get(s.method, given.get(None))
+        if cost is not None:
+            return Pace(rate, cost, "given")
+        cost = None if is_plugin(s.method) else table_cost(s.method)
+        if cost is None:
+            raise UsageError(
+                f"`stream_rate` {s.stream_rate} needs the step cost of {s.method}, which `cafa methods` has no "
+                f"cost for; give `step_cost` K (forward passes of the source model) or measured"
+            )
+        return Pace(rate, cost, "table")
 
 
-def pace_record(pace: Pace, step_cost: str, results: list[DomainResult]) -> dict:
+def pace_record(pace: Pace, results: list[DomainResult]) -> dict:
     """What the JSON and the summary report of a stream that does not wait: the rate, the
     step cost k and where it came from, and the share of batches adapted on."""
-    kind = parse_step_cost(step_cost)[0]
     batches = sum(r.batches for r in results)
     return {
         "rate": rate_label(pace.rate),
         "cost": pace.mean_cost(),
-        "cost_from": "measured (the mean over the adapted batches)" if pace.cost is None else kind,
+        "cost_from": pace.cost_source(),
         "adapted_share": sum(r.adapted_batches for r in results) / batches if batches else None,
     }
 

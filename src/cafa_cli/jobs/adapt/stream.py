@@ -73,7 +73,6 @@ def adapt_domains(
         first = members[0]
         if policy == "domain" and first > 0 and groups[first] != groups[first - 1]:
             adapter.reset()
-        if policy == "domain" and (first == 0 or groups[first] != groups[first - 1]):
             pace.restart()  # a stream afresh, as each domain is run on its own
         if len(members) == 1:
             domain, owner, so_far = domains[first], np.full(len(domains[first]), first), results[first]

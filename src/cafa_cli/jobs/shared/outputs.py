@@ -39,7 +39,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | list[s
     for option, path in outputs.items():
         if path is None:
             continue
-        stream = streams.get(file_identity(path)) if path != "-" and os.path.exists(path) else None
+        stream = streams.get(file_identity(path))  # a file not there yet has its name for identity: no stream
         if stream and not (option == "`predictions`" and stream == "standard output"):
             # the records, the tables or the log go there too: one would replace or garble the other
             raise UsageError(
