@@ -4,6 +4,7 @@ batch size is a whole number, not 10.0, true or "10"."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import TINY_NET, invoke
 
@@ -31,6 +32,85 @@ def test_a_whole_number_option_takes_up_to_its_bound_and_refuses_beyond(method, 
     for beyond in (option.largest() + 1, 10**21, "1" + "0" * 5000, "²", "1.0", "true"):
         with pytest.raises(UsageError, match=f"{option.name} must be a whole number from"):
             option.value(method, beyond)
+
+
+NUMBERS = [
+    (method, option)
+    for method in REGISTRY
+    for option in options_of(method)
+    if option.kind in ("weight", "positive", "positive_or_auto")
+]
+
+
+@pytest.mark.parametrize("method, option", NUMBERS, ids=[f"{m}.{o.name}" for m, o in NUMBERS])
+def test_a_number_option_takes_every_sane_magnitude_and_refuses_the_extremes(method, option):
+    """A temperature or LAME's σ of 1e-300 divided the logits to infinity, and the NaN was blamed on
+    --mean/--std; a weight of 1e300 overflows float32. The bounds hold every default."""
+    assert option.default == "auto" or option.value(method, option.default) == option.default
+    assert option.value(method, "1e6") == 1e6 and option.value(method, "0.000001") == 1e-6
+    for beyond in ("1e300", 1e7, "1e-300" if option.kind != "weight" else "-1e-300", "nan", "inf", "-1"):
+        with pytest.raises(UsageError, match=f"{option.name} must be a number from"):
+            option.value(method, beyond)
+
+
+def test_nan_outputs_name_the_methods_options_set_away_from_their_defaults():
+    """A method option is as likely a cause as the preprocessing; both are named, options first."""
+    import torch
+
+    from cafa_cli.data.domain import Domain
+    from cafa_cli.data.loading import Batch
+    from cafa_cli.errors import InputError
+    from cafa_cli.jobs.adapt.stream import _records
+    from cafa_cli.method.methods import create
+
+    domain = Domain("d", ["a.png", "b.png"], np.array([0, 1]), ["x", "y"], lambda i: None)
+    batch = Batch(None, [0, 1], [])
+    nan = torch.tensor([[0.0, float("nan")], [1.0, 0.0]])
+    with pytest.raises(
+        InputError, match=r"options set away from their defaults \(sigma=0.5, bound_lambda=3.0\), `mean`"
+    ):
+        _records(domain, batch, nan, create("lame", None, sigma=0.5, bound_lambda=3.0))
+    with pytest.raises(InputError, match="NaN or infinite; check `mean` and `std`"):
+        _records(domain, batch, nan, create("lame", None))
+
+
+@pytest.mark.parametrize("table", ["[cafa]\nbatch_size = 10.5", "[cafa]\nlr = -1", "[cafa.options]\nnot_an_option = 1"])
+def test_a_bench_recipe_file_is_checked_before_statistics_or_the_workdir_are_made(setup, tmp_path, table):
+    """Statistics can take hours: a recipe file's mistake was found only after they were written."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(table + "\n")
+    work = tmp_path / "work"
+    result = invoke(
+        "bench",
+        setup["train"],
+        "--methods",
+        "cafa",
+        "--model",
+        TINY_NET,
+        "--weights",
+        setup["weights"],
+        "--train",
+        setup["train"],
+        "--resize",
+        "none",
+        "--crop",
+        "none",
+        "--mean",
+        "0",
+        "--std",
+        "1",
+        "--channels",
+        "1",
+        "--fraction",
+        "1",
+        "--recipe",
+        recipe,
+        "--workdir",
+        work,
+        "--quiet",
+    )
+    assert result.exit_code == 3 and str(recipe) in result.stderr, result.stderr
+    assert not work.exists() and result.stdout == ""
 
 
 @pytest.mark.parametrize("written", ["10.0", "true", '"10"', "0", "-3"])

@@ -189,5 +189,7 @@ def test_the_features_read_after_the_stream_are_those_it_predicts_with():
 
 def test_a_prior_of_zero_is_refused_for_a_one_class_batch_would_divide_zero_by_zero():
     gaussians, _, _ = class_statistics()
-    with pytest.raises(UsageError, match=r"^cafa-robust's option prior must be a number above 0, not 0$"):
+    with pytest.raises(
+        UsageError, match=r"^cafa-robust's option prior must be a number from 0.000001 to 1,000,000, not 0$"
+    ):
         create("cafa-robust", gaussians, prior=0)

@@ -305,3 +305,52 @@ def test_domainnet126_folders_of_the_126_classes_take_the_subsets_order(tmp_path
     domain = open_domain(f"domainnet126:{sketch}")
     assert domain.class_names == list(DOMAINNET126_CLASSES)
     assert domain.labels[[Path(ref).parent.name for ref in domain.refs].index("The_Eiffel_Tower")] == 115
+
+
+def test_a_link_sideways_out_of_a_class_folder_is_refused_and_other_links_are_followed(office_home, tmp_path):
+    """Issue 40 §5: `Art/Bike/clip -> ../../Clipart` labelled every Clipart image Bike, silently;
+    so did a link to another class's folder. A link elsewhere (more images of the class) stays."""
+    bike = office_home / "Art" / "Bike"
+    for target, what in (
+        (office_home / "Clipart", "a folder of class folders \\(another domain\\)"),
+        (office_home / "Art" / "Mop", "the class folder Mop"),
+        (office_home / "Clipart" / "Mop", "a folder of the class Mop"),
+    ):
+        link = bike / "linked"
+        link.symlink_to(os.path.relpath(target, bike), target_is_directory=True)
+        with pytest.raises(
+            InputError, match=f"linked links to .*{target.name}, {what}; its images would be labelled Bike"
+        ):
+            open_domain(str(office_home / "Art"))
+        link.unlink()
+    (bike / "linked").symlink_to(office_home / "Clipart", target_is_directory=True)
+    fails(
+        invoke("adapt", f"office-home:{office_home / 'Art'}", "--model", TINY_NET, *PLAIN, "--method", "bn"),
+        3,
+        "would be labelled Bike",
+    )
+    (bike / "linked").unlink()
+    more = tmp_path / "more-bikes"
+    write_folder(more, per_class=1, classes=("x",))
+    (bike / "more").symlink_to(more, target_is_directory=True)
+    assert len(open_domain(str(office_home / "Art")).refs) == 6 + 1
+
+
+def test_a_domain_spelled_two_ways_an_option_twice_and_a_bom_are_named(office_home, tmp_path):
+    """Issue 40 §5: `Real World` beside `Real_World` took one silently; `--source Art --source
+    Clipart` kept the last; a DomainNet list saved with a byte-order mark failed on '\\ufeffclipart'."""
+    write_folder(office_home / "Real_World", per_class=2, classes=CLASSES, seed=9)
+    with pytest.raises(InputError, match="holds 'Real World' and 'Real_World', one domain spelled two ways"):
+        expand_benchmarks([f"office-home:{office_home}"], None)
+    for repeated in (
+        ["--source", "Art", "--source", "Clipart"],
+        ["--lr", "1", "--lr=2"],
+        ["--shuffle", "--no-shuffle"],
+    ):
+        result = invoke("adapt", f"office-home:{office_home}", *repeated)
+        fails(result, 2, f"'{repeated[0]}': is given more than once, and only one value is taken; give it once")
+    root = tmp_path / "domainnet"
+    clipart = _domainnet_folders(root, "clipart", ("cello",))
+    image = sorted((clipart / "cello").iterdir())[0]
+    (root / "clipart_list.txt").write_bytes(f"\ufeffclipart/cello/{image.name} 30\r\n".encode())
+    assert open_domain(f"domainnet126:{clipart}").refs == [str(image)]

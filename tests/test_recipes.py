@@ -235,7 +235,7 @@ def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa:
         ),
         (
             ["--method", "eata", "--method-option", "redundancy_margin=lots"],
-            "eata's option redundancy_margin must be a number, 0 or more, not 'lots'",
+            "eata's option redundancy_margin must be a number from 0 to 1,000,000, not 'lots'",
         ),
         (["--method", "lame", "--method-option", "affinity=cosine"], "lame's option affinity must be rbf, knn, linear"),
         (

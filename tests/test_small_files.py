@@ -197,7 +197,7 @@ def test_a_domainnet_list_that_is_no_small_regular_file_is_refused_not_passed_ov
 def test_the_limit_is_inclusive_and_a_size_that_lies_is_read_no_further(tmp_path, monkeypatch):
     path = tmp_path / "list.txt"
     path.write_bytes(b"\xef\xbb\xbf" + b"a" * 13)  # 16 bytes, a byte-order mark first
-    assert read_small_text(path, "`x`", 16, "fix", encoding="utf-8-sig") == "a" * 13
+    assert read_small_text(path, "`x`", 16, "fix") == "a" * 13
     path.write_bytes(b"a" * 17)
     refused(InputError, lambda: read_small_text(path, "`x`", 16, "fix"), f"`x` {path}: 17 bytes, over the limit")
     # a kernel file says it holds 0 bytes and holds more: the reading stops at limit + 1

@@ -164,11 +164,10 @@ def is_device(path: str | Path) -> bool:
     return Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir()
 
 
-def read_small_text(
-    path: str | Path, what: str, limit: int, fix: str, *, encoding: str = "utf-8", error: type = InputError
-) -> str:
+def read_small_text(path: str | Path, what: str, limit: int, fix: str, *, error: type = InputError) -> str:
     """The text of a small input (a recipe, cafa.toml, a list of classes, image ids or images),
-    read only when `path` is a regular file of at most `limit` bytes.
+    read only when `path` is a regular file of at most `limit` bytes, as UTF-8 less the
+    byte-order mark some Windows editors put first (a BOM, quoted, made the first line a mystery).
 
     A FIFO is never opened (open() would wait for a writer for ever), nor a folder, device or
     socket: each is refused on its os.stat. A size over `limit` is refused before reading,
@@ -212,7 +211,7 @@ def read_small_text(
     if total > limit:
         raise error(f"{name}: more than the limit of {_size(limit)} to read (its size said less); {fix}")
     try:
-        return b"".join(chunks).decode(encoding)
+        return b"".join(chunks).decode("utf-8-sig")
     except UnicodeDecodeError:
         raise error(f"{name}: not a UTF-8 text file; {fix}") from None
 

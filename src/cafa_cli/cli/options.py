@@ -11,7 +11,8 @@ from dataclasses import MISSING, fields
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
+from typer import BadParameter
+from typer.core import TyperCommand, TyperOption
 
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.cli.renamed import respelled
@@ -29,7 +30,10 @@ class PanelledCommand(TyperCommand):
     (renamed.py) still taken, with a warning."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, respelled(ctx.command_path.partition(" ")[2], args))
+        args = respelled(ctx.command_path.partition(" ")[2], args)
+        rest = super().parse_args(ctx, list(args))
+        _check_given_once(ctx, self.make_parser(ctx).parse_args(list(args))[2])
+        return rest
 
     def format_options(self, ctx, formatter) -> None:
         arguments, panels = [], {}
@@ -112,6 +116,17 @@ def with_settings(config_type, skip: tuple[str, ...] = ()):
         return wrapper
 
     return decorate
+
+
+def _check_given_once(ctx: typer.Context, order: list) -> None:
+    """An option that takes one value, typed twice: click keeps the last, so `--source Art --source
+    Clipart` ran on Clipart alone without a word. (A plain flag twice says the same thing twice.)"""
+    seen = set()
+    for param in order:
+        single = isinstance(param, TyperOption) and not param.multiple and not param.count
+        if single and (not param.is_flag or param.secondary_opts) and param.name in seen:
+            raise BadParameter("is given more than once, and only one value is taken; give it once", ctx, param)
+        seen.add(param.name)
 
 
 def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str] | None, from_config) -> list[str]:

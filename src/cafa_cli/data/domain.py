@@ -142,7 +142,7 @@ def read_class_list(path: str, setting: str = "classes") -> list[str]:
         )
     fix = "the class list must be UTF-8 text with one class name per line"
     # utf-8-sig: a byte-order mark (Windows editors) is not part of the first name
-    text = read_small_text(path, f"`{setting}`", CLASS_LIST_LIMIT, fix, encoding="utf-8-sig")
+    text = read_small_text(path, f"`{setting}`", CLASS_LIST_LIMIT, fix)
     if "\0" in text:  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
         raise InputError(f"`{setting}` {path}: not a UTF-8 text file; {fix}")
     names = [line.strip() for line in text.splitlines() if line.strip()]

@@ -29,7 +29,7 @@ import numpy as np
 
 from cafa_cli.data.domain import Domain, did_you_mean, relabel
 from cafa_cli.data.folders import _folder_domain, _path_order, read_image
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.errors import InputError, UsageError, listing, printable
 from cafa_cli.files import read_small_text
 
 DOMAIN_SETS = {
@@ -190,7 +190,17 @@ def is_one_domain(kind: str, path: Path) -> bool:
 def domains_in(spec: str, kind: str, root: Path) -> tuple[list[str], list[str]]:
     """The `KIND:ROOT/<domain>` values of the domains ROOT holds, in the benchmark's order, and
     the names of those it lacks; an error when the domains' class folders differ."""
-    folders = {_key(entry.name): entry for entry in root.iterdir() if entry.is_dir() and not entry.name.startswith(".")}
+    folders: dict[str, Path] = {}
+    domains = {_key(domain) for domain in DOMAIN_SETS[kind]}
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir() or entry.name.startswith(".") or _key(entry.name) not in domains:
+            continue
+        if _key(entry.name) in folders:  # `Real World` beside `Real_World`: one would be taken, unsaid
+            raise InputError(
+                f"`data` {spec}: {root} holds {printable(folders[_key(entry.name)].name)!r} and "
+                f"{printable(entry.name)!r}, one domain spelled two ways; keep one of them"
+            )
+        folders[_key(entry.name)] = entry
     found = [folders[_key(domain)] for domain in DOMAIN_SETS[kind] if _key(domain) in folders]
     if not found:
         raise InputError(

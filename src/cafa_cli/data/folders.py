@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.values import BUDGET_VARIABLE, BYTES_PER_PIXEL, decode_budget
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import InputError, listing, printable
 
 # Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
 # name: without this list a PostScript file named .jpg in an untrusted folder would be
@@ -65,10 +66,12 @@ def _path_order(path: str) -> list[str]:
     return os.path.normcase(path).split(os.sep)
 
 
-def _images_below(folder: Path) -> list[str]:
+def _images_below(folder: Path, classes: Sequence[Path] = ()) -> list[str]:
     """Every image in a class folder and its sub-folders, symlinked ones included (each
     real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped,
-    and so is a link up to a folder that holds this one (it would bring in the other classes)."""
+    and so is a link up to a folder that holds this one (it would bring in the other classes).
+    A link sideways, to another of the domain's `classes` or to a folder of class folders (another
+    domain), is refused: its images would take this folder's label."""
     found, seen, top = [], set(), os.path.realpath(folder)
 
     def unreadable(error: OSError) -> None:
@@ -86,8 +89,35 @@ def _images_below(folder: Path) -> list[str]:
         subfolders[:] = [
             name for name in subfolders if not name.startswith(".") and not _holds(os.path.join(here, name), top)
         ]
+        for name in subfolders:
+            _check_sideways(os.path.join(here, name), folder, classes)
         found += [path for path in (os.path.join(here, name) for name in files) if is_image(path)]
     return sorted(found, key=_path_order)
+
+
+def _check_sideways(path: str, folder: Path, classes: Sequence[Path]) -> None:
+    """A linked sub-folder of the class folder `folder` that is (or is inside) another class's
+    folder, is named as another class, or holds folders named as the other classes (another
+    domain): its images would take this folder's label."""
+    if not os.path.islink(path):
+        return
+    real = os.path.realpath(path)
+    others = [other for other in classes if other.name != folder.name]
+    inside = next((other.name for other in others if _holds(str(other), real)), None)
+    named = next((other.name for other in others if other.name == os.path.basename(real)), None)
+    holds = any(os.path.isdir(os.path.join(real, other.name)) for other in others)
+    if inside or named or holds:
+        what = (
+            f"the class folder {inside}"
+            if inside
+            else f"a folder of the class {named}"
+            if named
+            else "a folder of class folders (another domain)"
+        )
+        raise InputError(
+            f"`data` {folder.parent}: {printable(path)} links to {printable(real)}, {what}; its images would "
+            f"be labelled {printable(folder.name)}: remove the link (a class folder may itself be a link)"
+        )
 
 
 def _holds(folder: str, inner: str) -> bool:
@@ -150,7 +180,7 @@ def _folder_domain(root: Path) -> Domain:
     labels: list[int] = []
     class_names = [d.name for d in class_dirs]
     for label, folder in enumerate(class_dirs):
-        images = _images_below(folder)
+        images = _images_below(folder, class_dirs)
         refs += images
         labels += [label] * len(images)
     top = sorted(

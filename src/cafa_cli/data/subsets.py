@@ -97,7 +97,7 @@ def read_image_ids(path: str) -> set[str]:
         raise InputError(
             f"`subset` {path}: no such file (give one image id a line: CLASS/FILE as in a domain folder, or FILE)"
         )
-    text = read_small_text(path, "`subset`", SUBSET_LIMIT, "give one image id a line", encoding="utf-8-sig")
+    text = read_small_text(path, "`subset`", SUBSET_LIMIT, "give one image id a line")
     ids = {line.strip().replace("\\", "/") for line in text.splitlines() if line.strip()}
     if not ids:
         raise InputError(f"`subset` {path}: the file lists no image ids")

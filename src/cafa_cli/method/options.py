@@ -138,14 +138,18 @@ class Option:
 # the largest whole-number option a method takes unless it says less (Option.most): a count beyond
 # it (a bank of 10^20 samples, 10^12 iterations) would exhaust memory or never finish
 MOST_COUNT = 1_000_000
+# A number option's magnitudes: every default and published value lies within 1e-4 to 2,000 (EATA's
+# Fisher weight), while a temperature or LAME's σ of 1e-300 divides the logits to infinity and a weight
+# of 1e300 overflows float32: past these bounds a value is a slip, not a setting.
+LEAST_POSITIVE, MOST_NUMBER = 1e-6, 1e6
 OPTION_KINDS = {
     "fraction": "a number in [0, 1]",
-    "weight": "a number, 0 or more",
-    "positive": "a number above 0",
+    "weight": "a number from 0 to 1,000,000",
+    "positive": "a number from 0.000001 to 1,000,000",
     "count": "a whole number, 1 or more",
     "count0": "a whole number, 0 or more",
     "count_or_all": "a whole number, 1 or more, or all",
-    "positive_or_auto": "a number above 0, or auto",
+    "positive_or_auto": "a number from 0.000001 to 1,000,000, or auto",
     "flag": "true or false",
     "names": "module names, comma-separated (or a TOML list)",
     "choice": "one of the choices",
@@ -175,9 +179,9 @@ def _whole(value, least: int):
     return value
 
 
-def _in_range(value, low: float, high: float, open_low: bool = False):
+def _in_range(value, low: float, high: float):
     value = _number(value)
-    if value is _INVALID or value < low or value > high or (open_low and value == low):
+    if value is _INVALID or value < low or value > high:
         return _INVALID
     return value
 
@@ -203,12 +207,12 @@ def _names(value):
 
 _CONVERT = {
     "fraction": lambda v, _: _in_range(v, 0, 1),
-    "weight": lambda v, _: _in_range(v, 0, math.inf),
-    "positive": lambda v, _: _in_range(v, 0, math.inf, open_low=True),
+    "weight": lambda v, _: _in_range(v, 0, MOST_NUMBER),
+    "positive": lambda v, _: _in_range(v, LEAST_POSITIVE, MOST_NUMBER),
     "count": lambda v, _: _whole(v, 1),
     "count0": lambda v, _: _whole(v, 0),
     "count_or_all": lambda v, _: "all" if str(v).strip() == "all" else _whole(v, 1),
-    "positive_or_auto": lambda v, _: "auto" if str(v).strip() == "auto" else _in_range(v, 0, math.inf, open_low=True),
+    "positive_or_auto": lambda v, _: "auto" if str(v).strip() == "auto" else _in_range(v, LEAST_POSITIVE, MOST_NUMBER),
     "flag": lambda v, _: _flag(v),
     "names": lambda v, _: _names(v),
     "choice": lambda v, choices: str(v).strip() if str(v).strip() in choices else _INVALID,

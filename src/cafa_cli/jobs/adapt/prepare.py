@@ -38,8 +38,8 @@ from cafa_cli.jobs.shared.inputs import (
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create, entry_of, is_plugin, method_class
-from cafa_cli.method.options import check_precision, parse_norm
+from cafa_cli.method.methods import create, entry_of, is_plugin, method_class, options_of
+from cafa_cli.method.options import check_precision, parse_norm, resolve_options
 from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.provenance import model_mismatch, recorded_model
 from cafa_cli.recipes import Recipe, recipe_for, standard_model
@@ -285,6 +285,21 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
         ), recipe
     except UsageError as error:
         raise InputError(f"the recipe {recipe.origin}: {error}") from None
+
+
+def check_recipe_file(config: AdaptConfig) -> None:
+    """A recipe file's settings and method options, checked as a run checks them, for a caller
+    that has work to do first (cafa bench computes statistics, which can take hours). Shipped
+    recipes are checked by the tests; `auto` needs the model's class count, so only files."""
+    if not config.recipe.endswith(".toml"):
+        return
+    config, recipe = with_recipe(config, None)
+    if recipe is None or is_plugin(config.method):
+        return
+    try:
+        resolve_options(config.method, options_of(config.method), {**recipe.options, **config.method_options()})
+    except UsageError as error:
+        raise InputError(f"{error} (in the recipe {recipe.origin})") from None
 
 
 def check_not_a_test_domain(forgetting: str, paths: list[str]) -> None:

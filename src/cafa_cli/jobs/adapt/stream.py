@@ -19,6 +19,8 @@ from cafa_cli.errors import InputError
 from cafa_cli.interrupts import whole
 from cafa_cli.jobs.shared.results import DomainResult, Record
 from cafa_cli.method.adapter import Adapter
+from cafa_cli.method.methods.base import Method
+from cafa_cli.method.options import shown
 
 
 def adapt_domains(
@@ -181,7 +183,7 @@ def _step(
         logits = _adapt(adapter, domain, batch, images, oracle, pace)
     if on_logits is not None:
         on_logits(domain, batch.images, logits)
-    return _records(domain, batch, logits)
+    return _records(domain, batch, logits, adapter.method)
 
 
 def _adapt(
@@ -223,13 +225,20 @@ def _now(adapter: Adapter) -> float:
     return time.perf_counter()
 
 
-def _records(domain: Domain, batch: Batch, logits: torch.Tensor) -> list[Record]:
+def _records(domain: Domain, batch: Batch, logits: torch.Tensor, method: Method) -> list[Record]:
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
         # -inf alone is a masked class, which some models use
+        changed = [
+            f"{option.name}={shown(getattr(method, option.name))}"
+            for option in method.options
+            if getattr(method, option.name, option.default) != option.default
+        ]
         raise InputError(
-            f"{domain.name}: the model's outputs are NaN or infinite; check `mean` and `std` (a tiny `std` "
-            f"overflows) and the weights (out-of-range or non-float values), or lower `lr`"
+            f"{domain.name}: the model's outputs are NaN or infinite; check "
+            + (f"the method's options set away from their defaults ({', '.join(changed)}), " if changed else "")
+            + "`mean` and `std` (a tiny `std` overflows) and the weights (out-of-range or non-float values), "
+            "or lower `lr`"
         )
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)

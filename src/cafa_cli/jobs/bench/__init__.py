@@ -23,7 +23,7 @@ from cafa_cli.devices import pick_device
 from cafa_cli.errors import InputError, listing
 from cafa_cli.files import make_workdir
 from cafa_cli.jobs.adapt.job import part_of
-from cafa_cli.jobs.adapt.prepare import prepare_adaptation
+from cafa_cli.jobs.adapt.prepare import check_recipe_file, prepare_adaptation
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.record import ROW_SETTINGS, write_json
 from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
@@ -154,7 +154,7 @@ def run_bench(
     check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
     check_method_options(config, rows)
     for row in rows:
-        row_config(config, row, seeds[0], None, None)
+        check_recipe_file(row_config(config, row, seeds[0], None, None))
     for covariance in covariances_needed(rows):
         check_options(covariance, config.shrinkage_value())
     if config.weights and not pretrained_by_name(config.model, config.weights):
