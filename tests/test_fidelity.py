@@ -285,6 +285,40 @@ def test_sar_under_the_imagenet_recipe_freezes_layer4_and_steps_sam_over_sgd_mom
     assert not torch.equal(mine["layer3.1.weight"], source["layer3.1.weight"])
 
 
+def test_sars_frozen_modules_are_the_authors_on_resnet_vit_and_convnext_trees():
+    """Issue 40 §7: matching whole components froze ConvNeXt's `stages.1.blocks.0.norm` and
+    `head.norm`, which the authors' substring rule (`'norm.' in nm or nm in ['norm']`) adapts."""
+    from cafa_cli.method.methods.base import in_frozen
+    from cafa_cli.method.methods.sar import FROZEN
+
+    def authors(nm: str) -> bool:
+        skipped = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm.")
+        return any(part in nm for part in skipped) or nm in ["norm"]
+
+    resnet = ["conv1", "bn1", "layer3.1.bn2", "layer4", "layer4.0.bn1", "layer4.1.downsample.1", "fc"]
+    vit = [
+        "patch_embed.norm",
+        "blocks.0.norm1",
+        "blocks.8.norm2",
+        "blocks.9.norm1",
+        "blocks.11.mlp",
+        "norm",
+        "fc_norm",
+        "head",
+    ]
+    convnext = [
+        "stem.1",
+        "stages.0.blocks.0.norm",
+        "stages.1.blocks.0.norm",
+        "stages.3.downsample.0",
+        "head.norm",
+        "head.fc",
+    ]
+    for name in resnet + vit + convnext:
+        assert in_frozen(f"model.{name}", FROZEN) == authors(name), name
+    assert not in_frozen("model.stages.1.blocks.0.norm", FROZEN) and in_frozen("model.norm", FROZEN)
+
+
 # --- LAME (fiveai/LAME src/adaptation/lame.py) -------------------------------------------
 
 

@@ -106,7 +106,12 @@ def adapt(setup, *args):  # noqa: F811
 def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  # noqa: F811
     settings = adapt(setup, "--method", "eata", "--recipe", "cifar10-c")
     assert (settings["optimizer"], settings["lr"], settings["batch_size"]) == ("adam", 0.001, 200)
-    assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.4, "fisher_alpha": 1.0}
+    assert settings["method_options"] == {
+        "entropy_margin": 0.4,
+        "redundancy_margin": 0.4,
+        "fisher_alpha": 1.0,
+        "keep_mean_on_reset": False,
+    }
     assert settings["recipe"]["requested"] == "cifar10-c" and settings["recipe"]["name"] == "cifar10-c"
     assert "cifar10_c/eata.yaml" in settings["recipe"]["source"]
     # the user's options win, one by one; the rest stay the recipe's
@@ -129,7 +134,12 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
         0.9,
         30,
     )
-    assert settings["method_options"] == {"entropy_margin": 0.4, "redundancy_margin": 0.3, "fisher_alpha": 2000.0}
+    assert settings["method_options"] == {
+        "entropy_margin": 0.4,
+        "redundancy_margin": 0.3,
+        "fisher_alpha": 2000.0,
+        "keep_mean_on_reset": True,  # the authors' reset()
+    }
 
 
 def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa: F811
@@ -162,7 +172,7 @@ def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa
     assert line == (
         "recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
         "batch_size 200, params norm; entropy_margin 0.4, redundancy_margin 0.3 (yours; the recipe's 0.4), "
-        "fisher_alpha 1.0"
+        "fisher_alpha 1.0, keep_mean_on_reset false"
     )  # lr typed as published: no mark
 
 
@@ -231,7 +241,8 @@ def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa:
     [
         (
             ["--method", "eata", "--method-option", "epsilon=0.4"],
-            "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha)",
+            "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha, "
+            "keep_mean_on_reset)",
         ),
         (
             ["--method", "eata", "--method-option", "redundancy_margin=lots"],
@@ -357,7 +368,11 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
     assert result.exit_code == 0, result.stderr
     rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
     assert (rows["eta"]["optimizer"], rows["eta"]["batch_size"]) == ("adam", 45)  # --batch-size chosen: it wins
-    assert rows["eta"]["method_options"] == {"entropy_margin": 0.5, "redundancy_margin": 0.1}
+    assert rows["eta"]["method_options"] == {
+        "entropy_margin": 0.5,
+        "redundancy_margin": 0.1,
+        "keep_mean_on_reset": False,
+    }
     assert rows["lame"]["method_options"]["affinity"] == "knn" and rows["lame"]["recipe"]["name"] == "cifar100-c"
     kept = [run.get("kept_samples") for run in json.loads(report.read_text())["runs"]]
     assert kept[0] is not None and kept[1] is None  # eta filters samples; lame keeps none out

@@ -74,3 +74,38 @@ def test_labelled_batches_skip_the_unlabelled_and_reshuffle_on_every_pass(monkey
     assert first == [labels[i] for i in orders[0]]
     with pytest.raises(InputError, match="no labelled images"):
         LabelledBatches(Domain([UNLABELLED] * 3), Plain(), 3, 0, "cpu")
+
+
+def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(trained, tmp_path):
+    """Issue 40 §7: the Fisher images were read in file order, so on a class-folder set each batch
+    was one class and the Fisher about twice (here; 12 times on ImageNet) that of the authors'
+    shuffling loader. Now it lies among the Fishers of random orders, far from the sorted one."""
+    import copy
+
+    from conftest import write_folder
+
+    from cafa_cli.data.loading import batches
+    from cafa_cli.data.preprocessing import Preprocessing
+    from cafa_cli.data.sources import open_domain
+    from cafa_cli.jobs.adapt.prepare import fisher_batches
+    from cafa_cli.jobs.config import AdaptConfig
+    from cafa_cli.method.methods.base import select_parameters
+    from cafa_cli.method.methods.eata import fisher_information
+
+    model = copy.deepcopy(trained[0])
+    params, cpu = select_parameters(model), torch.device("cpu")
+    root = write_folder(tmp_path / "source", per_class=100)  # the classes the tiny net was trained on
+    plain = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
+    config = AdaptConfig(method="eata", data=[str(root)], source_data=str(root), fisher_samples=300, batch_size=30)
+    domain = open_domain(str(root))
+
+    def size(images) -> float:
+        return sum(float(total.sum()) for total in fisher_information(model, params, images, cpu))
+
+    def in_order(order):
+        return (plain.normalize(batch.images) for batch in batches(domain, plain, 30, order, 0, cpu))
+
+    ours = size(fisher_batches(config, plain, cpu))
+    shuffled = np.mean([size(in_order(np.random.default_rng(seed).permutation(300))) for seed in range(1, 6)])
+    by_class = size(in_order(np.arange(300)))
+    assert abs(ours - shuffled) < 0.35 * shuffled and by_class > 1.8 * shuffled, (ours, shuffled, by_class)

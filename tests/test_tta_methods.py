@@ -20,6 +20,7 @@ from cafa_cli.method.methods.eata import Eata, Eta
 from cafa_cli.method.methods.lame import Lame
 from cafa_cli.method.methods.sar import Sar
 from cafa_cli.method.methods.t3a import T3A
+from cafa_cli.recipes import shipped
 
 
 def entropy64(logits: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,22 @@ def test_eata_without_source_images_is_eta(trained):
         adapter = Adapter(copy.deepcopy(model), create(name), lr=1e-2)
         runs.append(torch.cat([adapter.step(x[i : i + 50]) for i in range(0, 200, 50)]))
     assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("method", ["eta", "eata"])
+def test_a_reset_keeps_the_redundancy_mean_only_as_the_authors_recipe_asks(trained, method):
+    """Issue 40 §7: the authors' reset() puts back weights and optimiser and keeps m; the
+    benchmark collection clears it. The ImageNet recipe (the authors') keeps it."""
+    model, gaussians, xt, _ = trained
+    for keep in (False, True):
+        adapter = Adapter(copy.deepcopy(model), create(method, None, keep_mean_on_reset=keep))
+        adapter.step(xt[:50])
+        mean = adapter.method.selection.mean_probs.clone()
+        adapter.reset()
+        kept = adapter.method.selection.mean_probs
+        assert (kept is not None and torch.equal(kept, mean)) if keep else kept is None
+    assert shipped(method, "imagenet-c").options["keep_mean_on_reset"] is True
+    assert "keep_mean_on_reset" not in shipped(method, "cifar10-c").options  # the collection's: cleared
 
 
 def test_cafa_eata_is_cafa_on_the_kept_samples_weighted_as_eata(trained):

@@ -292,8 +292,13 @@ def check_module_names(model: nn.Module, names: tuple[str, ...], option: str) ->
 def in_frozen(module_name: str, frozen: tuple[str, ...]) -> bool:
     """Whether a module lies in one that `frozen` names: a name matches whole dotted
     components anywhere in the module's (`layer4` holds `model.layer4.0.bn1`; `blocks.9`
-    holds `blocks.9.norm1`, not `blocks.90`; `norm` holds `norm`, not `norm1`), so that the
-    same names find a torchvision ResNet's top stage inside any wrapper. SAR's official code
-    skips by substring (`'layer4' in name`), which these names match alike on ResNets and ViTs."""
+    holds `blocks.9.norm1`, not `blocks.90`), so that the same names find a torchvision
+    ResNet's top stage inside any wrapper; on ResNets and ViTs this is what SAR's official
+    code does by substring (`'layer4' in name`). `norm` is the authors' own rule for a ViT's
+    final norm: the model's top-level module `norm`, or a name holding `norm.`; so ConvNeXt's
+    `stages.1.blocks.0.norm` and `head.norm` adapt, as they do in the authors' code."""
     padded = f".{module_name}."
-    return any(f".{name}." in padded for name in frozen)
+    bare = module_name.removeprefix("model.")  # FeatureClassifier's attribute; the authors name the bare model's
+    return any(
+        (bare == "norm" or "norm." in module_name) if name == "norm" else f".{name}." in padded for name in frozen
+    )
