@@ -197,6 +197,15 @@ def test_same_seed_gives_byte_identical_predictions(setup):
     assert other.stdout != first.stdout  # the seed does change the stream order
 
 
+@pytest.mark.parametrize("method", ["rmt", "santa", "adacontrast"])
+def test_same_seed_repeats_a_method_that_draws_as_it_is_built(setup, method):
+    """RMT's and SANTA's projector and AdaContrast's key queue were drawn from torch's generator
+    before --seed set it: two runs of one command predicted differently."""
+    first, second = (adapt(setup, "--quiet", "--seed", "3", "--method", method, "--recipe", "cifar10-c") for _ in "12")
+    assert first.exit_code == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
 def test_jsonl_format_and_predictions_file(setup, tmp_path):
     out = tmp_path / "p.jsonl"
     result = adapt(setup, "--quiet", "--format", "jsonl", "--predictions", str(out))

@@ -238,6 +238,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
             f"does not say it takes them (a Method's takes_labels, read through class_labels())"
         )
+    # what a method draws as it is built (RMT's and SANTA's projector, AdaContrast's key queue) follows --seed
+    torch.manual_seed(config.seed)
     adapter = Adapter(
         net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset)
     )

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from cafa_cli.method import losses
 from cafa_cli.method.augment import augment
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, with_classifier
@@ -98,15 +99,6 @@ def views_as_groups(model: nn.Module, groups: int):
     finally:
         for layer in layers:
             layer.groups = 1
-
-
-def symmetric_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Each sample's −½ Σ_c [softmax(t)_c log softmax(s)_c + softmax(s)_c log softmax(t)_c],
-    [N]: the official ImageNet-C loss; the target t carries no gradient."""
-    target = target_logits.detach()
-    return 0.5 * soft_cross_entropy(student_logits, target) - 0.5 * (
-        student_logits.softmax(1) * target.log_softmax(1)
-    ).sum(1)
 
 
 class CoTTA(Method):
@@ -181,8 +173,9 @@ class CoTTA(Method):
             target, features = self.pseudo_label(images)
         with adapter.autocast:
             student, _ = adapter.forward(images)
-        criterion = symmetric_cross_entropy if self.loss == "sce" else soft_cross_entropy
-        loss = criterion(student.float(), target).mean()
+        # the official ImageNet-C loss (sce) or the CIFAR one (ce); the teacher's target carries no gradient
+        criterion = losses.symmetric_cross_entropy if self.loss == "sce" else soft_cross_entropy
+        loss = criterion(student.float(), target.detach()).mean()
         flag = adapter.apply(loss, skipped)
         with torch.no_grad():
             self.follow_student()

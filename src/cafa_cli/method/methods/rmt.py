@@ -73,6 +73,7 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, with_classifier
 from cafa_cli.method.options import Option
+from cafa_cli.method.prototype_contrast import projector, prototype_contrast
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of
 
 TEACHER_MOMENTUM = 0.999  # α
@@ -165,12 +166,7 @@ class Rmt(Method):
         self.params = with_classifier(model, which)
         self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
-        width = self.projection_dim
-        # torch's default initialisation, from its generator (seed it first to repeat a run)
-        self.projector = nn.Sequential(nn.Linear(model.feature_dim, width), nn.ReLU(), nn.Linear(width, width)).to(
-            self.device
-        )
-        self.projector_start = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
+        self.projector, self.projector_start = projector(model.feature_dim, self.projection_dim, self.device)
         return [*self.params, *self.projector.parameters()]
 
     def reset(self) -> None:
@@ -209,8 +205,8 @@ class Rmt(Method):
             0.5 * losses.symmetric_cross_entropy(student, teacher.detach())
             + 0.5 * losses.symmetric_cross_entropy(viewed.float(), teacher.detach())
         ).mean()
-        loss = self.lambda_ce_trg * self_training + self.lambda_cont * self.contrastive(
-            features, viewed_features.float()
+        loss = self.lambda_ce_trg * self_training + self.lambda_cont * prototype_contrast(
+            features, viewed_features.float(), self.prototypes, self.projector, self.temperature
         )
         if self.lambda_ce_src > 0 and self.source_batches is not None:
             source_images, labels = self.next_source()
@@ -221,21 +217,6 @@ class Rmt(Method):
         flag = adapter.apply(loss, skipped)
         self.follow_student()
         return prediction, features.detach(), flag
-
-    def contrastive(self, features: torch.Tensor, viewed: torch.Tensor) -> torch.Tensor:
-        """L_con (module docstring): each sample, its view and its nearest source prototype
-        are the positives of one another, every other of the 3N projected vectors a negative."""
-        n = len(features)
-        with torch.no_grad():
-            nearest = F.cosine_similarity(features.unsqueeze(1), self.prototypes.unsqueeze(0), dim=2).argmax(1)
-        vectors = torch.cat([self.prototypes[nearest], features, viewed])
-        embedded = F.normalize(self.projector(vectors), dim=1)
-        similarity = embedded @ embedded.T / self.temperature
-        itself = torch.eye(3 * n, dtype=torch.bool, device=features.device)
-        log_probability = similarity - torch.logsumexp(similarity.masked_fill(itself, -torch.inf), 1, keepdim=True)
-        sample = torch.arange(3 * n, device=features.device) % n
-        positive = (sample.unsqueeze(0) == sample.unsqueeze(1)) & ~itself  # two a row
-        return -(log_probability * positive).sum(1).div(2).mean()
 
     def follow_student(self) -> None:
         """θ' ← α θ' + (1 − α) θ over the trained parameters (the others are equal in both)."""

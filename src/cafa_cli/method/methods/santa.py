@@ -44,7 +44,6 @@ graph: it draws random numbers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cafa_cli.method.augment import augment
@@ -52,6 +51,7 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, select_parameters
 from cafa_cli.method.options import Option
+from cafa_cli.method.prototype_contrast import projector, prototype_contrast
 from cafa_cli.method.teacher_student import frozen_copy
 
 TEMPERATURE = 0.1  # τ
@@ -64,23 +64,6 @@ def anchoring(logits: torch.Tensor, viewed: torch.Tensor, anchor: torch.Tensor) 
     anchor's log-probabilities are constants, the gradient goes through both softmaxes."""
     target = anchor.detach().log_softmax(1)
     return -((1 - VIEW_SHARE) * logits.softmax(1) + VIEW_SHARE * viewed.softmax(1)).mul(target).sum(1)
-
-
-def prototype_contrast(
-    features: torch.Tensor, viewed: torch.Tensor, prototypes: torch.Tensor, projector: nn.Module, temperature: float
-) -> torch.Tensor:
-    """L_con (module docstring): each sample, its view and its nearest source prototype are
-    the positives of one another, every other of the 3N projected vectors a negative."""
-    n = len(features)
-    with torch.no_grad():  # the nearest prototype by cosine, on the features themselves (not projected)
-        nearest = F.cosine_similarity(features.unsqueeze(1), prototypes.unsqueeze(0), dim=2).argmax(1)
-    embedded = F.normalize(projector(torch.cat([prototypes[nearest], features, viewed])), dim=1)
-    similarity = embedded @ embedded.T / temperature
-    itself = torch.eye(3 * n, dtype=torch.bool, device=features.device)
-    log_probability = similarity - torch.logsumexp(similarity.masked_fill(itself, -torch.inf), 1, keepdim=True)
-    sample = torch.arange(3 * n, device=features.device) % n
-    positive = (sample.unsqueeze(0) == sample.unsqueeze(1)) & ~itself  # the two other views of its sample
-    return -(log_probability * positive).sum(1).div(2).mean()
 
 
 class Santa(Method):
@@ -128,12 +111,7 @@ class Santa(Method):
         as it is now: source weights, its normalisation on the test batch's statistics."""
         params = select_parameters(model, which)
         self.anchor = frozen_copy(model)
-        width = self.projection_dim
-        # torch's default initialisation, from its generator (seed it first to repeat a run)
-        self.projector = nn.Sequential(nn.Linear(model.feature_dim, width), nn.ReLU(), nn.Linear(width, width)).to(
-            self.device
-        )
-        self.projector_start = {k: v.detach().clone() for k, v in self.projector.state_dict().items()}
+        self.projector, self.projector_start = projector(model.feature_dim, self.projection_dim, self.device)
         return [*params, *self.projector.parameters()]
 
     def reset(self) -> None:
