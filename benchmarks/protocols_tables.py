@@ -9,7 +9,7 @@
 3. rounds.json: forgetting, the error on the clean domain after the first domain, after the
    first round and after the last.
 
-    python benchmarks/protocols_tables.py OUT [WAITING.json ...]   # OUT/rate.json and OUT/rounds.json
+    python benchmarks/protocols_tables.py OUT [WAITING.json ...]   # OUT/rate*.json and OUT/rounds*.json
 """
 
 from __future__ import annotations
@@ -104,15 +104,30 @@ def forgetting_table(saved: dict) -> str:
     return "\n".join(lines)
 
 
+def merged(paths: list[Path]) -> dict | None:
+    """Bench JSON files of one grid run in parts (rows split between processes) as one: their
+    rows, cells, runs and protocol records together; the seeds and domains must agree."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    if not parts:
+        return None
+    whole = parts[0]
+    for part in parts[1:]:
+        if part["seeds"] != whole["seeds"] or part["domains"] != whole["domains"]:
+            raise SystemExit(f"{paths[0]} and another part ran other seeds or domains; merge only parts of one grid")
+        for key in ("rows", "table", "runs", "protocols"):
+            whole[key] = whole.get(key, []) + part.get(key, [])
+    return whole
+
+
 def main(out: str, waiting_files: list[str]) -> None:
-    rate, rounds = Path(out) / "rate.json", Path(out) / "rounds.json"
-    if rate.exists():
-        saved = json.loads(rate.read_text())
+    """OUT's rate*.json and rounds*.json, each kind merged (a grid split between processes)."""
+    saved = merged(sorted(Path(out).glob("rate*.json")))
+    if saved:
         domains = {_tail(domain["data"]) for domain in saved["domains"]}
         table = rate_table(saved, waiting_errors(waiting_files, saved["seeds"], domains))
         print("## A stream that does not wait\n\n" + table + "\n")
-    if rounds.exists():
-        saved = json.loads(rounds.read_text())
+    saved = merged(sorted(Path(out).glob("rounds*.json")))
+    if saved:
         print("## Error by round\n\n" + rounds_table(saved) + "\n")
         print("## Forgetting: error % on clean Fashion-MNIST\n\n" + forgetting_table(saved) + "\n")
 
