@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TINY_NET, invoke
+from conftest import PLAIN, TINY_NET, invoke
 
 from cafa_cli.errors import UsageError
 from cafa_cli.method.methods import REGISTRY, options_of
@@ -91,16 +91,7 @@ def test_a_bench_recipe_file_is_checked_before_statistics_or_the_workdir_are_mad
         setup["weights"],
         "--train",
         setup["train"],
-        "--resize",
-        "none",
-        "--crop",
-        "none",
-        "--mean",
-        "0",
-        "--std",
-        "1",
-        "--channels",
-        "1",
+        *PLAIN,
         "--fraction",
         "1",
         "--recipe",
