@@ -6,11 +6,12 @@
 # Ends by comparing with benchmarks/checksums.expected, made on the 2-core dev VM, torch
 # 2.14.1 CPU, in WORKDIR /tmp/ck (the metrics record absolute paths, so use the same
 # WORKDIR); another CPU or torch may differ. About 12 minutes on 2 cores. Its predictions
-# (demo, adapt-*, bench) are 7e563d8's byte for byte; its metrics are those of the commit
-# after 9b9f795 (issues 40-42), which differ from 7e563d8's by the keys issues 39, 44, 45,
-# 41, 42 and 40 added or changed on purpose (`method_option`, `state`, each error's `unit`,
-# `cuda_graph` (true since 45) and its `step_runner`, `fisher_data` renamed `source_data`,
-# `rounds`, `stream_rate`, `step_cost`, and `recipe.chosen_by` under `recipe` auto).
+# (demo, adapt-*, bench) are 7e563d8's byte for byte but eata's, whose Fisher images are read
+# in their random order since issue 40 (d076ef8); its metrics differ from 7e563d8's by the keys
+# issues 39, 44, 45, 41, 42 and 40 added or changed on purpose (`method_option`, `state`, each
+# error's `unit`, `cuda_graph` (true since 45) and its `step_runner`, `fisher_data` renamed
+# `source_data`, `rounds`, `stream_rate`, `step_cost`, `recipe.chosen_by` under `recipe` auto,
+# and eta's and eata's `keep_mean_on_reset` option), and eata's by its errors.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
