@@ -38,26 +38,23 @@ def fails(result, code: int, *needles: str) -> str:
     return lines[0]
 
 
+def unless_given(defaults: list, args) -> list:
+    """`defaults` (option, value, option, value, ...) less the options `args` give: each option is
+    typed once, as a user would (a second one is taken, with a warning)."""
+    given = {str(arg).partition("=")[0] for arg in args if str(arg).startswith("--")}
+    return [text for name, value in zip(defaults[::2], defaults[1::2]) if name not in given for text in (name, value)]
+
+
 def adapt(setup, data, *args, input=None):
+    defaults = unless_given(["--batch-size", "4"], args)
     return invoke(
-        "adapt",
-        "--stats",
-        setup["artifact"],
-        "--model",
-        TINY_NET,
-        "--data",
-        data,
-        "--batch-size",
-        "4",
-        *args,
-        input=input,
+        "adapt", "--stats", setup["artifact"], "--model", TINY_NET, "--data", data, *defaults, *args, input=input
     )
 
 
 def stats(setup, data, *args):
-    return invoke(
-        "stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *PLAIN, "--fraction", "1", *args
-    )
+    defaults = unless_given([*PLAIN, "--fraction", "1"], args)
+    return invoke("stats", "--model", TINY_NET, "--weights", setup["weights"], "--data", data, *defaults, *args)
 
 
 def rows(result) -> list[dict]:

@@ -104,42 +104,48 @@ def one_error_line(result, code: int, needle: str) -> None:
 
 def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     domain = write_folder(tmp_path / "test", per_class=4)
-    base = ["bench", str(domain), "--methods", "source", "--model", TINY_NET, *PLAIN, "--workdir", str(tmp_path / "w")]
+    defaults = {"--methods": "source", "--workdir": str(tmp_path / "w")}
+
+    def bench(*extra):
+        """bench with `extra`; an option in `extra` replaces the default one (an option is taken once)."""
+        kept = [text for name, value in defaults.items() if name not in extra for text in (name, value)]
+        return runner.invoke(app, ["bench", str(domain), "--model", TINY_NET, *PLAIN, *kept, *extra])
+
     for flag in ("--csv", "--metrics-json", "--plot"):
-        one_error_line(runner.invoke(app, [*base, flag, str(tmp_path / "nope" / "r")]), 3, "does not exist")
-    one_error_line(runner.invoke(app, [*base, str(domain)]), 2, "is given twice")
-    one_error_line(runner.invoke(app, [*base, f"{domain}/"]), 2, "is given twice")  # the same folder, written otherwise
+        one_error_line(bench(flag, str(tmp_path / "nope" / "r")), 3, "does not exist")
+    one_error_line(bench(str(domain)), 2, "is given twice")
+    one_error_line(bench(f"{domain}/"), 2, "is given twice")  # the same folder, written otherwise
     one_error_line(
-        runner.invoke(app, [*base, "--methods", "cafa", "--train", str(domain), "--severity", "5"]),
+        bench("--methods", "cafa", "--train", str(domain), "--severity", "5"),
         2,
         "--severity is only for .npy arrays",
     )  # before the statistics are computed
-    one_error_line(runner.invoke(app, [*base, "--optimizer", "lbfgs"]), 2, "--optimizer")
+    one_error_line(bench("--optimizer", "lbfgs"), 2, "--optimizer")
     one_error_line(
-        runner.invoke(app, [*base, "--methods", "cafa", "--train", str(tmp_path / "nope")]),
+        bench("--methods", "cafa", "--train", str(tmp_path / "nope")),
         3,
         f"--train {tmp_path / 'nope'}: no such",
     )
-    one_error_line(runner.invoke(app, [*base, "--weights", str(tmp_path / "nope.pt")]), 3, "--weights")
+    one_error_line(bench("--weights", str(tmp_path / "nope.pt")), 3, "--weights")
     flat = tmp_path / "flat"
     flat.mkdir()
     for image in (domain / "a").glob("*.png"):
         (flat / image.name).write_bytes(image.read_bytes())
     one_error_line(
-        runner.invoke(app, [*base, str(flat), "--methods", "cafa", "--train", str(domain)]),
+        bench(str(flat), "--methods", "cafa", "--train", str(domain)),
         3,
         f"{flat}: no labels, so no error to benchmark",
     )  # before the statistics
     assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
-    one_error_line(runner.invoke(app, [*base, "--workdir", str(tmp_path / "file")]), 3, "--workdir")
+    one_error_line(bench("--workdir", str(tmp_path / "file")), 3, "--workdir")
     # source and bn need no statistics, so no --train either
-    ok = runner.invoke(app, [*base, "--methods", "source,bn"])
+    ok = bench("--methods", "source,bn")
     assert ok.exit_code == 0, ok.stderr
     assert ok.stdout.startswith("| method | test | mean |")
     kept = tmp_path / "w" / "stats-auto.safetensors"
     kept.write_text("an artifact bench keeps")
-    one_error_line(runner.invoke(app, [*base, "--metrics-json", str(kept)]), 2, "is a file inside an input folder")
+    one_error_line(bench("--metrics-json", str(kept)), 2, "is a file inside an input folder")
     assert kept.read_text() == "an artifact bench keeps"
 
 
@@ -643,6 +649,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "params": "all",
             "norm": "prior:4",
             "fisher_samples": 2000,
+            "source_data": None,
             "reset": "episodic",
             "stream_rate": "inf",
             "step_cost": "table",
@@ -668,26 +675,11 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
 def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
-    base = [
-        "bench",
-        str(test),
-        "--methods",
-        "cafa-diag",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(tiny_weights),
-        "--train",
-        str(train),
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
+    base = ["bench", str(test), "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), *PLAIN]
+    base += ["--per-class", "6"]
 
     def computed(*args: str) -> bool:
-        result = runner.invoke(app, [*base, *args])
+        result = runner.invoke(app, [*base, "--methods", "cafa-diag", "--workdir", str(tmp_path / "w"), *args])
         assert result.exit_code == 0, result.stderr
         return "computing statistics (--covariance diag)" in result.stderr
 

@@ -13,6 +13,7 @@ import pytest
 import tiny_net
 import torch
 from conftest import PLAIN, TINY_NET, invoke, write_folder
+from helpers import unless_given
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -58,9 +59,8 @@ def shrunk(rows: np.ndarray, lam: float) -> np.ndarray:
 
 def stats(setup, out: Path, *extra):
     root, data, weights, _, _ = setup
-    return invoke(
-        "stats", "--model", TINY_NET, "--weights", weights, "--data", data, *PLAIN, "--seed", "0", "--out", out, *extra
-    )
+    defaults = unless_given([*PLAIN, "--seed", "0"], extra)
+    return invoke("stats", "--model", TINY_NET, "--weights", weights, "--data", data, *defaults, "--out", out, *extra)
 
 
 def squared_distances(z, mean32, factor32):

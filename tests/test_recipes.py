@@ -333,7 +333,7 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
             "bench",
             str(setup["test"]),
             "--methods",
-            "eta,lame",
+            "eta,lame,eata",
             "--model",
             TINY_NET,
             "--weights",
@@ -374,6 +374,8 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
         "keep_mean_on_reset": False,
     }
     assert rows["lame"]["method_options"]["affinity"] == "knn" and rows["lame"]["recipe"]["name"] == "cifar100-c"
+    # EATA's Fisher images are the training data unless given; the JSON says which (ETA takes none)
+    assert rows["eata"]["source_data"] == str(setup["train"].resolve()) and rows["eta"]["source_data"] is None
     kept = [run.get("kept_samples") for run in json.loads(report.read_text())["runs"]]
     assert kept[0] is not None and kept[1] is None  # eta filters samples; lame keeps none out
 

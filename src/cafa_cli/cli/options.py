@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import typing
 from dataclasses import MISSING, fields
 from typing import Annotated, Optional
 
 import typer
-from typer import BadParameter
 from typer.core import TyperCommand, TyperOption
 
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.cli.renamed import respelled
-from cafa_cli.errors import UsageError
+from cafa_cli.errors import UsageError, printable
 from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
 from cafa_cli.recipes import SETTINGS as RECIPE_SETTINGS
 
@@ -32,7 +32,7 @@ class PanelledCommand(TyperCommand):
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         args = respelled(ctx.command_path.partition(" ")[2], args)
         rest = super().parse_args(ctx, list(args))
-        _check_given_once(ctx, self.make_parser(ctx).parse_args(list(args))[2])
+        _warn_given_twice(self.make_parser(ctx).parse_args(list(args)))
         return rest
 
     def format_options(self, ctx, formatter) -> None:
@@ -118,15 +118,21 @@ def with_settings(config_type, skip: tuple[str, ...] = ()):
     return decorate
 
 
-def _check_given_once(ctx: typer.Context, order: list) -> None:
-    """An option that takes one value, typed twice: click keeps the last, so `--source Art --source
-    Clipart` ran on Clipart alone without a word. (A plain flag twice says the same thing twice.)"""
-    seen = set()
+def _warn_given_twice(parsed: tuple) -> None:
+    """An option that takes one value, typed more than once: the last is taken, as shells and
+    wrappers expect (`cafa adapt $COMMON --lr 0.01`), and said on stderr, since `--source Art
+    --source Clipart` ran on Clipart alone without a word. A plain flag twice says one thing twice."""
+    values, _, order = parsed
+    counts: dict[str, int] = {}
     for param in order:
         single = isinstance(param, TyperOption) and not param.multiple and not param.count
-        if single and (not param.is_flag or param.secondary_opts) and param.name in seen:
-            raise BadParameter("is given more than once, and only one value is taken; give it once", ctx, param)
-        seen.add(param.name)
+        if single and (not param.is_flag or param.secondary_opts):
+            counts[param.name] = counts.get(param.name, 0) + 1
+    for param in dict.fromkeys(p for p in order if counts.get(p.name, 0) > 1):
+        shown = "/".join(param.opts + param.secondary_opts)
+        value = values.get(param.name)
+        taken = ("on" if value else "off") if param.is_flag else printable(str(value))
+        print(f"warning: {shown} is given {counts[param.name]} times; the last is taken ({taken})", file=sys.stderr)
 
 
 def domains_given(ctx: typer.Context, domains: list[str] | None, data: list[str] | None, from_config) -> list[str]:

@@ -33,6 +33,7 @@ ROW_SETTINGS = (
     "params",
     "norm",
     "fisher_samples",
+    "source_data",  # EATA's Fisher images, RMT's warm-up and replay: the training data unless given
     "reset",
     "stream_rate",
     "step_cost",
