@@ -13,7 +13,7 @@ import pytest
 import tiny_net
 import torch
 from conftest import PLAIN, TINY_NET, write_folder
-from helpers import fails
+from helpers import fails, unless_given
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
@@ -80,8 +80,7 @@ def adapt(setup, *args):
             TINY_NET,
             "--data",
             str(setup["test"]),
-            "--batch-size",
-            "30",
+            *unless_given(["--batch-size", "30"], args),
             *args,
         ],
     )
