@@ -7,7 +7,9 @@
 2. rounds.json: the error of each round of the long continual stream, and the last round
    against the first;
 3. rounds.json: forgetting, the error on the clean domain after the first domain, after the
-   first round and after the last.
+   first round and after the last;
+
+and OUT/rounds-all.svg, every method's error against round (cafa importable: PYTHONPATH=src).
 
     python benchmarks/protocols_tables.py OUT [WAITING.json ...]   # OUT/rate*.json and OUT/rounds*.json
 """
@@ -130,6 +132,16 @@ def main(out: str, waiting_files: list[str]) -> None:
     if saved:
         print("## Error by round\n\n" + rounds_table(saved) + "\n")
         print("## Forgetting: error % on clean Fashion-MNIST\n\n" + forgetting_table(saved) + "\n")
+        plot_rounds(saved, Path(out) / "rounds-all.svg")
+
+
+def plot_rounds(saved: dict, path: Path) -> None:
+    """Every method's error against round in one figure, as `cafa bench --plot` draws one bench's."""
+    from cafa_cli.jobs.bench import tables
+
+    first = saved["seeds"][0]
+    runs = {record["method"]: record for record in saved["protocols"] if record["seed"] == first}
+    tables.plot_rounds(str(path), {m: [(100 * r["error"], 0.0) for r in rec["rounds"]] for m, rec in runs.items()})
 
 
 if __name__ == "__main__":
