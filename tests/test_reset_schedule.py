@@ -159,3 +159,18 @@ def test_a_recipe_may_set_the_normalisation_and_the_users_choice_wins(setup, tmp
     recipe.write_text('[ttaug]\nbatch_size = 1\nnorm = "alpha:2"\n')
     bad = invoke(*common[:-4], "--recipe", recipe)
     assert bad.exit_code == 3 and str(recipe) in bad.stderr and "'alpha:2'" in bad.stderr, bad.stderr  # a bad file
+
+
+def test_bench_says_when_a_rows_recipe_replaces_its_reset(setup, tmp_path):
+    """RDumb's recipe runs it under every:1000 where the bench resets per domain: its "i.i.d."
+    column is one stream through the domains. Said once on stderr; a typed --reset wins, unsaid."""
+    from conftest import PLAIN
+
+    base = ["bench", setup["train"], "--methods", "rdumb,eta", "--model", TINY_NET, "--weights", setup["weights"]]
+    base += [*PLAIN, "--workdir", tmp_path / "w"]
+    said = "rdumb runs under its recipe's reset every:1000, not the bench's domain (its authors' protocol)"
+    result = invoke(*base)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count(said) == 1 and "eta runs under" not in result.stderr
+    typed = invoke(*base, "--reset", "domain")
+    assert typed.exit_code == 0 and "runs under its recipe's reset" not in typed.stderr

@@ -161,6 +161,12 @@ def run_bench(
         check_weights_file(config.weights)
     if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
         raise InputError(f"`train` {config.train}: no such file or folder")
+    for method, reset in dict.fromkeys((row.method, row_reset(config, row)) for row in rows):
+        if reset != config.reset:  # a per-domain column is then one stream through the domains
+            monitor.info(
+                f"{method} runs under its recipe's reset {reset}, not the bench's {config.reset} (its authors' "
+                f"protocol); give `reset` to choose one for every row"
+            )
     workdir = make_workdir(config.workdir)
     artifacts = {
         (covariance, fraction): ensure_statistics(config, covariance, monitor, fraction, rank, world)
