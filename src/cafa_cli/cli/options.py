@@ -27,7 +27,7 @@ OTHER = "Other options"
 class PanelledCommand(TyperCommand):
     """Plain click help (rich's boxes cut option names short at 80 columns), with the
     options grouped under the panel their settings name; old spellings of renamed options
-    (renamed.py) still taken, with a warning."""
+    (renamed.py) still taken, and an option typed twice taken last, each with a warning."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         args = respelled(ctx.command_path.partition(" ")[2], args)
