@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PLAIN, TINY_NET, write_folder
+from helpers import unless_given
 from typer.testing import CliRunner
 
 from cafa_cli.artifact import read_artifact
@@ -104,11 +105,10 @@ def one_error_line(result, code: int, needle: str) -> None:
 
 def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     domain = write_folder(tmp_path / "test", per_class=4)
-    defaults = {"--methods": "source", "--workdir": str(tmp_path / "w")}
 
     def bench(*extra):
         """bench with `extra`; an option in `extra` replaces the default one (an option is taken once)."""
-        kept = [text for name, value in defaults.items() if name not in extra for text in (name, value)]
+        kept = unless_given(["--methods", "source", "--workdir", str(tmp_path / "w")], extra)
         return runner.invoke(app, ["bench", str(domain), "--model", TINY_NET, *PLAIN, *kept, *extra])
 
     for flag in ("--csv", "--metrics-json", "--plot"):

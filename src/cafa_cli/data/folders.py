@@ -66,7 +66,7 @@ def _path_order(path: str) -> list[str]:
     return os.path.normcase(path).split(os.sep)
 
 
-def _images_below(folder: Path, classes: Sequence[Path] = ()) -> list[str]:
+def _images_below(folder: Path, classes: Sequence[Path]) -> list[str]:
     """Every image in a class folder and its sub-folders, symlinked ones included (each
     real folder once, so a link loop ends); hidden folders (.ipynb_checkpoints) are skipped,
     and so is a link up to a folder that holds this one (it would bring in the other classes).
