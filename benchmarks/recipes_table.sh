@@ -8,6 +8,7 @@
 #   3. print one methods x settings table (benchmarks/combine_tables.py)
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 # TEST_PER_CLASS=300 (3,000 images a domain) is the size of the table in docs/results.md.
+# NORM=SETTING runs every row under `--norm SETTING` (alpha:0.1, unmix:16: the normalisation rows).
 # PARALLEL=1 runs the two benches side by side (two cores). Results land in $OUT.
 set -euo pipefail
 OUT=${OUT:-recipes-out}; WORK=${WORK:-/tmp/fmnist-c}; WORKERS=${WORKERS:-0}
@@ -24,7 +25,7 @@ echo "data ready at $(( $(date +%s) - start )) s" >&2
 bench() {  # NAME, then the bench's own options
   local name=$1; shift
   cafa bench $(domains "$REPORTED") --methods "$ROWS" --seeds "$SEEDS" --recipe "$RECIPE" --workdir "$WORK/artifacts" \
-    --num-workers "$WORKERS" --metrics-json "$OUT/$name.json" --csv "$OUT/$name.csv" --quiet "$@" > "$OUT/$name.md"
+    --num-workers "$WORKERS" ${NORM:+--norm "$NORM"} --metrics-json "$OUT/$name.json" --csv "$OUT/$name.csv" --quiet "$@" > "$OUT/$name.md"
   echo "$name done at $(( $(date +%s) - start )) s" >&2
 }
 if [ "${PARALLEL:-0}" = 1 ]; then
