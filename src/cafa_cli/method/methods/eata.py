@@ -87,10 +87,14 @@ class Eta(Method):
         entropy_margin: float = MARGIN,
         redundancy_margin: float = REDUNDANCY,
         keep_mean_on_reset: bool = False,
+        **more_options,  # a subclass's own, checked with these
     ):
         self.device = resolve_device(device)
         self.set_options(
-            entropy_margin=entropy_margin, redundancy_margin=redundancy_margin, keep_mean_on_reset=keep_mean_on_reset
+            entropy_margin=entropy_margin,
+            redundancy_margin=redundancy_margin,
+            keep_mean_on_reset=keep_mean_on_reset,
+            **more_options,
         )
         self.selection = Selection(self.entropy_margin, self.redundancy_margin)
         self.fisher: list[torch.Tensor] | None = None
@@ -128,13 +132,7 @@ class Eata(Eta):
         fisher_alpha: float = FISHER_ALPHA,
         keep_mean_on_reset: bool = False,
     ):
-        super().__init__(device, entropy_margin, redundancy_margin, keep_mean_on_reset)
-        self.set_options(
-            entropy_margin=entropy_margin,
-            redundancy_margin=redundancy_margin,
-            fisher_alpha=fisher_alpha,
-            keep_mean_on_reset=keep_mean_on_reset,
-        )
+        super().__init__(device, entropy_margin, redundancy_margin, keep_mean_on_reset, fisher_alpha=fisher_alpha)
         self.fisher_batches = fisher_batches
         self.params: list[torch.nn.Parameter] = []
         self.anchor: list[torch.Tensor] = []
