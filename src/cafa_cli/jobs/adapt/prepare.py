@@ -4,6 +4,7 @@ Adapter built, and every setting the results depend on recorded for the metrics 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -227,12 +228,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
         options.update(source_images(config, preprocess, device, model_classes or class_names))
-    try:
+    with blamed_on(recipe):  # `method_option` was checked with the settings: a recipe's own option is wrong
         method = create(config.method, gaussians, device, **options)
-    except UsageError as error:  # `method_option` was checked with the settings: a recipe's own option is wrong
-        if recipe is None:
-            raise
-        raise InputError(f"{error} (in the recipe {recipe.origin})") from None
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
         raise UsageError(
             f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
@@ -298,9 +295,18 @@ def check_recipe_file(config: AdaptConfig) -> None:
     config, recipe = with_recipe(config, None)
     if recipe is None or is_plugin(config.method):
         return
-    try:
+    with blamed_on(recipe):
         resolve_options(config.method, options_of(config.method), {**recipe.options, **config.method_options()})
+
+
+@contextmanager
+def blamed_on(recipe: Recipe | None):
+    """A UsageError raised inside, as an InputError that names the recipe file it came from."""
+    try:
+        yield
     except UsageError as error:
+        if recipe is None:
+            raise
         raise InputError(f"{error} (in the recipe {recipe.origin})") from None
 
 
