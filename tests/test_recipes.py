@@ -306,6 +306,7 @@ def test_a_recipe_file_with_an_unknown_setting_or_option_is_named(setup, tmp_pat
         ],
     )
     fails(result, 3, "the method eata has no option margin")
+    assert f"(in the recipe {bad})" in result.stderr  # the file to fix, not the command line
     result = runner.invoke(
         app,
         [
