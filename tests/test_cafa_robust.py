@@ -193,3 +193,32 @@ def test_a_prior_of_zero_is_refused_for_a_one_class_batch_would_divide_zero_by_z
         UsageError, match=r"^cafa-robust's option prior must be a number from 0.000001 to 1,000,000, not 0$"
     ):
         create("cafa-robust", gaussians, prior=0)
+
+
+@pytest.mark.parametrize("mix_reference, window", [(3.0, 50), (3.0, 2), (0.0, 50)])
+def test_the_gate_compares_a_batch_with_the_streams_typical_class_mix(mix_reference, window):
+    """mix_reference B > 0: each batch's skew is measured from the mean class mix of the gate's
+    predictions before it, started uniform with B batches' weight and averaging at most the
+    last `mix_window`; B = 0 measures it from uniform, as before; a reset starts again."""
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    method = create("cafa-robust", gaussians, update_every=1000, mix_reference=mix_reference, mix_window=window)
+    adapter = Adapter(net, method, "cpu")
+    g = torch.Generator().manual_seed(0)
+    typical = torch.full((C,), 1 / C)
+    for t in range(1, 5):
+        images = torch.randn(8, D_IN, generator=g) + t
+        with torch.no_grad():  # the gate's pass: the global statistics alone
+            mix = net(images)[0].softmax(1).mean(0)
+        expected = correction_strength(mix, 8, typical if mix_reference else None)
+        share = method.batch_share(adapter, images)
+        n_eff = 8 * (1 - expected) ** 8
+        torch.testing.assert_close(share, n_eff / (n_eff + 16))
+        adapter.step(images)
+        typical = typical + (mix - typical) / min(t + mix_reference, window)
+        if mix_reference:
+            torch.testing.assert_close(method.typical_mix, typical)
+        else:
+            assert method.typical_mix is None
+    adapter.reset()
+    assert method.typical_mix is None and method.gated == 0

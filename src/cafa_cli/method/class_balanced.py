@@ -239,13 +239,16 @@ def class_mix_moments(
     return m_h, (h @ class_second - m_h.square()).clamp_min(0)
 
 
-def correction_strength(histogram: torch.Tensor, batch_size: int) -> torch.Tensor:
+def correction_strength(
+    histogram: torch.Tensor, batch_size: int, reference: torch.Tensor | None = None
+) -> torch.Tensor:
     """How much of the class-mix correction a batch gets, in [0, 1] (a device scalar). The
-    batch's skew is its histogram's total-variation distance from uniform, as a share of
-    the way from what an i.i.d. batch of this size shows (sampling noise alone) to a batch
-    of one class; 0 below SKEW_START, 1 from SKEW_FULL, linear between."""
+    batch's skew is its histogram's total-variation distance from uniform (or from
+    `reference`, a class mix the batch is compared with), as a share of the way from what an
+    i.i.d. batch of this size shows (sampling noise alone) to a batch of one class; 0 below
+    SKEW_START, 1 from SKEW_FULL, linear between."""
     c = histogram.numel()
-    distance = 0.5 * (histogram - 1 / c).abs().sum()
+    distance = 0.5 * (histogram - (1 / c if reference is None else reference)).abs().sum()
     noise = iid_distance(c, batch_size)
     skew = (distance - noise) / max(1 - 1 / c - noise, 1e-6)
     return ((skew - SKEW_START) / (SKEW_FULL - SKEW_START)).clamp(0, 1)

@@ -14,6 +14,11 @@ batch's share when its class mix is skewed: s ∈ [0, 1] is the class-balanced c
 skew strength (class_balanced.correction_strength) of the mean softmax of a first, no-gradient pass
 normalised with the global statistics alone. An i.i.d. batch of 200 is normalised 93 % by
 its own statistics (as BN), a one-class batch by the global ones, one image mostly by them.
+With `mix_reference` B > 0 (off by default; issue 43) s measures the distance from the
+stream's typical class mix m_t instead of from uniform: m_0 uniform, then after each batch
+m_t = m_{t−1} + (h_t − m_{t−1}) / min(t + B, W), h_t the batch's mean softmax of that pass
+and W `mix_window`; a domain the source statistics predict as a few classes for every
+batch then stops reading as label shift (docs/design.md).
 
 Memory and update. Each image is offered to RoTTA's category-balanced memory bank (CSTU,
 memory_bank.py) with its predicted class and entropy. After every `update_every` images
@@ -60,6 +65,8 @@ from cafa_cli.method.options import Option
 MOMENTUM = 0.05  # α
 PRIOR = 16.0  # N₀
 GATE_POWER = 8.0  # p
+MIX_REFERENCE = 0.0  # B: 0 compares a batch's class mix with uniform
+MIX_WINDOW = 50  # W
 
 
 class SharedStatisticsNorm(nn.Module):
@@ -140,6 +147,14 @@ class CafaRobust(Cafa):
                 "p: a batch whose class mix is skewed by s counts as n(1 − s)^p images",
                 "weight",
             ),
+            Option(
+                "mix_reference",
+                MIX_REFERENCE,
+                "B: 0 measures a batch's skew from uniform; above 0, from the stream's typical class mix "
+                "(the gate's predictions, averaged from uniform counted as B batches)",
+                "weight",
+            ),
+            Option("mix_window", MIX_WINDOW, "W: the typical class mix averages about the last W batches", "count"),
         )
         + SCORE_OPTIONS
     )
@@ -153,6 +168,8 @@ class CafaRobust(Cafa):
         statistics_momentum: float = MOMENTUM,
         prior: float = PRIOR,
         gate_power: float = GATE_POWER,
+        mix_reference: float = MIX_REFERENCE,
+        mix_window: int = MIX_WINDOW,
         lambda_t: float = LAMBDA_T,
         lambda_u: float = LAMBDA_U,
     ):
@@ -163,6 +180,8 @@ class CafaRobust(Cafa):
             statistics_momentum=statistics_momentum,
             prior=prior,
             gate_power=gate_power,
+            mix_reference=mix_reference,
+            mix_window=mix_window,
             lambda_t=lambda_t,
             lambda_u=lambda_u,
         )
@@ -171,6 +190,9 @@ class CafaRobust(Cafa):
         self.bank: MemoryBank | None = None
         self.offered = 0  # images offered to the bank since the last reset (a host count)
         self.fresh = False  # a new batch, not yet offered (the Adapter's `steps` call update again)
+        self.typical_mix: torch.Tensor | None = None  # the gate's mean class mix so far (mix_reference > 0)
+        self.gated = 0  # batches the typical mix has taken in
+        self.last_mix: torch.Tensor | None = None
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """The parameters (chosen before the swap: the new layers share them), then every
@@ -187,6 +209,7 @@ class CafaRobust(Cafa):
     def reset(self) -> None:
         """An empty bank (the Adapter has put the source's weights and statistics back)."""
         self.offered = 0
+        self.typical_mix, self.gated = None, 0
         if self.bank is not None:
             self.bank.reset()
 
@@ -201,7 +224,10 @@ class CafaRobust(Cafa):
         """ρ of the batch (a device scalar), from the class mix the global statistics predict."""
         with adapter.autocast:
             logits, _ = self.model(images)
-        skew = correction_strength(logits.float().softmax(1).mean(0), len(images))
+        mix = self.last_mix = logits.float().softmax(1).mean(0)
+        if self.mix_reference and self.typical_mix is None:
+            self.typical_mix = torch.full_like(mix, 1 / len(mix))
+        skew = correction_strength(mix, len(images), self.typical_mix if self.mix_reference else None)
         n_eff = len(images) * (1 - skew) ** self.gate_power
         return n_eff / (n_eff + self.prior)
 
@@ -225,6 +251,10 @@ class CafaRobust(Cafa):
             return self.reported + (skipped,)
         self.fresh = False
         logits, features = self.reported = self.predict(adapter, images)
+        if self.mix_reference:  # after the batch's own gate: it is compared with the batches before it
+            self.gated += 1
+            weight = 1 / min(self.gated + self.mix_reference, self.mix_window)
+            self.typical_mix += weight * (self.last_mix - self.typical_mix)
         probabilities = logits.softmax(1)
         uncertainties = -(probabilities * (probabilities + 1e-6).log()).sum(1)
         flag = skipped
