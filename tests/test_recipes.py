@@ -381,6 +381,49 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
     assert kept[0] is not None and kept[1] is None  # eta filters samples; lame keeps none out
 
 
+@pytest.mark.parametrize("axis", [[], ["--orders", "iid,label-shift:1.0"], ["--stream-rates", "inf,1"]])
+def test_a_grid_axis_keeps_each_rows_recipe_batch_size(setup, tmp_path, axis):  # noqa: F811
+    """An order or rate axis is not a batch size: RoTTA's and T3A's recipes run them at 64 beside
+    TENT's 200 (every grid row once ran at the bench's --batch-size default)."""
+    report = tmp_path / "b.json"
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            str(setup["test"]),
+            "--methods",
+            "tent,rotta,t3a",
+            "--model",
+            TINY_NET,
+            "--weights",
+            str(setup["weights"]),
+            "--train",
+            str(setup["train"]),
+            "--resize",
+            "none",
+            "--crop",
+            "none",
+            "--mean",
+            "0",
+            "--std",
+            "1",
+            "--channels",
+            "1",
+            "--recipe",
+            "cifar10-c",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--metrics-json",
+            str(report),
+            "--quiet",
+            *axis,
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(report.read_text())["rows"]
+    assert {row["label"].partition(",")[0]: row["batch_size"] for row in rows} == {"tent": 200, "rotta": 64, "t3a": 64}
+
+
 def test_a_bench_option_no_row_takes_is_named(setup, tmp_path):  # noqa: F811
     result = runner.invoke(
         app,

@@ -95,7 +95,8 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
                 label=f"{row.label}, {condition}",
                 order=order,
                 stream_rate=rate if config.stream_rates is not None else None,
-                batch_size=batch_size,
+                # only an axis is the row's own choice: else the row's recipe sizes its batches
+                batch_size=batch_size if config.batch_sizes is not None else None,
                 severity=severity if config.severities is not None else None,
                 condition=condition,
             )
