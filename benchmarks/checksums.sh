@@ -11,7 +11,8 @@
 # issues 39, 44, 45, 41, 42 and 40 added or changed on purpose (`method_option`, `state`, each
 # error's `unit`, `cuda_graph` (true since 45) and its `step_runner`, `fisher_data` renamed
 # `source_data`, `rounds`, `stream_rate`, `step_cost`, `recipe.chosen_by` under `recipe` auto,
-# and eta's and eata's `keep_mean_on_reset` option), and eata's by its errors.
+# eta's and eata's `keep_mean_on_reset` option, cafa-robust's `mix_reference` and `mix_window`
+# options, off), and eata's by its errors.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
