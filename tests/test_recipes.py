@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_NET
+from conftest import PLAIN, TINY_NET
 from helpers import fails
 from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
 
@@ -386,39 +386,10 @@ def test_a_grid_axis_keeps_each_rows_recipe_batch_size(setup, tmp_path, axis):  
     """An order or rate axis is not a batch size: RoTTA's and T3A's recipes run them at 64 beside
     TENT's 200 (every grid row once ran at the bench's --batch-size default)."""
     report = tmp_path / "b.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            "tent,rotta,t3a",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(setup["weights"]),
-            "--train",
-            str(setup["train"]),
-            "--resize",
-            "none",
-            "--crop",
-            "none",
-            "--mean",
-            "0",
-            "--std",
-            "1",
-            "--channels",
-            "1",
-            "--recipe",
-            "cifar10-c",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-            "--quiet",
-            *axis,
-        ],
-    )
+    args = ["bench", str(setup["test"]), "--methods", "tent,rotta,t3a", "--model", TINY_NET, *PLAIN]
+    args += ["--weights", str(setup["weights"]), "--train", str(setup["train"]), "--recipe", "cifar10-c"]
+    args += ["--workdir", str(tmp_path / "w"), "--metrics-json", str(report), "--quiet", *axis]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     rows = json.loads(report.read_text())["rows"]
     assert {row["label"].partition(",")[0]: row["batch_size"] for row in rows} == {"tent": 200, "rotta": 64, "t3a": 64}
