@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
 from cafa_cli.method.class_balanced import correction_strength
+from cafa_cli.method.norms import use_test_batch_norm
 from cafa_cli.zoo import load_bundled
 from cafa_cli.zoo.train_fmnist import normalize
 
@@ -40,11 +40,9 @@ def images_of(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def on_batch_statistics(net: torch.nn.Module) -> torch.nn.Module:
-    """A copy that normalises every batch with its own statistics and keeps none."""
-    net = copy.deepcopy(net).train()
-    for module in net.modules():
-        if isinstance(module, _BatchNorm):
-            module.track_running_stats, module.running_mean, module.running_var = False, None, None
+    """A copy that normalises every batch with its own statistics, as BN does (norms.py)."""
+    net = copy.deepcopy(net)
+    use_test_batch_norm(net)
     return net
 
 

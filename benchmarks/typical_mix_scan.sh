@@ -8,23 +8,20 @@
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 set -euo pipefail
 OUT=${OUT:-typical-mix}; WORK=${WORK:-/tmp/fmnist-h}; BS=${BS:-"0 3 10 30"}; WS=${WS:-50}
-PY=${PY:-python3}
-cafa() { "$PY" -m cafa_cli "$@"; }
-HELD_OUT="speckle_noise gaussian_blur spatter saturate"
+TEST_PER_CLASS=300; source "$(dirname "$0")/fmnist_c.sh"  # cafa, HELD_OUT, domains
 for severity in 3 5; do
   cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $HELD_OUT | tr ' ' ,)" --severity $severity \
     --test-per-class 300 --quiet > /dev/null
 done
-domains() { for c in $HELD_OUT; do echo "$WORK/fashion-mnist-c-300/$c/$1"; done; }
 COMMON="--methods cafa-robust --recipe cifar10-c --seeds 0 --num-workers 0 --workdir $WORK/artifacts --quiet"
 for B in $BS; do
   for W in $WS; do
     O=$OUT/B$B-W$W; mkdir -p "$O"
     options="--method-option mix_reference=$B --method-option mix_window=$W"
-    cafa bench $(domains 5) $COMMON $options --metrics-json "$O/sev5-iid.json" > "$O/sev5-iid.md"
-    cafa bench $(domains 3) $COMMON $options --orders iid,label-shift:1.0,dirichlet:0.01 \
+    cafa bench $(SEVERITY=5 domains "$HELD_OUT") $COMMON $options --metrics-json "$O/sev5-iid.json" > "$O/sev5-iid.md"
+    cafa bench $(SEVERITY=3 domains "$HELD_OUT") $COMMON $options --orders iid,label-shift:1.0,dirichlet:0.01 \
       --metrics-json "$O/sev3-orders.json" > "$O/sev3-orders.md"
-    cafa bench $(domains 3) $COMMON $options --reset never --metrics-json "$O/sev3-continual.json" \
+    cafa bench $(SEVERITY=3 domains "$HELD_OUT") $COMMON $options --reset never --metrics-json "$O/sev3-continual.json" \
       > "$O/sev3-continual.md"
     echo "B=$B W=$W done" >&2
   done
