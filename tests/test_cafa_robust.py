@@ -56,14 +56,17 @@ def hidden64(net: FeatureClassifier, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.double(), net.model[0].weight.double(), net.model[0].bias.double())
 
 
-def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
+@pytest.mark.parametrize("pull", [0.0, 0.1])
+def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition(pull):
     """Three batches of 6, a step on the bank after every 8 images (inside the second and
     third batches), a bank that holds every image: the reported logits, the trained affines
-    and the global statistics follow the reference's equations step by step."""
+    (pulled back toward the source's by β after each step) and the global statistics follow
+    the reference's equations step by step. No change of domain here (τ = 0; below)."""
     gaussians, means, sigmas = class_statistics()
     net = tiny_net()
     source = net.model[1]
     initial = source.weight.detach().clone()
+    initial_bias = source.bias.detach().clone()
     mean, var = source.running_mean.double().clone(), source.running_var.double().clone()
     weight = source.weight.detach().double().clone().requires_grad_(True)
     bias = source.bias.detach().double().clone().requires_grad_(True)
@@ -76,6 +79,8 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
         statistics_momentum=alpha,
         prior=prior,
         gate_power=power,
+        source_pull=pull,
+        change_threshold=0,
     )
     adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=lr, momentum=0.0)
     g = torch.Generator().manual_seed(3)
@@ -101,8 +106,8 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition():
             loss = reference_robust.bank_loss(z, logits, means, sigmas, ages, torch.ones(t))
             grads = torch.autograd.grad(loss, (weight, bias))
             with torch.no_grad():
-                weight -= lr * grads[0]
-                bias -= lr * grads[1]
+                weight.copy_(reference_robust.pulled(weight - lr * grads[0], initial, pull))
+                bias.copy_(reference_robust.pulled(bias - lr * grads[1], initial_bias, pull))
                 bank_mean, bank_var = reference_robust.batch_statistics(hidden64(net, bank))
                 mean, var = reference_robust.moved(mean, bank_mean, alpha), reference_robust.moved(var, bank_var, alpha)
     layer = net.model[1]
@@ -222,3 +227,47 @@ def test_the_gate_compares_a_batch_with_the_streams_typical_class_mix(mix_refere
             assert method.typical_mix is None
     adapter.reset()
     assert method.typical_mix is None and method.gated == 0
+
+
+def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_bank():
+    """Windows of update_every = 32 images (a batch each): the detector's statistic is the
+    reference's between each window and the one before; the batch whose window jumps (its
+    inputs 5 times as spread) is predicted with the source statistics, not the moved ones,
+    and the bank then holds its images alone; the windows before it restart nothing."""
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    layer_before = net.model[1]
+    source_mean, source_var = layer_before.running_mean.double().clone(), layer_before.running_var.double().clone()
+    prior, power = 16.0, 8.0
+    method = create("cafa-robust", gaussians, update_every=32, statistics_momentum=0.3, change_threshold=1.0)
+    adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=0.01, momentum=0.0)
+    layer = net.model[1]
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(32, D_IN, generator=g) * 1.5 + 0.7 for _ in range(3)]
+    batches.append(torch.randn(32, D_IN, generator=g) * 7.5 + 0.7)
+    for k, x in enumerate(batches):
+        moved_mean, weight, bias = layer.global_mean.clone(), layer.weight.detach().clone(), layer.bias.detach().clone()
+        reported = adapter.step(x)
+        if k:
+            jump = reference_robust.variance_jump(hidden64(net, batches[k - 1]), hidden64(net, x), layer.eps)
+            assert method.watch.jump == pytest.approx(float(jump), rel=1e-6)
+        assert method.changes == (k == 3)
+    assert jump > 1 and not torch.equal(moved_mean, layer.source_mean)  # the statistics had moved, and restart
+    with torch.no_grad():
+        global_logits, _ = forward64(net, x, source_mean, source_var, weight, bias)
+        share = reference_robust.batch_share(len(x), reference_robust.skew(global_logits.softmax(1)), prior, power)
+        m, v = reference_robust.shared_statistics(hidden64(net, x), source_mean, source_var, share)
+        expected, _ = forward64(net, x, m, v, weight, bias)
+    torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-5)
+    arrivals = [a for a, c in zip(method.bank.host_arrivals, method.bank.host_labels) if c >= 0]
+    assert arrivals and min(arrivals) >= 96  # the last batch's images alone
+    adapter.reset()
+    assert method.changes == 0 and method.watch.before is None
+
+
+def test_zero_switches_off_the_pull_and_the_detector():
+    """β = 0 and τ = 0 switch both off: no source copy is pulled toward, no window is watched."""
+    gaussians, _, _ = class_statistics()
+    method = create("cafa-robust", gaussians, source_pull=0, change_threshold=0)
+    Adapter(tiny_net(), method, "cpu")
+    assert method.watch is None and method.source_pull == 0

@@ -77,6 +77,20 @@ def moved(global_statistic: torch.Tensor, bank_statistic: torch.Tensor, momentum
     return (1 - momentum) * global_statistic.double() + momentum * bank_statistic.double()
 
 
+def pulled(parameter: torch.Tensor, source: torch.Tensor, beta: float) -> torch.Tensor:
+    """A trained parameter after a step on the bank: θ ← (1 − β)θ + βθ⁰ (ROID's weight ensembling)."""
+    return (1 - beta) * parameter.double() + beta * source.double()
+
+
+def variance_jump(before: torch.Tensor, now: torch.Tensor, eps: float) -> torch.Tensor:
+    """The change detector's statistic between two windows of a layer's input [N, channels, ...]:
+    the mean over channels of ln²((σ²_now + ε) / (σ²_before + ε)), σ² each window's biased
+    variance. Above τ, the statistics return to the source's and the bank empties."""
+    _, var_before = batch_statistics(before)
+    _, var_now = batch_statistics(now)
+    return ((var_now + eps) / (var_before + eps)).log().square().mean()
+
+
 def timeliness(ages: torch.Tensor) -> torch.Tensor:
     """RoTTA's w(A) = exp(−A)/(1 + exp(−A)) of each age A = age/K."""
     return 1 / (1 + torch.exp(ages.double()))

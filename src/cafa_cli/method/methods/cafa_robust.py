@@ -29,11 +29,21 @@ the loss is CAFA's, each sample weighted by its timeliness w(age) (RoTTA's):
     L = Σ_m w(A_m) · log( D_ŷm(z_m) / Σ_c D_c(z_m) ) / M,    ŷ_m = argmax of the same pass
 
 and the global statistics move toward the bank's, μ_g ← (1 − α) μ_g + α μ_bank (likewise
-σ²_g), where non-finite values keep the old ones. No teacher, no augmentation.
+σ²_g), where non-finite values keep the old ones. After each step the trained parameters
+move back toward the source's, θ ← (1 − β)θ + βθ⁰ (ROID's weight ensembling), so that a long
+stream cannot carry them away. No teacher, no augmentation.
+
+A change of domain (issue 43). The first normalisation layer's input is watched over windows
+of `update_every` images: when its per-channel variance jumps between two windows, mean over
+channels of ln²(σ²_now / σ²_before) > τ (`change_threshold`), the global statistics return to
+the source's and the bank empties, before the batch that completed the window is predicted:
+the last domain's statistics and images would otherwise linger. A corruption changes that
+variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
 
 Defaults (chosen on the four held-out corruptions, docs/design.md): K = 64 (`memory_size`),
 a step every 64 images (`update_every`), α = 0.05 (`statistics_momentum`), N₀ = 16 (`prior`),
-p = 8 (`gate_power`), λ_t = λ_u = 1 (the bank's); its recipes (recipes/cafa-robust.toml)
+p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ_t = λ_u = 1
+(the bank's); β = 0 and τ = 0 give the first design's predictions (issue 30); its recipes (recipes/cafa-robust.toml)
 add CAFA's Adam, lr 1e-3, batch 64. It trains the normalisation affines (`params` norm).
 """
 
@@ -61,12 +71,15 @@ from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
+from cafa_cli.method.teacher_student import follow
 
 MOMENTUM = 0.05  # α
 PRIOR = 16.0  # N₀
 GATE_POWER = 8.0  # p
 MIX_REFERENCE = 0.0  # B: 0 compares a batch's class mix with uniform
 MIX_WINDOW = 50  # W
+SOURCE_PULL = 0.01  # β
+CHANGE_THRESHOLD = 1.0  # τ
 
 
 class SharedStatisticsNorm(nn.Module):
@@ -88,9 +101,13 @@ class SharedStatisticsNorm(nn.Module):
         ).__name__  # for a plain one of the same kind (frozen); not `source_type`, which says what adapts
         self.register_buffer("global_mean", bn.running_mean.detach().clone().float())
         self.register_buffer("global_var", bn.running_var.detach().clone().float())
+        # the source's, for a change of domain (not state: the model's own source values)
+        self.register_buffer("source_mean", self.global_mean.clone(), persistent=False)
+        self.register_buffer("source_var", self.global_var.clone(), persistent=False)
         self.share: float | torch.Tensor | None = None
         self.weights: torch.Tensor | None = None
         self.momentum: float | None = None
+        self.watch: VarianceWatch | None = None  # while set, takes in this layer's input
 
     def frozen(self) -> nn.Module:
         """A plain eval-mode BatchNorm with these affines and the global statistics the stream
@@ -100,6 +117,8 @@ class SharedStatisticsNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [1, -1] + [1] * (x.dim() - 2)
         xf = x.float()  # statistics in float32 under autocast too
+        if self.watch is not None:
+            self.watch.add(xf)
         mean, var = self.global_mean, self.global_var
         if self.share is not None:
             batch_mean, batch_var = self.batch_statistics(xf)
@@ -119,6 +138,12 @@ class SharedStatisticsNorm(nn.Module):
         return weighted_statistics(xf, self.weights)
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """The global statistics back to the source's."""
+        self.global_mean.copy_(self.source_mean)
+        self.global_var.copy_(self.source_var)
+
+    @torch.no_grad()
     def move(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> None:
         """μ_g ← (1 − α)μ_g + α μ_B, likewise σ²_g; a non-finite batch keeps the old values."""
         for held, new in ((self.global_mean, batch_mean), (self.global_var, batch_var)):
@@ -126,11 +151,54 @@ class SharedStatisticsNorm(nn.Module):
             held.copy_(torch.where(moved.isfinite(), moved, held))
 
 
+class VarianceWatch:
+    """The change detector's window: a layer input's per-channel mean and variance over the
+    images taken in since the window opened (float64, merged batch by batch), and the variance
+    of the window before."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+        self.images = 0
+        self.count = 0.0  # values per channel taken in
+        self.mean: torch.Tensor | None = None
+        self.squares: torch.Tensor | None = None  # Σ (x − mean)² per channel
+        self.before: torch.Tensor | None = None  # the last closed window's variance
+        self.jump: float | None = None  # the last closed window's, for a reader (a host value)
+
+    def add(self, x: torch.Tensor) -> None:
+        dims = [0] + list(range(2, x.dim()))
+        n = float(x.numel() // x.shape[1])
+        mean, var = x.mean(dims).double(), x.var(dims, unbiased=False).double()
+        if self.mean is None:
+            self.count, self.mean, self.squares = n, mean, var * n
+        else:  # Chan et al.'s merge of two sets' means and sums of squares
+            total = self.count + n
+            delta = mean - self.mean
+            self.mean = self.mean + delta * (n / total)
+            self.squares = self.squares + var * n + delta.square() * (self.count * n / total)
+            self.count = total
+        self.images += len(x)
+
+    def closes(self, window: int, threshold: float) -> bool:
+        """Whether the window holds `window` images and its variance jumped from the last
+        window's by more than `threshold` (it then closes, and the next one opens)."""
+        if self.images < window:
+            return False
+        var = self.squares / self.count
+        before, self.before = self.before, var
+        self.images, self.count, self.mean, self.squares = 0, 0.0, None, None
+        if before is None:
+            return False
+        self.jump = float(((var + self.eps) / (before + self.eps)).log().square().mean())  # one host read a window
+        return self.jump > threshold
+
+
 class CafaRobust(Cafa):
     name = "cafa-robust"
     owns_update = True
     adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
+    unsaved = (*Cafa.unsaved, "params", "source")  # the model's own parameters, and their source values
     options = (
         SCHEDULE_OPTIONS
         + (
@@ -155,6 +223,20 @@ class CafaRobust(Cafa):
                 "weight",
             ),
             Option("mix_window", MIX_WINDOW, "W: the typical class mix averages about the last W batches", "count"),
+            Option(
+                "source_pull",
+                SOURCE_PULL,
+                "β: after each step the trained parameters move this far back toward the source's (0: never)",
+                "fraction",
+            ),
+            Option(
+                "change_threshold",
+                CHANGE_THRESHOLD,
+                "τ: a change of domain, when the first BatchNorm's input variance jumps between two windows of "
+                "update_every images by more than τ (mean of ln² of the ratio): back to the source statistics and "
+                "an empty bank (0: never)",
+                "weight",
+            ),
         )
         + SCORE_OPTIONS
     )
@@ -170,6 +252,8 @@ class CafaRobust(Cafa):
         gate_power: float = GATE_POWER,
         mix_reference: float = MIX_REFERENCE,
         mix_window: int = MIX_WINDOW,
+        source_pull: float = SOURCE_PULL,
+        change_threshold: float = CHANGE_THRESHOLD,
         lambda_t: float = LAMBDA_T,
         lambda_u: float = LAMBDA_U,
     ):
@@ -182,6 +266,8 @@ class CafaRobust(Cafa):
             gate_power=gate_power,
             mix_reference=mix_reference,
             mix_window=mix_window,
+            source_pull=source_pull,
+            change_threshold=change_threshold,
             lambda_t=lambda_t,
             lambda_u=lambda_u,
         )
@@ -193,25 +279,34 @@ class CafaRobust(Cafa):
         self.typical_mix: torch.Tensor | None = None  # the gate's mean class mix so far (mix_reference > 0)
         self.gated = 0  # batches the typical mix has taken in
         self.last_mix: torch.Tensor | None = None
+        self.params: list[torch.nn.Parameter] = []
+        self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
+        self.watch: VarianceWatch | None = None
+        self.changes = 0  # changes of domain seen since the last reset
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """The parameters (chosen before the swap: the new layers share them), then every
         BatchNorm swapped for a SharedStatisticsNorm, and an empty bank."""
-        params = select_parameters(model, which)
+        self.params = params = select_parameters(model, which)
+        self.source = [p.detach().clone() for p in params]
         net = model.model  # the bare net: names as its state dict has them
         for name, module in [(name, module) for name, module in net.named_modules() if isinstance(module, _BatchNorm)]:
             replace_submodule(net, name, SharedStatisticsNorm(module, name))
         self.layers = [m for m in net.modules() if isinstance(m, SharedStatisticsNorm)]
         self.model = model
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
+        self.watch = VarianceWatch(self.layers[0].eps) if self.change_threshold and self.layers else None
         return params
 
     def reset(self) -> None:
         """An empty bank (the Adapter has put the source's weights and statistics back)."""
         self.offered = 0
         self.typical_mix, self.gated = None, 0
+        self.changes = 0
         if self.bank is not None:
             self.bank.reset()
+        if self.watch is not None:
+            self.watch = VarianceWatch(self.watch.eps)
 
     def before_step(self, images: torch.Tensor) -> None:
         self.fresh = True
@@ -231,17 +326,34 @@ class CafaRobust(Cafa):
         n_eff = len(images) * (1 - skew) ** self.gate_power
         return n_eff / (n_eff + self.prior)
 
-    def predict(self, adapter, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's logits and features (no gradient), normalised with its share ρ."""
+    def predict(self, adapter, images: torch.Tensor, watching: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits and features (no gradient), normalised with its share ρ; while
+        `watching`, the gate's pass also feeds the change detector, and a change of domain
+        restarts the statistics and the bank before the batch is predicted."""
         try:
             with torch.no_grad():  # the layers are left normalising with the global statistics (finally)
-                share = self.batch_share(adapter, images)
+                if watching and self.watch is not None:
+                    self.layers[0].watch = self.watch
+                try:
+                    share = self.batch_share(adapter, images)
+                finally:
+                    self.layers[0].watch = None
+                if watching and self.watch is not None and self.watch.closes(self.update_every, self.change_threshold):
+                    self.restart()
+                    share = self.batch_share(adapter, images)
                 self.normalising(share)
                 with adapter.autocast:
                     logits, features = self.model(images)
         finally:
             self.normalising()
         return logits.float(), features.float()
+
+    def restart(self) -> None:
+        """A change of domain: the source statistics and an empty bank (the weights stay)."""
+        for layer in self.layers:
+            layer.restart()
+        self.bank.reset()
+        self.changes += 1
 
     def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
         return SharedPrediction(self, adapter)
@@ -250,7 +362,7 @@ class CafaRobust(Cafa):
         if not self.fresh:  # the Adapter's later `steps` on this batch: taken on the bank already
             return self.reported + (skipped,)
         self.fresh = False
-        logits, features = self.reported = self.predict(adapter, images)
+        logits, features = self.reported = self.predict(adapter, images, watching=True)
         if self.mix_reference:  # after the batch's own gate: it is compared with the batches before it
             self.gated += 1
             weight = 1 / min(self.gated + self.mix_reference, self.mix_window)
@@ -278,6 +390,8 @@ class CafaRobust(Cafa):
                 self.normalising()
             terms = losses.cafa_terms(self.distances(features.float()), logits.detach().argmax(1))
             flag = adapter.apply((terms * weights).sum() / filled.sum().clamp_min(1), flag)
+            if self.source_pull:  # θ ← (1 − β)θ + βθ⁰, after a left-out step too (as ROID's)
+                follow(self.params, self.source, 1 - self.source_pull)
         return flag
 
 
