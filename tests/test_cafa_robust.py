@@ -81,6 +81,7 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition(pull):
         gate_power=power,
         source_pull=pull,
         change_threshold=0,
+        laplacian_weight=0,
     )
     adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=lr, momentum=0.0)
     g = torch.Generator().manual_seed(3)
@@ -239,7 +240,9 @@ def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_ban
     layer_before = net.model[1]
     source_mean, source_var = layer_before.running_mean.double().clone(), layer_before.running_var.double().clone()
     prior, power = 16.0, 8.0
-    method = create("cafa-robust", gaussians, update_every=32, statistics_momentum=0.3, change_threshold=1.0)
+    method = create(
+        "cafa-robust", gaussians, update_every=32, statistics_momentum=0.3, change_threshold=1.0, laplacian_weight=0
+    )
     adapter = Adapter(net, method, "cpu", optimizer="sgd", lr=0.01, momentum=0.0)
     layer = net.model[1]
     g = torch.Generator().manual_seed(5)
@@ -271,3 +274,28 @@ def test_zero_switches_off_the_pull_and_the_detector():
     method = create("cafa-robust", gaussians, source_pull=0, change_threshold=0)
     Adapter(tiny_net(), method, "cpu")
     assert method.watch is None and method.source_pull == 0
+
+
+def test_a_skewed_batch_is_reported_with_lames_correction_and_an_iid_one_as_it_is():
+    """λ = λ₀·s^q from the gate's skew s: a batch the gate reads as one class is reported as
+    the reference's LAME correction of its plain logits; one it reads as mixed (s = 0) as the
+    plain logits, bit for bit (each against the same method with λ₀ = 0, on the same batch)."""
+    gaussians, _, _ = class_statistics()
+    g = torch.Generator().manual_seed(2)
+    mixed = torch.randn(24, D_IN, generator=g)
+    skewed = torch.randn(24, D_IN, generator=g) * 0.3
+    skewed[:, 2] += 2  # toward one class, not all the way: 0 < s < 1
+    for x, one_class in ((skewed, True), (mixed, False)):
+        plain = create("cafa-robust", gaussians, laplacian_weight=0, update_every=1000)
+        corrected = create("cafa-robust", gaussians, laplacian_power=4.0, update_every=1000)
+        plain_logits = Adapter(tiny_net(), plain, "cpu").step(x)
+        reported = Adapter(tiny_net(), corrected, "cpu").step(x)
+        s = float(corrected.skew)
+        assert (0.3 < s < 1) if one_class else s == 0
+        if one_class:
+            _, features = plain.reported
+            expected = reference_robust.reported(plain_logits, features, s, 1.0, 4.0)
+            torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(reported, plain_logits.log_softmax(1), atol=1e-3)  # the correction moved them
+        else:
+            assert torch.equal(reported, plain_logits)

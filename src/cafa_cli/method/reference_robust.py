@@ -12,6 +12,7 @@ import math
 import torch
 
 from cafa_cli.method import reference
+from cafa_cli.method.methods import lame
 
 SKEW_START, SKEW_FULL = (
     0.25,
@@ -89,6 +90,19 @@ def variance_jump(before: torch.Tensor, now: torch.Tensor, eps: float) -> torch.
     _, var_before = batch_statistics(before)
     _, var_now = batch_statistics(now)
     return ((var_now + eps) / (var_before + eps)).log().square().mean()
+
+
+def reported(
+    logits: torch.Tensor, features: torch.Tensor, s: torch.Tensor | float, weight: float, power: float
+) -> torch.Tensor:
+    """What a batch is reported as, from its logits and features (the pass with its share ρ)
+    and the gate's skew s: the logits when λ = λ₀·s^q is 0, else LAME's correction at that λ
+    (lame.corrected_logits, LAME's definition, checked against its authors' code in
+    tests/test_fidelity.py), here in float64."""
+    strength = weight * float(s) ** power
+    if strength == 0:
+        return logits.double()
+    return lame.corrected_logits(logits.double(), features.double(), strength)
 
 
 def timeliness(ages: torch.Tensor) -> torch.Tensor:

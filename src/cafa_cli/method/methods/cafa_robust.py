@@ -40,10 +40,17 @@ the source's and the bank empties, before the batch that completed the window is
 the last domain's statistics and images would otherwise linger. A corruption changes that
 variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
 
+Predictions of a skewed batch (issue 43). A batch whose class mix the gate reads as skewed
+by s > 0 is reported with LAME's Laplacian correction (methods/lame.py, its defaults: rbf
+affinity of the features, k = 5) at λ = λ₀·s^q (`laplacian_weight`, `laplacian_power`): the
+batch holds few classes, so neighbours in feature space should share one; an i.i.d. batch
+(s = 0) is reported as it is.
+
 Defaults (chosen on the four held-out corruptions, docs/design.md): K = 64 (`memory_size`),
 a step every 64 images (`update_every`), α = 0.05 (`statistics_momentum`), N₀ = 16 (`prior`),
-p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ_t = λ_u = 1
-(the bank's); β = 0 and τ = 0 give the first design's predictions (issue 30); its recipes (recipes/cafa-robust.toml)
+p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ₀ = 1
+(`laplacian_weight`), q = 4 (`laplacian_power`), λ_t = λ_u = 1 (the bank's); β = τ = λ₀ = 0
+give the first design's predictions (issue 30); its recipes (recipes/cafa-robust.toml)
 add CAFA's Adam, lr 1e-3, batch 64. It trains the normalisation affines (`params` norm).
 """
 
@@ -69,6 +76,7 @@ from cafa_cli.method.memory_bank import (
 )
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
+from cafa_cli.method.methods.lame import corrected_logits
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow
@@ -80,6 +88,8 @@ MIX_REFERENCE = 0.0  # B: 0 compares a batch's class mix with uniform
 MIX_WINDOW = 50  # W
 SOURCE_PULL = 0.01  # β
 CHANGE_THRESHOLD = 1.0  # τ
+LAPLACIAN_WEIGHT = 1.0  # λ₀ (LAME's λ)
+LAPLACIAN_POWER = 4.0  # q
 
 
 class SharedStatisticsNorm(nn.Module):
@@ -199,6 +209,7 @@ class CafaRobust(Cafa):
     adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
     unsaved = (*Cafa.unsaved, "params", "source")  # the model's own parameters, and their source values
+    per_batch = (*Cafa.per_batch, "skew")  # the gate's, for the batch's reported predictions
     options = (
         SCHEDULE_OPTIONS
         + (
@@ -237,6 +248,14 @@ class CafaRobust(Cafa):
                 "an empty bank (0: never)",
                 "weight",
             ),
+            Option(
+                "laplacian_weight",
+                LAPLACIAN_WEIGHT,
+                "λ₀: a batch whose class mix is skewed by s is reported with LAME's correction at λ = λ₀·s^q "
+                "(0: never)",
+                "weight",
+            ),
+            Option("laplacian_power", LAPLACIAN_POWER, "q: the power of the skew in LAME's λ", "weight"),
         )
         + SCORE_OPTIONS
     )
@@ -254,6 +273,8 @@ class CafaRobust(Cafa):
         mix_window: int = MIX_WINDOW,
         source_pull: float = SOURCE_PULL,
         change_threshold: float = CHANGE_THRESHOLD,
+        laplacian_weight: float = LAPLACIAN_WEIGHT,
+        laplacian_power: float = LAPLACIAN_POWER,
         lambda_t: float = LAMBDA_T,
         lambda_u: float = LAMBDA_U,
     ):
@@ -268,6 +289,8 @@ class CafaRobust(Cafa):
             mix_window=mix_window,
             source_pull=source_pull,
             change_threshold=change_threshold,
+            laplacian_weight=laplacian_weight,
+            laplacian_power=laplacian_power,
             lambda_t=lambda_t,
             lambda_u=lambda_u,
         )
@@ -279,6 +302,7 @@ class CafaRobust(Cafa):
         self.typical_mix: torch.Tensor | None = None  # the gate's mean class mix so far (mix_reference > 0)
         self.gated = 0  # batches the typical mix has taken in
         self.last_mix: torch.Tensor | None = None
+        self.skew: torch.Tensor | None = None  # the gate's s of the batch last predicted
         self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.watch: VarianceWatch | None = None
@@ -302,7 +326,7 @@ class CafaRobust(Cafa):
         """An empty bank (the Adapter has put the source's weights and statistics back)."""
         self.offered = 0
         self.typical_mix, self.gated = None, 0
-        self.changes = 0
+        self.changes, self.skew = 0, None
         if self.bank is not None:
             self.bank.reset()
         if self.watch is not None:
@@ -322,7 +346,7 @@ class CafaRobust(Cafa):
         mix = self.last_mix = logits.float().softmax(1).mean(0)
         if self.mix_reference and self.typical_mix is None:
             self.typical_mix = torch.full_like(mix, 1 / len(mix))
-        skew = correction_strength(mix, len(images), self.typical_mix if self.mix_reference else None)
+        skew = self.skew = correction_strength(mix, len(images), self.typical_mix if self.mix_reference else None)
         n_eff = len(images) * (1 - skew) ** self.gate_power
         return n_eff / (n_eff + self.prior)
 
@@ -347,6 +371,14 @@ class CafaRobust(Cafa):
         finally:
             self.normalising()
         return logits.float(), features.float()
+
+    def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The batch's logits, or, when the gate read its class mix as skewed, LAME's
+        correction of them at λ = λ₀·s^q."""
+        if not self.laplacian_weight or self.skew is None or len(logits) < 2:
+            return logits
+        strength = self.laplacian_weight * float(self.skew) ** self.laplacian_power  # one host read a batch
+        return corrected_logits(logits, features, strength) if strength > 0 else logits
 
     def restart(self) -> None:
         """A change of domain: the source statistics and an empty bank (the weights stay)."""

@@ -137,7 +137,24 @@ class Lame(Method):
         )
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        unary = -(logits.softmax(1) + 1e-10).log()
-        kernel = affinity_matrix(F.normalize(features, dim=1), self.affinity, self.knn, self.sigma, self.symmetric)
-        assignment = laplacian_assignment(unary, kernel, self.bound_lambda, self.max_steps)
-        return assignment.clamp_min(torch.finfo(assignment.dtype).tiny).log()
+        return corrected_logits(
+            logits, features, self.bound_lambda, self.affinity, self.knn, self.sigma, self.symmetric, self.max_steps
+        )
+
+
+def corrected_logits(
+    logits: torch.Tensor,
+    features: torch.Tensor,
+    bound_lambda: float = LAMBDA,
+    affinity: str = "rbf",
+    knn: int = KNN,
+    sigma: float | str = "auto",
+    symmetric: bool = False,
+    max_steps: int = MAX_STEPS,
+) -> torch.Tensor:
+    """A batch's logits after LAME's Laplacian correction: the log of the assignment Y from
+    −log softmax(logits) and the affinity of the L2-normalised features."""
+    unary = -(logits.softmax(1) + 1e-10).log()
+    kernel = affinity_matrix(F.normalize(features, dim=1), affinity, knn, sigma, symmetric)
+    assignment = laplacian_assignment(unary, kernel, bound_lambda, max_steps)
+    return assignment.clamp_min(torch.finfo(assignment.dtype).tiny).log()
