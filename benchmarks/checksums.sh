@@ -13,8 +13,10 @@
 # `source_data`, `rounds`, `stream_rate`, `step_cost`, `recipe.chosen_by` under `recipe` auto,
 # eta's and eata's `keep_mean_on_reset` option, cafa-robust's `mix_reference` and `mix_window`
 # options, off), and eata's by its errors. cafa-robust's three files changed on purpose with
-# issue 43's second design (`source_pull` 0.01, `change_threshold` 1); with both options at 0
-# its two prediction files are the first design's byte for byte (checked when it landed).
+# issue 43's second design (`source_pull` 0.01, `change_threshold` 1, `laplacian_weight` 1,
+# `laplacian_power` 4); with the first three at 0 its two prediction files are the first
+# design's byte for byte (checked when it landed), and lame's are unchanged by the
+# `corrected_logits` it now shares with cafa-robust.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}

@@ -4,10 +4,10 @@
 # each configuration's options on top: i.i.d. at severity 5 (where the source statistics'
 # gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at severity 3, one
 # continual stream at severity 3, and with SMALL=1 batches of 8 and 1 at severity 3.
-#   CONFIGS="committed first:source_pull=0,change_threshold=0" OUT=scan WORK=fm bash benchmarks/robust_held_out.sh
+#   CONFIGS="round2 first:source_pull=0,change_threshold=0,laplacian_weight=0" OUT=scan WORK=fm bash benchmarks/robust_held_out.sh
 # A configuration is NAME or NAME:OPTION=VALUE,...; each writes OUT/NAME/{sev5-iid,sev3-orders,
 # sev3-continual,sev3-small}.{md,json}. The typical-mix table (issue 43):
-#   CONFIGS="B0-W50:mix_reference=0,source_pull=0,change_threshold=0 B3-W50:mix_reference=3,source_pull=0,change_threshold=0 ..."
+#   CONFIGS="B3-W50:mix_reference=3,source_pull=0,change_threshold=0,laplacian_weight=0 ..."
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 set -euo pipefail
 OUT=${OUT:-held-out}; WORK=${WORK:-/tmp/fmnist-h}; CONFIGS=${CONFIGS:-committed}; SMALL=${SMALL:-0}
