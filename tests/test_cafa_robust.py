@@ -56,6 +56,16 @@ def hidden64(net: FeatureClassifier, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.double(), net.model[0].weight.double(), net.model[0].bias.double())
 
 
+def predicted64(net: FeatureClassifier, x: torch.Tensor, mean, var, weight, bias, prior, power) -> torch.Tensor:
+    """The reference's logits of a batch: the gate's pass with the global statistics (mean,
+    var) alone, then the batch normalised with its share ρ of the statistics."""
+    with torch.no_grad():
+        global_logits, _ = forward64(net, x, mean, var, weight, bias)
+        share = reference_robust.batch_share(len(x), reference_robust.skew(global_logits.softmax(1)), prior, power)
+        m, v = reference_robust.shared_statistics(hidden64(net, x), mean, var, share)
+        return forward64(net, x, m, v, weight, bias)[0]
+
+
 @pytest.mark.parametrize("pull", [0.0, 0.1])
 def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition(pull):
     """Three batches of 6, a step on the bank after every 8 images (inside the second and
@@ -89,11 +99,7 @@ def test_a_stream_with_steps_on_the_bank_matches_the_float64_definition(pull):
     seen: list[torch.Tensor] = []
     for x in batches:
         reported = adapter.step(x)
-        with torch.no_grad():
-            global_logits, _ = forward64(net, x, mean, var, weight, bias)
-            share = reference_robust.batch_share(len(x), reference_robust.skew(global_logits.softmax(1)), prior, power)
-            m, v = reference_robust.shared_statistics(hidden64(net, x), mean, var, share)
-            expected, _ = forward64(net, x, m, v, weight, bias)
+        expected = predicted64(net, x, mean, var, weight, bias, prior, power)
         torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-5)
         for image in x:
             seen.append(image)
@@ -256,11 +262,7 @@ def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_ban
             assert method.watch.jump == pytest.approx(float(jump), rel=1e-6)
         assert method.changes == (k == 3)
     assert jump > 1 and not torch.equal(moved_mean, layer.source_mean)  # the statistics had moved, and restart
-    with torch.no_grad():
-        global_logits, _ = forward64(net, x, source_mean, source_var, weight, bias)
-        share = reference_robust.batch_share(len(x), reference_robust.skew(global_logits.softmax(1)), prior, power)
-        m, v = reference_robust.shared_statistics(hidden64(net, x), source_mean, source_var, share)
-        expected, _ = forward64(net, x, m, v, weight, bias)
+    expected = predicted64(net, x, source_mean, source_var, weight, bias, prior, power)
     torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-5)
     arrivals = [a for a, c in zip(method.bank.host_arrivals, method.bank.host_labels) if c >= 0]
     assert arrivals and min(arrivals) >= 96  # the last batch's images alone
