@@ -25,9 +25,9 @@ from torch import nn
 
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.laplacian import affinity_matrix, laplacian_assignment, stopping_iteration
 from cafa_cli.method.methods import cotta as cotta_module
 from cafa_cli.method.methods import create
-from cafa_cli.method.methods.lame import affinity_matrix, laplacian_assignment, stopping_iteration
 from cafa_cli.recipes import shipped
 
 C = 10  # classes: the CIFAR-10-C recipes' E0 = 0.4·ln 10

@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from cafa_cli.method import reference
-from cafa_cli.method.methods import lame
+from cafa_cli.method import laplacian, reference
 
 SKEW_START, SKEW_FULL = (
     0.25,
@@ -97,12 +96,12 @@ def reported(
 ) -> torch.Tensor:
     """What a batch is reported as, from its logits and features (the pass with its share ρ)
     and the gate's skew s: the logits when λ = λ₀·s^q is 0, else LAME's correction at that λ
-    (lame.corrected_logits, LAME's definition, checked against its authors' code in
+    (laplacian.corrected_logits, LAME's definition, checked against its authors' code in
     tests/test_fidelity.py), here in float64."""
     strength = weight * float(s) ** power
     if strength == 0:
         return logits.double()
-    return lame.corrected_logits(logits.double(), features.double(), strength)
+    return laplacian.corrected_logits(logits.double(), features.double(), strength)
 
 
 def timeliness(ages: torch.Tensor) -> torch.Tensor:

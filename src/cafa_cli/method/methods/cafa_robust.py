@@ -64,6 +64,7 @@ from cafa_cli.errors import InputError
 from cafa_cli.method import losses
 from cafa_cli.method.class_balanced import correction_strength
 from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.method.laplacian import corrected_logits
 from cafa_cli.method.memory_bank import (
     CAPACITY,
     LAMBDA_T,
@@ -76,7 +77,6 @@ from cafa_cli.method.memory_bank import (
 )
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
-from cafa_cli.method.methods.lame import corrected_logits
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow
@@ -209,7 +209,7 @@ class CafaRobust(Cafa):
     adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
     unsaved = (*Cafa.unsaved, "params", "source")  # the model's own parameters, and their source values
-    per_batch = (*Cafa.per_batch, "skew")  # the gate's, for the batch's reported predictions
+    per_batch = (*Cafa.per_batch, "skew", "strength")  # the gate's, for the batch's reported predictions
     options = (
         SCHEDULE_OPTIONS
         + (
@@ -303,6 +303,7 @@ class CafaRobust(Cafa):
         self.gated = 0  # batches the typical mix has taken in
         self.last_mix: torch.Tensor | None = None
         self.skew: torch.Tensor | None = None  # the gate's s of the batch last predicted
+        self.strength = 0.0  # LAME's λ for this batch's reported predictions (a host value)
         self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.watch: VarianceWatch | None = None
@@ -326,7 +327,7 @@ class CafaRobust(Cafa):
         """An empty bank (the Adapter has put the source's weights and statistics back)."""
         self.offered = 0
         self.typical_mix, self.gated = None, 0
-        self.changes, self.skew = 0, None
+        self.changes, self.skew, self.strength = 0, None, 0.0
         if self.bank is not None:
             self.bank.reset()
         if self.watch is not None:
@@ -375,10 +376,7 @@ class CafaRobust(Cafa):
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The batch's logits, or, when the gate read its class mix as skewed, LAME's
         correction of them at λ = λ₀·s^q."""
-        if not self.laplacian_weight or self.skew is None or len(logits) < 2:
-            return logits
-        strength = self.laplacian_weight * float(self.skew) ** self.laplacian_power  # one host read a batch
-        return corrected_logits(logits, features, strength) if strength > 0 else logits
+        return corrected_logits(logits, features, self.strength) if self.strength else logits
 
     def restart(self) -> None:
         """A change of domain: the source statistics and an empty bank (the weights stay)."""
@@ -395,6 +393,10 @@ class CafaRobust(Cafa):
             return self.reported + (skipped,)
         self.fresh = False
         logits, features = self.reported = self.predict(adapter, images, watching=True)
+        # LAME's λ for `output`, read here, where it waits for no more work than the bank's read below
+        self.strength = 0.0
+        if self.laplacian_weight and len(images) > 1:
+            self.strength = self.laplacian_weight * float(self.skew) ** self.laplacian_power
         if self.mix_reference:  # after the batch's own gate: it is compared with the batches before it
             self.gated += 1
             weight = 1 / min(self.gated + self.mix_reference, self.mix_window)
