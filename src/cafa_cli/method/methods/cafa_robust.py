@@ -41,7 +41,7 @@ the last domain's statistics and images would otherwise linger. A corruption cha
 variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
 
 Predictions of a skewed batch (issue 43). A batch whose class mix the gate reads as skewed
-by s > 0 is reported with LAME's Laplacian correction (methods/lame.py, its defaults: rbf
+by s > 0 is reported with LAME's Laplacian correction (method/laplacian.py, LAME's defaults: rbf
 affinity of the features, k = 5) at λ = λ₀·s^q (`laplacian_weight`, `laplacian_power`): the
 batch holds few classes, so neighbours in feature space should share one; an i.i.d. batch
 (s = 0) is reported as it is.
