@@ -14,9 +14,9 @@
 # eta's and eata's `keep_mean_on_reset` option, cafa-robust's `mix_reference` and `mix_window`
 # options, off), and eata's by its errors. cafa-robust's three files changed on purpose with
 # issue 43's second design (`source_pull` 0.01, `change_threshold` 1, `laplacian_weight` 1,
-# `laplacian_power` 4); with the first three at 0 its two prediction files are the first
-# design's byte for byte (checked when it landed), and lame's are unchanged by the
-# `corrected_logits` it now shares with cafa-robust.
+# `laplacian_power` 4, and its recipes' `mix_reference` 10); with those four at 0 its two
+# prediction files are the first design's byte for byte (checked when it landed), and lame's
+# are unchanged by the `corrected_logits` it now shares with cafa-robust.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
