@@ -47,7 +47,7 @@ def affinity_matrix(
 def laplacian_assignment(
     unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = LAMBDA, max_steps: int = MAX_STEPS
 ) -> torch.Tensor:
-    """LAME's fixed-point iterations from Y = softmax(−unary); see the module's docstring.
+    """LAME's fixed-point iterations from Y = softmax(−unary); see methods/lame.py's docstring.
     Every iteration runs (three operators each: a launch apiece on a GPU, where a check
     between them would wait for the device), and the energies and the stop are found
     after them, for all at once: the result is the iterate at which the official loop

@@ -356,15 +356,16 @@ class CafaRobust(Cafa):
         """The batch's logits and features (no gradient), normalised with its share ρ; while
         `watching`, the gate's pass also feeds the change detector, and a change of domain
         restarts the statistics and the bank before the batch is predicted."""
+        watch = self.watch if watching else None
         try:
             with torch.no_grad():  # the layers are left normalising with the global statistics (finally)
-                if watching and self.watch is not None:
-                    self.layers[0].watch = self.watch
+                if watch is not None:
+                    self.layers[0].watch = watch
                 try:
                     share = self.batch_share(adapter, images)
                 finally:
                     self.layers[0].watch = None
-                if watching and self.watch is not None and self.watch.closes(self.update_every, self.change_threshold):
+                if watch is not None and watch.closes(self.update_every, self.change_threshold):
                     self.restart()
                     share = self.batch_share(adapter, images)
                 self.normalising(share)
