@@ -260,14 +260,14 @@ def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_ban
         if k:
             jump = reference_robust.variance_jump(hidden64(net, batches[k - 1]), hidden64(net, x), layer.eps)
             assert method.watch.jump == pytest.approx(float(jump), rel=1e-6)
-        assert method.changes == (k == 3)
+        assert method.domain_changes == (k == 3)
     assert jump > 1 and not torch.equal(moved_mean, layer.source_mean)  # the statistics had moved, and restart
     expected = predicted64(net, x, source_mean, source_var, weight, bias, prior, power)
     torch.testing.assert_close(reported.double(), expected, rtol=1e-4, atol=1e-5)
     arrivals = [a for a, c in zip(method.bank.host_arrivals, method.bank.host_labels) if c >= 0]
     assert arrivals and min(arrivals) >= 96  # the last batch's images alone
     adapter.reset()
-    assert method.changes == 0 and method.watch.before is None
+    assert method.domain_changes == 1 and method.watch.before is None  # reset keeps the count
 
 
 def test_zero_switches_off_the_pull_and_the_detector():

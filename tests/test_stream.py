@@ -7,11 +7,13 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.shared.report import domain_record, overall
 from cafa_cli.method import distances
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.methods import create
@@ -137,3 +139,24 @@ def test_each_domain_reports_its_own_skipped_steps_and_unrefined_batches(trained
         on_domain=nan_in_b,
     )
     assert [(r.skipped_steps, r.unrefined_batches) for r in results] == [(0, 3), (3, 0)]
+
+
+def test_each_domain_reports_the_changes_of_domain_cafa_robust_detected(trained):
+    """A stream that never resets, whose second domain is the first's images with heavy noise:
+    cafa-robust's detector sees one change, in that domain, and the metrics say so per
+    domain and overall; a method without a detector reports no count at all. (The statistic
+    is about 1.1 at the change, below 0.001 between batches of one domain.)"""
+    model, gaussians, x, y = trained
+    noisy = x[150:] + torch.randn(x[150:].shape, generator=torch.Generator().manual_seed(0)) * 0.4
+    domains = [domain("a", x[:150], y[:150]), domain("b", noisy, y[150:])]
+
+    def results(method):
+        adapter = Adapter(copy.deepcopy(model), method, lr=1e-3)
+        return adapt_domains(adapter, domains, PIXELS, batch_size=50, reset="never", shuffle=True, seed=0)
+
+    robust = results(create("cafa-robust", gaussians, update_every=50, change_threshold=0.5))
+    assert [r.domain_changes for r in robust] == [0, 1]
+    assert [domain_record(r)["domain_changes"] for r in robust] == [0, 1] and overall(robust)["domain_changes"] == 1
+    plain = results(create("cafa", gaussians))
+    assert [r.domain_changes for r in plain] == [None, None]
+    assert "domain_changes" not in domain_record(plain[0]) and "domain_changes" not in overall(plain)

@@ -206,6 +206,12 @@ class Adapter(OneThreadAtATime):
         return 0 if self.method.kept is None else int(self.method.kept)
 
     @property
+    def domain_changes(self) -> int | None:
+        """Changes of domain the method's detector saw since the Adapter was made (cafa-robust
+        with `change_threshold`); None for a method without one."""
+        return self.method.domain_changes
+
+    @property
     def step_runner(self) -> str:
         """What runs the steps: `graph` (a checked CUDA graph, replayed), or `eager: why`."""
         if self.graph is None:

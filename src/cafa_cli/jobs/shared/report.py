@@ -162,8 +162,15 @@ def overall(results: Sequence[DomainResult]) -> dict:
         "unit": ERROR_FRACTION,
         "skipped_images": sum(len(r.skipped_images) for r in results),
         "skipped_steps": sum(r.skipped_steps for r in results),
+        **_total("domain_changes", results),
         "seconds": round(sum(r.seconds for r in results), 3),
     }
+
+
+def _total(count: str, results: Sequence[DomainResult]) -> dict:
+    """{count: its sum over the domains}, or nothing when no domain has it (the method lacks it)."""
+    values = [getattr(r, count) for r in results if getattr(r, count) is not None]
+    return {count: sum(values)} if values else {}
 
 
 def software_versions() -> dict[str, str]:
@@ -202,6 +209,7 @@ def domain_record(r: DomainResult) -> dict:
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
         **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
+        **({"domain_changes": r.domain_changes} if r.domain_changes is not None else {}),
         **({"round": r.round} if r.round is not None else {}),
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),

@@ -129,6 +129,9 @@ class Method:
     inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)
     filters_samples: bool = False  # True: `kept` counts the samples its filter kept, on the device
     kept: torch.Tensor | None = None
+    # a method with a change detector (cafa-robust) counts the changes of domain it saw since it
+    # was made, on the host (reset keeps the count); None: it has none
+    domain_changes: int | None = None
     # CAFA-Oracle (`oracle`): a method whose loss uses the predicted class sets `takes_labels`
     # and reads it from `class_labels`; the stream then puts each batch's true labels (on the
     # device) in `oracle_labels` before its step, so that only the loss sees them

@@ -308,7 +308,7 @@ class CafaRobust(Cafa):
         self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.watch: VarianceWatch | None = None
-        self.changes = 0  # changes of domain seen since the last reset
+        self.domain_changes = 0 if change_threshold else None  # since it was made (reset keeps the count)
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """The parameters (chosen before the swap: the new layers share them), then every
@@ -328,7 +328,7 @@ class CafaRobust(Cafa):
         """An empty bank (the Adapter has put the source's weights and statistics back)."""
         self.offered = 0
         self.typical_mix, self.gated = None, 0
-        self.changes, self.skew, self.strength = 0, None, 0.0
+        self.skew, self.strength = None, 0.0
         if self.bank is not None:
             self.bank.reset()
         if self.watch is not None:
@@ -385,7 +385,7 @@ class CafaRobust(Cafa):
         for layer in self.layers:
             layer.restart()
         self.bank.reset()
-        self.changes += 1
+        self.domain_changes += 1
 
     def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
         return SharedPrediction(self, adapter)
