@@ -211,26 +211,25 @@ def test_a_prior_of_zero_is_refused_for_a_one_class_batch_would_divide_zero_by_z
 def test_the_gate_compares_a_batch_with_the_streams_typical_class_mix(mix_reference, window):
     """mix_reference B > 0: each batch's skew is measured from the mean class mix of the gate's
     predictions before it, started uniform with B batches' weight and averaging at most the
-    last `mix_window`; B = 0 measures it from uniform, as before; a reset starts again."""
+    last `mix_window` (reference_robust.typical_mixes, float64); B = 0 measures it from uniform,
+    as before; a reset starts again."""
     gaussians, _, _ = class_statistics()
     net = tiny_net()
     method = create("cafa-robust", gaussians, update_every=1000, mix_reference=mix_reference, mix_window=window)
     adapter = Adapter(net, method, "cpu")
     g = torch.Generator().manual_seed(0)
-    typical = torch.full((C,), 1 / C)
-    for t in range(1, 5):
-        images = torch.randn(8, D_IN, generator=g) + t
-        with torch.no_grad():  # the gate's pass: the global statistics alone
-            mix = net(images)[0].softmax(1).mean(0)
-        expected = correction_strength(mix, 8, typical if mix_reference else None)
+    batches = [torch.randn(8, D_IN, generator=g) + t for t in range(1, 6)]
+    with torch.no_grad():  # the gate's pass: the global statistics alone (update_every keeps them)
+        probabilities = [net(images)[0].softmax(1) for images in batches]
+    typical = reference_robust.typical_mixes([p.mean(0) for p in probabilities], mix_reference, window)
+    for t, (images, p) in enumerate(zip(batches, probabilities)):
+        s = reference_robust.skew(p, typical[t] if mix_reference else None)
         share = method.batch_share(adapter, images)
-        n_eff = 8 * (1 - expected) ** 8
-        torch.testing.assert_close(share, n_eff / (n_eff + 16))
+        torch.testing.assert_close(share.double(), reference_robust.batch_share(8, s, 16.0, 8.0), rtol=1e-5, atol=1e-7)
         adapter.step(images)
-        typical = typical + (mix - typical) / min(t + mix_reference, window)
-        if mix_reference:
-            torch.testing.assert_close(method.typical_mix, typical)
-        else:
+        if mix_reference and t + 1 < len(batches):
+            torch.testing.assert_close(method.typical_mix.double(), typical[t + 1], rtol=1e-5, atol=1e-7)
+        elif not mix_reference:
             assert method.typical_mix is None
     adapter.reset()
     assert method.typical_mix is None and method.gated == 0

@@ -26,16 +26,26 @@ def iid_distance(classes: int, n: int) -> float:
     return 0.5 * classes * sum(math.comb(n, k) * p**k * (1 - p) ** (n - k) * abs(k / n - p) for k in range(n + 1))
 
 
-def skew(probabilities: torch.Tensor) -> torch.Tensor:
+def skew(probabilities: torch.Tensor, typical: torch.Tensor | None = None) -> torch.Tensor:
     """s ∈ [0, 1] of a batch from its predicted probabilities [n, C]: the total-variation
-    distance of their mean from uniform, as a share of the way from what an i.i.d. batch of
-    n shows to a batch of one class, mapped linearly from 0 at SKEW_START to 1 at SKEW_FULL."""
+    distance of their mean from uniform (or from `typical`, the stream's typical class mix
+    m_{t−1}), as a share of the way from what an i.i.d. batch of n shows to a batch of one
+    class, mapped linearly from 0 at SKEW_START to 1 at SKEW_FULL."""
     n, c = probabilities.shape
     h = probabilities.double().mean(0)
-    distance = 0.5 * (h - 1 / c).abs().sum()
+    distance = 0.5 * (h - (1 / c if typical is None else typical.double())).abs().sum()
     noise = iid_distance(c, n)
     relative = (distance - noise) / max(1 - 1 / c - noise, 1e-6)
     return ((relative - SKEW_START) / (SKEW_FULL - SKEW_START)).clamp(0, 1)
+
+
+def typical_mixes(mixes: list[torch.Tensor], reference: float, window: int) -> list[torch.Tensor]:
+    """The typical class mix each batch is compared with, from the gate's mean softmax h_t of
+    the batches before it: m_0 uniform, m_t = m_{t−1} + (h_t − m_{t−1}) / min(t + B, W)."""
+    typical = [torch.full_like(mixes[0], 1 / mixes[0].numel(), dtype=torch.float64)]
+    for t, h in enumerate(mixes[:-1], start=1):
+        typical.append(typical[-1] + (h.double() - typical[-1]) / min(t + reference, window))
+    return typical
 
 
 def batch_share(n: int, s: torch.Tensor | float, prior: float, power: float) -> torch.Tensor:
