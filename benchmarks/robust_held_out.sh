@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
 # cafa-robust on the four held-out Fashion-MNIST-C corruptions only (the corruptions its
 # options are chosen on; docs/design.md, "cafa-robust"), seed 0, its cifar10-c recipe with
-# each configuration's options on top: i.i.d. at severity 5 (where the source statistics'
-# gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at severity 3, one
-# continual stream at severity 3, and with SMALL=1 batches of 8 and 1 at severity 3.
+# each configuration's options on top: i.i.d. and one continual stream at severity 5 (where the
+# source statistics' gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at
+# severity 3, one continual stream at severity 3, and with SMALL=1 batches of 8 and 1 at
+# severity 3. JOBS=N runs N configurations side by side.
 #   CONFIGS="round2 first:source_pull=0,change_threshold=0,laplacian_weight=0" OUT=scan WORK=fm bash benchmarks/robust_held_out.sh
-# A configuration is NAME or NAME:OPTION=VALUE,...; each writes OUT/NAME/{sev5-iid,sev3-orders,
-# sev3-continual,sev3-small}.{md,json}. The typical-mix table (issue 43):
+# A configuration is NAME or NAME:OPTION=VALUE,...; each writes OUT/NAME/{sev5-iid,sev5-continual,
+# sev3-orders,sev3-continual,sev3-small}.{md,json}. The typical-mix table (issue 43):
 #   CONFIGS="B3-W50:mix_reference=3,source_pull=0,change_threshold=0,laplacian_weight=0 ..."
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 set -euo pipefail
-OUT=${OUT:-held-out}; WORK=${WORK:-/tmp/fmnist-h}; CONFIGS=${CONFIGS:-committed}; SMALL=${SMALL:-0}
+OUT=${OUT:-held-out}; WORK=${WORK:-/tmp/fmnist-h}; CONFIGS=${CONFIGS:-committed}; SMALL=${SMALL:-0}; JOBS=${JOBS:-1}
 TEST_PER_CLASS=300; source "$(dirname "$0")/fmnist_c.sh"  # cafa, HELD_OUT, domains
 for severity in 3 5; do
   cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $HELD_OUT | tr ' ' ,)" --severity $severity \
     --test-per-class 300 --quiet > /dev/null
 done
 COMMON="--methods cafa-robust --recipe cifar10-c --seeds 0 --num-workers 0 --workdir $WORK/artifacts --quiet"
-for config in $CONFIGS; do
-  name=${config%%:*}; options=()
+configuration() {  # one configuration's benches, in order
+  local config=$1 name=${1%%:*} options=()
   if [[ $config == *:* ]]; then
     IFS=, read -ra pairs <<< "${config#*:}"
     for pair in "${pairs[@]}"; do options+=(--method-option "$pair"); done
   fi
-  O=$OUT/$name; mkdir -p "$O"
+  local O=$OUT/$name; mkdir -p "$O"
   run() {  # run NAME BENCH-OPTIONS...: one bench of the configuration, its table and JSON
     local what=$1; shift
     cafa bench "$@" $COMMON "${options[@]}" --metrics-json "$O/$what.json" > "$O/$what.md"
   }
   run sev5-iid $(SEVERITY=5 domains "$HELD_OUT")
+  run sev5-continual $(SEVERITY=5 domains "$HELD_OUT") --reset never
   run sev3-orders $(SEVERITY=3 domains "$HELD_OUT") --orders iid,label-shift:1.0,dirichlet:0.01
   run sev3-continual $(SEVERITY=3 domains "$HELD_OUT") --reset never
   if [ "$SMALL" = 1 ]; then run sev3-small $(SEVERITY=3 domains "$HELD_OUT") --batch-sizes 8,1; fi
   echo "$name done" >&2
+}
+for config in $CONFIGS; do  # JOBS configurations at a time (each bench uses one core with OMP_NUM_THREADS=1)
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  configuration "$config" &
 done
+wait
