@@ -51,8 +51,9 @@ a step every 64 images (`update_every`), α = 0.05 (`statistics_momentum`), N₀
 p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ₀ = 1
 (`laplacian_weight`), q = 4 (`laplacian_power`), λ_t = λ_u = 1 (the bank's); β = τ = λ₀ = 0
 give the first design's predictions (issue 30); its recipes (recipes/cafa-robust.toml)
-add CAFA's Adam, lr 1e-3, batch 64, and the typical mix, B = 10 (chosen there too). It
-trains the normalisation affines (`params` norm).
+add CAFA's optimiser, rate and batch (Adam, lr 1e-3, batch 200 for CIFAR), the typical mix,
+B = 10, and a step every 32 images (chosen there too). It trains the normalisation affines
+(`params` norm).
 """
 
 from __future__ import annotations
