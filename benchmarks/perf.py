@@ -72,6 +72,7 @@ from cafa_cli.method.methods import REGISTRY, create, entry_of
 from cafa_cli.method.moments import accumulate_features
 from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
 from cafa_cli.models import ModelSpec, resolve
+from cafa_cli.recipes import shipped
 
 KEEP_BYTES = distances.KEEP_BYTES
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
@@ -296,6 +297,12 @@ def main() -> None:
         help="the covariance form of the synthetic class statistics that --methods and --norms rows get "
         "(at C = 1000, full is 16.8 GB made on the host: lowrank is the form ImageNet's artifact has)",
     )
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="time each --methods row with the options of its shipped recipe for this family (cifar10-c: "
+        "cafa-robust's update_every 32 steps twice a batch of 64); default: the methods' own defaults",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of TENT and each --methods row")
     # 5 and 10 batches on an H100 gave 0.97x and 0.77x for the same code: too few to say anything
@@ -376,12 +383,17 @@ def main() -> None:
         if wanted
     ]
 
+    def recipe_options(method: str) -> dict:
+        """The method options of its shipped recipe for --recipe (none for tent, the reference)."""
+        recipe = shipped(method, args.recipe) if args.recipe and method != "tent" else None
+        return dict(recipe.options) if recipe else {}
+
     def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:
         model, _ = resolve(args.model, num_classes=num_classes)
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         return Adapter(
             model,
-            create(method, gaussians, device),
+            create(method, gaussians, device, **recipe_options(method)),
             device,
             precision=args.precision,
             compile=variant == "compile",
