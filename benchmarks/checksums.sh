@@ -5,7 +5,8 @@
 # Usage: benchmarks/checksums.sh WORKDIR  (re-uses WORKDIR/cafa-demo's data when there)
 # Ends by comparing with benchmarks/checksums.expected, made on the 2-core dev VM, torch
 # 2.14.1 CPU, in WORKDIR /tmp/ck (the metrics record absolute paths, so use the same
-# WORKDIR); another CPU or torch may differ. About 12 minutes on 2 cores. Its predictions
+# WORKDIR), at torch's default thread count (with OMP_NUM_THREADS=1, tent --params all and
+# cotta differ); another CPU or torch may differ. About 12 minutes on 2 cores. Its predictions
 # (demo, adapt-*, bench) are 7e563d8's byte for byte but eata's, whose Fisher images are read
 # in their random order since issue 40 (d076ef8); its metrics differ from 7e563d8's by the keys
 # issues 39, 44, 45, 41, 42 and 40 added or changed on purpose (`method_option`, `state`, each
@@ -16,7 +17,9 @@
 # issue 43's second design (`source_pull` 0.01, `change_threshold` 1, `laplacian_weight` 1,
 # `laplacian_power` 4, and its recipes' `mix_reference` 10); with those four at 0 its two
 # prediction files are the first design's byte for byte (checked when it landed), and lame's
-# are unchanged by the `corrected_logits` it now shares with cafa-robust.
+# are unchanged by the `corrected_logits` it now shares with cafa-robust. Its three changed again
+# with issue 43's third session: its metrics gained `domain_changes`, and its recipe (which
+# `adapt` picks by default) took batch 200 and `update_every` 32.
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
