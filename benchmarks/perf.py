@@ -384,8 +384,8 @@ def main() -> None:
     ]
 
     def recipe_options(method: str) -> dict:
-        """The method options of its shipped recipe for --recipe (none for tent, the reference)."""
-        recipe = shipped(method, args.recipe) if args.recipe and method != "tent" else None
+        """The method options of its shipped recipe for --recipe (none without one)."""
+        recipe = shipped(method, args.recipe) if args.recipe else None
         return dict(recipe.options) if recipe else {}
 
     def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:

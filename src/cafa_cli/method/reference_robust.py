@@ -40,10 +40,10 @@ def skew(probabilities: torch.Tensor, typical: torch.Tensor | None = None) -> to
 
 
 def typical_mixes(mixes: list[torch.Tensor], reference: float, window: int) -> list[torch.Tensor]:
-    """The typical class mix each batch is compared with, from the gate's mean softmax h_t of
-    the batches before it: m_0 uniform, m_t = m_{t−1} + (h_t − m_{t−1}) / min(t + B, W)."""
+    """m_0 … m_T, the typical class mix from the gate's mean softmax h_t of each batch: m_0
+    uniform, m_t = m_{t−1} + (h_t − m_{t−1}) / min(t + B, W); batch t is compared with m_{t−1}."""
     typical = [torch.full_like(mixes[0], 1 / mixes[0].numel(), dtype=torch.float64)]
-    for t, h in enumerate(mixes[:-1], start=1):
+    for t, h in enumerate(mixes, start=1):
         typical.append(typical[-1] + (h.double() - typical[-1]) / min(t + reference, window))
     return typical
 
