@@ -3,11 +3,12 @@
 # options are chosen on; docs/design.md, "cafa-robust"), seed 0, its cifar10-c recipe with
 # each configuration's options on top: i.i.d. and one continual stream at severity 5 (where the
 # source statistics' gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at
-# severity 3, one continual stream at severity 3, and with SMALL=1 batches of 8 and 1 at
-# severity 3. JOBS=N runs N configurations side by side.
+# severity 3, continual streams at severity 3 (i.i.d., label shift 1.0 and Dirichlet 0.01 within
+# each domain), and with SMALL=1 batches of 8 and 1 at severity 3. JOBS=N runs N configurations
+# side by side.
 #   CONFIGS="round2 first:source_pull=0,change_threshold=0,laplacian_weight=0" OUT=scan WORK=fm bash benchmarks/robust_held_out.sh
 # A configuration is NAME or NAME:OPTION=VALUE,...; each writes OUT/NAME/{sev5-iid,sev5-continual,
-# sev3-orders,sev3-continual,sev3-small}.{md,json}. The typical-mix table (issue 43):
+# sev3-orders,sev3-continual,sev3-continual-orders,sev3-small}.{md,json}. The typical-mix table (issue 43):
 #   CONFIGS="B3-W50:mix_reference=3,source_pull=0,change_threshold=0,laplacian_weight=0 ..."
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 set -euo pipefail
@@ -33,6 +34,7 @@ configuration() {  # one configuration's benches, in order
   run sev5-continual $(SEVERITY=5 domains "$HELD_OUT") --reset never
   run sev3-orders $(SEVERITY=3 domains "$HELD_OUT") --orders iid,label-shift:1.0,dirichlet:0.01
   run sev3-continual $(SEVERITY=3 domains "$HELD_OUT") --reset never
+  run sev3-continual-orders $(SEVERITY=3 domains "$HELD_OUT") --reset never --orders label-shift:1.0,dirichlet:0.01
   if [ "$SMALL" = 1 ]; then run sev3-small $(SEVERITY=3 domains "$HELD_OUT") --batch-sizes 8,1; fi
   echo "$name done" >&2
 }
