@@ -95,7 +95,7 @@ def pulled(parameter: torch.Tensor, source: torch.Tensor, beta: float) -> torch.
 def variance_jump(before: torch.Tensor, now: torch.Tensor, eps: float) -> torch.Tensor:
     """The change detector's statistic between two windows of a layer's input [N, channels, ...]:
     the mean over channels of ln²((σ²_now + ε) / (σ²_before + ε)), σ² each window's biased
-    variance. Above τ, the method starts over from the source (cafa_robust.CafaRobust.restart)."""
+    variance. Above τ, the statistics return to the source's and the bank empties."""
     _, var_before = batch_statistics(before)
     _, var_now = batch_statistics(now)
     return ((var_now + eps) / (var_before + eps)).log().square().mean()

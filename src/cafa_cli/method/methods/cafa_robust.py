@@ -35,13 +35,10 @@ stream cannot carry them away. No teacher, no augmentation.
 
 A change of domain (issue 43). The first normalisation layer's input is watched over windows
 of `update_every` images: when its per-channel variance jumps between two windows, mean over
-channels of ln²(σ²_now / σ²_before) > τ (`change_threshold`), the method starts over before
-the batch that completed the window is predicted: the trained parameters return to the
-source's (with a new optimiser's state), the global statistics too, the bank empties and the
-typical mix is uniform again: the last domain's statistics, images, weights and class mix
-would otherwise linger (the typical mix, late in a stream, follows a new domain at 1/W a
-batch, not 1/(t + B)). A corruption changes that variance (noise raises it, blur lowers it)
-far more than a change of class does (docs/design.md).
+channels of ln²(σ²_now / σ²_before) > τ (`change_threshold`), the global statistics return to
+the source's and the bank empties, before the batch that completed the window is predicted:
+the last domain's statistics and images would otherwise linger. A corruption changes that
+variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
 
 Predictions of a skewed batch (issue 43). A batch whose class mix the gate reads as skewed
 by s > 0 is reported with LAME's Laplacian correction (method/laplacian.py, LAME's defaults: rbf
@@ -83,7 +80,6 @@ from cafa_cli.method.memory_bank import (
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
-from cafa_cli.method.optimiser import restart_state
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow
 
@@ -250,8 +246,8 @@ class CafaRobust(Cafa):
                 "change_threshold",
                 CHANGE_THRESHOLD,
                 "τ: a change of domain, when the first BatchNorm's input variance jumps between two windows of "
-                "update_every images by more than τ (mean of ln² of the ratio): back to the source weights and "
-                "statistics, an empty bank and a uniform typical mix (0: never)",
+                "update_every images by more than τ (mean of ln² of the ratio): back to the source statistics and "
+                "an empty bank (0: never)",
                 "weight",
             ),
             Option(
@@ -371,7 +367,7 @@ class CafaRobust(Cafa):
                 finally:
                     self.layers[0].watch = None
                 if watch is not None and watch.closes(self.update_every, self.change_threshold):
-                    self.restart(adapter)
+                    self.restart()
                     share = self.batch_share(adapter, images)
                 self.normalising(share)
                 with adapter.autocast:
@@ -385,17 +381,11 @@ class CafaRobust(Cafa):
         correction of them at λ = λ₀·s^q."""
         return corrected_logits(logits, features, self.strength) if self.strength else logits
 
-    def restart(self, adapter: AdapterSurface) -> None:
-        """A change of domain: the method starts over, as at the stream's start (source weights
-        with a new optimiser's state, source statistics, an empty bank, a uniform typical mix);
-        the detector's window and the bank's schedule go on."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, self.source)
-        restart_state(adapter.optimizer)
+    def restart(self) -> None:
+        """A change of domain: the source statistics and an empty bank (the weights stay)."""
         for layer in self.layers:
             layer.restart()
         self.bank.reset()
-        self.typical_mix, self.gated = None, 0
         self.domain_changes += 1
 
     def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
