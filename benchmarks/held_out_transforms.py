@@ -2,7 +2,8 @@
 image transforms that none of the 15 reported corruptions is (docs/design.md, "The continual
 column, fourth session": the four held-out corruptions are too few kinds of change for a
 continual stream). Writes ROOT/NAME/CLASS/INDEX.png for each transform, PER_CLASS images a
-class (the first of each class in the test split, as the demo's), deterministic:
+class, the test images `cafa demo --data-only --test-per-class PER_CLASS` corrupts (its rows
+and its folder writer), deterministic:
 
     PYTHONPATH=src python benchmarks/held_out_transforms.py /tmp/fmnist-t --per-class 300
 """
@@ -12,12 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import torch
 import torchvision.transforms.functional as F
-from PIL import Image
 
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.data.fashion_mnist import load_fashion_mnist
+from cafa_cli.data.fmnist_c import stratified_rows, write_image_folder
 
 TRANSFORMS = {  # each on a uint8 [1, 28, 28] tensor; the random ones draw from `g`
     "posterize": lambda x, g: F.posterize(x, 2),
@@ -35,18 +35,13 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=300)
     args = parser.parse_args()
     images, labels = load_fashion_mnist(split="test")
+    rows = stratified_rows(labels, args.per_class, seed=0)  # the demo's default seed
+    images, labels = images[rows], labels[rows]
     for name, transform in TRANSFORMS.items():
-        folder = args.root / name
-        if (folder / ".complete").exists():
-            continue
         g = torch.Generator().manual_seed(0)
-        for label, class_name in enumerate(FASHION_MNIST_CLASSES):
-            (folder / class_name).mkdir(parents=True, exist_ok=True)
-            for i in np.flatnonzero(labels == label)[: args.per_class]:
-                x = transform(torch.from_numpy(images[i])[None], g)
-                Image.fromarray(x[0].numpy()).save(folder / class_name / f"{i:05d}.png")
-        (folder / ".complete").touch()
-        print(f"{folder}: {len(FASHION_MNIST_CLASSES) * args.per_class} images")
+        transformed = torch.stack([transform(torch.from_numpy(image)[None], g)[0] for image in images])
+        folder = write_image_folder(args.root / name, transformed.numpy(), labels)  # kept when complete
+        print(f"{folder}: {len(images)} images")
 
 
 if __name__ == "__main__":

@@ -333,7 +333,9 @@ def test_held_out_transforms_change_an_image_the_same_way_for_the_same_seed():
     x = torch.zeros(1, 28, 28, dtype=torch.uint8)
     x[:, 6:22, 9:19] = torch.arange(16, dtype=torch.uint8)[:, None] * 15 + 20  # a garment-like bright shape
     for name, transform in TRANSFORMS.items():
+        torch.manual_seed(0)  # torch's global generator differs between the two calls
         first = transform(x.clone(), torch.Generator().manual_seed(3))
+        torch.manual_seed(1)
         again = transform(x.clone(), torch.Generator().manual_seed(3))
         assert first.shape == x.shape and first.dtype == torch.uint8, name
         assert not torch.equal(first, x) and torch.equal(first, again), name
