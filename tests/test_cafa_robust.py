@@ -235,6 +235,38 @@ def test_the_gate_compares_a_batch_with_the_streams_typical_class_mix(mix_refere
     assert method.typical_mix is None and method.gated == 0
 
 
+@pytest.mark.parametrize("kept", [0.0, 0.5, 1.0])
+def test_a_skewed_batch_keeps_its_skew_as_far_as_its_own_statistics_make_it_less_certain(kept):
+    """entropy_rise a > 0: a batch the gate reads as skewed is predicted again with its own
+    statistics, and its skew is scaled by clamp((ΔH − a)/a, 0, 1) (reference_robust.few_classes,
+    float64); a is set here from the batch's ΔH so that the scale is 0, ½ and 1."""
+    gaussians, _, _ = class_statistics()
+    net = tiny_net()
+    g = torch.Generator().manual_seed(8)
+    images = torch.randn(16, D_IN, generator=g) - 1  # where the source statistics predict mostly one class
+    source = net.model[1]
+    mean, var = source.running_mean.double(), source.running_var.double()
+    weight, bias = source.weight.detach().double(), source.bias.detach().double()
+    with torch.no_grad():
+        global_p = forward64(net, images, mean, var, weight, bias)[0].softmax(1)
+        own_mean, own_var = reference_robust.batch_statistics(hidden64(net, images))
+        own_p = forward64(net, images, own_mean, own_var, weight, bias)[0].softmax(1)
+    rise = float(reference_robust.mean_entropy(own_p) - reference_robust.mean_entropy(global_p))
+    skew = reference_robust.skew(global_p)
+    assert rise > 0 and 0 < float(skew) < 1  # a skewed batch, less certain with its own statistics
+    a = {0.0: 2 * rise, 0.5: rise / 1.5, 1.0: rise / 3}[kept]
+    assert float(reference_robust.few_classes(global_p, own_p, a)) == pytest.approx(kept)
+    method = create("cafa-robust", gaussians, entropy_rise=a, laplacian_weight=0)
+    adapter = Adapter(net, method, "cpu")
+    with torch.no_grad():
+        share = method.batch_share(adapter, images, method.watch)
+    torch.testing.assert_close(method.skew.double(), kept * skew, rtol=1e-5, atol=1e-6)
+    expected = reference_robust.batch_share(16, kept * skew, 16.0, 8.0)
+    torch.testing.assert_close(share.double(), expected, rtol=1e-5, atol=1e-7)
+    assert method.layers[0].share is None  # the layers normalise with the global statistics again
+    assert method.watch.images == 16  # the change detector took in the gate's pass alone
+
+
 def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_bank():
     """Windows of update_every = 32 images (a batch each): the detector's statistic is the
     reference's between each window and the one before; the batch whose window jumps (its

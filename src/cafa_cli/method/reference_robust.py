@@ -48,6 +48,20 @@ def typical_mixes(mixes: list[torch.Tensor], reference: float, window: int) -> l
     return typical
 
 
+def mean_entropy(probabilities: torch.Tensor) -> torch.Tensor:
+    """The mean over a batch [n, C] of its predictions' entropies, in nats."""
+    p = probabilities.double()
+    return -(p * p.log()).sum(1).mean()
+
+
+def few_classes(global_probabilities: torch.Tensor, own_probabilities: torch.Tensor, rise: float) -> torch.Tensor:
+    """How surely a batch the gate reads as skewed holds few classes, which scales its skew
+    (`entropy_rise` a > 0): clamp((ΔH − a)/a, 0, 1), ΔH the rise in the mean entropy of its
+    predictions from the gate's pass (global statistics) to a pass with its own statistics."""
+    gain = mean_entropy(own_probabilities) - mean_entropy(global_probabilities)
+    return ((gain - rise) / rise).clamp(0, 1)
+
+
 def batch_share(n: int, s: torch.Tensor | float, prior: float, power: float) -> torch.Tensor:
     """ρ = n_eff / (n_eff + N₀) with n_eff = n·(1 − s)^p: the batch's share of the statistics."""
     n_eff = n * (1 - torch.as_tensor(s, dtype=torch.float64)) ** power
