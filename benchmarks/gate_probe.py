@@ -7,7 +7,9 @@ mostly wrong that pass predicts a few classes even for an i.i.d. batch (docs/des
 model, the mean skew and error of batches of N images under two passes, the source
 statistics' and the batch's own (BN's), for an i.i.d. stream and a class-sorted one
 (label shift 1.0). A pass that told the two streams apart on the hard domains would be a
-gate for issue 43.
+gate for issue 43. The last columns are what cafa-robust's `entropy_rise` reads: the rise in
+a batch's mean prediction entropy (nats) from the first pass to the second, its smallest,
+median and largest over the stream's batches.
 
     PYTHONPATH=src python benchmarks/gate_probe.py fm/fashion-mnist-c-300 64 gaussian_blur/5 spatter/3
 """
@@ -24,6 +26,7 @@ from PIL import Image
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
 from cafa_cli.method.class_balanced import correction_strength
+from cafa_cli.method.methods.cafa_robust import mean_entropy
 from cafa_cli.method.norms import use_test_batch_norm
 from cafa_cli.zoo import load_bundled
 from cafa_cli.zoo.train_fmnist import normalize
@@ -54,8 +57,10 @@ def main() -> None:
     args = parser.parse_args()
     source = load_bundled("fmnist-resnet").eval()
     passes = {"source statistics": source, "batch statistics": on_batch_statistics(source)}
-    print(f"| domain | stream | {' | '.join(f'skew, {p} | error %, {p}' for p in passes)} |")
-    print("|---|---|" + "---:|" * (2 * len(passes)))
+    print(
+        f"| domain | stream | {' | '.join(f'skew, {p} | error %, {p}' for p in passes)} | entropy rise: min | median | max |"
+    )
+    print("|---|---|" + "---:|" * (2 * len(passes) + 3))
     for domain in args.domains:
         images, labels = images_of(args.root / domain)
         streams = {
@@ -63,16 +68,20 @@ def main() -> None:
             "sorted": np.argsort(labels.numpy(), kind="stable"),
         }
         for stream, order in streams.items():
-            cells = []
+            cells, entropies = [], []
             for net in passes.values():
-                skews, errors = [], []
+                skews, errors, entropy = [], [], []
                 for start in range(0, len(order) - args.batch + 1, args.batch):
                     batch = torch.from_numpy(order[start : start + args.batch])
                     with torch.no_grad():
                         logits = net(images[batch])
                     skews.append(float(correction_strength(logits.softmax(1).mean(0), args.batch)))
                     errors.append(float((logits.argmax(1) != labels[batch]).float().mean()))
+                    entropy.append(float(mean_entropy(logits)))
                 cells += [f"{np.mean(skews):.2f}", f"{100 * np.mean(errors):.1f}"]
+                entropies.append(np.array(entropy))
+            rise = entropies[1] - entropies[0]
+            cells += [f"{np.min(rise):+.2f}", f"{np.median(rise):+.2f}", f"{np.max(rise):+.2f}"]
             print(f"| {domain} | {stream} | {' | '.join(cells)} |")
 
 

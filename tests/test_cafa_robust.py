@@ -4,6 +4,10 @@ at any batch size, and the source state after a reset."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -332,3 +336,33 @@ def test_a_skewed_batch_is_reported_with_lames_correction_and_an_iid_one_as_it_i
             assert not torch.allclose(reported, plain_logits.log_softmax(1), atol=1e-3)  # the correction moved them
         else:
             assert torch.equal(reported, plain_logits)
+
+
+def test_the_gate_trace_writes_each_batchs_skew_scale_and_share(monkeypatch, tmp_path):
+    """benchmarks/robust_gate_trace.py (a diagnosis of a stream): a line a batch, in order,
+    whose share is ρ of its skew, and whose scale is set only where the batch read as skewed."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from robust_gate_trace import traced
+
+    from cafa_cli.method.methods.cafa_robust import CafaRobust
+
+    for name in ("update", "few_classes"):  # put back after the test
+        monkeypatch.setattr(CafaRobust, name, getattr(CafaRobust, name))
+    gaussians, _, _ = class_statistics()
+    method = create("cafa-robust", gaussians, entropy_rise=0.01, laplacian_weight=0)
+    adapter = Adapter(tiny_net(), method, "cpu")
+    g = torch.Generator().manual_seed(8)
+    batches = [torch.randn(16, D_IN, generator=g) + shift for shift in (-1, 1, -1)]
+    with open(tmp_path / "trace.jsonl", "w") as out:
+        traced(out)
+        for x in batches:
+            adapter.step(x)
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [line["images"] for line in lines] == [0, 16, 32]
+    for line in lines:
+        assert line["share"] == pytest.approx(
+            float(reference_robust.batch_share(16, line["skew"], 16.0, 8.0)), abs=1e-4
+        )
+        if line["scale"] is None:  # not read as skewed: no second pass
+            assert line["skew"] == 0
+    assert any(line["scale"] is not None for line in lines)

@@ -1,0 +1,68 @@
+"""cafa-robust's gate batch by batch: what it read and what share of the statistics it gave.
+
+Runs `cafa` with the arguments given (a `bench` or an `adapt` of cafa-robust) and writes, for
+every batch the method predicted, a JSON line: the images before it, the gate's skew s (after
+`entropy_rise`'s scale), that scale (null when the batch was not read as skewed, or the option
+is 0), the batch's share ρ of the statistics, and whether a change of domain restarted the
+statistics before it. A diagnosis of a stream (docs/design.md, "cafa-robust"), not a part of
+the method.
+
+    PYTHONPATH=src python benchmarks/robust_gate_trace.py trace.jsonl bench DOMAIN... \
+        --methods cafa-robust --recipe cifar10-c --seeds 0 --reset never
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cafa_cli.method.methods.cafa_robust import CafaRobust
+
+
+def traced(out) -> None:
+    """Wrap CafaRobust's update and few_classes so that each new batch writes a line to `out`."""
+    update, few_classes = CafaRobust.update, CafaRobust.few_classes
+    images = 0
+
+    def few_classes_traced(self, adapter, batch, global_logits):
+        self.traced_scale = float(scale := few_classes(self, adapter, batch, global_logits))
+        return scale
+
+    def update_traced(self, adapter, batch, skipped):
+        nonlocal images
+        fresh, changes_before, self.traced_scale = self.fresh, self.domain_changes, None
+        result = update(self, adapter, batch, skipped)
+        if fresh:
+            s = float(self.skew)
+            n_eff = len(batch) * (1 - s) ** self.gate_power
+            line = {
+                "images": images,
+                "skew": round(s, 4),
+                "scale": None if self.traced_scale is None else round(self.traced_scale, 4),
+                "share": round(n_eff / (n_eff + self.prior), 4),
+                "restart": self.domain_changes != changes_before,
+            }
+            out.write(json.dumps(line) + "\n")
+            images += len(batch)
+        return result
+
+    CafaRobust.update, CafaRobust.few_classes = update_traced, few_classes_traced
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    with open(sys.argv[1], "w") as out:
+        traced(out)
+        sys.argv = ["cafa", *sys.argv[2:]]
+        from cafa_cli.cli.app import main as cafa
+
+        try:
+            cafa()
+        except SystemExit as exit:
+            if exit.code:
+                raise
+
+
+if __name__ == "__main__":
+    main()
