@@ -13,7 +13,7 @@ import torch
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from held_out_transforms import TRANSFORMS  # noqa: E402
+from held_out_transforms import EXTREME, TRANSFORMS  # noqa: E402
 from imagenet_c_speed import domain_copies  # noqa: E402
 from lowrank_gemm import SplitKProjection  # noqa: E402
 
@@ -328,11 +328,11 @@ def test_combine_tables_puts_each_bench_condition_in_its_own_column_and_pools_se
 
 
 def test_held_out_transforms_change_an_image_the_same_way_for_the_same_seed():
-    """Each of the six transforms keeps a 28x28 uint8 image's shape and type, changes it, and
+    """Each of the twelve transforms keeps a 28x28 uint8 image's shape and type, changes it, and
     draws its randomness (rotate, shear, cutout) from the generator alone."""
     x = torch.zeros(1, 28, 28, dtype=torch.uint8)
     x[:, 6:22, 9:19] = torch.arange(16, dtype=torch.uint8)[:, None] * 15 + 20  # a garment-like bright shape
-    for name, transform in TRANSFORMS.items():
+    for name, transform in {**TRANSFORMS, **EXTREME}.items():
         torch.manual_seed(0)  # torch's global generator differs between the two calls
         first = transform(x.clone(), torch.Generator().manual_seed(3))
         torch.manual_seed(1)
