@@ -3,8 +3,9 @@
 Runs `cafa` with the arguments given (a `bench` or an `adapt` of cafa-robust) and writes, for
 every batch the method predicted, a JSON line: the images before it, the gate's skew s (after
 `entropy_rise`'s scale), that scale (null when the batch was not read as skewed, or the option
-is 0), the batch's share ρ of the statistics, and whether a change of domain restarted the
-statistics before it. A diagnosis of a stream (docs/design.md, "cafa-robust"), not a part of
+is 0), the batch's share ρ of the statistics, whether a change of domain restarted the
+statistics before it, and when each image in the bank after the batch arrived (its number in
+the stream, sorted). A diagnosis of a stream (docs/design.md, "cafa-robust"), not a part of
 the method.
 
     PYTHONPATH=src python benchmarks/robust_gate_trace.py trace.jsonl bench DOMAIN... \
@@ -41,6 +42,7 @@ def traced(out) -> None:
                 "scale": None if self.traced_scale is None else round(self.traced_scale, 4),
                 "share": round(n_eff / (n_eff + self.prior), 4),
                 "restart": self.domain_changes != changes_before,
+                "bank_arrivals": sorted(a for a, c in zip(self.bank.host_arrivals, self.bank.host_labels) if c >= 0),
             }
             out.write(json.dumps(line) + "\n")
             images += len(batch)

@@ -359,6 +359,10 @@ def test_the_gate_trace_writes_each_batchs_skew_scale_and_share(monkeypatch, tmp
             adapter.step(x)
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert [line["images"] for line in lines] == [0, 16, 32]
+    for line in lines:  # the bank after each batch: images offered so far, each once, its own among them
+        arrivals = line["bank_arrivals"]
+        assert arrivals == sorted(set(arrivals)) and 0 < len(arrivals) <= 64
+        assert arrivals[-1] < line["images"] + 16 and arrivals[-1] >= line["images"]
     for line in lines:
         assert line["share"] == pytest.approx(
             float(reference_robust.batch_share(16, line["skew"], 16.0, 8.0)), abs=1e-4
