@@ -25,8 +25,8 @@ import torch
 from PIL import Image
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
+from cafa_cli.method import losses
 from cafa_cli.method.class_balanced import correction_strength
-from cafa_cli.method.methods.cafa_robust import mean_entropy
 from cafa_cli.method.norms import use_test_batch_norm
 from cafa_cli.zoo import load_bundled
 from cafa_cli.zoo.train_fmnist import normalize
@@ -77,7 +77,7 @@ def main() -> None:
                         logits = net(images[batch])
                     skews.append(float(correction_strength(logits.softmax(1).mean(0), args.batch)))
                     errors.append(float((logits.argmax(1) != labels[batch]).float().mean()))
-                    entropy.append(float(mean_entropy(logits)))
+                    entropy.append(float(losses.entropy(logits)))
                 cells += [f"{np.mean(skews):.2f}", f"{100 * np.mean(errors):.1f}"]
                 entropies.append(np.array(entropy))
             rise = entropies[1] - entropies[0]

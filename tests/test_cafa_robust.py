@@ -252,14 +252,14 @@ def test_a_skewed_batch_keeps_its_skew_as_far_as_its_own_statistics_make_it_less
     mean, var = source.running_mean.double(), source.running_var.double()
     weight, bias = source.weight.detach().double(), source.bias.detach().double()
     with torch.no_grad():
-        global_p = forward64(net, images, mean, var, weight, bias)[0].softmax(1)
+        global_logits = forward64(net, images, mean, var, weight, bias)[0]
         own_mean, own_var = reference_robust.batch_statistics(hidden64(net, images))
-        own_p = forward64(net, images, own_mean, own_var, weight, bias)[0].softmax(1)
-    rise = float(reference_robust.mean_entropy(own_p) - reference_robust.mean_entropy(global_p))
-    skew = reference_robust.skew(global_p)
+        own_logits = forward64(net, images, own_mean, own_var, weight, bias)[0]
+    rise = float(reference.entropy(own_logits) - reference.entropy(global_logits))
+    skew = reference_robust.skew(global_logits.softmax(1))
     assert rise > 0 and 0 < float(skew) < 1  # a skewed batch, less certain with its own statistics
     a = {0.0: 2 * rise, 0.5: rise / 1.5, 1.0: rise / 3}[kept]
-    assert float(reference_robust.few_classes(global_p, own_p, a)) == pytest.approx(kept)
+    assert float(reference_robust.few_classes(global_logits, own_logits, a)) == pytest.approx(kept)
     method = create("cafa-robust", gaussians, entropy_rise=a, laplacian_weight=0)
     adapter = Adapter(net, method, "cpu")
     with torch.no_grad():

@@ -48,17 +48,12 @@ def typical_mixes(mixes: list[torch.Tensor], reference: float, window: int) -> l
     return typical
 
 
-def mean_entropy(probabilities: torch.Tensor) -> torch.Tensor:
-    """The mean over a batch [n, C] of its predictions' entropies, in nats."""
-    p = probabilities.double()
-    return -(p * p.log()).sum(1).mean()
-
-
-def few_classes(global_probabilities: torch.Tensor, own_probabilities: torch.Tensor, rise: float) -> torch.Tensor:
+def few_classes(global_logits: torch.Tensor, own_logits: torch.Tensor, rise: float) -> torch.Tensor:
     """How surely a batch the gate reads as skewed holds few classes, which scales its skew
     (`entropy_rise` a > 0): clamp((ΔH − a)/a, 0, 1), ΔH the rise in the mean entropy of its
-    predictions from the gate's pass (global statistics) to a pass with its own statistics."""
-    gain = mean_entropy(own_probabilities) - mean_entropy(global_probabilities)
+    predictions (reference.entropy, in nats) from the gate's pass (global statistics) to a pass
+    with its own statistics."""
+    gain = reference.entropy(own_logits) - reference.entropy(global_logits)
     return ((gain - rise) / rise).clamp(0, 1)
 
 

@@ -389,7 +389,7 @@ class CafaRobust(Cafa):
                 own_logits, _ = self.model(images)
         finally:
             self.normalising()
-        rise = mean_entropy(own_logits) - mean_entropy(global_logits)
+        rise = losses.entropy(own_logits.float()) - losses.entropy(global_logits.float())
         return ((rise - self.entropy_rise) / self.entropy_rise).clamp(0, 1)
 
     def predict(self, adapter, images: torch.Tensor, watching: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,12 +464,6 @@ class CafaRobust(Cafa):
             if self.source_pull:  # θ ← (1 − β)θ + βθ⁰, after a left-out step too (as ROID's)
                 follow(self.params, self.source, 1 - self.source_pull)
         return flag
-
-
-def mean_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The mean over a batch of its predictions' entropies, in nats (float32)."""
-    log_p = logits.float().log_softmax(1)
-    return -(log_p.exp() * log_p).sum(1).mean()
 
 
 class SharedPrediction(nn.Module):
