@@ -10,19 +10,26 @@ and its folder writer), deterministic:
 `--extreme` writes six harsher ones instead (invert, vertical flip, a quarter turn, solarize
 at 64, one-bit posterize, a quarter of the brightness), looked through for a held-out domain
 the source model gets confidently wrong and batch statistics help, as the 15's motion blur
-(docs/design.md, "A second look at a skewed batch"); none is both.
+(docs/design.md, "A second look at a skewed batch"); none is both. `--of CORRUPTION/SEVERITY`
+transforms that corruption's images instead of the clean ones (the bytes `cafa demo
+--data-only` writes for it), a domain of two changes at once, e.g. a rotated gaussian blur
+(looked through for a held-out stand-in of the 15's continual stream into motion blur; design.md,
+"A held-out stand-in for motion blur, sixth session"):
+
+    PYTHONPATH=src python benchmarks/held_out_transforms.py /tmp/fmnist-gb3 --of gaussian_blur/3
 """
 
 from __future__ import annotations
 
 import argparse
+import zlib
 from pathlib import Path
 
 import torch
 import torchvision.transforms.functional as F
 
 from cafa_cli.data.fashion_mnist import load_fashion_mnist
-from cafa_cli.data.fmnist_c import stratified_rows, write_image_folder
+from cafa_cli.data.fmnist_c import corrupt_grey, stratified_rows, write_image_folder
 
 TRANSFORMS = {  # each on a uint8 [1, 28, 28] tensor; the random ones draw from `g`
     "posterize": lambda x, g: F.posterize(x, 2),
@@ -42,15 +49,24 @@ EXTREME = {
 }
 
 
+def corrupted_as_the_demo_writes(images, corruption: str, severity: str, seed: int = 0):
+    """The bytes `cafa demo --data-only` writes for this corruption of these images
+    (fmnist_c.build_corrupted's seed for it)."""
+    return corrupt_grey(images, corruption, int(severity), (seed + zlib.crc32(corruption.encode())) % 2**32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", type=Path)
     parser.add_argument("--per-class", type=int, default=300)
     parser.add_argument("--extreme", action="store_true", help="the six harsher transforms instead")
+    parser.add_argument("--of", metavar="CORRUPTION/SEVERITY", help="transform this corruption's images")
     args = parser.parse_args()
     images, labels = load_fashion_mnist(split="test")
     rows = stratified_rows(labels, args.per_class, seed=0)  # the demo's default seed
     images, labels = images[rows], labels[rows]
+    if args.of:
+        images = corrupted_as_the_demo_writes(images, *args.of.split("/"))
     for name, transform in (EXTREME if args.extreme else TRANSFORMS).items():
         g = torch.Generator().manual_seed(0)
         transformed = torch.stack([transform(torch.from_numpy(image)[None], g)[0] for image in images])
