@@ -10,7 +10,10 @@ and its folder writer), deterministic:
 `--extreme` writes six harsher ones instead (invert, vertical flip, a quarter turn, solarize
 at 64, one-bit posterize, a quarter of the brightness), looked through for a held-out domain
 the source model gets confidently wrong and batch statistics help, as the 15's motion blur
-(docs/design.md, "A second look at a skewed batch"); none is both. `--of CORRUPTION/SEVERITY`
+(docs/design.md, "A second look at a skewed batch"); none is both. `--filters` writes sixteen
+image filters and resamplings instead (box, gaussian, median, mode, min and max filters, down-
+and upsampling, a vertical squash, a blur along the columns), blurs of other kinds than
+gaussian blur looked through for the same. `--of CORRUPTION/SEVERITY`
 transforms that corruption's images instead of the clean ones (the bytes `cafa demo
 --data-only` writes for it), a domain of two changes at once, e.g. a rotated gaussian blur
 (looked through for a held-out stand-in of the 15's continual stream into motion blur; design.md,
@@ -25,8 +28,10 @@ import argparse
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import torchvision.transforms.functional as F
+from PIL import Image, ImageFilter
 
 from cafa_cli.data.fashion_mnist import load_fashion_mnist
 from cafa_cli.data.fmnist_c import corrupt_grey, stratified_rows, write_image_folder
@@ -49,6 +54,52 @@ EXTREME = {
 }
 
 
+def _pil(change):
+    """A transform of a uint8 [1, 28, 28] tensor made from one of a PIL grey image."""
+    return lambda x, g: torch.from_numpy(np.asarray(change(Image.fromarray(x[0].numpy()))).copy())[None]
+
+
+def _squashed(height: int):
+    """The image resized to `height` rows, centred on a black 28-row canvas."""
+
+    def change(image):
+        canvas = Image.new("L", image.size)
+        canvas.paste(image.resize((image.width, height), Image.BILINEAR), (0, (image.height - height) // 2))
+        return canvas
+
+    return change
+
+
+def _vertical_blur(x: torch.Tensor, radius: int) -> torch.Tensor:
+    """A box blur along the columns only (2·radius + 1 rows, zeros beyond the edge)."""
+    kernel = torch.full((1, 1, 2 * radius + 1, 1), 1 / (2 * radius + 1), dtype=torch.float64)
+    blurred = torch.nn.functional.conv2d(x[None].double(), kernel, padding=(radius, 0))[0]
+    return blurred.round().clamp(0, 255).to(torch.uint8)
+
+
+# image filters and resamplings: blurs of other kinds than gaussian blur, looked through for a
+# held-out domain that the source model predicts as one class and batch statistics mend, as the
+# 15's motion blur (design.md, "A held-out stand-in for motion blur"); none is
+FILTERS = {
+    "box2": _pil(lambda im: im.filter(ImageFilter.BoxBlur(2))),
+    "box3": _pil(lambda im: im.filter(ImageFilter.BoxBlur(3))),
+    "box4": _pil(lambda im: im.filter(ImageFilter.BoxBlur(4))),
+    "gauss3": _pil(lambda im: im.filter(ImageFilter.GaussianBlur(3))),
+    "gauss4": _pil(lambda im: im.filter(ImageFilter.GaussianBlur(4))),
+    "median5": _pil(lambda im: im.filter(ImageFilter.MedianFilter(5))),
+    "mode5": _pil(lambda im: im.filter(ImageFilter.ModeFilter(5))),
+    "max3": _pil(lambda im: im.filter(ImageFilter.MaxFilter(3))),
+    "min3": _pil(lambda im: im.filter(ImageFilter.MinFilter(3))),
+    "down7": _pil(lambda im: im.resize((7, 7), Image.BILINEAR).resize(im.size, Image.BILINEAR)),
+    "down5": _pil(lambda im: im.resize((5, 5), Image.BILINEAR).resize(im.size, Image.BILINEAR)),
+    "down4": _pil(lambda im: im.resize((4, 4), Image.BILINEAR).resize(im.size, Image.BILINEAR)),
+    "squash16": _pil(_squashed(16)),
+    "squash12": _pil(_squashed(12)),
+    "vblur3": lambda x, g: _vertical_blur(x, 3),
+    "vblur5": lambda x, g: _vertical_blur(x, 5),
+}
+
+
 def corrupted_as_the_demo_writes(images, corruption: str, severity: str, seed: int = 0):
     """The bytes `cafa demo --data-only` writes for this corruption of these images
     (fmnist_c.build_corrupted's seed for it)."""
@@ -60,6 +111,7 @@ def main() -> None:
     parser.add_argument("root", type=Path)
     parser.add_argument("--per-class", type=int, default=300)
     parser.add_argument("--extreme", action="store_true", help="the six harsher transforms instead")
+    parser.add_argument("--filters", action="store_true", help="the sixteen filters and resamplings instead")
     parser.add_argument("--of", metavar="CORRUPTION/SEVERITY", help="transform this corruption's images")
     args = parser.parse_args()
     images, labels = load_fashion_mnist(split="test")
@@ -67,7 +119,8 @@ def main() -> None:
     images, labels = images[rows], labels[rows]
     if args.of:
         images = corrupted_as_the_demo_writes(images, *args.of.split("/"))
-    for name, transform in (EXTREME if args.extreme else TRANSFORMS).items():
+    chosen = FILTERS if args.filters else EXTREME if args.extreme else TRANSFORMS
+    for name, transform in chosen.items():
         g = torch.Generator().manual_seed(0)
         transformed = torch.stack([transform(torch.from_numpy(image)[None], g)[0] for image in images])
         folder = write_image_folder(args.root / name, transformed.numpy(), labels)  # kept when complete

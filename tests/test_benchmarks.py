@@ -19,7 +19,7 @@ from cafa_cli.data.fmnist_c import build_corrupted, stratified_rows
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from held_out_transforms import EXTREME, TRANSFORMS, corrupted_as_the_demo_writes  # noqa: E402
+from held_out_transforms import EXTREME, FILTERS, TRANSFORMS, corrupted_as_the_demo_writes  # noqa: E402
 from imagenet_c_speed import domain_copies  # noqa: E402
 from lowrank_gemm import SplitKProjection  # noqa: E402
 
@@ -351,11 +351,11 @@ def test_held_out_transforms_of_a_corruption_start_from_the_bytes_the_demo_write
 
 
 def test_held_out_transforms_change_an_image_the_same_way_for_the_same_seed():
-    """Each of the twelve transforms keeps a 28x28 uint8 image's shape and type, changes it, and
+    """Each of the twenty-eight transforms keeps a 28x28 uint8 image's shape and type, changes it, and
     draws its randomness (rotate, shear, cutout) from the generator alone."""
     x = torch.zeros(1, 28, 28, dtype=torch.uint8)
     x[:, 6:22, 9:19] = torch.arange(16, dtype=torch.uint8)[:, None] * 15 + 20  # a garment-like bright shape
-    for name, transform in {**TRANSFORMS, **EXTREME}.items():
+    for name, transform in {**TRANSFORMS, **EXTREME, **FILTERS}.items():
         torch.manual_seed(0)  # torch's global generator differs between the two calls
         first = transform(x.clone(), torch.Generator().manual_seed(3))
         torch.manual_seed(1)
