@@ -10,7 +10,7 @@ from conftest import TINY_NET, invoke
 
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.errors import InputError
-from cafa_cli.jobs.adapt.prepare import LabelledBatches
+from cafa_cli.jobs.adapt.source_images import LabelledBatches
 
 
 def run(setup, *extra):
@@ -48,7 +48,7 @@ class Domain:
 
 
 def test_labelled_batches_skip_the_unlabelled_and_reshuffle_on_every_pass(monkeypatch):
-    from cafa_cli.jobs.adapt import prepare
+    from cafa_cli.jobs.adapt import source_images
 
     class Batch:
         def __init__(self, positions):
@@ -60,7 +60,7 @@ def test_labelled_batches_skip_the_unlabelled_and_reshuffle_on_every_pass(monkey
         orders.append([int(i) for i in order])
         return [Batch(order[k : k + size]) for k in range(0, len(order), size)]
 
-    monkeypatch.setattr(prepare, "batches", batches)
+    monkeypatch.setattr(source_images, "batches", batches)
 
     class Plain:
         def normalize(self, images):
@@ -87,7 +87,7 @@ def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(traine
     from cafa_cli.data.loading import batches
     from cafa_cli.data.preprocessing import Preprocessing
     from cafa_cli.data.sources import open_domain
-    from cafa_cli.jobs.adapt.prepare import fisher_batches
+    from cafa_cli.jobs.adapt.source_images import fisher_batches
     from cafa_cli.jobs.config import AdaptConfig
     from cafa_cli.method.methods.base import select_parameters
     from cafa_cli.method.methods.eata import fisher_information

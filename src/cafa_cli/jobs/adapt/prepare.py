@@ -16,15 +16,17 @@ from cafa_cli.artifact import Artifact, read_artifact
 from cafa_cli.checkpoints import UntrustedCheckpoint
 from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.domain import Domain, relabel
-from cafa_cli.data.loading import batches, loader_processes
+from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.orders import check_labels
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
-from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_class_subset, read_image_ids
+from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_image_ids
 from cafa_cli.devices import pick_device
-from cafa_cli.errors import InputError, UsageError, WouldOverwrite, listing, repeated
+from cafa_cli.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.files import absolute
+from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
+from cafa_cli.jobs.adapt.source_images import source_images
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.jobs.shared.clean import clean_error
@@ -39,7 +41,7 @@ from cafa_cli.jobs.shared.inputs import (
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.method.adapter import Adapter
 from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create, entry_of, is_plugin, method_class, options_of
+from cafa_cli.method.methods import create, entry_of, is_plugin, options_of
 from cafa_cli.method.options import check_precision, parse_norm, resolve_options
 from cafa_cli.models import ModelSpec, canonical_model
 from cafa_cli.provenance import model_mismatch, recorded_model
@@ -353,24 +355,6 @@ def check_oracle_labels(name: str, labels: np.ndarray) -> None:
         )
 
 
-def class_subset(config: AdaptConfig, artifact: Artifact | None, model_classes: list[str] | None) -> ClassSubset | None:
-    """The classes predicted among: `class_subset`'s, within the statistics' own subset when
-    they are of one; the statistics' subset; or None (every output)."""
-    recorded = (
-        ClassSubset(artifact.class_names, artifact.outputs, artifact.model_class_names)
-        if artifact and artifact.outputs != list(range(len(artifact.model_class_names)))
-        else None
-    )
-    if not config.class_subset:
-        return recorded
-    if model_classes is None:
-        raise UsageError(
-            f"`class_subset` {config.class_subset} names classes, and the model's class list is not known; give "
-            f"the names of all its outputs in order with `classes` (ImageNet: the sorted wnids, ls train/)"
-        )
-    return read_class_subset(config.class_subset, model_classes, within=recorded)
-
-
 def open_test_domain(
     path: str,
     labels: str | None,
@@ -392,91 +376,6 @@ def open_test_domain(
         domain, note = keep_listed(domain, ids[1], ids[0])
         notes += [note] if note else []
     return domain
-
-
-def statistics_of(artifact: Artifact | None, subset: ClassSubset | None):
-    """The artifact's Gaussians (None without them), of the subset's classes only."""
-    if artifact is None or artifact.gaussians is None or subset is None or subset.outputs == artifact.outputs:
-        return None if artifact is None else artifact.gaussians
-    return artifact.gaussians.select_classes(subset_rows(artifact, subset))
-
-
-def subset_rows(artifact: Artifact, subset: ClassSubset) -> list[int]:
-    """The artifact's row of each of the subset's classes; an error naming those it lacks."""
-    where = {output: row for row, output in enumerate(artifact.outputs)}
-    missing = [name for name, output in zip(subset.names, subset.outputs) if output not in where]
-    if missing:
-        raise InputError(f"{artifact.path} holds no statistics of {listing(missing)}; compute them with those classes")
-    return [where[output] for output in subset.outputs]
-
-
-def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: ClassSubset | None) -> dict | None:
-    """The class moments of the BatchNorms' inputs, of the subset's classes, for `norm`
-    class-balanced (None for the other settings)."""
-    if parse_norm(config.norm)[0] != "class-balanced" or artifact is None:
-        return None
-    if artifact.norm_moments is None:
-        raise InputError(
-            f"{artifact.path} holds no class moments of the BatchNorms' inputs, which `norm` class-balanced "
-            f"corrects with; re-create it with cafa stats --norm-moments, or choose another `norm`"
-        )
-    if subset is None or subset.outputs == artifact.outputs:
-        return artifact.norm_moments
-    rows = torch.as_tensor(subset_rows(artifact, subset))
-    return {name: (mean[rows], var[rows]) for name, (mean, var) in artifact.norm_moments.items()}
-
-
-def source_images(config: AdaptConfig, preprocess: Preprocessing, device: torch.device, class_names) -> dict:
-    """`source_data` as the input the method takes: eata's `fisher_batches` (images), rmt's
-    `source_batches` (images and their labels as model outputs, a new shuffled pass each time)."""
-    inputs = method_class(config.method).inputs
-    if "fisher_batches" in inputs:
-        return {"fisher_batches": fisher_batches(config, preprocess, device)}
-    if "source_batches" in inputs:
-        domain = open_domain(config.source_data, class_names)
-        return {"source_batches": LabelledBatches(domain, preprocess, config.batch_size, config.num_workers, device)}
-    return {}
-
-
-class LabelledBatches:
-    """A source domain's labelled images in batches, prepared as the test images; each
-    iteration a new pass in a new order (seeds 1, 2, ...), as a shuffling data loader's."""
-
-    def __init__(self, domain: Domain, preprocess: Preprocessing, batch_size: int, workers: int, device):
-        self.labelled = np.flatnonzero(domain.labels >= 0)
-        if len(self.labelled) == 0:
-            raise InputError(f"`source_data` {domain.name}: no labelled images (the method trains on their labels)")
-        self.domain, self.preprocess, self.batch_size, self.workers, self.device = (
-            domain,
-            preprocess,
-            batch_size,
-            workers,
-            device,
-        )
-        self.passes = 0
-
-    def __iter__(self):
-        self.passes += 1
-        order = np.random.default_rng(self.passes).permutation(self.labelled)
-        for batch in batches(self.domain, self.preprocess, self.batch_size, order, self.workers, self.device):
-            if batch.images is not None:
-                labels = torch.as_tensor(self.domain.labels[batch.indices], dtype=torch.int64, device=self.device)
-                yield self.preprocess.normalize(batch.images.to(self.device)), labels
-
-
-def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
-    """EATA's source images: `fisher_samples` of `source_data` at random (seed 0), in that
-    random order, as the authors' shuffling loader gives them (in file order, each batch of a
-    class-folder set was nearly one class, and the Fisher about 12 times the authors'), prepared
-    as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
-    domain = open_domain(config.source_data)
-    if len(domain) == 0:
-        raise InputError(f"`source_data` {config.source_data}: no images")
-    count = min(config.fisher_samples, len(domain))
-    indices = np.random.default_rng(0).choice(len(domain), size=count, replace=False)
-    for batch in batches(domain, preprocess, config.batch_size, indices, config.num_workers, device):
-        if batch.images is not None:
-            yield preprocess.normalize(batch.images.to(device))
 
 
 def _recorded_settings(
