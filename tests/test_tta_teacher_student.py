@@ -275,10 +275,11 @@ def test_robust_batch_norm_statistics_after_two_batches_match_float64():
 
 
 class ListBank:
-    """CSTU as the paper and the official code state it: per-class lists, in arrival order."""
+    """CSTU as the paper and the official code state it: per-class lists, in arrival order;
+    with `expiry`, any sample older than it is a candidate too (cafa-robust's memory_expiry)."""
 
-    def __init__(self, capacity: int, classes: int):
-        self.K, self.C = capacity, classes
+    def __init__(self, capacity: int, classes: int, expiry: int = 0):
+        self.K, self.C, self.expiry = capacity, classes, expiry
         self.lists: list[list[list]] = [[] for _ in range(classes)]  # [uncertainty, age, id]
 
     def score(self, age: int, u: float) -> float:
@@ -294,8 +295,10 @@ class ListBank:
             else:
                 pool = [c]
             best = None
-            for k in pool:
+            for k in range(self.C):
                 for i, (v, age, _) in enumerate(self.lists[k]):
+                    if k not in pool and not (self.expiry and age > self.expiry):
+                        continue
                     if best is None or self.score(age, v) >= best[0]:
                         best = (self.score(age, v), k, i)
             enters = best[0] > self.score(0, u)
@@ -311,13 +314,15 @@ class ListBank:
         return sorted((c, ident, age) for c, items in enumerate(self.lists) for _, age, ident in items)
 
 
+@pytest.mark.parametrize("expiry", [0, 9])
 @pytest.mark.parametrize("K, C", [(6, 3), (5, 3), (6, 4)])  # K/C whole or not: a full bank with a class below its share
-def test_the_memory_bank_replaces_as_cstu_does(K, C):
-    bank, reference = MemoryBank(C, K), ListBank(K, C)
+def test_the_memory_bank_replaces_as_cstu_does(K, C, expiry):
+    bank, reference = MemoryBank(C, K, expiry=expiry), ListBank(K, C, expiry)
     g = torch.Generator().manual_seed(5)
     # a correlated stream (long runs of one class), then classes drawn with skewed frequencies
     skewed = torch.multinomial(torch.tensor([0.5, 0.3, 0.15, 0.05][:C]), 150, replacement=True, generator=g).tolist()
     labels = [0] * 10 + [1] * 3 + [0] * 4 + [c % C for c in [2, 1, 0, 2, 2, 2, 1, 0, 1, 1, 2, 0]] + skewed
+    over_quota = False
     for ident, c in enumerate(labels):
         u = float(torch.rand((), generator=g))
         bank.add(torch.full((1, 2), float(ident)), torch.tensor([c]), torch.tensor([u]), ident)
@@ -331,7 +336,9 @@ def test_the_memory_bank_replaces_as_cstu_does(K, C):
             )
         )
         assert got == reference.content(), ident
+        over_quota = over_quota or max(bank.class_counts) > math.ceil(K / C)
     assert int(bank.occupied.sum()) == K
+    assert over_quota == bool(expiry)  # an expired sample gave way to a class past its share
 
 
 class DeviceBank:

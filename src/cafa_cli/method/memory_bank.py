@@ -14,7 +14,10 @@ and a new sample (a = 0) of class c enters when:
   classes holding the most samples is replaced, if its H is above the new sample's;
 - its class holds K/C or more: its own class's sample of highest H is replaced, likewise;
 otherwise it is dropped. Ties go to the last in the official code's order (by class,
-then by arrival). Then every stored sample ages by one.
+then by arrival). Then every stored sample ages by one. With an `expiry` E > 0 (not
+RoTTA's; cafa-robust's `memory_expiry`), a sample older than E joins the candidates whatever
+its class: a bank that a new domain refreshes in only the classes it predicts would otherwise
+keep the old domain's images of every other class for good.
 
 Whether a sample enters depends on the bank as the previous one left it, so the samples
 of a batch are decided one after the other, but on the host: the batch's labels and
@@ -60,9 +63,15 @@ class MemoryBank:
     Slots are allocated on the first offer."""
 
     def __init__(
-        self, num_classes: int, capacity: int = CAPACITY, lambda_t: float = LAMBDA_T, lambda_u: float = LAMBDA_U
+        self,
+        num_classes: int,
+        capacity: int = CAPACITY,
+        lambda_t: float = LAMBDA_T,
+        lambda_u: float = LAMBDA_U,
+        expiry: int = 0,
     ):
         self.num_classes, self.capacity, self.lambda_t, self.lambda_u = num_classes, capacity, lambda_t, lambda_u
+        self.expiry = expiry
         self.per_class = capacity / num_classes
         self.reset()
 
@@ -166,8 +175,9 @@ class MemoryBank:
 
     def _victim(self, c: int, room_in_class: bool, new_score: float) -> int | None:
         """The slot of highest H among the candidates (the classes holding the most samples
-        when c is below its share, else c's own), ties to the highest (class, arrival),
-        if that H is above the new sample's. A NaN among them blocks, as max does on the device."""
+        when c is below its share, else c's own; and any sample older than `expiry`), ties to
+        the highest (class, arrival), if that H is above the new sample's. A NaN among them
+        blocks, as max does on the device."""
         labels, table, last = self.host_labels, self.timeliness, len(self.timeliness) - 1
         if room_in_class:
             most = max(self.class_counts)
@@ -176,9 +186,10 @@ class MemoryBank:
             pool = {c}
         best, victim, key = -math.inf, None, (-1, -1)
         for k, label in enumerate(labels):
-            if label not in pool:  # empty slots (-1) too
+            age = self.clock - self.entered[k]
+            if label < 0 or label not in pool and not (self.expiry and age > self.expiry):
                 continue
-            score = table[min(self.clock - self.entered[k], last)] + self.host_terms[k]
+            score = table[min(age, last)] + self.host_terms[k]
             if score != score:  # NaN
                 return None
             if score > best or score == best and (label, self.host_arrivals[k]) > key:

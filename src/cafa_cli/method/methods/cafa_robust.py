@@ -28,10 +28,12 @@ a domain the global statistics get mostly wrong, which the first pass alone read
 On such a domain a class-sorted batch rises by 0–1.3, so some of its batches read as i.i.d.
 
 Memory and update. Each image is offered to RoTTA's category-balanced memory bank (CSTU,
-memory_bank.py) with its predicted class and entropy. After every `update_every` images
-(counted over the stream, so at any batch size), one training step on the bank's M filled
-slots: normalised as above with ρ = M / (M + N₀) (the bank is class-balanced, so no gate),
-the loss is CAFA's, each sample weighted by its timeliness w(age) (RoTTA's):
+memory_bank.py) with its predicted class and entropy; with `memory_expiry` E > 0 (issue 43),
+a sample stored for more than E images may give way to one of any class, so that a domain
+whose images are predicted as few classes still replaces the last domain's images of the others.
+After every `update_every` images (counted over the stream, so at any batch size), one
+training step on the bank's M filled slots: normalised as above with ρ = M / (M + N₀) (the
+bank is class-balanced, so no gate), the loss is CAFA's, each sample weighted by its timeliness w(age) (RoTTA's):
 
     L = Σ_m w(A_m) · log( D_ŷm(z_m) / Σ_c D_c(z_m) ) / M,    ŷ_m = argmax of the same pass
 
@@ -100,6 +102,7 @@ CHANGE_THRESHOLD = 1.0  # τ
 LAPLACIAN_WEIGHT = 1.0  # λ₀ (LAME's λ)
 LAPLACIAN_POWER = 4.0  # q
 ENTROPY_RISE = 0.0  # a: 0 takes the skew from the global statistics' pass alone
+MEMORY_EXPIRY = 0  # E: 0 keeps RoTTA's class quota for every stored sample
 
 
 class SharedStatisticsNorm(nn.Module):
@@ -274,6 +277,13 @@ class CafaRobust(Cafa):
                 "weight",
             ),
             Option("laplacian_power", LAPLACIAN_POWER, "q: the power of the skew in LAME's λ", "weight"),
+            Option(
+                "memory_expiry",
+                MEMORY_EXPIRY,
+                "E: a sample stored in the bank for more than E images may be replaced by one of any class, "
+                "whatever the class quota (0: never)",
+                "count0",
+            ),
         )
         + SCORE_OPTIONS
     )
@@ -294,6 +304,7 @@ class CafaRobust(Cafa):
         change_threshold: float = CHANGE_THRESHOLD,
         laplacian_weight: float = LAPLACIAN_WEIGHT,
         laplacian_power: float = LAPLACIAN_POWER,
+        memory_expiry: int = MEMORY_EXPIRY,
         lambda_t: float = LAMBDA_T,
         lambda_u: float = LAMBDA_U,
     ):
@@ -311,6 +322,7 @@ class CafaRobust(Cafa):
             change_threshold=change_threshold,
             laplacian_weight=laplacian_weight,
             laplacian_power=laplacian_power,
+            memory_expiry=memory_expiry,
             lambda_t=lambda_t,
             lambda_u=lambda_u,
         )
@@ -339,7 +351,7 @@ class CafaRobust(Cafa):
             replace_submodule(net, name, SharedStatisticsNorm(module, name))
         self.layers = [m for m in net.modules() if isinstance(m, SharedStatisticsNorm)]
         self.model = model
-        self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
+        self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u, self.memory_expiry)
         self.watch = VarianceWatch(self.layers[0].eps) if self.change_threshold and self.layers else None
         return params
 
