@@ -25,7 +25,6 @@ transforms that corruption's images instead of the clean ones (the bytes `cafa d
 from __future__ import annotations
 
 import argparse
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ import torchvision.transforms.functional as F
 from PIL import Image, ImageFilter
 
 from cafa_cli.data.fashion_mnist import load_fashion_mnist
-from cafa_cli.data.fmnist_c import corrupt_grey, stratified_rows, write_image_folder
+from cafa_cli.data.fmnist_c import corrupted_as_built, stratified_rows, write_image_folder
 
 TRANSFORMS = {  # each on a uint8 [1, 28, 28] tensor; the random ones draw from `g`
     "posterize": lambda x, g: F.posterize(x, 2),
@@ -100,12 +99,6 @@ FILTERS = {
 }
 
 
-def corrupted_as_the_demo_writes(images, corruption: str, severity: str, seed: int = 0):
-    """The bytes `cafa demo --data-only` writes for this corruption of these images
-    (fmnist_c.build_corrupted's seed for it)."""
-    return corrupt_grey(images, corruption, int(severity), (seed + zlib.crc32(corruption.encode())) % 2**32)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", type=Path)
@@ -118,7 +111,8 @@ def main() -> None:
     rows = stratified_rows(labels, args.per_class, seed=0)  # the demo's default seed
     images, labels = images[rows], labels[rows]
     if args.of:
-        images = corrupted_as_the_demo_writes(images, *args.of.split("/"))
+        corruption, severity = args.of.split("/")
+        images = corrupted_as_built(images, corruption, int(severity))
     chosen = FILTERS if args.filters else EXTREME if args.extreme else TRANSFORMS
     for name, transform in chosen.items():
         g = torch.Generator().manual_seed(0)

@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT, FASHION_MNIST_CLASSES, load_fashion_mnist
-from cafa_cli.data.fmnist_c import build_corrupted, stratified_rows
+from cafa_cli.data.fmnist_c import build_corrupted, corrupted_as_built, stratified_rows
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from held_out_transforms import EXTREME, FILTERS, TRANSFORMS, corrupted_as_the_demo_writes  # noqa: E402
+from held_out_transforms import EXTREME, FILTERS, TRANSFORMS  # noqa: E402
 from imagenet_c_speed import domain_copies  # noqa: E402
 from lowrank_gemm import SplitKProjection  # noqa: E402
 
@@ -342,12 +342,12 @@ def test_held_out_transforms_of_a_corruption_start_from_the_bytes_the_demo_write
     images, labels = load_fashion_mnist(split="test")
     rows = stratified_rows(labels, 2, seed=0)
     (folder,) = build_corrupted(tmp_path, ["speckle_noise"], 3, per_class=2)
-    ours = corrupted_as_the_demo_writes(images[rows], "speckle_noise", "3")
+    ours = corrupted_as_built(images[rows], "speckle_noise", 3)
     written = [
         np.array(Image.open(folder / FASHION_MNIST_CLASSES[c] / f"{i:05d}.png")) for i, c in enumerate(labels[rows])
     ]
     assert np.array_equal(np.stack(written), ours)
-    assert not np.array_equal(ours, corrupted_as_the_demo_writes(images[rows], "speckle_noise", "3", seed=1))
+    assert not np.array_equal(ours, corrupted_as_built(images[rows], "speckle_noise", 3, seed=1))
 
 
 def test_held_out_transforms_change_an_image_the_same_way_for_the_same_seed():

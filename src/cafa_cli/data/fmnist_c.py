@@ -127,6 +127,12 @@ def corrupt_grey(images: np.ndarray, corruption: str, severity: int, seed: int) 
     return out
 
 
+def corrupted_as_built(images: np.ndarray, corruption: str, severity: int, seed: int = 0) -> np.ndarray:
+    """The bytes build_corrupted writes for this corruption of these images: each corruption
+    draws from its own seed, derived from the builder's and its name."""
+    return corrupt_grey(images, corruption, severity, (seed + zlib.crc32(corruption.encode())) % 2**32)
+
+
 def write_image_folder(folder: Path, images: np.ndarray, labels: np.ndarray) -> Path:
     """PNG files under folder/<class name>/, written to a temporary folder then renamed."""
     if (folder / COMPLETE).is_file():
@@ -190,7 +196,7 @@ def build_corrupted(
                 on_domain(corruption)
             write_image_folder(
                 folder,
-                corrupt_grey(images, corruption, severity, (seed + zlib.crc32(corruption.encode())) % 2**32),
+                corrupted_as_built(images, corruption, severity, seed),
                 labels,
             )
         folders.append(folder)

@@ -33,7 +33,8 @@ a sample stored for more than E images may give way to one of any class, so that
 whose images are predicted as few classes still replaces the last domain's images of the others.
 After every `update_every` images (counted over the stream, so at any batch size), one
 training step on the bank's M filled slots: normalised as above with ρ = M / (M + N₀) (the
-bank is class-balanced, so no gate), the loss is CAFA's, each sample weighted by its timeliness w(age) (RoTTA's):
+bank is class-balanced, so no gate), the loss is CAFA's, each sample weighted by its
+timeliness w(age) (RoTTA's):
 
     L = Σ_m w(A_m) · log( D_ŷm(z_m) / Σ_c D_c(z_m) ) / M,    ŷ_m = argmax of the same pass
 
