@@ -305,6 +305,67 @@ def test_a_jump_in_the_first_layers_variance_restarts_the_statistics_and_the_ban
     assert method.domain_changes == 1 and method.watch.before is None  # reset keeps the count
 
 
+def own_statistics_loss64(net: FeatureClassifier, x: torch.Tensor, weight, bias, means, sigmas) -> float:
+    """The reference's CAFA loss of a batch normalised with its own statistics alone."""
+    h = hidden64(net, x)
+    logits, z = forward64(net, x, h.mean(0), h.var(0, unbiased=False), weight, bias)
+    return float(reference.cafa_loss(reference.mahalanobis(z, means, sigmas), logits))
+
+
+def change_with_weights(choice: str, carried: list[torch.Tensor], source: list[torch.Tensor]):
+    """Three batches of one domain (a step on the bank after each), the affines then set to
+    `carried` and θ⁰ to `source`, and a batch whose inputs are 5 times as spread (a change):
+    its reported logits, the float64 CAFA loss of each candidate on it, and the method."""
+    gaussians, means, sigmas = class_statistics()
+    net = tiny_net()
+    method = create(
+        "cafa-robust", gaussians, update_every=32, laplacian_weight=0, source_pull=0, restart_weights=choice
+    )
+    adapter = Adapter(net, method, "cpu", optimizer="adam", lr=0.01)
+    layer = net.model[1]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        adapter.step(torch.randn(32, D_IN, generator=g) * 1.5 + 0.7)
+    assert method.domain_changes == 0 and adapter.optimizer.state[layer.weight]["step"] == 3
+    with torch.no_grad():
+        torch._foreach_copy_([layer.weight, layer.bias], carried)
+    method.source = [t.clone() for t in source]
+    x = torch.randn(32, D_IN, generator=g) * 7.5 + 0.7
+    candidates = {"carry": carried, "source": source}
+    losses64 = {name: own_statistics_loss64(net, x, *ws, means, sigmas) for name, ws in candidates.items()}
+    expected = {
+        name: predicted64(net, x, layer.source_mean.double(), layer.source_var.double(), *ws, 16.0, 8.0)
+        for name, ws in candidates.items()
+    }
+    reported = adapter.step(x).double()
+    assert method.domain_changes == 1
+    kept = [name for name in candidates if torch.allclose(reported, expected[name], rtol=1e-4, atol=1e-5)]
+    steps = int(adapter.optimizer.state[layer.weight]["step"])
+    return kept, losses64, steps
+
+
+def test_a_change_of_domain_keeps_the_weights_restart_weights_names():
+    """At a detected change, carry keeps the trained affines, source returns to θ⁰ with a new
+    optimiser state (one step after, not four), and fitter keeps whichever of the two gives
+    the batch the lower float64 CAFA loss (normalised with its own statistics); the batch is
+    predicted with the kept ones. Candidates: the source affines against random ones, so that
+    fitter keeps each kind at least once."""
+    source = [torch.ones(D), torch.zeros(D)]
+    g = torch.Generator().manual_seed(0)
+    others = [[torch.rand(D, generator=g) * 2, torch.randn(D, generator=g)] for _ in range(6)]
+    kept, _, steps = change_with_weights("carry", others[0], source)
+    assert kept == ["carry"] and steps == 4
+    kept, _, steps = change_with_weights("source", others[0], source)
+    assert kept == ["source"] and steps == 1
+    choices = set()
+    for carried in others:
+        kept, losses64, steps = change_with_weights("fitter", carried, source)
+        fitter = min(losses64, key=losses64.get)
+        assert kept == [fitter] and steps == (1 if fitter == "source" else 4)
+        choices.add(fitter)
+    assert choices == {"carry", "source"}  # both branches taken
+
+
 def test_zero_switches_off_the_pull_and_the_detector():
     """β = 0 and τ = 0 switch both off: no source copy is pulled toward, no window is watched."""
     gaussians, _, _ = class_statistics()

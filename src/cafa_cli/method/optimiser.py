@@ -87,3 +87,14 @@ def start_state(optimizer: torch.optim.Optimizer, fused: bool) -> None:
                 state["step"] = torch.tensor(0.0, dtype=scalar)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def restart_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """The state back to start_state's values, in place (a replayed step reads these same
+    tensors): as a new optimiser's, no step and no moments."""
+    if optimizer is None:
+        return
+    for slots in optimizer.state.values():
+        for key, tensor in slots.items():
+            if isinstance(tensor, torch.Tensor):
+                tensor.fill_(-0.0 if key == "momentum_buffer" else 0.0)

@@ -49,6 +49,10 @@ channels of ln²(σ²_now / σ²_before) > τ (`change_threshold`), the global s
 the source's and the bank empties, before the batch that completed the window is predicted:
 the last domain's statistics and images would otherwise linger. A corruption changes that
 variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
+The trained parameters then follow `restart_weights`: carried on (the class default), back to
+the source's with a new optimiser state, or (`fitter`) whichever of the two gives the batch the
+lower CAFA loss, normalised with its own statistics alone: the affines one corruption taught
+help some next corruptions and harm others (docs/design.md).
 
 Predictions of a skewed batch (issue 43). A batch whose class mix the gate reads as skewed
 by s > 0 is reported with LAME's Laplacian correction (method/laplacian.py, LAME's defaults: rbf
@@ -90,6 +94,7 @@ from cafa_cli.method.memory_bank import (
 from cafa_cli.method.methods.base import AdapterSurface, select_parameters
 from cafa_cli.method.methods.cafa import Cafa
 from cafa_cli.method.norms import plain_batch_norm, replace_submodule, weighted_statistics
+from cafa_cli.method.optimiser import restart_state
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow
 
@@ -104,6 +109,7 @@ LAPLACIAN_WEIGHT = 1.0  # λ₀ (LAME's λ)
 LAPLACIAN_POWER = 4.0  # q
 ENTROPY_RISE = 0.0  # a: 0 takes the skew from the global statistics' pass alone
 MEMORY_EXPIRY = 0  # E: 0 keeps RoTTA's class quota for every stored sample
+RESTART_WEIGHTS = ("carry", "source", "fitter")  # what a change of domain does with the trained parameters
 
 
 class SharedStatisticsNorm(nn.Module):
@@ -285,6 +291,15 @@ class CafaRobust(Cafa):
                 "whatever the class quota (0: never)",
                 "count0",
             ),
+            Option(
+                "restart_weights",
+                RESTART_WEIGHTS[0],
+                "at a change of domain, the trained parameters: carry them on, return to the source's (with a "
+                "new optimiser state), or keep whichever of the two gives the batch the lower class-aware loss "
+                "(fitter)",
+                "choice",
+                choices=RESTART_WEIGHTS,
+            ),
         )
         + SCORE_OPTIONS
     )
@@ -306,6 +321,7 @@ class CafaRobust(Cafa):
         laplacian_weight: float = LAPLACIAN_WEIGHT,
         laplacian_power: float = LAPLACIAN_POWER,
         memory_expiry: int = MEMORY_EXPIRY,
+        restart_weights: str = RESTART_WEIGHTS[0],
         lambda_t: float = LAMBDA_T,
         lambda_u: float = LAMBDA_U,
     ):
@@ -324,6 +340,7 @@ class CafaRobust(Cafa):
             laplacian_weight=laplacian_weight,
             laplacian_power=laplacian_power,
             memory_expiry=memory_expiry,
+            restart_weights=restart_weights,
             lambda_t=lambda_t,
             lambda_u=lambda_u,
         )
@@ -414,7 +431,7 @@ class CafaRobust(Cafa):
             with torch.no_grad():  # the layers are left normalising with the global statistics (finally)
                 share = self.batch_share(adapter, images, watch)
                 if watch is not None and watch.closes(self.update_every, self.change_threshold):
-                    self.restart()
+                    self.restart(adapter, images)
                     share = self.batch_share(adapter, images)
                 self.normalising(share)
                 with adapter.autocast:
@@ -428,12 +445,34 @@ class CafaRobust(Cafa):
         correction of them at λ = λ₀·s^q."""
         return corrected_logits(logits, features, self.strength) if self.strength else logits
 
-    def restart(self) -> None:
-        """A change of domain: the source statistics and an empty bank (the weights stay)."""
+    @torch.no_grad()
+    def restart(self, adapter: AdapterSurface, images: torch.Tensor) -> None:
+        """A change of domain, seen at `images`: the source statistics, an empty bank, and the
+        trained parameters as `restart_weights` says."""
         for layer in self.layers:
             layer.restart()
         self.bank.reset()
         self.domain_changes += 1
+        if self.restart_weights == "carry":
+            return
+        carried = [p.detach().clone() for p in self.params]
+        carried_loss = self.alignment_loss(adapter, images) if self.restart_weights == "fitter" else None
+        torch._foreach_copy_(self.params, self.source)
+        if carried_loss is not None and self.alignment_loss(adapter, images) >= carried_loss:
+            torch._foreach_copy_(self.params, carried)  # the carried ones fit the new domain at least as well
+        else:
+            restart_state(adapter.optimizer)
+
+    def alignment_loss(self, adapter, images: torch.Tensor) -> float:
+        """CAFA's loss of the batch normalised with its own statistics alone (a host value): how
+        far the current parameters leave its features from the source's class-conditionals."""
+        self.normalising(1.0)
+        try:
+            with adapter.autocast:
+                logits, features = self.model(images)
+        finally:
+            self.normalising()
+        return float(losses.cafa_terms(self.distances(features.float()), logits.float().argmax(1)).mean())
 
     def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
         return SharedPrediction(self, adapter)

@@ -48,6 +48,7 @@ from cafa_cli.method.augmix import CROPS, augmix
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, with_classifier
 from cafa_cli.method.norms import BatchStatisticsNorm
+from cafa_cli.method.optimiser import restart_state
 from cafa_cli.method.options import Option
 
 COPIES = 32
@@ -134,7 +135,4 @@ class Memo(Method):
         names = [k for k, t in state.items() if id(t) in trained or not isinstance(t, nn.Parameter)]
         with torch.no_grad():
             torch._foreach_copy_([state[k] for k in names], [adapter.source_state[k] for k in names])
-            for slots in adapter.optimizer.state.values():  # as a new optimiser's: no step, no moments
-                for key, tensor in slots.items():
-                    if isinstance(tensor, torch.Tensor):
-                        tensor.fill_(-0.0 if key == "momentum_buffer" else 0.0)
+        restart_state(adapter.optimizer)
