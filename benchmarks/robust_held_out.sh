@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # cafa-robust on the four held-out Fashion-MNIST-C corruptions only (the corruptions its
-# options are chosen on; docs/design.md, "cafa-robust"), seed 0, its cifar10-c recipe with
+# options are chosen on; docs/design.md, "cafa-robust"), seed 0 (SEEDS=1,2: others), its cifar10-c recipe with
 # each configuration's options on top: i.i.d. and one continual stream at severity 5 (where the
 # source statistics' gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at
 # severity 3, continual streams at severity 3 (i.i.d., label shift 1.0 and Dirichlet 0.01 within
@@ -12,13 +12,13 @@
 #   CONFIGS="B3-W50:mix_reference=3,source_pull=0,change_threshold=0,laplacian_weight=0 ..."
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 set -euo pipefail
-OUT=${OUT:-held-out}; WORK=${WORK:-/tmp/fmnist-h}; CONFIGS=${CONFIGS:-committed}; SMALL=${SMALL:-0}; JOBS=${JOBS:-1}
+OUT=${OUT:-held-out}; WORK=${WORK:-/tmp/fmnist-h}; CONFIGS=${CONFIGS:-committed}; SMALL=${SMALL:-0}; JOBS=${JOBS:-1}; SEEDS=${SEEDS:-0}
 TEST_PER_CLASS=300; source "$(dirname "$0")/fmnist_c.sh"  # cafa, HELD_OUT, domains
 for severity in 3 5; do
   cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $HELD_OUT | tr ' ' ,)" --severity $severity \
     --test-per-class 300 --quiet > /dev/null
 done
-COMMON="--methods cafa-robust --recipe cifar10-c --seeds 0 --num-workers 0 --workdir $WORK/artifacts --quiet"
+COMMON="--methods cafa-robust --recipe cifar10-c --seeds $SEEDS --num-workers 0 --workdir $WORK/artifacts --quiet"
 configuration() {  # one configuration's benches, in order
   local config=$1 name=${1%%:*} options=()
   if [[ $config == *:* ]]; then

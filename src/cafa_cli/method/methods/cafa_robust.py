@@ -413,14 +413,18 @@ class CafaRobust(Cafa):
         """How surely a batch read as skewed holds few classes (a device scalar in [0, 1]): its
         predictions normalised with its own statistics alone, against `global_logits`, are
         less certain by ΔH nats of mean entropy; clamp((ΔH − a)/a, 0, 1)."""
+        own_logits, _ = self.own_statistics_pass(adapter, images)
+        rise = losses.entropy(own_logits.float()) - losses.entropy(global_logits.float())
+        return ((rise - self.entropy_rise) / self.entropy_rise).clamp(0, 1)
+
+    def own_statistics_pass(self, adapter, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits and features normalised with its own statistics alone."""
         self.normalising(1.0)
         try:
             with adapter.autocast:
-                own_logits, _ = self.model(images)
+                return self.model(images)
         finally:
             self.normalising()
-        rise = losses.entropy(own_logits.float()) - losses.entropy(global_logits.float())
-        return ((rise - self.entropy_rise) / self.entropy_rise).clamp(0, 1)
 
     def predict(self, adapter, images: torch.Tensor, watching: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's logits and features (no gradient), normalised with its share ρ; while
@@ -466,12 +470,7 @@ class CafaRobust(Cafa):
     def alignment_loss(self, adapter, images: torch.Tensor) -> float:
         """CAFA's loss of the batch normalised with its own statistics alone (a host value): how
         far the current parameters leave its features from the source's class-conditionals."""
-        self.normalising(1.0)
-        try:
-            with adapter.autocast:
-                logits, features = self.model(images)
-        finally:
-            self.normalising()
+        logits, features = self.own_statistics_pass(adapter, images)
         return float(losses.cafa_terms(self.distances(features.float()), logits.float().argmax(1)).mean())
 
     def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
