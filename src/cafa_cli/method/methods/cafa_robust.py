@@ -66,8 +66,8 @@ p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ
 (`laplacian_weight`), q = 4 (`laplacian_power`), λ_t = λ_u = 1 (the bank's); β = τ = λ₀ = 0
 give the first design's predictions (issue 30); its recipes (recipes/cafa-robust.toml)
 add CAFA's optimiser, rate and batch (Adam, lr 1e-3, batch 200 for CIFAR), the typical mix,
-B = 10, a step every 32 images, a = 0.15 and E = 320 (chosen there too). It trains the
-normalisation affines (`params` norm).
+B = 10, a step every 32 images, a = 0.15, E = 320, β = 0.02 and `restart_weights` fitter
+(chosen there too). It trains the normalisation affines (`params` norm).
 """
 
 from __future__ import annotations
