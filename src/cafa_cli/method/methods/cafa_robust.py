@@ -459,10 +459,12 @@ class CafaRobust(Cafa):
         self.domain_changes += 1
         if self.restart_weights == "carry":
             return
-        carried = [p.detach().clone() for p in self.params]
-        carried_loss = self.alignment_loss(adapter, images) if self.restart_weights == "fitter" else None
+        fitter = self.restart_weights == "fitter"
+        if fitter:
+            carried = [p.clone() for p in self.params]
+            carried_loss = self.alignment_loss(adapter, images)
         torch._foreach_copy_(self.params, self.source)
-        if carried_loss is not None and self.alignment_loss(adapter, images) >= carried_loss:
+        if fitter and self.alignment_loss(adapter, images) >= carried_loss:
             torch._foreach_copy_(self.params, carried)  # the carried ones fit the new domain at least as well
         else:
             restart_state(adapter.optimizer)
