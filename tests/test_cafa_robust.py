@@ -326,7 +326,8 @@ def change_with_weights(choice: str, carried: list[torch.Tensor], source: list[t
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
         adapter.step(torch.randn(32, D_IN, generator=g) * 1.5 + 0.7)
-    assert method.domain_changes == 0 and adapter.optimizer.state[layer.weight]["step"] == 3
+    assert method.domain_changes == 0 and method.source_restarts == 0
+    assert adapter.optimizer.state[layer.weight]["step"] == 3
     with torch.no_grad():
         torch._foreach_copy_([layer.weight, layer.bias], carried)
     method.source = [t.clone() for t in source]
@@ -340,6 +341,7 @@ def change_with_weights(choice: str, carried: list[torch.Tensor], source: list[t
     reported = adapter.step(x).double()
     assert method.domain_changes == 1
     kept = [name for name in candidates if torch.allclose(reported, expected[name], rtol=1e-4, atol=1e-5)]
+    assert method.source_restarts == (kept == ["source"])  # the count says which set the change kept
     steps = int(adapter.optimizer.state[layer.weight]["step"])
     return kept, losses64, steps
 

@@ -144,8 +144,10 @@ def test_each_domain_reports_its_own_skipped_steps_and_unrefined_batches(trained
 def test_each_domain_reports_the_changes_of_domain_cafa_robust_detected(trained):
     """A stream that never resets, whose second domain is the first's images with heavy noise:
     cafa-robust's detector sees one change, in that domain, and the metrics say so per
-    domain and overall; a method without a detector reports no count at all. (The statistic
-    is about 1.1 at the change, below 0.001 between batches of one domain.)"""
+    domain and overall, with the returns to the source's weights among them (none when it
+    carries them on, the one when it goes back); a method without a detector reports
+    neither. (The statistic is about 1.1 at the change, below 0.001 between batches of one
+    domain.)"""
     model, gaussians, x, y = trained
     noisy = x[150:] + torch.randn(x[150:].shape, generator=torch.Generator().manual_seed(0)) * 0.4
     domains = [domain("a", x[:150], y[:150]), domain("b", noisy, y[150:])]
@@ -157,6 +159,9 @@ def test_each_domain_reports_the_changes_of_domain_cafa_robust_detected(trained)
     robust = results(create("cafa-robust", gaussians, update_every=50, change_threshold=0.5))
     assert [r.domain_changes for r in robust] == [0, 1]
     assert [domain_record(r)["domain_changes"] for r in robust] == [0, 1] and overall(robust)["domain_changes"] == 1
+    assert [r.source_restarts for r in robust] == [0, 0] and overall(robust)["source_restarts"] == 0  # it carries
+    back = results(create("cafa-robust", gaussians, update_every=50, change_threshold=0.5, restart_weights="source"))
+    assert [domain_record(r)["source_restarts"] for r in back] == [0, 1] and overall(back)["source_restarts"] == 1
     plain = results(create("cafa", gaussians))
-    assert [r.domain_changes for r in plain] == [None, None]
-    assert "domain_changes" not in domain_record(plain[0]) and "domain_changes" not in overall(plain)
+    assert [(r.domain_changes, r.source_restarts) for r in plain] == [(None, None), (None, None)]
+    assert not {"domain_changes", "source_restarts"} & {*domain_record(plain[0]), *overall(plain)}

@@ -212,6 +212,13 @@ class Adapter(OneThreadAtATime):
         return self.method.domain_changes
 
     @property
+    def source_restarts(self) -> int | None:
+        """Of those changes, the ones at which the method put the source's weights back
+        (cafa-robust's `restart_weights` source, or fitter when the source's fit better); None
+        for a method without a detector."""
+        return self.method.source_restarts
+
+    @property
     def step_runner(self) -> str:
         """What runs the steps: `graph` (a checked CUDA graph, replayed), or `eager: why`."""
         if self.graph is None:

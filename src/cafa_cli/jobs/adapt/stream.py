@@ -249,7 +249,7 @@ def _records(domain: Domain, batch: Batch, logits: torch.Tensor, method: Method)
 
 
 # the Adapter's counts a DomainResult sums
-COUNTS = ("skipped_steps", "unrefined_batches", "kept_samples", "domain_changes")
+COUNTS = ("skipped_steps", "unrefined_batches", "kept_samples", "domain_changes", "source_restarts")
 
 
 def _counts(adapter: Adapter) -> dict[str, int | None]:
@@ -257,8 +257,8 @@ def _counts(adapter: Adapter) -> dict[str, int | None]:
 
 
 def _add_counts(result: DomainResult, counts: dict, before: dict) -> None:
-    """The counts since `before` added to a domain's; kept_samples and domain_changes stay None
-    for a method that filters nothing or detects no change."""
+    """The counts since `before` added to a domain's; kept_samples, domain_changes and
+    source_restarts stay None for a method that filters nothing or detects no change."""
     for name in COUNTS:
         if counts[name] is not None:
             setattr(result, name, (getattr(result, name) or 0) + counts[name] - before[name])

@@ -163,6 +163,7 @@ def overall(results: Sequence[DomainResult]) -> dict:
         "skipped_images": sum(len(r.skipped_images) for r in results),
         "skipped_steps": sum(r.skipped_steps for r in results),
         **_total("domain_changes", results),
+        **_total("source_restarts", results),
         "seconds": round(sum(r.seconds for r in results), 3),
     }
 
@@ -210,6 +211,7 @@ def domain_record(r: DomainResult) -> dict:
         "skipped_steps": r.skipped_steps,
         **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
         **({"domain_changes": r.domain_changes} if r.domain_changes is not None else {}),
+        **({"source_restarts": r.source_restarts} if r.source_restarts is not None else {}),
         **({"round": r.round} if r.round is not None else {}),
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),

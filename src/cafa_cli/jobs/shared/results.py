@@ -24,6 +24,7 @@ class DomainResult:
     unrefined_batches: int = 0  # distances left partly in the expanded form (distances.refine_capacity)
     kept_samples: int | None = None  # samples a filtering method (EATA, SAR) kept for its updates; None: it keeps all
     domain_changes: int | None = None  # changes of domain a method's detector saw (cafa-robust); None: it has none
+    source_restarts: int | None = None  # of those, the ones that put the source's weights back; None: it has none
     seconds: float = 0.0
     batches: int = 0  # batches with an image read
     adapted_batches: int = 0  # of those, the ones adapted on (all but under a stream that does not wait)

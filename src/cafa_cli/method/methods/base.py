@@ -132,6 +132,7 @@ class Method:
     # a method with a change detector (cafa-robust) counts the changes of domain it saw since it
     # was made, on the host (reset keeps the count); None: it has none
     domain_changes: int | None = None
+    source_restarts: int | None = None  # of those, the ones that put the source's weights back
     # CAFA-Oracle (`oracle`): a method whose loss uses the predicted class sets `takes_labels`
     # and reads it from `class_labels`; the stream then puts each batch's true labels (on the
     # device) in `oracle_labels` before its step, so that only the loss sees them

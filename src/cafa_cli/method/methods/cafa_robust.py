@@ -358,6 +358,7 @@ class CafaRobust(Cafa):
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.watch: VarianceWatch | None = None
         self.domain_changes = 0 if change_threshold else None  # since it was made (reset keeps the count)
+        self.source_restarts = 0 if change_threshold else None  # of those, returns to the source's weights
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """The parameters (chosen before the swap: the new layers share them), then every
@@ -468,6 +469,7 @@ class CafaRobust(Cafa):
             torch._foreach_copy_(self.params, carried)  # the carried ones fit the new domain at least as well
         else:
             restart_state(adapter.optimizer)
+            self.source_restarts += 1
 
     def alignment_loss(self, adapter, images: torch.Tensor) -> float:
         """CAFA's loss of the batch normalised with its own statistics alone (a host value): how
