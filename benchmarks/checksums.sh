@@ -19,7 +19,12 @@
 # prediction files are the first design's byte for byte (checked when it landed), and lame's
 # are unchanged by the `corrected_logits` it now shares with cafa-robust. Its three changed again
 # with issue 43's third session: its metrics gained `domain_changes`, and its recipe (which
-# `adapt` picks by default) took batch 200 and `update_every` 32.
+# `adapt` picks by default) took batch 200 and `update_every` 32. And again with its recipe's
+# `entropy_rise` 0.15, `memory_expiry` 320, `restart_weights` fitter and `source_pull` 0.02
+# (fifth to seventh sessions) and the metrics' `source_restarts` (eighth): with
+# `--method-option entropy_rise=0 --method-option memory_expiry=0 --method-option
+# restart_weights=carry --method-option source_pull=0.01` its two prediction files are the
+# third session's byte for byte (checked in the eighth session, when the three were renewed).
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}
