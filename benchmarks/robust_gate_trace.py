@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cafa_cli.method.methods.cafa_robust import CafaRobust, SharedStatisticsNorm
+from cafa_cli.method.methods.cafa_robust import CafaRobust, SharedStatisticsNorm, variance_jump
 
 
 def traced(out) -> None:
@@ -48,8 +48,7 @@ def traced(out) -> None:
         before, gate["before"], gate["variances"] = gate["before"], now, []
         if before is None or len(before) != len(now):
             return []
-        eps = self.layers[0].eps
-        return [round(float(((v + eps) / (b + eps)).log().square().mean()), 4) for v, b in zip(now, before)]
+        return [round(variance_jump(v, b, self.layers[0].eps), 4) for v, b in zip(now, before)]
 
     def few_classes_traced(self, adapter, batch, global_logits):
         self.traced_scale = float(scale := few_classes(self, adapter, batch, global_logits))

@@ -168,6 +168,12 @@ def overall(results: Sequence[DomainResult]) -> dict:
     }
 
 
+def _present(result: DomainResult, *fields: str) -> dict:
+    """{field: its value} for each of `fields` the domain has (not None: the method or the
+    stream setting has it), in that order."""
+    return {field: getattr(result, field) for field in fields if getattr(result, field) is not None}
+
+
 def _total(count: str, results: Sequence[DomainResult]) -> dict:
     """{count: its sum over the domains}, or nothing when no domain has it (the method lacks it)."""
     values = [getattr(r, count) for r in results if getattr(r, count) is not None]
@@ -209,10 +215,7 @@ def domain_record(r: DomainResult) -> dict:
         "unit": ERROR_FRACTION,
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
-        **({"kept_samples": r.kept_samples} if r.kept_samples is not None else {}),
-        **({"domain_changes": r.domain_changes} if r.domain_changes is not None else {}),
-        **({"source_restarts": r.source_restarts} if r.source_restarts is not None else {}),
-        **({"round": r.round} if r.round is not None else {}),
+        **_present(r, "kept_samples", "domain_changes", "source_restarts", "round"),
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),
         "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,

@@ -181,6 +181,12 @@ class SharedStatisticsNorm(nn.Module):
             held.copy_(torch.where(moved.isfinite(), moved, held))
 
 
+def variance_jump(variance: torch.Tensor, before: torch.Tensor, eps: float) -> float:
+    """The change detector's statistic: the mean over channels of ln² of the ratio of two
+    per-channel variances (a host value)."""
+    return float(((variance + eps) / (before + eps)).log().square().mean())
+
+
 class VarianceWatch:
     """The change detector's window: a layer input's per-channel mean and variance over the
     images taken in since the window opened (float64, merged batch by batch), and the variance
@@ -219,7 +225,7 @@ class VarianceWatch:
         self.images, self.count, self.mean, self.squares = 0, 0.0, None, None
         if before is None:
             return False
-        self.jump = float(((var + self.eps) / (before + self.eps)).log().square().mean())  # one host read a window
+        self.jump = variance_jump(var, before, self.eps)  # one host read a window
         return self.jump > threshold
 
 
