@@ -1001,6 +1001,18 @@ def test_python_m_and_the_cafa_script_behave_alike(args):
     assert by_script.stderr.startswith("cafa: error:") or by_script.stderr.startswith("Usage: cafa"), by_script.stderr
 
 
+def test_debug_through_the_entry_point_shows_the_traceback_of_a_cafa_error(tmp_path):
+    """The real entry point, not only the command: main() must not turn the error that
+    --debug re-raises back into one line."""
+    missing = tmp_path / "nonexistent"
+    plain = _entry_point("adapt", missing, "--method", "source", "--model", "fmnist-resnet")
+    assert plain.returncode == 3 and "Traceback" not in plain.stderr
+    shown = _entry_point("--debug", "adapt", missing, "--method", "source", "--model", "fmnist-resnet")
+    assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr
+    assert shown.stderr.splitlines()[-1].startswith("cafa_cli.errors.InputError: ")
+    assert f"{missing}: no such file or folder" in shown.stderr.splitlines()[-1]
+
+
 def test_a_closed_stdout_is_an_error_for_commands_that_write_there(setup):
     """Python sets sys.stdout to None under `>&-` and print() then drops everything. bench
     prints its table at the end: it must fail before the work (its domain is not even read)."""

@@ -37,6 +37,14 @@ def test_severity_without_a_stacked_array_is_a_usage_error(tmp_path, spec):
         open_domain(str(tmp_path / "cut.npy"))
 
 
+@pytest.mark.parametrize("option, method", [("--clean", "eata"), ("--source-data", "eata"), ("--forgetting", "cafa")])
+def test_a_missing_path_of_another_option_is_named_by_that_option(setup, tmp_path, option, method):
+    """Not blamed on --data, which the user gave right."""
+    missing = tmp_path / "absent"
+    result = adapt(setup, setup["train"], "--method", method, option, missing)
+    assert "--data" not in fails(result, 3, f"{option} {missing}: no such file or folder")
+
+
 def test_data_that_is_a_file_not_a_folder(setup, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a folder")

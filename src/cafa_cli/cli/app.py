@@ -156,9 +156,13 @@ def main() -> None:
     except BrokenPipeError:  # --help or --version into `| head`
         raise SystemExit(reader_gone()) from None
     except CafaError as error:  # --help into a closed stdout (a command's own errors are handled inside it)
+        if debug["on"]:  # a command's error, re-raised by reports_errors to show its traceback
+            raise
         fail(str(error), error.exit_code)
         raise SystemExit(error.exit_code) from None
     except OSError as error:  # --help into a full disk (a command's own errors are handled inside it)
+        if debug["on"]:
+            raise
         fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
         raise SystemExit(EXIT_RUNTIME) from None
 

@@ -20,20 +20,22 @@ def open_domain(
     labels: str | None = None,
     severity: int | None = None,
     stdin=None,
+    option: str = "data",
 ) -> Domain:
-    """Open one `--data` value.
+    """Open one `--data` value (or one of another option that takes the same values, named
+    by `option` in errors: `clean`, `source_data`, `forgetting`, `train`).
 
     `class_names`, when given, is the model's output order (from `--classes` or the
     artifact); labels are mapped into it by name. Without it, an image folder's
     sorted folder names become the class list. None of its images may be one of the
     command's outputs, however they are reached (files.reading_images).
     """
-    domain = _open(spec, class_names, labels, severity, stdin)
-    reading_images(domain.refs, f"`data` {spec}")
+    domain = _open(spec, class_names, labels, severity, stdin, option)
+    reading_images(domain.refs, f"`{option}` {spec}")
     return domain
 
 
-def _open(spec, class_names, labels, severity, stdin) -> Domain:
+def _open(spec, class_names, labels, severity, stdin, option) -> Domain:
     if benchmark_of(spec) is not None:
         domain = open_benchmark(spec, labels, severity)
         return domain if class_names is None else relabel(domain, list(class_names))
@@ -57,14 +59,14 @@ def _open(spec, class_names, labels, severity, stdin) -> Domain:
     else:
         path = Path(spec)
         if not path.exists():
-            raise InputError(f"`data` {spec}: no such file or folder")
+            raise InputError(f"`{option}` {spec}: no such file or folder")
         if path.is_dir():
             domain = _folder_domain(path)
         elif path.suffix.lower() == ".npy":
             domain = _array_domain(path, labels, severity)
         else:
             raise InputError(
-                f"`data` {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
+                f"`{option}` {spec}: expected an image folder, a .npy array, '-' (paths on stdin) "
                 f"or one of {', '.join(k + ':ROOT' for k in [*TRAINING_SETS, *BENCHMARKS])}"
             )
     if class_names is not None:

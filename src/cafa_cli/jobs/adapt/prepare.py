@@ -211,7 +211,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     clean = None
     if config.clean:  # the source model, before the Adapter changes it; prepared as the statistics' training images
         clean_domain = open_test_domain(
-            config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True
+            config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True, option="clean"
         )
         clean = clean_error(
             net,
@@ -225,7 +225,9 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         )
     forgetting = None
     if config.forgetting:  # predicted by the adapted model as a test domain is: the test images' preprocessing
-        forgetting = open_test_domain(config.forgetting, None, None, model_classes or class_names, subset, None, notes)
+        forgetting = open_test_domain(
+            config.forgetting, None, None, model_classes or class_names, subset, None, notes, option="forgetting"
+        )
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
@@ -364,12 +366,14 @@ def open_test_domain(
     ids: tuple[str, set[str]] | None,
     notes: list[str],
     clean: bool = False,
+    option: str = "data",
 ) -> Domain:
     """One test domain, its labels as the model's outputs (a subset's positions with one), and
     only the images listed in `ids` (the `subset` file and its ids), with a note on the notes
     for listed images it lacks. The `clean` set keeps the subset's classes only (ImageNet's
-    validation images of ImageNet-R's 200 classes); a test domain must hold no others."""
-    domain = open_domain(path, model_classes, labels, severity)
+    validation images of ImageNet-R's 200 classes); a test domain must hold no others. `option`
+    names the value's option in errors."""
+    domain = open_domain(path, model_classes, labels, severity, option=option)
     if subset:
         domain = narrow(domain, subset, drop_others=clean)
     if ids is not None:

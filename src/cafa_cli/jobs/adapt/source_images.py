@@ -22,7 +22,7 @@ def source_images(config: AdaptConfig, preprocess: Preprocessing, device: torch.
     if "fisher_batches" in inputs:
         return {"fisher_batches": fisher_batches(config, preprocess, device)}
     if "source_batches" in inputs:
-        domain = open_domain(config.source_data, class_names)
+        domain = open_domain(config.source_data, class_names, option="source_data")
         return {"source_batches": LabelledBatches(domain, preprocess, config.batch_size, config.num_workers, device)}
     return {}
 
@@ -58,7 +58,7 @@ def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch
     random order, as the authors' shuffling loader gives them (in file order, each batch of a
     class-folder set was nearly one class, and the Fisher about 12 times the authors'), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
-    domain = open_domain(config.source_data)
+    domain = open_domain(config.source_data, option="source_data")
     if len(domain) == 0:
         raise InputError(f"`source_data` {config.source_data}: no images")
     count = min(config.fisher_samples, len(domain))

@@ -157,7 +157,7 @@ def shared_class_list(config: BenchConfig, workdir: Path, artifacts: dict[str, P
     if artifacts:  # the names of all the model's outputs: a class subset's artifact has the subset's as class_names
         names = read_artifact(next(iter(artifacts.values())), load_tensors=False).model_class_names
     elif config.train:
-        names = open_domain(config.train, None).class_names
+        names = open_domain(config.train, None, option="train").class_names
     else:
         return None
     if not names:
