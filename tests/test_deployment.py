@@ -198,6 +198,17 @@ def test_cafa_adapt_state_needs_a_continual_stream_and_refuses_another_adaptatio
         2,
         "another adaptation: lr 0.001 (here 0.5)",
     )
+    # given where an artifact or weights go, it is named as what it is, with the option that takes it
+    from conftest import TINY_NET
+    from helpers import invoke
+
+    assert "--weights" not in fails(invoke("inspect", state), 3, "an adaptation state cafa adapt saved", "--state")
+    fails(adapt(setup, setup["test"], "--stats", state), 3, "not a cafa artifact: give it as --state")
+    fails(
+        invoke("adapt", setup["test"], "--method", "source", "--model", TINY_NET, "--weights", state),
+        3,
+        f"--weights {state}: an adaptation state cafa adapt saved, not weights: give it as --state",
+    )
     state.write_bytes(b"not a state")
     fails(adapt(setup, setup["test"], "--method", "tent", "--reset", "never", "--state", state), 3, "not a state")
 

@@ -29,7 +29,7 @@ from cafa_cli.artifact_format import (
     norm_layers,
     read_json,
 )
-from cafa_cli.checkpoints import HTML_MARKERS
+from cafa_cli.checkpoints import ADAPTER_STATE_HINT, HTML_MARKERS, is_adapter_state
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.errors import CafaError, InputError
 from cafa_cli.files import atomic_write, open_safetensors, reading
@@ -214,6 +214,10 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
         with open_safetensors(path) as f:
             return _read_open(f, path, load_tensors)
     except SafetensorError as error:
+        if is_adapter_state(path):
+            raise bad(
+                path, f"this is an adaptation state cafa adapt saved, not a cafa artifact: {ADAPTER_STATE_HINT}"
+            ) from None
         if _is_torch_checkpoint(path):
             raise bad(
                 path,

@@ -40,6 +40,27 @@ PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's,
 SMALL_FILE = 1 << 20
 
 
+ADAPTER_STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s "format" (method/serving.py)
+# what a user gave where an adaptation state cannot go: the options that take one
+ADAPTER_STATE_HINT = (
+    "give it as `state` to go on adapting (with `reset` never), or serve the adapted network from the file `export` "
+    "writes"
+)
+
+
+def is_adapter_state(path: Path) -> bool:
+    """Whether `path` is torch.save's archive of an Adapter.state_dict(): its pickle (stored,
+    not compressed) holds the format's name. Read without unpickling anything."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            if len(pickles) != 1 or archive.getinfo(pickles[0]).file_size > SMALL_FILE:
+                return False
+            return ADAPTER_STATE_FORMAT.encode() in archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 # torch.save stores a checkpoint's entries uncompressed, and float weights barely compress;
 # a zip entry that expands more than this (deflated zeros: a thousandfold) is a bomb, and
 # torch would allocate all that it announces
@@ -191,6 +212,8 @@ def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
 
 
 def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(state, dict) and state.get("format") == ADAPTER_STATE_FORMAT:
+        raise InputError(f"`weights` {path}: an adaptation state cafa adapt saved, not weights: {ADAPTER_STATE_HINT}")
     if isinstance(state, nn.Module):
         state = state.state_dict()
     for key in ("state_dict", "model", "model_state_dict", "net"):
