@@ -88,6 +88,8 @@ def test_help_lists_choices_conventional_metavars_and_panels():
     for command in ("adapt", "bench"):  # the domains as a person reads them, not a Python type
         text = runner.invoke(app, [command, "--help"], terminal_width=200).stdout
         assert "  DOMAIN...  Test domains" in text and "list[str]" not in text
+        # the settings name each other in the library's words (`reset`); a help names the flag
+        assert "`" not in text and "with --reset never, the persistent setting" in " ".join(text.split())
 
 
 def test_help_does_not_import_torch():

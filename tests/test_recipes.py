@@ -440,7 +440,7 @@ def test_cafa_methods_lists_every_method_and_prints_a_recipe():
     rows = {row["method"]: row for row in json.loads(listed.stdout)}
     assert list(rows) == list(NAMES)
     assert rows["cafa"]["artifact"] is True and rows["tent"]["artifact"] is False
-    assert rows["tent"]["step ÷ TENT (CPU)"] == 1.0 and "layer4" in rows["sar"]["adapts"]
+    assert rows["tent"]["cost"] == 1.0 and "layer4" in rows["sar"]["adapts"]
     table = runner.invoke(app, ["methods"]).stdout
     assert table.count("\n") == len(NAMES) + 2 and "| cotta |" in table
     printed = runner.invoke(app, ["methods", "eata", "--recipe", "cifar10-c"]).stdout

@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand, TyperOption
 
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
+from cafa_cli.cli.errors import as_flags
 from cafa_cli.cli.renamed import respelled
 from cafa_cli.errors import UsageError, printable
 from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
@@ -80,7 +81,7 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
             help, show_default = f"{help}  [default: the recipe's, else {shown_default(default)}]", False
         option = typer.Option(
             *names,
-            help=help,
+            help=as_flags(help),  # the settings' words name each other as `reset`; the command line says --reset
             metavar=meta["metavar"],
             rich_help_panel=meta["panel"],
             show_default=show_default,

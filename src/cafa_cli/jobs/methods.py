@@ -14,7 +14,8 @@ from cafa_cli.method.methods import REGISTRY, method_class
 from cafa_cli.method.options import resolve_options, shown
 from cafa_cli.recipes import FAMILIES, SETTINGS, description, recipe_for, shipped, to_toml
 
-COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "step ÷ TENT (CPU)")
+COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "cost")  # the keys of a row, and of --json's
+HEADERS = {"cost": "step ÷ TENT (CPU)"}  # a table's words for a key, where they differ from it
 _STACKED_BELOW = 72  # terminal columns; narrower, each method's facts stack in one cell
 TRAINING_SETTINGS = ("optimizer", "lr", "momentum", "steps", "params")  # meaningless for a method that does not train
 
@@ -33,7 +34,7 @@ def methods_table() -> list[dict]:
                 "paper": about["paper"],
                 "adapts": about["adapts"],
                 "artifact": REGISTRY[name].needs_statistics,
-                "step ÷ TENT (CPU)": None if cost is None else float(cost),
+                "cost": None if cost is None else float(cost),
             }
         )
     return rows
@@ -50,7 +51,7 @@ def cell(value) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """The table as markdown, one method a line: for a file, a pipe or a document."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(HEADERS.get(c, c) for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(row[column]).replace("|", "\\|") for column in COLUMNS) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -66,7 +67,7 @@ def terminal_table(rows: list[dict], width: int) -> Table:
                 cell(row["summary"]),
                 f"paper: {cell(row['paper'])}",
                 f"adapts: {cell(row['adapts'])}",
-                f"artifact: {cell(row['artifact'])}; {COLUMNS[-1]}: {cell(row[COLUMNS[-1]])}",
+                f"artifact: {cell(row['artifact'])}; {HEADERS['cost']}: {cell(row['cost'])}",
             ]
             table.add_row(Text(printable(row["method"])), Text("\n".join(map(printable, about)), overflow="fold"))
         return table

@@ -300,8 +300,8 @@ class StreamOptions:
     )
     step_cost: str = setting(
         "table",
-        "Under `stream_rate`, a step's cost in forward passes of the source model: table (cafa methods' cost "
-        "column), measured (in this run), a number, or METHOD=K pairs.",
+        "Under `stream_rate`, a step's cost in forward passes of the source model: table (from cafa methods' "
+        "step ÷ TENT column), measured (in this run), a number, or METHOD=K pairs.",
         metavar="table|measured|K",
         panel=STREAM,
     )
