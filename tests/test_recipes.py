@@ -171,9 +171,15 @@ def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa
     line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
     assert line == (
         "recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
-        "batch_size 200, params norm; entropy_margin 0.4, redundancy_margin 0.3 (yours; the recipe's 0.4), "
-        "fisher_alpha 1.0, keep_mean_on_reset false"
+        "batch_size 200, params norm, fisher_samples 2000; entropy_margin 0.4, redundancy_margin 0.3 (yours; the "
+        "recipe's 0.4), fisher_alpha 1.0, keep_mean_on_reset false"
     )  # lr typed as published: no mark
+    # a setting only some recipes set is shown where one does, and marked when typed over it
+    args = ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"])]
+    result = runner.invoke(app, [*args, "--method", "rdumb", "--recipe", "cifar10-c", "--reset", "never"])
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
+    assert "params norm, reset never (yours; the recipe's every:1000); entropy_margin" in line
 
 
 def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # noqa: F811
