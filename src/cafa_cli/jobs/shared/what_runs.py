@@ -83,7 +83,9 @@ def recipe_line(method: str, recorded: dict, trains: bool = True) -> str:
     published, published_options = recipe.get("settings", {}), recipe.get("options", {})
     keys = ("optimizer", "lr", "momentum", "batch_size", "params") if trains else ("batch_size",)
     # the settings only some recipes set (MEMO's steps and norm, EATA's fisher_samples, RDumb's reset): where one does
-    keys += tuple(key for key in (("steps",) if trains else ()) + ("norm", "fisher_samples", "reset") if key in published)
+    keys += tuple(
+        key for key in (("steps",) if trains else ()) + ("norm", "fisher_samples", "reset") if key in published
+    )
     # momentum is SGD's: shown where the recipe sets it, or where the user's SGD takes the default
     values = ", ".join(
         _setting(key, recorded[key], published)
