@@ -86,3 +86,22 @@ def test_shell_redirections_onto_an_output_are_refused(setup, tmp_path):
     with open(records, "w") as out:  # the records themselves may go to standard output's file by name
         run = subprocess.run([*command, "--predictions", "/dev/stdout"], stdout=out, env=environment)
     assert run.returncode == 0 and records.read_text().startswith("path,prediction,label,confidence\n")
+
+
+def test_standard_output_appended_to_an_input_is_refused_before_it_is_written(setup, tmp_path):
+    """`cafa adapt ... --stats s.safetensors >> s.safetensors` appended the records to the
+    artifact; `>> one/of/the/images.png` to an image. The files behind the standard streams are
+    outputs like any option's (files.writing), checked as each input is read."""
+    artifact = tmp_path / "stats.safetensors"
+    artifact.write_bytes(Path(setup["artifact"]).read_bytes())
+    image = next(iter(sorted(Path(setup["train"]).rglob("*.png"))))
+    kept = {path: path.read_bytes() for path in (artifact, image)}
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    command = [sys.executable, "-m", "cafa_cli", "adapt", "--model", TINY_NET, "--data", str(setup["train"]), "-q"]
+    for target, stats in ((artifact, artifact), (image, setup["artifact"])):
+        with open(target, "ab") as out:
+            run = subprocess.run([*command, "--stats", str(stats)], stdout=out, stderr=subprocess.PIPE, env=environment)
+        assert run.returncode == 2, run.stderr
+        assert f"standard output (redirected to {os.path.realpath(target)}) is also".encode() in run.stderr
+        assert run.stderr.rstrip().endswith(b"send standard output elsewhere")
+        assert target.read_bytes() == kept[target]

@@ -77,11 +77,18 @@ def make_workdir(path: str | Path) -> Path:
 _OUTPUTS: dict[str, str] = {}
 
 
+# the names standard output and standard error go by among the outputs (`writing`): a file behind
+# one (`>> file`) is written as much as an output option's
+STREAM_PATHS = {"standard output": "/dev/fd/1", "standard error": "/dev/fd/2"}
+
+
 @contextlib.contextmanager
 def writing(outputs: dict[str, str | None]):
-    """While the block runs, the files it will write are `outputs` (None, `-` and devices aside)."""
+    """While the block runs, the files it will write are `outputs` (None, `-` and devices aside),
+    and the regular files standard output and standard error go to (standard_streams)."""
     before = dict(_OUTPUTS)
     _OUTPUTS.update({option: path for option, path in outputs.items() if path and path != "-" and not is_device(path)})
+    _OUTPUTS.update({name: STREAM_PATHS[name] for name in standard_streams(regular_only=True).values()})
     try:
         yield
     finally:
@@ -98,17 +105,25 @@ def reading(path: str | Path | None, what: str) -> None:
     identity, name = file_identity(str(path)), os.path.realpath(path)
     for option, output in _OUTPUTS.items():
         if file_identity(output) == identity or os.path.realpath(output) == name:
+            named, fix = _output_and_fix(option, output)
             raise WouldOverwrite(
-                f"{option} {output} is also {what}'s file {path}, which this command reads; writing it would "
-                f"destroy that: give {option} another path"
+                f"{named} is also {what}'s file {path}, which this command reads; writing it would destroy that: {fix}"
             )
+
+
+def _output_and_fix(option: str, output: str) -> tuple[str, str]:
+    """How an error names an output, and the fix: another path for an option's, elsewhere for
+    a stream's file."""
+    if option in STREAM_PATHS:
+        return f"{option} (redirected to {os.path.realpath(output)})", f"send {option} elsewhere"
+    return f"{option} {output}", f"give {option} another path"
 
 
 def reading_images(paths, what: str) -> None:
     """The command is about to read these image files (a domain's, reached through links, list
     lines or `..`): a UsageError, before any output is written, when one of its outputs is
     one of them. Costs a stat an image only when an output file exists already (a rerun over
-    earlier results): a file that does not exist yet is no image."""
+    earlier results, or standard output sent to a file): a file that does not exist yet is no image."""
     existing = {}
     for option, output in _OUTPUTS.items():
         try:
@@ -125,17 +140,17 @@ def reading_images(paths, what: str) -> None:
             continue
         hit = existing.get((found.st_dev, found.st_ino))
         if hit:
-            option, output = hit
+            named, fix = _output_and_fix(*hit)
             raise WouldOverwrite(
-                f"{option} {output} is also the image {path} of {what}, which this command reads (through a link "
-                f"or a list line); writing it would destroy that: give {option} another path"
+                f"{named} is also the image {path} of {what}, which this command reads (through a link, a list line "
+                f"or a redirection); writing it would destroy that: {fix}"
             )
 
 
-def standard_streams() -> dict[tuple, str]:
+def standard_streams(regular_only: bool = False) -> dict[tuple, str]:
     """{identity: name} of the files behind standard output (whatever it is: a file, a pipe,
-    a terminal) and standard error (when a regular file: a log the command appends to);
-    /dev/null is none of them, as writing there loses nothing."""
+    a terminal; a regular file only, with `regular_only`) and standard error (when a regular
+    file: a log the command appends to); /dev/null is none of them, as writing there loses nothing."""
     streams = {}
     null = os.stat(os.devnull)
     for fd, name in ((2, "standard error"), (1, "standard output")):
@@ -145,7 +160,7 @@ def standard_streams() -> dict[tuple, str]:
             continue
         if (found.st_dev, found.st_ino) == (null.st_dev, null.st_ino):
             continue
-        if fd == 1 or stat.S_ISREG(found.st_mode):
+        if (fd == 1 and not regular_only) or stat.S_ISREG(found.st_mode):
             streams[(found.st_dev, found.st_ino)] = name
     return streams
 
