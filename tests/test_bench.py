@@ -127,6 +127,12 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
         f"--train {tmp_path / 'nope'}: no such",
     )
     one_error_line(bench("--weights", str(tmp_path / "nope.pt")), 3, "--weights")
+    for option in ("--forgetting", "--source-data", "--clean"):  # named as theirs, before the statistics
+        one_error_line(
+            bench("--methods", "cafa", "--train", str(domain), option, str(tmp_path / "nope")),
+            3,
+            f"{option} {tmp_path / 'nope'}: no such",
+        )
     flat = tmp_path / "flat"
     flat.mkdir()
     for image in (domain / "a").glob("*.png"):

@@ -14,6 +14,7 @@ from torch import nn
 
 from cafa_cli.errors import InputError, listing, out_of_memory
 from cafa_cli.files import open_safetensors, reading
+from cafa_cli.method.serving import STATE_FORMAT  # Adapter.state_dict()'s "format"
 
 
 def is_step_counter(name: str) -> bool:
@@ -40,7 +41,6 @@ PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's,
 SMALL_FILE = 1 << 20
 
 
-ADAPTER_STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s "format" (method/serving.py)
 # what a user gave where an adaptation state cannot go: the options that take one
 ADAPTER_STATE_HINT = (
     "give it as `state` to go on adapting (with `reset` never), or serve the adapted network from the file `export` "
@@ -56,7 +56,7 @@ def is_adapter_state(path: Path) -> bool:
             pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
             if len(pickles) != 1 or archive.getinfo(pickles[0]).file_size > SMALL_FILE:
                 return False
-            return ADAPTER_STATE_FORMAT.encode() in archive.read(pickles[0])
+            return STATE_FORMAT.encode() in archive.read(pickles[0])
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
 
@@ -212,7 +212,7 @@ def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
 
 
 def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
-    if isinstance(state, dict) and state.get("format") == ADAPTER_STATE_FORMAT:
+    if isinstance(state, dict) and state.get("format") == STATE_FORMAT:
         raise InputError(f"`weights` {path}: an adaptation state cafa adapt saved, not weights: {ADAPTER_STATE_HINT}")
     if isinstance(state, nn.Module):
         state = state.state_dict()

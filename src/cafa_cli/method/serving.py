@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cafa_cli.checkpoints import ADAPTER_STATE_FORMAT
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.method.methods.base import Method
 from cafa_cli.method.norms import replace_submodule
@@ -17,7 +16,7 @@ from cafa_cli.method.state import restore, snapshot
 if TYPE_CHECKING:
     from cafa_cli.method.adapter import Adapter
 
-STATE_FORMAT = ADAPTER_STATE_FORMAT  # Adapter.state_dict()'s, checked by load_state_dict
+STATE_FORMAT = "cafa-adapter-state-1"  # Adapter.state_dict()'s, checked by load_state_dict
 OWNED = "_cafa_adapter_owned"  # set on a net by the Adapter that adapts it
 
 

@@ -159,8 +159,10 @@ def run_bench(
         check_options(covariance, config.shrinkage_value())
     if config.weights and not pretrained_by_name(config.model, config.weights):
         check_weights_file(config.weights)
-    if config.train and config.train not in TRAINING_SETS and not Path(on_disk(config.train)).exists():
-        raise InputError(f"`train` {config.train}: no such file or folder")
+    for option in ("train", "clean", "source_data", "forgetting"):  # the data options besides the domains
+        given = getattr(config, option, None)
+        if given and given not in TRAINING_SETS and given != "-" and not Path(on_disk(given)).exists():
+            raise InputError(f"`{option}` {given}: no such file or folder")
     for method, reset in dict.fromkeys((row.method, row_reset(config, row)) for row in rows):
         if reset != config.reset:  # a per-domain column is then one stream through the domains
             monitor.info(
