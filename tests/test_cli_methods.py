@@ -344,6 +344,8 @@ def test_methods_format_json_is_json():
     assert format_json.stdout == as_json.stdout
     assert json.loads(as_json.stdout) == methods_table()
     fails(invoke("methods", "--json", "--format", "markdown"), 2, "--json is --format json")
+    for flag in (["--json"], ["--format", "json"]):  # one method's recipe is TOML: not silently what was asked
+        fails(invoke("methods", "eata", *flag), 2, f"{flag[0]} is for the table of methods", "as TOML")
 
 
 def test_methods_usage_shows_its_optional_method_once_bracketed():

@@ -155,6 +155,11 @@ def methods(
     if as_json and output not in (None, "json"):
         raise UsageError(f"--json is --format json; give one of --json and --format {output}")
     if name is not None:
+        if as_json or output is not None:  # ignored, the user would read TOML as the JSON asked for
+            raise UsageError(
+                f"--{'json' if as_json else 'format'} is for the table of methods; with a METHOD the output is its "
+                f"options and recipe as TOML: drop it, or drop {name}"
+            )
         print(method_recipe(name, recipe), end="")
         return
     rows = methods_table()
