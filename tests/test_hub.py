@@ -542,3 +542,15 @@ def test_interpolation_is_a_setting_recorded_with_the_preprocessing(setup, tmp_p
         "lanczos",
     )
     fails(wrong, 2, "--interpolation must be one of bilinear, bicubic, nearest, not 'lanczos'")
+
+
+def test_an_unknown_timm_tag_is_a_usage_error_naming_the_tags():
+    """timm 1.x raises RuntimeError for an unknown tag where earlier versions returned None;
+    either way the user reads which tags there are, from the option that named the tag."""
+    pytest.importorskip("timm")
+    from cafa_cli.hub import timm_config
+
+    with pytest.raises(UsageError, match=r"^`weights` a1_in1x: no such file, nor a pretrained tag of timm's resnet50 "):
+        timm_config("resnet50", "a1_in1x")
+    with pytest.raises(UsageError, match=r"^`model` timm:resnet18\.bogus: bogus is not a pretrained tag .*tv_in1k"):
+        timm_config("resnet18.bogus")

@@ -51,6 +51,8 @@ def test_an_options_default_is_its_constructors(name):
 
 def test_the_published_values_the_methods_issue_names():
     assert shipped("eata", "cifar10-c").options["redundancy_margin"] == 0.4
+    with pytest.raises(UsageError, match="no recipe family 'cifar10c'; the families: imagenet-c, cifar10-c"):
+        shipped("eata", "cifar10c")  # a typo is not "no recipe shipped" (None), which a plug-in has
     assert shipped("eata", "cifar100-c").options["redundancy_margin"] == 0.1
     assert shipped("eata", "cifar10-c").options["fisher_alpha"] == 1.0
     assert shipped("eata", "imagenet-c").settings == {

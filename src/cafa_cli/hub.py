@@ -186,12 +186,16 @@ def timm_config(name: str, tag: str | None = None):
         raise UsageError(
             f"`model` timm:{name} names the pretrained tag {own_tag}, and `weights` {tag}; give the tag once"
         )
+    given = f"`weights` {tag}: no such file, nor" if tag else f"`model` timm:{name}: {own_tag} is not"
     tag = tag or own_tag
-    config = timm.get_pretrained_cfg(f"{architecture}.{tag}" if tag else architecture)
+    try:
+        config = timm.get_pretrained_cfg(f"{architecture}.{tag}" if tag else architecture)
+    except RuntimeError:  # timm 1.x for an unknown tag ("Invalid pretrained tag"); earlier versions return None
+        config = None
     if config is None:
         tags = [known.partition(".")[2] for known in timm.list_pretrained(f"{architecture}.*")]
         raise UsageError(
-            f"`weights` {tag}: no such file, nor a pretrained tag of timm's {architecture}{did_you_mean(tag, tags)}"
+            f"{given} a pretrained tag of timm's {architecture}{did_you_mean(tag, tags)}"
             + (f"; its tags: {listing(tags, 8)}" if tags else "")
         )
     return config

@@ -92,7 +92,9 @@ def description(method: str) -> dict:
 
 
 def shipped(method: str, family: str) -> Recipe | None:
-    """The recipe the tool ships for `method` on `family`; None when it ships none."""
+    """The recipe the tool ships for `method` on `family`; None when it ships none (a plug-in's)."""
+    if family not in FAMILIES:  # a misspelt family would read as "none shipped"
+        raise UsageError(f"no recipe family {family!r}; the families: {', '.join(FAMILIES)}")
     table = _shipped_file(method).get(family)
     return None if table is None else _recipe(method, family, table, "shipped", f"{_shipped_name(method)} [{family}]")
 
