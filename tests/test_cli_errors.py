@@ -936,6 +936,12 @@ def test_a_class_list_of_the_wrong_length_is_named_as_the_culprit(setup, tmp_pat
         "bn",
     )
     fails(result, 3, f"the class list {two} has 2 classes but the model's classifier has 3 outputs")
+    # cafa stats too, before its folders are named against the list (all three classes' folders: not the folders' fault)
+    abc = write_folder(tmp_path / "abc", per_class=2)
+    result = invoke(
+        "stats", "--model", TINY_NET, "--weights", setup["weights"], *PLAIN, "--classes", two, "--data", abc
+    )
+    assert "--data" not in fails(result, 3, f"the class list {two} has 2 classes", "a name a line for every output")
 
 
 def test_weights_holding_nan_are_refused_before_any_prediction(setup, tmp_path):

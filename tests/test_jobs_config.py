@@ -123,3 +123,13 @@ def test_adapter_options_are_the_adapters_keywords():
 def test_dash_h_is_help_on_every_command(command):
     short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
     assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage: cafa" in short.stdout
+
+
+def test_a_list_setting_given_one_path_or_string_is_its_one_item_list():
+    """AdaptConfig(data="x-y/3") was read character by character (its "-" then as stdin)."""
+    from pathlib import Path
+
+    config = AdaptConfig(data="fashion-mnist-c-20/fog/3", method="eata", method_option="redundancy_margin=0.4")
+    assert config.data == ["fashion-mnist-c-20/fog/3"] and config.method_option == ["redundancy_margin=0.4"]
+    assert AdaptConfig(data=Path("a") / "b").data == [str(Path("a") / "b")]
+    assert AdaptConfig(data=["a", "b"]).data == ["a", "b"]

@@ -211,7 +211,7 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
         gate(bench_job.above_max_error(report.table, config.max_error))  # last: every output is written
 
 
-@with_settings(FeaturesPlotConfig, skip=("reset", "mix_domains", "gradual"))
+@with_settings(FeaturesPlotConfig, skip=("reset", "mix_domains", "gradual", "rounds"))  # one domain, one pass
 def plot_features(ctx: typer.Context, domains: OneDomain = None, quiet: Quiet = False, **settings):
     """Embed one domain's features in 2-D (t-SNE) before and after adaptation, one panel a
     method, with the artifact's class means; each panel's error and feature scatter on stderr

@@ -141,6 +141,10 @@ def _training_domain(
     `class_subset`, the images of its classes only, its names, and the subset."""
     data = config.data
     class_names = default_class_names(config.model, config)
+    if config.classes:  # the list itself first: the folders are named against it next
+        _check_classes(
+            net, class_names, f"the class list {config.classes}", "give a name a line for every output, in output order"
+        )
     domain = open_domain(data, class_names, config.labels, config.severity)
     for note in [*domain.notes, padding_note(domain, preprocess)]:
         if note:
@@ -153,7 +157,7 @@ def _training_domain(
     if class_names is None:
         class_names = _class_names_of([domain], net)
         domain = relabel(domain, class_names)
-    _check_classes(net, class_names, f"--data {data}")
+        _check_classes(net, class_names, f"`data` {data}")
     unusable = unusable_class_names(class_names)
     if unusable:  # before the feature pass, not when the artifact is checked at its end
         raise InputError(

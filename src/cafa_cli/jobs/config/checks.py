@@ -3,6 +3,7 @@ backticks (`lr`), which the command line shows as --lr. Torch-free."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import Literal
 
@@ -96,7 +97,13 @@ def check_max_error(value: float | None) -> None:
 
 
 def check(config) -> None:
-    """Every group's own check, in field order: the first wrong value is the one named."""
+    """Every group's own check, in field order: the first wrong value is the one named. A
+    list setting given one path (AdaptConfig(data="fog/3")) is that path's list: read as a
+    string, it was its characters."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if str(f.type).startswith("list[") and isinstance(value, (str, os.PathLike)):
+            setattr(config, f.name, [os.fspath(value)])
     for group in type(config).__mro__:
         for name, method in vars(group).items():
             if name.startswith("_check_"):

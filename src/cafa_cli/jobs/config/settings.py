@@ -174,7 +174,7 @@ class RecipeOptions:
     )
     method_option: list[str] = setting(
         help="A method's own option NAME=VALUE (repeatable), e.g. redundancy_margin=0.4; METHOD.NAME=VALUE for one "
-        "method of a bench. cafa methods NAME lists them.",
+        "of several methods (bench, plot features). cafa methods NAME lists them.",
         factory=list,
         flags=("--method-option",),
         metavar="NAME=VALUE",
