@@ -353,6 +353,7 @@ def test_inspect_text(artifact_path, setup, monkeypatch):
     for needle in ["covariance", "full", "feature dim 6", "36 images", "fixed", "0.1000", "head.3", str(setup[1])]:
         assert needle in text, needle
     assert not {"{", "}", '"'} & set(text), "no JSON: the preprocessing and sampling in words"
+    assert "over 3 classes" in " ".join(text.split())
     lines = text.splitlines()
     assert all(line == line.strip() or line.startswith("  ") for line in lines), (
         "headings, then indented lines under them"
@@ -381,6 +382,13 @@ def test_inspect_text_sums_many_classes_up(artifact_path):
         "  images        min 10, median 20, max 29" in text
         and "  λ             min 0.0000, median 0.1000, max 0.1900" in text
     )
+
+
+def test_inspect_says_a_tied_covariance_is_one_the_classes_share(setup):
+    out = setup[0] / "tied.safetensors"
+    assert stats(setup, out, "--fraction", "1", "--covariance", "tied").exit_code == 0
+    text = " ".join(invoke("inspect", out).stdout.split())
+    assert "of the covariance the classes share" in text and "over 1 classes" not in text
 
 
 def test_inspect_json(artifact_path, setup):

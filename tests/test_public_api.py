@@ -58,3 +58,29 @@ def test_a_model_that_cannot_load_is_a_one_line_cafa_error_naming_the_fix(argume
 def test_model_spec_takes_the_wrapped_model():
     with pytest.raises(UsageError, match=r"FeatureClassifier\(net\)"):
         model_spec(load_bundled("fmnist-resnet"), "fmnist-resnet")
+
+
+def test_paths_and_wrong_objects_get_cafa_errors_not_python_ones(tiny_weights, tmp_path):
+    """A pathlib.Path where a path goes (read_artifact took one, load_model did not); a missing
+    weights file, an unknown method's options, an artifact where its gaussians go and a model
+    wrapped twice each get one CafaError that names the fix."""
+    from pathlib import Path
+
+    from cafa_cli.method.gaussians import ClassGaussians
+    from cafa_cli.method.methods import create, options_of
+
+    model = load_model(TINY_NET, Path(tiny_weights), model_args={"num_classes": 3})
+    spec = model_spec(model, TINY_NET, Path(tiny_weights), num_classes=3)
+    assert spec == model_spec(model, TINY_NET, str(tiny_weights), num_classes=3)
+    with pytest.raises(InputError, match=r"`weights` .*nowhere\.pt: no such file"):
+        model_spec(model, TINY_NET, tmp_path / "nowhere.pt", num_classes=3)
+    with pytest.raises(UsageError, match="no built-in method 'nope'; the methods: source"):
+        options_of("nope")
+
+    class Artifact:  # what read_artifact returns, as far as create can tell
+        gaussians: ClassGaussians | None = None
+
+    with pytest.raises(UsageError, match=r"create\('cafa', artifact.gaussians\)"):
+        create("cafa", Artifact())
+    with pytest.raises(UsageError, match="a FeatureClassifier already"):
+        FeatureClassifier(model)

@@ -10,6 +10,7 @@ Public (docs/python-api.md): `load_model`, which loads a model as `--model`/`--w
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,7 @@ def load_model(
     ):
         raise UsageError(f"`num_classes` must be a whole number of at least 1, not {num_classes!r}")
     arguments = parse_model_args(_model_arg_texts(model_args), "`model_args`")
+    weights = None if weights is None else os.fspath(weights)  # a Path as well as a str, as read_artifact takes
     return checked_model(model, weights, num_classes, classifier, trust_checkpoint, arguments)[0]
 
 
@@ -188,6 +190,9 @@ def model_spec(
             f"wrap the network, FeatureClassifier(net), or load it with load_model"
         )
     _model_arg_texts(model_args)  # literals only: the artifact records them as texts to read back
+    weights = None if weights is None else os.fspath(weights)
+    if weights is not None and not pretrained_by_name(name, weights) and not Path(weights).is_file():
+        raise InputError(f"`weights` {weights}: no such file (model_spec records the file the weights came from)")
     return _spec(model, name, weights_record(name, weights), num_classes, model_args or {})
 
 

@@ -185,7 +185,11 @@ def _gaussians(summary: dict) -> list[tuple[str, str]]:
             "conditioning",
             (
                 f"cond(Σ) min {cond['min']:.3g}, median {cond['median']:.3g}, max {cond['max']:.3g} "
-                f"over {cond['classes_measured']} classes"
+                + (
+                    "of the covariance the classes share"
+                    if summary["covariance"] == "tied"
+                    else f"over {cond['classes_measured']} classes"
+                )
             ),
         ),
         ("norm moments", moments),

@@ -36,6 +36,8 @@ class FeatureClassifier(nn.Module):
 
     def __init__(self, model: nn.Module, classifier_name: str | None = None):
         super().__init__()
+        if isinstance(model, FeatureClassifier):  # its forward returns a tuple, which no classifier layer follows
+            raise UsageError("the model is a FeatureClassifier already (load_model returns one): use it as it is")
         self.model = model
         self.classifier_name, self.classifier = find_classifier(model, classifier_name)
         self._features: torch.Tensor | None = None

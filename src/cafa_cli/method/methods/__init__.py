@@ -117,6 +117,10 @@ def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **o
     if name not in REGISTRY:
         raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {name}")
     entry = REGISTRY[name]
+    if entry.needs_statistics and hasattr(gaussians, "gaussians"):  # an Artifact where its statistics go
+        raise UsageError(
+            f"the method {name} takes the artifact's class statistics: create({name!r}, artifact.gaussians)"
+        )
     if entry.needs_statistics and gaussians is None:
         raise UsageError(
             f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
@@ -138,6 +142,10 @@ def method_class(name: str) -> type[Method]:
 
 def options_of(name: str) -> tuple:
     """The options.Option tuple a built-in method declares (its own options, with defaults)."""
+    if name not in REGISTRY:
+        from cafa_cli.errors import UsageError
+
+        raise UsageError(f"no built-in method {name!r}; the methods: {', '.join(REGISTRY)}")
     return method_class(name).options
 
 
