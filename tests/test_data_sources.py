@@ -49,3 +49,10 @@ def test_data_that_is_a_file_not_a_folder(setup, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a folder")
     fails(adapt(setup, notes), 3, str(notes), "expected an image folder")
+
+
+def test_classes_with_an_artifact_says_why_it_is_refused(setup, tmp_path):
+    """Not "--classes is for cafa stats": cafa adapt takes it too, for a model run without statistics."""
+    names = tmp_path / "classes.txt"
+    names.write_text("a\nb\nc\n")
+    fails(adapt(setup, setup["train"], "--classes", names), 2, "with an artifact, cafa adapt takes its class list")

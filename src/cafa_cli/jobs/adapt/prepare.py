@@ -169,7 +169,10 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     net, artifact, spec = load_for_adaptation(config)
     config, recipe = with_recipe(config, net.num_classes)
     if artifact and config.classes:
-        raise UsageError("`classes` is for cafa stats; cafa adapt takes the class list from the artifact")
+        raise UsageError(
+            "`classes` names the outputs of a model run without statistics; with an artifact, cafa adapt takes its "
+            "class list (cafa stats `classes` sets it): drop `classes`"
+        )
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
         preprocess = (

@@ -90,8 +90,8 @@ class InputOptions:
 
     classes: str | None = setting(
         None,
-        "File with one class name per line, in the model's output order (default: an "
-        "artifact's or a bundled model's list, else the sorted folder names).",
+        "File with one class name per line, in the model's output order (default: the artifact's with cafa adapt, "
+        "a bundled model's list, else the sorted folder names).",
         metavar="PATH",
         panel=DATA,
         recorded=AS_PATH,
