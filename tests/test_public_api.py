@@ -84,3 +84,15 @@ def test_paths_and_wrong_objects_get_cafa_errors_not_python_ones(tiny_weights, t
         create("cafa", Artifact())
     with pytest.raises(UsageError, match="a FeatureClassifier already"):
         FeatureClassifier(model)
+
+
+def test_select_classes_names_rows_outside_the_statistics():
+    from cafa_cli.method.gaussians import estimate
+    from cafa_cli.method.moments import ClassMoments
+
+    moments = ClassMoments(3, 2)
+    moments.update(torch.randn(30, 2, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 3)
+    gaussians = estimate(moments, covariance="diag", shrinkage=0.1)
+    assert torch.equal(gaussians.select_classes([2, 0]).means, gaussians.means[[2, 0]])
+    with pytest.raises(UsageError, match=r"^select_classes takes class rows 0 to 2, not 3, -1$"):
+        gaussians.select_classes([0, 3, -1])

@@ -225,7 +225,9 @@ def read_artifact(path: str | Path, load_tensors: bool = True) -> Artifact:
                 "as `stats`",
             ) from None
         raise bad(
-            path, f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); re-create it with cafa stats"
+            path,
+            f"not a readable safetensors file ({str(error).splitlines()[0][:120]}); give the artifact cafa stats "
+            "wrote, or re-create it with cafa stats",
         ) from None
     except (OSError, ValueError, RuntimeError, OverflowError) as error:
         raise bad(

@@ -104,6 +104,10 @@ class ClassGaussians:
         """The Gaussians of these classes only (a class subset), in this order. The tied
         covariance and the global moments stay those of every class: they describe the source
         features as a whole, which a subset of the classes does not change."""
+        count = len(self.means)
+        outside = [row for row in rows if not 0 <= int(row) < count]
+        if outside:
+            raise UsageError(f"select_classes takes class rows 0 to {count - 1}, not {listing(outside)}")
         index = torch.as_tensor(rows, dtype=torch.long)
 
         def per_class(tensor: torch.Tensor | None) -> torch.Tensor | None:
