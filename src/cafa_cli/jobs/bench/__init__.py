@@ -160,7 +160,7 @@ def run_bench(
     if config.weights and not pretrained_by_name(config.model, config.weights):
         check_weights_file(config.weights)
     for option in ("train", "clean", "source_data", "forgetting"):  # the data options besides the domains
-        given = getattr(config, option, None)
+        given = getattr(config, option)
         if given and given not in TRAINING_SETS and given != "-" and not Path(on_disk(given)).exists():
             raise InputError(f"`{option}` {given}: no such file or folder")
     for method, reset in dict.fromkeys((row.method, row_reset(config, row)) for row in rows):
