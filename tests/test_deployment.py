@@ -183,7 +183,7 @@ def test_cafa_adapt_state_goes_on_with_a_continual_stream_across_runs(setup, tmp
     assert both.exit_code == second.exit_code == 0, second.stderr
     tail = rows(both)[len(rows(first)) :]
     assert rows(second) == tail and len(tail) == 18
-    assert torch.load(state, weights_only=True)["method"] == "tent"  # no pickled code in it
+    assert torch.load(state, weights_only=True)["adaptation"]["method"] == "tent"  # no pickled code in it
 
 
 def test_cafa_adapt_state_needs_a_continual_stream_and_refuses_another_adaptations(setup, tmp_path):

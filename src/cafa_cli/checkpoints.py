@@ -14,7 +14,7 @@ from torch import nn
 
 from cafa_cli.errors import InputError, listing, out_of_memory
 from cafa_cli.files import open_safetensors, reading
-from cafa_cli.method.serving import STATE_FORMAT  # Adapter.state_dict()'s "format"
+from cafa_cli.method.serving import FORMAT_FAMILY  # Adapter.state_dict()'s "format", in every version
 
 
 def is_step_counter(name: str) -> bool:
@@ -56,7 +56,7 @@ def is_adapter_state(path: Path) -> bool:
             pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
             if len(pickles) != 1 or archive.getinfo(pickles[0]).file_size > SMALL_FILE:
                 return False
-            return STATE_FORMAT.encode() in archive.read(pickles[0])
+            return FORMAT_FAMILY.encode() in archive.read(pickles[0])
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
 
@@ -131,7 +131,7 @@ def _looks_like_safetensors(start: bytes, size: int) -> bool:
 
 
 def _torch_load(path: Path, trust_checkpoint: bool):
-    _check_expansion(path)
+    check_expansion(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error below says it all
             warnings.simplefilter("ignore")
@@ -175,9 +175,13 @@ def _torch_load(path: Path, trust_checkpoint: bool):
         raise _not_a_checkpoint(path, error) from None
 
 
-def _check_expansion(path: Path) -> None:
-    """Refuse a zip checkpoint whose compressed entries announce far more bytes than they
-    hold, before torch decompresses them (a 1 MB file could take a GB)."""
+def check_expansion(
+    path: Path,
+    option: str = "weights",
+    fix: str = "torch.save stores tensors uncompressed: re-save the weights with torch.save",
+) -> None:
+    """Refuse a zip archive (torch.save's) whose compressed entries announce far more bytes than
+    they hold, before torch decompresses them (a 1 MB file could take a GB)."""
     try:
         with zipfile.ZipFile(path) as archive:
             packed = [entry for entry in archive.infolist() if entry.compress_type != zipfile.ZIP_STORED]
@@ -186,9 +190,8 @@ def _check_expansion(path: Path) -> None:
     expanded, held = sum(entry.file_size for entry in packed), sum(entry.compress_size for entry in packed)
     if expanded > MAX_EXPANSION * held + SMALL_FILE:
         raise InputError(
-            f"`weights` {path}: a zip archive whose compressed entries would expand {expanded // max(held, 1):,}-fold, "
-            f"to {expanded:,} bytes from {held:,} (a decompression bomb?); torch.save stores tensors uncompressed: "
-            f"re-save the weights with torch.save"
+            f"`{option}` {path}: a zip archive whose compressed entries would expand "
+            f"{expanded // max(held, 1):,}-fold, to {expanded:,} bytes from {held:,} (a decompression bomb?); {fix}"
         )
 
 
@@ -212,7 +215,7 @@ def _not_a_checkpoint(path: Path, error: BaseException) -> InputError:
 
 
 def _unwrap(state, path: Path) -> dict[str, torch.Tensor]:
-    if isinstance(state, dict) and state.get("format") == STATE_FORMAT:
+    if isinstance(state, dict) and str(state.get("format", "")).startswith(FORMAT_FAMILY):
         raise InputError(f"`weights` {path}: an adaptation state cafa adapt saved, not weights: {ADAPTER_STATE_HINT}")
     if isinstance(state, nn.Module):
         state = state.state_dict()

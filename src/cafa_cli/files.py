@@ -344,3 +344,15 @@ def toml_problem(error: ValueError) -> str:
     if "integer string conversion" in str(error):
         return "an integer of more than 4,300 digits"
     return str(error)
+
+
+def open_lock_file(path: Path) -> int | None:
+    """The hidden lock file beside `path` (`.NAME.lock`), for flock: made when missing,
+    read-only when another user made it (flock needs no write access); None in a folder this
+    process can neither write nor read."""
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return os.open(path.with_name(f".{path.name}.lock"), flags, 0o666)
+        except OSError:
+            continue
+    return None

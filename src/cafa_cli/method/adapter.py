@@ -38,6 +38,7 @@ from cafa_cli.method.norms import (
 from cafa_cli.method.optimiser import check_weights_precision, guarded_step, new_optimizer
 from cafa_cli.method.options import check_adapter_options, check_precision, parse_norm
 from cafa_cli.method.serving import OWNED
+from cafa_cli.method.state import tensors_sha256
 from cafa_cli.method.step_graph import StepGraph, kept_state
 from cafa_cli.method.threads import OneThreadAtATime
 
@@ -165,6 +166,8 @@ class Adapter(OneThreadAtATime):
             "norm": norm,
             "precision": precision,
         }
+        self._class_moments_sha256 = "none" if class_moments is None else tensors_sha256(class_moments)
+        self._made_from: dict | None = None  # the sha256 of the source weights and inputs (serving.adaptation)
 
     def adapted(self) -> dict:
         """What the updates change: the number of tensors and of values, and the layer

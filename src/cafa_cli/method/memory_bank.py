@@ -62,6 +62,11 @@ class MemoryBank:
     (`add` when no step interleaves), `samples`/`occupied`/`ages` for a training step.
     Slots are allocated on the first offer."""
 
+    # made with the slots, on the first offer (_allocate): declared here, as a saved state may hold them
+    labels: torch.Tensor | None = None
+    age_counts: torch.Tensor | None = None
+    timeliness: list[float] | None = None
+
     def __init__(
         self,
         num_classes: int,

@@ -8,7 +8,7 @@ from dataclasses import replace
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.devices import pick_device
 from cafa_cli.errors import UsageError, listing
-from cafa_cli.jobs.adapt.deployment import load_state, save_state, write_export
+from cafa_cli.jobs.adapt.deployment import holding_state, load_state, save_state, write_export
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
 from cafa_cli.jobs.config import AdaptConfig
@@ -48,7 +48,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
         check_spread(config)
         config = replace(config, device=str(rank_device(pick_device(config.device))))
     check_outputs(config.outputs(), config.inputs())
-    with process_group(pick_device(config.device)) as (rank, world):
+    with holding_state(config.state), process_group(pick_device(config.device)) as (rank, world):
         said = RankMonitor(monitor if rank == 0 else None)
         job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
         check_gate_has_labels(config, job.domains)

@@ -4,15 +4,20 @@ whole state (`state`, to go on with a continual stream after a restart)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.errors import InputError
-from cafa_cli.files import atomic_write
+from cafa_cli.checkpoints import check_expansion
+from cafa_cli.errors import InputError, UsageError
+from cafa_cli.files import atomic_write, open_lock_file
 from cafa_cli.method.adapter import Adapter
 
 EXPORT_FORMAT = "cafa-export"
@@ -35,21 +40,52 @@ def write_export(adapter: Adapter, path: str, settings: dict) -> None:
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+@contextmanager
+def holding_state(path: str | None) -> Iterator[None]:
+    """An exclusive lock on the state file's lock file (beside it, hidden) from before the state
+    is read until it is saved: a second run on the same state would go on from the same point
+    and the last to save would win, so it is refused at once. The lock goes with the process
+    however it ends; the lock file stays (as the bench's statistics lock, bench/statistics.py)."""
+    if not path:
+        yield
+        return
+    lock = open_lock_file(Path(path))
+    try:
+        if lock is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(
+                    f"`state` {path} is in use by another run of cafa adapt, which will save it when it ends; wait "
+                    f"for it, or give each run its own state file"
+                ) from None
+            except OSError:  # a file system without locks (some network mounts)
+                pass
+        yield
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
 def load_state(adapter: Adapter, path: str) -> bool:
-    """The state saved at `path` put into `adapter`; False when there is none yet (a first run)."""
+    """The state saved at `path` put into `adapter`; False when there is none yet (a first run).
+    Read as untrusted input: no code unpickled (weights_only), no archive that would inflate,
+    and every entry checked against the adaptation before it is poured in (serving.load_state)."""
     file = Path(path)
     if not file.exists():
         return False
+    fix = "remove it to start from the source model"
     if not file.is_file() or file.stat().st_size > MAX_STATE_BYTES:
         raise InputError(f"`state` {path}: not a file cafa adapt saved a state in; give another path")
+    check_expansion(file, "state", f"not a state cafa adapt saved; {fix}")
     try:
         state = torch.load(file, map_location=adapter.device, weights_only=True)
     except Exception as error:  # a torn or foreign file fails in torch's own ways: one line
-        raise InputError(
-            f"`state` {path}: not a state cafa adapt saved ({type(error).__name__}); remove it to start from the "
-            f"source model"
-        ) from None
-    adapter.load_state_dict(state)
+        raise InputError(f"`state` {path}: not a state cafa adapt saved ({type(error).__name__}); {fix}") from None
+    try:
+        adapter.load_state_dict(state)
+    except InputError as error:
+        raise InputError(f"`state` {path}: {error}; {fix}") from None
     return True
 
 

@@ -13,7 +13,7 @@ from cafa_cli.artifact import read_artifact
 from cafa_cli.data.domain import read_class_list
 from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError, listing, printable, undecodable
-from cafa_cli.files import atomic_write
+from cafa_cli.files import atomic_write, open_lock_file
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
 from cafa_cli.jobs.config import BenchConfig, StatsConfig
@@ -95,12 +95,6 @@ def _images(sample: Sample) -> str:
     return f"{noun} of {listing(Path(file).name for file in sample.files)}"
 
 
-def lock_path(artifact: Path) -> Path:
-    """The file whose lock guards an artifact: beside it, hidden, one an artifact, so that
-    benches needing different statistics in one workdir do not wait for each other."""
-    return artifact.with_name(f".{artifact.name}.lock")
-
-
 @contextmanager
 def statistics_lock(artifact: Path, monitor: Monitor, hold: bool = True) -> Iterator[None]:
     """An exclusive lock (flock) on the artifact's lock file while the block runs (with
@@ -109,7 +103,7 @@ def statistics_lock(artifact: Path, monitor: Monitor, hold: bool = True) -> Iter
     perhaps computed twice. The lock goes when the file is closed, or with the process
     however it ends; the file stays (removing it would let a third process lock a new file
     while a second still waits on the old one)."""
-    lock = _open_lock_file(artifact) if hold else None
+    lock = open_lock_file(artifact) if hold else None  # one an artifact: benches of other statistics do not wait
     if lock is None:
         yield
         return
@@ -118,17 +112,6 @@ def statistics_lock(artifact: Path, monitor: Monitor, hold: bool = True) -> Iter
         yield
     finally:
         os.close(lock)
-
-
-def _open_lock_file(artifact: Path) -> int | None:
-    """The lock file, made when missing; read-only when another user made it (flock needs
-    no write access); None in a workdir this process can neither write nor read."""
-    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
-        try:
-            return os.open(lock_path(artifact), flags, 0o666)
-        except OSError:
-            continue
-    return None
 
 
 def _take(lock: int, artifact: Path, monitor: Monitor) -> None:

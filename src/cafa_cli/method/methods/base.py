@@ -76,7 +76,7 @@ from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.gaussians import ClassGaussians
 from cafa_cli.method.norms import NORM_LAYERS, BatchStatisticsNorm
 from cafa_cli.method.options import Option, resolve_options
-from cafa_cli.method.state import restore, snapshot
+from cafa_cli.method.state import kind_of, refused, restore_attributes, snapshot, tensors_sha256
 
 STEP_HOOKS = ("loss", "update", "output", "before_step", "after_step")  # what a step runs of a method
 
@@ -142,6 +142,9 @@ class Method:
     per_batch: tuple[str, ...] = ("leave_out", "oracle_labels")  # made and used within a step: not state
     # made once from what it was given and never changed by a step: not saved with its state
     unsaved: tuple[str, ...] = ("gaussians", "device")
+    # of those, the data a saved state must have been made with: recorded by its sha256 and
+    # compared when the state is loaded (Adapter.load_state_dict), never taken from the file
+    fingerprinted: tuple[str, ...] = ("gaussians",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -227,15 +230,36 @@ class Method:
 
     def state_dict(self) -> dict:
         """What the method carries from batch to batch, as plain data (method/state.py): every
-        attribute but those made once from its inputs (`unsaved`), its inputs and per-batch
-        values. The Adapter saves it with the weights and the optimiser (Adapter.state_dict)."""
-        left_out = {*self.unsaved, *self.inputs, *self.per_batch}
+        attribute but its options (settings: Adapter.state_dict records and checks them), those
+        made once from its inputs (`unsaved`), its inputs and per-batch values. The Adapter saves
+        it with the weights and the optimiser (Adapter.state_dict)."""
+        left_out = self.not_state()
         return {key: snapshot(value) for key, value in vars(self).items() if key not in left_out}
 
     def load_state_dict(self, state: dict) -> None:
-        """A state_dict() of this method, put back (in place where the tensors already are)."""
-        for key, saved in state.items():
-            setattr(self, key, restore(getattr(self, key, None), saved))
+        """A state_dict() of this method, put back (in place where the tensors already are).
+        Only into what this method keeps (method/state.py): an entry it has no place for, or
+        of another kind, is an InputError and the caller's to undo (Adapter.load_state_dict)."""
+        if not isinstance(state, dict):
+            raise refused("method_state", f"is {kind_of(state)}, not a method's attributes")
+        restore_attributes(self, state, "method_state", self.not_state())
+
+    def not_state(self) -> frozenset[str]:
+        """Attributes that are no part of its saved state: its options, and what `unsaved`,
+        `inputs` and `per_batch` name."""
+        options = (option.name for option in type(self).options)
+        return frozenset((*self.unsaved, *self.fingerprinted, *self.inputs, *self.per_batch, *options))
+
+    def fingerprints(self) -> dict[str, str]:
+        """The sha256 of each `fingerprinted` piece of data it was made from (its class
+        statistics, EATA's Fisher; "none" where it has none), and whether each of its `inputs`
+        was given: what a saved state must have been made with, besides the settings."""
+        made = {
+            key: "none" if getattr(self, key, None) is None else tensors_sha256(getattr(self, key))
+            for key in self.fingerprinted
+        }
+        given = {key: "given" if getattr(self, key, None) is not None else "none" for key in self.inputs}
+        return {**made, **given}
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -236,6 +236,7 @@ class CafaRobust(Cafa):
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
     unsaved = (*Cafa.unsaved, "params", "source")  # the model's own parameters, and their source values
     per_batch = (*Cafa.per_batch, "skew", "strength")  # the gate's, for the batch's reported predictions
+    reported: tuple | None = None  # the batch's reported logits and features, for its later `steps`
     options = (
         SCHEDULE_OPTIONS
         + (

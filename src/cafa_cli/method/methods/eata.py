@@ -80,6 +80,7 @@ class Eta(Method):
     capturable = True  # a CUDA graph may replay its step (base.py)
     options = (*SELECTION_OPTIONS, KEEP_MEAN)
     filters_samples = True
+    fingerprinted = (*Method.fingerprinted, "fisher")  # EATA's, from clean images: made once
 
     def __init__(
         self,

@@ -132,6 +132,7 @@ def on_samples(model: nn.Module, weights: torch.Tensor):
 class RoTTA(Method):
     name = "rotta"
     owns_update = True
+    reported: tuple | None = None  # the batch's reported logits and features, for its later `steps`
     adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()
     options = (
         SCHEDULE_OPTIONS
