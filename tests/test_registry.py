@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_NET, invoke
 
 from cafa_cli.cli.completion import complete_method
@@ -134,3 +135,18 @@ def test_the_surface_is_what_the_adapter_has():
 
     adapter = Adapter(FeatureClassifier(build()), create("tent"), torch.device("cpu"))
     assert all(hasattr(adapter, name) for name in surface())
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_a_method_draws_random_numbers_exactly_when_its_class_says_so(trained, name):
+    """`draws_random_numbers` is observed, not trusted: three steps move torch's generator or
+    leave it (torchrun keeps a drawing method's domains in one process: distributed.py)."""
+    from test_deployment import adapter_of
+
+    from cafa_cli.method.methods import method_class
+
+    adapter = adapter_of(trained, name)
+    before = torch.get_rng_state()
+    for batch in trained[2].split(25)[:3]:
+        adapter.step(batch)
+    assert (not torch.equal(before, torch.get_rng_state())) == method_class(name).draws_random_numbers

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cafa_cli.errors import UsageError
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.method.methods import is_plugin
+from cafa_cli.method.methods import REGISTRY, is_plugin, method_class
 from cafa_cli.method.moments import ClassMoments
 
 
@@ -119,12 +119,6 @@ def wait_for_all(world: int) -> None:
         dist.barrier()
 
 
-# The methods whose updates draw from torch's generator (CoTTA's restores and augmented
-# views, RoTTA's strong views). A domain's draws go on from where the domains before it
-# left the generator, so adapted by itself on another rank it would draw other numbers.
-DRAW_RANDOM_NUMBERS = ("cotta", "rotta")
-
-
 def why_domains_depend(method: str, reset: str, mix_domains: bool) -> tuple[str, str | None] | None:
     """Why a stream's domains must run one after another in one process, and the setting that
     would free them (None where none would); None when each domain can run by itself (on any
@@ -134,8 +128,9 @@ def why_domains_depend(method: str, reset: str, mix_domains: bool) -> tuple[str,
         return f"`reset` {reset} carries the weights from one domain into the next", "give `reset` domain"
     if mix_domains:
         return "`mix_domains` makes the domains one stream", "drop `mix_domains`"
-    if method in DRAW_RANDOM_NUMBERS or is_plugin(method):
-        # a plug-in may draw too: nothing says it does not
+    # a domain's draws go on from where the domains before it left torch's generator, so adapted
+    # by itself on another rank it would draw other numbers; a plug-in may draw too: it is not made yet
+    if is_plugin(method) or (method in REGISTRY and method_class(method).draws_random_numbers):
         return f"`method` {method} draws random numbers, each domain from where the one before left them", None
     return None
 

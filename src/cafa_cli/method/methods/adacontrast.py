@@ -162,6 +162,7 @@ def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 
 class AdaContrast(Method):
     name = "adacontrast"
+    draws_random_numbers = True  # from torch's generator (base.py)
     running_norms = "its key encoder is a copy of the model, BatchNorms included"
     owns_update = True
     options = (

@@ -139,6 +139,9 @@ class Method:
     takes_labels: bool = False
     oracle_labels: torch.Tensor | None = None
     capturable: bool = False  # its step may be replayed from a CUDA graph (module docstring)
+    # its steps draw from torch's generator (augmented views, masks, restores), so a domain's
+    # predictions depend on the draws of the domains before it (torchrun keeps them in one process)
+    draws_random_numbers: bool = False
     per_batch: tuple[str, ...] = ("leave_out", "oracle_labels")  # made and used within a step: not state
     # made once from what it was given and never changed by a step: not saved with its state
     unsaved: tuple[str, ...] = ("gaussians", "device")

@@ -68,6 +68,7 @@ def blend(target: list[torch.Tensor], other: list[torch.Tensor], momentum: float
 
 class CMF(Method):
     name = "cmf"
+    draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True
     options = (
         Option("alpha", ALPHA, "α: the hidden model's pull toward the source, h ← αh + (1 − α)θ_source", "fraction"),

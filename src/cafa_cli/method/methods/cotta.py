@@ -103,6 +103,7 @@ def views_as_groups(model: nn.Module, groups: int):
 
 class CoTTA(Method):
     name = "cotta"
+    draws_random_numbers = True  # from torch's generator (base.py)
     running_norms = "its teacher and anchor are copies of the model, BatchNorms included"
     owns_update = True
     options = (

@@ -131,6 +131,7 @@ def class_balanced(model: torch.nn.Module) -> bool:
 
 class DeYO(Method):
     name = "deyo"
+    draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True
     filters_samples = True
     unsaved = (*Method.unsaved, "generator")

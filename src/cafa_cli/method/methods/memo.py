@@ -79,6 +79,7 @@ def views_as_one_sample(model: nn.Module, copies: int):
 
 class Memo(Method):
     name = "memo"
+    draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True  # an episode per image, each from the source weights
     running_norms = "it is episodic: no statistics pass from one image to the next"
     not_served = "each image is predicted after an update of its own, from the source weights"

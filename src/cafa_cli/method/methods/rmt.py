@@ -97,6 +97,7 @@ class Ensemble(nn.Module):
 
 class Rmt(Method):
     name = "rmt"
+    draws_random_numbers = True  # from torch's generator (base.py)
     needs_statistics = True  # the source prototypes: the class means
     running_norms = "its teacher is a copy of the model, BatchNorms included"
     owns_update = True

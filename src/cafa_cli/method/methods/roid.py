@@ -65,6 +65,7 @@ TEMPERATURE = 1 / 3  # T
 
 class Roid(Method):
     name = "roid"
+    draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True  # a second forward pass (the views) and the ensembling after each step
     filters_samples = True
     options = (

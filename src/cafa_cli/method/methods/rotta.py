@@ -131,6 +131,7 @@ def on_samples(model: nn.Module, weights: torch.Tensor):
 
 class RoTTA(Method):
     name = "rotta"
+    draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True
     reported: tuple | None = None  # the batch's reported logits and features, for its later `steps`
     adapts_normalisation = False  # its own normalisation layers: RBN, swapped in by parameters()

@@ -68,6 +68,7 @@ def anchoring(logits: torch.Tensor, viewed: torch.Tensor, anchor: torch.Tensor) 
 
 class Santa(Method):
     name = "santa"
+    draws_random_numbers = True  # from torch's generator (base.py)
     needs_statistics = True  # the source prototypes: the class means
     running_norms = "its anchor is a copy of the model, normalisation layers included"
     owns_update = True  # a second (augmented) pass and the anchor's pass each step

@@ -39,6 +39,7 @@ AVERAGES = ("logits", "probabilities")
 
 class TTAug(Method):
     name = "ttaug"
+    draws_random_numbers = True  # from torch's generator (base.py)
     trains = False
     owns_update = True  # its forward pass is of the images and their views (base.py: no apply)
     not_served = "the mean over each image's augmented views"
