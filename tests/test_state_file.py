@@ -183,7 +183,9 @@ def test_cafa_adapt_refuses_a_crafted_state_before_any_record_and_deletes_nothin
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     saved = torch.load(state, weights_only=True)
-    for what, crafted in list(crafted_states(saved, str(victim)).items())[:6]:
+    cases = crafted_states(saved, str(victim))  # the library test above tries them all; here one of each layer
+    for what in ("a new method attribute naming a class", "a class as a norm layer's statistics", "no norms"):
+        crafted = cases[what]
         evil = tmp_path / "evil.pt"
         torch.save(crafted, evil)
         written = evil.read_bytes()
