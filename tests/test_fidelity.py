@@ -52,9 +52,21 @@ class TinyResNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def tiny(seed: int = 1, sharp: float = 80.0) -> TinyResNet:
+class TinyEmbedded(TinyResNet):
+    """With a parameter that no module holds as `weight` or `bias`, as a ViT's pos_embed."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos_embed = nn.Parameter(0.3 * torch.randn(1, 6, 6, 6))
+
+    def forward(self, x):
+        x = self.layer4(self.layer3(F.relu(self.bn(self.conv(x) + self.pos_embed))))
+        return self.fc(x.mean((2, 3)))
+
+
+def tiny(seed: int = 1, sharp: float = 80.0, embedded: bool = False) -> TinyResNet:
     torch.manual_seed(seed)
-    net = TinyResNet()
+    net = TinyEmbedded() if embedded else TinyResNet()
     with torch.no_grad():
         net.fc.weight.mul_(sharp)  # confident enough that some samples pass E0 = 0.4·ln C
     return net
@@ -204,6 +216,79 @@ def test_eata_with_the_imagenet_margin_keeps_almost_nothing_at_ten_classes():
     _, strict = eata_reference(net, xs, 0.4 * math.log(C), 0.05)
     _, loose = eata_reference(net, xs, 0.4 * math.log(C), 0.4)
     assert sum(strict[1:]) == 0 < sum(loose[1:])
+
+
+# --- RDumb (oripress/CCC models/rdumb.py, functional.py) ----------------------------------
+
+
+def rdumb_reference(net, xs, lr, e_margin, d_margin, reset_every):
+    """RDumb.forward in float64: back to the saved model and optimiser (and no moving mean)
+    when its count of batches is a multiple of `reset_every` (theirs: 1,000), then ETA's step
+    on plain SGD, momentum 0.9 (the authors' optimiser, no Nesterov)."""
+    model = authors_model(net)  # functional.configure_model: BatchNorm2d on batch statistics
+    params = bn_affines(model)  # functional.collect_params
+    for p in params.values():
+        p.requires_grad_(True)
+    optimizer = torch.optim.SGD(params.values(), lr, momentum=0.9)
+    model_state, optimizer_state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    probs, total, history = None, 0, []
+    for x in xs:
+        if total % reset_every == 0:
+            model.load_state_dict(model_state)
+            optimizer.load_state_dict(optimizer_state)
+            probs = None
+        outputs = model(x.double())
+        ents = entropy(outputs)
+        ids1 = torch.where(ents < e_margin)
+        ents = ents[ids1]
+        if probs is not None:
+            cos = F.cosine_similarity(probs.unsqueeze(0), outputs[ids1].softmax(1).detach(), dim=1)
+            ids2 = torch.where(torch.abs(cos) < d_margin)
+            ents = ents[ids2]
+            new = outputs[ids1][ids2].softmax(1).detach()
+        else:
+            new = outputs[ids1].softmax(1).detach()
+        if probs is None:
+            probs = new.mean(0) if len(new) else None
+        elif len(new):
+            probs = 0.9 * probs + 0.1 * new.mean(0)
+        loss = ents.mul(1 / torch.exp(ents.clone().detach() - e_margin)).mean(0)
+        if len(ents):
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total += 1
+        history.append({k: p.detach().clone() for k, p in params.items()})
+    return history
+
+
+def test_rdumb_under_the_imagenet_recipe_steps_as_the_authors_plain_momentum():
+    """The imagenet-c recipe is the authors' (oripress/CCC): plain SGD, momentum 0.9, lr
+    0.00025. Until issue 60 it was the benchmark collection's Nesterov, whose first step is
+    1.9 times as large. The reset every N batches is the stream's (`reset` every:N), as the
+    stream runs it here: adapter.reset() after every N batches."""
+    r = shipped("rdumb", "imagenet-c")
+    s, o = r.settings, r.options
+    assert (s["optimizer"], s["momentum"], s["lr"], s["batch_size"], s["reset"]) == (
+        "sgd",
+        0.9,
+        0.00025,
+        64,
+        "every:1000",
+    )
+    assert (o["entropy_margin"], o["redundancy_margin"]) == (0.4, 0.05) and not o.get("keep_mean_on_reset", False)
+    net, xs, every = tiny(), batches(5), 2
+    adapter = ours(net, "rdumb", "imagenet-c")
+    history = rdumb_reference(net, xs, s["lr"], o["entropy_margin"] * math.log(C), o["redundancy_margin"], every)
+    for i, (x, expected) in enumerate(zip(xs, history), start=1):
+        adapter.step(x)
+        assert_params_match(adapter, expected, atol=1e-8)
+        if i % every == 0:
+            adapter.reset()
+    moved = max(
+        float((history[0][k] - p.detach().double()).abs().max()) for k, p in net.named_parameters() if k in history[0]
+    )
+    assert moved > 1e-6  # the first step moved the affines by more than the tolerance
 
 
 # --- SAR (mr-eggplant/SAR sar.py, sam.py) ------------------------------------------------
@@ -451,6 +536,38 @@ def test_t3a_matches_the_authors_prototypes_with_a_filter_and_with_all(filter_k)
         with torch.no_grad():
             got = method.output(head(z), z)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+# --- `params all` (the collection's TTAMethod.collect_params; MEMO's optimiser) ----------------
+
+
+@pytest.mark.parametrize("method", ["cotta", "rmt", "adacontrast", "memo"])
+def test_params_all_trains_what_the_authors_code_collects(method):
+    """cotta, rmt and adacontrast: every parameter a module holds as `weight` or `bias` (the
+    collection's TTAMethod.collect_params, CoTTA's authors' too), so a ViT's pos_embed stays
+    frozen; memo: every parameter (its authors' optimiser takes net.parameters()). Until issue 60
+    all four trained pos_embed."""
+    net = tiny(embedded=True)
+    weights_and_biases = {
+        f"{name}.{p_name}" if name else p_name
+        for name, m in net.named_modules()
+        for p_name, _ in m.named_parameters(recurse=False)
+        if p_name in ("weight", "bias")
+    }
+    gaussians = None
+    if method == "rmt":
+        from cafa_cli.method.gaussians import estimate
+        from cafa_cli.method.moments import ClassMoments
+
+        moments = ClassMoments(C, 8)
+        moments.update(torch.randn(40, 8), torch.arange(40) % C)
+        gaussians = estimate(moments, "diag", 0.1)
+    extra = {"queue_size": 64} if method == "adacontrast" else {}
+    adapter = Adapter(FeatureClassifier(copy.deepcopy(net)), create(method, gaussians, **extra), params="all")
+    trained = {id(p) for p in adapter.params}
+    names = {name for name, p in adapter.model.model.named_parameters() if id(p) in trained}
+    assert names == (weights_and_biases | {"pos_embed"} if method == "memo" else weights_and_biases)
+    assert "fc.weight" in names  # the classifier's too
 
 
 # --- CoTTA (qinenergy/cotta cifar/cotta.py, imagenet/cotta.py) ---------------------------

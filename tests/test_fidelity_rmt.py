@@ -53,7 +53,8 @@ def statistics(net, batches_):
 
 
 def features_of(model, x):  # split_up_model: everything before the classifier
-    return model.layer4(model.layer3(F.relu(model.bn(model.conv(x))))).mean((2, 3))
+    embedded = model.conv(x) + getattr(model, "pos_embed", 0)  # test_fidelity.TinyEmbedded's
+    return model.layer4(model.layer3(F.relu(model.bn(embedded)))).mean((2, 3))
 
 
 def sce(x, x_ema):  # utils/losses.py SymmetricCrossEntropy(alpha=0.5)
@@ -142,9 +143,9 @@ def rmt_reference(net, xs, prototypes, projector, src, optimizer, lr, o):
     return outs, dict(model.named_parameters()), dict(model_ema.named_parameters()), projector
 
 
-def run(recipe: str, with_source: bool, monkeypatch, reference: bool = True, **extra):
+def run(recipe: str, with_source: bool, monkeypatch, reference: bool = True, embedded: bool = False, **extra):
     monkeypatch.setattr(rmt_module, "augment", view)
-    net, xs, src = tiny(sharp=20.0), batches(3), source()
+    net, xs, src = tiny(sharp=20.0, embedded=embedded), batches(3), source()
     gaussians = statistics(net, src)
     r = shipped("rmt", recipe)
     s = r.settings
@@ -164,10 +165,20 @@ def run(recipe: str, with_source: bool, monkeypatch, reference: bool = True, **e
     return adapter, xs, expected, student, teacher, projector
 
 
-@pytest.mark.parametrize("recipe", ["cifar10-c", "imagenet-c"])
-@pytest.mark.parametrize("with_source", [True, False], ids=["warm-up and replay", "source-free"])
-def test_rmt_under_its_recipe_steps_as_the_authors(recipe, with_source, monkeypatch):
-    adapter, xs, expected, student, teacher, projector = run(recipe, with_source, monkeypatch)
+@pytest.mark.parametrize(
+    "recipe, with_source, embedded",
+    [
+        ("cifar10-c", True, False),
+        ("cifar10-c", False, False),
+        ("imagenet-c", True, False),
+        ("imagenet-c", False, False),
+        # a parameter that is no module's weight or bias (a ViT's pos_embed): frozen, as the
+        # authors' collect_params leaves it (until issue 60 it trained: 4.7e-3 apart after 3 steps)
+        ("cifar10-c", True, True),
+    ],
+)
+def test_rmt_under_its_recipe_steps_as_the_authors(recipe, with_source, embedded, monkeypatch):
+    adapter, xs, expected, student, teacher, projector = run(recipe, with_source, monkeypatch, embedded=embedded)
     for x, want in zip(xs, expected):
         torch.testing.assert_close(adapter.step(x).double(), want, rtol=1e-4, atol=1e-5)
     method = adapter.method

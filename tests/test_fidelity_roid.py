@@ -34,12 +34,22 @@ def sce(x, x_ema, alpha=0.5):  # SymmetricCrossEntropy, neither side detached
     ).sum(1)
 
 
-def roid_reference(net, xs, seeds, optimizer, lr, options, steps=1):
+def roid_reference(net, xs, seeds, optimizer, lr, options, steps=1, norms=None):
     """The authors' ROID, float64: per batch `steps` times forward_and_adapt; the reported
-    outputs are the last one's, multiplied by the smoothed prior."""
+    outputs are the last one's, multiplied by the smoothed prior. `norms`: a float64 copy of
+    the net with its BatchNorms replaced (devavratTomar/unmixtns runs ROID with UnMix-TNS
+    layers), whose affines train; by default configure_model's BatchNorm2d on batch statistics."""
     o = options
-    model = authors_model(net)  # configure_model: BatchNorm2d on batch statistics, affines trained
-    params = bn_affines(model)
+    model = authors_model(net) if norms is None else norms
+    if norms is None:
+        params = bn_affines(model)
+    else:  # collect_params: the normalisation layers' affines
+        params = {
+            f"{name}.{p_name}": p
+            for name, m in model.named_modules()
+            if hasattr(m, "eps")
+            for p_name, p in m.named_parameters(recurse=False)
+        }
     for p in params.values():
         p.requires_grad_(True)
     src_model = copy.deepcopy(model)
@@ -147,3 +157,35 @@ def test_roid_under_its_recipe_matches_the_authors_update(recipe, size, steps, f
         assert 0 < sum(kept) < len(kept) * size  # the diversity filter drops some, keeps some
     mine = dict(adapter.model.model.named_parameters())
     assert not torch.equal(mine["layer3.1.weight"], source["layer3.1.weight"])  # it adapted
+
+
+@pytest.mark.parametrize("norm", ["unmix:4", "ema:0.05"])
+def test_roid_under_a_running_norm_moves_it_on_both_passes_as_the_authors(norm):
+    """devavratTomar/unmixtns runs ROID with UnMix-TNS (tta_experiments/methods/roid.py), whose
+    UnMixTNS2d.forward moves the components on every pass: the batch's, then the views of
+    the kept samples'; RoTTA's robust BN in train mode does the same with its statistics
+    (`ema`, transcribed in test_norms_alpha_unmix). Until issue 60 each pass moved them from
+    where they were before the batch, so the views' pass alone counted: the components were
+    0.28 apart after 3 batches."""
+    from test_norms_alpha_unmix import reference_net, source_net
+
+    net, xs, seeds = source_net(sharp=20.0), batches(3, size=48), [21, 22, 23]
+    r = shipped("roid", "cifar10-c")
+    s, o = r.settings, r.options
+    adapter = Adapter(
+        FeatureClassifier(copy.deepcopy(net)), create("roid", None, "cpu", **o), optimizer="adam", lr=s["lr"], norm=norm
+    )
+    reference = reference_net(net, norm)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    expected, history, kept = roid_reference(net, xs, seeds, "adam", s["lr"], o, norms=reference)
+    ours = adapter.norms
+    theirs = [m for m in reference.modules() if hasattr(m, "eps") and not isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(ours) == len(theirs) == 3
+    for x, seed, want in zip(xs, seeds, expected):
+        torch.manual_seed(seed)
+        torch.testing.assert_close(adapter.step(x).double(), want, rtol=1e-4, atol=1e-5)
+    for i, (layer, ref) in enumerate(zip(ours, theirs)):  # where the three batches left them
+        mine = layer.component_means if norm.startswith("unmix") else layer.running_mean
+        torch.testing.assert_close(mine.double(), ref.means, rtol=1e-4, atol=1e-5, msg=f"layer {i}")
+    assert 0 < sum(kept) < 3 * 48  # the views are of some samples, not all

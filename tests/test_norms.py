@@ -228,20 +228,19 @@ def bn_with_source(channels: int = 4, eps: float = 1e-5) -> torch.nn.BatchNorm2d
     return bn
 
 
-def test_ema_moves_once_a_batch_however_many_passes_it_takes():
+def test_ema_moves_on_every_pass_from_where_the_last_left_it():
+    """As RoTTA's robust BN in train mode (and UnMixTNS2d): a second pass of the same batch
+    (steps 2, SAR's second pass) moves the statistics again (until issue 60 it did not)."""
     torch.manual_seed(0)
     layer = BatchStatisticsNorm(bn_with_source(), "ema:0.25")
     x = torch.randn(8, 4, 3, 3) * 2 + 5
-    layer.new_batch()
     first = layer(x)
-    second = layer(x)  # a second pass of the same batch (steps 2, SAR's second pass)
-    torch.testing.assert_close(first, second)
     var, mean = torch.var_mean(x.double(), [0, 2, 3], unbiased=False)
     source_mean, source_var = layer.source_mean.double(), layer.source_var.double()
     torch.testing.assert_close(layer.running_mean.double(), 0.75 * source_mean + 0.25 * mean, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.running_var.double(), 0.75 * source_var + 0.25 * var, rtol=1e-6, atol=1e-6)
-    layer.new_batch()
-    layer(x)
+    second = layer(x)  # normalised with statistics moved twice toward the batch's
+    assert not torch.allclose(first, second, atol=1e-3)
     torch.testing.assert_close(
         layer.running_mean.double(), 0.75**2 * source_mean + (1 - 0.75**2) * mean, rtol=1e-6, atol=1e-6
     )

@@ -39,9 +39,9 @@ from cafa_cli.method.step_graph import WARMUP
 
 class AlphaReference(nn.Module):
     """The collection's AlphaBatchNorm in float64: (1 − α)·source + α·test, the test statistics
-    those a BatchNorm of momentum 1 records from the batch (its variance unbiased). Their
-    module trains nothing; cafa lets the gradient through the batch's part, as for prior:N,
-    and so does this, for the TENT steps below."""
+    those a BatchNorm of momentum 1 records from the batch (its variance unbiased), which
+    carry no gradient: in a training step (MEMO's in the collection, the TENT steps below) it
+    flows through the normalised input alone."""
 
     def __init__(self, bn: nn.BatchNorm2d, alpha: float):
         super().__init__()
@@ -49,11 +49,55 @@ class AlphaReference(nn.Module):
         self.bias = nn.Parameter(bn.bias.detach().double().clone())
         self.mean, self.var = bn.running_mean.double(), bn.running_var.double()
         self.alpha, self.eps = alpha, bn.eps
+        self.norm = nn.BatchNorm2d(bn.num_features, affine=False, momentum=1.0).double()
 
     def forward(self, x):
-        test_mean, test_var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=True)
-        mean = (1 - self.alpha) * self.mean + self.alpha * test_mean
-        var = (1 - self.alpha) * self.var + self.alpha * test_var
+        self.norm.train()(x)  # records the batch's mean and unbiased variance, as buffers
+        mean = (1 - self.alpha) * self.mean + self.alpha * self.norm.running_mean
+        var = (1 - self.alpha) * self.var + self.alpha * self.norm.running_var
+        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+class PriorReference(nn.Module):
+    """MEMO's _modified_bn_forward in float64 (zhangmarvin/memo imagenet-exps/utils/
+    train_helpers.py, from bethgelab/robustness): the source statistics weighted
+    prior = N/(N + 1) against what a BatchNorm of momentum 1 records from the batch (its
+    unbiased variance; no gradient), the batch counting as one sample. cafa's prior:N counts
+    a batch of n as n samples: `samples` = n gives the same weights, N/(N + n)."""
+
+    def __init__(self, bn: nn.BatchNorm2d, strength: float, samples: int = 1):
+        super().__init__()
+        self.weight = nn.Parameter(bn.weight.detach().double().clone())
+        self.bias = nn.Parameter(bn.bias.detach().double().clone())
+        self.running_mean, self.running_var = bn.running_mean.double(), bn.running_var.double()
+        self.strength, self.samples, self.eps = strength, samples, bn.eps
+
+    def forward(self, x):
+        est_mean, est_var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
+        F.batch_norm(x, est_mean, est_var, None, None, True, 1.0, self.eps)
+        prior = self.strength / (self.strength + self.samples)
+        mean = prior * self.running_mean + (1 - prior) * est_mean
+        var = prior * self.running_var + (1 - prior) * est_var
+        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0, self.eps)
+
+
+class EmaReference(nn.Module):
+    """RoTTA's RobustBN2d in train mode, float64 (the benchmark collection's methods/rotta.py):
+    the statistics kept moved toward the batch's biased ones by the momentum on every forward
+    pass, the batch normalised with the moved ones (the gradient through the batch's part)."""
+
+    def __init__(self, bn: nn.BatchNorm2d, momentum: float):
+        super().__init__()
+        self.weight = nn.Parameter(bn.weight.detach().double().clone())
+        self.bias = nn.Parameter(bn.bias.detach().double().clone())
+        self.means, self.vars = bn.running_mean.double().clone(), bn.running_var.double().clone()
+        self.momentum, self.eps = momentum, bn.eps
+
+    def forward(self, x):
+        b_var, b_mean = torch.var_mean(x, dim=[0, 2, 3], unbiased=False)
+        mean = (1 - self.momentum) * self.means + self.momentum * b_mean
+        var = (1 - self.momentum) * self.vars + self.momentum * b_var
+        self.means, self.vars = mean.detach().clone(), var.detach().clone()
         out = (x - mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + self.eps)
         return out * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
 
@@ -104,9 +148,10 @@ def source_net(seed: int = 1, sharp: float = 80.0) -> nn.Module:
     return net.eval()
 
 
-def reference_net(net: nn.Module, norm: str) -> nn.Module:
+def reference_net(net: nn.Module, norm: str, samples: int = 1) -> nn.Module:
     """A float64 copy of `net` with each BatchNorm2d replaced by the transcription, the unmix
-    noise drawn as cafa draws it: one generator, seeded, layer after layer in module order."""
+    noise drawn as cafa draws it: one generator, seeded, layer after layer in module order.
+    `samples`: what a batch counts as under prior:N (PriorReference)."""
     kind, value = parse_norm(norm)
     model = copy.deepcopy(net).double()
     model.requires_grad_(False)
@@ -115,6 +160,10 @@ def reference_net(net: nn.Module, norm: str) -> nn.Module:
         if isinstance(m, nn.BatchNorm2d):
             if kind == "alpha":
                 layer = AlphaReference(m, value)
+            elif kind == "prior":
+                layer = PriorReference(m, value, samples)
+            elif kind == "ema":
+                layer = EmaReference(m, value)
             else:
                 k = int(value)
                 noise = torch.randn(k, m.num_features, generator=generator) if k > 1 else None
@@ -216,8 +265,6 @@ def test_unmix_normalises_and_moves_its_components_as_the_authors_on_a_tiny_net(
     references = [m for m in reference.modules() if isinstance(m, UnmixReference)]
     for i, x in enumerate(batches(4, size=16, seed=2)):
         before = layers[-1].component_means.clone()
-        for layer in layers:
-            layer.new_batch()
         with torch.no_grad():
             close(mine(x), reference(x.double()), f"batch {i}")
         for j, (layer, ref) in enumerate(zip(layers, references)):
@@ -226,19 +273,27 @@ def test_unmix_normalises_and_moves_its_components_as_the_authors_on_a_tiny_net(
         assert (layers[-1].component_means - before).abs().max() > 1e-3  # they moved
 
 
-def test_unmix_moves_once_a_batch_however_many_passes_it_takes():
+@pytest.mark.parametrize("norm", ["unmix:4", "ema:0.1"])
+def test_every_forward_pass_moves_the_kept_statistics_from_where_the_last_left_them(norm):
+    """As UnMixTNS2d.forward and RoTTA's robust BN in train mode: a batch's second pass (steps
+    2, SAR's, ROID's views) moves them again. Until issue 60 it moved them from where they
+    were before the batch, so the second pass normalised as the first and left them as it had."""
     net = source_net()
-    mine = swapped(net, "unmix:4")
+    mine, reference = swapped(net, norm), reference_net(net, norm)
+    kept = "component_means" if norm.startswith("unmix") else "running_mean"
     layer = norm_layers(mine)[0]
-    x = batches(1, size=8)[0]
-    start = layer.component_means.clone()
-    layer.new_batch()
+    ref = next(m for m in reference.modules() if hasattr(m, "means"))
+    x, views = batches(2, size=8)
     with torch.no_grad():
-        first = mine(x)
-        moved = layer.component_means.clone()
-        second = mine(x)  # a second pass of the batch (steps 2, SAR's): from where they were before it
-    torch.testing.assert_close(first, second)
-    assert torch.equal(layer.component_means, moved) and not torch.equal(moved, start)
+        for i, images in enumerate((x, views, x)):  # the batch, its views, the batch again
+            close(mine(images), reference(images.double()), f"pass {i}")
+            close(getattr(layer, kept), ref.means, f"pass {i}: the kept means", atol=1e-5)
+    first = swapped(net, norm)
+    with torch.no_grad():
+        once = first(x)
+    assert not torch.allclose(getattr(norm_layers(first)[0], kept), getattr(layer, kept), atol=1e-4)
+    with torch.no_grad():
+        assert not torch.allclose(mine(x), once, atol=1e-4)  # the same images, normalised anew
 
 
 def test_unmix_computes_in_float32_under_autocast():
@@ -267,33 +322,51 @@ def test_unmix_normalises_a_batch_norm_1d_with_the_source_statistics_as_the_auth
 # --- TENT steps through the Adapter --------------------------------------------------------------
 
 
-def tent_reference(net: nn.Module, norm: str, xs: list[torch.Tensor], lr: float):
-    """TENT (DequanWang/tent tent.py: forward_and_adapt, entropy mean, one step) in float64 on the
-    transcribed normalisation, plain SGD on the normalisation affines; the logits before each step."""
-    model = reference_net(net, norm)
-    params = [p for m in model.modules() if isinstance(m, (AlphaReference, UnmixReference)) for p in (m.weight, m.bias)]
+REFERENCES = (AlphaReference, PriorReference, EmaReference, UnmixReference)
+
+
+def tent_reference(net: nn.Module, norm: str, xs: list[torch.Tensor], lr: float, steps: int = 1):
+    """TENT (DequanWang/tent tent.py: `steps` times forward_and_adapt, entropy mean, one step) in
+    float64 on the transcribed normalisation, plain SGD on the normalisation affines; the logits
+    of each batch's last step, before it. prior:N weighs a batch of n as n samples."""
+    model = reference_net(net, norm, samples=len(xs[0]))
+    params = [p for m in model.modules() if isinstance(m, REFERENCES) for p in (m.weight, m.bias)]
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.SGD(params, lr=lr)
     logits = []
     for x in xs:
-        out = model(x.double())
-        optimizer.zero_grad()
-        entropy(out).mean().backward()
-        optimizer.step()
+        for _ in range(steps):
+            out = model(x.double())
+            optimizer.zero_grad()
+            entropy(out).mean().backward()
+            optimizer.step()
         logits.append(out.detach())
     return logits, params
 
 
-@pytest.mark.parametrize("norm", ["alpha:0.3", "unmix:4"])
-def test_tent_with_the_setting_steps_as_the_float64_transcription(norm):
-    """The gradient flows through the batch's (each sample's) statistics into the affines."""
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("norm", ["alpha:0.3", "prior:4", "ema:0.1", "unmix:4"])
+def test_tent_with_the_setting_steps_as_the_float64_transcription(norm, steps):
+    """The gradient flows through each sample's statistics under unmix, through the batch's
+    under ema (RoTTA's robust BN), and through neither under alpha and prior, whose batch
+    statistics are a BatchNorm's records in the authors' code; under ema and unmix each of a
+    batch's steps moves the kept statistics again. Before issue 60 alpha and prior let the
+    gradient through the batch's part (1.8e-4 apart after 3 steps), prior mixed the biased
+    variance, and a second step did not move ema's and unmix's statistics."""
     net, lr = source_net(sharp=3.0), 0.5
     xs = batches(3, size=16, seed=3)
     adapter = Adapter(
-        FeatureClassifier(copy.deepcopy(net)), create("tent"), "cpu", optimizer="sgd", lr=lr, momentum=0.0, norm=norm
+        FeatureClassifier(copy.deepcopy(net)),
+        create("tent"),
+        "cpu",
+        optimizer="sgd",
+        lr=lr,
+        momentum=0.0,
+        norm=norm,
+        steps=steps,
     )
-    want, params = tent_reference(net, norm, xs, lr)
+    want, params = tent_reference(net, norm, xs, lr, steps)
     for i, (x, logits) in enumerate(zip(xs, want)):
         close(adapter.step(x), logits, f"logits {i}", rtol=1e-4, atol=1e-4)
     mine = [p for layer in adapter.norms for p in (layer.weight, layer.bias)]

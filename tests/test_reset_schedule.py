@@ -83,12 +83,8 @@ def test_rdumb_is_eta_under_its_recipes_reset_every_1000():
     for family in ("imagenet-c", "cifar10-c", "cifar100-c"):
         assert shipped("rdumb", family).settings["reset"] == "every:1000"
         eta, rdumb = shipped("eta", family), shipped("rdumb", family)
-        # the collection's SGD is Nesterov's (conf.py), EATA's own code plain momentum
-        same = {k: v for k, v in rdumb.settings.items() if k not in ("reset", "optimizer")}
-        assert same == {k: v for k, v in eta.settings.items() if k != "optimizer"}
-        assert rdumb.settings["optimizer"] == {"sgd": "nesterov"}.get(
-            eta.settings["optimizer"], eta.settings["optimizer"]
-        )
+        # on ImageNet both are their authors' plain SGD momentum (RDumb's oripress/CCC, EATA's own)
+        assert {k: v for k, v in rdumb.settings.items() if k != "reset"} == eta.settings
         assert rdumb.options["entropy_margin"] == eta.options["entropy_margin"]
 
 

@@ -268,8 +268,6 @@ class Adapter(OneThreadAtATime):
         self.model.load_state_dict(self.source_state)
         self.optimizer = self._new_optimizer()
         self.scaler = self._new_scaler()
-        for layer in self.norms:
-            layer.start()
         if self.balanced is not None:
             self.balanced.start()
         self.method.reset()
@@ -355,11 +353,10 @@ class Adapter(OneThreadAtATime):
         return logits.float(), features.float()
 
     def _new_batch(self, images: torch.Tensor) -> None:
-        """Running statistics move once a batch; class-balanced first predicts the batch with
-        them, as they are, for its class histogram (norms.py)."""
+        """class-balanced's running statistics move once a batch, and it first predicts the
+        batch with them, as they are, for its class histogram (class_balanced.py); `ema` and
+        `unmix` move theirs on every forward pass (norms.py)."""
         if self.balanced is None:
-            for layer in self.norms:
-                layer.new_batch()
             return
         self.balanced.new_batch()
         with torch.no_grad(), self.autocast, self.balanced.predicting_with_running_statistics():

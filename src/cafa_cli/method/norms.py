@@ -2,8 +2,12 @@
 
 - `batch`: the test batch's own (BN, TENT and CAFA as published);
 - `prior:N`: the source running statistics count as N samples mixed with the batch's n
-  (Schneider et al. 2020): μ = (N·μ_s + n·μ_t)/(N + n), likewise the variance, which
-  makes batch size 1 usable;
+  (Schneider et al. 2020): μ = (N·μ_s + n·μ_t)/(N + n), likewise the variance (the
+  batch's unbiased one), which makes batch size 1 usable; as their code
+  (bethgelab/robustness, and MEMO's _modified_bn_forward, zhangmarvin/memo
+  imagenet-exps/utils/train_helpers.py) computes it, the batch's statistics are those a
+  BatchNorm of momentum 1 records, which carry no gradient: it flows through the
+  normalised input alone;
 - `source`: the source running statistics, frozen: only the affine parameters adapt;
 - `ema:M`: running statistics, starting from the source's and moved toward each batch's
   by momentum M, μ ← (1 − M)μ + M·μ_B; the batch is normalised with the moved ones and
@@ -21,7 +25,8 @@
   shift"), a fixed mix of the source's and the batch's statistics, A the batch's share:
   μ = (1 − A)·μ_s + A·μ_B, σ² = (1 − A)·σ_s² + A·σ_B², σ_B² the batch's unbiased variance,
   as the benchmark collection's AlphaBatchNorm (mariodoebler/test-time-adaptation,
-  classification/methods/bn.py) computes it; the gradient flows through the batch's part;
+  classification/methods/bn.py) computes it: from a BatchNorm's recorded statistics, so no
+  gradient flows through the batch's part (until issue 60 it did, here and under prior:N);
 - `unmix:K`: UnMix-TNS (Tomar et al., ICLR 2024), K statistics components (μ_k, σ²_k)
   in place of the batch's. They start around the source's: μ_k = μ_s + √(c·K/(K − 1))·σ_s·ε_k
   (ε_k ~ N(0, 1), drawn once from a fixed seed), σ²_k = (1 − c)·σ_s², c = 0.5 (K = 1: the
@@ -35,13 +40,18 @@
   likewise σ²_k with v_b (devavratTomar/unmixtns, tta_experiments/unmixtns.py). A
   BatchNorm1d normalises with the source statistics, as theirs does.
 
-A batch may take several forward passes (`steps`, SAR's two passes): the running
-statistics move once a batch, from where they were before it (`new_batch`).
+Every forward pass moves the statistics `ema` and `unmix` keep, from where the pass
+before left them, as the authors' UnMixTNS2d.forward and RoTTA's robust BN in train mode
+do: a batch that takes several passes (`steps`, SAR's two, ROID's views of the samples it
+kept) moves them once for each, in order (until issue 60 each pass moved them from where
+they were before the batch, so the batch's last pass alone counted). `class-balanced`
+moves once a batch (class_balanced.py).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,7 +119,8 @@ class BatchStatisticsNorm(nn.Module):
             self.register_buffer("served_mean", like.new_zeros(bn.num_features))
             self.register_buffer("served_var", like.new_zeros(bn.num_features))
             self.register_buffer("served_passes", torch.zeros((), dtype=torch.int64, device=like.device))
-        # ema, unmix: running statistics (components) before this batch
+        # unused since every pass moves the kept statistics in place (module docstring); a saved
+        # Adapter state still holds it (serving.py)
         self.before: tuple[torch.Tensor, torch.Tensor] | None = None
         self.balanced: ClassBalancedNorms | None = None
         self.index = 0  # its place among the balanced layers
@@ -117,20 +128,18 @@ class BatchStatisticsNorm(nn.Module):
         # n), each normalised with its own statistics, as that many forward passes would
         # (CoTTA's augmented views, several in one pass)
         self.groups = 1
+        # eval_statistics(): BatchNorm's own running statistics kept besides, moved by the passes
+        # within moving_eval_statistics() and normalised with within predicting_in_eval_mode()
+        self.eval_momentum = SERVED_MOMENTUM if bn.momentum is None else bn.momentum
+        self.moving_eval, self.in_eval = False, False
 
-    def start(self) -> None:
-        """A new stream from the source statistics (the Adapter's reset() puts back the buffers)."""
-        self.before = None
-
-    def new_batch(self) -> None:
-        """The next forward passes are of a new batch."""
-        if self.kind in ("ema", "unmix"):
-            # copied into the same tensors from the second batch on: a replayed step (step_graph.py) reads them there
-            kept = self._kept()
-            if self.before is None:
-                self.before = (kept[0].clone(), kept[1].clone())
-            else:
-                torch._foreach_copy_(list(self.before), kept)
+    def keep_eval_statistics(self) -> None:
+        """Keep what a torch BatchNorm in train mode keeps besides, `eval_mean` and `eval_var`
+        (buffers, from the source's): AdaContrast's authors train in train mode and predict in
+        eval mode with them. A layer that keeps no running statistics keeps none here either."""
+        if hasattr(self, "source_mean") and not hasattr(self, "eval_mean"):
+            self.register_buffer("eval_mean", self.source_mean.detach().clone().float())
+            self.register_buffer("eval_var", self.source_var.detach().clone().float())
 
     def _kept(self) -> list[torch.Tensor]:
         """The statistics kept from batch to batch (ema, unmix), in the state dict."""
@@ -139,6 +148,16 @@ class BatchStatisticsNorm(nn.Module):
         return [self.running_mean, self.running_var]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "eval_mean"):
+            if self.in_eval:
+                return nn.functional.batch_norm(
+                    x, self.eval_mean, self.eval_var, self.weight, self.bias, training=False, eps=self.eps
+                )
+            if self.moving_eval and x.numel() > x.shape[1]:  # as train mode moves them (torch refuses one value)
+                with torch.no_grad():
+                    var, mean = torch.var_mean(x.float(), [0, *range(2, x.dim())], unbiased=True)
+                    self.eval_mean.lerp_(mean, self.eval_momentum)
+                    self.eval_var.lerp_(var, self.eval_momentum)
         if x.numel() == x.shape[1] * self.groups and hasattr(self, "source_mean"):
             # one value per channel (one image, 1×1 maps) has no variance: the source statistics stand in
             if self.balanced is not None:
@@ -174,21 +193,10 @@ class BatchStatisticsNorm(nn.Module):
         dims = [0] + list(range(2, x.dim()))
         # in float32 under autocast too, as the fused kernel keeps them: a bf16 mean has ~3
         # significant digits, and an fp16 variance overflows above 65504
-        var, mean = torch.var_mean(x.float(), dims, unbiased=False)
         if self.kind in ("prior", "alpha"):
-            n, count = x.shape[0], x.numel() // x.shape[1]
-            unbiased = var * count / max(count - 1, 1)
-            with torch.no_grad():  # as the fused kernel moves them for `batch`, with the unbiased variance
-                self.served_passes += 1
-                self.served_mean.lerp_(mean.detach().to(self.served_mean.dtype), SERVED_MOMENTUM)
-                self.served_var.lerp_(unbiased.detach().to(self.served_var.dtype), SERVED_MOMENTUM)
-            if self.kind == "prior":
-                mean = (self.prior * self.source_mean + n * mean) / (self.prior + n)
-                var = (self.prior * self.source_var + n * var) / (self.prior + n)
-            else:  # α-BN mixes the unbiased variance, as the collection's BatchNorm of momentum 1 keeps it
-                mean = self.keep * self.source_mean + self.rate * mean
-                var = self.keep * self.source_var + self.rate * unbiased
+            mean, var = self._mixed(x, dims)
         else:
+            var, mean = torch.var_mean(x.float(), dims, unbiased=False)
             mean, var = self._move(mean, var)
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (x - mean.view(shape)) * (var.view(shape) + self.eps).rsqrt()
@@ -201,8 +209,11 @@ class BatchStatisticsNorm(nn.Module):
         arrived at, for serving: `batch` and `prior` their running estimate of the test
         statistics, `alpha` that estimate mixed with the source's as a batch's are, `ema` and
         `class-balanced` their running statistics, `unmix` the mixture of its components (what
-        a sample assigned to none would be normalised with), `source` the source's."""
-        if self.kind in ("ema", "class-balanced"):
+        a sample assigned to none would be normalised with), `source` the source's; a layer that
+        keeps eval statistics (keep_eval_statistics) those, which its method predicts with."""
+        if hasattr(self, "eval_mean"):  # what the method predicts with (keep_eval_statistics)
+            mean, var = self.eval_mean, self.eval_var
+        elif self.kind in ("ema", "class-balanced"):
             mean, var = self.running_mean, self.running_var
         elif self.kind == "unmix":
             if self.source_type == "BatchNorm1d":
@@ -226,15 +237,14 @@ class BatchStatisticsNorm(nn.Module):
 
     def _unmix(self, x: torch.Tensor) -> torch.Tensor:
         """unmix: each sample normalised with the components mixed with it (module docstring),
-        the components moved toward the batch's samples: kept, from where they were before it.
+        then the components moved toward the batch's samples, in place (a replayed step,
+        step_graph.py, reads them there).
 
         The means over the K components are sums of [B, K] @ [K, C] products, not the
         authors' [B, K, C] tensors (128 components of 2048 channels at batch 64 would hold 64
         MB a layer for the backward pass); the same values, computed about the components'
         average c so that the variance is not a difference of large squares."""
-        if self.before is None:  # used outside an Adapter, which calls new_batch()
-            self.new_batch()
-        means, variances = self.before
+        means, variances = self.component_means, self.component_vars
         k = means.shape[0]
         # in float32 under autocast too: the products would otherwise run in bf16
         with torch.autocast(x.device.type, enabled=False):
@@ -260,7 +270,7 @@ class BatchStatisticsNorm(nn.Module):
                     means + self.rate * (p.T @ s.detach() - assigned * a) / n,
                     variances + self.rate * (p.T @ var.detach() - assigned * variances) / n,
                 ]
-                torch._foreach_copy_(self._kept(), finite_or(moved, self.before))
+                torch._foreach_copy_(self._kept(), finite_or(moved, (means, variances)))
         shape = list(out_mean.shape) + [1] * (x.dim() - 2)
         out = (x - out_mean.view(shape)) * (out_var.view(shape) + self.eps).rsqrt()
         if self.weight is not None:
@@ -268,14 +278,56 @@ class BatchStatisticsNorm(nn.Module):
             out = out * self.weight.view(affine) + self.bias.view(affine)
         return out
 
-    def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ema: the running statistics from before this batch moved toward (mean, var): kept, and returned."""
-        if self.before is None:  # used outside an Adapter, which calls new_batch()
-            self.new_batch()
-        moved = moved_statistics(self.before, (mean, var), self.keep, self.rate)
+    def _mixed(self, x: torch.Tensor, dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """prior, alpha: the source statistics mixed with the batch's, which are what a
+        BatchNorm of momentum 1 records, as the authors' layers take them: the unbiased
+        variance, and no gradient (it flows through the normalised input alone)."""
+        n, count = x.shape[0], x.numel() // x.shape[1]  # count > 1: forward() gave one value a channel the source's
         with torch.no_grad():
-            torch._foreach_copy_([self.running_mean, self.running_var], finite_or(moved, self.before))
+            var, mean = torch.var_mean(x.float(), dims, unbiased=False)
+            var = var * count / (count - 1)
+            self.served_passes += 1  # as the fused kernel moves them for `batch`
+            self.served_mean.lerp_(mean.to(self.served_mean.dtype), SERVED_MOMENTUM)
+            self.served_var.lerp_(var.to(self.served_var.dtype), SERVED_MOMENTUM)
+            if self.kind == "prior":
+                return (self.prior * self.source_mean + n * mean) / (self.prior + n), (
+                    self.prior * self.source_var + n * var
+                ) / (self.prior + n)
+            return self.keep * self.source_mean + self.rate * mean, self.keep * self.source_var + self.rate * var
+
+    def _move(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ema: the running statistics moved toward (mean, var): kept, in place, and returned."""
+        kept = (self.running_mean, self.running_var)
+        moved = moved_statistics(kept, (mean, var), self.keep, self.rate)
+        with torch.no_grad():
+            torch._foreach_copy_(list(kept), finite_or(moved, kept))
         return moved[0], moved[1]
+
+
+@contextmanager
+def moving_eval_statistics(layers: list[BatchStatisticsNorm]):
+    """Within the block the layers' forward passes move their eval statistics toward each
+    pass's batch statistics (unbiased variance, the layer's momentum), as a torch BatchNorm in
+    train mode does; the passes normalise as they would without it."""
+    for layer in layers:
+        layer.moving_eval = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.moving_eval = False
+
+
+@contextmanager
+def predicting_in_eval_mode(layers: list[BatchStatisticsNorm]):
+    """Within the block the layers normalise with their eval statistics, as a torch BatchNorm in eval mode."""
+    for layer in layers:
+        layer.in_eval = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.in_eval = False
 
 
 def unmix_start(

@@ -3,9 +3,10 @@
 online on the test stream as the benchmark collection mariodoebler/test-time-adaptation,
 classification/methods/adacontrast.py, does).
 
-Update rule: a student θ (trained; every parameter under the recipes, the classifier's
-too) and a momentum key encoder θ' (a copy of the model, no gradient), both normalising
-with the statistics of the batch they see. The memory holds a queue of K keys k̂_j (unit
+Update rule: a student θ (trained; under the recipes every parameter a module holds as
+`weight` or `bias`, the classifier's too, as the collection's collect_params) and a
+momentum key encoder θ' (a copy of the model, no gradient), both normalising with the
+statistics of the batch they see. The memory holds a queue of K keys k̂_j (unit
 vectors, drawn at random to start: ε_j/‖ε_j‖, ε_j ~ N(0, I)) with pseudo-labels ŷ_j (drawn
 uniformly to start), and a bank of up to about K pairs (feature, probabilities) of the
 key encoder on the weak views. For each batch x of N images, with a weak view x_w (a
@@ -30,7 +31,13 @@ flip: `strong_view`):
    appended while it holds fewer than K, then overwritten first in, first out.
 
 The prediction reported is the model's on the test images after the step, as the
-collection's forward() returns it.
+collection's forward() returns it: in eval mode (`prediction` running), its BatchNorms
+normalising with running statistics, from the source's, that the student's two training
+passes of each batch (x_w, x_q) moved toward their batch statistics as a torch BatchNorm in
+train mode does (momentum the layer's own, 0.1; unbiased variance); the authors' code
+(DianCh/AdaContrast target.py, eval_and_label_dataset) predicts in eval mode too.
+`prediction` batch normalises it with the test batch's own statistics (or the Adapter's
+`norm`) instead, as cafa did until issue 60.
 
 Options and their defaults, the collection's conf.py (ADACONTRAST, M_TEACHER), with τ
 = 0.07 from its adacontrast.yaml files: K = 16,384 (`queue_size`), m = 0.999
@@ -44,9 +51,6 @@ Deviations from the collection's code:
   contrast and the bank use the features entering the classifier (the authors' DomainNet
   source models end in a trained 256-d bottleneck, which is their feature; cafa's source
   models have no such layer, and no projector trained on the source exists to load);
-- the reported prediction normalises with the test batch's statistics (or the Adapter's
-  `norm`); theirs puts the model in eval mode, with running statistics that its training
-  passes moved (momentum 0.1);
 - the views are drawn per image on normalised values (module functions `weak_view` and
   `strong_view`, from `generator`): colour jitter (p 0.8: brightness as a shift of
   ±0.4 of each channel's spread, contrast 0.6–1.4 about each channel's mean, saturation
@@ -57,7 +61,8 @@ Deviations from the collection's code:
 - queue and bank in float32 (theirs float16 under mixed precision).
 
 Cost: the student forward and backward on x_w and x_q, the key encoder forward on x_k and
-x_w, and one forward pass for the reported prediction. Not replayable as a CUDA graph: it
+x_w, and one forward pass for the reported prediction (`prediction` running: and the
+statistics of every BatchNorm's input computed once more in the two training passes). Not replayable as a CUDA graph: it
 draws random numbers and its bank grows.
 """
 
@@ -71,6 +76,12 @@ from torch import nn
 
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.method.methods.base import AdapterSurface, Method, resolve_device, with_classifier
+from cafa_cli.method.norms import (
+    BatchStatisticsNorm,
+    moving_eval_statistics,
+    norm_layers,
+    predicting_in_eval_mode,
+)
 from cafa_cli.method.options import Option
 from cafa_cli.method.teacher_student import follow, frozen_copy, named, names_of
 
@@ -82,6 +93,7 @@ REFINE_AFTER = 1024  # images seen before the pseudo-labels are refined (hard-co
 WEIGHT_DECAY = 1e-4
 DISTANCES = ("cosine", "euclidean")
 CONTRASTS = ("class_aware", "all")
+PREDICTIONS = ("running", "batch")
 
 JITTER = 0.8  # p of the colour jitter, then its ranges (ColorJitter(0.4, 0.4, 0.4, 0.1), hue left out)
 BRIGHTNESS = (-0.4, 0.4)  # a shift, in units of each channel's spread
@@ -189,9 +201,17 @@ class AdaContrast(Method):
             "contrast", "class_aware", "class_aware leaves same-label keys out of the negatives", "choice", CONTRASTS
         ),
         Option("weight_decay", WEIGHT_DECAY, "λ, the L2 term λθ added to the gradient", "weight"),
+        Option(
+            "prediction",
+            "running",
+            "running: predict in eval mode, BatchNorms on the running statistics its training passes "
+            "moved (the collection's and the authors'); batch: on the test batch's own",
+            "choice",
+            PREDICTIONS,
+        ),
     )
     # the model the Adapter saves itself, what is made from it, and the views' random source
-    unsaved = (*Method.unsaved, "student", "params", "generator")
+    unsaved = (*Method.unsaved, "student", "params", "layers", "generator")
 
     def __init__(
         self,
@@ -207,6 +227,7 @@ class AdaContrast(Method):
         distance: str = "cosine",
         contrast: str = "class_aware",
         weight_decay: float = WEIGHT_DECAY,
+        prediction: str = "running",
     ):
         self.set_options(
             queue_size=queue_size,
@@ -220,12 +241,14 @@ class AdaContrast(Method):
             distance=distance,
             contrast=contrast,
             weight_decay=weight_decay,
+            prediction=prediction,
         )
         self.device = resolve_device(device)
         self.generator: torch.Generator | None = None  # the views' and the queue's draws; None: torch's own
         self.params: list[nn.Parameter] = []
         self.names: list[str] = []  # the student's trained parameters, found by name in the key encoder
         self.student: FeatureClassifier | None = None
+        self.layers: list[BatchStatisticsNorm] = []  # the student's BatchNorms, for `prediction` running
         self.teacher: FeatureClassifier | None = None  # the momentum key encoder
         self.keys: torch.Tensor | None = None  # the queue [K, d], unit rows
         self.key_labels: torch.Tensor | None = None  # [K]
@@ -236,10 +259,15 @@ class AdaContrast(Method):
         self.seen = 0  # images whose pseudo-labels were taken unrefined (counted up to refine_after)
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
-        """`all`: every parameter, the classifier's too (the collection's configure_model);
-        `norm`: the normalisation affines. The key encoder is a copy of the model."""
+        """`all`: every weight and bias, the classifier's too (the collection's configure_model
+        and collect_params); `norm`: the normalisation affines. The key encoder is a copy of
+        the model."""
         self.params = with_classifier(model, which)
         self.names = names_of(model, self.params)
+        if self.prediction == "running":  # before the Adapter records the source state, which resets them
+            self.layers = norm_layers(model)
+            for layer in self.layers:
+                layer.keep_eval_statistics()
         self.student, self.teacher = model, frozen_copy(model)
         self.new_memory()
         return self.params
@@ -270,10 +298,10 @@ class AdaContrast(Method):
             strong_view(images, self.generator),
             strong_view(images, self.generator),
         )
-        with adapter.autocast:
+        with moving_eval_statistics(self.layers), adapter.autocast:  # the collection's train-mode passes
             logits_w, features_w = adapter.forward(weak)
         labels = self.pseudo_labels(features_w.detach().float(), logits_w.detach().float())
-        with adapter.autocast:
+        with moving_eval_statistics(self.layers), adapter.autocast:
             logits_q, features_q = adapter.forward(query)
         follow(named(self.teacher, self.names), self.params, self.teacher_momentum)  # before the step, as theirs
         with torch.no_grad(), adapter.autocast:
@@ -295,8 +323,15 @@ class AdaContrast(Method):
         with torch.no_grad(), adapter.autocast:
             logits_t, features_t = self.teacher(weak)
             self.remember(features_t.float(), logits_t.float().softmax(1))
-            logits, features = adapter.forward(images)  # the prediction after the step
+        with torch.no_grad(), adapter.autocast:
+            logits, features = self.reporting_network(adapter)(images)  # the prediction after the step
         return logits.float(), features.float(), flag
+
+    def reporting_network(self, adapter: AdapterSurface) -> nn.Module:
+        """The model, in eval mode under `prediction` running (the collection's forward())."""
+        if self.prediction == "batch":
+            return adapter.forward
+        return EvalMode(adapter.forward, self.layers)
 
     def pseudo_labels(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The weak view's predicted classes until `refine_after` images are seen; then the
@@ -345,3 +380,16 @@ class AdaContrast(Method):
             if pairs:
                 grads, params = zip(*pairs)
                 torch._foreach_add_(list(grads), list(params), alpha=self.weight_decay)
+
+
+class EvalMode(nn.Module):
+    """The model with the BatchNorms `layers` on their eval statistics (norms.predicting_in_eval_mode);
+    its state is the model's (Adapter.features saves and restores it)."""
+
+    def __init__(self, model: nn.Module, layers: list[BatchStatisticsNorm]):
+        super().__init__()
+        self.model, self.layers = model, layers
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with predicting_in_eval_mode(self.layers):
+            return self.model(images)

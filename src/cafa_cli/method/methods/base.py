@@ -298,13 +298,20 @@ def select_parameters(
     return unique
 
 
-def with_classifier(model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
-    """`all`: every parameter, the classifier's too, as CoTTA's, RMT's, AdaContrast's and MEMO's
-    authors train them; otherwise select_parameters' (the normalisation affines)."""
+def with_classifier(model: FeatureClassifier, which: str = "norm", every: bool = False) -> list[nn.Parameter]:
+    """`all`: the classifier's parameters too, and of the rest those a module holds as
+    `weight` or `bias`, as the benchmark collection's TTAMethod.collect_params takes them for
+    CoTTA, RMT and AdaContrast (and CoTTA's authors' collect_params), so that a ViT's pos_embed
+    and cls_token stay frozen as there; `every`: every parameter (MEMO's authors' optimiser
+    takes net.parameters()). Otherwise select_parameters' (the normalisation affines)."""
     if which != "all":
         return select_parameters(model, which)
-    model.requires_grad_(True)
-    return list(model.parameters())
+    model.requires_grad_(every)
+    if not every:
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                p.requires_grad_(name in ("weight", "bias"))
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def check_module_names(model: nn.Module, names: tuple[str, ...], option: str) -> None:

@@ -108,10 +108,14 @@ class CMF(Method):
             consistency=consistency,
             prior_correction=prior_correction,
         )
-        # the augmented pass is the batch's last forward pass, which statistics kept from batch
-        # to batch (`norm` ema:M, class-balanced) would be left at; refused with it on
+        # with the augmented pass on, no run of its authors keeps statistics from batch to batch
+        # (ROID's does: devavratTomar/unmixtns runs it with UnMix-TNS, whose every pass moves
+        # them); class-balanced's would be left at that pass, the batch's last
         self.running_norms = (
-            "its augmented pass is the batch's last, where kept statistics would be left" if self.consistency else True
+            "no run of its authors keeps statistics across batches, and class-balanced's would be left at its "
+            "augmented pass"
+            if self.consistency
+            else True
         )
         self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ_source of the trained values

@@ -29,8 +29,9 @@ p = 0.01; CIFAR100-C τ = 0.72, p = 0.01 (Adam, lr 1e-3, batch 200); ImageNet-C 
 p = 0.001, SGD lr 0.01, momentum 0.9, batch 64 and the symmetric cross-entropy; α = 0.999
 everywhere. recipes/cotta.toml holds them.
 
-`params`: `all` is the official code's choice and the recipes', every parameter of the
-model, the classifier included (cafa's other methods keep the classifier fixed under
+`params`: `all` is the official code's choice and the recipes', every parameter a module
+holds as `weight` or `bias` (its collect_params' rule: a ViT's pos_embed and cls_token stay
+frozen), the classifier included (cafa's other methods keep the classifier fixed under
 `all`); `norm` trains the normalisation affines only, as TENT, for a fraction of the cost.
 
 Cost: the teacher sees K + 1 batches and the anchor and the student one each, with one
@@ -151,8 +152,8 @@ class CoTTA(Method):
         self.anchor: FeatureClassifier | None = None
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        """`norm`: the normalisation affines; `all`: every parameter, the classifier too (the
-        official code). The teacher and the anchor are copies of the model as it adapts."""
+        """`norm`: the normalisation affines; `all`: every weight and bias, the classifier's too
+        (the official code). The teacher and the anchor are copies of the model as it adapts."""
         self.params = with_classifier(model, which)
         self.names = names_of(model, self.params)
         self.teacher, self.anchor = frozen_copy(model), frozen_copy(model)

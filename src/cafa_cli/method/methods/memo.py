@@ -28,8 +28,7 @@ statistics weighted N/(N + 1), N = 16, against the batch's, the B views counting
 sample. Here BatchNorms normalise with the Adapter's `norm`: under prior:N the B views
 count as one sample (views_as_one_sample), so prior:16 is the authors' setting; the
 benchmark collection (mariodoebler/test-time-adaptation, methods/memo.py) uses α-BN
-(alpha:0.1). One difference remains: the authors' statistics carry no gradient, cafa's
-batch part does (as TENT's).
+(alpha:0.1). Under both the batch's statistics carry no gradient, as theirs (norms.py).
 
 Options and their defaults, the authors' CIFAR-10 ones: B = 32 (`copies`; 64 on
 ImageNet), `crop` padded (RandomCrop(32, padding=4); resized, RandomResizedCrop, on
@@ -100,7 +99,7 @@ class Memo(Method):
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`norm`: the normalisation affines; `all`: every parameter, the classifier too (the authors')."""
-        self.params = with_classifier(model, which)
+        self.params = with_classifier(model, which, every=True)
         return self.params
 
     def before_step(self, images: torch.Tensor) -> None:

@@ -2,9 +2,10 @@
 and Gradual Test-Time Adaptation", CVPR 2023; the authors' code is the benchmark
 collection mariodoebler/test-time-adaptation, classification/methods/rmt.py).
 
-Update rule: a student θ (trained; every parameter under the recipes, the classifier's
-too), a mean teacher θ' and a projector g (Linear d→p, ReLU, Linear p→p; trained with the
-student, same rate), all normalising with the test batch's statistics. For each batch x,
+Update rule: a student θ (trained; under the recipes every parameter a module holds as
+`weight` or `bias`, the classifier's too, as the collection's collect_params), a mean
+teacher θ' and a projector g (Linear d→p, ReLU, Linear p→p; trained with the student, same
+rate), all normalising with the test batch's statistics. For each batch x,
 with x̃ = one random view of x (method/augment.py, CoTTA's pipeline, as the authors'
 get_tta_transforms), student logits s = f_θ(x), s̃ = f_θ(x̃) and features z, z̃, teacher
 logits t = f_θ'(x) (no gradient):
@@ -161,7 +162,7 @@ class Rmt(Method):
         self._back: tuple | None = None  # a batch drawn and not used (the warm-up's first, when it takes no step)
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
-        """`all`: every parameter, the classifier's too (the authors'); `norm`: the
+        """`all`: every weight and bias, the classifier's too (the authors'); `norm`: the
         normalisation affines. Then the projector's, which the same optimiser trains (the
         authors add them as a group at the same rate). The teacher is a copy of the model."""
         self.params = with_classifier(model, which)
