@@ -53,7 +53,6 @@ def crafted_states(state: dict, victim: str) -> dict:
             lambda s: s["method_state"]["selection"]["attributes"].update(mean_probs=closer)
         ),  # fmt: skip
         "a class in a list": edited(lambda s: s["method_state"].update(params=[closer] * 6)),
-        "a class as a norm layer's statistics": edited(lambda s: s["norms"].append(closer)),
         "a network where a tensor is": edited(
             lambda s: s["method_state"]["selection"]["attributes"].update(mean_probs={MODULE: {}})
         ),  # fmt: skip
@@ -68,7 +67,7 @@ def crafted_states(state: dict, victim: str) -> dict:
         "an entry too many": edited(lambda s: s.update(extra=1)),
         "another model's weights": edited(lambda s: s.update(model={"weight": torch.zeros(3)})),
         "a weight of another shape": edited(lambda s: s["model"].update({next(iter(s["model"])): torch.zeros(99)})),
-        "no norms": edited(lambda s: s.update(norms=[])),
+        "the running statistics of another model": edited(lambda s: s["model"].popitem()),
         "other optimiser groups": edited(lambda s: s["optimizer"]["param_groups"].append({})),
         "another learning rate in the optimiser": edited(lambda s: s["optimizer"]["param_groups"][0].update(lr=9.0)),
         "the optimiser state of other parameters": edited(lambda s: s["optimizer"]["state"].update({99: {}})),
@@ -184,7 +183,7 @@ def test_cafa_adapt_refuses_a_crafted_state_before_any_record_and_deletes_nothin
     victim.write_text("keep me")
     saved = torch.load(state, weights_only=True)
     cases = crafted_states(saved, str(victim))  # the library test above tries them all; here one of each layer
-    for what in ("a new method attribute naming a class", "a class as a norm layer's statistics", "no norms"):
+    for what in ("a new method attribute naming a class", "a class in a list", "another model's weights"):
         crafted = cases[what]
         evil = tmp_path / "evil.pt"
         torch.save(crafted, evil)

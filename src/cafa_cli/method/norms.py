@@ -119,9 +119,6 @@ class BatchStatisticsNorm(nn.Module):
             self.register_buffer("served_mean", like.new_zeros(bn.num_features))
             self.register_buffer("served_var", like.new_zeros(bn.num_features))
             self.register_buffer("served_passes", torch.zeros((), dtype=torch.int64, device=like.device))
-        # unused since every pass moves the kept statistics in place (module docstring); a saved
-        # Adapter state still holds it (serving.py)
-        self.before: tuple[torch.Tensor, torch.Tensor] | None = None
         self.balanced: ClassBalancedNorms | None = None
         self.index = 0  # its place among the balanced layers
         # `batch`: the batch's rows are this many groups (row n·groups + g: group g of sample

@@ -56,7 +56,6 @@ def state_of(adapter: Adapter) -> dict:
         "optimizer": None if adapter.optimizer is None else snapshot(adapter.optimizer.state_dict()),
         "scaler": None if adapter.scaler is None else snapshot(adapter.scaler.state_dict()),
         "skipped": adapter._skipped.clone(),
-        "norms": [snapshot(layer.before) for layer in adapter.norms],
         "balanced": None if adapter.balanced is None else snapshot(adapter.balanced.saved()),
         "method_state": adapter.method.state_dict(),
         "rng": torch.get_rng_state(),
@@ -125,7 +124,7 @@ def check_format(state) -> None:
         )
     kinds = {
         "format": str, "adaptation": dict, "model": dict, "optimizer": (dict, type(None)), "scaler": (dict, type(None)),
-        "skipped": torch.Tensor, "norms": list, "balanced": object, "method_state": dict, "rng": torch.Tensor,
+        "skipped": torch.Tensor, "balanced": object, "method_state": dict, "rng": torch.Tensor,
         "cuda_rng": (torch.Tensor, type(None)),
     }  # fmt: skip
     missing, extra = [k for k in kinds if k not in state], [k for k in state if k not in kinds]
@@ -149,10 +148,6 @@ def pour(adapter: Adapter, state: dict) -> None:
     if adapter.scaler is not None:
         adapter.scaler.load_state_dict(restore(adapter.scaler.state_dict(), state["scaler"], "scaler"))
     restore(adapter._skipped, state["skipped"], "skipped")
-    if len(state["norms"]) != len(adapter.norms):
-        raise refused("norms", f"hold {len(state['norms'])} layers' statistics, not this model's {len(adapter.norms)}")
-    for i, (layer, before) in enumerate(zip(adapter.norms, state["norms"])):
-        layer.before = restore(layer.before, before, f"norms[{i}]")
     if (state["balanced"] is None) != (adapter.balanced is None):
         raise refused("balanced", "is of another `norm`")
     if adapter.balanced is not None:
