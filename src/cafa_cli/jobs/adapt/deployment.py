@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
+from cafa_cli.environment import environment
 from cafa_cli.errors import InputError
 from cafa_cli.files import atomic_write
 from cafa_cli.method.adapter import Adapter
@@ -31,6 +32,7 @@ def write_export(adapter: Adapter, path: str, settings: dict) -> None:
         "model": str(settings.get("model")),
         "norm": settings["norm"],
         "settings": json.dumps(settings, default=str),
+        "environment": json.dumps(environment(adapter.device)),
     }
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
