@@ -77,9 +77,11 @@ def test_the_environment_records_the_deterministic_algorithms_setting(setup, tmp
         torch.use_deterministic_algorithms(False)
 
 
-def test_benchs_json_and_an_export_record_the_same_environment(setup, tmp_path, threads):
+def test_benchs_json_an_export_and_a_statistics_artifact_record_the_same_environment(setup, tmp_path, threads):
     from safetensors import safe_open
 
+    with safe_open(str(setup["artifact"]), "pt") as statistics:  # cafa stats' artifact, made in this process
+        check_environment(json.loads(statistics.metadata()["environment"]))
     threads(1)
     report = tmp_path / "b.json"
     result = invoke(
