@@ -121,3 +121,11 @@ def test_no_commit_is_recorded_when_git_is_missing_or_slow(monkeypatch, fresh_co
     monkeypatch.setattr(env_module.subprocess, "run", run)
     assert fresh_commit() is None
     assert "commit" not in env_module.environment("cpu")
+
+
+def test_a_gpu_run_records_the_gpus_name(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: asked.append(device) or "NVIDIA H100 80GB HBM3")
+    recorded = env_module.environment("cuda:0")
+    assert (recorded["device"], recorded["device_name"]) == ("cuda:0", "NVIDIA H100 80GB HBM3")
+    assert asked == [torch.device("cuda:0")]
