@@ -22,8 +22,8 @@ GIT_SECONDS = 5  # git on a slow or huge checkout: the record goes without the c
 
 
 def environment(device: str | torch.device) -> dict:
-    """The block every metrics and bench JSON (and an export's metadata) records as
-    `environment`. `device`: the one the run resolved to."""
+    """The block every metrics, bench and plot JSON, an export's and an artifact's metadata
+    record as `environment`. `device`: the one the run resolved to."""
     device = torch.device(device)
     commit = source_commit()
     return {

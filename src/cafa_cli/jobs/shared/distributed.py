@@ -119,12 +119,12 @@ def wait_for_all(world: int) -> None:
         dist.barrier()
 
 
-# The methods whose updates draw from torch's generator (CoTTA's restores and augmented
-# views, RoTTA's strong views). A domain's draws go on from where the domains before it
-# left the generator, so adapted by itself on another rank it would draw other numbers.
-# the built-in methods whose updates (or predictions) draw from torch's generator: each domain
-# draws from where the ones before left it, so by itself it would draw others
-# (tests/test_distributed.py tries every method not named here, by itself and in the stream)
+# The built-in methods whose updates (or predictions) draw from torch's generator (CoTTA's
+# restores and augmented views, RoTTA's strong views, the augmented views of ROID, CMF, RMT,
+# SANTA, AdaContrast, MEMO and TTAug, DeYO's shuffles). A domain's draws go on from where the
+# domains before it left the generator, so adapted by itself on another rank it would draw
+# other numbers (tests/test_distributed.py tries every method not named here, alone and in
+# the stream).
 DRAW_RANDOM_NUMBERS = ("cotta", "rotta", "deyo", "roid", "cmf", "rmt", "santa", "adacontrast", "memo", "ttaug")
 
 
