@@ -5,13 +5,17 @@ from __future__ import annotations
 import csv
 import io
 import pickle
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import torch
 from conftest import ASSETS, PLAIN, TINY_NET, invoke
 from PIL import Image
 
+import cafa_cli
 from cafa_cli.data.preprocessing import Preprocessing
 
 # --- the CLI's errors (from test_errors.py) ------------------------------------
@@ -197,3 +201,34 @@ def _bytes_keys(o):
     if isinstance(o, list):
         return [x.encode() if isinstance(x, str) else x for x in o]
     return o
+
+
+# --- the environment block of the JSON outputs (test_environment.py) -----------------
+
+PACKAGE = Path(cafa_cli.__file__).resolve().parent
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=PACKAGE, capture_output=True, text=True, timeout=30)
+
+
+def checkout() -> bool:
+    """Whether the tests run on a checkout's package (else an installed one, with no commit)."""
+    return shutil.which("git") is not None and git("ls-files", "--error-unmatch", "__init__.py").returncode == 0
+
+
+def check_environment(recorded: dict, device: str = "cpu") -> None:
+    """Each field equals what this process says of itself now (the run was in this process)."""
+    assert recorded["cafa"] == cafa_cli.__version__
+    assert recorded["torch"] == torch.__version__ and recorded["torch_cuda"] == torch.version.cuda
+    assert recorded["threads"] == torch.get_num_threads()
+    assert recorded["deterministic"] is torch.are_deterministic_algorithms_enabled()
+    assert recorded["device"] == device and "device_name" not in recorded  # a CPU has no device name
+    assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if not checkout():  # an installed package: its version says which code ran
+        assert "commit" not in recorded
+        return
+    commit, head = recorded["commit"], git("rev-parse", "HEAD").stdout.strip()
+    assert commit.removesuffix("-dirty").endswith(head), (commit, head)
+    changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    assert commit.endswith("-dirty") == bool(changed), (commit, changed)

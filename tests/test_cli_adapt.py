@@ -128,7 +128,9 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
         str(Path(setup["artifact"]).resolve()),
         made,
     )
-    assert set(report["versions"]) == {"cafa", "python", "torch", "torchvision"} and report["versions"]["torch"]
+    assert {"cafa", "python", "torch", "torch_cuda", "torchvision", "threads", "device", "deterministic"} <= set(
+        report["environment"]
+    )  # each field's truth: tests/test_environment.py
 
 
 def test_the_metrics_json_records_every_setting_its_field_says_it_records(setup, tmp_path):

@@ -1,5 +1,5 @@
 """The package's layers: cli → jobs → (artifact, artifact_format, provenance, models, hub, checkpoints, zoo) →
-(method | data | recipes) → (errors, files, devices). Nothing imports a layer above its own, and
+(method | data | recipes) → (errors, files, devices, environment). Nothing imports a layer above its own, and
 method/ and data/ do not import each other."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ LAYERS = {
     "files": 0,
     "factories": 0,
     "devices": 0,
+    "environment": 0,
     "interrupts": 0,
     "__init__": 0,
     "__main__": 5,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_NET, invoke, write_folder
-from helpers import unless_given
+from helpers import check_environment, unless_given
 from PIL import Image
 
 from cafa_cli.jobs.plot import features as plot_features
@@ -61,7 +61,9 @@ def test_png_and_svg_are_valid_and_the_same_seed_gives_the_same_bytes(setup, dom
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary file left
 
 
-def test_json_gives_each_panels_numbers_and_the_stars_are_the_artifacts_means(setup, domain, tmp_path, monkeypatch):
+def test_json_gives_each_panels_numbers_its_environment_and_the_stars_are_the_artifacts_means(
+    setup, domain, tmp_path, monkeypatch
+):
     drawn = {}
     draw = feature_figure.draw
     monkeypatch.setattr(
@@ -83,6 +85,7 @@ def test_json_gives_each_panels_numbers_and_the_stars_are_the_artifacts_means(se
     numbers = json.loads(result.stdout)
     assert numbers["images"] == numbers["labelled"] == 45 and numbers["classes"] == 3 and numbers["class_means_drawn"]
     assert [p["method"] for p in numbers["panels"]] == ["source", "tent", "cafa"]
+    check_environment(numbers["environment"])  # what computed the numbers, as every JSON of cafa's says
     # 48 points cap t-SNE's perplexity below (48 - 1) / 3: the JSON gives the one used beside the one asked for
     asked = numbers["embedding"]["perplexity_asked"]
     assert asked > 47 / 3 and numbers["embedding"]["perplexity"] == 47 / 3

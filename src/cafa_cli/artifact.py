@@ -100,13 +100,15 @@ def write_artifact(
     model_classes: list[str] | None = None,
     outputs: list[int] | None = None,
     norm_moments: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    environment: dict | None = None,
 ) -> Artifact:
     """Write atomically: a temporary file in the same folder, read back and checked as
     `adapt` will check it, then renamed over `path` (an invalid one never replaces a good
     file). Returns the artifact as read, without its tensors. With a class subset,
     `class_names` are its classes, `outputs` their model outputs and `model_classes` the
     names of all the model's outputs. `norm_moments`: {BatchNorm name: (means, variances)
-    [C, channels]}, the classes' moments of each BatchNorm's input, for `norm` class-balanced."""
+    [C, channels]}, the classes' moments of each BatchNorm's input, for `norm` class-balanced.
+    `environment`: what computed them (cafa_cli.environment), whose sums round with the threads."""
     C, d = gaussians.means.shape
     lambdas = gaussians.shrinkage
     lowrank = gaussians.covariance == "lowrank"
@@ -144,6 +146,7 @@ def write_artifact(
         ),
         "num_images": str(int(gaussians.counts.sum())),
         "cafa_version": __version__,
+        **({"environment": json.dumps(environment)} if environment else {}),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     factors = (

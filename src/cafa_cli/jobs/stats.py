@@ -17,6 +17,7 @@ from cafa_cli.data.sampling import file_stamps, source_files, stratified_subset,
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
 from cafa_cli.devices import pick_device
+from cafa_cli.environment import environment
 from cafa_cli.errors import InputError, listing
 from cafa_cli.jobs.config import StatsConfig
 from cafa_cli.jobs.shared.distributed import merge_on_root, process_group, rank_device
@@ -103,6 +104,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
         subset.model_classes if subset else None,
         subset.outputs if subset else None,
         norm_moments or None,
+        environment(target),
     )
 
 

@@ -11,6 +11,7 @@ Same seed, same thread count, same torch build -> same weights.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -23,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
+from cafa_cli.environment import environment
 from cafa_cli.errors import CafaError
 from cafa_cli.files import atomic_write
 from cafa_cli.zoo.fmnist_resnet import FmnistResNet
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "clean_test_accuracy": f"{accuracy:.4f}",
         "epochs": str(args.epochs),
         "seed": str(args.seed),
-        "torch": torch.__version__,
+        "environment": json.dumps(environment("cpu")),  # torch's build and the threads the weights depend on
     }
     save_weights_atomically(model, args.out, metadata)
     print(f"weights written to {args.out}")

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from cafa_cli import __version__
 from cafa_cli.checkpoints import check_expansion
+from cafa_cli.environment import environment
 from cafa_cli.errors import InputError, UsageError
 from cafa_cli.files import atomic_write, open_lock_file
 from cafa_cli.method.adapter import Adapter
@@ -36,6 +37,7 @@ def write_export(adapter: Adapter, path: str, settings: dict) -> None:
         "model": str(settings.get("model")),
         "norm": settings["norm"],
         "settings": json.dumps(settings, default=str),
+        "environment": json.dumps(environment(adapter.device)),
     }
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 

@@ -11,6 +11,7 @@ from cafa_cli.checkpoints import sha256_of
 from cafa_cli.data.benchmarks import source_of
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.devices import pick_device
+from cafa_cli.environment import environment
 from cafa_cli.files import absolute, open_safetensors
 from cafa_cli.jobs.adapt.prepare import effective_severity
 from cafa_cli.jobs.bench import tables
@@ -69,7 +70,7 @@ def write_json(
     }
     payload = {
         "cafa_version": __version__,
-        "versions": report.software_versions(),
+        "environment": environment(pick_device(config.device)),
         "unit": report.ERROR_PERCENT,  # the table's; each run's and the clean set's `error` is a fraction, named there
         "seeds": seeds,
         "domains": [{"data": d, "label": labels[d]} for d in config.data],

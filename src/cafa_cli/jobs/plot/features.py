@@ -24,6 +24,8 @@ from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.loading import batches
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
+from cafa_cli.devices import pick_device
+from cafa_cli.environment import environment
 from cafa_cli.errors import InputError
 from cafa_cli.jobs.adapt.job import Adaptation, short_name
 from cafa_cli.jobs.adapt.prepare import check_model_and_artifact_named, needs_artifact, prepare_adaptation
@@ -196,6 +198,7 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
         "classes": len(class_names),
         "class_means_drawn": means,
         "seed": config.seed,
+        "environment": environment(pick_device(config.device)),
         "embedding": feature_figure.embedding_record(
             config.perplexity, len(panels[0].labels) + (len(class_names) if means else 0)
         ),

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import codecs
 import csv
-import importlib.metadata
 import io
 import json
 import math
-import platform
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -19,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cafa_cli import __version__
+from cafa_cli.environment import environment
 from cafa_cli.errors import UsageError, printable, undecodable
 from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.jobs.config.settings import RECORD_FORMATS
@@ -180,20 +178,11 @@ def _total(count: str, results: Sequence[DomainResult]) -> dict:
     return {count: sum(values)} if values else {}
 
 
-def software_versions() -> dict[str, str]:
-    """What ran: results can change with torch's kernels as well as with cafa."""
-    return {
-        "cafa": __version__,
-        "python": platform.python_version(),
-        **{package: importlib.metadata.version(package) for package in ("torch", "torchvision")},
-    }
-
-
 def metrics(method: str, results: Sequence[DomainResult], settings: dict, clean: dict | None = None) -> dict:
     """`clean`: the source model's error on the clean test set, when one was given."""
     return {
         "method": method,
-        "versions": software_versions(),
+        "environment": environment(settings["device"]),
         **overall(results),
         "domains": [domain_record(r) for r in results],
         "settings": settings,
