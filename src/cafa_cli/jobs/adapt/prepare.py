@@ -168,6 +168,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     check_precision(config.precision, device.type)  # before the model is read
     net, artifact, spec = load_for_adaptation(config)
     config, recipe = with_recipe(config, net.num_classes)
+    config.check_state_reset(origin_of("reset", config, recipe))
     if artifact and config.classes:
         raise UsageError(
             "`classes` names the outputs of a model run without statistics; with an artifact, cafa adapt takes its "
@@ -291,6 +292,20 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
         ), recipe
     except UsageError as error:
         raise InputError(f"the recipe {recipe.origin}: {error}") from None
+
+
+def origin_of(setting: str, config: AdaptConfig, recipe: Recipe | None) -> str:
+    """Where a setting's value came from, for a message that names it: "" when the user gave
+    it, else " (from the recipe X)" or " (the default)"."""
+    if setting in config.chosen():
+        return ""
+    if recipe is not None and setting in recipe.settings:
+        return (
+            f" (from {recipe.method}'s {recipe.family} recipe)"
+            if recipe.origin == "shipped"
+            else f" (from the recipe {recipe.origin})"
+        )
+    return " (the default)"
 
 
 def check_recipe_file(config: AdaptConfig) -> None:
