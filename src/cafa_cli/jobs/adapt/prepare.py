@@ -26,7 +26,7 @@ from cafa_cli.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.files import absolute
 from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
-from cafa_cli.jobs.adapt.source_images import source_images
+from cafa_cli.jobs.adapt.source_images import size_check, source_images
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.jobs.shared.clean import clean_error
@@ -235,7 +235,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
-        options.update(source_images(config, preprocess, device, model_classes or class_names))
+        checked = size_check(config.source_data, artifact, monitor.warn if monitor else None)
+        options.update(source_images(config, preprocess, device, model_classes or class_names, checked))
     with blamed_on(recipe):  # `method_option` was checked with the settings: a recipe's own option is wrong
         method = create(config.method, gaussians, device, **options)
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
