@@ -253,28 +253,30 @@ def run_grid(
     `failed` by (row label, seed), and the others go on."""
     results, warned = {}, set()
     mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
-    for k, ((row, seed), share) in enumerate(mine):
+    measures_clean = rank == 0  # the first run that gets through measures it
+    for (row, seed), share in mine:
         try:
-            results.update(
-                run_once(
-                    config,
-                    row,
-                    seed,
-                    share,
-                    artifacts,
-                    classes,
-                    monitor,
-                    k == 0 and rank == 0,
-                    warned,
-                    clean,
-                    settings,
-                    protocols,
-                )
+            ran = run_once(
+                config,
+                row,
+                seed,
+                share,
+                artifacts,
+                classes,
+                monitor,
+                measures_clean,
+                warned,
+                clean,
+                settings,
+                protocols,
             )
         except CafaError as error:  # the row fails; the others go on (run_bench drops it from the table)
             monitor.warn(f"{row.label} seed {seed} failed: {error}")
-            if failed is not None:
-                failed[(row.label, seed)] = error
+            if failed is not None:  # without its traceback, whose frames would keep the run's model alive
+                failed[(row.label, seed)] = error.with_traceback(None)
+        else:
+            results.update(ran)
+            measures_clean = False
         # free this run's model and statistics before the next is built (16.8 GB of dense
         # factors at ImageNet scale); the feature hook makes a reference cycle, so collect
         gc.collect()
