@@ -186,6 +186,31 @@ def test_cafa_adapt_state_goes_on_with_a_continual_stream_across_runs(setup, tmp
     assert torch.load(state, weights_only=True)["adaptation"]["method"] == "tent"  # no pickled code in it
 
 
+def test_a_recipes_reset_goes_with_a_state_and_a_reset_not_typed_is_named_by_where_it_came_from(setup, tmp_path):
+    """A recipe's reset = "never" with --state was refused, blaming --reset domain, which was
+    not typed: the check ran before the recipe was applied."""
+    from helpers import adapt, fails
+
+    never, every = tmp_path / "never.toml", tmp_path / "every.toml"
+    never.write_text('[tent]\nsource = "mine"\nreset = "never"\n', encoding="utf-8")
+    every.write_text('[tent]\nsource = "mine"\nreset = "every:5"\n', encoding="utf-8")
+    state = tmp_path / "s.pt"
+    made = adapt(setup, setup["test"], "--method", "tent", "--recipe", never, "--state", state)
+    assert made.exit_code == 0 and state.is_file(), made.stderr
+    fails(adapt(setup, setup["test"], "--method", "tent", "--state", state), 2, "--reset domain (the default) starts")
+    fails(adapt(setup, setup["test"], "--reset", "episodic", "--state", state), 2, "--reset episodic starts each batch")
+    fails(
+        adapt(setup, setup["test"], "--method", "tent", "--recipe", every, "--state", state),
+        2,
+        f"the count of updates of --reset every:5 (from the recipe {every})",
+    )
+    fails(
+        adapt(setup, setup["test"], "--method", "rdumb", "--recipe", "cifar10-c", "--state", state),
+        2,
+        "--reset every:1000 (from rdumb's cifar10-c recipe)",
+    )
+
+
 def test_cafa_adapt_state_needs_a_continual_stream_and_refuses_another_adaptations(setup, tmp_path):
     from helpers import adapt, fails
 

@@ -236,3 +236,47 @@ def test_sigterm_while_torch_is_still_importing_exits_130(tmp_path):
         process.kill()
     assert process.returncode == EXIT_INTERRUPTED
     assert stderr.decode() == "cafa: interrupted\n" and stdout == b""
+
+
+# `cafa`, with a teardown after the command made long enough to be signalled in (the real one
+# is seconds of native libraries unloading, after Python has reset its handlers, where the
+# signal killed the process; here the handlers the command left are what is tested)
+LINGERING = """
+import os, sys, time
+from pathlib import Path
+
+sys.argv = ["cafa", *sys.argv[1:]]
+from cafa_cli.cli.app import main
+
+try:
+    main()
+finally:
+    Path(os.environ["CAFA_TEST_MARKER"]).touch()
+    time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_after_the_command_is_over_leaves_its_exit_code(tmp_path, name):
+    """A bench interrupted once its outputs were written and its table printed exited 130
+    (killed by the signal in the teardown) without a word. The run is over then: its exit
+    code stands."""
+    marker = tmp_path / "torn-down"
+    process = subprocess.Popen(
+        [sys.executable, "-c", LINGERING, "methods"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "CAFA_TEST_MARKER": str(marker)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        process.send_signal(getattr(signal, name))
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert marker.exists()
+    assert process.returncode == 0 and "source" in stdout.decode()
+    assert "KeyboardInterrupt" not in stderr.decode() and "Traceback" not in stderr.decode()

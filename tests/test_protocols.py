@@ -33,7 +33,9 @@ def test_a_rate_is_forward_passes_between_batches(text, rate):
     assert parse_stream_rate(text) == rate
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "nan", "NaN", "1/0", "", "fast", "1e7", "-inf", "0/1"])
+@pytest.mark.parametrize(
+    "text", ["0", "-1", "nan", "NaN", "1/0", "", "fast", "1e7", "-inf", "0/1", "1e-310", "4.9e-324", "1e-7", "1/1e7"]
+)
 def test_a_rate_that_is_not_positive_or_finite_is_refused(text):
     with pytest.raises(UsageError, match="stream_rate"):
         parse_stream_rate(text)
@@ -44,9 +46,10 @@ def test_step_costs_come_from_the_table_a_measure_or_the_user():
     assert parse_step_cost("measured") == ("measured", {})
     assert parse_step_cost("3") == ("given", {None: 3.0})
     assert parse_step_cost("cotta=100,4") == ("given", {"cotta": 100.0, None: 4.0})
-    for bad in ("0", "-2", "nan", "cotta=", "=3", "cotta=1,cotta=2", "fast", "1e9"):
+    for bad in ("0", "-2", "nan", "cotta=", "=3", "cotta=1,cotta=2", "fast", "1e9", "1e-310", "tent=1e-7", "9" * 5000):
         with pytest.raises(UsageError, match="step_cost"):
             parse_step_cost(bad)
+    assert parse_step_cost("0.000001,tent=1e6") == ("given", {None: 1e-6, "tent": 1e6})
     # the table's k: the method's step over the source model's forward pass, both ÷ TENT's
     assert table_cost("tent") == pytest.approx(1 / description("source")["cost"])
     assert table_cost("cotta") > table_cost("tent") > table_cost("source") == 1.0
@@ -187,6 +190,34 @@ def test_bad_protocol_values_are_one_line_errors(setup, extra, message):
     result = _adapt(setup, *extra)
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("rate", ["1e-310", "4.9e-324", "1e-7", "1/10000000"])
+def test_a_rate_too_small_to_stream_is_refused_before_the_first_batch(setup, rate):
+    """1e-310 passed and overflowed at the first batch (exit 1): every number a user writes
+    lies within 0.000001 and 1,000,000."""
+    result = _adapt(setup, "--stream-rate", rate)
+    assert result.exit_code == 2 and "R from 0.000001 to 1,000,000" in result.stderr and result.stdout == ""
+    assert "Traceback" not in result.stderr and "OverflowError" not in result.stderr
+
+
+@pytest.mark.parametrize("cost", ["tnet=100", "TENT=4", "tent=4,cotta=10,tnet=3", "tent =4,bn-=2"])
+def test_a_step_cost_for_no_method_is_refused_with_the_methods(setup, cost):
+    """A misspelt METHOD=K pair was taken and never used: the table's cost stood in."""
+    result = _adapt(setup, "--stream-rate", "1", "--step-cost", cost)
+    assert result.exit_code == 2 and result.stdout == "", result.stderr
+    assert "is no method; a METHOD=K pair names one of source, bn, pl, tent" in result.stderr
+
+
+def test_a_bench_step_cost_for_no_row_is_refused_before_statistics(tmp_path, tiny_weights):
+    domain = write_folder(tmp_path / "d", per_class=2)
+    result = invoke(
+        "bench", domain, "--model", TINY_NET, "--weights", tiny_weights, "--methods", "source,bn",
+        "--stream-rate", "1", "--step-cost", "tent=4", "--workdir", tmp_path / "w",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.stderr
+    assert "--step-cost tent=4: no row runs the method tent (rows: bn, source)" in result.stderr
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_forgetting_domain_that_is_also_a_test_domain_is_refused(setup):

@@ -28,7 +28,14 @@ def test_a_reset_is_a_policy_or_a_period(text, parsed):
     assert parse_reset(text) == parsed
 
 
-@pytest.mark.parametrize("text", ["every:0", "every:-3", "every:1.5", "every:", "every", "sometimes", "never:2"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "every:0", "every:-3", "every:1.5", "every:", "every", "sometimes", "never:2",
+        # read by int() they were a ValueError traceback (over 4,300 digits, '²') or a number ('١٢')
+        "every:" + "9" * 5000, "every:" + "1" * 21, "every:²", "every:١٢", "every:+5", "every:1e3",
+    ],
+)  # fmt: skip
 def test_a_reset_that_is_no_policy_is_refused_with_the_forms(text):
     with pytest.raises(UsageError, match="every:N"):
         parse_reset(text)
@@ -170,3 +177,15 @@ def test_bench_says_when_a_rows_recipe_replaces_its_reset(setup, tmp_path):
     assert result.stderr.count(said) == 1 and "eta runs under" not in result.stderr
     typed = invoke(*base, "--reset", "domain")
     assert typed.exit_code == 0 and "runs under its recipe's reset" not in typed.stderr
+
+
+@pytest.mark.parametrize("period", ["9" * 5000, "²", "1" * 21])
+def test_a_period_no_number_can_be_is_one_line_on_the_command_line_and_in_a_recipe(setup, tmp_path, period):
+    """A 5,000-digit N was a ValueError traceback (exit 1), typed or in a recipe file."""
+    from helpers import adapt, fails
+
+    fails(adapt(setup, setup["train"], "--reset", f"every:{period}"), 2, "--reset must be domain, episodic")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[tent]\nsource = "mine"\nreset = "every:{period}"\n', encoding="utf-8")
+    line = fails(adapt(setup, setup["train"], "--method", "tent", "--recipe", recipe), 3, "--reset must be")
+    assert str(recipe) in line

@@ -109,3 +109,31 @@ def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(traine
     shuffled = np.mean([size(in_order(np.random.default_rng(seed).permutation(300))) for seed in range(1, 6)])
     by_class = size(in_order(np.arange(300)))
     assert abs(ours - shuffled) < 0.35 * shuffled and by_class > 1.8 * shuffled, (ours, shuffled, by_class)
+
+
+@pytest.mark.parametrize("method", ["eata", "rmt"])
+def test_source_images_of_another_size_are_flagged_and_none_readable_is_bad_input(setup, tmp_path, method):
+    """Test images of another size than the statistics' get a warning; source images did not.
+    Source images none of which could be read ended eata's run with a Fisher of nothing (exit
+    0) and rmt's with "rmt's source_batches holds no batch" (exit 2): bad input data is exit 3."""
+    from conftest import write_folder
+    from helpers import fails
+
+    extra = ["--method", method, "--recipe", "none", "--method-option", "warmup_samples=8"][
+        : 4 if method == "eata" else 6
+    ]
+    big = write_folder(tmp_path / "big", per_class=4, size=24)
+    result = run(setup, *extra, "--source-data", big)
+    assert result.exit_code == 0, result.stderr
+    assert "warning: --source-data big: its images enter the model at 24x24 pixels, the statistics' at 16x16" in (
+        result.stderr
+    )
+    bad = tmp_path / "bad"
+    for name in ("a", "b", "c"):
+        (bad / name).mkdir(parents=True)
+        for i in range(2):
+            (bad / name / f"{i}.png").write_bytes(b"not an image")
+    line = fails(run(setup, *extra, "--source-data", bad), 3, "none of its 6 image(s) could be read")
+    assert line.startswith(f"cafa: error: --source-data {bad}")
+    same = run(setup, *extra, "--source-data", setup["train"])
+    assert same.exit_code == 0 and "enter the model at" not in same.stderr, same.stderr

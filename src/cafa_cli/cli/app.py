@@ -165,6 +165,13 @@ def main() -> None:
             raise
         fail(f"cannot write the output: {error.strerror or error}", EXIT_RUNTIME)
         raise SystemExit(EXIT_RUNTIME) from None
+    finally:
+        # The command is over: its outputs are written and its exit code said. The teardown
+        # after it (seconds of native libraries unloading) runs with Python's handlers reset,
+        # so a signal there killed the process by the signal, as exit 130 with no word; ignored,
+        # it leaves the exit code the command said.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 SETTINGS = {"stats": StatsConfig, "adapt": AdaptConfig, "bench": BenchConfig, "demo": DemoConfig}

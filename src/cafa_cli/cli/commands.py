@@ -208,6 +208,8 @@ def bench(ctx: typer.Context, domains: Domains = None, quiet: Quiet = False, **s
         report = bench_job.run(config, monitor)
     if report is not None:  # None on a torchrun rank other than 0: rank 0 reports
         print(report.text, flush=True)
+        if report.failed is not None:  # the other rows' outputs are written
+            raise report.failed
         gate(bench_job.above_max_error(report.table, config.max_error))  # last: every output is written
 
 

@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from cafa_cli.errors import UsageError
+from cafa_cli.numbers import LEAST_POSITIVE, MOST_NUMBER
 
 WAITS = math.inf
-MAX_RATE = 1e6  # a batch every million forward passes is a stream that waits; above it, say inf
-MAX_COST = 1e6  # a step of a million forward passes: far beyond any method (memo is ~240)
-STEP_COST_FORMS = "table, measured, a number K > 0, or METHOD=K pairs (e.g. cotta=100,tent=4; the rest: K or the table)"
+# a batch every million forward passes is a stream that waits (above it, say inf); one every
+# millionth of one is a stream no method keeps up with, and below it k / R overflows
+LEAST_RATE, MAX_RATE = LEAST_POSITIVE, MOST_NUMBER
+MAX_COST = MOST_NUMBER  # a step of a million forward passes: far beyond any method (memo is ~240)
+STEP_COST_FORMS = "table, measured, a number K, or METHOD=K pairs (e.g. cotta=100,tent=4; the rest: K or the table)"
 # ceil(k / R) of two decimals that should divide exactly (0.3 / 0.1) must not round up a batch
 _EXACT = 1e-9
 
@@ -38,10 +41,10 @@ def parse_stream_rate(text: str | float, name: str = "stream_rate") -> float:
         rate = float(Fraction(raw)) if "/" in raw else float(raw)
     except (ValueError, ZeroDivisionError, OverflowError):
         rate = math.nan
-    if not 0 < rate <= MAX_RATE:  # NaN fails too
+    if not LEAST_RATE <= rate <= MAX_RATE:  # NaN fails too
         raise UsageError(
-            f"`{name}` must be a number of forward passes between two batches, R > 0 (e.g. 1, 1/2, 0.25; at most "
-            f"{MAX_RATE:g}), or inf for a stream that waits; not {text!r}"
+            f"`{name}` must be a number of forward passes between two batches, R from 0.000001 to 1,000,000 (e.g. "
+            f"1, 1/2, 0.25), or inf for a stream that waits; not {text!r}"
         )
     return rate
 
@@ -78,14 +81,14 @@ def parse_step_cost(text: str, name: str = "step_cost") -> tuple[str, dict[str |
             cost = float(number)
         except ValueError:
             break
-        if not 0 < cost <= MAX_COST or key in given:
+        if not LEAST_POSITIVE <= cost <= MAX_COST or key in given:
             break
         given[key] = cost
     else:
         return "given", given
     raise UsageError(
-        f"`{name}` must be {STEP_COST_FORMS} (K in forward passes of the source model, at most {MAX_COST:g}, each "
-        f"method once), not {text!r}"
+        f"`{name}` must be {STEP_COST_FORMS} (K in forward passes of the source model, from 0.000001 to "
+        f"1,000,000, each method once), not {text!r}"
     )
 
 

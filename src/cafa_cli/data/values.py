@@ -8,6 +8,7 @@ import math
 import os
 
 from cafa_cli.errors import UsageError
+from cafa_cli.numbers import read_whole
 
 MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image and end out of memory
 # The most pixels a resize may make of one image: Pillow's own decompression-bomb threshold
@@ -113,8 +114,9 @@ def parse_reset(text: str, name: str = "reset") -> tuple[str, int | None]:
     kind, colon, value_text = str(text).strip().partition(":")
     if kind in ("domain", "episodic", "never") and not colon:
         return kind, None
-    if kind == "every" and value_text.isdigit() and int(value_text) >= 1:
-        return kind, int(value_text)
+    every = read_whole(value_text, signed=False) if kind == "every" else None
+    if every is not None and every >= 1:
+        return kind, every
     raise UsageError(f"`{name}` must be {RESET_FORMS}, not {text!r}")
 
 

@@ -201,6 +201,12 @@ class Adapter(OneThreadAtATime):
         return 0 if self.method.unrefined is None else int(self.method.unrefined)
 
     @property
+    def undefined_batches(self) -> int:
+        """Batches whose update the method left out because it is undefined there
+        (Method.undefined_when). Reading it waits for the device."""
+        return 0 if self.method.undefined is None else int(self.method.undefined)
+
+    @property
     def kept_samples(self) -> int | None:
         """Samples the method's filter kept for its updates since the Adapter was made (EATA,
         SAR: methods that set `filters_samples`); None for the others. Reading it waits for the device."""

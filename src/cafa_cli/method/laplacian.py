@@ -24,11 +24,18 @@ def knn_affinity(features: torch.Tensor, k: int = KNN) -> torch.Tensor:
 
 def rbf_affinity(features: torch.Tensor, k: int = KNN, sigma: float | str = "auto") -> torch.Tensor:
     """W [N, N] = exp(−d²/2σ²) of the Euclidean distances d; σ `auto` is the batch's mean
-    distance to the k-th nearest neighbour, counting each point as its own first."""
+    distance to the k-th nearest neighbour, counting each point as its own first.
+
+    σ is 0 when every point's k-th neighbour lies at distance 0 (a batch of one image, or of
+    identical ones): the official code's W is then 0/0, NaN, and so is every prediction of
+    the batch. W here is the kernel's limit as σ → 0 (the value at any σ for d = 0, 0 for
+    d > 0), under which each image keeps the class the source model gives it: its only
+    neighbours are images of the same features, hence of the same logits. Any other batch's W
+    is the official one, bit for bit."""
     distances = torch.cdist(features, features)
     if sigma == "auto":
         sigma = distances.topk(min(k, len(features)), dim=1, largest=False).values[:, -1].mean()
-    return torch.exp(-distances.square() / (2 * sigma**2))
+    return torch.where(distances == 0, 1.0, torch.exp(-distances.square() / (2 * sigma**2)))
 
 
 def affinity_matrix(

@@ -82,8 +82,21 @@ def symmetric_cross_entropy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def min_max(scores: torch.Tensor) -> torch.Tensor:
-    """`scores` mapped onto [0, 1] by the batch's smallest and largest."""
+    """`scores` mapped onto [0, 1] by the batch's smallest and largest (NaN where they are one: `alike`)."""
     return (scores - scores.min()) / (scores.max() - scores.min())
+
+
+# When sample weights min-max normalised over the batch (roid's, cmf's) are undefined: the
+# authors' weights are then NaN (0/0), and after their step so is every trained value
+MIN_MAX_UNDEFINED = (
+    "a batch of one image or of images it scores alike (its sample weights are min-max normalised over the batch)"
+)
+
+
+def alike(*scores: torch.Tensor) -> torch.Tensor:
+    """Whether some of `scores` is the same for every sample (a batch of one image, or of
+    images scored alike), where min_max is 0/0 (a device bool; NaN scores are not alike)."""
+    return torch.stack([s.max() == s.min() for s in scores]).any()
 
 
 def smoothed_prior(logits: torch.Tensor) -> torch.Tensor:

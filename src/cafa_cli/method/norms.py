@@ -29,10 +29,11 @@
   gradient flows through the batch's part (until issue 60 it did, here and under prior:N);
 - `unmix:K`: UnMix-TNS (Tomar et al., ICLR 2024), K statistics components (μ_k, σ²_k)
   in place of the batch's. They start around the source's: μ_k = μ_s + √(c·K/(K − 1))·σ_s·ε_k
-  (ε_k ~ N(0, 1), drawn once from a fixed seed), σ²_k = (1 − c)·σ_s², c = 0.5 (K = 1: the
-  source's). Each sample b, with its own mean m_b and variance v_b over the positions, is
-  assigned p_bk = softmax_k(cos(m_b, μ_k)/0.07) (no gradient) and normalised with the K
-  components each mixed with it by p_bk:
+  (ε_k ~ N(0, 1), drawn once from a fixed seed), σ²_k = (1 − c)·σ_s², c = 0.5; K ≥ 2 (with
+  one component p_b1 = 1, and each sample would be normalised by its own statistics alone).
+  Each sample b, with its own mean m_b and variance v_b over the positions, is assigned
+  p_bk = softmax_k(cos(m_b, μ_k)/0.07) (no gradient) and normalised with the K components
+  each mixed with it by p_bk:
   μ̃_bk = (1 − p_bk)·μ_k + p_bk·m_b, σ̃²_bk = (1 − p_bk)·σ²_k + p_bk·v_b,
   μ_b = mean_k μ̃_bk, σ²_b = mean_k σ̃²_bk + mean_k μ̃²_bk − μ_b²;
   then the components move toward the samples assigned to them, by BatchNorm's momentum m
@@ -335,8 +336,6 @@ def unmix_start(
     variance, each keeping the rest, so that their mixture has the source's variance (for
     K > 1 in expectation). The noise is drawn on the CPU, the same on every device."""
     mean, var = mean.detach().float(), var.detach().float()
-    if components == 1:
-        return mean[None].clone(), var[None].clone()
     noise = torch.randn(components, mean.numel(), generator=generator).to(mean.device)
     spread = math.sqrt(UNMIX_SPREAD * components / (components - 1))
     return mean + spread * var.sqrt() * noise, ((1 - UNMIX_SPREAD) * var).expand(components, -1).clone()

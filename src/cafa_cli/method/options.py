@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from cafa_cli.errors import UsageError
+from cafa_cli.numbers import LEAST_POSITIVE, MOST_NUMBER, read_whole
 
 PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
@@ -23,7 +24,7 @@ MAX_PRIOR = 1e9  # prior:N beyond this is the source statistics alone (use `sour
 MAX_COMPONENTS = 1024  # unmix:K beyond this holds K·channels statistics a layer for nothing (authors: 16, 128)
 NORM_FORMS = (
     "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]), class-balanced, alpha:A (A in [0, 1]) "
-    f"or unmix:K (K a whole number from 1 to {MAX_COMPONENTS})"
+    f"or unmix:K (K a whole number from 2 to {MAX_COMPONENTS})"
 )
 
 
@@ -86,6 +87,13 @@ def parse_norm(text: str) -> tuple[str, float | None]:
         "unmix": 1 <= value <= MAX_COMPONENTS and value.is_integer(),
     }
     if allowed.get(kind, False):
+        if kind == "unmix" and value == 1:
+            # the softmax over one component is 1: every sample takes its own statistics alone
+            raise UsageError(
+                f"`norm` {text}: one component normalises each image by its own statistics alone (instance "
+                f"normalisation; the authors' code does the same), which loses what sets images apart; give unmix:K "
+                f"with K from 2 to {MAX_COMPONENTS} (the authors use 16)"
+            )
         return kind, value
     raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
 
@@ -138,10 +146,6 @@ class Option:
 # the largest whole-number option a method takes unless it says less (Option.most): a count beyond
 # it (a bank of 10^20 samples, 10^12 iterations) would exhaust memory or never finish
 MOST_COUNT = 1_000_000
-# A number option's magnitudes: every default and published value lies within 1e-4 to 2,000 (EATA's
-# Fisher weight), while a temperature or LAME's σ of 1e-300 divides the logits to infinity and a weight
-# of 1e300 overflows float32: past these bounds a value is a slip, not a setting.
-LEAST_POSITIVE, MOST_NUMBER = 1e-6, 1e6
 OPTION_KINDS = {
     "fraction": "a number in [0, 1]",
     "weight": "a number from 0 to 1,000,000",
@@ -170,10 +174,9 @@ def _number(value):
 
 def _whole(value, least: int):
     if isinstance(value, str):
-        text = value.strip()
-        if not (text.isascii() and text.lstrip("+-").isdigit()) or len(text) > 20:  # '²' passes isdigit()
+        value = read_whole(value)
+        if value is None:
             return _INVALID
-        value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         return _INVALID
     return value

@@ -222,6 +222,12 @@ class Adaptation:
                     f"{short_name(result.data)}: {result.skipped_steps} update(s) skipped because the loss or its "
                     f"gradients were not finite; check the statistics (cafa inspect) and lower `lr`"
                 )
+            if result.undefined_batches:
+                method = self.adapter.method
+                monitor.warn(
+                    f"{short_name(result.data)}: no update on {result.undefined_batches} batch(es): "
+                    f"{method.name}'s update is undefined for {method.undefined_when}"
+                )
             if result.unrefined_batches:
                 monitor.warn(
                     f"{short_name(result.data)}: in {result.unrefined_batches} batch(es) more classes needed their "

@@ -26,7 +26,7 @@ from cafa_cli.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.files import absolute
 from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
-from cafa_cli.jobs.adapt.source_images import source_images
+from cafa_cli.jobs.adapt.source_images import size_check, source_images
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.jobs.shared.clean import clean_error
@@ -168,6 +168,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     check_precision(config.precision, device.type)  # before the model is read
     net, artifact, spec = load_for_adaptation(config)
     config, recipe = with_recipe(config, net.num_classes)
+    config.check_state_reset(origin_of("reset", config, recipe))
     if artifact and config.classes:
         raise UsageError(
             "`classes` names the outputs of a model run without statistics; with an artifact, cafa adapt takes its "
@@ -234,7 +235,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
     if entry_of(config.method).without_source_images and config.source_data:
-        options.update(source_images(config, preprocess, device, model_classes or class_names))
+        checked = size_check(config.source_data, artifact, monitor.warn if monitor else None)
+        options.update(source_images(config, preprocess, device, model_classes or class_names, checked))
     with blamed_on(recipe):  # `method_option` was checked with the settings: a recipe's own option is wrong
         method = create(config.method, gaussians, device, **options)
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
@@ -291,6 +293,20 @@ def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Rec
         ), recipe
     except UsageError as error:
         raise InputError(f"the recipe {recipe.origin}: {error}") from None
+
+
+def origin_of(setting: str, config: AdaptConfig, recipe: Recipe | None) -> str:
+    """Where a setting's value came from, for a message that names it: "" when the user gave
+    it, else " (from the recipe X)" or " (the default)"."""
+    if setting in config.chosen():
+        return ""
+    if recipe is not None and setting in recipe.settings:
+        return (
+            f" (from {recipe.method}'s {recipe.family} recipe)"
+            if recipe.origin == "shipped"
+            else f" (from the recipe {recipe.origin})"
+        )
+    return " (the default)"
 
 
 def check_recipe_file(config: AdaptConfig) -> None:

@@ -249,7 +249,14 @@ def _records(domain: Domain, batch: Batch, logits: torch.Tensor, method: Method)
 
 
 # the Adapter's counts a DomainResult sums
-COUNTS = ("skipped_steps", "unrefined_batches", "kept_samples", "domain_changes", "source_restarts")
+COUNTS = (
+    "skipped_steps",
+    "undefined_batches",
+    "unrefined_batches",
+    "kept_samples",
+    "domain_changes",
+    "source_restarts",
+)
 
 
 def _counts(adapter: Adapter) -> dict[str, int | None]:

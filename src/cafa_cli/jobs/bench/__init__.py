@@ -20,7 +20,7 @@ from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.data.sources import on_disk
 from cafa_cli.devices import pick_device
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import CafaError, InputError, listing
 from cafa_cli.files import make_workdir
 from cafa_cli.jobs.adapt.job import part_of
 from cafa_cli.jobs.adapt.prepare import check_recipe_file, prepare_adaptation
@@ -53,6 +53,7 @@ from cafa_cli.recipes import FAMILIES, shipped
 class BenchReport(NamedTuple):
     text: str  # the markdown for stdout
     table: list[dict]  # tables.summarise's: each row's errors in %, which `max_error` gates on
+    failed: CafaError | None = None  # why rows failed, once the others' outputs are written (failed_rows)
 
 
 @guards_outputs
@@ -74,16 +75,18 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     )  # a benchmark's ROOT: a column per corruption or domain
     train, train_line = training_data(config.train, config.model, config.data, rows)
     config = replace(config, device=str(target), train=train, data=domains)
-    clean, settings, protocols = {}, {}, {}
+    clean, settings, protocols, failed = {}, {}, {}, {}
     with process_group(target) as (rank, world):
         for line in [model_line, train_line] if rank == 0 else []:
             if line:
                 monitor.info(line)
         for note in notes if rank == 0 else []:
             monitor.warn(note)
-        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings, protocols)
+        results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings, protocols, failed)
     if results is None:
         return None
+    total = len(rows)
+    rows = [row for row in rows if not any(label == row.label for label, _ in failed)]
     table = tables.summarise(results, rows, config.data, seeds)
     axes, sweep = config.grid_axes(), config.fractions is not None
     if config.csv:
@@ -113,7 +116,24 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     differing = tables.differing_settings(settings, skip=("batch_size",) if config.batch_sizes else ())
     if differing:
         text = f"{text}\n\n{differing}"
-    return BenchReport(text, table)
+    return BenchReport(text, table, failed_rows(failed, total))
+
+
+def failed_rows(failed: dict[tuple[str, int], CafaError], rows: int) -> CafaError | None:
+    """One error for the rows whose runs failed (of `rows`), of the first one's kind, naming
+    each with its reason; None when none did."""
+    if not failed:
+        return None
+    seeds: dict[tuple[str, str], list[str]] = {}  # a row's seeds that failed alike, named once
+    for (label, seed), error in failed.items():
+        seeds.setdefault((label, str(error)), []).append(str(seed))
+    reasons = listing(f"{label} (seed {', '.join(each)}): {why}" for (label, why), each in seeds.items())
+    error = CafaError(
+        f"{len({label for label, _ in failed})} of {rows} rows failed, left out of the outputs written for the "
+        f"others: {reasons}"
+    )
+    error.exit_code = next(iter(failed.values())).exit_code
+    return error
 
 
 def above_max_error(table: list[dict], max_error: float | None) -> str | None:
@@ -141,6 +161,7 @@ def run_bench(
     clean: dict | None = None,
     settings: dict | None = None,
     protocols: dict | None = None,
+    failed: dict | None = None,
 ) -> dict[tuple[str, str, int], DomainResult] | None:
     """Every (row label, domain, seed) result: statistics computed once per covariance
     mode (and fraction) the rows need (or re-used from the workdir), then the grid. Under torchrun every
@@ -148,7 +169,9 @@ def run_bench(
     the other ranks None, and shows what the other ranks' runs said. With `clean` set, the
     source model's clean error goes into `clean`; with `settings`, each row's settings as its
     runs resolved them (ROW_SETTINGS), and with `protocols` each run's protocol results (the
-    stream's pace, the error by round, forgetting: Adaptation.protocol), on rank 0."""
+    stream's pace, the error by round, forgetting: Adaptation.protocol), on rank 0. A row
+    whose run failed is left out, its error in `failed` by (row label, seed); when every row
+    failed, the first error is raised."""
     monitor = RankMonitor(monitor if rank == 0 else None)
     # every check before statistics that can take hours, and before the workdir is made
     check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
@@ -178,21 +201,30 @@ def run_bench(
     without_statistics = any(row.covariance is None for row in rows)
     classes = shared_class_list(config, workdir, artifacts, write=rank == 0) if without_statistics else None
     wait_for_all(world)  # and the class list
-    resolved, found = {}, {}
-    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved, found)
-    parts = gather_on_root((mine, resolved, found, monitor.said()), rank, world)
+    resolved, found, failures = {}, {}, {}
+    mine = run_grid(config, rows, seeds, artifacts, classes, monitor, rank, world, clean, resolved, found, failures)
+    parts = gather_on_root((mine, resolved, found, failures, monitor.said()), rank, world)
     if parts is None:
         return None
     show_other_ranks(monitor, [said for *_, said in parts])
+    errors = {key: error for _, _, _, part, _ in parts for key, error in part.items()}
+    if failed is not None:
+        failed.update(errors)
+    lost = {label for label, _ in errors}
+    if len(lost) == len(rows):
+        raise next(iter(errors.values()))
     if settings is not None:
-        settings.update({label: row for _, part, _, _ in parts for label, row in part.items()})
+        settings.update({label: row for _, part, *_ in parts for label, row in part.items() if label not in lost})
     if protocols is not None:
-        protocols.update({key: record for _, _, part, _ in parts for key, record in part.items()})
+        protocols.update(
+            {key: record for _, _, part, *_ in parts for key, record in part.items() if key[0] not in lost}
+        )
     gathered = {key: result for part, *_ in parts for key, result in part.items()}
     # in the order one process runs them: the JSON report lists the runs in this order
     return {
         (row.label, domain, seed): gathered[(row.label, domain, seed)]
         for row in rows
+        if row.label not in lost
         for seed in seeds
         for domain in config.data
     }
@@ -210,46 +242,90 @@ def run_grid(
     clean: dict | None = None,
     settings: dict | None = None,
     protocols: dict | None = None,
+    failed: dict | None = None,
 ) -> dict[tuple[str, str, int], DomainResult]:
     """The result of every (row label, domain, seed) this rank runs: the grid's runs
     (grid_runs) are independent, so under torchrun each rank takes every world-th, and
     adapts those of one (row, seed) in one stream, starting afresh at each domain. The
     first (rank 0's) also measures the source model on `clean`, into `clean`; each row's
     resolved settings (its recipe's and the bench's) go into `settings`, and each (row label,
-    seed)'s protocol results into `protocols`."""
+    seed)'s protocol results into `protocols`. A run that fails (a CafaError) goes into
+    `failed` by (row label, seed), and the others go on."""
     results, warned = {}, set()
-    labels = tables.domain_labels(config.data)
     mine = groupby(grid_runs(config, rows, seeds)[rank::world], key=lambda run: run[:2])
-    for k, ((row, seed), share) in enumerate(mine):
-        stats = str(artifacts[row.statistics]) if row.statistics else None
-        run = row_config(config, row, seed, stats, classes)
-        job = prepare_adaptation(replace(run, clean=config.clean if k == 0 and rank == 0 else None), monitor)
-        if job.clean:
-            monitor.info(clean_summary(job.clean))
-            if clean is not None:
-                clean.update(job.clean)
-        for caution in job.cautions():
-            if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
-                warned.add(caution)
-                monitor.warn(caution)
-        domains = [domain for _, _, domain in share]
-        whole = domains == [None] or len(domains) == len(config.data)
-        data = config.data if whole else [config.data[domain] for domain in domains]
-        monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
-        if settings is not None:
-            settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
-        part = job if whole else part_of(job, domains)
-        visits = across_rounds(part.run(monitor=monitor, warned=warned), run.rounds)
-        if protocols is not None and part.protocol:
-            protocols[(row.label, seed)] = part.protocol
-        for domain, result in zip(data, per_domain(visits, part.groups, data)):
-            if result.error is None:
-                raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
-            results[(row.label, domain, seed)] = result
+    measures_clean = rank == 0  # the first run that gets through measures it
+    for (row, seed), share in mine:
+        try:
+            ran = run_once(
+                config,
+                row,
+                seed,
+                share,
+                artifacts,
+                classes,
+                monitor,
+                measures_clean,
+                warned,
+                clean,
+                settings,
+                protocols,
+            )
+        except CafaError as error:  # the row fails; the others go on (run_bench drops it from the table)
+            monitor.warn(f"{row.label} seed {seed} failed: {error}")
+            if failed is not None:  # without its traceback, whose frames would keep the run's model alive
+                failed[(row.label, seed)] = error.with_traceback(None)
+        else:
+            results.update(ran)
+            measures_clean = False
         # free this run's model and statistics before the next is built (16.8 GB of dense
         # factors at ImageNet scale); the feature hook makes a reference cycle, so collect
-        del job, part
         gc.collect()
+    return results
+
+
+def run_once(
+    config: BenchConfig,
+    row: Row,
+    seed: int,
+    share: list,
+    artifacts: dict[str, Path],
+    classes: str | None,
+    monitor: Monitor,
+    first: bool,
+    warned: set,
+    clean: dict | None,
+    settings: dict | None,
+    protocols: dict | None,
+) -> dict[tuple[str, str, int], DomainResult]:
+    """The results of one (row, seed) run over its domains (`share`, grid_runs'); the first
+    run of rank 0 also measures the source model on `clean`."""
+    labels = tables.domain_labels(config.data)
+    stats = str(artifacts[row.statistics]) if row.statistics else None
+    run = row_config(config, row, seed, stats, classes)
+    job = prepare_adaptation(replace(run, clean=config.clean if first else None), monitor)
+    if job.clean:
+        monitor.info(clean_summary(job.clean))
+        if clean is not None:
+            clean.update(job.clean)
+    for caution in job.cautions():
+        if caution not in warned:  # each once, not for every seed; rows may differ (a method, a rate)
+            warned.add(caution)
+            monitor.warn(caution)
+    domains = [domain for _, _, domain in share]
+    whole = domains == [None] or len(domains) == len(config.data)
+    data = config.data if whole else [config.data[domain] for domain in domains]
+    monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
+    part = job if whole else part_of(job, domains)
+    visits = across_rounds(part.run(monitor=monitor, warned=warned), run.rounds)
+    results = {}
+    for domain, result in zip(data, per_domain(visits, part.groups, data)):
+        if result.error is None:
+            raise InputError(f"{domain}: no labels, so no error to benchmark; bench needs labelled domains")
+        results[(row.label, domain, seed)] = result
+    if settings is not None:
+        settings[row.label] = {key: job.recorded_settings[key] for key in ROW_SETTINGS}
+    if protocols is not None and part.protocol:
+        protocols[(row.label, seed)] = part.protocol
     return results
 
 
@@ -305,6 +381,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
         )
         whole.skipped_images += result.skipped_images
         whole.skipped_steps += result.skipped_steps
+        whole.undefined_batches += result.undefined_batches
         whole.seconds += result.seconds
         whole.batches += result.batches
         whole.adapted_batches += result.adapted_batches

@@ -8,6 +8,7 @@ import json
 from dataclasses import fields, replace
 from pathlib import Path
 
+from cafa_cli.data.pace import parse_step_cost
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.errors import InputError, UsageError, repeated
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
@@ -146,7 +147,8 @@ def _options_taken(method: str) -> set[str]:
 
 
 def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
-    """Each `method_option` entry is taken by some row: a misspelt method or option is named."""
+    """Each `method_option` entry is taken by some row, and each `step_cost` METHOD=K pair: a
+    misspelt method or option is named."""
     methods = {row.method for row in rows}
     for scope, name, value in parse_method_options(config.method_option):
         entry = f"{scope + '.' if scope else ''}{name}={value}"
@@ -159,6 +161,11 @@ def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
                 f"`method_option` {entry}: no row's method takes the option {name}; cafa methods NAME lists "
                 f"a method's options"
             )
+    unused = sorted(parse_step_cost(config.step_cost)[1].keys() - {None} - methods)
+    if unused:  # a METHOD=K pair for no row would be taken and never used
+        raise UsageError(
+            f"`step_cost` {config.step_cost}: no row runs the method {unused[0]} (rows: {', '.join(sorted(methods))})"
+        )
 
 
 def source_data(config: BenchConfig, row: Row) -> str | None:

@@ -116,16 +116,8 @@ class AdaptConfig(
         if self.predictions == "-":  # stdout, as without the option
             self.predictions = None
         check_max_error(self.max_error)
-        if self.state is not None and self.reset != "never":
-            if self.reset.startswith("every:"):
-                raise UsageError(
-                    f"`state` goes on with a continual stream and does not keep `reset` {self.reset}'s count of "
-                    f"updates: give `reset` never"
-                )
-            raise UsageError(
-                f"`state` goes on with a continual stream, and `reset` {self.reset} starts each "
-                f"{'batch' if self.reset == 'episodic' else 'domain'} from the source model: give `reset` never"
-            )
+        if "reset" in self.chosen():  # else a recipe may still give it: prepare_adaptation checks it then
+            self.check_state_reset()
         if self.method not in REGISTRY and not is_plugin(self.method):
             raise UsageError(
                 f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {self.method}"
@@ -168,6 +160,21 @@ class AdaptConfig(
             "`method`": factory_file(self.method),
             "`source_data`": self.source_data,
         }
+
+    def check_state_reset(self, origin: str = "") -> None:
+        """`state` goes on with a continual stream: `reset` never. `origin` says where a `reset`
+        the user did not give came from (" (the default)", " (from the recipe X)")."""
+        if self.state is None or self.reset == "never":
+            return
+        if self.reset.startswith("every:"):
+            raise UsageError(
+                f"`state` goes on with a continual stream and does not keep the count of updates of `reset` "
+                f"{self.reset}{origin}: give `reset` never"
+            )
+        raise UsageError(
+            f"`state` goes on with a continual stream, and `reset` {self.reset}{origin} starts each "
+            f"{'batch' if self.reset == 'episodic' else 'domain'} from the source model: give `reset` never"
+        )
 
     def method_options(self) -> dict:
         """`method_option` as {option: value} for `method`, each checked against the

@@ -312,10 +312,24 @@ class StreamOptions:
         parse_reset(self.reset)
         check_rounds(self.rounds)
         parse_stream_rate(self.stream_rate)
-        parse_step_cost(self.step_cost)
+        check_step_cost_names(self.step_cost)
         if self.mix_domains and self.gradual:
             raise UsageError(
                 "`mix_domains` and `gradual` are two ways to make one stream of the domains; give one of them"
+            )
+
+
+def check_step_cost_names(step_cost: str) -> None:
+    """`step_cost`'s METHOD=K pairs each name a method (a misspelt one would be taken and never
+    used: the table's cost would stand in for it)."""
+    from cafa_cli.method.methods import REGISTRY, is_plugin
+
+    _, given = parse_step_cost(step_cost)
+    for name in given:
+        if name is not None and name not in REGISTRY and not is_plugin(name):
+            raise UsageError(
+                f"`step_cost` {step_cost}: {name!r} is no method; a METHOD=K pair names one of {', '.join(REGISTRY)}, "
+                f"or a plug-in module:factory"
             )
 
 

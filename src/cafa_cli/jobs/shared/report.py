@@ -204,6 +204,7 @@ def domain_record(r: DomainResult) -> dict:
         "unit": ERROR_FRACTION,
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
+        **({"undefined_batches": r.undefined_batches} if r.undefined_batches else {}),
         **_present(r, "kept_samples", "domain_changes", "source_restarts", "round"),
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),

@@ -21,6 +21,7 @@ class DomainResult:
     errors: int = 0
     skipped_images: list[str] = field(default_factory=list)
     skipped_steps: int = 0
+    undefined_batches: int = 0  # batches whose update the method left out as undefined (Method.undefined_when)
     unrefined_batches: int = 0  # distances left partly in the expanded form (distances.refine_capacity)
     kept_samples: int | None = None  # samples a filtering method (EATA, SAR) kept for its updates; None: it keeps all
     domain_changes: int | None = None  # changes of domain a method's detector saw (cafa-robust); None: it has none

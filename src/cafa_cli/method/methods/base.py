@@ -129,6 +129,11 @@ class Method:
     inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)
     filters_samples: bool = False  # True: `kept` counts the samples its filter kept, on the device
     kept: torch.Tensor | None = None
+    # when its update is undefined (roid's and cmf's sample weights, min-max normalised over the
+    # batch: one image, or images it scores alike); such a batch's step is left out and counted
+    # in `undefined`, on the device. "": its update is defined for every batch
+    undefined_when: str = ""
+    undefined: torch.Tensor | None = None
     # a method with a change detector (cafa-robust) counts the changes of domain it saw since it
     # was made, on the host (reset keeps the count); None: it has none
     domain_changes: int | None = None
@@ -177,6 +182,13 @@ class Method:
             self.kept = kept.detach().to(torch.int64, copy=True)
         else:  # in place, so that a replayed step (step_graph.py) counts too
             self.kept += kept.detach()
+
+    def count_undefined(self, undefined: torch.Tensor) -> None:
+        """Add a batch whose update is undefined (a device bool) to `undefined`, without a host sync."""
+        if self.undefined is None:
+            self.undefined = undefined.detach().to(torch.int64, copy=True).reshape(())
+        else:
+            self.undefined += undefined.detach().reshape(())
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The scalar to minimise for one batch, from the logits [N, C] and the features

@@ -70,6 +70,7 @@ class CMF(Method):
     name = "cmf"
     draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True
+    undefined_when = losses.MIN_MAX_UNDEFINED
     options = (
         Option("alpha", ALPHA, "α: the hidden model's pull toward the source, h ← αh + (1 − α)θ_source", "fraction"),
         Option("gamma", GAMMA, "γ: the student's fusion with the hidden model, θ ← γθ + (1 − γ)h", "fraction"),
@@ -143,7 +144,9 @@ class CMF(Method):
         with adapter.autocast:
             logits, features = adapter.forward(images)
         outputs = logits.float()
-        weights, kept = self.weigh(outputs)
+        weights, kept, undefined = self.weigh(outputs)
+        if skipped is None:  # the batch's first step: a batch is counted once
+            self.count_undefined(undefined)
         n = len(images)
         loss = torch.where(kept, losses.soft_likelihood_ratio(outputs) * weights, 0.0).sum() / n
         if self.consistency:
@@ -154,23 +157,28 @@ class CMF(Method):
                     augmented, _ = adapter.forward(views)
                 consistency = losses.symmetric_cross_entropy(augmented.float(), outputs[chosen]) * weights[chosen]
                 loss = loss + consistency.sum() / n
-        flag = adapter.apply(loss, skipped)
+        flag = adapter.apply(loss, skipped, leave_out=undefined)
         with torch.no_grad():
             self.filter()
         return logits, features, flag
 
     @torch.no_grad()
-    def weigh(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sample's weight w_n and whether it is kept, [N] each; moves m."""
+    def weigh(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each sample's weight w_n and whether it is kept, [N] each, and whether the weights
+        are undefined (`undefined_when`: every weight is then 0, for a finite loss whose step
+        is left out; None without `weighting`); moves m."""
         probs = outputs.softmax(1)
         if not self.weighting:
-            return torch.ones_like(outputs[:, 0]), torch.ones_like(outputs[:, 0], dtype=torch.bool)
-        diversity = losses.min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
+            return torch.ones_like(outputs[:, 0]), torch.ones_like(outputs[:, 0], dtype=torch.bool), None
+        dissimilarity = 1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1)
+        diversity = losses.min_max(dissimilarity)
         kept = ~(diversity < diversity.mean())  # NaN (all alike) keeps them all, as the collection's mask
-        certainty = losses.min_max((probs * outputs.log_softmax(1)).sum(1))  # −H(p)
-        weights = torch.where(kept, torch.exp(diversity * certainty / self.temperature), 0.0)
+        certainty = (probs * outputs.log_softmax(1)).sum(1)  # −H(p)
+        undefined = losses.alike(dissimilarity, certainty)
+        weights = torch.exp(diversity * losses.min_max(certainty) / self.temperature)
+        weights = torch.where(kept & ~undefined, weights, 0.0)
         self.class_probs.mul_(self.probs_momentum).add_((1 - self.probs_momentum) * probs.mean(0))
-        return weights, kept
+        return weights, kept, undefined
 
     def filter(self) -> None:
         """The Kalman filter's predict and update steps on h, then θ fused with it."""

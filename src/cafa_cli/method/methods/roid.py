@@ -68,6 +68,7 @@ class Roid(Method):
     draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True  # a second forward pass (the views) and the ensembling after each step
     filters_samples = True
+    undefined_when = losses.MIN_MAX_UNDEFINED
     options = (
         Option("weighting", True, "weight samples by certainty and diversity, and drop the least diverse", "flag"),
         Option("consistency", True, "add the symmetric cross-entropy to a random view of each kept sample", "flag"),
@@ -120,9 +121,12 @@ class Roid(Method):
             logits, features = adapter.forward(images)
         z = logits.float()
         n = len(z)
+        undefined = None
         if self.weighting:
-            weights, keep = self.weigh(z.detach())
+            weights, keep, undefined = self.weigh(z.detach())
             self.count_kept(keep.sum())
+            if skipped is None:  # the batch's first step: a batch is counted once
+                self.count_undefined(undefined)
         else:  # every sample kept, with weight 1
             weights, keep = torch.ones(n, device=z.device), None
             self.count_kept(torch.full((), n, dtype=torch.int64, device=z.device))
@@ -137,25 +141,30 @@ class Roid(Method):
             with adapter.autocast:
                 views, _ = adapter.forward(augment(kept_images, noise=False, padding="reflection"))
             loss = loss + (losses.symmetric_cross_entropy(views.float(), originals) * kept_weights).sum() / n
-        flag = adapter.apply(loss, skipped)
+        flag = adapter.apply(loss, skipped, leave_out=undefined)
         # θ ← αθ + (1 − α)θ⁰, in place, after each step (one left out too: theirs ensemble after every step)
         if self.source_momentum < 1:
             follow(self.params, self.source, self.source_momentum)
         return logits, features, flag
 
-    def weigh(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sample's weight (0 where dropped) and whether it is kept; moves m."""
+    def weigh(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sample's weight (0 where dropped), whether it is kept, and whether the weights
+        are undefined (`undefined_when`: every weight is then 0, for a finite loss whose step
+        is left out); moves m."""
         with torch.no_grad():
             probs = logits.softmax(1)
             if self.class_probs is None:
                 self.class_probs = torch.full((logits.shape[1],), 1 / logits.shape[1], device=logits.device)
-            diversity = losses.min_max(1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1))
+            dissimilarity = 1 - F.cosine_similarity(self.class_probs.unsqueeze(0), probs, dim=1)
+            diversity = losses.min_max(dissimilarity)
             keep = ~(diversity < diversity.mean())  # as theirs: NaN scores (a constant batch) drop nothing
-            certainty = losses.min_max(-losses.entropies(logits))
-            weights = torch.where(keep, torch.exp(diversity * certainty / self.temperature), 0.0)
+            certainty = -losses.entropies(logits)
+            undefined = losses.alike(dissimilarity, certainty)
+            weights = torch.exp(diversity * losses.min_max(certainty) / self.temperature)
+            weights = torch.where(keep & ~undefined, weights, 0.0)
             momentum = self.probs_momentum
             self.class_probs.mul_(momentum).add_(probs.mean(0), alpha=1 - momentum)
-        return weights, keep
+        return weights, keep, undefined
 
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The step's logits times the batch's smoothed prior (prior correction), as the
