@@ -117,7 +117,7 @@ def test_test_batch_norm_uses_batch_statistics_and_the_prior_mixes_them():
     assert out.mean((0, 2, 3)).abs().max() < 1e-5  # normalised by the batch, not by the source stats
     mixed = BatchStatisticsNorm(bn, "prior:8")(x)
     mean = (8 * 5.0 + 8 * x.mean((0, 2, 3))) / 16
-    var = (8 * 4.0 + 8 * x.var((0, 2, 3), unbiased=False)) / 16
+    var = (8 * 4.0 + 8 * x.var((0, 2, 3), unbiased=True)) / 16  # the batch's unbiased variance, as the authors'
     expected = (x - mean.view(1, -1, 1, 1)) / (var.view(1, -1, 1, 1) + bn.eps).sqrt()
     torch.testing.assert_close(mixed, expected)
 

@@ -28,6 +28,7 @@ LAYERS = {
     "factories": 0,
     "devices": 0,
     "environment": 0,
+    "numbers": 0,
     "interrupts": 0,
     "__init__": 0,
     "__main__": 5,

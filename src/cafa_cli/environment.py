@@ -12,10 +12,12 @@ import platform
 import subprocess
 from importlib.metadata import version
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from cafa_cli import __version__
+
+if TYPE_CHECKING:
+    import torch
 
 PACKAGE = Path(__file__).resolve().parent
 GIT_SECONDS = 5  # git on a slow or huge checkout: the record goes without the commit, the run does not wait
@@ -24,6 +26,8 @@ GIT_SECONDS = 5  # git on a slow or huge checkout: the record goes without the c
 def environment(device: str | torch.device) -> dict:
     """The block every metrics, bench and plot JSON, an export's and an artifact's metadata
     record as `environment`. `device`: the one the run resolved to."""
+    import torch  # here: the command line imports this module and starts without torch (its help)
+
     device = torch.device(device)
     commit = source_commit()
     return {
