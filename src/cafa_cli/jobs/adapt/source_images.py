@@ -6,24 +6,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cafa_cli.data.domain import Domain
+from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import batches
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.method.methods import method_class
 
 
-def source_images(config: AdaptConfig, preprocess: Preprocessing, device: torch.device, class_names) -> dict:
-    """`source_data` as the input the method takes: eata's `fisher_batches` (images), rmt's
-    `source_batches` (images and their labels as model outputs, a new shuffled pass each time)."""
+def source_images(
+    config: AdaptConfig, domain: Domain, preprocess: Preprocessing, device: torch.device, class_names
+) -> dict:
+    """`source_data` (opened as `domain`) as the input the method takes: eata's `fisher_batches`
+    (images), rmt's `source_batches` (images and their labels as model outputs, a new shuffled
+    pass each time)."""
     inputs = method_class(config.method).inputs
     if "fisher_batches" in inputs:
-        return {"fisher_batches": fisher_batches(config, preprocess, device)}
+        return {"fisher_batches": fisher_batches(config, domain, preprocess, device)}
     if "source_batches" in inputs:
-        domain = open_domain(config.source_data, class_names, option="source_data")
-        return {"source_batches": LabelledBatches(domain, preprocess, config.batch_size, config.num_workers, device)}
+        labelled = relabel(domain, list(class_names)) if class_names is not None else domain
+        return {"source_batches": LabelledBatches(labelled, preprocess, config.batch_size, config.num_workers, device)}
     return {}
 
 
@@ -53,12 +55,11 @@ class LabelledBatches:
                 yield self.preprocess.normalize(batch.images.to(self.device)), labels
 
 
-def fisher_batches(config: AdaptConfig, preprocess: Preprocessing, device: torch.device):
+def fisher_batches(config: AdaptConfig, domain: Domain, preprocess: Preprocessing, device: torch.device):
     """EATA's source images: `fisher_samples` of `source_data` at random (seed 0), in that
     random order, as the authors' shuffling loader gives them (in file order, each batch of a
     class-folder set was nearly one class, and the Fisher about 12 times the authors'), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
-    domain = open_domain(config.source_data, option="source_data")
     if len(domain) == 0:
         raise InputError(f"`source_data` {config.source_data}: no images")
     count = min(config.fisher_samples, len(domain))
