@@ -157,6 +157,76 @@ def test_one_thread_at_a_time(trained):
     assert adapter.step(x[:4]).shape == (4, 3)  # free again
 
 
+def _public_calls() -> list[str]:
+    """Every public method of the Adapter (its properties aside): each reads or changes the
+    adaptation's state, but adapted(), which reads the parameters' shapes only."""
+    return [
+        name
+        for name, member in vars(Adapter).items()
+        if not name.startswith("_") and callable(member) and name != "adapted"
+    ]
+
+
+def test_every_public_call_is_one_thread_at_a_time(trained):
+    """reset() was not guarded (issue 60): each public call, while another thread is in one,
+    is a one-line error that changes nothing; apply() inside a method's own step is the same thread."""
+    _, _, x, _ = trained
+    adapter = adapter_of(trained, "tent")
+    state, before = adapter.state_dict(), copy.deepcopy(adapter.model.state_dict())
+    arguments = {"step": (x[:4],), "features": (x[:4],), "load_state_dict": (state,), "apply": (torch.ones(()),)}
+    inside, leave = threading.Event(), threading.Event()
+
+    def in_a_call():
+        with adapter._one_thread():
+            inside.set()
+            leave.wait(60)
+
+    holder = threading.Thread(target=in_a_call)
+    holder.start()
+    inside.wait(60)
+    try:
+        assert set(_public_calls()) >= {"reset", "step", "features", "export", "state_dict", "load_state_dict"}
+        for name in _public_calls():
+            with pytest.raises(UsageError, match="already in a call from another thread"):
+                getattr(adapter, name)(*arguments.get(name, ()))
+    finally:
+        leave.set()
+        holder.join()
+    assert all(torch.equal(before[k], v) for k, v in adapter.model.state_dict().items())
+    adapter.reset()  # free again
+    assert adapter.step(x[:4]).shape == (4, 3)
+    sar = adapter_of(trained, "sar")  # its own update calls apply() from inside its step
+    assert sar.step(x[:4]).shape == (4, 3)
+
+
+def test_a_reset_during_a_step_in_another_thread_is_refused_and_the_step_is_whole(trained):
+    """A reset() between a step's forward pass and its backward pass corrupted the step (a raw
+    autograd error) and left weights that were neither the source's nor the step's."""
+    _, _, x, _ = trained
+    adapter, alone = adapter_of(trained, "tent"), adapter_of(trained, "tent")
+    expected = alone.step(x[:8])
+    loss, in_step, go = adapter.method.loss, threading.Event(), threading.Event()
+
+    def waiting_loss(*args):
+        in_step.set()  # the forward pass is done; the backward pass and the update come next
+        go.wait(60)
+        return loss(*args)
+
+    adapter.method.loss = waiting_loss
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(logits=adapter.step(x[:8])))
+    worker.start()
+    in_step.wait(60)
+    try:
+        with pytest.raises(UsageError, match="already in a call from another thread"):
+            adapter.reset()
+    finally:
+        go.set()
+        worker.join()
+    assert torch.equal(outcome["logits"], expected)
+    assert all(torch.equal(v, alone.model.state_dict()[k]) for k, v in adapter.model.state_dict().items())
+
+
 def test_rough_edges_get_one_line_errors(trained):
     model, _, x, _ = trained
     with pytest.raises(UsageError, match="takes a FeatureClassifier, not a bare"):

@@ -222,7 +222,7 @@ def test_a_bench_step_cost_for_no_row_is_refused_before_statistics(tmp_path, tin
 
 def test_a_forgetting_domain_that_is_also_a_test_domain_is_refused(setup):
     result = _adapt(setup, "--forgetting", f"{setup['train']}/")
-    assert result.exit_code == 2 and "also a test domain" in result.stderr and result.stdout == ""
+    assert result.exit_code == 2 and "are images of the test domain" in result.stderr and result.stdout == ""
 
 
 def test_bench_takes_rates_as_an_axis_and_reports_rounds_shares_and_forgetting(tmp_path, tiny_weights):

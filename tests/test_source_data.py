@@ -32,11 +32,14 @@ def run(setup, *extra):
     )
 
 
-def test_rmt_warms_up_and_replays_on_the_source_data_and_says_when_it_has_none(setup):
+def test_rmt_warms_up_and_replays_on_the_source_data_and_says_when_it_has_none(setup, tmp_path):
+    from conftest import write_folder
+
     free = run(setup)
     assert free.exit_code == 0, free.stderr
     assert "rmt without --source-data runs as its authors' source-free variant" in free.stderr
-    sourced = run(setup, "--source-data", setup["train"], "--method-option", "warmup_samples=20")
+    source = write_folder(tmp_path / "source", per_class=6, seed=4)  # apart from the test images (test_same_images)
+    sourced = run(setup, "--source-data", source, "--method-option", "warmup_samples=20")
     assert sourced.exit_code == 0, sourced.stderr
     assert "source-free" not in sourced.stderr
     assert sourced.stdout.count("\n") == free.stdout.count("\n") and sourced.stdout != free.stdout
@@ -105,7 +108,7 @@ def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(traine
     def in_order(order):
         return (plain.normalize(batch.images) for batch in batches(domain, plain, 30, order, 0, cpu))
 
-    ours = size(fisher_batches(config, plain, cpu))
+    ours = size(fisher_batches(config, domain, plain, cpu))
     shuffled = np.mean([size(in_order(np.random.default_rng(seed).permutation(300))) for seed in range(1, 6)])
     by_class = size(in_order(np.arange(300)))
     assert abs(ours - shuffled) < 0.35 * shuffled and by_class > 1.8 * shuffled, (ours, shuffled, by_class)

@@ -147,6 +147,24 @@ def reading_images(paths, what: str) -> None:
             )
 
 
+def image_identity(ref: str, arrays: dict[str, tuple]) -> tuple:
+    """The image a domain's `ref` names, whatever the name it is reached by (a relative path,
+    `..`, a symlinked folder or class folder, a hard link): a file's (device, inode); an array
+    row's `FILE.npy#3`, that file's identity and the row; a built-in set's row
+    (`fashion-mnist-train#3`, no file), its name. `arrays` keeps each array file's identity
+    (one stat a file, not a row)."""
+    try:
+        found = os.stat(ref)
+    except (OSError, ValueError):
+        head, mark, row = ref.rpartition("#")
+        if not (mark and row.isdigit()):
+            return (os.path.realpath(ref),)
+        if head not in arrays:
+            arrays[head] = file_identity(head)
+        return (*arrays[head], int(row))
+    return (found.st_dev, found.st_ino)
+
+
 def standard_streams(regular_only: bool = False) -> dict[tuple, str]:
     """{identity: name} of the files behind standard output (whatever it is: a file, a pipe,
     a terminal; a regular file only, with `regular_only`) and standard error (when a regular

@@ -271,14 +271,15 @@ class Adapter(OneThreadAtATime):
 
     def reset(self) -> None:
         """Back to the source weights, bit for bit, with a fresh optimiser state."""
-        self.model.load_state_dict(self.source_state)
-        self.optimizer = self._new_optimizer()
-        self.scaler = self._new_scaler()
-        if self.balanced is not None:
-            self.balanced.start()
-        self.method.reset()
-        if self.graph is not None:  # its optimiser state and the method's are new tensors
-            self.graph.drop()
+        with self._one_thread():
+            self.model.load_state_dict(self.source_state)
+            self.optimizer = self._new_optimizer()
+            self.scaler = self._new_scaler()
+            if self.balanced is not None:
+                self.balanced.start()
+            self.method.reset()
+            if self.graph is not None:  # its optimiser state and the method's are new tensors
+                self.graph.drop()
 
     def export(self) -> torch.nn.Module:
         """The adapted network for serving, a plain copy: each normalisation layer the Adapter
@@ -404,8 +405,10 @@ class Adapter(OneThreadAtATime):
         leave_out: torch.Tensor | None = None,
         after_backward=None,
     ) -> torch.Tensor:
-        """One optimiser step on `loss`, for a method that owns its update (base.py): see _apply."""
-        return self._apply(loss, skipped, leave_out=leave_out, after_backward=after_backward)
+        """One optimiser step on `loss`, for a method that owns its update (base.py), from
+        inside its step (the same thread): see _apply."""
+        with self._one_thread():
+            return self._apply(loss, skipped, leave_out=leave_out, after_backward=after_backward)
 
     def _apply(
         self,

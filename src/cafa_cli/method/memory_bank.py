@@ -19,6 +19,14 @@ RoTTA's; cafa-robust's `memory_expiry`), a sample older than E joins the candida
 its class: a bank that a new domain refreshes in only the classes it predicts would otherwise
 keep the old domain's images of every other class for good.
 
+A slot, once filled, is only ever replaced, never emptied (but by `reset`), and an empty one
+is filled lowest first, so the stored samples are the first `filled` slots. The slots exist
+as far as they are needed: room for the first batch offered (at most K), doubled (at most
+K) whenever the stored samples outgrow it. A training step runs over those slots, its empty
+ones with weight 0, so that its work and memory follow the samples stored and the batch
+size, not K (a bank of K = 10,000 once ran the networks over 10,000 slots, empty ones
+included, after 20 images); once the slots reach K, the step is what it always was.
+
 Whether a sample enters depends on the bank as the previous one left it, so the samples
 of a batch are decided one after the other, but on the host: the batch's labels and
 λ_u·u/ln C come over in one transfer, the timeliness term is a table of every age's value
@@ -60,7 +68,7 @@ SATURATION = 40  # ages of SATURATION·K and more: exp(−a/K) < 2^−53, so 1 +
 class MemoryBank:
     """The CSTU bank: `offer(samples, labels, uncertainties, arrival, every)` for a batch
     (`add` when no step interleaves), `samples`/`occupied`/`ages` for a training step.
-    Slots are allocated on the first offer."""
+    Slots are allocated as they are needed (module docstring)."""
 
     # made with the slots, on the first offer (_allocate): declared here, as a saved state may hold them
     labels: torch.Tensor | None = None
@@ -81,7 +89,7 @@ class MemoryBank:
         self.reset()
 
     def reset(self) -> None:
-        self.slots: torch.Tensor | None = None  # [K, ...] on the device
+        self.slots: torch.Tensor | None = None  # [R ≤ K, ...] on the device
         K = self.capacity
         # the host's bookkeeping, per slot: pseudo-label (-1: empty), λ_u·u/ln C, arrival, and
         # the offers made before it entered (its age is `clock` minus that)
@@ -92,15 +100,25 @@ class MemoryBank:
 
     def _allocate(self, samples: torch.Tensor) -> None:
         K, device = self.capacity, samples.device
-        self.slots = samples.new_zeros((K, *samples.shape[1:]))
-        self.labels = torch.full((K,), -1, dtype=torch.int64, device=device)  # -1: empty
-        self.age_counts = torch.zeros(K, dtype=torch.int64, device=device)
+        rows = min(K, max(len(samples), 1))  # the first batch's room
+        self.slots = samples.new_zeros((rows, *samples.shape[1:]))
+        self.labels = torch.full((rows,), -1, dtype=torch.int64, device=device)  # -1: empty
+        self.age_counts = torch.zeros(rows, dtype=torch.int64, device=device)
         ages = torch.arange(SATURATION * K + 1, device=device)
         self.timeliness = self.timeliness_terms(ages).tolist()  # one transfer per bank
 
+    def _room(self) -> None:
+        """Slots for the `filled` samples: doubled (at most K) when they outgrow them, so that
+        filling the bank copies each stored sample about once."""
+        rows = len(self.slots)
+        if self.filled > rows:
+            grown = self.slots.new_zeros((min(self.capacity, max(self.filled, 2 * rows)), *self.slots.shape[1:]))
+            grown[:rows] = self.slots
+            self.slots = grown
+
     @property
     def samples(self) -> torch.Tensor:
-        """[K, ...]: the stored samples (zeros where empty)."""
+        """[R, ...]: the slots, the stored samples first (zeros where empty)."""
         return self.slots
 
     @property
@@ -159,7 +177,7 @@ class MemoryBank:
         labels = self.host_labels
         room_in_class = self.class_counts[c] < self.per_class
         if room_in_class and self.filled < self.capacity:
-            slot = labels.index(-1)  # the first empty one
+            slot = self.filled  # the first empty one: the stored samples come first
         else:
             slot = self._victim(c, room_in_class, self.timeliness[0] + term)
         if slot is not None:
@@ -190,9 +208,9 @@ class MemoryBank:
         else:
             pool = {c}
         best, victim, key = -math.inf, None, (-1, -1)
-        for k, label in enumerate(labels):
-            age = self.clock - self.entered[k]
-            if label < 0 or label not in pool and not (self.expiry and age > self.expiry):
+        for k in range(self.filled):  # the stored ones (module docstring)
+            label, age = labels[k], self.clock - self.entered[k]
+            if label not in pool and not (self.expiry and age > self.expiry):
                 continue
             score = table[min(age, last)] + self.host_terms[k]
             if score != score:  # NaN
@@ -206,11 +224,12 @@ class MemoryBank:
         return [self.clock - e if label >= 0 else 0 for label, e in zip(self.host_labels, self.entered)]
 
     def _write(self, samples: torch.Tensor, written: dict[int, int]) -> None:
-        """The decided samples into their slots, and the labels and ages to the device, in
-        one host-to-device copy (asynchronous on a GPU)."""
-        K, device = self.capacity, samples.device
+        """The decided samples into their slots, and the slots' labels and ages to the device,
+        in one host-to-device copy (asynchronous on a GPU)."""
+        self._room()
+        K, device = len(self.slots), samples.device
         host = torch.tensor(
-            list(written) + list(written.values()) + self.host_labels + self.host_ages, dtype=torch.int64
+            list(written) + list(written.values()) + self.host_labels[:K] + self.host_ages[:K], dtype=torch.int64
         )
         if device.type == "cuda":
             host = host.pin_memory()

@@ -33,6 +33,7 @@ from cafa_cli.jobs.shared.clean import clean_error
 from cafa_cli.jobs.shared.inputs import (
     _check_classes,
     _class_names_of,
+    check_apart,
     default_class_names,
     default_preprocessing,
     recorded_data,
@@ -187,8 +188,6 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config)
     subset = class_subset(config, artifact, model_classes)
     paths, groups, notes = stream_domains(config)
-    if config.forgetting:
-        check_not_a_test_domain(config.forgetting, paths)
     ids = (config.subset, read_image_ids(config.subset)) if config.subset else None
     opened = {
         path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
@@ -212,6 +211,16 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         )
     if subset:
         net.restrict_outputs(subset.outputs)
+    forgetting = None
+    if config.forgetting:  # predicted by the adapted model as a test domain is: the test images' preprocessing
+        forgetting = open_test_domain(
+            config.forgetting, None, None, model_classes or class_names, subset, None, notes, option="forgetting"
+        )
+        check_apart("forgetting", config.forgetting, forgetting, list(opened.values()))
+    source = None
+    if entry_of(config.method).without_source_images and config.source_data:
+        source = open_domain(config.source_data, option="source_data")
+        check_apart("source_data", config.source_data, source, list(opened.values()))
     clean = None
     if config.clean:  # the source model, before the Adapter changes it; prepared as the statistics' training images
         clean_domain = open_test_domain(
@@ -227,16 +236,11 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             config.strict,
             monitor or Monitor(),
         )
-    forgetting = None
-    if config.forgetting:  # predicted by the adapted model as a test domain is: the test images' preprocessing
-        forgetting = open_test_domain(
-            config.forgetting, None, None, model_classes or class_names, subset, None, notes, option="forgetting"
-        )
     gaussians = statistics_of(artifact, subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
-    if entry_of(config.method).without_source_images and config.source_data:
+    if source is not None:
         checked = size_check(config.source_data, artifact, monitor.warn if monitor else None)
-        options.update(source_images(config, preprocess, device, model_classes or class_names, checked))
+        options.update(source_images(config, source, preprocess, device, model_classes or class_names, checked))
     with blamed_on(recipe):  # `method_option` was checked with the settings: a recipe's own option is wrong
         method = create(config.method, gaussians, device, **options)
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
@@ -331,16 +335,6 @@ def blamed_on(recipe: Recipe | None):
         if recipe is None:
             raise
         raise InputError(f"{error} (in the recipe {recipe.origin})") from None
-
-
-def check_not_a_test_domain(forgetting: str, paths: list[str]) -> None:
-    """`forgetting` measures what adapting on the test domains did to a domain the model is not
-    adapted on: one of the test domains would be adapted on and measured at once."""
-    if recorded_data(forgetting) in {recorded_data(path) for path in paths}:
-        raise UsageError(
-            f"`forgetting` {forgetting} is also a test domain; give a clean domain the stream does not adapt on "
-            f"(e.g. the benchmark's clean test set)"
-        )
 
 
 def stream_domains(config: AdaptConfig) -> tuple[list[str], list[int] | None, list[str]]:

@@ -9,10 +9,9 @@ import numpy as np
 import torch
 
 from cafa_cli.artifact import Artifact
-from cafa_cli.data.domain import Domain
+from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import Batch, batches
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.sources import open_domain
 from cafa_cli.errors import InputError
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.shared.report import short_name
@@ -25,22 +24,24 @@ FirstBatch = Callable[[torch.Tensor], None]
 
 def source_images(
     config: AdaptConfig,
+    domain: Domain,
     preprocess: Preprocessing,
     device: torch.device,
     class_names,
     first_batch: FirstBatch | None = None,
 ) -> dict:
-    """`source_data` as the input the method takes: eata's `fisher_batches` (images), rmt's
-    `source_batches` (images and their labels as model outputs, a new shuffled pass each time).
-    `first_batch` is told the first images read (once), to check their size as a test domain's."""
+    """`source_data` (opened as `domain`) as the input the method takes: eata's `fisher_batches`
+    (images), rmt's `source_batches` (images and their labels as model outputs, a new shuffled
+    pass each time). `first_batch` is told the first images read (once), to check their size as
+    a test domain's."""
     inputs = method_class(config.method).inputs
     if "fisher_batches" in inputs:
-        return {"fisher_batches": fisher_batches(config, preprocess, device, first_batch)}
+        return {"fisher_batches": fisher_batches(config, domain, preprocess, device, first_batch)}
     if "source_batches" in inputs:
-        domain = open_domain(config.source_data, class_names, option="source_data")
+        labelled = relabel(domain, list(class_names)) if class_names is not None else domain
         return {
             "source_batches": LabelledBatches(
-                domain, preprocess, config.batch_size, config.num_workers, device, first_batch
+                labelled, preprocess, config.batch_size, config.num_workers, device, first_batch
             )
         }
     return {}
@@ -123,13 +124,16 @@ class LabelledBatches:
 
 
 def fisher_batches(
-    config: AdaptConfig, preprocess: Preprocessing, device: torch.device, first_batch: FirstBatch | None = None
+    config: AdaptConfig,
+    domain: Domain,
+    preprocess: Preprocessing,
+    device: torch.device,
+    first_batch: FirstBatch | None = None,
 ):
     """EATA's source images: `fisher_samples` of `source_data` at random (seed 0), in that
     random order, as the authors' shuffling loader gives them (in file order, each batch of a
     class-folder set was nearly one class, and the Fisher about 12 times the authors'), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""
-    domain = open_domain(config.source_data, option="source_data")
     if len(domain) == 0:
         raise InputError(f"`source_data` {config.source_data}: no images")
     count = min(config.fisher_samples, len(domain))

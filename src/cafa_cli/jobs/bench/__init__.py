@@ -27,7 +27,14 @@ from cafa_cli.jobs.adapt.prepare import check_recipe_file, prepare_adaptation
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.record import ROW_SETTINGS, write_json
 from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
-from cafa_cli.jobs.bench.runs import check_domains, check_method_options, row_config, training_data, with_standard_model
+from cafa_cli.jobs.bench.runs import (
+    check_apart_from_tests,
+    check_domains,
+    check_method_options,
+    row_config,
+    training_data,
+    with_standard_model,
+)
 from cafa_cli.jobs.bench.statistics import covariances_needed, ensure_statistics, shared_class_list, statistics_needed
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.clean import clean_summary
@@ -174,7 +181,7 @@ def run_bench(
     failed, the first error is raised."""
     monitor = RankMonitor(monitor if rank == 0 else None)
     # every check before statistics that can take hours, and before the workdir is made
-    check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
+    tests = check_domains(config.data, config, config.gradual, config.severity_list(), config.oracle)
     check_method_options(config, rows)
     for row in rows:
         check_recipe_file(row_config(config, row, seeds[0], None, None))
@@ -186,6 +193,7 @@ def run_bench(
         given = getattr(config, option)
         if given and given not in TRAINING_SETS and given != "-" and not Path(on_disk(given)).exists():
             raise InputError(f"`{option}` {given}: no such file or folder")
+    check_apart_from_tests(config, rows, tests)
     for method, reset in dict.fromkeys((row.method, row_reset(config, row)) for row in rows):
         if reset != config.reset:  # a per-domain column is then one stream through the domains
             monitor.info(

@@ -8,15 +8,16 @@ import json
 from dataclasses import fields, replace
 from pathlib import Path
 
+from cafa_cli.data.domain import Domain
 from cafa_cli.data.pace import parse_step_cost
 from cafa_cli.data.sources import gradual_stages, open_domain
-from cafa_cli.errors import InputError, UsageError, repeated
+from cafa_cli.errors import InputError, UsageError, listing, repeated
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.config.data import InputOptions
 from cafa_cli.jobs.config.settings import parse_method_options
-from cafa_cli.jobs.shared.inputs import recorded_data
+from cafa_cli.jobs.shared.inputs import check_apart, recorded_data
 from cafa_cli.method.gaussians import auto_shrinkage_method
 from cafa_cli.method.methods import entry_of
 from cafa_cli.method.options import parse_norm
@@ -31,18 +32,21 @@ def check_domains(
     gradual: bool = False,
     severities: list[int | None] | None = None,
     oracle: bool = False,
-) -> None:
+) -> list[Domain]:
     """Each test domain given once, readable with its options and labelled (at each of
     `severities`, default `severity`; every image, for the `oracle` rows), before any
-    statistics are computed; with `gradual`, each corruption and its severities."""
+    statistics are computed; with `gradual`, each corruption and its severities. The
+    domains as opened, every stage and severity."""
     stages = {domain: gradual_stages(domain) if gradual else [domain] for domain in domains}
     # `imgs` and `./imgs/` are one domain; with `gradual`, `fog` and `fog/3` are one corruption
     twice = repeated(domains, key=lambda domain: recorded_data(stages[domain][0]))
     if twice:
         raise UsageError(f"test domain {twice[0]} is given twice; give each domain once")
+    opened = []
     for domain in dict.fromkeys(stage for visits in stages.values() for stage in visits):
         for severity in severities or [data_choice.severity]:
-            labels = open_domain(domain, None, data_choice.labels, severity).labels
+            opened.append(open_domain(domain, None, data_choice.labels, severity))
+            labels = opened[-1].labels
             if not (labels >= 0).any():
                 raise InputError(
                     f"{domain}: no labels, so no error to benchmark; give domains with one folder per class "
@@ -50,6 +54,26 @@ def check_domains(
                 )
             if oracle:
                 check_oracle_labels(domain, labels)
+    return opened
+
+
+def check_apart_from_tests(config: BenchConfig, rows: list[Row], tests: list[Domain]) -> None:
+    """`forgetting` and the source images of the rows that take them hold none of the test
+    images (`tests`, as check_domains opened them) by any name, before any statistics. A
+    row's source images are the training data when `source_data` is not given (source_data)."""
+    if config.forgetting:
+        check_apart("forgetting", config.forgetting, open_domain(config.forgetting, option="forgetting"), tests)
+    taking = [row for row in rows if entry_of(row.method).without_source_images]
+    for given in dict.fromkeys(source_data(config, row) for row in taking):
+        if given is None:
+            continue
+        option = "source_data" if given == config.source_data else "train"
+        fix = None
+        if option == "train":
+            names = listing(dict.fromkeys(row.method for row in taking if source_data(config, row) == given))
+            fix = f"{names} take the training data as their source images without `source_data`: give `source_data`"
+            fix += " images none of which is a test image"
+        check_apart(option, given, open_domain(given, option=option), tests, fix)
 
 
 def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str) -> bool:

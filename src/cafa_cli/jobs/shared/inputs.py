@@ -9,7 +9,8 @@ from cafa_cli import hub
 from cafa_cli.data.domain import Domain, read_class_list
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import on_disk
-from cafa_cli.errors import InputError, listing
+from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.files import image_identity
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.method.features import FeatureClassifier
 from cafa_cli.models import ModelSpec, bundled_model, checked_model
@@ -93,3 +94,32 @@ def recorded_data(data: str) -> str:
     if location == data:
         return str(Path(data).resolve()) if Path(data).exists() else data
     return data[: -len(location)] + str(Path(location).resolve())
+
+
+# what to give instead of images that are also test images, by the option that gave them
+APART_FIXES = {
+    "forgetting": "give a clean domain the stream does not adapt on (e.g. the benchmark's clean test set)",
+    "source_data": "give labelled source images none of which is a test image (e.g. the training set)",
+}
+
+
+def check_apart(option: str, spec: str, domain: Domain, tests: list[Domain], fix: str | None = None) -> None:
+    """None of `option`'s images (`spec`, opened as `domain`) is one of the test domains'
+    images by another name (files.image_identity: the folder again, a relative path, a
+    symlinked folder, a folder of symlinked class folders, hard links): forgetting measured on
+    the images adapted on, or source images that train on the test labels, would measure the
+    test set. A UsageError naming both options, before any statistics or records."""
+    arrays: dict[str, tuple] = {}
+    tested: dict[tuple, tuple[str, str]] = {}
+    for test in tests:
+        for ref in test.refs:
+            tested.setdefault(image_identity(ref, arrays), (ref, test.name))
+    shared = [(ref, tested[key]) for ref in domain.refs if (key := image_identity(ref, arrays)) in tested]
+    if not shared:
+        return
+    ref, (test_ref, test_name) = shared[0]
+    example = f"such as {ref}" if ref == test_ref else f"{ref} is {test_ref}"
+    raise UsageError(
+        f"`{option}` {spec}: {len(shared):,} of its {len(domain):,} images are images of the test domain `data` "
+        f"{test_name}, compared as files, not names ({example}); {fix or APART_FIXES[option]}"
+    )

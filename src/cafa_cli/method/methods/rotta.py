@@ -31,7 +31,10 @@ A step reads one device value: the batch's pseudo-labels and uncertainties, in o
 transfer, after which the bank decides each sample on the host (memory_bank.py); the
 schedule is a count of samples known on the host, and the bank's empty slots (it fills
 up over the first samples, and a skewed stream may leave it part empty) ride along in
-the training step with weight 0, the RBN statistics taken over the filled ones only.
+the training step with weight 0, the RBN statistics taken over the filled ones only: as
+the official code's step on the stored samples alone, but for the augmentation's draws.
+The slots exist as far as the stored samples and the first batch need them
+(memory_bank.py), so a step's work follows those, not `memory_size`.
 """
 
 from __future__ import annotations
