@@ -3,6 +3,8 @@ eata's Fisher term reads the images, rmt's warm-up and replay the images and the
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -138,5 +140,7 @@ def test_source_images_of_another_size_are_flagged_and_none_readable_is_bad_inpu
             (bad / name / f"{i}.png").write_bytes(b"not an image")
     line = fails(run(setup, *extra, "--source-data", bad), 3, "none of its 6 image(s) could be read")
     assert line.startswith(f"cafa: error: --source-data {bad}")
-    same = run(setup, *extra, "--source-data", setup["train"])
+    # images of the statistics' size: a copy of the training images (the test data here is that
+    # folder itself, which --source-data may not share: tests/test_same_images.py)
+    same = run(setup, *extra, "--source-data", shutil.copytree(setup["train"], tmp_path / "copy"))
     assert same.exit_code == 0 and "enter the model at" not in same.stderr, same.stderr
