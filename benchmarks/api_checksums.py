@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.models import load_model
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import REGISTRY, create
+from cafa_cli.model.loading import load_model
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 MEAN, STD = 0.2860, 0.3530  # fmnist-resnet's input normalisation
 OPTIONS = {  # smaller banks and fewer views than the recipes': the same code paths, faster

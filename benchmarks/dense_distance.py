@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
-from cafa_cli.method import distances
+from cafa_cli.statistics import distances
 
 
 def main() -> None:

@@ -33,9 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians, synthetic_norm_moments, whole_cycles  # noqa: E402
 
-from cafa_cli.method.adapter import Adapter  # noqa: E402
-from cafa_cli.method.methods import REGISTRY, create  # noqa: E402
-from cafa_cli.models import resolve  # noqa: E402
+from cafa_cli.engine.adapter import Adapter  # noqa: E402
+from cafa_cli.methods import REGISTRY, create  # noqa: E402
+from cafa_cli.model.loading import resolve  # noqa: E402
 
 NORMS = ("batch", "prior:4", "source", "ema:0.05", "class-balanced")
 NORM_ROWS = ("tent", "cafa")  # the methods timed under every norm; the others under their own

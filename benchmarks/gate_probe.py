@@ -25,11 +25,11 @@ import torch
 from PIL import Image
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
-from cafa_cli.method import losses
-from cafa_cli.method.class_balanced import correction_strength
-from cafa_cli.method.norms import use_test_batch_norm
-from cafa_cli.zoo import load_bundled
-from cafa_cli.zoo.train_fmnist import normalize
+from cafa_cli.engine.class_balanced import correction_strength
+from cafa_cli.engine.norms import use_test_batch_norm
+from cafa_cli.methods.shared import losses
+from cafa_cli.model.zoo import load_bundled
+from cafa_cli.model.zoo.train_fmnist import normalize
 
 
 def images_of(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,9 +38,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
-from cafa_cli.artifact import write_artifact  # noqa: E402
+from cafa_cli.artifact.store import write_artifact  # noqa: E402
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.models import ModelSpec
+from cafa_cli.model.loading import ModelSpec
 
 
 def _write_class(args) -> int:
@@ -301,10 +301,10 @@ def main() -> None:
         import torchvision
         from safetensors.torch import save_file
 
-        from cafa_cli.checkpoints import sha256_of
+        from cafa_cli.model.checkpoints import sha256_of
 
         weights = root / "resnet50-random.safetensors"
-        from cafa_cli.models import parameters_sha256
+        from cafa_cli.model.loading import parameters_sha256
 
         net = torchvision.models.resnet50(num_classes=classes)
         save_file(net.state_dict(), str(weights))

@@ -61,18 +61,18 @@ from pathlib import Path
 
 import torch
 
-from cafa_cli.artifact import read_artifact, write_artifact
+from cafa_cli.artifact.store import read_artifact, write_artifact
+from cafa_cli.core.devices import pick_device
 from cafa_cli.data.loading import Batch
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.devices import pick_device
-from cafa_cli.method import distances
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.gaussians import ClassGaussians
-from cafa_cli.method.methods import REGISTRY, create, entry_of
-from cafa_cli.method.moments import accumulate_features
-from cafa_cli.method.step_graph import WARMUP as STEP_GRAPH_WARMUP
-from cafa_cli.models import ModelSpec, resolve
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.step_graph import WARMUP as STEP_GRAPH_WARMUP
+from cafa_cli.methods import REGISTRY, create, entry_of
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.model.loading import ModelSpec, resolve
+from cafa_cli.statistics import distances
+from cafa_cli.statistics.gaussians import ClassGaussians
+from cafa_cli.statistics.moments import accumulate_features
 
 KEEP_BYTES = distances.KEEP_BYTES
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cafa_cli.method.methods.cafa_robust import CafaRobust, SharedStatisticsNorm, variance_jump
+from cafa_cli.methods.cafa_robust import CafaRobust, SharedStatisticsNorm, variance_jump
 
 
 def traced(out) -> None:

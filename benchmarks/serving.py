@@ -27,10 +27,10 @@ from cafa_cli.data.domain import relabel  # noqa: E402
 from cafa_cli.data.loading import batches  # noqa: E402
 from cafa_cli.data.preprocessing import Preprocessing  # noqa: E402
 from cafa_cli.data.sources import open_domain  # noqa: E402
-from cafa_cli.method.adapter import Adapter  # noqa: E402
-from cafa_cli.method.methods import create  # noqa: E402
-from cafa_cli.models import load_model  # noqa: E402
-from cafa_cli.zoo import BUNDLED  # noqa: E402
+from cafa_cli.engine.adapter import Adapter  # noqa: E402
+from cafa_cli.methods import create  # noqa: E402
+from cafa_cli.model.loading import load_model  # noqa: E402
+from cafa_cli.model.zoo import BUNDLED  # noqa: E402
 
 
 def images_of(folder: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:

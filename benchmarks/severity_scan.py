@@ -15,9 +15,9 @@ import torch
 
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, HELD_OUT_CORRUPTIONS, corrupt_grey, stratified_rows
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
-from cafa_cli.models import resolve
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.model.loading import resolve
 
 
 def error(method: str, images: np.ndarray, labels: np.ndarray, batch: int = 200) -> float:

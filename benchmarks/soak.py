@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.store import read_artifact
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.shared.inputs import ModelChoice, default_preprocessing
 from cafa_cli.jobs.stats import compute_statistics
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
-from cafa_cli.models import resolve
+from cafa_cli.methods import create
+from cafa_cli.model.loading import resolve
 
 
 def rss_mib() -> float:

@@ -49,10 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import model_arguments, sync, synthetic_gaussians  # noqa: E402
 
-from cafa_cli.devices import pick_device  # noqa: E402
-from cafa_cli.method.adapter import Adapter  # noqa: E402
-from cafa_cli.method.methods import create  # noqa: E402
-from cafa_cli.models import resolve  # noqa: E402
+from cafa_cli.core.devices import pick_device  # noqa: E402
+from cafa_cli.engine.adapter import Adapter  # noqa: E402
+from cafa_cli.methods import create  # noqa: E402
+from cafa_cli.model.loading import resolve  # noqa: E402
 
 BEFORE = "cafa_before"  # the earlier package's name in this process
 
@@ -112,7 +112,7 @@ def before_package(against: str | None, folder: str | None):
         source = Path(folder) / "cafa_cli"
         if not (source / "method" / "adapter.py").is_file():
             raise SystemExit(
-                f"--before {folder}: no cafa_cli/method/adapter.py in it; it should hold the earlier commit's "
+                f"--before {folder}: no cafa_cli/engine/adapter.py in it; it should hold the earlier commit's "
                 "package as FOLDER/cafa_cli (git archive REV src/cafa_cli | tar -x -C FOLDER --strip-components=1)"
             )
     shutil.copytree(source, copy / BEFORE)

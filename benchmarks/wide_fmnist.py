@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from cafa_cli.data.fashion_mnist import load_fashion_mnist
-from cafa_cli.zoo import train_fmnist
-from cafa_cli.zoo.fmnist_resnet import STAGE_WIDTHS, FmnistResNet, ResidualBlock
+from cafa_cli.model.zoo import train_fmnist
+from cafa_cli.model.zoo.fmnist_resnet import STAGE_WIDTHS, FmnistResNet, ResidualBlock
 
 DEFAULT_WIDTH = 256
 

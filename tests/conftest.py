@@ -13,9 +13,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_NET = f"{ASSETS / 'tiny_net.py'}:build"

@@ -11,15 +11,15 @@ import tiny_net
 import torch
 import torchvision
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method import losses
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.methods.base import Method, select_parameters
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.method.norms import BatchStatisticsNorm, use_test_batch_norm
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.method import Method, select_parameters
+from cafa_cli.engine.norms import BatchStatisticsNorm, use_test_batch_norm
+from cafa_cli.methods import REGISTRY, create
+from cafa_cli.methods.shared import losses
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 NAMES = tuple(REGISTRY)
 

@@ -1,4 +1,4 @@
-"""artifact.py: round trip, atomic writes, and a one-line InputError for each kind of bad file."""
+"""artifact/store.py: round trip, atomic writes, and a one-line InputError for each kind of bad file."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load, save_file
 
-import cafa_cli.artifact as artifact_module
-import cafa_cli.artifact_format as artifact_format
-from cafa_cli.artifact import read_artifact, write_artifact
+import cafa_cli.artifact.format as artifact_format
+import cafa_cli.artifact.store as artifact_module
+from cafa_cli.artifact.store import read_artifact, write_artifact
+from cafa_cli.core.errors import CafaError, InputError
+from cafa_cli.core.files import atomic_write
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import CafaError, InputError
-from cafa_cli.files import atomic_write
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.models import ModelSpec
+from cafa_cli.model.loading import ModelSpec
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 NAMES = ["cat", "dog", "émeu"]
 D = 4
@@ -142,7 +142,7 @@ def test_an_artifact_that_fails_its_checks_never_replaces_the_old_one(tmp_path):
 def test_a_full_disk_is_one_clear_error_and_the_old_artifact_stays(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    from cafa_cli.errors import CafaError
+    from cafa_cli.core.errors import CafaError
 
     path = tmp_path / "s.safetensors"
     g = write(path)

@@ -14,16 +14,16 @@ from conftest import PLAIN, TINY_NET, write_folder
 from helpers import unless_given
 from typer.testing import CliRunner
 
-from cafa_cli.artifact import read_artifact
-from cafa_cli.checkpoints import sha256_of
+from cafa_cli.artifact.store import read_artifact
 from cafa_cli.cli.app import app
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
-from cafa_cli.errors import UsageError
 from cafa_cli.jobs.bench.rows import Row, parse_methods
 from cafa_cli.jobs.bench.runs import row_config
 from cafa_cli.jobs.bench.tables import domain_label, domain_labels, markdown, summarise
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.results import DomainResult
+from cafa_cli.model.checkpoints import sha256_of
 
 runner = CliRunner()
 needs_fashion_mnist = pytest.mark.skipif(
@@ -326,7 +326,7 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
     """ImageNet-C's case: statistics from resized + cropped training images, test images
     stored already cropped, so the test side must not be resized again."""
     pytest.importorskip("corrupt_tta")
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
 
     built = runner.invoke(
         app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"]

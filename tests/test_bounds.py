@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import PLAIN, TINY_NET, invoke
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.methods import REGISTRY, options_of
-from cafa_cli.method.options import MOST_COUNT
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.options import MOST_COUNT
+from cafa_cli.methods import REGISTRY, options_of
 
 COUNTS = [
     (method, option)
@@ -57,11 +57,11 @@ def test_nan_outputs_name_the_methods_options_set_away_from_their_defaults():
     """A method option is as likely a cause as the preprocessing; both are named, options first."""
     import torch
 
+    from cafa_cli.core.errors import InputError
     from cafa_cli.data.domain import Domain
     from cafa_cli.data.loading import Batch
-    from cafa_cli.errors import InputError
     from cafa_cli.jobs.adapt.stream import _records
-    from cafa_cli.method.methods import create
+    from cafa_cli.methods import create
 
     domain = Domain("d", ["a.png", "b.png"], np.array([0, 1]), ["x", "y"], lambda i: None)
     batch = Batch(None, [0, 1], [])
@@ -148,8 +148,8 @@ def test_a_frozen_module_name_that_matches_nothing_is_refused(trained, frozen):
     some module (whole dotted components: `layer` is no component of `layer1`)."""
     import copy
 
-    from cafa_cli.method.adapter import Adapter
-    from cafa_cli.method.methods import create
+    from cafa_cli.engine.adapter import Adapter
+    from cafa_cli.methods import create
 
     model, gaussians, _, _ = trained
     names = [name for name, _ in model.named_modules()]
@@ -179,8 +179,8 @@ def test_cafa_methods_prints_only_a_recipe_that_validates_and_escapes_control_ch
 def test_the_users_preprocessing_replaces_the_models_before_anything_is_checked(monkeypatch):
     """§6: a timm model made with in_chans=1 declares its three-channel mean; with the user's
     --channels 1 --mean 0.5 --std 0.5 the declared values were checked first, and refused."""
-    from cafa_cli import hub
     from cafa_cli.jobs.shared import inputs
+    from cafa_cli.model import hub
 
     declared = {"resize": 248, "crop": 224, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
     monkeypatch.setattr(hub, "declared_preprocessing", lambda model, weights, args: {**declared, "channels": 1})

@@ -17,7 +17,7 @@ from helpers import make_cifar10
 from PIL import Image
 from typer.testing import CliRunner
 
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.store import read_artifact
 from cafa_cli.cli.app import app
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
 from cafa_cli.data.sampling import file_stamps, source_files

@@ -1,4 +1,4 @@
-"""cafa-robust (methods/cafa_robust.py) against its float64 definition (method/reference_robust.py),
+"""cafa-robust (methods/cafa_robust.py) against its float64 definition (methods/reference_robust.py),
 and the behaviour its design rests on: the batch's share of the statistics, the bank's schedule
 at any batch size, and the source state after a reset."""
 
@@ -12,15 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.method import reference, reference_robust
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.class_balanced import correction_strength
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods.cafa_robust import SharedStatisticsNorm
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.class_balanced import correction_strength
+from cafa_cli.methods import create, reference, reference_robust
+from cafa_cli.methods.cafa_robust import SharedStatisticsNorm
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 C, D_IN, D = 3, 5, 4
 SHRINKAGE = 0.2
@@ -407,7 +406,7 @@ def test_the_gate_trace_writes_each_batchs_skew_scale_and_share(monkeypatch, tmp
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from robust_gate_trace import traced
 
-    from cafa_cli.method.methods.cafa_robust import CafaRobust
+    from cafa_cli.methods.cafa_robust import CafaRobust
 
     for name in ("update", "few_classes"):  # put back after the test
         monkeypatch.setattr(CafaRobust, name, getattr(CafaRobust, name))

@@ -1,4 +1,4 @@
-"""checkpoints.py through the CLI: weights files that are refused, and never unpickled unless trusted."""
+"""model/checkpoints.py through the CLI: weights files that are refused, and never unpickled unless trusted."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_a_zip_checkpoint_that_would_expand_a_thousandfold_is_refused_before_it_
             packed.writestr(entry.filename, source.read(entry.filename))
     result = stats_with_model(setup, tmp_path, TINY_NET, "--weights", deflated)
     assert result.exit_code == 0, result.stderr
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
 
     # the same parameters as the plain file's (whose statistics the setup made): the deflated entries were read whole
     made, plain_artifact = (

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from cafa_cli.cli.app import app, command_options
 from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.cli.errors import EXIT_ABOVE_MAX_ERROR
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.bench.statistics import artifact_path, statistics_lock
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig
 from cafa_cli.jobs.shared.monitor import Monitor

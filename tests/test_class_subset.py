@@ -13,9 +13,9 @@ from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import fails, rows
 from safetensors import safe_open
 
-from cafa_cli.artifact import read_artifact
-from cafa_cli.errors import InputError
-from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.artifact.store import read_artifact
+from cafa_cli.core.errors import InputError
+from cafa_cli.model.features import FeatureClassifier
 
 CLASSES = ("apple", "banana", "cherry", "damson")
 

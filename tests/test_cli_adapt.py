@@ -16,10 +16,10 @@ from conftest import PLAIN, TINY_NET, write_folder
 from helpers import fails, unless_given
 from typer.testing import CliRunner
 
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.store import read_artifact
 from cafa_cli.cli.app import app
 from cafa_cli.jobs import adapt as adapt_job
-from cafa_cli.method.methods import REGISTRY
+from cafa_cli.methods import REGISTRY
 
 runner = CliRunner()
 
@@ -565,7 +565,7 @@ def test_settings_that_quietly_hurt_get_one_warning_each(setup):
 
 
 def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics():
-    from cafa_cli.method.norms import BatchStatisticsNorm
+    from cafa_cli.engine.norms import BatchStatisticsNorm
 
     bn = torch.nn.BatchNorm2d(3).eval()
     bn.running_mean.fill_(2.0)
@@ -614,7 +614,7 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     """The demo prints each run as `cafa adapt ... <adapt_words()>`: parsed back, they are the settings."""
     from dataclasses import replace
 
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
     from cafa_cli.jobs import adapt as adapt_job
     from cafa_cli.jobs.config import AdaptConfig
     from cafa_cli.jobs.config.settings import recorded_as_given

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_artifact import corrupt
 
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.folders import read_image
-from cafa_cli.errors import UsageError
 from cafa_cli.jobs.config import StatsConfig
 
 # --- paths -------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _damaged(setup, tmp_path, damage: str) -> Path:
     source, target = setup["artifact"], tmp_path / f"{damage}.safetensors"
     if damage == "format-version":
         return corrupt(source, target, {"format_version": "7"})
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
 
     g = read_artifact(source).gaussians
     if damage == "nan":
@@ -504,7 +504,7 @@ def test_unknown_option_suggests_the_right_one(setup):
 
 
 def test_debug_shows_the_tools_own_error_not_a_crash_of_the_error_handler(setup):
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     result = invoke("--debug", "stats", "--data", setup["train"], "--fraction", "2", "--model", TINY_NET)
     assert isinstance(result.exception, UsageError) and "`fraction`" in str(result.exception)  # the library's words
@@ -576,7 +576,7 @@ def test_stats_counts_skipped_images_in_the_artifact(setup, tmp_path):
     result = stats(setup, data, "--out", out)
     assert result.exit_code == 0, result.stderr
     assert "broken.png" in result.stderr and "1 unreadable image skipped" in result.stderr
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
 
     assert read_artifact(out, load_tensors=False).sampling["skipped_images"] == 1
 
@@ -1015,7 +1015,7 @@ def test_debug_through_the_entry_point_shows_the_traceback_of_a_cafa_error(tmp_p
     assert plain.returncode == 3 and "Traceback" not in plain.stderr
     shown = _entry_point("--debug", "adapt", missing, "--method", "source", "--model", "fmnist-resnet")
     assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr
-    assert shown.stderr.splitlines()[-1].startswith("cafa_cli.errors.InputError: ")
+    assert shown.stderr.splitlines()[-1].startswith("cafa_cli.core.errors.InputError: ")
     assert f"{missing}: no such file or folder" in shown.stderr.splitlines()[-1]
 
 
@@ -1054,7 +1054,7 @@ def test_an_output_encoding_without_the_characters_gets_escapes_not_a_crash(setu
 
 def test_a_bundled_model_s_class_names_in_another_order_are_refused(setup, tmp_path):
     """Every output would be labelled as another class, silently."""
-    from cafa_cli.zoo import BUNDLED
+    from cafa_cli.model.zoo import BUNDLED
 
     names = list(BUNDLED["fmnist-resnet"].class_names)
     reversed_list = tmp_path / "reversed.txt"

@@ -26,7 +26,7 @@ from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained ne
 from cafa_cli.cli.app import app
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
-from cafa_cli.method.methods import REGISTRY
+from cafa_cli.methods import REGISTRY
 
 NAMES = tuple(REGISTRY)
 
@@ -262,7 +262,7 @@ def test_a_plugin_file_that_is_not_there_is_named(setup, tmp_path):
 def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
     from cafa_cli.cli.app import command_options
     from cafa_cli.cli.defaults import read_defaults
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     (tmp_path / "cafa.toml").write_text(f'[adapt]\nmethod = "{plugin_file(tmp_path)}:build"\n')
     with pytest.raises(UsageError, match="names code to run.*on the command line"):

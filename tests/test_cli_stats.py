@@ -18,8 +18,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cafa_cli.artifact import read_artifact
-from cafa_cli.models import parameters_sha256, resolve
+from cafa_cli.artifact.store import read_artifact
+from cafa_cli.model.loading import parameters_sha256, resolve
 
 CLASSES = ["a", "b", "c"]
 PER_CLASS = 12

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cafa_cli.cli.app import app
 from cafa_cli.cli.app import command_options as _command_options
 from cafa_cli.cli.defaults import read_defaults
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 
 
 def test_cafa_toml_maps_option_names_to_parameters(tmp_path):

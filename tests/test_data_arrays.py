@@ -11,9 +11,9 @@ import pytest
 from conftest import TINY_NET, invoke
 from helpers import CIFAR_NAMES, dumps_py2, fails, make_cifar10
 
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, UsageError
 
 # --- arrays --------------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import save, solid
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import read_class_list
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError
 
 
 def test_relabel_by_name_into_the_model_order(mixed_folder):

@@ -13,10 +13,10 @@ from conftest import write_folder
 from helpers import GREY, _bad_image, adapt, fails, rows, save, solid, stats
 from PIL import Image, UnidentifiedImageError
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.loading import batches
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError
 
 # --- image folders -------------------------------------------------------------------
 

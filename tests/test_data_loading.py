@@ -18,9 +18,9 @@ from helpers import GREY, adapt, fails, rows, save, solid
 from PIL import Image
 
 import cafa_cli
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.loading import batches, loader_processes
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, UsageError
 
 
 def test_batches_skip_unreadable_images(tmp_path):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.values import parse_order
-from cafa_cli.errors import InputError, UsageError
 
 BALANCED = np.repeat(np.arange(10), 300)  # as a Fashion-MNIST-C demo domain: 10 classes × 300
 ORDERS = (

@@ -11,9 +11,9 @@ from helpers import adapt, solid, stats
 from PIL import Image
 from torchvision.transforms import functional as TF
 
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, to_mode
 from cafa_cli.data.values import parse_floats, parse_size
-from cafa_cli.errors import UsageError
 
 
 def model_input(prep: Preprocessing, image: Image.Image) -> torch.Tensor:

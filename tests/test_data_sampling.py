@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import write_folder
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.sampling import stratified_subset
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError
 
 
 def labels_with(counts):

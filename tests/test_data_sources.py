@@ -9,8 +9,8 @@ import pytest
 from conftest import write_folder
 from helpers import adapt, fails
 
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, UsageError
 
 
 def test_missing_path_and_unknown_file_type(tmp_path):

@@ -13,10 +13,10 @@ import torch
 from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import adapt, no_traceback, save, solid
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.laplacian import corrected_logits, rbf_affinity
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods.lame import Lame
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods.lame import Lame
+from cafa_cli.methods.shared.laplacian import corrected_logits, rbf_affinity
 
 
 def official_rbf(features: torch.Tensor, k: int = 5) -> torch.Tensor:
@@ -101,7 +101,7 @@ def test_roid_and_cmf_at_batch_one_say_the_batches_were_undefined(setup, method)
 def broken_plugin(tmp_path) -> str:
     path = tmp_path / "broken.py"
     path.write_text(
-        "from cafa_cli.method.methods.base import Method\n\n\n"
+        "from cafa_cli.engine.method import Method\n\n\n"
         "class Broken(Method):\n"
         "    name = 'broken'\n"
         "    trains = False\n"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_cli_adapt import setup  # noqa: F401  (its trained net, artifact and shifted test folder)
 
-from cafa_cli.errors import CafaError, UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.methods.tent import Tent
+from cafa_cli.core.errors import CafaError, UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import REGISTRY, create
+from cafa_cli.methods.tent import Tent
 
 NAMES = tuple(REGISTRY)
 OPTIONS = {
@@ -326,7 +326,7 @@ def test_cafa_adapt_export_writes_a_network_that_serves_one_image_as_a_batch(set
 def test_a_signal_during_a_step_waits_for_it_and_a_second_one_does_not():
     import signal
 
-    from cafa_cli.interrupts import interrupt, whole
+    from cafa_cli.core.interrupts import interrupt, whole
 
     done = []
     with pytest.raises(KeyboardInterrupt, match="SIGINT"):

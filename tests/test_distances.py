@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cafa_cli.method.distances as distances
-from cafa_cli.method import reference
-from cafa_cli.method.distances import ClassDistances
-from cafa_cli.method.gaussians import ClassGaussians, estimate
-from cafa_cli.method.moments import ClassMoments
+import cafa_cli.statistics.distances as distances
+from cafa_cli.methods import reference
+from cafa_cli.statistics.distances import ClassDistances
+from cafa_cli.statistics.gaussians import ClassGaussians, estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 C, D, N = 7, 6, 8
 
@@ -246,7 +246,7 @@ def test_distances_near_a_class_mean_keep_their_relative_accuracy(covariance, me
 
 
 def test_a_misspelt_metric_and_features_of_another_width_are_usage_errors():
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     torch.manual_seed(0)
     moments = ClassMoments(2, 4)

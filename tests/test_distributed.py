@@ -426,7 +426,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_nothing_else(monkeypatch)
     the GPUs would fail deep in CUDA. No GPU here: the count is what the check reads."""
     import torch
 
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
     from cafa_cli.jobs.shared.distributed import rank_device
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -13,10 +13,10 @@ import torch
 from conftest import PLAIN, TINY_NET, invoke, tiny_net, write_folder
 from helpers import fails, rows
 
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.benchmarks import expand_benchmarks
 from cafa_cli.data.domain_sets import DOMAINNET126_CLASSES
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, UsageError
 
 # named so that the sorted order (Alarm_Clock, Bike, Mop) is not the order written
 CLASSES = ("Mop", "Alarm_Clock", "Bike")

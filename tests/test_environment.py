@@ -13,7 +13,7 @@ import torch
 from conftest import PLAIN, TINY_NET, invoke
 from helpers import PACKAGE, adapt, check_environment, checkout, git
 
-from cafa_cli import environment as env_module
+from cafa_cli.core import environment as env_module
 
 
 @pytest.fixture

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.laplacian import affinity_matrix, laplacian_assignment, stopping_iteration
-from cafa_cli.method.methods import cotta as cotta_module
-from cafa_cli.method.methods import create
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import cotta as cotta_module
+from cafa_cli.methods import create
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.shared.laplacian import affinity_matrix, laplacian_assignment, stopping_iteration
+from cafa_cli.model.features import FeatureClassifier
 
 C = 10  # classes: the CIFAR-10-C recipes' E0 = 0.4·ln 10
 
@@ -373,8 +373,8 @@ def test_sar_under_the_imagenet_recipe_freezes_layer4_and_steps_sam_over_sgd_mom
 def test_sars_frozen_modules_are_the_authors_on_resnet_vit_and_convnext_trees():
     """Issue 40 §7: matching whole components froze ConvNeXt's `stages.1.blocks.0.norm` and
     `head.norm`, which the authors' substring rule (`'norm.' in nm or nm in ['norm']`) adapts."""
-    from cafa_cli.method.methods.base import in_frozen
-    from cafa_cli.method.methods.sar import FROZEN
+    from cafa_cli.engine.method import in_frozen
+    from cafa_cli.methods.sar import FROZEN
 
     def authors(nm: str) -> bool:
         skipped = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm.")
@@ -556,8 +556,8 @@ def test_params_all_trains_what_the_authors_code_collects(method):
     }
     gaussians = None
     if method == "rmt":
-        from cafa_cli.method.gaussians import estimate
-        from cafa_cli.method.moments import ClassMoments
+        from cafa_cli.statistics.gaussians import estimate
+        from cafa_cli.statistics.moments import ClassMoments
 
         moments = ClassMoments(C, 8)
         moments.update(torch.randn(40, 8), torch.arange(40) % C)

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import batches, tiny
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import adacontrast as adacontrast_module
-from cafa_cli.method.methods import create
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import adacontrast as adacontrast_module
+from cafa_cli.methods import create
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.model.features import FeatureClassifier
 
 
 def weak(x):  # fixed views in place of the random ones, the same on both sides

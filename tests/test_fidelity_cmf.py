@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import authors_model, batches, bn_affines, tiny
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import cmf as cmf_module
-from cafa_cli.method.methods import create
-from cafa_cli.recipes import shipped
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import cmf as cmf_module
+from cafa_cli.methods import create
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.model.features import FeatureClassifier
 
 
 def view(x: torch.Tensor) -> torch.Tensor:  # the fixed "augmentation" of both sides

@@ -4,7 +4,7 @@ patch shuffle on any input size and on a ViT.
 Transcribed from Jhyun17/DeYO methods/deyo.py (forward_and_adapt_deyo, collect_params,
 configure_model) and main.py (SGD, momentum 0.9, for ImageNet-C); the CIFAR recipes' Adam is
 the benchmark collection's (mariodoebler/test-time-adaptation classification/methods/deyo.py
-and methods/base.py setup_optimizer, cfgs/cifar10_c/deyo.yaml). The patch permutations are
+and engine/method.py setup_optimizer, cfgs/cifar10_c/deyo.yaml). The patch permutations are
 drawn from one fixed generator on both sides, as the authors draw them: one uniform row per
 image of the entropy-filtered set, argsorted.
 """
@@ -20,12 +20,12 @@ import torchvision
 from test_fidelity import C, assert_params_match, authors_model, bn_affines, entropy, ours, tiny
 from torch import nn
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods.deyo import occlude, shuffle_patches
-from cafa_cli.recipes import shipped
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods.deyo import occlude, shuffle_patches
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.model.features import FeatureClassifier
 
 SEED = 3  # the patch permutations' generator, on both sides
 

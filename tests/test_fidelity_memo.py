@@ -4,7 +4,7 @@ test_single, the per-image reload of the checkpoint; imagenet-exps/utils/adapt_h
 and train_helpers.py: the same loop, and the prior-weighted BatchNorm), and with the
 benchmark collection's optimiser where its config is the recipe (mariodoebler/
 test-time-adaptation classification/methods/memo.py, base.py: setup_optimizer, reset).
-The views are drawn by method/augmix.py on both sides with generators seeded alike; its
+The views are drawn by methods/shared/augmix.py on both sides with generators seeded alike; its
 operations are checked against PIL's below (the authors' and the collection's views are
 PIL's: augmentations/augmix_ops.py)."""
 
@@ -21,13 +21,13 @@ from PIL import Image, ImageOps
 from test_fidelity import C, batches
 from torch import nn
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.augmix import OPERATIONS, _equalize, _step, augmix
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods.memo import views_as_one_sample
-from cafa_cli.method.norms import use_test_batch_norm
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.norms import use_test_batch_norm
+from cafa_cli.methods import create
+from cafa_cli.methods.memo import views_as_one_sample
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.shared.augmix import OPERATIONS, _equalize, _step, augmix
+from cafa_cli.model.features import FeatureClassifier
 
 
 class TinyGroupNormNet(nn.Module):
@@ -196,7 +196,7 @@ def test_under_prior_the_views_count_as_one_sample_as_the_authors_prior_weighs_t
     assert model[0].prior == 16  # put back
 
 
-# --- the views (method/augmix.py) against PIL's operations --------------------------------
+# --- the views (methods/shared/augmix.py) against PIL's operations --------------------------------
 
 
 def pil_image(size: int = 16, seed: int = 3) -> tuple[torch.Tensor, np.ndarray]:
@@ -255,7 +255,7 @@ def test_views_are_fixed_by_their_generator_and_stay_in_each_images_range(crop):
 
 
 def test_the_marginal_entropy_is_the_entropy_of_the_mean_probability():
-    from cafa_cli.method.methods.memo import marginal_entropy as ours
+    from cafa_cli.methods.memo import marginal_entropy as ours
 
     logits = torch.randn(8, 5, dtype=torch.float64) * 4
     p = logits.softmax(1).mean(0)
@@ -265,7 +265,7 @@ def test_the_marginal_entropy_is_the_entropy_of_the_mean_probability():
 
 
 def test_no_exported_network_predicts_as_memo():
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     adapter = Adapter(FeatureClassifier(tiny_gn()), create("memo", copies=2), optimizer="sgd", lr=0.005)
     with pytest.raises(UsageError, match="memo predicts with more than its network"):

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import C, authors_model, batches, tiny
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods import rmt as rmt_module
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods import rmt as rmt_module
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 SOURCE_BATCH = 16
 
@@ -210,6 +210,6 @@ def test_a_reset_goes_back_to_the_states_after_the_warm_up(monkeypatch):
 
 
 def test_rmt_without_source_images_says_what_it_runs_as():
-    from cafa_cli.method.methods import REGISTRY
+    from cafa_cli.methods import REGISTRY
 
     assert "source-free" in REGISTRY["rmt"].without_source_images

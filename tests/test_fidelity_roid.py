@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import C, authors_model, batches, bn_affines, entropy, tiny
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.augment import augment
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.shared.augment import augment
+from cafa_cli.model.features import FeatureClassifier
 
 
 def slr(logits, clip=0.99, eps=1e-5):  # SoftLikelihoodRatio

@@ -1,7 +1,7 @@
 """RPL under its recipes against a float64 transcription of the benchmark collection's update
 (mariodoebler/test-time-adaptation classification/methods/rpl.py: loss_calculation,
 forward_and_adapt, configure_model, collect_params; utils/losses.py GeneralizedCrossEntropy;
-methods/base.py setup_optimizer; cfgs/*/rpl.yaml), as tests/test_fidelity.py does for the
+engine/method.py setup_optimizer; cfgs/*/rpl.yaml), as tests/test_fidelity.py does for the
 others: the same tiny net, BatchNorms on the batch's statistics, their affines trained, the
 same batches, the parameters and the reported logits compared after each step."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_fidelity import assert_params_match, authors_model, batches, bn_affines, ours, tiny
 
-from cafa_cli.recipes import shipped
+from cafa_cli.methods.recipes import shipped
 
 
 def rpl_reference(net, xs, optimizer: str, lr: float, q: float):
@@ -56,7 +56,7 @@ def test_rpl_under_its_recipe_matches_the_collections_update(recipe):
 
 
 def test_the_generalised_cross_entropy_tends_to_the_cross_entropy_as_q_goes_to_zero():
-    from cafa_cli.method.methods.rpl import generalised_cross_entropy
+    from cafa_cli.methods.rpl import generalised_cross_entropy
 
     logits = torch.randn(6, 4, dtype=torch.float64) * 3
     labels = logits.argmax(1)

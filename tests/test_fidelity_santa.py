@@ -2,9 +2,9 @@
 from mariodoebler/test-time-adaptation classification/methods/santa.py (SANTA.__init__'s
 anchor model, prototypes, projector and optimiser group, contrastive_loss,
 loss_calculation, forward_and_adapt, configure_model), utils/losses.py (AugCrossEntropy)
-and methods/base.py (collect_params, setup_optimizer): the tiny net of test_fidelity.py,
+and engine/method.py (collect_params, setup_optimizer): the tiny net of test_fidelity.py,
 the same batches, the same prototypes, projector initialisation and augmented views on
-both sides (ours drawn by method/augment.py and recorded, then given to the reference)."""
+both sides (ours drawn by methods/shared/augment.py and recorded, then given to the reference)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import C, authors_model, batches, bn_affines, tiny
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.augment import augment
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods import santa as santa_module
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods import santa as santa_module
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.shared.augment import augment
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 
 def source_statistics(net):

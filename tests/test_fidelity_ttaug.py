@@ -2,7 +2,7 @@
 benchmark collection's prediction (mariodoebler/test-time-adaptation classification/
 methods/ttaug.py: forward, the image and its views concatenated, the model's logits
 averaged; datasets/data_loading.py: AugMixAugmenter, the image first, then its views),
-with a fixed draw of the views on both sides (method/augmix.py, generators seeded alike)."""
+with a fixed draw of the views on both sides (methods/shared/augmix.py, generators seeded alike)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from test_fidelity import TinyResNet, authors_model, batches, tiny
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.augmix import augmix
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.shared.augmix import augmix
+from cafa_cli.model.features import FeatureClassifier
 
 
 class RectifiedTop(TinyResNet):
@@ -77,7 +77,7 @@ def test_ttaug_averages_over_each_image_and_its_views_as_the_collection(recipe, 
 
 
 def test_no_exported_network_predicts_as_ttaug():
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     with pytest.raises(UsageError, match="ttaug predicts with more than its network"):
         Adapter(FeatureClassifier(rectified()), create("ttaug", copies=2)).export()

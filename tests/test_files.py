@@ -1,4 +1,4 @@
-"""files.py through the CLI: output paths checked before the run, work folders, devices."""
+"""core/files.py through the CLI: output paths checked before the run, work folders, devices."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_output_that_is_a_folder(setup, tmp_path):
 
 
 def test_an_output_in_a_folder_that_cannot_be_written_fails_before_the_run(setup, tmp_path, monkeypatch):
-    import cafa_cli.files
+    import cafa_cli.core.files
 
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -49,7 +49,7 @@ def test_an_output_in_a_folder_that_cannot_be_written_fails_before_the_run(setup
             raise PermissionError(13, "Permission denied")
         return real_mkstemp(*args, dir=dir, **kwargs)
 
-    monkeypatch.setattr(cafa_cli.files.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(cafa_cli.core.files.tempfile, "mkstemp", mkstemp)
     result = adapt(setup, setup["train"], "--metrics-json", locked / "m.json")
     fails(result, 3, f"cannot write {locked / 'm.json'}: folder {locked} does not take new files (Permission denied)")
     assert result.stdout == ""  # not after printing every prediction

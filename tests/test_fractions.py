@@ -14,7 +14,7 @@ import torch
 from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import fails
 
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.rows import parse_methods, with_fractions, with_oracle
 from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed

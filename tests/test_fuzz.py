@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from rich.console import Console
 from test_artifact import write
 
-from cafa_cli.artifact import Artifact, read_artifact
-from cafa_cli.errors import InputError
+from cafa_cli.artifact.store import Artifact, read_artifact
+from cafa_cli.core.errors import InputError
 from cafa_cli.jobs.inspect import describe, render
 
 EXAMPLES = int(os.environ.get("CAFA_FUZZ_EXAMPLES", "50"))

@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cafa_cli.method import distances
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import REGISTRY, create
+from cafa_cli.statistics import distances
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 NAMES = tuple(REGISTRY)
 

@@ -18,11 +18,11 @@ from helpers import factory, fails, rows
 from PIL import Image
 from safetensors.torch import save_file
 
+from cafa_cli.core.errors import UsageError
+from cafa_cli.core.factories import parse_model_args
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import UsageError
-from cafa_cli.factories import parse_model_args
 from cafa_cli.jobs.shared.inputs import default_preprocessing
-from cafa_cli.models import resolve
+from cafa_cli.model.loading import resolve
 
 RGB = ["--resize", "none", "--crop", "none", "--mean", "0.5", "--std", "0.25", "--channels", "3"]
 
@@ -405,7 +405,7 @@ def test_a_module_in_the_working_folder_is_importable_and_takes_model_args(setup
     shown = json.loads(invoke("inspect", tmp_path / "s.safetensors", "--json").stdout)
     # recorded by the name typed and with its argument, so that adapt can build the same model again
     assert shown["model"]["model"] == "cwd_models:small" and shown["model"]["model_args"] == {"width": "4"}
-    from cafa_cli.models import parameters_sha256
+    from cafa_cli.model.loading import parameters_sha256
 
     four = tiny_net.TinyNet(width=4)
     four.load_state_dict(torch.load(tmp_path / "w4.pt"))
@@ -548,7 +548,7 @@ def test_an_unknown_timm_tag_is_a_usage_error_naming_the_tags():
     """timm 1.x raises RuntimeError for an unknown tag where earlier versions returned None;
     either way the user reads which tags there are, from the option that named the tag."""
     pytest.importorskip("timm")
-    from cafa_cli.hub import timm_config
+    from cafa_cli.model.hub import timm_config
 
     with pytest.raises(UsageError, match=r"^`weights` a1_in1x: no such file, nor a pretrained tag of timm's resnet50 "):
         timm_config("resnet50", "a1_in1x")

@@ -47,7 +47,7 @@ def build(num_classes=3):
 SLOW_WRITE = """
 import os, runpy, sys, time
 from pathlib import Path
-import cafa_cli.artifact as artifact
+import cafa_cli.artifact.store as artifact
 
 real_save = artifact.save_file
 

@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
 
 runner = CliRunner()
@@ -54,9 +54,10 @@ def _choices(command) -> dict[str, tuple]:
 
 
 def test_choices_are_the_librarys():
+    from cafa_cli.engine import adapter, options
     from cafa_cli.jobs.config import settings
-    from cafa_cli.method import adapter, options
-    from cafa_cli.method.methods import REGISTRY as NAMES
+    from cafa_cli.methods import REGISTRY as NAMES
+    from cafa_cli.statistics import gaussians
 
     hints = {f.name: f.type for f in fields(AdaptConfig)}
     assert hints  # the Literal types, as typer lists them in --help
@@ -72,7 +73,7 @@ def test_choices_are_the_librarys():
     )  # reset takes every:N too: parse_reset checks it
     assert choices["format"] == settings.RECORD_FORMATS
     stats_choices = _choices(typer.main.get_command(app).commands["stats"])
-    assert stats_choices["covariance"] == options.COVARIANCE_CHOICES
+    assert stats_choices["covariance"] == gaussians.COVARIANCE_CHOICES
 
 
 def test_help_lists_choices_conventional_metavars_and_panels():
@@ -111,7 +112,7 @@ def test_settings_are_checked_in_library_words_and_named_as_flags_on_the_command
 def test_adapter_options_are_the_adapters_keywords():
     import inspect
 
-    from cafa_cli.method.adapter import Adapter
+    from cafa_cli.engine.adapter import Adapter
 
     keywords = set(inspect.signature(Adapter).parameters)
     assert set(AdaptConfig().adapter_options()) <= keywords

@@ -296,7 +296,7 @@ def test_no_output_may_replace_the_config_file_it_read(setup, tmp_path, monkeypa
 
 # --- every file a command reads, as it opens it (issue 31, class 2) ------------------------
 
-PLUGIN = "from cafa_cli.method.methods.tent import Tent\ndef build(gaussians, device):\n    return Tent()\n"
+PLUGIN = "from cafa_cli.methods.tent import Tent\ndef build(gaussians, device):\n    return Tent()\n"
 
 
 def _module_factory(folder: Path, name: str) -> str:

@@ -13,16 +13,16 @@ from conftest import PLAIN, TINY_NET, invoke, write_folder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import cafa_cli.artifact_format as artifact_format
-import cafa_cli.method.distances as distances
-from cafa_cli.artifact import read_artifact, write_artifact
+import cafa_cli.artifact.format as artifact_format
+import cafa_cli.statistics.distances as distances
+from cafa_cli.artifact.store import read_artifact, write_artifact
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError, UsageError
 from cafa_cli.jobs.inspect import condition_numbers
-from cafa_cli.method.distances import ClassDistances
-from cafa_cli.method.gaussians import check_options, choose_covariance, estimate
-from cafa_cli.method.moments import ClassMoments
-from cafa_cli.models import ModelSpec
+from cafa_cli.model.loading import ModelSpec
+from cafa_cli.statistics.distances import ClassDistances
+from cafa_cli.statistics.gaussians import check_options, choose_covariance, estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 C, D = 5, 40
 COUNTS = [12, 9, 12, 15, 5]  # every class has fewer samples than dimensions

@@ -1,4 +1,4 @@
-"""models.py: building models, finding the classifier, loading weights safely, devices."""
+"""model/loading.py: building models, finding the classifier, loading weights safely, devices."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from helpers import factory, fails, stats_with_model
 from safetensors.torch import save_file
 from torch import nn
 
-from cafa_cli.checkpoints import read_state_dict
-from cafa_cli.devices import pick_device
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.method.features import FeatureClassifier, find_classifier
-from cafa_cli.models import build_model, resolve
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.model.checkpoints import read_state_dict
+from cafa_cli.model.features import FeatureClassifier, find_classifier
+from cafa_cli.model.loading import build_model, resolve
 
 
 def small_images(n=2, channels=3, size=32):
@@ -328,7 +328,7 @@ def test_weights_without_batchnorm_step_counters_load(tmp_path):
 
 
 def test_the_parameter_fingerprint_follows_the_values_not_the_file():
-    from cafa_cli.models import parameters_sha256
+    from cafa_cli.model.loading import parameters_sha256
 
     torch.manual_seed(0)
     net = tiny_net.build()
@@ -359,7 +359,7 @@ class _WithExtraState(nn.Module):
 
 def test_the_parameter_fingerprint_is_the_documented_digest():
     """docs/artifact-format.md, written out independently: name order, the header line, little-endian bytes."""
-    from cafa_cli.models import parameters_sha256
+    from cafa_cli.model.loading import parameters_sha256
 
     module = _WithExtraState()
     digest = hashlib.sha256()

@@ -15,9 +15,9 @@ import torch
 from conftest import PLAIN, TINY_NET, class_images, invoke, write_folder
 from helpers import adapt, fails, make_cifar10, rows
 
+from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.benchmarks import CORRUPTIONS, expand_benchmarks
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, UsageError
 
 FOUND = ("gaussian_noise", "fog", "contrast")  # listed out of the benchmark's order: fog comes after gaussian_noise
 

@@ -15,23 +15,21 @@ from conftest import PLAIN, TINY_NET, invoke, tiny_training_set, write_folder
 from helpers import fails
 from safetensors import safe_open
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.class_balanced import (
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.class_balanced import (
     balance_histogram,
     balanced_statistics,
+    class_balanced_norms,
     class_mix_moments,
     correction_strength,
     iid_distance,
+    use_class_balanced_norms,
 )
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.method.norms import (
-    BatchStatisticsNorm,
-    class_balanced_norms,
-    use_test_batch_norm,
-)
-from cafa_cli.method.options import parse_norm
+from cafa_cli.engine.norms import BatchStatisticsNorm
+from cafa_cli.engine.options import parse_norm
+from cafa_cli.methods import create
+from cafa_cli.model.features import FeatureClassifier
 
 
 def moments64(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +142,7 @@ def test_the_class_balanced_layer_normalises_with_the_corrected_statistics():
     bn.weight.data.uniform_(0.5, 2)
     bn.bias.data.uniform_(-1, 1)
     net = torch.nn.Sequential(bn)
-    use_test_batch_norm(net, "class-balanced", {"0": (means.float(), variances.float())})
+    use_class_balanced_norms(net, {"0": (means.float(), variances.float())})
     layer, balanced = net[0], class_balanced_norms(net)
     x = (torch.randn(12, 4, 3, 3) * 3 + 2).requires_grad_(True)
     shares = torch.tensor([0.7, 0.3, 0.0])
@@ -190,7 +188,7 @@ def test_every_layer_is_corrected_with_its_own_moments_when_all_are_corrected_at
         for i, m in enumerate(net)
         if isinstance(m, torch.nn.BatchNorm2d)
     }
-    use_test_batch_norm(net, "class-balanced", moments)
+    use_class_balanced_norms(net, moments)
     balanced = class_balanced_norms(net)
     inputs, outputs = {}, {}
 
@@ -294,7 +292,7 @@ def test_class_balanced_with_uniform_shares_is_batch_and_reset_goes_back_to_the_
     moments = class_moments_of(model, x, y)
     name, bn = next((n, m) for n, m in model.model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
     net, batch = torch.nn.Sequential(copy.deepcopy(bn)), BatchStatisticsNorm(bn, "batch")
-    use_test_batch_norm(net, "class-balanced", {"0": moments[name]})
+    use_class_balanced_norms(net, {"0": moments[name]})
     inputs = torch.randn(16, bn.num_features, 5, 5) * 3 + 1
     class_balanced_norms(net).new_batch()
     class_balanced_norms(net).histogram = balance_histogram(torch.full((3,), 1 / 3), 16)
@@ -378,7 +376,7 @@ def stats_with_moments(tmp_path_factory):
 def test_stats_records_each_class_moments_of_every_batch_norm_input(stats_with_moments):
     """The artifact's norm tensors equal the moments computed here from the same images,
     through hooks on the tiny net, in float64."""
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
     from cafa_cli.data.sources import open_domain
 
     s = stats_with_moments
@@ -485,8 +483,8 @@ def test_the_old_bn_prior_option_is_gone_with_a_one_line_error(stats_with_moment
 def test_damaged_class_moments_are_refused_when_the_artifact_is_read(stats_with_moments, tmp_path, damage, message):
     from safetensors.torch import save_file
 
-    from cafa_cli.artifact import read_artifact
-    from cafa_cli.errors import InputError
+    from cafa_cli.artifact.store import read_artifact
+    from cafa_cli.core.errors import InputError
 
     with safe_open(stats_with_moments["moments"], "pt") as f:
         tensors, metadata = {k: f.get_tensor(k).clone() for k in f.keys()}, dict(f.metadata())

@@ -26,13 +26,13 @@ from test_host_sync import steady_reads
 from test_step_graph import Emulated, Uncapturable, adapter_pair, run_both, stream_of
 from torch import nn
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.method.norms import UNMIX_SEED, BatchStatisticsNorm, norm_layers, use_test_batch_norm
-from cafa_cli.method.options import parse_norm
-from cafa_cli.method.step_graph import WARMUP
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.norms import UNMIX_SEED, BatchStatisticsNorm, norm_layers, use_test_batch_norm
+from cafa_cli.engine.options import parse_norm
+from cafa_cli.engine.step_graph import WARMUP
+from cafa_cli.methods import create
+from cafa_cli.model.features import FeatureClassifier
 
 # --- float64 transcriptions ------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ from conftest import PLAIN, TINY_NET, invoke, write_folder
 from helpers import adapt, fails
 from test_stream import PIXELS, domain
 
+from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.adapt.stream import adapt_domains
-from cafa_cli.method import losses
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create, method_class
+from cafa_cli.methods import create, method_class
+from cafa_cli.methods.shared import losses
 
 
 @pytest.mark.parametrize("name, loss", [("cafa", losses.cafa), ("euclidean", losses.cafa), ("intra", losses.intra)])

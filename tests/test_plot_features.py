@@ -15,10 +15,10 @@ from conftest import TINY_NET, invoke, write_folder
 from helpers import check_environment, unless_given
 from PIL import Image
 
+from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.plot import features as plot_features
 from cafa_cli.jobs.plot import figure as feature_figure
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import REGISTRY, create
+from cafa_cli.methods import REGISTRY, create
 
 SMALL = ["--batch-size", "15", "--max-images", "45", "--quiet"]
 

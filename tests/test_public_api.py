@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import TINY_NET
 
-from cafa_cli.errors import CafaError, InputError, UsageError
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.models import load_model, model_spec, resolve
-from cafa_cli.zoo import load_bundled
+from cafa_cli.core.errors import CafaError, InputError, UsageError
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.model.loading import load_model, model_spec, resolve
+from cafa_cli.model.zoo import load_bundled
 
 
 def test_the_bundled_model_loads_with_its_packaged_weights_as_the_internal_path_gives_it():
@@ -66,8 +66,8 @@ def test_paths_and_wrong_objects_get_cafa_errors_not_python_ones(tiny_weights, t
     wrapped twice each get one CafaError that names the fix."""
     from pathlib import Path
 
-    from cafa_cli.method.gaussians import ClassGaussians
-    from cafa_cli.method.methods import create, options_of
+    from cafa_cli.methods import create, options_of
+    from cafa_cli.statistics.gaussians import ClassGaussians
 
     model = load_model(TINY_NET, Path(tiny_weights), model_args={"num_classes": 3})
     spec = model_spec(model, TINY_NET, Path(tiny_weights), num_classes=3)
@@ -87,8 +87,8 @@ def test_paths_and_wrong_objects_get_cafa_errors_not_python_ones(tiny_weights, t
 
 
 def test_select_classes_names_rows_outside_the_statistics():
-    from cafa_cli.method.gaussians import estimate
-    from cafa_cli.method.moments import ClassMoments
+    from cafa_cli.statistics.gaussians import estimate
+    from cafa_cli.statistics.moments import ClassMoments
 
     moments = ClassMoments(3, 2)
     moments.update(torch.randn(30, 2, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 3)

@@ -15,10 +15,10 @@ from conftest import PLAIN, TINY_NET, write_folder
 from PIL import Image
 from typer.testing import CliRunner
 
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.store import read_artifact
 from cafa_cli.cli.app import app
-from cafa_cli.method.distances import ClassDistances
-from cafa_cli.method.norms import BatchStatisticsNorm
+from cafa_cli.engine.norms import BatchStatisticsNorm
+from cafa_cli.statistics.distances import ClassDistances
 
 DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 

@@ -19,10 +19,10 @@ from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained ne
 from cafa_cli.cli.app import app, command_options
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.cli.defaults import read_defaults
-from cafa_cli.errors import UsageError
-from cafa_cli.method.methods import REGISTRY, method_class
-from cafa_cli.method.options import resolve_options
-from cafa_cli.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.options import resolve_options
+from cafa_cli.methods import REGISTRY, method_class
+from cafa_cli.methods.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
 
 NAMES = tuple(REGISTRY)
 
@@ -489,10 +489,10 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
     settings left out are the stream's batch size and reset schedule, and EATA's Fisher images."""
     import tiny_net
 
-    from cafa_cli.method.adapter import Adapter
-    from cafa_cli.method.features import FeatureClassifier
-    from cafa_cli.method.methods import create
-    from cafa_cli.recipes import ADAPTER_SETTINGS
+    from cafa_cli.engine.adapter import Adapter
+    from cafa_cli.methods import create
+    from cafa_cli.methods.recipes import ADAPTER_SETTINGS
+    from cafa_cli.model.features import FeatureClassifier
 
     keywords = {name for name, p in inspect.signature(Adapter.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert set(ADAPTER_SETTINGS) == set(SETTINGS) & keywords
@@ -516,7 +516,7 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
 def test_auto_says_how_it_chose_the_family():
     """§7 of issue 40: `auto` took the family from the class count without saying so."""
     from cafa_cli.jobs.shared.what_runs import recipe_line
-    from cafa_cli.recipes import recipe_for
+    from cafa_cli.methods.recipes import recipe_for
 
     assert recipe_for("auto", "tent", ["some/folder"], 10).chosen_by == "the model's 10 classes"
     assert recipe_for("auto", "tent", ["imagenet-c:/data/in-c"], 10).chosen_by == "the named benchmark"

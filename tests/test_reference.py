@@ -1,4 +1,4 @@
-"""The production method (float32, structured covariances, chunks) against method/reference.py,
+"""The production method (float32, structured covariances, chunks) against methods/reference.py,
 the paper's definitions written densely in float64."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cafa_cli.method import losses, reference
-from cafa_cli.method.distances import ClassDistances
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.methods import REGISTRY, create, reference
+from cafa_cli.methods.shared import losses
+from cafa_cli.statistics.distances import ClassDistances
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import ClassMoments
 
 NAMES = tuple(REGISTRY)
 
@@ -141,7 +141,7 @@ REFERENCE_LOSSES = {
 # the baselines whose updates are more than a loss (filters, SAM, prototypes, output adjustment,
 # teachers and memory banks): tests/test_tta_methods.py and tests/test_tta_teacher_student.py
 # check each against its own float64 computation; cafa-robust, tests/test_cafa_robust.py against
-# method/reference_robust.py
+# methods/reference_robust.py
 TESTED_ELSEWHERE = (
     *("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust", "rdumb"),
     # issue 41's, each in tests/test_fidelity_NAME.py

@@ -14,13 +14,13 @@ import torch
 from conftest import TINY_NET, invoke
 
 from cafa_cli.cli.completion import complete_method
-from cafa_cli.method.methods import REGISTRY, Entry, create
-from cafa_cli.method.methods.base import AdapterSurface
+from cafa_cli.engine.method import AdapterSurface
+from cafa_cli.methods import REGISTRY, Entry, create
 
 METHODS = Path(__file__).parents[1] / "src" / "cafa_cli" / "method" / "methods"
 
 MODULE = '''
-from cafa_cli.method.methods.tent import Tent
+from cafa_cli.methods.tent import Tent
 
 
 class Sharpen(Tent):
@@ -118,7 +118,7 @@ def test_methods_use_only_the_adapter_surface_and_import_no_other_methods_helper
     }
     assert used <= surface(), f"{path.name} uses {sorted(used - surface())} of the Adapter, beyond AdapterSurface"
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cafa_cli.method.methods."):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cafa_cli.methods."):
             other = node.module.rsplit(".", 1)[1]
             # a method may build on another method's class (intra on cafa), not on its helpers
             assert other == "base" or all(
@@ -130,8 +130,8 @@ def test_the_surface_is_what_the_adapter_has():
     import torch
     from tiny_net import build
 
-    from cafa_cli.method.adapter import Adapter
-    from cafa_cli.method.features import FeatureClassifier
+    from cafa_cli.engine.adapter import Adapter
+    from cafa_cli.model.features import FeatureClassifier
 
     adapter = Adapter(FeatureClassifier(build()), create("tent"), torch.device("cpu"))
     assert all(hasattr(adapter, name) for name in surface())
@@ -143,7 +143,7 @@ def test_a_method_draws_random_numbers_exactly_when_its_class_says_so(trained, n
     leave it (torchrun keeps a drawing method's domains in one process: distributed.py)."""
     from test_deployment import adapter_of
 
-    from cafa_cli.method.methods import method_class
+    from cafa_cli.methods import method_class
 
     adapter = adapter_of(trained, name)
     before = torch.get_rng_state()

@@ -10,9 +10,9 @@ import json
 import pytest
 from conftest import TINY_NET, invoke
 
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import parse_reset
-from cafa_cli.errors import UsageError
-from cafa_cli.recipes import shipped
+from cafa_cli.methods.recipes import shipped
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """`--model robustbench:DATASET/NAME`: RobustBench's corruption-benchmark models, defined in
-cafa (zoo/robustbench.py) with the key-for-key layout of RobustBench's checkpoints, read
+cafa (model/zoo/robustbench.py) with the key-for-key layout of RobustBench's checkpoints, read
 from `--weights` or from RobustBench's own folder (models/<dataset>/corruptions/<name>.pt),
 never downloaded, with their preprocessing. No real checkpoint is needed: random weights
 are saved in the forms RobustBench's files and its loaded models have."""
@@ -13,13 +13,13 @@ import torch
 from conftest import invoke, write_folder
 from helpers import fails
 
-from cafa_cli.checkpoints import sha256_of
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.factories import is_factory
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.factories import is_factory
 from cafa_cli.jobs.shared.inputs import default_preprocessing
-from cafa_cli.models import resolve
-from cafa_cli.zoo import robustbench
+from cafa_cli.model.checkpoints import sha256_of
+from cafa_cli.model.loading import resolve
+from cafa_cli.model.zoo import robustbench
 
 # The published layouts, from RobustBench's architectures (model_zoo/architectures/wide_resnet.py,
 # resnext.py; torchvision's resnet50 for ImageNet) and its model tables (model_zoo/cifar10.py,

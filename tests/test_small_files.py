@@ -22,13 +22,13 @@ import pytest
 from helpers import fails
 
 from cafa_cli.cli.defaults import CONFIG_LIMIT
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.files import read_small_text
 from cafa_cli.data.domain import CLASS_LIST_LIMIT, read_class_list
 from cafa_cli.data.domain_sets import DOMAIN_LIST_LIMIT
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import SUBSET_LIMIT, read_image_ids
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import read_small_text
-from cafa_cli.recipes import RECIPE_LIMIT
+from cafa_cli.methods.recipes import RECIPE_LIMIT
 
 TIMEOUT = 30  # seconds; each refusal takes milliseconds, the child's start well under a second
 MEMORY = 2 << 30  # the child's address space: reading on from /dev/zero fails with MemoryError, not the host

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY_NET, invoke
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import UNLABELLED
-from cafa_cli.errors import InputError
 from cafa_cli.jobs.adapt.source_images import LabelledBatches
 
 
@@ -92,10 +92,10 @@ def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(traine
     from cafa_cli.data.loading import batches
     from cafa_cli.data.preprocessing import Preprocessing
     from cafa_cli.data.sources import open_domain
+    from cafa_cli.engine.method import select_parameters
     from cafa_cli.jobs.adapt.source_images import fisher_batches
     from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.method.methods.base import select_parameters
-    from cafa_cli.method.methods.eata import fisher_information
+    from cafa_cli.methods.eata import fisher_information
 
     model = copy.deepcopy(trained[0])
     params, cpu = select_parameters(model), torch.device("cpu")

@@ -21,8 +21,8 @@ from helpers import fails, make_cifar10
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
 from cafa_cli.jobs.bench.runs import with_standard_model
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.recipes import STANDARD_MODELS, standard_model
-from cafa_cli.zoo import robustbench
+from cafa_cli.methods.recipes import STANDARD_MODELS, standard_model
+from cafa_cli.model.zoo import robustbench
 
 STANDARD = "robustbench:cifar10/Standard"
 

@@ -15,12 +15,12 @@ import torch
 from test_cli_adapt import setup  # noqa: F401  (its trained net, artifact and shifted test folder)
 from test_deployment import adapter_of, saved_and_loaded
 
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.method.methods import create
-from cafa_cli.method.state import MODULE, OBJECT
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.engine.state import MODULE, OBJECT
+from cafa_cli.methods import create
 
 # an object of the standard library reached from a cafa_cli module: dropping it deletes `name`
-CLOSER = "cafa_cli.files:tempfile._TemporaryFileCloser"
+CLOSER = "cafa_cli.core.files:tempfile._TemporaryFileCloser"
 
 
 def stepped(trained, name: str, batches: int = 3, **settings):
@@ -130,7 +130,7 @@ def test_a_state_of_other_options_or_settings_is_refused_naming_each(trained, na
 
     def made(options: dict, **settings):
         method = create(name, None, "cpu", **options)
-        from cafa_cli.method.adapter import Adapter
+        from cafa_cli.engine.adapter import Adapter
 
         return Adapter(copy.deepcopy(model), method, "cpu", **{"lr": 1e-2, **settings})
 
@@ -142,7 +142,7 @@ def test_a_state_of_other_options_or_settings_is_refused_naming_each(trained, na
 
 def test_a_state_of_other_weights_statistics_or_fisher_is_refused(trained):
     model, gaussians, x, _ = trained
-    from cafa_cli.method.adapter import Adapter
+    from cafa_cli.engine.adapter import Adapter
 
     state = saved_and_loaded(adapter_of(trained, "cafa").state_dict())
     other = copy.deepcopy(model)

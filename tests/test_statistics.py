@@ -7,9 +7,9 @@ import pytest
 import torch
 from sklearn.covariance import OAS, ShrunkCovariance
 
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.method.gaussians import estimate, oas_shrinkage, precision_cholesky, shrink
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.statistics.gaussians import estimate, oas_shrinkage, precision_cholesky, shrink
+from cafa_cli.statistics.moments import ClassMoments
 
 D = 5
 

@@ -18,13 +18,13 @@ import torch
 from test_norms import class_moments_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method import step_graph
-from cafa_cli.method.adapter import WRITTEN, Adapter
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.methods.base import Method
-from cafa_cli.method.methods.tent import Tent
-from cafa_cli.method.step_graph import WARMUP, StepGraph, kept_state
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine import step_graph
+from cafa_cli.engine.adapter import WRITTEN, Adapter
+from cafa_cli.engine.method import Method
+from cafa_cli.engine.step_graph import WARMUP, StepGraph, kept_state
+from cafa_cli.methods import REGISTRY, create
+from cafa_cli.methods.tent import Tent
 
 NAMES = tuple(REGISTRY)
 
@@ -315,8 +315,8 @@ def test_the_graph_is_on_by_default_since_it_was_measured_on_a_gpu(trained):
     """Issue 45: opt-in until its first run on a GPU (an H200: steps 1.0-1.6x faster, every
     replayable method captured), on by default since, in the Python API, the settings and
     the command line alike; the CPU runs eagerly and says why."""
+    from cafa_cli.engine.options import check_adapter_options
     from cafa_cli.jobs.config import AdaptConfig, BenchConfig
-    from cafa_cli.method.options import check_adapter_options
 
     model, _, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create("tent"))
@@ -371,7 +371,7 @@ def test_adapt_records_what_ran_the_steps_and_warns_when_the_check_turned_the_gr
 
     from helpers import adapt
 
-    from cafa_cli.method import adapter as adapter_module
+    from cafa_cli.engine import adapter as adapter_module
 
     data = setup["train"]
     eager = adapt(setup, data, "--method", "tent", "--no-cuda-graph", "--metrics-json", tmp_path / "eager.json")

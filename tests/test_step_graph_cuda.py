@@ -17,9 +17,9 @@ import torch
 from test_norms import class_moments_of
 from test_step_graph import CAPTURABLE, stream_of
 
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import REGISTRY, create
-from cafa_cli.method.step_graph import TOLERANCE, WARMUP
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.step_graph import TOLERANCE, WARMUP
+from cafa_cli.methods import REGISTRY, create
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

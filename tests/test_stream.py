@@ -12,11 +12,11 @@ from PIL import Image
 
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
+from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.shared.report import domain_record, overall
-from cafa_cli.method import distances
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import create
+from cafa_cli.methods import create
+from cafa_cli.statistics import distances
 
 PIXELS = Preprocessing(resize=None, crop=None, mean=(0.0,), std=(1.0,), channels=1)
 

@@ -12,15 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from cafa_cli.method import reference
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods.eata import Eata, Eta
-from cafa_cli.method.methods.lame import Lame
-from cafa_cli.method.methods.sar import Sar
-from cafa_cli.method.methods.t3a import T3A
-from cafa_cli.recipes import shipped
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create, reference
+from cafa_cli.methods.eata import Eata, Eta
+from cafa_cli.methods.lame import Lame
+from cafa_cli.methods.recipes import shipped
+from cafa_cli.methods.sar import Sar
+from cafa_cli.methods.t3a import T3A
+from cafa_cli.model.features import FeatureClassifier
 
 
 def entropy64(logits: torch.Tensor) -> torch.Tensor:
@@ -321,7 +320,7 @@ def test_output_only_methods_leave_the_model_unchanged(trained):
 
 
 def test_a_method_option_it_does_not_take_is_named():
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
 
     with pytest.raises(
         UsageError,

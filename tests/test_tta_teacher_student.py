@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from cafa_cli.errors import UsageError
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.augment import augment
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.memory_bank import MemoryBank, timeliness_weights
-from cafa_cli.method.methods import create
-from cafa_cli.method.methods import rotta as rotta_module
-from cafa_cli.method.methods.cotta import CoTTA
-from cafa_cli.method.methods.rotta import RobustBatchNorm, RoTTA, on_samples
+from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.methods import create
+from cafa_cli.methods import rotta as rotta_module
+from cafa_cli.methods.cotta import CoTTA
+from cafa_cli.methods.rotta import RobustBatchNorm, RoTTA, on_samples
+from cafa_cli.methods.shared.augment import augment
+from cafa_cli.methods.shared.memory_bank import MemoryBank, timeliness_weights
+from cafa_cli.model.features import FeatureClassifier
 
 
 def tiny_net(seed: int = 0, classes: int = 3) -> FeatureClassifier:
@@ -116,7 +116,7 @@ def conv_net(seed: int = 0, classes: int = 5) -> FeatureClassifier:
 
 def reference_augment(images: torch.Tensor) -> torch.Tensor:
     """augment as it was, one view a call: the draw order the batched views keep."""
-    from cafa_cli.method import augment as a
+    from cafa_cli.methods.shared import augment as a
 
     n, x = len(images), images.float()
     dims = tuple(range(2, x.dim())) or (1,)
@@ -170,7 +170,7 @@ def test_cotta_views_in_one_pass_are_the_views_one_pass_each(monkeypatch, norm, 
     its own batch statistics), is the mean of one forward pass a view, within float
     tolerance (a convolution's kernel may depend on the batch size; here, on this CPU,
     the values came out identical except where a copy reorders the batch)."""
-    from cafa_cli.method.methods import cotta as cotta_module
+    from cafa_cli.methods import cotta as cotta_module
 
     monkeypatch.setattr(cotta_module, "VIEW_IMAGES", per_pass * 6)
     x = torch.randn(6, 3, 10, 10) * 2 + 1

@@ -9,9 +9,9 @@ from conftest import write_folder
 from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.sources import gradual_stages
-from cafa_cli.errors import InputError
 
 runner = CliRunner()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.fashion_mnist import (
     DEFAULT_ROOT,
     FASHION_MNIST_CLASSES,
@@ -17,8 +18,7 @@ from cafa_cli.data.fashion_mnist import (
     FASHION_MNIST_STD,
     load_fashion_mnist,
 )
-from cafa_cli.errors import InputError
-from cafa_cli.zoo import BUNDLED, load_bundled
+from cafa_cli.model.zoo import BUNDLED, load_bundled
 
 DEBIAN_FILES_PRESENT = (DEFAULT_ROOT / "t10k-images-idx3-ubyte.gz").is_file()
 needs_fashion_mnist = pytest.mark.skipif(
@@ -194,9 +194,9 @@ def test_artifact_of_the_bundled_model_records_its_packaged_weights_and_adapt_no
     from safetensors.torch import load_file, save_file
     from typer.testing import CliRunner
 
-    from cafa_cli.artifact import read_artifact
-    from cafa_cli.checkpoints import sha256_of
+    from cafa_cli.artifact.store import read_artifact
     from cafa_cli.cli.app import app
+    from cafa_cli.model.checkpoints import sha256_of
 
     runner = CliRunner()
     stats = tmp_path / "s.safetensors"

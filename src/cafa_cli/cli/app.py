@@ -19,9 +19,9 @@ from cafa_cli.cli.errors import EXIT_RUNTIME, debug, fail, one_line_usage_errors
 from cafa_cli.cli.options import PanelledCommand
 from cafa_cli.cli.renamed import renamed_keys
 from cafa_cli.cli.streams import prepare_standard_streams
+from cafa_cli.core.errors import CafaError
+from cafa_cli.core.interrupts import interrupt
 from cafa_cli.data.values import decode_budget
-from cafa_cli.errors import CafaError
-from cafa_cli.interrupts import interrupt
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, StatsConfig, command_line_only, names_code
 
 # each a line a terminal shows whole; a long one continues after a backslash

@@ -101,7 +101,7 @@ def inspect(
     """Summarise and validate an artifact: classes, counts, dimensions, shrinkage, model, conditioning."""
     from rich.console import Console
 
-    from cafa_cli.artifact import read_artifact
+    from cafa_cli.artifact.store import read_artifact
     from cafa_cli.jobs.inspect import describe, render
     from cafa_cli.jobs.shared.report import to_json
 
@@ -147,7 +147,7 @@ def methods(
     artifact, its step cost); with METHOD, its options and a recipe as TOML for --recipe."""
     from rich.console import Console
 
-    from cafa_cli.errors import UsageError
+    from cafa_cli.core.errors import UsageError
     from cafa_cli.jobs.methods import markdown, method_recipe, methods_table, terminal_table
     from cafa_cli.jobs.shared.report import to_json
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cafa_cli.method.methods import REGISTRY
-from cafa_cli.recipes import NAMES as RECIPES
+from cafa_cli.methods import REGISTRY
+from cafa_cli.methods.recipes import NAMES as RECIPES
 
 
 def complete_method(incomplete: str) -> list[str]:

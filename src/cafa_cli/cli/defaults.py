@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cafa_cli.cli.renamed import warn_renamed
-from cafa_cli.errors import UsageError, did_you_mean
-from cafa_cli.factories import is_factory
-from cafa_cli.files import read_small_text, toml_problem
+from cafa_cli.core.errors import UsageError, did_you_mean
+from cafa_cli.core.factories import is_factory
+from cafa_cli.core.files import read_small_text, toml_problem
 
 CONFIG_FILE = "cafa.toml"
 # The most cafa.toml or pyproject.toml may hold: a cafa.toml is a few lines, and the

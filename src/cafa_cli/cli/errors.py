@@ -14,8 +14,8 @@ from pathlib import Path
 import typer
 
 from cafa_cli.cli.defaults import defaults_source
-from cafa_cli.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, out_of_memory, printable
-from cafa_cli.files import completed
+from cafa_cli.core.errors import EXIT_INPUT, EXIT_RUNTIME, CafaError, listing, out_of_memory, printable
+from cafa_cli.core.files import completed
 
 EXIT_ABOVE_MAX_ERROR = 4  # --max-error: the run worked, and its error is above the threshold a CI job gates on
 EXIT_INTERRUPTED = 130

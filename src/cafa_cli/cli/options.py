@@ -17,9 +17,9 @@ from typer.core import TyperCommand, TyperOption
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
 from cafa_cli.cli.errors import as_flags
 from cafa_cli.cli.renamed import respelled
-from cafa_cli.errors import UsageError, printable
+from cafa_cli.core.errors import UsageError, printable
 from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
-from cafa_cli.recipes import SETTINGS as RECIPE_SETTINGS
+from cafa_cli.methods.recipes import SETTINGS as RECIPE_SETTINGS
 
 COMPLETIONS = {"method": complete_method, "methods": complete_methods, "recipe": complete_recipe}  # by setting
 OTHER = "Other options"

@@ -8,7 +8,7 @@ import sys
 
 from rich.console import Console
 
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.shared.monitor import stderr_console
 from cafa_cli.jobs.shared.report import ESCAPE_FOR_OUTPUT, is_utf8
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.files import reading
 from cafa_cli.data.domain import MAX_CLASSES, UNLABELLED, Domain
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import reading
 
 NPY_MAGIC = b"\x93NUMPY"
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.arrays import _array_domain
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.domain_sets import DOMAIN_SETS, domains_in, is_one_domain, open_member, source_domain, targets
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS
 from cafa_cli.data.folders import _folder_domain
-from cafa_cli.errors import InputError, UsageError, listing
 
 # the 15 corruptions of ImageNet-C (Hendrycks & Dietterich, ICLR 2019), in its tables' order;
 # the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)

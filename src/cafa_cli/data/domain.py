@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from cafa_cli.core.errors import InputError, listing, repeated
+from cafa_cli.core.files import read_small_text
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError, listing, repeated
-from cafa_cli.files import read_small_text
 
 # what reading a damaged, truncated or hostile image file raises
 UNREADABLE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)

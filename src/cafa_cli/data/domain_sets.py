@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cafa_cli.core.errors import InputError, UsageError, listing, printable
+from cafa_cli.core.files import read_small_text
 from cafa_cli.data.domain import Domain, did_you_mean, relabel
 from cafa_cli.data.folders import _folder_domain, _path_order, read_image
-from cafa_cli.errors import InputError, UsageError, listing, printable
-from cafa_cli.files import read_small_text
 
 DOMAIN_SETS = {
     "office-home": ("Art", "Clipart", "Product", "Real_World"),

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cafa_cli.errors import InputError
-from cafa_cli.files import reading
+from cafa_cli.core.errors import InputError
+from cafa_cli.core.files import reading
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
 

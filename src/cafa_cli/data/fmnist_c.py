@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from cafa_cli.core.errors import UsageError, repeated
+from cafa_cli.core.files import make_workdir
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
-from cafa_cli.errors import UsageError, repeated
-from cafa_cli.files import make_workdir
 
 # The 15 corruptions of the ImageNet-C benchmark, and the 4 held out for choosing
 # hyper-parameters (never reported).

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from cafa_cli.core.errors import InputError, listing, printable
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.values import BUDGET_VARIABLE, BYTES_PER_PIXEL, decode_budget
-from cafa_cli.errors import InputError, listing, printable
 
 # Raster formats Pillow decodes itself. Pillow picks the decoder from the bytes, not the
 # name: without this list a PostScript file named .jpg in an untrusted folder would be

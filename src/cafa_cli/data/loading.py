@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import UNREADABLE, Domain
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.values import check_batch_size, check_num_workers, usable_cores
-from cafa_cli.errors import InputError
 
 
 class _DomainImages(Dataset):

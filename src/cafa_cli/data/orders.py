@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.values import parse_order
-from cafa_cli.errors import InputError
 
 MAX_SLOTS = 100  # RoTTA's: as many time slots as classes, at most 100
 

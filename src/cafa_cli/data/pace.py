@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from cafa_cli.errors import UsageError
-from cafa_cli.numbers import LEAST_POSITIVE, MOST_NUMBER
+from cafa_cli.core.errors import UsageError
+from cafa_cli.core.numbers import LEAST_POSITIVE, MOST_NUMBER
 
 WAITS = math.inf
 # a batch every million forward passes is a stream that waits (above it, say inf); one every
@@ -90,15 +90,6 @@ def parse_step_cost(text: str, name: str = "step_cost") -> tuple[str, dict[str |
         f"`{name}` must be {STEP_COST_FORMS} (K in forward passes of the source model, from 0.000001 to "
         f"1,000,000, each method once), not {text!r}"
     )
-
-
-def table_cost(method: str) -> float | None:
-    """k of a built-in method from `cafa methods`' cost column: its step over a forward pass
-    of the source model, both ÷ TENT's step on the CPU; None for a method without one."""
-    from cafa_cli.recipes import description
-
-    method_cost, source_cost = description(method)["cost"], description("source")["cost"]
-    return None if method_cost is None else float(method_cost) / float(source_cost)
 
 
 @dataclass

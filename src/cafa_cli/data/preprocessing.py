@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import MAX_PIXELS, check_preprocessing
-from cafa_cli.errors import UsageError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cafa_cli.core.errors import InputError, listing
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.fashion_mnist import SPLIT_PREFIXES, find_idx_file, resolve_root
-from cafa_cli.errors import InputError, listing
 
 
 def stratified_subset(

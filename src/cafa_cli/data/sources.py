@@ -6,12 +6,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.files import reading_images
 from cafa_cli.data.arrays import TRAINING_SETS, _array_domain
 from cafa_cli.data.benchmarks import BENCHMARKS, benchmark_of, on_disk_benchmark, open_benchmark, stages_of
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.folders import _folder_domain, _stdin_domain
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import reading_images
 
 
 def open_domain(

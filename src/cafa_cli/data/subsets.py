@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cafa_cli.core.errors import InputError, UsageError, listing
+from cafa_cli.core.files import read_small_text
 from cafa_cli.data.domain import UNLABELLED, Domain, did_you_mean, read_class_list
-from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.files import read_small_text
 
 # The most a `subset` list may hold: all 50,000 of ImageNet's validation images as
 # n01440764/ILSVRC2012_val_00000293.JPEG lines are 2.4 MB (RobustBench's 5,000: 240 KB); a file

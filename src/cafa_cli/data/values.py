@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import os
 
-from cafa_cli.errors import UsageError
-from cafa_cli.numbers import read_whole
+from cafa_cli.core.errors import UsageError
+from cafa_cli.core.numbers import read_whole
 
 MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image and end out of memory
 # The most pixels a resize may make of one image: Pillow's own decompression-bomb threshold

@@ -11,9 +11,9 @@ import shlex
 from dataclasses import fields
 from pathlib import Path
 
+from cafa_cli.core.files import make_workdir
 from cafa_cli.data.fashion_mnist import check_installed
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, build_corrupted, build_training_subset, check_corruptions
-from cafa_cli.files import make_workdir
 from cafa_cli.jobs.bench import run_bench, tables
 from cafa_cli.jobs.bench.rows import parse_methods
 from cafa_cli.jobs.bench.runs import row_config

@@ -9,10 +9,10 @@ import torch
 from rich.cells import cell_len
 from rich.text import Text
 
-from cafa_cli.artifact import Artifact
-from cafa_cli.errors import printable
-from cafa_cli.method.gaussians import _one_thread
-from cafa_cli.models import bundled_model
+from cafa_cli.artifact.store import Artifact
+from cafa_cli.core.errors import printable
+from cafa_cli.model.loading import bundled_model
+from cafa_cli.statistics.gaussians import _one_thread
 
 _CONDITIONING_SAMPLE = 64  # classes whose condition number is computed exactly
 _ONE_THREAD_DIM = 256  # up to this feature dim the SVDs run on one thread

@@ -8,11 +8,11 @@ from dataclasses import fields
 from rich.table import Column, Table
 from rich.text import Text
 
-from cafa_cli.errors import InputError, UsageError, printable
+from cafa_cli.core.errors import InputError, UsageError, printable
+from cafa_cli.engine.options import resolve_options, shown
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.method.methods import REGISTRY, method_class
-from cafa_cli.method.options import resolve_options, shown
-from cafa_cli.recipes import FAMILIES, SETTINGS, description, recipe_for, shipped, to_toml
+from cafa_cli.methods import REGISTRY, method_class
+from cafa_cli.methods.recipes import FAMILIES, SETTINGS, description, recipe_for, shipped, to_toml
 
 COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "cost")  # the keys of a row, and of --json's
 HEADERS = {"cost": "step ÷ TENT (CPU)"}  # a table's words for a key, where they differ from it

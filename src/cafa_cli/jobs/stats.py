@@ -8,17 +8,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cafa_cli.artifact import Artifact, write_artifact
-from cafa_cli.artifact_format import unusable_class_names
+from cafa_cli.artifact.format import unusable_class_names
+from cafa_cli.artifact.store import Artifact, write_artifact
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.environment import environment
+from cafa_cli.core.errors import InputError, listing
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sampling import file_stamps, source_files, stratified_subset, subset_sha256
 from cafa_cli.data.sources import open_domain
 from cafa_cli.data.subsets import ClassSubset, narrow, read_class_subset
-from cafa_cli.devices import pick_device
-from cafa_cli.environment import environment
-from cafa_cli.errors import InputError, listing
 from cafa_cli.jobs.config import StatsConfig
 from cafa_cli.jobs.shared.distributed import merge_on_root, process_group, rank_device
 from cafa_cli.jobs.shared.inputs import (
@@ -32,10 +32,10 @@ from cafa_cli.jobs.shared.inputs import (
 )
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.gaussians import estimate
-from cafa_cli.method.moments import NormInputMoments, accumulate_features
-from cafa_cli.models import factory_sha256, parameters_sha256
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.model.loading import factory_sha256, parameters_sha256
+from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.moments import NormInputMoments, accumulate_features
 
 
 @guards_outputs

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.errors import UsageError, listing
 from cafa_cli.data.domain import UNLABELLED, Domain
-from cafa_cli.devices import pick_device
-from cafa_cli.errors import UsageError, listing
+from cafa_cli.engine.serving import check_exportable
 from cafa_cli.jobs.adapt.deployment import holding_state, load_state, save_state, write_export
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
@@ -29,7 +30,6 @@ from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import metrics, prediction_records, protocol_lines, write_json
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import adapting_line, recipe_line
-from cafa_cli.method.serving import check_exportable
 
 
 @guards_outputs
@@ -93,7 +93,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             try:
                 results = part.run(writer.write, said)
             except KeyboardInterrupt:
-                if config.state:  # between two batches (interrupts.py): the state is a whole batch's
+                if config.state:  # between two batches (core/interrupts.py): the state is a whole batch's
                     save_state(job.adapter, config.state)
                     said.info(f"interrupted: the state so far is saved in {config.state}")
                 raise

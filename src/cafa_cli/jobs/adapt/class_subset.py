@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from cafa_cli.artifact import Artifact
+from cafa_cli.artifact.store import Artifact
+from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.subsets import ClassSubset, read_class_subset
-from cafa_cli.errors import InputError, UsageError, listing
+from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.method.options import parse_norm
 
 
 def class_subset(config: AdaptConfig, artifact: Artifact | None, model_classes: list[str] | None) -> ClassSubset | None:

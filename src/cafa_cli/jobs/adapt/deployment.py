@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from cafa_cli import __version__
-from cafa_cli.checkpoints import check_expansion
-from cafa_cli.environment import environment
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import atomic_write, open_lock_file
-from cafa_cli.method.adapter import Adapter
+from cafa_cli.core.environment import environment
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.files import atomic_write, open_lock_file
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.model.checkpoints import check_expansion
 
 EXPORT_FORMAT = "cafa-export"
 MAX_STATE_BYTES = 64 << 30  # a state holds the weights, the optimiser's moments and a method's banks

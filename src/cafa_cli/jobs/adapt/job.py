@@ -7,11 +7,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from cafa_cli.core.errors import UsageError, listing
 from cafa_cli.data.benchmarks import benchmark_of
 from cafa_cli.data.domain import Domain, padding_note
-from cafa_cli.data.pace import WAITS, Pace, parse_step_cost, parse_stream_rate, rate_label, table_cost
+from cafa_cli.data.pace import WAITS, Pace, parse_step_cost, parse_stream_rate, rate_label
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import UsageError, listing
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.method import Method
+from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.shared.clean import adapted_error
@@ -20,11 +23,8 @@ from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.report import ERROR_FRACTION, short_name
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import constant_outputs, constant_outputs_note, size_note, statistics_input_size
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods import entry_of, is_plugin
-from cafa_cli.method.methods.base import Method
-from cafa_cli.method.options import parse_norm
-from cafa_cli.recipes import Recipe
+from cafa_cli.methods import entry_of, is_plugin
+from cafa_cli.methods.recipes import Recipe, table_cost
 
 
 @dataclass

@@ -12,8 +12,11 @@ import numpy as np
 import torch
 
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.artifact import Artifact, read_artifact
-from cafa_cli.checkpoints import UntrustedCheckpoint
+from cafa_cli.artifact.provenance import model_mismatch, recorded_model
+from cafa_cli.artifact.store import Artifact, read_artifact
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.errors import InputError, UsageError, WouldOverwrite, repeated
+from cafa_cli.core.files import absolute
 from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import loader_processes
@@ -21,9 +24,8 @@ from cafa_cli.data.orders import check_labels
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_image_ids
-from cafa_cli.devices import pick_device
-from cafa_cli.errors import InputError, UsageError, WouldOverwrite, repeated
-from cafa_cli.files import absolute
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.options import check_precision, parse_norm, resolve_options
 from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
 from cafa_cli.jobs.adapt.source_images import size_check, source_images
@@ -40,13 +42,11 @@ from cafa_cli.jobs.shared.inputs import (
     resolve_model,
 )
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.method.methods import create, entry_of, is_plugin, options_of
-from cafa_cli.method.options import check_precision, parse_norm, resolve_options
-from cafa_cli.models import ModelSpec, canonical_model
-from cafa_cli.provenance import model_mismatch, recorded_model
-from cafa_cli.recipes import Recipe, recipe_for, standard_model
+from cafa_cli.methods import create, entry_of, is_plugin, options_of
+from cafa_cli.methods.recipes import Recipe, recipe_for, standard_model
+from cafa_cli.model.checkpoints import UntrustedCheckpoint
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.model.loading import ModelSpec, canonical_model
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:

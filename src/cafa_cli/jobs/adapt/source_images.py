@@ -8,15 +8,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from cafa_cli.artifact import Artifact
+from cafa_cli.artifact.store import Artifact
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import Batch, batches
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.shared.report import short_name
 from cafa_cli.jobs.shared.what_runs import size_note, statistics_input_size
-from cafa_cli.method.methods import method_class
+from cafa_cli.methods import method_class
 
 # told a pass's first batch of images, as they enter the model (the size check)
 FirstBatch = Callable[[torch.Tensor], None]

@@ -9,18 +9,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from cafa_cli.core.errors import InputError
+from cafa_cli.core.interrupts import whole
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.pace import Pace
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.values import parse_reset
-from cafa_cli.errors import InputError
-from cafa_cli.interrupts import whole
+from cafa_cli.engine.adapter import Adapter
+from cafa_cli.engine.method import Method
+from cafa_cli.engine.options import shown
 from cafa_cli.jobs.shared.results import DomainResult, Record
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.methods.base import Method
-from cafa_cli.method.options import shown
 
 
 def adapt_domains(
@@ -197,7 +197,7 @@ def _adapt(
         )
     measure = pace.cost is None and not pace.waits
     started = _now(adapter) if measure else 0.0
-    with whole():  # a signal waits for the step: the state is never half a batch's (interrupts.py)
+    with whole():  # a signal waits for the step: the state is never half a batch's (core/interrupts.py)
         logits = adapter.step(images)
     if measure:
         step = _now(adapter) - started

@@ -15,13 +15,12 @@ from itertools import groupby
 from pathlib import Path
 from typing import NamedTuple
 
-from cafa_cli.checkpoints import check_weights_file
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.errors import CafaError, InputError, listing
+from cafa_cli.core.files import make_workdir
 from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.data.sources import on_disk
-from cafa_cli.devices import pick_device
-from cafa_cli.errors import CafaError, InputError, listing
-from cafa_cli.files import make_workdir
 from cafa_cli.jobs.adapt.job import part_of
 from cafa_cli.jobs.adapt.prepare import check_recipe_file, prepare_adaptation
 from cafa_cli.jobs.bench import tables
@@ -51,10 +50,11 @@ from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import above
 from cafa_cli.jobs.shared.results import DomainResult
-from cafa_cli.method.gaussians import check_options
-from cafa_cli.method.methods import is_plugin
-from cafa_cli.models import pretrained_by_name
-from cafa_cli.recipes import FAMILIES, shipped
+from cafa_cli.methods import is_plugin
+from cafa_cli.methods.recipes import FAMILIES, shipped
+from cafa_cli.model.checkpoints import check_weights_file
+from cafa_cli.model.loading import pretrained_by_name
+from cafa_cli.statistics.gaussians import check_options
 
 
 class BenchReport(NamedTuple):

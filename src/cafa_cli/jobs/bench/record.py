@@ -7,12 +7,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cafa_cli import __version__
-from cafa_cli.checkpoints import sha256_of
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.environment import environment
+from cafa_cli.core.files import absolute, open_safetensors
 from cafa_cli.data.benchmarks import source_of
 from cafa_cli.data.loading import loader_processes
-from cafa_cli.devices import pick_device
-from cafa_cli.environment import environment
-from cafa_cli.files import absolute, open_safetensors
 from cafa_cli.jobs.adapt.prepare import effective_severity
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.rows import Row
@@ -21,7 +20,8 @@ from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import recorded_as_given
 from cafa_cli.jobs.shared import report
 from cafa_cli.jobs.shared.inputs import recipe
-from cafa_cli.models import weights_record
+from cafa_cli.model.checkpoints import sha256_of
+from cafa_cli.model.loading import weights_record
 
 # what the JSON report records of each row's settings, as its runs resolved them
 ROW_SETTINGS = (

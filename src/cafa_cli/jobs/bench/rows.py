@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import product
 
-from cafa_cli.errors import UsageError, repeated
+from cafa_cli.core.errors import UsageError, repeated
+from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import oracle_methods
-from cafa_cli.method.methods import REGISTRY, is_plugin
-from cafa_cli.method.options import parse_norm
+from cafa_cli.methods import REGISTRY, is_plugin
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor

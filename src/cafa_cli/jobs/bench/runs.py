@@ -8,22 +8,22 @@ import json
 from dataclasses import fields, replace
 from pathlib import Path
 
+from cafa_cli.core.errors import InputError, UsageError, listing, repeated
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.pace import parse_step_cost
 from cafa_cli.data.sources import gradual_stages, open_domain
-from cafa_cli.errors import InputError, UsageError, listing, repeated
+from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.config.data import InputOptions
 from cafa_cli.jobs.config.settings import parse_method_options
 from cafa_cli.jobs.shared.inputs import check_apart, recorded_data
-from cafa_cli.method.gaussians import auto_shrinkage_method
-from cafa_cli.method.methods import entry_of
-from cafa_cli.method.options import parse_norm
-from cafa_cli.models import bundled_model
-from cafa_cli.recipes import standard_model
-from cafa_cli.zoo import robustbench
+from cafa_cli.methods import entry_of
+from cafa_cli.methods.recipes import standard_model
+from cafa_cli.model.loading import bundled_model
+from cafa_cli.model.zoo import robustbench
+from cafa_cli.statistics.gaussians import auto_shrinkage_method
 
 
 def check_domains(
@@ -165,7 +165,7 @@ def row_method_options(config: BenchConfig, method: str) -> list[str]:
 
 def _options_taken(method: str) -> set[str]:
     """The names of a built-in method's own options; a plug-in's are known when it is made."""
-    from cafa_cli.method.methods import is_plugin, options_of
+    from cafa_cli.methods import is_plugin, options_of
 
     return set() if is_plugin(method) else {option.name for option in options_of(method)}
 

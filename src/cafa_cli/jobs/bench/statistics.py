@@ -9,11 +9,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.provenance import model_mismatch
+from cafa_cli.artifact.store import read_artifact
+from cafa_cli.core.errors import InputError, listing, printable, undecodable
+from cafa_cli.core.files import atomic_write, open_lock_file
 from cafa_cli.data.domain import read_class_list
 from cafa_cli.data.sources import open_domain
-from cafa_cli.errors import InputError, listing, printable, undecodable
-from cafa_cli.files import atomic_write, open_lock_file
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
 from cafa_cli.jobs.config import BenchConfig, StatsConfig
@@ -21,8 +22,7 @@ from cafa_cli.jobs.shared.distributed import wait_for_all
 from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.stats import Sample, compute_statistics, sample_keys
-from cafa_cli.models import bundled_model
-from cafa_cli.provenance import model_mismatch
+from cafa_cli.model.loading import bundled_model
 
 
 def covariances_needed(rows: list[Row]) -> list[str]:

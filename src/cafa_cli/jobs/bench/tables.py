@@ -9,8 +9,8 @@ import os
 import statistics as stats_lib
 from pathlib import Path
 
-from cafa_cli.errors import UsageError
-from cafa_cli.files import atomic_write
+from cafa_cli.core.errors import UsageError
+from cafa_cli.core.files import atomic_write
 
 
 def domain_label(path: str) -> str:

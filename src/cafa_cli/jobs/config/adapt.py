@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.config.checks import check, check_gradual_severity, check_max_error, check_seed, factory_file
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions, TestDataOptions
 from cafa_cli.jobs.config.settings import (
@@ -27,7 +27,7 @@ from cafa_cli.jobs.config.settings import (
     parse_method_options,
     setting,
 )
-from cafa_cli.method.methods import REGISTRY, is_plugin
+from cafa_cli.methods import REGISTRY, is_plugin
 
 # why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
 
@@ -188,8 +188,8 @@ class AdaptConfig(
                 )
             given[name] = value
         if given and not is_plugin(self.method):
-            from cafa_cli.method.methods import options_of
-            from cafa_cli.method.options import resolve_options
+            from cafa_cli.engine.options import resolve_options
+            from cafa_cli.methods import options_of
 
             resolve_options(self.method, options_of(self.method), given)
         return given

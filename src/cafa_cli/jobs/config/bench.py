@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cafa_cli.core.errors import UsageError, repeated
 from cafa_cli.data.pace import parse_stream_rates
 from cafa_cli.data.values import check_batch_size, parse_order
-from cafa_cli.errors import UsageError, repeated
 from cafa_cli.jobs.config.checks import (
     _axis,
     check,
@@ -39,7 +39,7 @@ from cafa_cli.jobs.config.settings import (
     StreamOptions,
     setting,
 )
-from cafa_cli.recipes import STANDARD_MODELS
+from cafa_cli.methods.recipes import STANDARD_MODELS
 
 # why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
 

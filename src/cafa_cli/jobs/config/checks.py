@@ -7,9 +7,9 @@ import os
 from dataclasses import fields
 from typing import Literal
 
-from cafa_cli.errors import UsageError, repeated
-from cafa_cli.factories import code_file
-from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS
+from cafa_cli.core.errors import UsageError, repeated
+from cafa_cli.core.factories import code_file
+from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]

@@ -7,15 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cafa_cli.core.factories import parse_model_args
 from cafa_cli.data.values import (
     check_preprocessing,
     parse_floats,
     parse_size,
 )
-from cafa_cli.factories import parse_model_args
+from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS
 from cafa_cli.jobs.config.checks import at_least, factory_file
 from cafa_cli.jobs.config.settings import AS_BUILT, AS_PATH, AS_PREPROCESSING, DATA, MODEL, setting
-from cafa_cli.method.options import OPTIMIZERS, PARAM_SETS, PRECISIONS
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.config.checks import parse_severities
 from cafa_cli.jobs.config.settings import ADAPTATION, DATA, DEMO_CORRUPTIONS, METHOD, OUTPUT, setting
 

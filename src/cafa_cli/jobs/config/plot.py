@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.config.checks import _axis, check, check_seed, factory_file
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.jobs.config.settings import (
@@ -23,7 +23,7 @@ from cafa_cli.jobs.config.settings import (
     StreamOptions,
     setting,
 )
-from cafa_cli.method.methods import REGISTRY, is_plugin
+from cafa_cli.methods import REGISTRY, is_plugin
 
 # why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.pace import parse_step_cost, parse_stream_rate
 from cafa_cli.data.values import (
     check_batch_size,
@@ -17,9 +18,9 @@ from cafa_cli.data.values import (
     parse_order,
     parse_reset,
 )
-from cafa_cli.errors import UsageError
+from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 from cafa_cli.jobs.config.checks import at_least, parse_shrinkage
-from cafa_cli.method.options import COVARIANCE_CHOICES, OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
+from cafa_cli.statistics.gaussians import COVARIANCE_CHOICES
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
@@ -196,7 +197,7 @@ class RecipeOptions:
         return {f.name for f in fields(self) if f.default is not MISSING and getattr(self, f.name) != f.default}
 
     def _check_recipe(self) -> None:
-        from cafa_cli.recipes import check_name
+        from cafa_cli.methods.recipes import check_name
 
         self.method_option = list(self.method_option or [])  # none given on the command line: None
         check_name(self.recipe)
@@ -322,7 +323,7 @@ class StreamOptions:
 def check_step_cost_names(step_cost: str) -> None:
     """`step_cost`'s METHOD=K pairs each name a method (a misspelt one would be taken and never
     used: the table's cost would stand in for it)."""
-    from cafa_cli.method.methods import REGISTRY, is_plugin
+    from cafa_cli.methods import REGISTRY, is_plugin
 
     _, given = parse_step_cost(step_cost)
     for name in given:
@@ -348,7 +349,7 @@ class OracleOptions:
 
 def oracle_methods() -> list[str]:
     """The built-in methods whose loss uses the predicted class, which `oracle` replaces."""
-    from cafa_cli.method.methods import REGISTRY, method_class
+    from cafa_cli.methods import REGISTRY, method_class
 
     return [name for name in REGISTRY if method_class(name).takes_labels]
 
@@ -356,7 +357,7 @@ def oracle_methods() -> list[str]:
 def check_oracle(method: str) -> None:
     """`oracle` replaces the pseudo-labels of a class-aware loss: a built-in method whose loss
     takes none is refused here (a plug-in when it is made, by the same class attribute)."""
-    from cafa_cli.method.methods import is_plugin
+    from cafa_cli.methods import is_plugin
 
     if not is_plugin(method) and method not in oracle_methods():
         raise UsageError(

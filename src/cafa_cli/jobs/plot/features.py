@@ -19,14 +19,14 @@ import torch
 from rich.table import Table
 
 from cafa_cli import DEFAULT_ARTIFACT
-from cafa_cli.artifact import read_artifact
+from cafa_cli.artifact.store import read_artifact
+from cafa_cli.core.devices import pick_device
+from cafa_cli.core.environment import environment
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import UNLABELLED
 from cafa_cli.data.loading import batches
 from cafa_cli.data.orders import stream_order
 from cafa_cli.data.subsets import keep
-from cafa_cli.devices import pick_device
-from cafa_cli.environment import environment
-from cafa_cli.errors import InputError
 from cafa_cli.jobs.adapt.job import Adaptation, short_name
 from cafa_cli.jobs.adapt.prepare import check_model_and_artifact_named, needs_artifact, prepare_adaptation
 from cafa_cli.jobs.bench.runs import row_method_options, shared
@@ -36,8 +36,8 @@ from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
 from cafa_cli.jobs.shared.report import ERROR_FRACTION, percent
 from cafa_cli.jobs.shared.what_runs import recipe_line
-from cafa_cli.method.distances import ClassDistances
-from cafa_cli.method.gaussians import ClassGaussians
+from cafa_cli.statistics.distances import ClassDistances
+from cafa_cli.statistics.gaussians import ClassGaussians
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.files import atomic_write
 from cafa_cli.data.domain import UNLABELLED
-from cafa_cli.errors import InputError, UsageError
-from cafa_cli.files import atomic_write
 
 INSTALL = "pip install 'cafa-cli[plot]'"
 MIN_POINTS = 5  # t-SNE's perplexity must stay below a third of the points, and be at least 1

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cafa_cli.core.errors import InputError
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.errors import InputError
+from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.shared.inputs import _skip_warning
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.method.adapter import Adapter
-from cafa_cli.method.features import FeatureClassifier
+from cafa_cli.model.features import FeatureClassifier
 
 
 def clean_error(

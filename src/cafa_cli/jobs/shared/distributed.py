@@ -16,10 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cafa_cli.errors import UsageError
+from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.method.methods import REGISTRY, is_plugin, method_class
-from cafa_cli.method.moments import ClassMoments
+from cafa_cli.methods import REGISTRY, is_plugin, method_class
+from cafa_cli.statistics.moments import ClassMoments
 
 
 def launched_by_torchrun() -> bool:

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cafa_cli import hub
+from cafa_cli.core.errors import InputError, UsageError, listing
+from cafa_cli.core.files import image_identity
 from cafa_cli.data.domain import Domain, read_class_list
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import on_disk
-from cafa_cli.errors import InputError, UsageError, listing
-from cafa_cli.files import image_identity
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
-from cafa_cli.method.features import FeatureClassifier
-from cafa_cli.models import ModelSpec, bundled_model, checked_model
+from cafa_cli.model import hub
+from cafa_cli.model.features import FeatureClassifier
+from cafa_cli.model.loading import ModelSpec, bundled_model, checked_model
 
 
 def recipe(options: InputOptions, model: str | None, changes: dict | None = None) -> Preprocessing:
@@ -28,7 +28,7 @@ def default_preprocessing(
     model: str | None, weights: str | None = None, model_args: dict | None = None, changes: dict | None = None
 ) -> Preprocessing:
     """The bundled model's preprocessing, or the one a timm model or torchvision weights
-    named by enum declare (hub.py), else ImageNet's at 256/224, bilinear; with the values the
+    named by enum declare (model/hub.py), else ImageNet's at 256/224, bilinear; with the values the
     user gave (`changes`) in place before anything is checked: a timm model made for one
     channel (`in_chans=1`) declares a three-channel mean, which the user's replaces."""
     changes = changes or {}

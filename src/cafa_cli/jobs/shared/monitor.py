@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cafa_cli.errors import printable
+from cafa_cli.core.errors import printable
 
 
 def stderr_console(quiet: bool = False) -> Console:

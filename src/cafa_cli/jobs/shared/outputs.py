@@ -7,10 +7,10 @@ import functools
 import os
 from pathlib import Path
 
+from cafa_cli.core.errors import UsageError
+from cafa_cli.core.files import check_writable, file_identity, is_device, standard_streams, writing
 from cafa_cli.data.folders import IMAGE_EXTENSIONS
 from cafa_cli.data.sources import on_disk
-from cafa_cli.errors import UsageError
-from cafa_cli.files import check_writable, file_identity, is_device, standard_streams, writing
 
 IMAGE_INPUTS = ("`data`", "`train`", "`clean`")  # the options whose folders are searched for images
 

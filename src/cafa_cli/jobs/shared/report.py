@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cafa_cli.environment import environment
-from cafa_cli.errors import UsageError, printable, undecodable
-from cafa_cli.files import atomic_write, is_device, naming_failures, replacing
+from cafa_cli.core.environment import environment
+from cafa_cli.core.errors import UsageError, printable, undecodable
+from cafa_cli.core.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.jobs.config.settings import RECORD_FORMATS
 from cafa_cli.jobs.shared.results import DomainResult, Record
 

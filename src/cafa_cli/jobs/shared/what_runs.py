@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.method.options import shown
+from cafa_cli.engine.options import shown
 
 
 def adapting_line(adapted: dict, method: str) -> str:
