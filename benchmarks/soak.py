@@ -35,6 +35,7 @@ from cafa_cli.api import (
     create,
     load_fashion_mnist,
     load_model,
+    read_artifact,
 )
 
 # Internal, what this soaks (tests/test_api.py lists these): cafa adapt's stream loop, given
@@ -88,10 +89,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as folder:
-        artifact = compute_statistics(
+        path = str(Path(folder) / "stats.safetensors")
+        compute_statistics(
             StatsConfig(data="fashion-mnist", model="fmnist-resnet", per_class=args.per_class, covariance="full",
-                        device="cpu", out=str(Path(folder) / "stats.safetensors"))
+                        device="cpu", out=path)
         )  # fmt: skip
+        artifact = read_artifact(path)
     adapter = Adapter(load_model("fmnist-resnet"), create(args.method, artifact.gaussians), torch.device("cpu"))
     images, labels = load_fashion_mnist(None, "test")
     rows = np.random.default_rng(0).permutation(len(images))[: args.images]
