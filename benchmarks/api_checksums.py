@@ -10,7 +10,8 @@ CSV sums depend on the CPU's kernels). A few minutes on 2 cores.
 
 The statistics are estimated from the stream's first 200 images, labelled by the model's
 predictions: no training set is needed, and both checkouts see the same numbers. One thread,
-so that the sums do not depend on how torch splits its reductions.
+so that the sums do not depend on how torch splits its reductions. It imports cafa through
+cafa_cli.api alone, which the refactors keep; a checkout from before it (issue 61) runs its own copy.
 """
 
 from __future__ import annotations
@@ -24,11 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.engine.adapter import Adapter
-from cafa_cli.methods import REGISTRY, create
-from cafa_cli.model.loading import load_model
-from cafa_cli.statistics.gaussians import estimate
-from cafa_cli.statistics.moments import ClassMoments
+from cafa_cli.api import REGISTRY, Adapter, ClassMoments, create, estimate, load_model
 
 MEAN, STD = 0.2860, 0.3530  # fmnist-resnet's input normalisation
 OPTIONS = {  # smaller banks and fewer views than the recipes': the same code paths, faster

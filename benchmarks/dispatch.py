@@ -31,11 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from perf import synthetic_gaussians, synthetic_norm_moments, whole_cycles  # noqa: E402
+from perf import synthetic_gaussians, synthetic_norm_moments, timing_model, whole_cycles  # noqa: E402
 
-from cafa_cli.engine.adapter import Adapter  # noqa: E402
-from cafa_cli.methods import REGISTRY, create  # noqa: E402
-from cafa_cli.model.loading import resolve  # noqa: E402
+from cafa_cli.api import REGISTRY, Adapter, create  # noqa: E402
 
 NORMS = ("batch", "prior:4", "source", "ema:0.05", "class-balanced")
 NORM_ROWS = ("tent", "cafa")  # the methods timed under every norm; the others under their own
@@ -81,7 +79,7 @@ def main() -> None:
     torch.manual_seed(0)
     images = torch.randn(args.batch, args.channels, args.size, args.size)
     num_classes = None if args.model == "fmnist-resnet" else args.classes
-    probe, _ = resolve(args.model, num_classes=num_classes)
+    probe = timing_model(args.model, num_classes)
     C, d = probe.num_classes, probe.feature_dim
     methods = list(REGISTRY) if args.methods == "all" else args.methods.split(",")
     # TENT under `--norm batch` is counted whatever is asked: it is the ratios' denominator
@@ -96,7 +94,7 @@ def main() -> None:
     result = {"model": args.model, "C": C, "d": d, "batch": args.batch, "torch": torch.__version__, "rows": {}}
     tent_ops = None
     for method, norm in rows:
-        model, _ = resolve(args.model, num_classes=num_classes)
+        model = timing_model(args.model, num_classes)
         gaussians = synthetic_gaussians(C, d, "lowrank") if REGISTRY[method].needs_statistics else None
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         counts = {}

@@ -24,12 +24,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES
+from cafa_cli.api import FASHION_MNIST_CLASSES, load_model, losses
+
+# Internal, what this probes (tests/test_api.py lists these): class-balanced's skew, and BN's
+# normalisation with the batch's own statistics
 from cafa_cli.engine.class_balanced import correction_strength
 from cafa_cli.engine.norms import use_test_batch_norm
-from cafa_cli.methods.shared import losses
-from cafa_cli.model.zoo import load_bundled
-from cafa_cli.model.zoo.train_fmnist import normalize
+
+MEAN, STD = 0.2860, 0.3530  # fmnist-resnet's input normalisation
 
 
 def images_of(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +41,7 @@ def images_of(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
         for path in sorted((folder / name).glob("*.png")):
             images.append(np.asarray(Image.open(path)))
             labels.append(label)
-    return normalize(torch.from_numpy(np.stack(images)).unsqueeze(1).float() / 255), torch.tensor(labels)
+    return (torch.from_numpy(np.stack(images)).unsqueeze(1).float() / 255 - MEAN) / STD, torch.tensor(labels)
 
 
 def on_batch_statistics(net: torch.nn.Module) -> torch.nn.Module:
@@ -55,7 +57,7 @@ def main() -> None:
     parser.add_argument("batch", type=int)
     parser.add_argument("domains", nargs="+", help="CORRUPTION/SEVERITY under root")
     args = parser.parse_args()
-    source = load_bundled("fmnist-resnet").eval()
+    source = load_model("fmnist-resnet").model  # the network itself, its forward returning logits alone
     passes = {"source statistics": source, "batch statistics": on_batch_statistics(source)}
     print(
         f"| domain | stream | {' | '.join(f'skew, {p} | error %, {p}' for p in passes)} | entropy rise: min | median | max |"

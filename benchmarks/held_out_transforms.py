@@ -32,7 +32,9 @@ import torch
 import torchvision.transforms.functional as F
 from PIL import Image, ImageFilter
 
-from cafa_cli.data.fashion_mnist import load_fashion_mnist
+from cafa_cli.api import load_fashion_mnist
+
+# Internal, what this extends (tests/test_api.py lists it): how `cafa demo` builds Fashion-MNIST-C
 from cafa_cli.data.fmnist_c import corrupted_as_built, stratified_rows, write_image_folder
 
 TRANSFORMS = {  # each on a uint8 [1, 28, 28] tensor; the random ones draw from `g`

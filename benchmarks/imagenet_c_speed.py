@@ -38,9 +38,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
-from cafa_cli.artifact.store import write_artifact  # noqa: E402
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.model.loading import ModelSpec
+from cafa_cli.api import Preprocessing, load_model, model_spec, parameters_sha256, write_artifact  # noqa: E402
 
 
 def _write_class(args) -> int:
@@ -64,16 +62,16 @@ def build_domain(root: Path, images: int, workers: int, classes: int) -> float:
 
 # `cafa adapt` in-process under torch.profiler: argv is (this code, output file, the CLI's arguments)
 TORCH_PROFILED = """
+import runpy
 import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
-from cafa_cli.__main__ import main
 out = sys.argv.pop(1)
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 code = 0
 with profile(activities=activities) as profiler:
     try:
-        main()
+        runpy.run_module("cafa_cli", run_name="__main__")  # python -m cafa_cli
     except SystemExit as done:
         code = done.code
 table = profiler.key_averages().table
@@ -301,18 +299,15 @@ def main() -> None:
         import torchvision
         from safetensors.torch import save_file
 
-        from cafa_cli.model.checkpoints import sha256_of
-
         weights = root / "resnet50-random.safetensors"
-        from cafa_cli.model.loading import parameters_sha256
-
         net = torchvision.models.resnet50(num_classes=classes)
         save_file(net.state_dict(), str(weights))
+        model = load_model("resnet50", str(weights), num_classes=classes)
         write_artifact(
             artifact,
             synthetic_gaussians(classes, 2048, "lowrank"),
             names,
-            ModelSpec("resnet50", str(weights.resolve()), sha256_of(weights), num_classes=classes),
+            model_spec(model, "resnet50", str(weights), num_classes=classes),  # as cafa stats records it
             Preprocessing(None, None),
             {"synthetic": True},
             parameters_sha256(net),

@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from cafa_cli.data.sources import open_domain
+from cafa_cli.api import open_domain
 
 
 def build(root: Path, images: int, classes: int = 1000) -> None:

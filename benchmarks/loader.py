@@ -1,7 +1,7 @@
 """What the data loader costs per image: uint8 batches (the tool) against float batches
 normalised per image in the loader processes (torchvision's to_tensor + normalize).
 
-`cafa_cli.data.batches` decodes (PIL), resizes and crops to uint8 in the loader; the
+`batches` (cafa_cli.api) decodes (PIL), resizes and crops to uint8 in the loader; the
 batch is normalised afterwards by `Preprocessing.normalize` on the model's device. On a
 GPU that last step is a negligible kernel, so the loader's images/s is what bounds the
 data path; on the CPU the main process pays for it, so its time per batch is printed
@@ -28,9 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.data.loading import batches
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.sources import open_domain
+from cafa_cli.api import Preprocessing, batches, open_domain
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians  # noqa: E402
 
-from cafa_cli.core.devices import pick_device
-from cafa_cli.statistics.distances import ClassDistances
+from cafa_cli.api import ClassDistances, pick_device
 
 
 class SplitKProjection(torch.autograd.Function):

@@ -74,11 +74,7 @@ def class_rows(c: int, n: int, d: int, seed: int, draw: int = 0):
 def stats_part(args) -> dict:
     import torch
 
-    from cafa_cli.artifact.store import write_artifact
-    from cafa_cli.data.preprocessing import Preprocessing
-    from cafa_cli.model.loading import ModelSpec
-    from cafa_cli.statistics.gaussians import estimate
-    from cafa_cli.statistics.moments import ClassMoments
+    from cafa_cli.api import ClassMoments, ModelSpec, Preprocessing, estimate, write_artifact
 
     torch.set_num_threads(args.threads)
     base = rss_bytes()
@@ -129,9 +125,7 @@ def stats_part(args) -> dict:
 def adapt_part(args) -> dict:
     import torch
 
-    from cafa_cli.artifact.store import read_artifact
-    from cafa_cli.methods.shared import losses
-    from cafa_cli.statistics.distances import ClassDistances
+    from cafa_cli.api import ClassDistances, losses, read_artifact
 
     torch.set_num_threads(args.threads)
     base = rss_bytes()

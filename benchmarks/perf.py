@@ -61,17 +61,28 @@ from pathlib import Path
 
 import torch
 
-from cafa_cli.artifact.store import read_artifact, write_artifact
-from cafa_cli.core.devices import pick_device
+from cafa_cli.api import (
+    REGISTRY,
+    Adapter,
+    ClassGaussians,
+    FeatureClassifier,
+    ModelSpec,
+    Preprocessing,
+    create,
+    pick_device,
+    read_artifact,
+    shipped,
+    write_artifact,
+)
+
+# Internal, the machinery timed here (tests/test_api.py lists these): the batches and the
+# feature pass of `cafa stats`, the step graph's warm-up, the distances' memory budget, and
+# `resolve`, which builds an architecture without weights (load_model refuses one: its
+# predictions would be random; its step time is the same)
 from cafa_cli.data.loading import Batch
-from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.step_graph import WARMUP as STEP_GRAPH_WARMUP
-from cafa_cli.methods import REGISTRY, create, entry_of
-from cafa_cli.methods.recipes import shipped
-from cafa_cli.model.loading import ModelSpec, resolve
+from cafa_cli.model.loading import resolve
 from cafa_cli.statistics import distances
-from cafa_cli.statistics.gaussians import ClassGaussians
 from cafa_cli.statistics.moments import accumulate_features
 
 KEEP_BYTES = distances.KEEP_BYTES
@@ -118,6 +129,12 @@ def whole_cycles(adapter: Adapter, steps: int, batch: int) -> int:
         return steps
     cycle = adapter.method.update_every // math.gcd(adapter.method.update_every, batch)
     return cycle * math.ceil(steps / cycle)
+
+
+def timing_model(name: str, num_classes: int | None) -> FeatureClassifier:
+    """The model a timing steps, wrapped, in eval mode on the CPU: load_model's, or, for an
+    architecture without weights, an untrained one."""
+    return resolve(name, num_classes=num_classes)[0]
 
 
 def synthetic_gaussians(C: int, d: int, covariance: str, rank: int = 63) -> ClassGaussians:
@@ -350,7 +367,7 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.channels, args.size, args.size)
     num_classes = None if args.model == "fmnist-resnet" else args.classes
-    probe, _ = resolve(args.model, num_classes=num_classes)
+    probe = timing_model(args.model, num_classes)
     C, d = probe.num_classes, probe.feature_dim
     del probe
     result = {
@@ -389,7 +406,7 @@ def main() -> None:
         return dict(recipe.options) if recipe else {}
 
     def adapter_for(method: str, gaussians=None, variant: str = "", norm: str = "batch") -> Adapter:
-        model, _ = resolve(args.model, num_classes=num_classes)
+        model = timing_model(args.model, num_classes)
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         return Adapter(
             model,
@@ -526,7 +543,7 @@ def main() -> None:
     def stats_row() -> dict:
         """The real `cafa stats` loop over the same batches, against plain no-grad inference."""
         artifacts.clear()
-        model, _ = resolve(args.model, num_classes=num_classes)
+        model = timing_model(args.model, num_classes)
         model = model.to(device).eval()
         images = x.to(device)
         stream = [Batch(images, [i % C for i in range(args.batch)], [])] * args.stats_batches
@@ -554,7 +571,11 @@ def main() -> None:
         }
 
     def statistics_for(method: str):
-        return synthetic_gaussians(C, d, args.statistics) if entry_of(method).needs_statistics else None
+        return (
+            synthetic_gaussians(C, d, args.statistics)
+            if method in REGISTRY and REGISTRY[method].needs_statistics
+            else None
+        )
 
     # every row by its name in the JSON, in the order a run in one process times them
     plan: list[tuple[str, object]] = [(m, lambda m=m: measure_step(m)) for m in ("source", "bn", "tent")]

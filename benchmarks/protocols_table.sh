@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+from cafa_cli.api import FASHION_MNIST_CLASSES, load_fashion_mnist
 
 root, per_class = Path(sys.argv[1]), int(sys.argv[2])
 images, labels = load_fashion_mnist(split="test")

@@ -137,6 +137,7 @@ def main(out: str, waiting_files: list[str]) -> None:
 
 def plot_rounds(saved: dict, path: Path) -> None:
     """Every method's error against round in one figure, as `cafa bench --plot` draws one bench's."""
+    # internal (tests/test_api.py lists it): the figure `cafa bench --plot` draws, for the merged rounds
     from cafa_cli.jobs.bench import tables
 
     first = saved["seeds"][0]

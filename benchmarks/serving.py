@@ -23,20 +23,21 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from cafa_cli.data.domain import relabel  # noqa: E402
-from cafa_cli.data.loading import batches  # noqa: E402
-from cafa_cli.data.preprocessing import Preprocessing  # noqa: E402
-from cafa_cli.data.sources import open_domain  # noqa: E402
-from cafa_cli.engine.adapter import Adapter  # noqa: E402
-from cafa_cli.methods import create  # noqa: E402
-from cafa_cli.model.loading import load_model  # noqa: E402
-from cafa_cli.model.zoo import BUNDLED  # noqa: E402
+from cafa_cli.api import (  # noqa: E402
+    FASHION_MNIST_CLASSES,
+    Adapter,
+    Preprocessing,
+    batches,
+    create,
+    load_model,
+    open_domain,
+)
 
 
 def images_of(folder: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     # labels by class name in the model's output order, as cafa adapt maps them
-    domain = relabel(open_domain(folder), list(BUNDLED["fmnist-resnet"].class_names))
-    preprocess = Preprocessing(**BUNDLED["fmnist-resnet"].preprocessing)
+    domain = open_domain(folder, FASHION_MNIST_CLASSES)
+    preprocess = Preprocessing(resize=None, crop=None, mean=(0.2860,), std=(0.3530,), channels=1)  # fmnist-resnet's
     chosen = np.random.default_rng(0).permutation(len(domain))[:count]
     loaded = list(batches(domain, preprocess, 100, chosen))
     images = torch.cat([preprocess.normalize(b.images) for b in loaded])

@@ -13,17 +13,17 @@ import argparse
 import numpy as np
 import torch
 
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
+from cafa_cli.api import Adapter, create, load_fashion_mnist, load_model
+
+# Internal, what this studies (tests/test_api.py lists it): how `cafa demo` corrupts Fashion-MNIST
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS, HELD_OUT_CORRUPTIONS, corrupt_grey, stratified_rows
-from cafa_cli.engine.adapter import Adapter
-from cafa_cli.methods import create
-from cafa_cli.model.loading import resolve
+
+MEAN, STD = 0.2860, 0.3530  # fmnist-resnet's input normalisation
 
 
 def error(method: str, images: np.ndarray, labels: np.ndarray, batch: int = 200) -> float:
-    model, _ = resolve("fmnist-resnet")
-    adapter = Adapter(model, create(method))
-    x = (torch.from_numpy(images).float().div(255).unsqueeze(1) - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
+    adapter = Adapter(load_model("fmnist-resnet"), create(method))
+    x = (torch.from_numpy(images).float().div(255).unsqueeze(1) - MEAN) / STD
     order = np.random.default_rng(0).permutation(len(x))
     wrong = 0
     for idx in np.array_split(order, max(1, len(x) // batch)):

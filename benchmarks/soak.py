@@ -27,15 +27,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cafa_cli.artifact.store import read_artifact
+from cafa_cli.api import (
+    FASHION_MNIST_CLASSES,
+    Adapter,
+    StatsConfig,
+    compute_statistics,
+    create,
+    load_fashion_mnist,
+    load_model,
+    read_artifact,
+)
+
+# Internal, what this soaks (tests/test_api.py lists these): cafa adapt's stream loop, given
+# domains whose images are corrupted as they are read
 from cafa_cli.data.domain import Domain
-from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
-from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.adapt.stream import adapt_domains
-from cafa_cli.jobs.shared.inputs import ModelChoice, default_preprocessing
-from cafa_cli.jobs.stats import compute_statistics
-from cafa_cli.methods import create
-from cafa_cli.model.loading import resolve
 
 
 def rss_mib() -> float:
@@ -83,16 +89,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as folder:
-        artifact_path = Path(folder) / "stats.safetensors"
-        compute_statistics("fashion-mnist", artifact_path, ModelChoice("fmnist-resnet"), per_class=args.per_class, fraction=None,
-                           covariance="full", device="cpu")  # fmt: skip
-        gaussians = read_artifact(artifact_path).gaussians
-    model, _ = resolve("fmnist-resnet")
-    adapter = Adapter(model, create(args.method, gaussians), torch.device("cpu"))
+        path = str(Path(folder) / "stats.safetensors")
+        compute_statistics(
+            StatsConfig(data="fashion-mnist", model="fmnist-resnet", per_class=args.per_class, covariance="full",
+                        device="cpu", out=path)
+        )  # fmt: skip
+        artifact = read_artifact(path)
+    adapter = Adapter(load_model("fmnist-resnet"), create(args.method, artifact.gaussians), torch.device("cpu"))
     images, labels = load_fashion_mnist(None, "test")
     rows = np.random.default_rng(0).permutation(len(images))[: args.images]
     images, labels = images[rows], labels[rows]
-    preprocess = default_preprocessing("fmnist-resnet")
+    preprocess = artifact.preprocessing  # the bundled model's, as cafa stats recorded it
     domains = [shifted_domain(k, images, labels) for k in range(args.domains)]
 
     print(f"soak: {args.method}, reset never, {args.domains} domains x {args.images} images, batch {args.batch_size}, "

@@ -47,12 +47,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from perf import model_arguments, sync, synthetic_gaussians  # noqa: E402
+from perf import model_arguments, sync, synthetic_gaussians, timing_model  # noqa: E402
 
-from cafa_cli.core.devices import pick_device  # noqa: E402
-from cafa_cli.engine.adapter import Adapter  # noqa: E402
-from cafa_cli.methods import create  # noqa: E402
-from cafa_cli.model.loading import resolve  # noqa: E402
+from cafa_cli.api import Adapter, create, pick_device  # noqa: E402
 
 BEFORE = "cafa_before"  # the earlier package's name in this process
 
@@ -154,7 +151,7 @@ def main() -> None:
     torch.manual_seed(0)
     images = torch.randn(args.batch, args.channels, args.size, args.size).to(device)
     num_classes = None if args.model == "fmnist-resnet" else args.classes
-    probe, _ = resolve(args.model, num_classes=num_classes)
+    probe = timing_model(args.model, num_classes)
     C, d = probe.num_classes, probe.feature_dim
     result = {
         "model": args.model,
@@ -172,7 +169,7 @@ def main() -> None:
 
     def adapter(which: str, method: str, gaussians):
         if which == "after":
-            model, _ = resolve(args.model, num_classes=num_classes)
+            model = timing_model(args.model, num_classes)
             return Adapter(model, create(method, gaussians, device), device, precision=args.precision)
         model, _ = before["models"].resolve(args.model, num_classes=num_classes)
         made = before["methods"].create(method, None if gaussians is None else as_before(gaussians, before), device)

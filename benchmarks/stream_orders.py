@@ -21,6 +21,7 @@ import tracemalloc
 
 import numpy as np
 
+# Internal, what this times (tests/test_api.py lists it): the stream orders of --order, alone
 from cafa_cli.data.orders import stream_order
 
 ORDERS = ("iid", "label-shift:0.5", "label-shift:1.0", "dirichlet:1.0", "dirichlet:0.01")
@@ -42,13 +43,11 @@ def order_seconds(labels: np.ndarray, order: str, repeats: int = 5) -> tuple[flo
 
 
 def adapt_seconds(domain: str, stats: str, order: str) -> tuple[float, int]:
-    from cafa_cli.jobs import adapt
-    from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.jobs.shared.monitor import Monitor
+    from cafa_cli.api import AdaptConfig, Monitor, run_adapt
 
     config = AdaptConfig(data=[domain], stats=stats, order=order, device="cpu", predictions=os.devnull)
     start = time.perf_counter()
-    results = adapt.run(config, Monitor())
+    results = run_adapt(config, Monitor())
     return time.perf_counter() - start, sum(r.n for r in results)
 
 
@@ -67,7 +66,7 @@ def main() -> None:
             print(f"{n:>8} {c:>8} {order:<16} {1000 * seconds:>8.2f} {mib:>9.2f}")
     if not args.domain:
         return
-    from cafa_cli.data.sources import open_domain
+    from cafa_cli.api import open_domain
 
     labels = open_domain(args.domain).labels
     print(f"\ncafa adapt --method cafa --batch-size 200 on {args.domain} ({len(labels)} images), CPU:")

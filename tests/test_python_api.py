@@ -68,6 +68,7 @@ def api_run(tmp_path, tiny_weights, monkeypatch):
         "train_loader": loader(train, 16),
         "test_loader": loader(test, 12),
         "artifact_path": str(artifact_path),
+        "image_folder": str(test),
         "class_names": ["a", "b", "c"],
         "model_name": TINY_NET,
         "weights_path": str(tiny_weights),
@@ -86,7 +87,7 @@ def api_run(tmp_path, tiny_weights, monkeypatch):
 
 
 def test_the_doc_has_the_blocks_this_test_expects():
-    assert len(doc_blocks()) == 7
+    assert len(doc_blocks()) == 8
 
 
 def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
@@ -159,3 +160,12 @@ def test_an_artifact_written_the_documented_way_records_the_classifier_as_cafa_s
     shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "my-stats.safetensors")])
     assert shown.exit_code == 0, shown.output
     assert "classifier head.3" in shown.output
+
+
+def test_a_folder_read_through_the_api_gives_the_images_and_labels_the_command_line_reads(api_run):
+    """Section 6's `test_loader`: the folder's images as `cafa --resize none --crop none --mean 0
+    --std 1 --channels 1` reads them (the artifact's preprocessing), labelled by class name."""
+    _, _, scope = api_run
+    expected = loader(Path(scope["image_folder"]), 36)
+    images, labels = (torch.cat(parts) for parts in zip(*scope["test_loader"], strict=True))
+    assert torch.equal(images, expected[0][0]) and torch.equal(labels, expected[0][1])
