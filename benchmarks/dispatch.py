@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians, synthetic_norm_moments, whole_cycles  # noqa: E402
 
 from cafa_cli.engine.adapter import Adapter  # noqa: E402
-from cafa_cli.methods import REGISTRY, create  # noqa: E402
+from cafa_cli.methods import REGISTRY, create, method_class  # noqa: E402
 from cafa_cli.model.loading import resolve  # noqa: E402
 
 NORMS = ("batch", "prior:4", "source", "ema:0.05", "class-balanced")
@@ -97,7 +97,7 @@ def main() -> None:
     tent_ops = None
     for method, norm in rows:
         model, _ = resolve(args.model, num_classes=num_classes)
-        gaussians = synthetic_gaussians(C, d, "lowrank") if REGISTRY[method].needs_statistics else None
+        gaussians = synthetic_gaussians(C, d, "lowrank") if method_class(method).needs_statistics else None
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         counts = {}
         for optimiser in ("cpu", "fused"):

@@ -67,7 +67,7 @@ from cafa_cli.data.loading import Batch
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.step_graph import WARMUP as STEP_GRAPH_WARMUP
-from cafa_cli.methods import REGISTRY, create, entry_of
+from cafa_cli.methods import REGISTRY, create, method_class
 from cafa_cli.methods.recipes import shipped
 from cafa_cli.model.loading import ModelSpec, resolve
 from cafa_cli.statistics import distances
@@ -554,7 +554,7 @@ def main() -> None:
         }
 
     def statistics_for(method: str):
-        return synthetic_gaussians(C, d, args.statistics) if entry_of(method).needs_statistics else None
+        return synthetic_gaussians(C, d, args.statistics) if method_class(method).needs_statistics else None
 
     # every row by its name in the JSON, in the order a run in one process times them
     plan: list[tuple[str, object]] = [(m, lambda m=m: measure_step(m)) for m in ("source", "bn", "tent")]
