@@ -106,6 +106,17 @@ def test_every_built_in_entry_names_a_class_of_its_recipes_name():
         assert (METHODS / "recipes" / f"{name}.toml").is_file(), name
 
 
+def test_a_method_class_is_a_plugin_factory_and_one_that_needs_statistics_is_refused_without(trained, tmp_path):
+    """A plug-in is made as a built-in is: the class itself is a factory; its refusal for want
+    of statistics is the one line a built-in gives, not a failed factory."""
+    path = tmp_path / "mine.py"
+    path.write_text("from cafa_cli.methods.cafa import Cafa\n\n\nclass Mine(Cafa):\n    name = 'mine'\n")
+    with pytest.raises(UsageError, match="the method mine needs class statistics"):
+        create(f"{path}:Mine")
+    made = create(f"{path}:Mine", trained[1], "cpu")
+    assert type(made).__name__ == "Mine" and made.gaussians is trained[1]
+
+
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_method_is_made_by_the_one_constructor_from_its_declared_options(trained, name):
     """No method file forwards its options by hand: the base class sets each declared option

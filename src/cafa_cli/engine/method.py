@@ -204,7 +204,8 @@ class Method:
                 f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
                 f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features"
             )
-        self.gaussians = gaussians if self.needs_statistics else None
+        if self.needs_statistics:  # the others ignore them
+            self.gaussians = gaussians
         self.device = resolve_device(device)
         inputs = {key: options.pop(key, None) for key in self.inputs}
         for key, value in {**resolve_options(name, self.options, options), **inputs}.items():
