@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import synthetic_gaussians, synthetic_norm_moments, timing_model, whole_cycles  # noqa: E402
 
-from cafa_cli.api import REGISTRY, Adapter, create  # noqa: E402
+from cafa_cli.api import REGISTRY, Adapter, create, method_class  # noqa: E402
 
 NORMS = ("batch", "prior:4", "source", "ema:0.05", "class-balanced")
 NORM_ROWS = ("tent", "cafa")  # the methods timed under every norm; the others under their own
@@ -95,7 +95,7 @@ def main() -> None:
     tent_ops = None
     for method, norm in rows:
         model = timing_model(args.model, num_classes)
-        gaussians = synthetic_gaussians(C, d, "lowrank") if REGISTRY[method].needs_statistics else None
+        gaussians = synthetic_gaussians(C, d, "lowrank") if method_class(method).needs_statistics else None
         moments = synthetic_norm_moments(model.model, C) if norm == "class-balanced" else None
         counts = {}
         for optimiser in ("cpu", "fused"):

@@ -571,11 +571,7 @@ def main() -> None:
         }
 
     def statistics_for(method: str):
-        return (
-            synthetic_gaussians(C, d, args.statistics)
-            if method in REGISTRY and REGISTRY[method].needs_statistics
-            else None
-        )
+        return synthetic_gaussians(C, d, args.statistics) if method_class(method).needs_statistics else None
 
     # every row by its name in the JSON, in the order a run in one process times them
     plan: list[tuple[str, object]] = [(m, lambda m=m: measure_step(m)) for m in ("source", "bn", "tent")]

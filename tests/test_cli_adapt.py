@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from cafa_cli.artifact.store import read_artifact
 from cafa_cli.cli.app import app
 from cafa_cli.jobs import adapt as adapt_job
-from cafa_cli.methods import REGISTRY
+from cafa_cli.methods import method_class
 
 runner = CliRunner()
 
@@ -188,7 +188,7 @@ def test_every_method_runs_on_the_same_data(setup, method, monkeypatch):
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == 91
     # the artifact's tensors (GBs on ImageNet) are loaded only by the methods that use them
-    assert reads == [REGISTRY[method].needs_statistics]
+    assert reads == [method_class(method).needs_statistics]
 
 
 def test_same_seed_gives_byte_identical_predictions(setup):

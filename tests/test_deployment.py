@@ -29,7 +29,7 @@ OPTIONS = {
 
 def adapter_of(trained, name: str, **settings) -> Adapter:
     model, gaussians, _, _ = trained
-    method = create(name, gaussians if REGISTRY[name].needs_statistics else None, "cpu", **OPTIONS.get(name, {}))
+    method = create(name, gaussians, "cpu", **OPTIONS.get(name, {}))  # ignored by the methods that need none
     return Adapter(copy.deepcopy(model), method, "cpu", lr=1e-2, **settings)
 
 

@@ -210,6 +210,6 @@ def test_a_reset_goes_back_to_the_states_after_the_warm_up(monkeypatch):
 
 
 def test_rmt_without_source_images_says_what_it_runs_as():
-    from cafa_cli.methods import REGISTRY
+    from cafa_cli.methods import method_class
 
-    assert "source-free" in REGISTRY["rmt"].without_source_images
+    assert "source-free" in method_class("rmt").without_source_images

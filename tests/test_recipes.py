@@ -41,14 +41,6 @@ def test_every_method_ships_a_valid_recipe_for_every_family(name):
             assert {"optimizer", "lr", "batch_size", "params"} <= set(recipe.settings), (name, family)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_an_options_default_is_its_constructors(name):
-    method = method_class(name)
-    signature = inspect.signature(method.__init__).parameters
-    for option in method.options:
-        assert signature[option.name].default == option.default, (name, option.name)
-
-
 def test_the_published_values_the_methods_issue_names():
     assert shipped("eata", "cifar10-c").options["redundancy_margin"] == 0.4
     with pytest.raises(UsageError, match="no recipe family 'cifar10c'; the families: imagenet-c, cifar10-c"):

@@ -17,7 +17,7 @@ The map, in the order a run uses it:
   `write_artifact` and `read_artifact` (the file `cafa stats` writes).
 - Adaptation: `Adapter` (predict, then update, for any method), `pick_device` (the
   device `auto` means, checked), `create` (a method by name), `REGISTRY` (the built-in
-  methods), `options_of` (a method's `Option`s), `shipped` (a method's published recipe),
+  methods), `method_class` (a built-in method's class, its facts), `options_of` (a method's `Option`s), `shipped` (a method's published recipe),
   `losses` (the objectives as plain functions).
 - A method of your own: `Method` (the protocol), `Option` (an option it declares),
   `AdapterSurface` (what of the Adapter a method that runs its own update may touch).
@@ -47,7 +47,7 @@ from cafa_cli.jobs.bench import run as run_bench
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.stats import compute_statistics
-from cafa_cli.methods import REGISTRY, create, options_of
+from cafa_cli.methods import REGISTRY, create, method_class, options_of
 from cafa_cli.methods.recipes import shipped
 from cafa_cli.methods.shared import losses
 from cafa_cli.model.features import FeatureClassifier
@@ -81,6 +81,7 @@ __all__ = [
     "pick_device",
     "create",
     "REGISTRY",
+    "method_class",
     "options_of",
     "shipped",
     "losses",

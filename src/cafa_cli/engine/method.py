@@ -34,7 +34,8 @@ a method do more than a loss and a plain step (each defaults to doing nothing ne
 
 A method says what it changes with four class attributes:
 
-- `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`);
+- `needs_statistics`: it takes class Gaussians (`cafa stats`, or `estimate(moments)`) and is
+  refused without them;
 - `adapts_normalisation`: BatchNorms normalise with the test batch's statistics (False:
   they keep the source running statistics);
 - `trains`: it has a loss and an optimiser (False: forward passes only, no gradients);
@@ -50,13 +51,21 @@ which checks the first two rules as it warms up; tests/test_step_graph.py checks
 every method that says so). `per_batch` names the attributes a step makes and uses
 within itself (`leave_out`), which are not state.
 
-A method's own options (EATA's margins, LAME's affinity, ...) are `options`, a tuple of
-options.Option: name, default, help and what it accepts. The constructor takes them as
-keywords (and checks them with `set_options`); recipes (recipes/*.toml) and
-`--method-option NAME=VALUE` set them by name. A method whose filter keeps some samples
-for its update sets `filters_samples` and counts them in `kept`, a device scalar the
-Adapter reads once a domain.
+Every method is made the same way, a plug-in's too: `Method(gaussians=None, device="cpu",
+**options)`. A method's own options (EATA's margins, LAME's affinity, ...) are `options`,
+a tuple of options.Option: name, default, help and what it accepts. The base class checks
+the keywords against it and sets each as an attribute of its name (the default where not
+given), and each of `inputs` (data, not settings: eata's `fisher_batches`) as given or None;
+then `setup()` makes what the method keeps from them. Recipes (recipes/*.toml) and
+`--method-option NAME=VALUE` set options by name. The parameters it trains are chosen once,
+when the Adapter is built: `choose_parameters(model, which)`, kept as `params`, after which
+`attach(model)` makes what it keeps of the model (a teacher, the source values, layers of
+its own). A method whose filter keeps some samples for its update sets `filters_samples`
+and counts them in `kept`, a device scalar the Adapter reads once a domain.
 
+What the rest of the tool must know of a method is a class attribute, read before it is
+made: `needs_statistics`, `draws_random_numbers`, `capturable`, `predicts_before_update`,
+`without_source_images`, `takes_labels` (tests/test_registry.py observes each of them).
 A new method is a subclass in its own file, its recipe (recipes/NAME.toml) and one
 entry in methods/__init__.py's REGISTRY (or an object given to the Adapter: the
 registry is only for names).
@@ -74,7 +83,7 @@ from cafa_cli.core.devices import pick_device
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.norms import NORM_LAYERS, BatchStatisticsNorm
 from cafa_cli.engine.options import Option, resolve_options
-from cafa_cli.engine.state import kind_of, refused, restore_attributes, snapshot, tensors_sha256
+from cafa_cli.engine.state import kind_of, refused, restore, restore_attributes, snapshot, tensors_sha256
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.statistics.gaussians import ClassGaussians
 
@@ -112,11 +121,20 @@ class Method:
 
     name: str = ""
     needs_statistics: bool = False
+    # its prediction for a batch is the plain forward pass before the batch's update, so on a
+    # stream of one batch it predicts exactly as bn (t3a, lame, cotta and rotta change the
+    # prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
+    predicts_before_update: bool = False
+    # it takes clean source images (one of its `inputs`: eata's `fisher_batches`); without them
+    # it runs as this says (a warning); None: it takes none
+    without_source_images: str | None = None
     adapts_normalisation: bool = True
     trains: bool = True
     running_norms: bool | str = True  # True, or why not
     gaussians: ClassGaussians | None = None  # the class statistics, for those that need them
-    device: torch.device | None = None  # where the method keeps its tensors; None: it keeps none
+    # where it keeps what it makes of its statistics (the Adapter's); what it makes of the model
+    # is made where the model is. None: it was made without the base class's constructor
+    device: torch.device | None = None
     # a count on the device of batches whose loss was computed less exactly than usual (cafa:
     # distances.refine_capacity), read by the Adapter once a domain; None: never
     unrefined: torch.Tensor | None = None
@@ -127,6 +145,7 @@ class Method:
     leave_out: torch.Tensor | None = None  # set by loss(): True leaves this batch's step out
     options: tuple[Option, ...] = ()  # its own options, set by keyword in the constructor
     inputs: tuple[str, ...] = ()  # constructor keywords that carry data, not settings (eata's fisher_batches)
+    params: list[nn.Parameter]  # the model's parameters it trains (choose_parameters), kept once chosen
     filters_samples: bool = False  # True: `kept` counts the samples its filter kept, on the device
     kept: torch.Tensor | None = None
     # when its update is undefined (roid's and cmf's sample weights, min-max normalised over the
@@ -149,7 +168,7 @@ class Method:
     draws_random_numbers: bool = False
     per_batch: tuple[str, ...] = ("leave_out", "oracle_labels")  # made and used within a step: not state
     # made once from what it was given and never changed by a step: not saved with its state
-    unsaved: tuple[str, ...] = ("gaussians", "device")
+    unsaved: tuple[str, ...] = ("gaussians", "device", "params")  # params: the Adapter saves the weights
     # of those, the data a saved state must have been made with: recorded by its sha256 and
     # compared when the state is loaded (Adapter.load_state_dict), never taken from the file
     fingerprinted: tuple[str, ...] = ("gaussians",)
@@ -171,10 +190,31 @@ class Method:
         gradient), or the true label under `oracle`."""
         return logits.detach().argmax(1) if self.oracle_labels is None else self.oracle_labels
 
-    def set_options(self, **values) -> None:
-        """Each of `options`, checked, as an attribute of the same name."""
-        for name, value in resolve_options(self.name or type(self).__name__, type(self).options, values).items():
-            setattr(self, name, value)
+    def __init__(self, gaussians: ClassGaussians | None = None, device: torch.device | str = "cpu", **options):
+        """The class statistics (kept by a method that `needs_statistics`, which is refused
+        without them; ignored by the others), the device it keeps what it makes of them on (the
+        Adapter's), and its `options` and `inputs` by keyword (module docstring); then setup()."""
+        name = self.name or type(self).__name__
+        if self.needs_statistics and hasattr(gaussians, "gaussians"):  # an Artifact where its statistics go
+            raise UsageError(
+                f"the method {name} takes the artifact's class statistics: create({name!r}, artifact.gaussians)"
+            )
+        if self.needs_statistics and gaussians is None:
+            raise UsageError(
+                f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
+                f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features"
+            )
+        if self.needs_statistics:  # the others ignore them
+            self.gaussians = gaussians
+        self.device = resolve_device(device)
+        inputs = {key: options.pop(key, None) for key in self.inputs}
+        for key, value in {**resolve_options(name, self.options, options), **inputs}.items():
+            setattr(self, key, value)
+        self.params = []
+        self.setup()
+
+    def setup(self) -> None:
+        """Make what it keeps from its statistics, options and inputs (called once they are set)."""
 
     def count_kept(self, kept: torch.Tensor) -> None:
         """Add a batch's kept-sample count (a device scalar) to `kept`, without a host sync."""
@@ -196,8 +236,21 @@ class Method:
         raise NotImplementedError(f"{type(self).__name__} trains, so it needs a loss")
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
-        """The parameters it trains, all others frozen: `which` is `norm` or `all`."""
+        """What the optimiser trains, all others frozen (the Adapter asks once, the model on its
+        device and normalising as it adapts): the parameters choose_parameters() picks, kept as
+        `params`, once attach() has made what the method keeps of the model. A method that
+        trains modules of its own (a projector) adds their parameters to these."""
+        self.params = self.choose_parameters(model, which)
+        self.attach(model)
+        return self.params
+
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+        """The model's parameters it trains: `which` is `norm` or `all` (select_parameters)."""
         return select_parameters(model, which)
+
+    def attach(self, model: FeatureClassifier) -> None:
+        """Make what it keeps of the model, its `params` chosen (a teacher, their source
+        values, layers of its own): called once, before the Adapter records the source state."""
 
     def check(self, model: FeatureClassifier, device: torch.device) -> None:
         """Raise UsageError when it cannot adapt `model` on `device`: statistics of another
@@ -208,7 +261,7 @@ class Method:
                 f"the statistics are for {C} classes of {d}-dimensional features but the model has {model.num_classes} "
                 f"outputs and {model.feature_dim}-dimensional features; compute them with this model"
             )
-        if self.device is not None and self.device.type != device.type:
+        if self.gaussians is not None and self.device.type != device.type:
             raise UsageError(
                 f"the method {self.name} keeps its statistics on {self.device} but adapts on {device}; "
                 f"create it with device={str(device)!r}"
@@ -257,6 +310,9 @@ class Method:
         of another kind, is an InputError and the caller's to undo (Adapter.load_state_dict)."""
         if not isinstance(state, dict):
             raise refused("method_state", f"is {kind_of(state)}, not a method's attributes")
+        if "params" in state:  # states saved before issue 61 held the weights here too: checked, then the Adapter's
+            state = dict(state)
+            restore([p.detach().clone() for p in self.params], state.pop("params"), "method_state.params")
         restore_attributes(self, state, "method_state", self.not_state())
 
     def not_state(self) -> frozenset[str]:

@@ -33,7 +33,7 @@ def methods_table() -> list[dict]:
                 "summary": about["summary"],
                 "paper": about["paper"],
                 "adapts": about["adapts"],
-                "artifact": REGISTRY[name].needs_statistics,
+                "artifact": method_class(name).needs_statistics,
                 "cost": None if cost is None else float(cost),
             }
         )
@@ -108,7 +108,7 @@ def method_recipe(name: str, recipe: str = "none") -> str:
         key
         for key in SETTINGS
         if (method.trains or key not in TRAINING_SETTINGS)
-        and (key != "fisher_samples" or REGISTRY[name].without_source_images)
+        and (key != "fisher_samples" or method_class(name).without_source_images)
     ]
     settings = {key: (chosen.settings if chosen else {}).get(key, defaults[key]) for key in relevant}
     if chosen:  # a file's values are checked as a run checks them: what is printed reads back and runs
@@ -122,7 +122,7 @@ def method_recipe(name: str, recipe: str = "none") -> str:
         f"# {name}: {about['summary']}",
         f"# paper: {about['paper']}",
         f"# adapts: {about['adapts']}",
-        f"# needs an artifact (cafa stats): {'yes' if REGISTRY[name].needs_statistics else 'no'}",
+        f"# needs an artifact (cafa stats): {'yes' if method_class(name).needs_statistics else 'no'}",
         f"# recipes: {', '.join(family for family in FAMILIES if shipped(name, family))}",
         "# each option: its value here, then what it does and accepts (default)",
     ]

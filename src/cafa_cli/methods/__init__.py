@@ -10,7 +10,8 @@ methods reads this table: the command line's choices and completion, `cafa metho
 bench's rows, and `create`.
 
 Importing this package does not import torch (the command line lists the names in its
-help and must start fast): each method's module is imported when it is first created.
+help and must start fast): each method's module is imported when its class is first asked
+for (method_class), to make it or to read what it needs and does from its attributes.
 """
 
 from __future__ import annotations
@@ -26,21 +27,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Entry:
-    """A built-in method: where its class is, and what must be known of it before its
-    module (and torch) is imported."""
+    """A built-in method: where its class is, and where its recipe is. What the rest of the
+    tool must know of it is on the class (engine/method.py)."""
 
     module: str  # its module: a name in this package, or a full dotted path
     cls: str  # its Method subclass in that module
-    # it takes class Gaussians (cafa stats) as its first argument, and the device
-    needs_statistics: bool = False
-    on_device: bool = False  # without statistics, its constructor still takes the device
-    # its prediction for a batch is the plain forward pass before its update, so on a
-    # stream of one batch it predicts exactly as bn (t3a, lame, cotta and rotta change the
-    # prediction itself: prototypes, Laplacian assignment, a teacher, robust normalisation)
-    predicts_as_bn: bool = False
-    # it takes clean source images (`source_data`, as eata's `fisher_batches`); without them it
-    # runs as this says (a warning); None: it takes none
-    without_source_images: str | None = None
     # its recipe file, "package:file.toml"; None: this tool's recipes/NAME.toml
     recipe: str | None = None
 
@@ -48,95 +39,68 @@ class Entry:
         return self.module if "." in self.module else f"{__name__}.{self.module}"
 
 
-# the ablations intra and euclidean are CAFA with another loss or metric; eta is EATA without its Fisher term
+# the ablations intra and euclidean are CAFA with another loss or metric; eta is EATA without its Fisher term,
+# rdumb is eta under its recipe's reset every:1000
 REGISTRY: dict[str, Entry] = {
     "source": Entry("source", "Source"),
     "bn": Entry("bn", "BatchNormOnly"),
-    "pl": Entry("pl", "PseudoLabel", predicts_as_bn=True),
-    "tent": Entry("tent", "Tent", predicts_as_bn=True),
-    "cafa": Entry("cafa", "Cafa", needs_statistics=True, predicts_as_bn=True),
-    "global-fa": Entry("global_fa", "GlobalFA", needs_statistics=True, predicts_as_bn=True),
-    "intra": Entry("cafa", "IntraOnly", needs_statistics=True, predicts_as_bn=True),
-    "euclidean": Entry("cafa", "Euclidean", needs_statistics=True, predicts_as_bn=True),
-    "eta": Entry("eata", "Eta", on_device=True, predicts_as_bn=True),
-    "eata": Entry(
-        "eata",
-        "Eata",
-        on_device=True,
-        predicts_as_bn=True,
-        without_source_images="runs as eta: its Fisher anti-forgetting term needs clean source images",
-    ),
-    "cafa-eata": Entry("cafa_eata", "CafaEata", needs_statistics=True, predicts_as_bn=True),
-    "sar": Entry("sar", "Sar", on_device=True, predicts_as_bn=True),
-    "deyo": Entry("deyo", "DeYO", predicts_as_bn=True),
-    "rdumb": Entry("rdumb", "RDumb", on_device=True, predicts_as_bn=True),  # eta under its recipe's reset every:1000
-    "rpl": Entry("rpl", "Rpl", predicts_as_bn=True),
-    "memo": Entry("memo", "Memo"),  # predicts each image after its own update
-    "ttaug": Entry("ttaug", "TTAug"),  # the mean over augmented views, not the plain pass
+    "pl": Entry("pl", "PseudoLabel"),
+    "tent": Entry("tent", "Tent"),
+    "cafa": Entry("cafa", "Cafa"),
+    "global-fa": Entry("global_fa", "GlobalFA"),
+    "intra": Entry("cafa", "IntraOnly"),
+    "euclidean": Entry("cafa", "Euclidean"),
+    "eta": Entry("eata", "Eta"),
+    "eata": Entry("eata", "Eata"),
+    "cafa-eata": Entry("cafa_eata", "CafaEata"),
+    "sar": Entry("sar", "Sar"),
+    "deyo": Entry("deyo", "DeYO"),
+    "rdumb": Entry("rdumb", "RDumb"),
+    "rpl": Entry("rpl", "Rpl"),
+    "memo": Entry("memo", "Memo"),
+    "ttaug": Entry("ttaug", "TTAug"),
     "t3a": Entry("t3a", "T3A"),
     "lame": Entry("lame", "Lame"),
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
-    "rmt": Entry(
-        "rmt",
-        "Rmt",
-        needs_statistics=True,
-        without_source_images="runs as its authors' source-free variant: no warm-up and no source replay",
-    ),
-    "roid": Entry("roid", "Roid", on_device=True),  # not predicts_as_bn: its prior correction rescales the logits
-    "cmf": Entry("cmf", "CMF"),  # not predicts_as_bn: its prior correction rescales the logits
-    "adacontrast": Entry("adacontrast", "AdaContrast", on_device=True),  # predicts after its update
-    "santa": Entry("santa", "Santa", needs_statistics=True, predicts_as_bn=True),
-    "cafa-robust": Entry("cafa_robust", "CafaRobust", needs_statistics=True),
+    "rmt": Entry("rmt", "Rmt"),
+    "roid": Entry("roid", "Roid"),
+    "cmf": Entry("cmf", "CMF"),
+    "adacontrast": Entry("adacontrast", "AdaContrast"),
+    "santa": Entry("santa", "Santa"),
+    "cafa-robust": Entry("cafa_robust", "CafaRobust"),
 }
 
 
-PLUGIN = Entry("", "")  # what is known of a plug-in before it is made: nothing
-
-
-def entry_of(name: str) -> Entry:
-    """The registry's entry for `name`; a plug-in's is PLUGIN (it says what it needs when made)."""
-    return REGISTRY.get(name, PLUGIN)
-
-
 def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **options) -> Method:
-    """The method called `name`, ready for an Adapter. Those that need statistics take the
-    class Gaussians (an artifact's `.gaussians`, or `estimate(moments)`) and keep what they
-    need of them on `device`, which must be the Adapter's. `options` are the method's own
-    (options_of(name): eata's `redundancy_margin`, lame's `affinity`, ...; text values
-    are converted), and the data some take (eata's `fisher_batches`, normalised source
-    images for its Fisher term). `name` may also be a plug-in, 'package.module:factory'
-    or 'path/file.py:factory': its module is imported (its code runs) and
-    `factory(gaussians, device, **options)` must return a Method (base.py), the options
-    those its `options` attribute declares as a Method's are; give such a name only from
-    the command line or your own code."""
-    from cafa_cli.core.errors import UsageError
-    from cafa_cli.engine.options import resolve_options
-
+    """The method called `name`, ready for an Adapter: its class (or a plug-in's factory)
+    called as `(gaussians, device, **options)`. Those that need statistics take the class
+    Gaussians (an artifact's `.gaussians`, or `estimate(moments)`) and keep what they need of
+    them on `device`, which must be the Adapter's. `options` are the method's own
+    (options_of(name): eata's `redundancy_margin`, lame's `affinity`, ...; text values are
+    converted), and the data some take (eata's `fisher_batches`, normalised source images for
+    its Fisher term). `name` may also be a plug-in, 'package.module:factory' or
+    'path/file.py:factory': its module is imported (its code runs) and the factory, a Method
+    subclass or a function of the same arguments, must return a Method, the options those its
+    `options` attribute declares as a Method's are; give such a name only from the command
+    line or your own code."""
     if is_plugin(name):
         return _plugin(name, gaussians, device, options)
-    if name not in REGISTRY:
-        raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {name}")
-    entry = REGISTRY[name]
-    if entry.needs_statistics and hasattr(gaussians, "gaussians"):  # an Artifact where its statistics go
-        raise UsageError(
-            f"the method {name} takes the artifact's class statistics: create({name!r}, artifact.gaussians)"
-        )
-    if entry.needs_statistics and gaussians is None:
-        raise UsageError(
-            f"the method {name} needs class statistics: give it the gaussians of an artifact made by "
-            f"cafa stats (read_artifact(path).gaussians), or estimate(moments) of the source features"
-        )
-    method = method_class(name)
-    inputs = {key: options.pop(key) for key in method.inputs if key in options}
-    options = {**resolve_options(name, method.options, options), **inputs}
-    if entry.needs_statistics:
-        return method(gaussians, device, **options)
-    return method(device, **options) if entry.on_device else method(**options)
+    return method_class(name)(gaussians, device, **options)
 
 
 def method_class(name: str) -> type[Method]:
-    """The class of a built-in method (its module imported: this imports torch)."""
+    """The class of the method called `name`, whose attributes say what it needs and does (its
+    module imported: this imports torch). A plug-in's is Method itself: what is known of it
+    before it is made, since its module is imported only to make it."""
+    from cafa_cli.engine.method import Method
+
+    if is_plugin(name):
+        return Method
+    if name not in REGISTRY:
+        from cafa_cli.core.errors import UsageError
+
+        raise UsageError(f"`method` must be one of {', '.join(REGISTRY)}, or a plug-in module:factory, not {name}")
     entry = REGISTRY[name]
     return getattr(importlib.import_module(entry.module_path()), entry.cls)
 
@@ -156,7 +120,7 @@ def is_plugin(name: str) -> bool:
 
 
 def _plugin(spec: str, gaussians, device, options: dict) -> Method:
-    from cafa_cli.core.errors import InputError, UsageError
+    from cafa_cli.core.errors import CafaError, InputError, UsageError
     from cafa_cli.core.factories import import_factory
     from cafa_cli.engine.method import Method
     from cafa_cli.engine.options import Option, resolve_options
@@ -168,6 +132,8 @@ def _plugin(spec: str, gaussians, device, options: dict) -> Method:
     options = resolve_options(spec, declared, options)
     try:
         method = factory(gaussians, device, **options)
+    except CafaError:  # already one line: a Method's own refusal (statistics it needs and was not given)
+        raise
     except (Exception, SystemExit) as error:  # a user's code can fail in any way; one line
         raise InputError(
             f"`method` {spec}: {function}(gaussians, device) failed ({type(error).__name__}: {error})"

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cafa_cli.engine.method import AdapterSurface, Method, resolve_device, with_classifier
+from cafa_cli.engine.method import AdapterSurface, Method, with_classifier
 from cafa_cli.engine.norms import (
     BatchStatisticsNorm,
     moving_eval_statistics,
@@ -210,42 +210,11 @@ class AdaContrast(Method):
             PREDICTIONS,
         ),
     )
+    generator: torch.Generator | None = None  # the views' and the queue's draws; None: torch's own
     # the model the Adapter saves itself, what is made from it, and the views' random source
-    unsaved = (*Method.unsaved, "student", "params", "layers", "generator")
+    unsaved = (*Method.unsaved, "student", "layers", "generator")
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        queue_size: int = QUEUE_SIZE,
-        teacher_momentum: float = TEACHER_MOMENTUM,
-        temperature: float = TEMPERATURE,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        eta: float = 1.0,
-        num_neighbors: int = NUM_NEIGHBORS,
-        refine_after: int = REFINE_AFTER,
-        distance: str = "cosine",
-        contrast: str = "class_aware",
-        weight_decay: float = WEIGHT_DECAY,
-        prediction: str = "running",
-    ):
-        self.set_options(
-            queue_size=queue_size,
-            teacher_momentum=teacher_momentum,
-            temperature=temperature,
-            alpha=alpha,
-            beta=beta,
-            eta=eta,
-            num_neighbors=num_neighbors,
-            refine_after=refine_after,
-            distance=distance,
-            contrast=contrast,
-            weight_decay=weight_decay,
-            prediction=prediction,
-        )
-        self.device = resolve_device(device)
-        self.generator: torch.Generator | None = None  # the views' and the queue's draws; None: torch's own
-        self.params: list[nn.Parameter] = []
+    def setup(self) -> None:
         self.names: list[str] = []  # the student's trained parameters, found by name in the key encoder
         self.student: FeatureClassifier | None = None
         self.layers: list[BatchStatisticsNorm] = []  # the student's BatchNorms, for `prediction` running
@@ -253,16 +222,18 @@ class AdaContrast(Method):
         self.keys: torch.Tensor | None = None  # the queue [K, d], unit rows
         self.key_labels: torch.Tensor | None = None  # [K]
         self.key_at = 0
-        self.bank_features = torch.zeros(0, device=self.device)
-        self.bank_probabilities = torch.zeros(0, device=self.device)
+        self.bank_features = torch.zeros(0)
+        self.bank_probabilities = torch.zeros(0)
         self.bank_at = 0
         self.seen = 0  # images whose pseudo-labels were taken unrefined (counted up to refine_after)
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`all`: every weight and bias, the classifier's too (the collection's configure_model
-        and collect_params); `norm`: the normalisation affines. The key encoder is a copy of
-        the model."""
-        self.params = with_classifier(model, which)
+        and collect_params); `norm`: the normalisation affines."""
+        return with_classifier(model, which)
+
+    def attach(self, model: FeatureClassifier) -> None:
+        """The key encoder, a copy of the model, and the memory."""
         self.names = names_of(model, self.params)
         if self.prediction == "running":  # before the Adapter records the source state, which resets them
             self.layers = norm_layers(model)
@@ -270,18 +241,17 @@ class AdaContrast(Method):
                 layer.keep_eval_statistics()
         self.student, self.teacher = model, frozen_copy(model)
         self.new_memory()
-        return self.params
 
     def new_memory(self) -> None:
         """The queue drawn at random (as AdaMoCo's buffers), the bank empty, nothing seen."""
         d, c, k = self.student.feature_dim, self.student.num_classes, self.queue_size
-        g = self.generator
-        where = {"generator": g, "device": g.device} if g is not None else {"device": self.device}
-        self.keys = F.normalize(torch.randn(k, d, **where).to(self.device), dim=1)
-        self.key_labels = torch.randint(0, c, (k,), **where).to(self.device)
+        g, device = self.generator, self.params[0].device  # the model's: the Adapter's
+        where = {"generator": g, "device": g.device} if g is not None else {"device": device}
+        self.keys = F.normalize(torch.randn(k, d, **where).to(device), dim=1)
+        self.key_labels = torch.randint(0, c, (k,), **where).to(device)
         self.key_at = 0
-        self.bank_features = torch.zeros(0, d, device=self.device)
-        self.bank_probabilities = torch.zeros(0, c, device=self.device)
+        self.bank_features = torch.zeros(0, d, device=device)
+        self.bank_probabilities = torch.zeros(0, c, device=device)
         self.bank_at = 0
         self.seen = 0
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from cafa_cli.engine.method import Method, resolve_device
+from cafa_cli.engine.method import Method
 from cafa_cli.methods.shared import losses
 from cafa_cli.statistics.distances import ClassDistances
-from cafa_cli.statistics.gaussians import ClassGaussians
 
 
 class Cafa(Method):
@@ -33,12 +32,12 @@ class Cafa(Method):
     capturable = True  # a CUDA graph may replay its step (base.py)
     needs_statistics = True
     takes_labels = True  # CAFA-Oracle: the true labels in place of ŷ (base.py)
+    predicts_before_update = True
     metric = "mahalanobis"
     unsaved = (*Method.unsaved, "distances")  # made from the statistics: GBs on ImageNet, and never changed
 
-    def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
-        self.gaussians, self.device = gaussians, resolve_device(device)
-        self.distances = ClassDistances(gaussians, self.device, metric=self.metric)
+    def setup(self) -> None:
+        self.distances = ClassDistances(self.gaussians, self.device, metric=self.metric)
         self.unrefined = self.distances.unrefined
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

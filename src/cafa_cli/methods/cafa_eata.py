@@ -20,7 +20,7 @@ import torch
 
 from cafa_cli.methods.cafa import Cafa
 from cafa_cli.methods.shared import losses
-from cafa_cli.methods.shared.selection import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
+from cafa_cli.methods.shared.selection import SELECTION_OPTIONS, Selection
 
 
 class CafaEata(Cafa):
@@ -30,15 +30,8 @@ class CafaEata(Cafa):
     filters_samples = True
     takes_labels = True  # the oracle replaces ŷ; EATA's selection still reads the model's entropy
 
-    def __init__(
-        self,
-        gaussians,
-        device: torch.device | str = "cpu",
-        entropy_margin: float = MARGIN,
-        redundancy_margin: float = REDUNDANCY,
-    ):
-        super().__init__(gaussians, device)
-        self.set_options(entropy_margin=entropy_margin, redundancy_margin=redundancy_margin)
+    def setup(self) -> None:
+        super().setup()
         self.selection = Selection(self.entropy_margin, self.redundancy_margin)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.core.errors import InputError
 from cafa_cli.engine.class_balanced import correction_strength
-from cafa_cli.engine.method import AdapterSurface, select_parameters
+from cafa_cli.engine.method import AdapterSurface
 from cafa_cli.engine.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.engine.optimiser import restart_state
 from cafa_cli.engine.options import Option
@@ -86,12 +86,8 @@ from cafa_cli.methods.cafa import Cafa
 from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.laplacian import corrected_logits
 from cafa_cli.methods.shared.memory_bank import (
-    CAPACITY,
-    LAMBDA_T,
-    LAMBDA_U,
     SCHEDULE_OPTIONS,
     SCORE_OPTIONS,
-    UPDATE_EVERY,
     MemoryBank,
     timeliness_weights,
 )
@@ -232,9 +228,10 @@ class VarianceWatch:
 class CafaRobust(Cafa):
     name = "cafa-robust"
     owns_update = True
-    adapts_normalisation = False  # its own normalisation layers, swapped in by parameters()
+    adapts_normalisation = False  # its own normalisation layers, swapped in by attach()
     takes_labels = False  # its loss is on the bank, whose samples carry no true labels
-    unsaved = (*Cafa.unsaved, "params", "source")  # the model's own parameters, and their source values
+    predicts_before_update = False  # its layers mix statistics of their own with the batch's: not bn's prediction
+    unsaved = (*Cafa.unsaved, "source")  # the trained parameters' source values
     per_batch = (*Cafa.per_batch, "skew", "strength")  # the gate's, for the batch's reported predictions
     reported: tuple | None = None  # the batch's reported logits and features, for its later `steps`
     options = (
@@ -311,46 +308,8 @@ class CafaRobust(Cafa):
         + SCORE_OPTIONS
     )
 
-    def __init__(
-        self,
-        gaussians,
-        device: torch.device | str = "cpu",
-        memory_size: int = CAPACITY,
-        update_every: int = UPDATE_EVERY,
-        statistics_momentum: float = MOMENTUM,
-        prior: float = PRIOR,
-        gate_power: float = GATE_POWER,
-        mix_reference: float = MIX_REFERENCE,
-        mix_window: int = MIX_WINDOW,
-        entropy_rise: float = ENTROPY_RISE,
-        source_pull: float = SOURCE_PULL,
-        change_threshold: float = CHANGE_THRESHOLD,
-        laplacian_weight: float = LAPLACIAN_WEIGHT,
-        laplacian_power: float = LAPLACIAN_POWER,
-        memory_expiry: int = MEMORY_EXPIRY,
-        restart_weights: str = RESTART_WEIGHTS[0],
-        lambda_t: float = LAMBDA_T,
-        lambda_u: float = LAMBDA_U,
-    ):
-        super().__init__(gaussians, device)
-        self.set_options(
-            memory_size=memory_size,
-            update_every=update_every,
-            statistics_momentum=statistics_momentum,
-            prior=prior,
-            gate_power=gate_power,
-            mix_reference=mix_reference,
-            mix_window=mix_window,
-            entropy_rise=entropy_rise,
-            source_pull=source_pull,
-            change_threshold=change_threshold,
-            laplacian_weight=laplacian_weight,
-            laplacian_power=laplacian_power,
-            memory_expiry=memory_expiry,
-            restart_weights=restart_weights,
-            lambda_t=lambda_t,
-            lambda_u=lambda_u,
-        )
+    def setup(self) -> None:
+        super().setup()
         self.layers: list[SharedStatisticsNorm] = []
         self.model: FeatureClassifier | None = None
         self.bank: MemoryBank | None = None
@@ -361,17 +320,15 @@ class CafaRobust(Cafa):
         self.last_mix: torch.Tensor | None = None
         self.skew: torch.Tensor | None = None  # the gate's s of the batch last predicted
         self.strength = 0.0  # LAME's λ for this batch's reported predictions (a host value)
-        self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.watch: VarianceWatch | None = None
-        self.domain_changes = 0 if change_threshold else None  # since it was made (reset keeps the count)
-        self.source_restarts = 0 if change_threshold else None  # of those, returns to the source's weights
+        self.domain_changes = 0 if self.change_threshold else None  # since it was made (reset keeps the count)
+        self.source_restarts = 0 if self.change_threshold else None  # of those, returns to the source's weights
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        """The parameters (chosen before the swap: the new layers share them), then every
-        BatchNorm swapped for a SharedStatisticsNorm, and an empty bank."""
-        self.params = params = select_parameters(model, which)
-        self.source = [p.detach().clone() for p in params]
+    def attach(self, model: FeatureClassifier) -> None:
+        """Every BatchNorm swapped for a SharedStatisticsNorm (after the parameters are chosen:
+        the new layers share them), and an empty bank."""
+        self.source = [p.detach().clone() for p in self.params]
         net = model.model  # the bare net: names as its state dict has them
         for name, module in [(name, module) for name, module in net.named_modules() if isinstance(module, _BatchNorm)]:
             replace_submodule(net, name, SharedStatisticsNorm(module, name))
@@ -379,7 +336,6 @@ class CafaRobust(Cafa):
         self.model = model
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u, self.memory_expiry)
         self.watch = VarianceWatch(self.layers[0].eps) if self.change_threshold and self.layers else None
-        return params
 
     def reset(self) -> None:
         """An empty bank (the Adapter has put the source's weights and statistics back)."""

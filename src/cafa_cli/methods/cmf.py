@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cafa_cli.engine.method import AdapterSurface, Method, select_parameters
+from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.augment import augment
@@ -88,27 +88,7 @@ class CMF(Method):
     )
     unsaved = (*Method.unsaved, "params", "source")
 
-    def __init__(
-        self,
-        alpha: float = ALPHA,
-        gamma: float = GAMMA,
-        q: float = Q,
-        temperature: float = TEMPERATURE,
-        probs_momentum: float = PROBS_MOMENTUM,
-        weighting: bool = True,
-        consistency: bool = True,
-        prior_correction: bool = True,
-    ):
-        self.set_options(
-            alpha=alpha,
-            gamma=gamma,
-            q=q,
-            temperature=temperature,
-            probs_momentum=probs_momentum,
-            weighting=weighting,
-            consistency=consistency,
-            prior_correction=prior_correction,
-        )
+    def setup(self) -> None:
         # with the augmented pass on, no run of its authors keeps statistics from batch to batch
         # (ROID's does: devavratTomar/unmixtns runs it with UnMix-TNS, whose every pass moves
         # them); class-balanced's would be left at that pass, the batch's last
@@ -118,20 +98,17 @@ class CMF(Method):
             if self.consistency
             else True
         )
-        self.params: list[torch.nn.Parameter] = []
         self.source: list[torch.Tensor] = []  # θ_source of the trained values
         self.hidden: list[torch.Tensor] = []  # h
         self.variance = 0.0  # P, the same for every value: a number on the host, no device read
         self.noise = 0.0  # q, Q scaled by the trained count
         self.class_probs: torch.Tensor | None = None  # m
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        self.params = select_parameters(model, which)
+    def attach(self, model: FeatureClassifier) -> None:
         self.source = [p.detach().clone() for p in self.params]
         self.hidden = [p.detach().clone() for p in self.params]
         self.noise = self.q * sum(p.numel() for p in self.params) / Q_REFERENCE
         self.class_probs = torch.full((model.num_classes,), 1 / model.num_classes, device=self.params[0].device)
-        return self.params
 
     def reset(self) -> None:
         """h back to the source and m to uniform; P goes on, as the collection's reset leaves it."""

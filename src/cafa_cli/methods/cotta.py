@@ -131,33 +131,20 @@ class CoTTA(Method):
         Option("loss", "ce", "ce, or sce (the official ImageNet-C symmetric cross-entropy)", "choice", LOSSES),
     )
 
-    def __init__(
-        self,
-        teacher_momentum: float = TEACHER_MOMENTUM,
-        restore_probability: float = RESTORE_PROBABILITY,
-        confidence_threshold: float = CONFIDENCE_THRESHOLD,
-        augmentations: int = AUGMENTATIONS,
-        loss: str = "ce",
-    ):
-        self.set_options(
-            teacher_momentum=teacher_momentum,
-            restore_probability=restore_probability,
-            confidence_threshold=confidence_threshold,
-            augmentations=augmentations,
-            loss=loss,
-        )
-        self.params: list[torch.nn.Parameter] = []
+    def setup(self) -> None:
         self.names: list[str] = []  # the trained parameters' names, shared by the three copies
         self.teacher: FeatureClassifier | None = None
         self.anchor: FeatureClassifier | None = None
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         """`norm`: the normalisation affines; `all`: every weight and bias, the classifier's too
-        (the official code). The teacher and the anchor are copies of the model as it adapts."""
-        self.params = with_classifier(model, which)
+        (the official code)."""
+        return with_classifier(model, which)
+
+    def attach(self, model: FeatureClassifier) -> None:
+        """The teacher and the anchor: copies of the model as it adapts."""
         self.names = names_of(model, self.params)
         self.teacher, self.anchor = frozen_copy(model), frozen_copy(model)
-        return self.params
 
     def reset(self) -> None:
         """The teacher back to the source weights, which the anchor keeps."""

@@ -134,6 +134,8 @@ class DeYO(Method):
     draws_random_numbers = True  # from torch's generator (base.py)
     owns_update = True
     filters_samples = True
+    predicts_before_update = True
+    generator: torch.Generator | None = None  # the random draws' source; None: torch's own
     unsaved = (*Method.unsaved, "generator")
     options = (
         Option(
@@ -162,27 +164,8 @@ class DeYO(Method):
         ),
     )
 
-    def __init__(
-        self,
-        entropy_margin: float = ENTROPY_MARGIN,
-        weight_margin: float = WEIGHT_MARGIN,
-        plpd_threshold: float = PLPD_THRESHOLD,
-        reweight_ent: bool = True,
-        reweight_plpd: bool = True,
-        aug_type: str = "patch",
-        patch_len: int = PATCH_LEN,
-        occlusion_size: int = OCCLUSION[0],
-        occlusion_row: int = OCCLUSION[1],
-        occlusion_column: int = OCCLUSION[2],
-        frozen: tuple[str, ...] = FROZEN,
-    ):
-        self.set_options(**{key: value for key, value in locals().items() if key != "self"})
-        self.generator: torch.Generator | None = None  # the random draws' source; None: torch's own
-        self.params: list[torch.nn.Parameter] = []
-
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        self.params = select_parameters(model, which, self.frozen)
-        return self.params
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+        return select_parameters(model, which, self.frozen)
 
     def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         if class_balanced(adapter.model):

@@ -40,9 +40,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from cafa_cli.engine.method import Method, resolve_device, select_parameters
+from cafa_cli.engine.method import Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.shared.selection import MARGIN, REDUNDANCY, SELECTION_OPTIONS, Selection
+from cafa_cli.methods.shared.selection import SELECTION_OPTIONS, Selection
 from cafa_cli.model.features import FeatureClassifier
 
 FISHER_ALPHA = 2000.0  # β
@@ -78,25 +78,12 @@ KEEP_MEAN = Option(
 class Eta(Method):
     name = "eta"
     capturable = True  # a CUDA graph may replay its step (base.py)
+    predicts_before_update = True
     options = (*SELECTION_OPTIONS, KEEP_MEAN)
     filters_samples = True
     fingerprinted = (*Method.fingerprinted, "fisher")  # EATA's, from clean images: made once
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        entropy_margin: float = MARGIN,
-        redundancy_margin: float = REDUNDANCY,
-        keep_mean_on_reset: bool = False,
-        **more_options,  # a subclass's own, checked with these
-    ):
-        self.device = resolve_device(device)
-        self.set_options(
-            entropy_margin=entropy_margin,
-            redundancy_margin=redundancy_margin,
-            keep_mean_on_reset=keep_mean_on_reset,
-            **more_options,
-        )
+    def setup(self) -> None:
         self.selection = Selection(self.entropy_margin, self.redundancy_margin)
         self.fisher: list[torch.Tensor] | None = None
 
@@ -122,30 +109,19 @@ class Eata(Eta):
         Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting term", "weight"),
         KEEP_MEAN,
     )
-    inputs = ("fisher_batches",)
+    inputs = ("fisher_batches",)  # normalised clean source images, an iterable of batches
+    without_source_images = "runs as eta: its Fisher anti-forgetting term needs clean source images"
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        fisher_batches: Iterable[torch.Tensor] | None = None,
-        entropy_margin: float = MARGIN,
-        redundancy_margin: float = REDUNDANCY,
-        fisher_alpha: float = FISHER_ALPHA,
-        keep_mean_on_reset: bool = False,
-    ):
-        super().__init__(device, entropy_margin, redundancy_margin, keep_mean_on_reset, fisher_alpha=fisher_alpha)
-        self.fisher_batches = fisher_batches
-        self.params: list[torch.nn.Parameter] = []
+    def setup(self) -> None:
+        super().setup()
         self.anchor: list[torch.Tensor] = []
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        """The parameters, and their Fisher information at the source weights (the model is
-        already as it adapts: on the device, BatchNorms on batch statistics)."""
-        self.params = select_parameters(model, which)
+    def attach(self, model: FeatureClassifier) -> None:
+        """The parameters' Fisher information at the source weights (the model is already as
+        it adapts: on the device, BatchNorms on batch statistics)."""
         if self.fisher_batches is not None:
-            self.fisher = fisher_information(model, self.params, self.fisher_batches, self.device)
+            self.fisher = fisher_information(model, self.params, self.fisher_batches, self.params[0].device)
             self.anchor = [p.detach().clone() for p in self.params]
-        return self.params
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         loss = super().loss(logits, features)

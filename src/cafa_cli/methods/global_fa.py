@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import torch
 
-from cafa_cli.engine.method import Method, resolve_device
+from cafa_cli.engine.method import Method
 from cafa_cli.methods.shared import losses
-from cafa_cli.statistics.gaussians import ClassGaussians
 
 
 class GlobalFA(Method):
     name = "global-fa"
     capturable = True  # a CUDA graph may replay its step (base.py)
     needs_statistics = True
+    predicts_before_update = True
     unsaved = (*Method.unsaved, "mean", "covariance")  # the source's, from the statistics: never changed
 
-    def __init__(self, gaussians: ClassGaussians, device: torch.device | str = "cpu"):
-        self.gaussians, self.device = gaussians, resolve_device(device)
-        self.mean, self.covariance = gaussians.global_mean.to(self.device), gaussians.global_covariance.to(self.device)
+    def setup(self) -> None:
+        self.mean = self.gaussians.global_mean.to(self.device)
+        self.covariance = self.gaussians.global_covariance.to(self.device)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.global_alignment(features, self.mean, self.covariance)

@@ -51,19 +51,6 @@ class Lame(Method):
         Option("max_steps", MAX_STEPS, "the most fixed-point iterations a batch", "count", most=10_000),
     )
 
-    def __init__(
-        self,
-        affinity: str = "rbf",
-        knn: int = KNN,
-        sigma: float | str = "auto",
-        symmetric: bool = False,
-        bound_lambda: float = LAMBDA,
-        max_steps: int = MAX_STEPS,
-    ):
-        self.set_options(
-            affinity=affinity, knn=knn, sigma=sigma, symmetric=symmetric, bound_lambda=bound_lambda, max_steps=max_steps
-        )
-
     def output(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return corrected_logits(
             logits, features, self.bound_lambda, self.affinity, self.knn, self.sigma, self.symmetric, self.max_steps

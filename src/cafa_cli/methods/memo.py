@@ -92,15 +92,12 @@ class Memo(Method):
         Option("crop", "padded", "the views' crop: padded (CIFAR's) or resized (ImageNet's)", "choice", CROPS),
     )
 
-    def __init__(self, copies: int = COPIES, crop: str = "padded"):
-        self.set_options(copies=copies, crop=crop)
-        self.params: list[nn.Parameter] = []
+    def setup(self) -> None:
         self.adapted: tuple | None = None  # this batch's (logits, features, flag), from its first update()
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`norm`: the normalisation affines; `all`: every parameter, the classifier too (the authors')."""
-        self.params = with_classifier(model, which, every=True)
-        return self.params
+        return with_classifier(model, which, every=True)
 
     def before_step(self, images: torch.Tensor) -> None:
         self.adapted = None

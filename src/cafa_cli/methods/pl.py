@@ -20,6 +20,7 @@ from cafa_cli.methods.shared import losses
 class PseudoLabel(Method):
     name = "pl"
     capturable = True  # a CUDA graph may replay its step (base.py)
+    predicts_before_update = True
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.pseudo_label(logits)

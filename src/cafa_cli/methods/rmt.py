@@ -61,21 +61,20 @@ replayable as a CUDA graph: it draws random numbers and iterates source batches 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cafa_cli.core.errors import UsageError
-from cafa_cli.engine.method import AdapterSurface, Method, resolve_device, with_classifier
+from cafa_cli.engine.method import AdapterSurface, Method, with_classifier
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.augment import augment
 from cafa_cli.methods.shared.prototype_contrast import projector, prototype_contrast
 from cafa_cli.methods.shared.teacher_student import follow, frozen_copy, named, names_of
 from cafa_cli.model.features import FeatureClassifier
-from cafa_cli.statistics.gaussians import ClassGaussians
 
 TEACHER_MOMENTUM = 0.999  # α
 TEMPERATURE = 0.1  # τ
@@ -119,36 +118,13 @@ class Rmt(Method):
         ),
         Option("warmup_samples", WARMUP_SAMPLES, "source images of the warm-up before the first batch", "count0"),
     )
-    inputs = ("source_batches",)
+    inputs = ("source_batches",)  # labelled source images, an iterable of (images, labels) batches
+    without_source_images = "runs as its authors' source-free variant: no warm-up and no source replay"
     # the model the Adapter saves itself, what is made from the inputs, and where the source batches stand
-    unsaved = (*Method.unsaved, "prototypes", "student", "params", "_source", "_back")
+    unsaved = (*Method.unsaved, "prototypes", "student", "_source", "_back")
 
-    def __init__(
-        self,
-        gaussians: ClassGaussians,
-        device: torch.device | str = "cpu",
-        source_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        teacher_momentum: float = TEACHER_MOMENTUM,
-        temperature: float = TEMPERATURE,
-        projection_dim: int = PROJECTION_DIM,
-        lambda_ce_trg: float = 1.0,
-        lambda_cont: float = 1.0,
-        lambda_ce_src: float = 1.0,
-        warmup_samples: int = WARMUP_SAMPLES,
-    ):
-        self.set_options(
-            teacher_momentum=teacher_momentum,
-            temperature=temperature,
-            projection_dim=projection_dim,
-            lambda_ce_trg=lambda_ce_trg,
-            lambda_cont=lambda_cont,
-            lambda_ce_src=lambda_ce_src,
-            warmup_samples=warmup_samples,
-        )
-        self.gaussians, self.device = gaussians, resolve_device(device)
-        self.prototypes = gaussians.means.to(self.device, torch.float32)
-        self.source_batches = source_batches
-        self.params: list[nn.Parameter] = []
+    def setup(self) -> None:
+        self.prototypes = self.gaussians.means.to(self.device, torch.float32)
         self.names: list[str] = []  # the student's trained parameters, found by name in the teacher
         self.student: FeatureClassifier | None = None
         self.teacher: FeatureClassifier | None = None
@@ -162,14 +138,20 @@ class Rmt(Method):
         self._back: tuple | None = None  # a batch drawn and not used (the warm-up's first, when it takes no step)
 
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
+        """The model's, then the projector's, which the same optimiser trains (the authors add
+        them as a group at the same rate)."""
+        return [*super().parameters(model, which), *self.projector.parameters()]
+
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """`all`: every weight and bias, the classifier's too (the authors'); `norm`: the
-        normalisation affines. Then the projector's, which the same optimiser trains (the
-        authors add them as a group at the same rate). The teacher is a copy of the model."""
-        self.params = with_classifier(model, which)
+        normalisation affines."""
+        return with_classifier(model, which)
+
+    def attach(self, model: FeatureClassifier) -> None:
+        """The teacher, a copy of the model, and the projector."""
         self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
         self.projector, self.projector_start = projector(model.feature_dim, self.projection_dim, self.device)
-        return [*self.params, *self.projector.parameters()]
 
     def reset(self) -> None:
         """Back to the states after the warm-up (the model is at the source weights: without a

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cafa_cli.engine.method import AdapterSurface, Method, resolve_device, select_parameters
+from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.augment import augment
@@ -83,34 +83,13 @@ class Roid(Method):
         Option("temperature", TEMPERATURE, "T: the weights are exp(diversity·certainty/T)", "positive"),
     )
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        weighting: bool = True,
-        consistency: bool = True,
-        prior_correction: bool = True,
-        source_momentum: float = SOURCE_MOMENTUM,
-        probs_momentum: float = PROBS_MOMENTUM,
-        temperature: float = TEMPERATURE,
-    ):
-        self.device = resolve_device(device)
-        self.set_options(
-            weighting=weighting,
-            consistency=consistency,
-            prior_correction=prior_correction,
-            source_momentum=source_momentum,
-            probs_momentum=probs_momentum,
-            temperature=temperature,
-        )
-        self.params: list[torch.nn.Parameter] = []
+    def setup(self) -> None:
         self.source: list[torch.Tensor] = []  # θ⁰, the trained parameters' source values
         self.class_probs: torch.Tensor | None = None  # m, made on the first batch
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        """The parameters, and their source values to ensemble with (the model is at them now)."""
-        self.params = select_parameters(model, which)
+    def attach(self, model: FeatureClassifier) -> None:
+        """The trained parameters' source values to ensemble with (the model is at them now)."""
         self.source = [p.detach().clone() for p in self.params]
-        return self.params
 
     def reset(self) -> None:
         if self.class_probs is not None:

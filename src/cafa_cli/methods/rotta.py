@@ -46,17 +46,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.core.errors import InputError
-from cafa_cli.engine.method import AdapterSurface, Method, select_parameters
+from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.norms import plain_batch_norm, replace_submodule, weighted_statistics
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.augment import augment
 from cafa_cli.methods.shared.memory_bank import (
-    CAPACITY,
-    LAMBDA_T,
-    LAMBDA_U,
     SCHEDULE_OPTIONS,
     SCORE_OPTIONS,
-    UPDATE_EVERY,
     MemoryBank,
     timeliness_weights,
 )
@@ -152,24 +148,7 @@ class RoTTA(Method):
         + SCORE_OPTIONS
     )
 
-    def __init__(
-        self,
-        memory_size: int = CAPACITY,
-        update_every: int = UPDATE_EVERY,
-        teacher_momentum: float = TEACHER_MOMENTUM,
-        bn_momentum: float = BN_MOMENTUM,
-        lambda_t: float = LAMBDA_T,
-        lambda_u: float = LAMBDA_U,
-    ):
-        self.set_options(
-            memory_size=memory_size,
-            update_every=update_every,
-            teacher_momentum=teacher_momentum,
-            bn_momentum=bn_momentum,
-            lambda_t=lambda_t,
-            lambda_u=lambda_u,
-        )
-        self.params: list[torch.nn.Parameter] = []
+    def setup(self) -> None:
         self.names: list[str] = []
         self.student: FeatureClassifier | None = None
         self.teacher: FeatureClassifier | None = None
@@ -177,14 +156,12 @@ class RoTTA(Method):
         self.offered = 0  # samples offered to the bank since the last reset (a host count)
         self.fresh = False  # a new batch, not yet added (the Adapter's `steps` call update again)
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        """The parameters (chosen before the swap: the RBNs share them), the RBNs, and the teacher."""
-        self.params = select_parameters(model, which)
+    def attach(self, model: FeatureClassifier) -> None:
+        """The RBNs (swapped in after the parameters are chosen: they share them), and the teacher."""
         use_robust_batch_norm(model.model, self.bn_momentum)  # on the bare net: names as its state dict has them
         self.names = names_of(model, self.params)
         self.student, self.teacher = model, frozen_copy(model)
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u)
-        return self.params
 
     def reset(self) -> None:
         """An empty bank, and the teacher (weights and statistics) back to the source's,

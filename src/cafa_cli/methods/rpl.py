@@ -38,10 +38,8 @@ def generalised_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, q: flo
 class Rpl(Method):
     name = "rpl"
     capturable = True  # a CUDA graph may replay its step (base.py)
+    predicts_before_update = True
     options = (Option("q", Q, "q of the generalised cross-entropy (1 − p_ŷ^q)/q: toward 0, cross-entropy", "positive"),)
-
-    def __init__(self, q: float = Q):
-        self.set_options(q=q)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return generalised_cross_entropy(logits, logits.detach().argmax(1), self.q).mean()

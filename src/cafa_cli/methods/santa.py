@@ -46,13 +46,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cafa_cli.engine.method import AdapterSurface, Method, resolve_device, select_parameters
+from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.augment import augment
 from cafa_cli.methods.shared.prototype_contrast import projector, prototype_contrast
 from cafa_cli.methods.shared.teacher_student import frozen_copy
 from cafa_cli.model.features import FeatureClassifier
-from cafa_cli.statistics.gaussians import ClassGaussians
 
 TEMPERATURE = 0.1  # τ
 PROJECTION_DIM = 128  # p
@@ -70,6 +69,7 @@ class Santa(Method):
     name = "santa"
     draws_random_numbers = True  # from torch's generator (base.py)
     needs_statistics = True  # the source prototypes: the class means
+    predicts_before_update = True
     running_norms = "its anchor is a copy of the model, normalisation layers included"
     owns_update = True  # a second (augmented) pass and the anchor's pass each step
     options = (
@@ -87,20 +87,8 @@ class Santa(Method):
     # what is made once from the inputs: the prototypes, and the anchor (the source model, never changed)
     unsaved = (*Method.unsaved, "prototypes", "anchor")
 
-    def __init__(
-        self,
-        gaussians: ClassGaussians,
-        device: torch.device | str = "cpu",
-        temperature: float = TEMPERATURE,
-        projection_dim: int = PROJECTION_DIM,
-        lambda_ce_trg: float = 1.0,
-        lambda_cont: float = 1.0,
-    ):
-        self.set_options(
-            temperature=temperature, projection_dim=projection_dim, lambda_ce_trg=lambda_ce_trg, lambda_cont=lambda_cont
-        )
-        self.gaussians, self.device = gaussians, resolve_device(device)
-        self.prototypes = gaussians.means.to(self.device, torch.float32)
+    def setup(self) -> None:
+        self.prototypes = self.gaussians.means.to(self.device, torch.float32)
         self.anchor: FeatureClassifier | None = None
         self.projector: nn.Module | None = None
         self.projector_start: dict[str, torch.Tensor] = {}
@@ -108,12 +96,14 @@ class Santa(Method):
     def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[nn.Parameter]:
         """The normalisation affines (the authors': BatchNorm, LayerNorm and GroupNorm) or, with
         `all`, the feature extractor; then the projector's, which the same optimiser trains
-        (the authors add them as a group at the same rate). The anchor is a copy of the model
-        as it is now: source weights, its normalisation on the test batch's statistics."""
-        params = select_parameters(model, which)
+        (the authors add them as a group at the same rate)."""
+        return [*super().parameters(model, which), *self.projector.parameters()]
+
+    def attach(self, model: FeatureClassifier) -> None:
+        """The anchor, a copy of the model as it is now (source weights, its normalisation on
+        the test batch's statistics), and the projector."""
         self.anchor = frozen_copy(model)
         self.projector, self.projector_start = projector(model.feature_dim, self.projection_dim, self.device)
-        return [*params, *self.projector.parameters()]
 
     def reset(self) -> None:
         """The projector back to its first weights (the model is at the source weights again)."""

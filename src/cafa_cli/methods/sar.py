@@ -35,7 +35,6 @@ from cafa_cli.engine.method import (
     AdapterSurface,
     Method,
     check_module_names,
-    resolve_device,
     select_parameters,
 )
 from cafa_cli.engine.options import Option
@@ -64,6 +63,7 @@ class Sar(Method):
     name = "sar"
     owns_update = True
     capturable = True  # its state changes in place (base.py)
+    predicts_before_update = True
     filters_samples = True
     options = (
         Option(
@@ -84,25 +84,13 @@ class Sar(Method):
         ),
     )
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        entropy_margin: float = MARGIN,
-        rho: float = RHO,
-        reset_below: float = RESET_BELOW,
-        frozen: tuple[str, ...] = FROZEN,
-    ):
-        self.device = resolve_device(device)
-        self.set_options(entropy_margin=entropy_margin, rho=rho, reset_below=reset_below, frozen=frozen)
-        self.params: list[torch.nn.Parameter] = []
+    def setup(self) -> None:
         self.reset()
 
-    def parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
+    def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
         if tuple(self.frozen) != FROZEN:  # the defaults name ResNets' and ViTs' modules: a model has some
             check_module_names(model, self.frozen, "sar's option frozen")
-        self.params = select_parameters(model, which, self.frozen)
-        self.saved = None
-        return self.params
+        return select_parameters(model, which, self.frozen)
 
     def reset(self) -> None:
         self.ema: torch.Tensor | None = None  # the moving average of the loss, on the device

@@ -48,8 +48,7 @@ class T3A(Method):
         ),
     )
 
-    def __init__(self, filter_k: int | str = FILTER_K):
-        self.set_options(filter_k=filter_k)
+    def setup(self) -> None:
         self.model: FeatureClassifier | None = None
         self.reset()
 

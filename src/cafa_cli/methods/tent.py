@@ -22,6 +22,7 @@ from cafa_cli.methods.shared import losses
 class Tent(Method):
     name = "tent"
     capturable = True  # a CUDA graph may replay its step (base.py)
+    predicts_before_update = True
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         return losses.entropy(logits)

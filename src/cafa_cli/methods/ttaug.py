@@ -51,9 +51,6 @@ class TTAug(Method):
         Option("crop", "padded", "the views' crop: padded (CIFAR's) or resized (ImageNet's)", "choice", CROPS),
     )
 
-    def __init__(self, copies: int = COPIES, average: str = "logits", crop: str = "padded"):
-        self.set_options(copies=copies, average=average, crop=crop)
-
     def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         n, b = len(images), self.copies
         views = augmix(images, b, self.generator, self.crop)

@@ -23,7 +23,7 @@ from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.report import ERROR_FRACTION, short_name
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.jobs.shared.what_runs import constant_outputs, constant_outputs_note, size_note, statistics_input_size
-from cafa_cli.methods import entry_of, is_plugin
+from cafa_cli.methods import is_plugin
 from cafa_cli.methods.recipes import Recipe, table_cost
 
 
@@ -55,13 +55,13 @@ class Adaptation:
         notes = [*self.notes, *(note for domain in domains for note in domain.notes)]
         notes += [note for note in (padding_note(domain, self.preprocess) for domain in domains) if note]
         s = self.config
-        without = entry_of(s.method).without_source_images
+        method = self.adapter.method
+        without = method.without_source_images
         if without and not s.source_data:
             notes.append(
                 f"--method {s.method} without --source-data {without}; give --source-data PATH (e.g. the "
                 f"training images)"
             )
-        method = self.adapter.method
         if (
             self.adapter.batch_norms == 0
             and method.adapts_normalisation
@@ -137,7 +137,7 @@ class Adaptation:
                 f"choose a `batch_size` that leaves more, or add `norm` prior:16"
             )
         one_batch = [name for name, n in streams.items() if 0 < n <= s.batch_size]
-        if entry_of(s.method).predicts_as_bn and s.reset == "domain" and one_batch:
+        if self.adapter.method.predicts_before_update and s.reset == "domain" and one_batch:
             # each batch is predicted before the update it gives (the online protocol)
             notes.append(
                 f"{listing(one_batch)} fit{'s' if len(one_batch) == 1 else ''} in one batch of `batch_size` "

@@ -42,7 +42,7 @@ from cafa_cli.jobs.shared.inputs import (
     resolve_model,
 )
 from cafa_cli.jobs.shared.monitor import Monitor
-from cafa_cli.methods import create, entry_of, is_plugin, options_of
+from cafa_cli.methods import create, is_plugin, method_class, options_of
 from cafa_cli.methods.recipes import Recipe, recipe_for, standard_model
 from cafa_cli.model.checkpoints import UntrustedCheckpoint
 from cafa_cli.model.features import FeatureClassifier
@@ -59,7 +59,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     if stats is not None or needed or model.model is None:
         # else only its model record is used. The Gaussians (GBs at ImageNet scale) are loaded for the methods
         # that use them, and for a plug-in whenever an artifact is read; the class moments come with any read
-        artifact = read_artifact(stats_path, load_tensors=entry_of(method).needs_statistics or is_plugin(method))
+        artifact = read_artifact(stats_path, load_tensors=is_plugin(method) or method_class(method).needs_statistics)
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
@@ -119,7 +119,7 @@ def check_model_and_artifact_named(config: AdaptConfig) -> None:
 def needs_artifact(config: AdaptConfig) -> bool:
     """Whether the run must read an artifact: for the method's class Gaussians, or for the
     class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
-    return entry_of(config.method).needs_statistics or parse_norm(config.norm)[0] == "class-balanced"
+    return method_class(config.method).needs_statistics or parse_norm(config.norm)[0] == "class-balanced"
 
 
 def missing_default_artifact(config: AdaptConfig) -> str:
@@ -129,7 +129,7 @@ def missing_default_artifact(config: AdaptConfig) -> str:
     create = "cafa stats --norm-moments" if balanced else "cafa stats"
     why = (
         f"`method` {config.method} needs its class statistics"
-        if entry_of(config.method).needs_statistics
+        if method_class(config.method).needs_statistics
         else "`norm` class-balanced needs the class moments it records"
     )
     return (
@@ -218,7 +218,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         )
         check_apart("forgetting", config.forgetting, forgetting, list(opened.values()))
     source = None
-    if entry_of(config.method).without_source_images and config.source_data:
+    if method_class(config.method).without_source_images and config.source_data:
         source = open_domain(config.source_data, option="source_data")
         check_apart("source_data", config.source_data, source, list(opened.values()))
     clean = None

@@ -12,7 +12,7 @@ from cafa_cli.core.errors import UsageError, repeated
 from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import oracle_methods
-from cafa_cli.methods import REGISTRY, is_plugin
+from cafa_cli.methods import REGISTRY, is_plugin, method_class
 
 # Bench rows beyond the plain methods, as (method, covariance, params): the paper's
 # ablations CAFA-Tied, CAFA-Diag (its "variance") and CAFA-Full (every feature-extractor
@@ -178,7 +178,7 @@ def parse_methods(text: str) -> list[Row]:
         if name in VARIANTS:
             method, covariance, params = VARIANTS[name]
         elif name in REGISTRY:
-            method, covariance, params = name, "auto" if REGISTRY[name].needs_statistics else None, None
+            method, covariance, params = name, "auto" if method_class(name).needs_statistics else None, None
         elif is_plugin(name):
             method, covariance, params = name, "auto", None
         else:

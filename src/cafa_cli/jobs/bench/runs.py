@@ -19,7 +19,7 @@ from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.config.data import InputOptions
 from cafa_cli.jobs.config.settings import parse_method_options
 from cafa_cli.jobs.shared.inputs import check_apart, recorded_data
-from cafa_cli.methods import entry_of
+from cafa_cli.methods import method_class
 from cafa_cli.methods.recipes import standard_model
 from cafa_cli.model.loading import bundled_model
 from cafa_cli.model.zoo import robustbench
@@ -63,7 +63,7 @@ def check_apart_from_tests(config: BenchConfig, rows: list[Row], tests: list[Dom
     row's source images are the training data when `source_data` is not given (source_data)."""
     if config.forgetting:
         check_apart("forgetting", config.forgetting, open_domain(config.forgetting, option="forgetting"), tests)
-    taking = [row for row in rows if entry_of(row.method).without_source_images]
+    taking = [row for row in rows if method_class(row.method).without_source_images]
     for given in dict.fromkeys(source_data(config, row) for row in taking):
         if given is None:
             continue
@@ -195,7 +195,7 @@ def check_method_options(config: BenchConfig, rows: list[Row]) -> None:
 def source_data(config: BenchConfig, row: Row) -> str | None:
     """EATA's source images: --source-data, else the training data when the test images are
     prepared as the training images are (no --test-resize/--test-crop)."""
-    if not entry_of(row.method).without_source_images or config.source_data:
+    if not method_class(row.method).without_source_images or config.source_data:
         return config.source_data
     return config.train if config.test_resize is None and config.test_crop is None else None
 
