@@ -69,6 +69,7 @@ from cafa_cli.api import (
     ModelSpec,
     Preprocessing,
     create,
+    method_class,
     pick_device,
     read_artifact,
     shipped,

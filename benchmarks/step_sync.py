@@ -52,6 +52,11 @@ from perf import model_arguments, sync, synthetic_gaussians, timing_model  # noq
 from cafa_cli.api import Adapter, create, pick_device  # noqa: E402
 
 BEFORE = "cafa_before"  # the earlier package's name in this process
+# where step() finds what it needs, in the package layout of issue 61 and in the one before it
+LAYOUTS = (
+    {"adapter": "engine.adapter", "methods": "methods", "models": "model.loading", "gaussians": "statistics.gaussians"},
+    {"adapter": "method.adapter", "methods": "method.methods", "models": "models", "gaussians": "method.gaussians"},
+)
 
 
 class Counted(TorchDispatchMode):
@@ -107,9 +112,9 @@ def before_package(against: str | None, folder: str | None):
         source = copy / "git" / "src" / "cafa_cli"
     else:
         source = Path(folder) / "cafa_cli"
-        if not (source / "method" / "adapter.py").is_file():
+        if not any((source / layout["adapter"].replace(".", "/")).with_suffix(".py").is_file() for layout in LAYOUTS):
             raise SystemExit(
-                f"--before {folder}: no cafa_cli/engine/adapter.py in it; it should hold the earlier commit's "
+                f"--before {folder}: no cafa_cli/engine/adapter.py (or method/adapter.py) in it; it should hold the earlier commit's "
                 "package as FOLDER/cafa_cli (git archive REV src/cafa_cli | tar -x -C FOLDER --strip-components=1)"
             )
     shutil.copytree(source, copy / BEFORE)
@@ -118,12 +123,7 @@ def before_package(against: str | None, folder: str | None):
     for path in (copy / BEFORE).rglob("*.py"):
         path.write_text(re.sub(r"\bcafa_cli\b", BEFORE, path.read_text()))
     sys.path.insert(0, str(copy))
-    names = {
-        "adapter": "method.adapter",
-        "methods": "method.methods",
-        "models": "models",
-        "gaussians": "method.gaussians",
-    }
+    names = next(n for n in LAYOUTS if (copy / BEFORE / n["adapter"].replace(".", "/")).with_suffix(".py").is_file())
     return {key: importlib.import_module(f"{BEFORE}.{name}") for key, name in names.items()}
 
 

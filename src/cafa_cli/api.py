@@ -17,8 +17,9 @@ The map, in the order a run uses it:
   `write_artifact` and `read_artifact` (the file `cafa stats` writes).
 - Adaptation: `Adapter` (predict, then update, for any method), `pick_device` (the
   device `auto` means, checked), `create` (a method by name), `REGISTRY` (the built-in
-  methods), `method_class` (a built-in method's class, its facts), `options_of` (a method's `Option`s), `shipped` (a method's published recipe),
-  `losses` (the objectives as plain functions).
+  methods), `method_class` (a built-in method's class: what it needs and does),
+  `options_of` (a method's `Option`s), `shipped` (a method's published recipe), `losses`
+  (the objectives as plain functions).
 - A method of your own: `Method` (the protocol), `Option` (an option it declares),
   `AdapterSurface` (what of the Adapter a method that runs its own update may touch).
 - Whole jobs, as the command line runs them: `StatsConfig`, `AdaptConfig`, `BenchConfig`,

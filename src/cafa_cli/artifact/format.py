@@ -15,7 +15,7 @@ from cafa_cli import __version__
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.model.loading import ModelSpec
-from cafa_cli.statistics.gaussians import COVARIANCE_MODES
+from cafa_cli.statistics import COVARIANCE_MODES
 
 FORMAT = "cafa-stats"
 FORMAT_VERSION = 2  # what the writer writes and the reader reads (version 1 was never released)

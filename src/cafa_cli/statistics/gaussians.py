@@ -17,10 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from cafa_cli.core.errors import InputError, UsageError, listing
+from cafa_cli.statistics import COVARIANCE_CHOICES
 from cafa_cli.statistics.moments import SQUARABLE, ClassMoments
-
-COVARIANCE_MODES = ("full", "tied", "diag", "lowrank")  # what an artifact can hold
-COVARIANCE_CHOICES = ("auto", *COVARIANCE_MODES)  # what `covariance` accepts
 
 
 def oas_shrinkage(covariance: torch.Tensor, n: int) -> float:

@@ -20,7 +20,7 @@ from cafa_cli.data.values import (
 )
 from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
 from cafa_cli.jobs.config.checks import at_least, parse_shrinkage
-from cafa_cli.statistics.gaussians import COVARIANCE_CHOICES
+from cafa_cli.statistics import COVARIANCE_CHOICES
 
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]  (the Adapter's names)
 ParamSet = Literal[PARAM_SETS]  # type: ignore[valid-type]
