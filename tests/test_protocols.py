@@ -18,13 +18,12 @@ from test_stream import PIXELS, domain
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.pace import Pace, parse_step_cost, parse_stream_rate, rate_label
-from cafa_cli.methods.recipes import table_cost
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.jobs.adapt.stream import adapt_domains
 from cafa_cli.jobs.shared.clean import adapted_error
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.methods import create
-from cafa_cli.methods.recipes import description
+from cafa_cli.methods.recipes import description, table_cost
 
 
 @pytest.mark.parametrize(
