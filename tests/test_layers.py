@@ -71,10 +71,7 @@ def test_no_modules_import_each_other():
         parts = module.split(".")
         return {".".join(parts[:k]) + ".__init__" for k in range(2, len(parts))}
 
-    graph = {
-        m: set().union(*map(run_by, _imports(p))) - {m} - own_packages(m)
-        for m, p in modules.items()
-    }
+    graph = {m: set().union(*map(run_by, _imports(p))) - {m} - own_packages(m) for m, p in modules.items()}
     done, on_path, loops = set(), [], []
 
     def visit(module):
