@@ -75,10 +75,19 @@ def bench(*domains, **given):
     return invoke(*bench_args(*domains, **given))
 
 
-def adapt_args(*data, model=TINY_NET, preprocessing=PLAIN, **given) -> list[str]:
-    """`cafa adapt --data DATA...` on the tiny net without statistics (so the preprocessing is given),
-    and the options `given` as keywords (see `options`)."""
-    return ["adapt", *options(data=data, model=model), *preprocessing, *options(**given)]
+def adapt_args(*data, stats=None, model=TINY_NET, preprocessing=None, **given) -> list[str]:
+    """`cafa adapt --data DATA...` on the tiny net, with the options `given` as keywords (see `options`).
+    Its grey images are read as they are (PLAIN), unless `stats` names an artifact, which carries its own
+    preprocessing."""
+    if preprocessing is None:
+        preprocessing = PLAIN if stats is None else ()
+    return ["adapt", *options(stats=stats, model=model, data=data), *preprocessing, *options(**given)]
+
+
+def stats_args(data, model=TINY_NET, preprocessing=PLAIN, **given) -> list[str]:
+    """`cafa stats --data DATA` on the tiny net, its grey images read as they are, with the options
+    `given` as keywords (see `options`)."""
+    return ["stats", *options(model=model, data=data), *preprocessing, *options(**given)]
 
 
 def adapt(setup, data, *args, input=None):
