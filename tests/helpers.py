@@ -51,7 +51,7 @@ def unless_given(defaults: list, args) -> list:
 
 def options(**given) -> list[str]:
     """Command-line options written as keywords, in the order given: per_class=6 is `--per-class 6`,
-    quiet=True is `--quiet`, a list repeats the option (data=[a, b]), None leaves it out."""
+    quiet=True is `--quiet`, a list repeats the option (data=[a, b]), None or False leaves it out."""
     args = []
     for key, value in given.items():
         name = "--" + key.replace("_", "-")
@@ -59,7 +59,7 @@ def options(**given) -> list[str]:
             args.append(name)
         elif isinstance(value, (list, tuple)):
             args += [text for item in value for text in (name, str(item))]
-        elif value is not None:
+        elif value is not None and value is not False:
             args += [name, str(value)]
     return args
 
