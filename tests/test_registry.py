@@ -100,7 +100,7 @@ def test_every_built_in_entry_names_a_class_of_its_recipes_name():
     for name, entry in REGISTRY.items():
         method = create(name, None, "cpu") if not entry.needs_statistics else None
         assert method is None or type(method).__name__ == entry.cls
-        assert (Path(__file__).parents[1] / "src" / "cafa_cli" / "recipes" / f"{name}.toml").is_file(), name
+        assert (Path(__file__).parents[1] / "src" / "cafa_cli" / "methods" / "recipes" / f"{name}.toml").is_file(), name
 
 
 def surface() -> set[str]:
