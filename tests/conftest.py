@@ -24,6 +24,7 @@ import tiny_net  # noqa: E402  (found through the line above)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: one thread each, not two fighting for each core
+    os.environ["OMP_NUM_THREADS"] = "1"  # and so for the cafa, torchrun and benchmark processes the tests start
 
 
 def invoke(*args, input=None):

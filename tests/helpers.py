@@ -49,6 +49,47 @@ def unless_given(defaults: list, args) -> list:
     return [text for name, value in zip(defaults[::2], defaults[1::2]) if name not in given for text in (name, value)]
 
 
+def options(**given) -> list[str]:
+    """Command-line options written as keywords, in the order given: per_class=6 is `--per-class 6`,
+    quiet=True is `--quiet`, a list repeats the option (data=[a, b]), None or False leaves it out."""
+    args = []
+    for key, value in given.items():
+        name = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(name)
+        elif isinstance(value, (list, tuple)):
+            args += [text for item in value for text in (name, str(item))]
+        elif value is not None and value is not False:
+            args += [name, str(value)]
+    return args
+
+
+def bench_args(*domains, model=TINY_NET, preprocessing=PLAIN, **given) -> list[str]:
+    """`cafa bench DOMAIN...` on the tiny net, its grey images read as they are, and the options
+    `given` as keywords (see `options`): bench_args(test, methods="source,bn", workdir=tmp_path / "w").
+    model=None, preprocessing=() for the bundled model and its own preprocessing."""
+    return ["bench", *map(str, domains), *options(model=model), *preprocessing, *options(**given)]
+
+
+def bench(*domains, **given):
+    return invoke(*bench_args(*domains, **given))
+
+
+def adapt_args(*data, stats=None, model=TINY_NET, preprocessing=None, **given) -> list[str]:
+    """`cafa adapt --data DATA...` on the tiny net, with the options `given` as keywords (see `options`).
+    Its grey images are read as they are (PLAIN), unless `stats` names an artifact, which carries its own
+    preprocessing."""
+    if preprocessing is None:
+        preprocessing = PLAIN if stats is None else ()
+    return ["adapt", *options(stats=stats, model=model, data=data), *preprocessing, *options(**given)]
+
+
+def stats_args(data, model=TINY_NET, preprocessing=PLAIN, **given) -> list[str]:
+    """`cafa stats --data DATA` on the tiny net, its grey images read as they are, with the options
+    `given` as keywords (see `options`)."""
+    return ["stats", *options(model=model, data=data), *preprocessing, *options(**given)]
+
+
 def adapt(setup, data, *args, input=None):
     defaults = unless_given(["--batch-size", "4"], args)
     return invoke(

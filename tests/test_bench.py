@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PLAIN, TINY_NET, write_folder
-from helpers import unless_given
-from typer.testing import CliRunner
+from conftest import invoke, write_folder
+from helpers import adapt_args, bench, bench_args, unless_given
 
 from cafa_cli.artifact.store import read_artifact
-from cafa_cli.cli.app import app
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
 from cafa_cli.jobs.bench.rows import Row, parse_methods
@@ -25,7 +23,6 @@ from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.model.checkpoints import sha256_of
 
-runner = CliRunner()
 needs_fashion_mnist = pytest.mark.skipif(
     not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"
 )
@@ -106,30 +103,30 @@ def one_error_line(result, code: int, needle: str) -> None:
 def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     domain = write_folder(tmp_path / "test", per_class=4)
 
-    def bench(*extra):
+    def bench_with(*extra):
         """bench with `extra`; an option in `extra` replaces the default one (an option is taken once)."""
         kept = unless_given(["--methods", "source", "--workdir", str(tmp_path / "w")], extra)
-        return runner.invoke(app, ["bench", str(domain), "--model", TINY_NET, *PLAIN, *kept, *extra])
+        return invoke(*bench_args(domain), *kept, *extra)
 
     for flag in ("--csv", "--metrics-json", "--plot"):
-        one_error_line(bench(flag, str(tmp_path / "nope" / "r")), 3, "does not exist")
-    one_error_line(bench(str(domain)), 2, "is given twice")
-    one_error_line(bench(f"{domain}/"), 2, "is given twice")  # the same folder, written otherwise
+        one_error_line(bench_with(flag, str(tmp_path / "nope" / "r")), 3, "does not exist")
+    one_error_line(bench_with(str(domain)), 2, "is given twice")
+    one_error_line(bench_with(f"{domain}/"), 2, "is given twice")  # the same folder, written otherwise
     one_error_line(
-        bench("--methods", "cafa", "--train", str(domain), "--severity", "5"),
+        bench_with("--methods", "cafa", "--train", str(domain), "--severity", "5"),
         2,
         "--severity is only for .npy arrays",
     )  # before the statistics are computed
-    one_error_line(bench("--optimizer", "lbfgs"), 2, "--optimizer")
+    one_error_line(bench_with("--optimizer", "lbfgs"), 2, "--optimizer")
     one_error_line(
-        bench("--methods", "cafa", "--train", str(tmp_path / "nope")),
+        bench_with("--methods", "cafa", "--train", str(tmp_path / "nope")),
         3,
         f"--train {tmp_path / 'nope'}: no such",
     )
-    one_error_line(bench("--weights", str(tmp_path / "nope.pt")), 3, "--weights")
+    one_error_line(bench_with("--weights", str(tmp_path / "nope.pt")), 3, "--weights")
     for option in ("--forgetting", "--source-data", "--clean"):  # named as theirs, before the statistics
         one_error_line(
-            bench("--methods", "cafa", "--train", str(domain), option, str(tmp_path / "nope")),
+            bench_with("--methods", "cafa", "--train", str(domain), option, str(tmp_path / "nope")),
             3,
             f"{option} {tmp_path / 'nope'}: no such",
         )
@@ -138,20 +135,20 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
     for image in (domain / "a").glob("*.png"):
         (flat / image.name).write_bytes(image.read_bytes())
     one_error_line(
-        bench(str(flat), "--methods", "cafa", "--train", str(domain)),
+        bench_with(str(flat), "--methods", "cafa", "--train", str(domain)),
         3,
         f"{flat}: no labels, so no error to benchmark",
     )  # before the statistics
     assert not (tmp_path / "w").exists()  # nothing made for a run that cannot start
     (tmp_path / "file").write_text("")
-    one_error_line(bench("--workdir", str(tmp_path / "file")), 3, "--workdir")
+    one_error_line(bench_with("--workdir", str(tmp_path / "file")), 3, "--workdir")
     # source and bn need no statistics, so no --train either
-    ok = bench("--methods", "source,bn")
+    ok = bench_with("--methods", "source,bn")
     assert ok.exit_code == 0, ok.stderr
     assert ok.stdout.startswith("| method | test | mean |")
     kept = tmp_path / "w" / "stats-auto.safetensors"
     kept.write_text("an artifact bench keeps")
-    one_error_line(bench("--metrics-json", str(kept)), 2, "is a file inside an input folder")
+    one_error_line(bench_with("--metrics-json", str(kept)), 2, "is a file inside an input folder")
     assert kept.read_text() == "an artifact bench keeps"
 
 
@@ -173,7 +170,7 @@ def test_bench_checks_its_outputs_domains_and_workdir_before_running(tmp_path):
 )
 def test_demo_rejects_bad_options_before_building_anything(tmp_path, args, code, needle):
     pytest.importorskip("corrupt_tta")
-    result = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "demo"), *args])
+    result = invoke("demo", "--workdir", str(tmp_path / "demo"), *args)
     one_error_line(result, code, needle)
     assert not (tmp_path / "demo").exists()
 
@@ -227,8 +224,10 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
         "20",
         "--methods",
         "source,bn,cafa,cafa-tied@0.01,cafa-full",
+        "--train-per-class",
+        "30",  # the statistics' images (300 by default): what is checked here holds for any number
     ]
-    result = runner.invoke(app, args)
+    result = invoke(*args)
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "| method | contrast | fog | mean |"
@@ -248,7 +247,7 @@ def test_demo_builds_real_folders_runs_and_reuses_them(tmp_path, monkeypatch):
     pngs = list((tmp_path / "demo" / "fashion-mnist-c-20" / "fog" / "3").rglob("*.png"))
     assert len(pngs) == 200
     stamp = pngs[0].stat().st_mtime_ns
-    again = runner.invoke(app, args)
+    again = invoke(*args)
     assert again.exit_code == 0 and again.stdout == result.stdout  # same numbers, data not rebuilt
     assert pngs[0].stat().st_mtime_ns == stamp
     assert "corrupting" not in again.stderr
@@ -260,14 +259,14 @@ def test_demo_data_only_builds_every_severity_asked_for(tmp_path):
     """The folders cafa bench imagenet-c:ROOT --severities reads, at each severity."""
     pytest.importorskip("corrupt_tta")
     args = ["demo", "--data-only", "--workdir", str(tmp_path), "--corruptions", "contrast", "--test-per-class", "2"]
-    result = runner.invoke(app, [*args, "--severities", "1,5"])
+    result = invoke(*args, "--severities", "1,5")
     assert result.exit_code == 0, result.stderr
     root = tmp_path / "fashion-mnist-c-2"
     assert result.stdout.splitlines() == [str(root / "contrast" / "1"), str(root / "contrast" / "5")]
     assert "corrupting: contrast/1" in result.stderr
     mild, harsh = (sorted((root / "contrast" / s).rglob("*.png")) for s in ("1", "5"))
     assert len(mild) == len(harsh) == 20 and mild[0].read_bytes() != harsh[0].read_bytes()
-    alone = runner.invoke(app, [*args, "--severity", "5"])  # the folder a single severity builds, re-used
+    alone = invoke(*args, "--severity", "5")  # the folder a single severity builds, re-used
     assert (
         alone.exit_code == 0
         and alone.stdout.splitlines() == [str(root / "contrast" / "5")]
@@ -275,36 +274,33 @@ def test_demo_data_only_builds_every_severity_asked_for(tmp_path):
     )
 
 
-@needs_fashion_mnist
-def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
+@pytest.fixture(scope="module")
+def contrast_domain(tmp_path_factory) -> str:
+    """The demo's contrast domain, 20 Fashion-MNIST-C images a class, built once for the bench runs that read it."""
+    if not DEFAULT_ROOT.is_dir():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed")
     pytest.importorskip("corrupt_tta")
-    pytest.importorskip("matplotlib")
-    built = runner.invoke(
-        app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"]
-    )
+    workdir = tmp_path_factory.mktemp("demo")
+    built = invoke("demo", "--workdir", workdir, "--data-only", "--corruptions", "contrast", "--test-per-class", "20")
     assert built.exit_code == 0, built.stderr
-    domain = built.stdout.strip()
+    return built.stdout.strip()
+
+
+def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path, contrast_domain):
+    pytest.importorskip("matplotlib")
+    domain = contrast_domain
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            domain,
-            "--methods",
-            "source,cafa-diag",
-            "--seeds",
-            "0,1",
-            "--per-class",
-            "20",
-            "--workdir",
-            str(tmp_path / "art"),
-            "--csv",
-            str(out["csv"]),
-            "--metrics-json",
-            str(out["json"]),
-            "--plot",
-            str(out["png"]),
-        ],
+    result = bench(
+        domain,
+        model=None,  # the bundled model, with its own preprocessing
+        preprocessing=(),
+        methods="source,cafa-diag",
+        seeds="0,1",
+        per_class=20,
+        workdir=tmp_path / "art",
+        csv=out["csv"],
+        metrics_json=out["json"],
+        plot=out["png"],
     )
     assert result.exit_code == 0, result.stderr
     report = json.loads(out["json"].read_text())
@@ -321,33 +317,23 @@ def test_bench_writes_consistent_markdown_csv_json_and_plot(tmp_path):
     ).exists()
 
 
-@needs_fashion_mnist
-def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_training_geometry(tmp_path):
+def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_training_geometry(
+    tmp_path, contrast_domain
+):
     """ImageNet-C's case: statistics from resized + cropped training images, test images
     stored already cropped, so the test side must not be resized again."""
-    pytest.importorskip("corrupt_tta")
-    from cafa_cli.artifact.store import read_artifact
-
-    built = runner.invoke(
-        app, ["demo", "--workdir", str(tmp_path), "--data-only", "--corruptions", "contrast", "--test-per-class", "20"]
-    )
-    assert built.exit_code == 0, built.stderr
-    domain = built.stdout.strip()
+    domain = contrast_domain
     report = tmp_path / "r.json"
-    common = [
+    common = bench_args(  # the bundled model, with its own preprocessing
         domain,
-        "--methods",
-        "source,cafa-diag",
-        "--per-class",
-        "20",
-        "--workdir",
-        str(tmp_path / "art"),
-        "--metrics-json",
-        str(report),
-    ]
-    result = runner.invoke(
-        app, ["bench", *common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none"]
+        model=None,
+        preprocessing=(),
+        methods="source,cafa-diag",
+        per_class=20,
+        workdir=tmp_path / "art",
+        metrics_json=report,
     )
+    result = invoke(*common, "--resize", "32", "--crop", "28", "--test-resize", "none", "--test-crop", "none")
     assert result.exit_code == 0, result.stderr
     used = json.loads(report.read_text())["settings"]["preprocessing"]
     assert (used["train"]["resize"], used["train"]["crop"]) == (32, 28)
@@ -356,25 +342,20 @@ def test_bench_preprocesses_test_domains_on_their_own_and_recomputes_for_new_tra
     artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
     assert (artifact.preprocessing.resize, artifact.preprocessing.crop) == (32, 28)
     source_error = json.loads(report.read_text())["runs"][0]["error"]
-    alone = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--data",
+    alone = invoke(
+        *adapt_args(
             domain,
-            "--method",
-            "source",
-            "--model",
-            "fmnist-resnet",
-            "--quiet",
-            "--metrics-json",
-            str(tmp_path / "m.json"),
-        ],
+            model="fmnist-resnet",
+            preprocessing=(),
+            method="source",
+            quiet=True,
+            metrics_json=tmp_path / "m.json",
+        )
     )
     assert alone.exit_code == 0, alone.stderr
     assert json.loads((tmp_path / "m.json").read_text())["domains"][0]["error"] == pytest.approx(source_error)
 
-    again = runner.invoke(app, ["bench", *common])  # the bundled model's own geometry: new statistics
+    again = invoke(*common)  # the bundled model's own geometry: new statistics
     assert again.exit_code == 0, again.stderr
     assert "computing statistics (--covariance diag)" in again.stderr
     artifact = read_artifact(tmp_path / "art" / "stats-diag.safetensors", load_tensors=False)
@@ -430,7 +411,7 @@ def test_statistics_run_on_the_benchs_device_batch_size_and_loader_processes(tmp
 
 
 def test_bench_without_domains_is_a_usage_error():
-    result = runner.invoke(app, ["bench", "--methods", "source"])
+    result = invoke("bench", "--methods", "source")
     assert result.exit_code == 2
     assert (
         result.stderr.strip() == "cafa: error: give the test domains: cafa bench DOMAIN... (or --data DOMAIN, repeated)"
@@ -444,26 +425,17 @@ def test_bench_recomputes_statistics_for_another_class_list(tmp_path, tiny_weigh
     for name, order in (("abc", "a\nb\nc\n"), ("cab", "c\na\nb\n")):
         orders[name] = tmp_path / f"{name}.txt"
         orders[name].write_text(order)
-    base = [
-        "bench",
-        str(test),
-        "--methods",
-        "cafa-diag",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(tiny_weights),
-        "--train",
-        str(train),
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
 
     def computed(classes: str) -> bool:
-        result = runner.invoke(app, [*base, "--classes", str(orders[classes])])
+        result = bench(
+            test,
+            methods="cafa-diag",
+            weights=tiny_weights,
+            train=train,
+            per_class=6,
+            workdir=tmp_path / "w",
+            classes=orders[classes],
+        )
         assert result.exit_code == 0, result.stderr
         return "computing statistics (--covariance diag)" in result.stderr
 
@@ -478,51 +450,23 @@ def test_rows_without_statistics_read_labels_in_the_training_order(tmp_path, tin
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=4, seed=1, classes=("a", "c"))
     report = tmp_path / "r.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            methods,
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            "--train",
-            str(train),
-            *PLAIN,
-            "--per-class",
-            "6",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-        ],
+    result = bench(
+        test,
+        methods=methods,
+        weights=tiny_weights,
+        train=train,
+        per_class=6,
+        workdir=tmp_path / "w",
+        metrics_json=report,
     )
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "w" / "classes.txt").read_text() == "a\nb\nc\n"
     order = tmp_path / "order.txt"
     order.write_text("a\nb\nc\n")
-    alone = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--data",
-            str(test),
-            "--method",
-            "source",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            *PLAIN,
-            "--classes",
-            str(order),
-            "--quiet",
-            "--metrics-json",
-            str(tmp_path / "m.json"),
-        ],
+    alone = invoke(
+        *adapt_args(
+            test, method="source", weights=tiny_weights, classes=order, quiet=True, metrics_json=tmp_path / "m.json"
+        )
     )
     assert alone.exit_code == 0, alone.stderr
     source = next(r["error"] for r in json.loads(report.read_text())["runs"] if r["method"] == "source")
@@ -536,24 +480,7 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
     for image in (write_folder(tmp_path / "src", per_class=2) / "a").iterdir():
         image.rename(flat / image.name)
     test = write_folder(tmp_path / "test", per_class=4, seed=1)
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            "source,bn",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            "--train",
-            str(flat),
-            *PLAIN,
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    result = bench(test, methods="source,bn", weights=tiny_weights, train=flat, workdir=tmp_path / "w")
     assert result.exit_code == 0, result.stderr
     assert not (tmp_path / "w" / "classes.txt").exists()
     table = result.stdout.splitlines()  # both rows ran and have an error, with no class list written for them
@@ -567,64 +494,19 @@ def test_a_flat_training_folder_gives_no_class_list_to_rows_without_statistics(t
 def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_path, tiny_weights):
     """A bench cell is the cafa adapt run with the same options; the JSON says which options those were."""
     test = write_folder(tmp_path / "test", per_class=4, seed=1, shift=0.3)
-    options = [
-        "--optimizer",
-        "sgd",
-        "--momentum",
-        "0.5",
-        "--params",
-        "all",
-        "--norm",
-        "prior:4",
-        "--reset",
-        "episodic",
-        "--batch-size",
-        "5",
-    ]
+    shared = dict(
+        weights=tiny_weights,
+        optimizer="sgd",
+        momentum=0.5,
+        params="all",
+        norm="prior:4",
+        reset="episodic",
+        batch_size=5,
+    )
     report = tmp_path / "r.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            "tent@0.05",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            *PLAIN,
-            *options,
-            "--device",
-            "cpu",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-        ],
-    )
+    result = bench(test, methods="tent@0.05", **shared, device="cpu", workdir=tmp_path / "w", metrics_json=report)
     assert result.exit_code == 0, result.stderr
-    alone = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--data",
-            str(test),
-            "--method",
-            "tent",
-            "--lr",
-            "0.05",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            *PLAIN,
-            *options,
-            "--quiet",
-            "--metrics-json",
-            str(tmp_path / "m.json"),
-        ],
-    )
+    alone = invoke(*adapt_args(test, method="tent", lr=0.05, **shared, quiet=True, metrics_json=tmp_path / "m.json"))
     assert alone.exit_code == 0, alone.stderr
     saved = json.loads(report.read_text())
     metrics = json.loads((tmp_path / "m.json").read_text())
@@ -681,11 +563,10 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
 def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=6)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
-    base = ["bench", str(test), "--model", TINY_NET, "--weights", str(tiny_weights), "--train", str(train), *PLAIN]
-    base += ["--per-class", "6"]
+    base = bench_args(test, weights=tiny_weights, train=train, per_class=6)
 
     def computed(*args: str) -> bool:
-        result = runner.invoke(app, [*base, "--methods", "cafa-diag", "--workdir", str(tmp_path / "w"), *args])
+        result = invoke(*base, "--methods", "cafa-diag", "--workdir", tmp_path / "w", *args)
         assert result.exit_code == 0, result.stderr
         return "computing statistics (--covariance diag)" in result.stderr
 
@@ -695,9 +576,7 @@ def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, 
     )
     assert (shrink["method"], shrink["min"], shrink["max"]) == ("fixed", pytest.approx(0.25), pytest.approx(0.25))
     assert computed("--shrinkage", "0.5") and computed() and not computed("--shrinkage", "auto")
-    result = runner.invoke(
-        app, [*base, "--methods", "cafa-lowrank", "--shrinkage", "0", "--workdir", str(tmp_path / "x")]
-    )
+    result = invoke(*base, "--methods", "cafa-lowrank", "--shrinkage", "0", "--workdir", tmp_path / "x")
     one_error_line(result, 2, "--covariance lowrank needs shrinkage")
     assert not (tmp_path / "x").exists()
 
@@ -705,26 +584,9 @@ def test_bench_shrinkage_reaches_the_statistics_and_their_reuse_check(tmp_path, 
 def test_bench_recomputes_statistics_when_the_training_folder_holds_other_images(tmp_path, tiny_weights):
     train = write_folder(tmp_path / "train", per_class=4)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
-    args = [
-        "bench",
-        str(test),
-        "--methods",
-        "cafa-diag",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(tiny_weights),
-        "--train",
-        str(train),
-        *PLAIN,
-        "--fraction",
-        "1",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
 
     def computed() -> bool:
-        result = runner.invoke(app, args)
+        result = bench(test, methods="cafa-diag", weights=tiny_weights, train=train, fraction=1, workdir=tmp_path / "w")
         assert result.exit_code == 0, result.stderr
         return "computing statistics (--covariance diag)" in result.stderr
 
@@ -779,47 +641,10 @@ def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):
     import os
 
     train = write_folder(tmp_path / "train", per_class=6, classes=("a", "b", os.fsdecode(b"caf\xe9")))
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(train),
-            "--methods",
-            "source,cafa-diag",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            "--train",
-            str(train),
-            *PLAIN,
-            "--per-class",
-            "6",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    shared = dict(weights=tiny_weights, train=train, per_class=6, workdir=tmp_path / "w")
+    result = bench(train, methods="source,cafa-diag", **shared)
     assert result.exit_code == 3 and "cannot go into the class list file" in result.stderr, result.stderr
-    only_statistics = runner.invoke(
-        app,
-        [
-            "bench",
-            str(train),
-            "--methods",
-            "cafa-diag",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            "--train",
-            str(train),
-            *PLAIN,
-            "--per-class",
-            "6",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    only_statistics = bench(train, methods="cafa-diag", **shared)
     assert only_statistics.exit_code == 0, only_statistics.stderr  # no row reads the file
 
 
@@ -832,26 +657,7 @@ def test_bench_reuses_statistics_for_the_same_parameters_in_another_file(tmp_pat
     shutil.copy(tiny_weights, weights)
 
     def computed(path) -> bool:
-        result = runner.invoke(
-            app,
-            [
-                "bench",
-                str(test),
-                "--methods",
-                "cafa-diag",
-                "--model",
-                TINY_NET,
-                "--weights",
-                str(path),
-                "--train",
-                str(train),
-                *PLAIN,
-                "--per-class",
-                "6",
-                "--workdir",
-                str(tmp_path / "w"),
-            ],
-        )
+        result = bench(test, methods="cafa-diag", weights=path, train=train, per_class=6, workdir=tmp_path / "w")
         assert result.exit_code == 0, result.stderr
         return "computing statistics" in result.stderr
 
@@ -870,27 +676,14 @@ def test_bench_json_says_which_covariance_form_auto_chose(tmp_path, tiny_weights
     train = write_folder(tmp_path / "train", per_class=4)
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     report = tmp_path / "r.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            "cafa,cafa-diag",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            "--train",
-            str(train),
-            *PLAIN,
-            "--per-class",
-            "4",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-        ],
+    result = bench(
+        test,
+        methods="cafa,cafa-diag",
+        weights=tiny_weights,
+        train=train,
+        per_class=4,
+        workdir=tmp_path / "w",
+        metrics_json=report,
     )
     assert result.exit_code == 0, result.stderr
     saved = json.loads(report.read_text())
@@ -913,27 +706,11 @@ def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path
     test = write_folder(tmp_path / "test", per_class=2, seed=1)
     weights = tmp_path / "w.pt"
     torch.save({"state_dict": torch.load(tiny_weights), "args": argparse.Namespace(lr=0.1)}, weights)
-    args = [
-        "bench",
-        str(test),
-        "--methods",
-        "bn,cafa-diag",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(weights),
-        "--train",
-        str(train),
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
-    refused = runner.invoke(app, args)
+    args = bench_args(test, methods="bn,cafa-diag", weights=weights, train=train, per_class=6, workdir=tmp_path / "w")
+    refused = invoke(*args)
     assert refused.exit_code == 3 and refused.stdout == ""
     assert "--trust-checkpoint" in refused.stderr.strip().splitlines()[-1]
-    trusted = runner.invoke(app, [*args, "--trust-checkpoint"])
+    trusted = invoke(*args, "--trust-checkpoint")
     assert trusted.exit_code == 0, trusted.stderr
     assert "| cafa-diag |" in trusted.stdout
 
@@ -941,24 +718,7 @@ def test_bench_reads_a_checkpoint_with_python_objects_only_when_trusted(tmp_path
 def test_each_rows_warnings_are_shown_once_whichever_row_runs_first(tmp_path, tiny_weights):
     """The first run's warnings were the only ones: tent's 'fits in one batch' never showed after source."""
     test = write_folder(tmp_path / "test", per_class=3)
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            "source,tent",
-            "--seeds",
-            "0,1",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            *PLAIN,
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    result = bench(test, methods="source,tent", seeds="0,1", weights=tiny_weights, workdir=tmp_path / "w")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("predicted before any update: tent cannot differ from bn there") == 1
 
@@ -1075,33 +835,17 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
     pytest.importorskip("matplotlib")
     test = write_folder(tmp_path / "test", per_class=6, seed=1, shift=0.3)
     out = {k: tmp_path / f"r.{k}" for k in ("csv", "json", "png")}
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(test),
-            "--methods",
-            "source,bn",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(trained_weights),
-            *PLAIN,
-            "--orders",
-            "iid,label-shift:1.0",
-            "--batch-sizes",
-            "6,3",
-            "--seeds",
-            "0,1",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--csv",
-            str(out["csv"]),
-            "--metrics-json",
-            str(out["json"]),
-            "--plot",
-            str(out["png"]),
-        ],
+    result = bench(
+        test,
+        methods="source,bn",
+        weights=trained_weights,
+        orders="iid,label-shift:1.0",
+        batch_sizes="6,3",
+        seeds="0,1",
+        workdir=tmp_path / "w",
+        csv=out["csv"],
+        metrics_json=out["json"],
+        plot=out["png"],
     )
     assert result.exit_code == 0, result.stderr
     long_table, by_condition = result.stdout.strip().split("\n\n")
@@ -1143,24 +887,11 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
 def test_bench_runs_continual_across_domains_in_the_order_given_with_an_error_per_domain(tmp_path, trained_weights):
     mild = write_folder(tmp_path / "mild", per_class=6, seed=1, shift=0.2)
     harsh = write_folder(tmp_path / "harsh", per_class=6, seed=2, shift=0.7)
-    base = [
-        "bench",
-        "--methods",
-        "tent@0.05",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(trained_weights),
-        *PLAIN,
-        "--batch-size",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
+    base = bench_args(methods="tent@0.05", weights=trained_weights, batch_size=6, workdir=tmp_path / "w")
 
     def errors(*args: str) -> dict[str, float]:
         report = tmp_path / "r.json"
-        result = runner.invoke(app, [*base, *args, "--metrics-json", str(report)])
+        result = invoke(*base, *args, "--metrics-json", str(report))
         assert result.exit_code == 0, result.stderr
         saved = json.loads(report.read_text())
         assert [d["label"] for d in saved["domains"]] == [
@@ -1180,28 +911,15 @@ def test_bench_runs_continual_across_domains_in_the_order_given_with_an_error_pe
 def test_bench_mixes_domains_into_one_stream_and_still_reports_each(tmp_path, trained_weights):
     one = write_folder(tmp_path / "one", per_class=6, seed=1, shift=0.2)
     two = write_folder(tmp_path / "two", per_class=6, seed=2, shift=0.6)
-    base = [
-        "bench",
-        str(one),
-        str(two),
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(trained_weights),
-        *PLAIN,
-        "--batch-size",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
-    apart = runner.invoke(app, [*base, "--methods", "source"])
-    mixed = runner.invoke(app, [*base, "--methods", "source", "--mix-domains"])
+    base = bench_args(one, two, weights=trained_weights, batch_size=6, workdir=tmp_path / "w")
+    apart = invoke(*base, "--methods", "source")
+    mixed = invoke(*base, "--methods", "source", "--mix-domains")
     assert apart.exit_code == mixed.exit_code == 0, mixed.stderr
     assert (
         mixed.stdout == apart.stdout and "| one | two | mean |" in mixed.stdout
     )  # source: per domain, the same errors
-    bn_apart = runner.invoke(app, [*base, "--methods", "bn"])
-    bn_mixed = runner.invoke(app, [*base, "--methods", "bn", "--mix-domains"])
+    bn_apart = invoke(*base, "--methods", "bn")
+    bn_mixed = invoke(*base, "--methods", "bn", "--mix-domains")
     assert bn_apart.exit_code == bn_mixed.exit_code == 0, bn_mixed.stderr
     assert bn_mixed.stdout != bn_apart.stdout  # batches mix both domains' statistics
     for table in (bn_apart.stdout, bn_mixed.stdout):  # and each domain is still reported in its own column
@@ -1213,47 +931,20 @@ def test_bench_gradual_reports_each_corruption_over_its_severity_visits(tmp_path
         for severity in range(1, 6):
             write_folder(tmp_path / name / str(severity), per_class=2, seed=severity, shift=0.1 * severity)
     report = tmp_path / "r.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(tmp_path / "fog" / "3"),
-            str(tmp_path / "snow"),
-            "--gradual",
-            "--methods",
-            "bn",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(tiny_weights),
-            *PLAIN,
-            "--batch-size",
-            "3",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-        ],
+    result = bench(
+        tmp_path / "fog" / "3",
+        tmp_path / "snow",
+        gradual=True,
+        methods="bn",
+        weights=tiny_weights,
+        batch_size=3,
+        workdir=tmp_path / "w",
+        metrics_json=report,
     )
     assert result.exit_code == 0, result.stderr
     runs = json.loads(report.read_text())["runs"]
     assert [(Path(r["data"]).name, r["n"]) for r in runs] == [("3", 9 * 6), ("snow", 9 * 6)]
-    twice = runner.invoke(
-        app,
-        [
-            "bench",
-            str(tmp_path / "fog" / "3"),
-            str(tmp_path / "fog"),
-            "--gradual",
-            "--methods",
-            "bn",
-            "--model",
-            TINY_NET,
-            *PLAIN,
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    twice = bench(tmp_path / "fog" / "3", tmp_path / "fog", gradual=True, methods="bn", workdir=tmp_path / "w")
     one_error_line(twice, 2, "is given twice")
 
 
@@ -1264,24 +955,9 @@ def test_the_old_spelling_json_path_still_writes_the_record_with_a_warning(tmp_p
     from cafa_cli.cli.defaults import read_defaults
 
     train = write_folder(tmp_path / "train", per_class=6)
-    common = [
-        "bench",
-        str(train),
-        "--methods",
-        "source",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(tiny_weights),
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        str(tmp_path / "w"),
-        "-q",
-    ]
-    old = runner.invoke(app, [*common, "--json", str(tmp_path / "old.json")])
-    new = runner.invoke(app, [*common, f"--metrics-json={tmp_path / 'new.json'}"])
+    common = bench_args(train, methods="source", weights=tiny_weights, per_class=6, workdir=tmp_path / "w", quiet=True)
+    old = invoke(*common, "--json", str(tmp_path / "old.json"))
+    new = invoke(*common, f"--metrics-json={tmp_path / 'new.json'}")
     assert old.exit_code == new.exit_code == 0, old.stderr
     assert old.stderr.splitlines() == [
         "warning: --json is now --metrics-json; the old spelling goes in a later release"

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PLAIN, TINY_NET, invoke, write_folder
-from helpers import adapt, fails
+from conftest import invoke, write_folder
+from helpers import adapt, bench_args, fails
 from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app, command_options
@@ -116,20 +116,7 @@ def test_max_error_is_checked_in_the_settings_from_the_python_api_and_cafa_toml(
 
 def bench(tmp_path, weights, *args):
     train = write_folder(tmp_path / "train", per_class=6)
-    return invoke(
-        "bench",
-        train,
-        "--model",
-        TINY_NET,
-        "--weights",
-        weights,
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        tmp_path / "w",
-        *args,
-    )
+    return invoke(*bench_args(train, weights=weights, per_class=6, workdir=tmp_path / "w"), *args)
 
 
 def test_bench_above_max_error_names_the_rows_and_exits_4_after_every_output(tmp_path, tiny_weights):
@@ -222,21 +209,7 @@ def test_two_benches_sharing_a_workdir_compute_the_statistics_once(tmp_path, tin
         sys.executable,
         "-m",
         "cafa_cli",
-        "bench",
-        str(train),
-        "--methods",
-        "cafa-diag",
-        "--train",
-        str(train),
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(tiny_weights),
-        *PLAIN,
-        "--per-class",
-        "6",
-        "--workdir",
-        str(workdir),
+        *bench_args(train, methods="cafa-diag", train=train, weights=tiny_weights, per_class=6, workdir=workdir),
     ]
     logs = [tmp_path / f"bench{k}.err" for k in range(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

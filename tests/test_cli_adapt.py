@@ -12,16 +12,12 @@ import numpy as np
 import pytest
 import tiny_net
 import torch
-from conftest import PLAIN, TINY_NET, write_folder
-from helpers import fails, unless_given
-from typer.testing import CliRunner
+from conftest import TINY_NET, invoke, write_folder
+from helpers import adapt_args, fails, options, stats_args, unless_given
 
 from cafa_cli.artifact.store import read_artifact
-from cafa_cli.cli.app import app
 from cafa_cli.jobs import adapt as adapt_job
 from cafa_cli.methods import method_class
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -48,41 +44,14 @@ def setup(tmp_path_factory):
     weights = root / "net.pt"
     torch.save(net.state_dict(), weights)
     artifact = root / "s.safetensors"
-    result = runner.invoke(
-        app,
-        [
-            "stats",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(weights),
-            "--data",
-            str(train),
-            *PLAIN,
-            "--fraction",
-            "1",
-            "--out",
-            str(artifact),
-        ],
-    )
+    result = invoke(*stats_args(train, weights=weights, fraction=1, out=artifact))
     assert result.exit_code == 0, result.stderr
     return {"root": root, "train": train, "test": test, "weights": weights, "artifact": artifact}
 
 
 def adapt(setup, *args):
-    return runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            *unless_given(["--batch-size", "30"], args),
-            *args,
-        ],
+    return invoke(
+        *adapt_args(setup["test"], stats=setup["artifact"]), *unless_given(["--batch-size", "30"], args), *args
     )
 
 
@@ -231,70 +200,23 @@ def test_unlabelled_folder_and_stdin_paths(setup, tmp_path):
     for p in paths:
         (flat / p.name).write_bytes(p.read_bytes())
     metrics = tmp_path / "m.json"
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(flat),
-            "--quiet",
-            "--metrics-json",
-            str(metrics),
-        ],
-    )
+    result = invoke(*adapt_args(flat, stats=setup["artifact"], quiet=True, metrics_json=metrics))
     assert result.exit_code == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert len(rows) == 7 and all(r["label"] == "" for r in rows)
     assert json.loads(metrics.read_text())["error"] is None
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(flat),
-            "--quiet",
-            "--format",
-            "jsonl",
-        ],
-    )
+    result = invoke(*adapt_args(flat, stats=setup["artifact"], quiet=True, format="jsonl"))
     assert [json.loads(line)["label"] for line in result.stdout.splitlines()] == [None] * 7  # JSON's own "no value"
     stdin = "\n".join(str(p) for p in paths) + "\n"
-    result = runner.invoke(
-        app,
-        ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", "-", "--quiet", "--no-shuffle"],
-        input=stdin,
-    )
+    result = invoke(*adapt_args("-", stats=setup["artifact"], quiet=True, no_shuffle=True), input=stdin)
     assert result.exit_code == 0, result.stderr
     assert [r["path"] for r in csv.DictReader(io.StringIO(result.stdout))] == [str(p) for p in paths]
 
 
 def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
     metrics = tmp_path / "m.json"
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--data",
-            str(setup["train"]),
-            "--batch-size",
-            "30",
-            "--metrics-json",
-            str(metrics),
-        ],
+    result = invoke(
+        *adapt_args(setup["test"], setup["train"], stats=setup["artifact"], batch_size=30, metrics_json=metrics)
     )
     assert result.exit_code == 0, result.stderr
     report = json.loads(metrics.read_text())
@@ -305,11 +227,11 @@ def test_several_domains_reset_per_domain_and_summary(setup, tmp_path):
 
 def test_a_test_class_the_artifact_does_not_know_is_an_error(setup, tmp_path):
     odd = write_folder(tmp_path / "odd", per_class=2, classes=("a", "zebra"))
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
+    result = invoke(*adapt_args(odd, stats=setup["artifact"]))
     assert result.exit_code == 3
     assert "zebra" in result.stderr and "Traceback" not in result.stderr
     odd = write_folder(tmp_path / "case", per_class=2, classes=("a", "B"))
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(odd)])
+    result = invoke(*adapt_args(odd, stats=setup["artifact"]))
     assert (
         result.exit_code == 3
         and "class folder(s) B not in the model's class list (3 classes) (did you mean b for B?)" in result.stderr
@@ -323,24 +245,7 @@ def test_changed_weights_are_refused_unless_allowed(setup, tmp_path):
     weights = tmp_path / "net.pt"
     shutil.copy(setup["weights"], weights)
     artifact = tmp_path / "s.safetensors"
-    result = runner.invoke(
-        app,
-        [
-            "stats",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(weights),
-            "--data",
-            str(setup["train"]),
-            *PLAIN,
-            "--fraction",
-            "1",
-            "--out",
-            str(artifact),
-            "--quiet",
-        ],
-    )
+    result = invoke(*stats_args(setup["train"], weights=weights, fraction=1, out=artifact, quiet=True))
     assert result.exit_code == 0, result.stderr
     torch.manual_seed(1)
     torch.save(tiny_net.build().state_dict(), weights)
@@ -373,14 +278,14 @@ def test_other_weights_or_another_model_than_the_artifacts_are_refused_unless_al
     factory.write_text(
         f"import sys\nsys.path.insert(0, {str(Path(TINY_NET.split(':')[0]).parent)!r})\nimport tiny_net\n\ndef build():\n    return tiny_net.build()\n"
     )
-    args = ["adapt", "--stats", str(setup["artifact"]), "--model", f"{factory}:build", "--data", str(setup["test"])]
-    result = runner.invoke(app, [*args, "--weights", str(other), "--quiet"])  # another factory, other weights
+    args = adapt_args(setup["test"], stats=setup["artifact"], model=f"{factory}:build")
+    result = invoke(*args, "--weights", other, "--quiet")  # another factory, other weights
     assert (
         result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
     )
-    assert runner.invoke(app, [*args, "--weights", str(other), "--quiet", "--allow-weights-mismatch"]).exit_code == 0
+    assert invoke(*args, "--weights", other, "--quiet", "--allow-weights-mismatch").exit_code == 0
     # with the same weights too: other code may compute other features from the same parameters
-    result = runner.invoke(app, [*args, "--weights", str(setup["weights"]), "--quiet"])
+    result = invoke(*args, "--weights", setup["weights"], "--quiet")
     assert (
         result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {factory}:build" in result.stderr
     )
@@ -391,33 +296,19 @@ def test_a_factory_file_edited_since_the_statistics_is_refused(setup, tmp_path):
     factory = tmp_path / "net_copy.py"
     factory.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
     artifact = tmp_path / "s.safetensors"
-    made = runner.invoke(
-        app,
-        [
-            "stats",
-            "--model",
-            f"{factory}:build",
-            "--weights",
-            str(setup["weights"]),
-            "--data",
-            str(setup["train"]),
-            *PLAIN,
-            "--fraction",
-            "1",
-            "--out",
-            str(artifact),
-        ],
+    made = invoke(
+        *stats_args(setup["train"], model=f"{factory}:build", weights=setup["weights"], fraction=1, out=artifact)
     )
     assert made.exit_code == 0, made.stderr
-    args = ["adapt", "--stats", str(artifact), "--model", f"{factory}:build", "--data", str(setup["test"]), "--quiet"]
-    assert runner.invoke(app, args).exit_code == 0
+    args = adapt_args(setup["test"], stats=artifact, model=f"{factory}:build", quiet=True)
+    assert invoke(*args).exit_code == 0
     factory.write_text(factory.read_text().replace("return self.head(", "return -self.head("))
-    result = runner.invoke(app, args)
+    result = invoke(*args)
     assert (
         result.exit_code == 3
         and f"{factory} has changed since the statistics in {artifact} were computed" in result.stderr
     )
-    assert runner.invoke(app, [*args, "--allow-weights-mismatch"]).exit_code == 0
+    assert invoke(*args, "--allow-weights-mismatch").exit_code == 0
 
 
 def test_a_factory_file_copied_elsewhere_is_the_same_model(setup, tmp_path):
@@ -425,24 +316,15 @@ def test_a_factory_file_copied_elsewhere_is_the_same_model(setup, tmp_path):
     moved = tmp_path / "elsewhere" / "tiny_net.py"
     moved.parent.mkdir()
     moved.write_bytes(Path(TINY_NET.split(":")[0]).read_bytes())
-    args = [
-        "adapt",
-        "--stats",
-        str(setup["artifact"]),
-        "--model",
-        f"{moved}:build",
-        "--weights",
-        str(setup["weights"]),
-        "--data",
-        str(setup["test"]),
-        "--quiet",
-    ]
-    result = runner.invoke(app, args)
+    args = adapt_args(
+        setup["test"], stats=setup["artifact"], model=f"{moved}:build", weights=setup["weights"], quiet=True
+    )
+    result = invoke(*args)
     assert result.exit_code == 0, result.stderr
     moved.write_text(
         moved.read_text().replace("return self.head(", "return -self.head(")
     )  # other code, same parameters
-    result = runner.invoke(app, args)
+    result = invoke(*args)
     assert result.exit_code == 3 and f"holds statistics of the model {TINY_NET}, not of {moved}:build" in result.stderr
 
 
@@ -470,28 +352,13 @@ def test_a_factory_that_draws_its_parameters_at_random_is_refused(setup, tmp_pat
     """Without --weights a factory's own initialisation is the model: a random one differs per process."""
     artifact = tmp_path / "s.safetensors"
     torch.manual_seed(11)
-    result = runner.invoke(
-        app,
-        [
-            "stats",
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["train"]),
-            *PLAIN,
-            "--fraction",
-            "1",
-            "--out",
-            str(artifact),
-            "--quiet",
-        ],
-    )
+    result = invoke(*stats_args(setup["train"], fraction=1, out=artifact, quiet=True))
     assert result.exit_code == 0, result.stderr
-    args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
+    args = adapt_args(setup["test"], stats=artifact, quiet=True)
     torch.manual_seed(11)
-    assert runner.invoke(app, args).exit_code == 0  # the same draw: the same model
+    assert invoke(*args).exit_code == 0  # the same draw: the same model
     torch.manual_seed(12)
-    result = runner.invoke(app, args)
+    result = invoke(*args)
     assert (
         result.exit_code == 3
         and "initialised its parameters differently" in result.stderr
@@ -501,22 +368,13 @@ def test_a_factory_that_draws_its_parameters_at_random_is_refused(setup, tmp_pat
 
 def test_a_factory_named_by_the_artifact_runs_only_when_the_user_names_it(setup):
     """An artifact points at model code; it must not run on the artifact's word alone."""
-    result = runner.invoke(app, ["adapt", "--stats", str(setup["artifact"]), "--data", str(setup["test"]), "--quiet"])
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"], model=None, quiet=True))
     assert result.exit_code == 3 and result.stdout == ""
     assert "names the model factory" in result.stderr and f"--model {TINY_NET}" in result.stderr
-    trusted = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--data",
-            str(setup["test"]),
-            "--batch-size",
-            "30",
-            "--quiet",
-            "--trust-checkpoint",
-        ],
+    trusted = invoke(
+        *adapt_args(
+            setup["test"], stats=setup["artifact"], model=None, batch_size=30, quiet=True, trust_checkpoint=True
+        )
     )
     assert trusted.exit_code == 0 and trusted.stdout == adapt(setup, "--quiet").stdout  # same weights as with --model
 
@@ -527,20 +385,8 @@ def test_a_relative_factory_path_names_the_artifacts_model_and_weights(setup, mo
     from conftest import ASSETS
 
     monkeypatch.chdir(ASSETS.parent)
-    relative = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            "assets/tiny_net.py:build",
-            "--data",
-            str(setup["test"]),
-            "--batch-size",
-            "30",
-            "--quiet",
-        ],
+    relative = invoke(
+        *adapt_args(setup["test"], stats=setup["artifact"], model="assets/tiny_net.py:build", batch_size=30, quiet=True)
     )
     assert relative.exit_code == 0, relative.stderr
     assert relative.stdout == adapt(setup, "--quiet").stdout
@@ -577,9 +423,7 @@ def test_a_batch_of_one_image_with_1x1_feature_maps_uses_the_source_statistics()
 def test_summary_keeps_a_long_path_whole_off_a_terminal(setup, tmp_path):
     deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "fashion-mnist-c" / "gaussian_noise" / "3"
     shutil.copytree(setup["test"], deep)
-    result = runner.invoke(
-        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(deep), "--method", "bn"]
-    )
+    result = invoke(*adapt_args(deep, stats=setup["artifact"], method="bn"))
     assert result.exit_code == 0, result.stderr
     first_cells = [line.split("│")[1].strip() for line in result.stderr.splitlines() if line.startswith("│")]
     assert str(deep) in "".join(first_cells)  # folded over several lines, but whole
@@ -671,9 +515,9 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
 
     monkeypatch.setattr(adapt_job, "prepare_adaptation", capture)
     recipe = AdaptConfig(data=["x"], method="eata", recipe="imagenet-c", method_option=["redundancy_margin=0.2"])
-    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(wanted)])
-    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(streams)])
-    runner.invoke(app, ["adapt", "--data", "x", *adapt_words(recipe)])
+    invoke("adapt", "--data", "x", *adapt_words(wanted))
+    invoke("adapt", "--data", "x", *adapt_words(streams))
+    invoke("adapt", "--data", "x", *adapt_words(recipe))
     assert [replace(config, given=None) for config in seen] == [wanted, streams, recipe]  # `given`: the options typed
     assert adapt_words(AdaptConfig()) == ["--method", "cafa"]
 
@@ -709,37 +553,17 @@ def test_a_baseline_with_model_beside_an_unread_default_artifact_says_so(setup, 
     """cafa adapt --model M --method bn reads no artifact: beside cafa-stats.safetensors the run
     would otherwise silently take the default preprocessing and class names, not the artifact's."""
     monkeypatch.chdir(tmp_path)
-    base = [
-        "adapt",
-        "--model",
-        TINY_NET,
-        "--weights",
-        str(setup["weights"]),
-        "--data",
-        str(setup["test"]),
-        "--method",
-        "bn",
-        "--channels",
-        "1",
-        "--mean",
-        "0",
-        "--std",
-        "1",
-        "--resize",
-        "none",
-        "--crop",
-        "none",
-    ]
-    assert "is here but not read" not in runner.invoke(app, base).stderr
+    base = adapt_args(setup["test"], weights=setup["weights"], method="bn")
+    assert "is here but not read" not in invoke(*base).stderr
     shutil.copy(setup["artifact"], tmp_path / "cafa-stats.safetensors")
-    result = runner.invoke(app, base)
+    result = invoke(*base)
     assert result.exit_code == 0, result.stderr
     assert (
         "warning: cafa-stats.safetensors is here but not read (with --model, a method that needs no statistics"
         in result.stderr
     )
     assert "pass --stats cafa-stats.safetensors" in result.stderr
-    named = runner.invoke(app, [*base, "--stats", "cafa-stats.safetensors"])
+    named = invoke(*base, "--stats", "cafa-stats.safetensors")
     assert named.exit_code == 0 and "not read" not in named.stderr
 
 
@@ -751,32 +575,16 @@ def test_weights_an_artifact_names_that_need_unpickling_are_named_without_inviti
     weights = tmp_path / "objects.pt"
     torch.save({"state_dict": torch.load(setup["weights"]), "args": argparse.Namespace(lr=0.1)}, weights)
     artifact = tmp_path / "s.safetensors"
-    made = runner.invoke(
-        app,
-        [
-            "stats",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(weights),
-            "--trust-checkpoint",
-            "--data",
-            str(setup["train"]),
-            *PLAIN,
-            "--fraction",
-            "1",
-            "--out",
-            str(artifact),
-            "--quiet",
-        ],
+    made = invoke(
+        *stats_args(setup["train"], weights=weights, trust_checkpoint=True, fraction=1, out=artifact, quiet=True)
     )
     assert made.exit_code == 0, made.stderr
-    args = ["adapt", "--stats", str(artifact), "--model", TINY_NET, "--data", str(setup["test"]), "--quiet"]
-    result = runner.invoke(app, args)
+    args = adapt_args(setup["test"], stats=artifact, quiet=True)
+    result = invoke(*args)
     assert result.exit_code == 3
     assert f"{artifact} names the weights {weights}, which hold Python objects beyond tensors" in result.stderr
     assert "--trust-checkpoint" not in result.stderr and "re-save them as a state dict" in result.stderr
-    assert runner.invoke(app, [*args, "--trust-checkpoint"]).exit_code == 0
+    assert invoke(*args, "--trust-checkpoint").exit_code == 0
 
 
 # --- stream settings: --order, --mix-domains, --gradual ------------------------------------
@@ -809,20 +617,7 @@ def test_orders_by_class_need_labels(setup, tmp_path):
     flat.mkdir()
     for p in sorted(Path(setup["test"]).rglob("*.png"))[:20]:
         (flat / f"{p.parent.name}-{p.name}").write_bytes(p.read_bytes())
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(flat),
-            "--order",
-            "label-shift:1.0",
-        ],
-    )
+    result = invoke(*adapt_args(flat, stats=setup["artifact"], order="label-shift:1.0"))
     assert result.exit_code == 3 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         f"cafa: error: {flat} has no labels, and --order label-shift:1.0 orders the stream by class; give labelled data (one "
@@ -869,31 +664,17 @@ def test_gradual_visits_the_severities_of_each_corruption_up_and_down(setup, tmp
     for severity in range(1, 6):
         write_folder(corruption / str(severity), per_class=4, seed=severity, shift=0.1 * severity)
     metrics = tmp_path / "m.json"
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            str(corruption / "3"),
-            "--gradual",
-            "--batch-size",
-            "6",
-            "--quiet",
-            "--metrics-json",
-            str(metrics),
-        ],
+    result = invoke(
+        *adapt_args(stats=setup["artifact"]),
+        corruption / "3",
+        *options(gradual=True, batch_size=6, quiet=True, metrics_json=metrics),
     )
     assert result.exit_code == 0, result.stderr
     visited = [Path(d["data"]).name for d in json.loads(metrics.read_text())["domains"]]
     assert visited == ["1", "2", "3", "4", "5", "4", "3", "2", "1"]
     assert len(result.stdout.splitlines()) == 1 + 9 * 12
     shutil.rmtree(corruption / "4")
-    missing = runner.invoke(
-        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, str(corruption), "--gradual"]
-    )
+    missing = invoke(*adapt_args(stats=setup["artifact"]), corruption, "--gradual")
     assert missing.exit_code == 3 and "--gradual visits severities 1-5 of a corruption" in missing.stderr
     assert f"{corruption / '4'} is not a folder" in missing.stderr
 
@@ -903,7 +684,5 @@ def test_mixing_a_domain_with_itself_is_refused(setup, spellings, monkeypatch):
     """Interleaved with itself, every image was read and predicted twice."""
     monkeypatch.chdir(setup["test"].parent)
     given = [s.format(t=setup["test"], rel=setup["test"].name) for s in spellings]
-    result = runner.invoke(
-        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, *given, "--mix-domains"]
-    )
+    result = invoke(*adapt_args(stats=setup["artifact"]), *given, "--mix-domains")
     fails(result, 2, "--mix-domains: the domain", "is given twice")

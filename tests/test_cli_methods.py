@@ -17,13 +17,12 @@ import termios
 from pathlib import Path
 
 import pytest
-from conftest import PLAIN, TINY_NET, invoke
-from helpers import fails, rows
+from conftest import invoke
+from helpers import adapt_args, bench, fails, rows
 from rich.cells import cell_len
 from rich.console import Console
-from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
+from test_cli_adapt import setup  # noqa: F401  (the module's trained net and artifact)
 
-from cafa_cli.cli.app import app
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
 from cafa_cli.methods import REGISTRY
@@ -34,22 +33,7 @@ DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
 
 
 def adapt(setup, *args, quiet: bool = True):  # noqa: F811
-    return runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--batch-size",
-            "30",
-            *(["--quiet"] if quiet else []),
-            *args,
-        ],
-    )
+    return invoke(*adapt_args(setup["test"], stats=setup["artifact"], batch_size=30, quiet=quiet), *args)
 
 
 def warnings(result) -> list[str]:
@@ -76,55 +60,20 @@ def test_rotta_without_batch_norm_running_statistics_is_named(setup, tmp_path): 
         "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 4, 3), "
         "nn.BatchNorm2d(4, track_running_stats=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))\n"
     )
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--model",
-            f"{factory}:build",
-            "--data",
-            str(setup["test"]),
-            "--resize",
-            "none",
-            "--crop",
-            "none",
-            "--mean",
-            "0",
-            "--std",
-            "1",
-            "--channels",
-            "1",
-            "--method",
-            "rotta",
-            "--quiet",
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], model=f"{factory}:build", method="rotta", quiet=True))
     fails(result, 3, "rotta needs the running statistics of every BatchNorm", "the one at 1 keeps none")
 
 
 def test_cotta_and_rotta_are_bench_rows_with_their_own_rates(setup, tmp_path):  # noqa: F811
     report = tmp_path / "r.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            "tent,cotta@0.01,rotta",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(setup["weights"]),
-            "--train",
-            str(setup["train"]),
-            *PLAIN,
-            "--batch-size",
-            "30",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--json",
-            str(report),
-        ],
+    result = bench(
+        setup["test"],
+        methods="tent,cotta@0.01,rotta",
+        weights=setup["weights"],
+        train=setup["train"],
+        batch_size=30,
+        workdir=tmp_path / "w",
+        json=report,
     )
     assert result.exit_code == 0, result.stderr
     runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
@@ -208,43 +157,20 @@ def test_a_plugins_declared_option_is_set_and_checked_from_the_command_line(setu
 
 def test_a_plugin_is_a_bench_row_that_runs_as_in_cafa_adapt(setup, tmp_path):  # noqa: F811
     plugin = f"{plugin_file(tmp_path)}:build"
-    common = ["--model", TINY_NET, "--weights", str(setup["weights"]), *PLAIN, "--batch-size", "30"]
+    common = dict(weights=setup["weights"], batch_size=30)
     report, metrics = tmp_path / "r.json", tmp_path / "m.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            f"tent,{plugin}@0.01",
-            *common,
-            "--fraction",
-            "1",
-            "--train",
-            str(setup["train"]),
-            "--workdir",
-            str(tmp_path / "w"),
-            "--json",
-            str(report),
-        ],
+    result = bench(
+        setup["test"],
+        methods=f"tent,{plugin}@0.01",
+        **common,
+        fraction=1,
+        train=setup["train"],
+        workdir=tmp_path / "w",
+        json=report,
     )
     assert result.exit_code == 0, result.stderr
     runs = {r["method"]: r["error"] for r in json.loads(report.read_text())["runs"]}
-    alone = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--data",
-            str(setup["test"]),
-            "--method",
-            plugin,
-            "--lr",
-            "0.01",
-            *common,
-            "--metrics-json",
-            str(metrics),
-        ],
-    )
+    alone = invoke(*adapt_args(setup["test"], method=plugin, lr=0.01, **common, metrics_json=metrics))
     assert alone.exit_code == 0, alone.stderr
     assert runs[f"{plugin}@0.01"] == pytest.approx(json.loads(metrics.read_text())["domains"][0]["error"])
 

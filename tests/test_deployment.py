@@ -5,6 +5,7 @@ ruined silently, and one thread at a time."""
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import threading
 
@@ -158,12 +159,13 @@ def test_one_thread_at_a_time(trained):
 
 
 def _public_calls() -> list[str]:
-    """Every public method of the Adapter (its properties aside): each reads or changes the
-    adaptation's state, but adapted(), which reads the parameters' shapes only."""
+    """Every public method of the Adapter, its own and those of its serving base (its properties
+    aside): each reads or changes the adaptation's state, but adapted(), which reads the parameters'
+    shapes only."""
     return [
         name
-        for name, member in vars(Adapter).items()
-        if not name.startswith("_") and callable(member) and name != "adapted"
+        for name in dir(Adapter)
+        if not name.startswith("_") and callable(inspect.getattr_static(Adapter, name)) and name != "adapted"
     ]
 
 

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PLAIN, TINY_NET
-from helpers import fails
-from test_cli_adapt import runner, setup  # noqa: F401  (the module's trained net and artifact)
+from conftest import invoke
+from helpers import adapt_args, bench, bench_args, fails
+from test_cli_adapt import setup  # noqa: F401  (the module's trained net and artifact)
+from typer.testing import CliRunner
 
 from cafa_cli.cli.app import app, command_options
 from cafa_cli.cli.completion import complete_method, complete_methods, complete_recipe
@@ -77,22 +78,7 @@ def test_auto_takes_the_named_benchmarks_family_else_the_class_counts():
 
 def adapt(setup, *args):  # noqa: F811
     metrics = setup["root"] / "recipe-metrics.json"
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--quiet",
-            "--metrics-json",
-            str(metrics),
-            *args,
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"], quiet=True, metrics_json=metrics), *args)
     assert result.exit_code == 0, result.stderr
     return json.loads(metrics.read_text())["settings"]
 
@@ -139,27 +125,16 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
 def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa: F811
     """A typed value is not the published one: the line says whose it is. SGD's momentum is shown
     where the user's SGD replaced the recipe's Adam, since the recipe says nothing of it."""
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "eata",
-            "--recipe",
-            "cifar10-c",
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.001",
-            "--method-option",
-            "redundancy_margin=0.3",
-        ],
+    result = invoke(
+        *adapt_args(
+            setup["test"],
+            stats=setup["artifact"],
+            method="eata",
+            recipe="cifar10-c",
+            optimizer="sgd",
+            lr="0.001",
+            method_option="redundancy_margin=0.3",
+        )
     )
     assert result.exit_code == 0, result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
@@ -169,8 +144,9 @@ def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa
         "recipe's 0.4), fisher_alpha 1.0, keep_mean_on_reset false"
     )  # lr typed as published: no mark
     # a setting only some recipes set is shown where one does, and marked when typed over it
-    args = ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"])]
-    result = runner.invoke(app, [*args, "--method", "rdumb", "--recipe", "cifar10-c", "--reset", "never"])
+    result = invoke(
+        *adapt_args(setup["test"], stats=setup["artifact"], method="rdumb", recipe="cifar10-c", reset="never")
+    )
     assert result.exit_code == 0, result.stderr
     line = next(line for line in result.stderr.splitlines() if line.startswith("recipe "))
     assert "params norm, reset never (yours; the recipe's every:1000); entropy_margin" in line
@@ -180,22 +156,9 @@ def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # no
     (tmp_path / "cafa.toml").write_text('[adapt]\nrecipe = "imagenet-c"\nlr = 0.02\n')
     defaults = read_defaults(tmp_path, command_options())
     metrics = tmp_path / "m.json"
-    result = runner.invoke(
+    result = CliRunner().invoke(
         app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "tent",
-            "--quiet",
-            "--metrics-json",
-            str(metrics),
-        ],
+        adapt_args(setup["test"], stats=setup["artifact"], method="tent", quiet=True, metrics_json=metrics),
         default_map=defaults,
     )
     assert result.exit_code == 0, result.stderr
@@ -204,7 +167,7 @@ def test_a_value_from_the_defaults_file_counts_as_chosen(setup, tmp_path):  # no
 
 
 def test_a_printed_recipe_read_back_runs_the_same_settings(setup, tmp_path):  # noqa: F811
-    printed = runner.invoke(app, ["methods", "sar", "--recipe", "cifar10-c"])
+    printed = invoke("methods", "sar", "--recipe", "cifar10-c")
     assert printed.exit_code == 0, printed.stderr
     mine = tmp_path / "my.toml"
     mine.write_text(printed.stdout)
@@ -217,20 +180,7 @@ def test_a_printed_recipe_read_back_runs_the_same_settings(setup, tmp_path):  # 
 
 
 def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa: F811
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "lame",
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"]), "--method", "lame")
     assert result.exit_code == 0, result.stderr
     assert "no recipe for lame (no family for this model's class count): batch_size 200; affinity rbf" in result.stderr
     assert "optimizer" not in result.stderr  # lame trains nothing
@@ -262,109 +212,36 @@ def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa:
     ],
 )
 def test_a_bad_recipe_or_method_option_is_one_line_naming_what_is_valid(setup, args, message):  # noqa: F811
-    result = runner.invoke(
-        app, ["adapt", "--stats", str(setup["artifact"]), "--model", TINY_NET, "--data", str(setup["test"]), *args]
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"]), *args)
     fails(result, 2, message)
 
 
 def test_a_recipe_file_with_an_unknown_setting_or_option_is_named(setup, tmp_path):  # noqa: F811
     bad = tmp_path / "bad.toml"
     bad.write_text("[eata]\nlearning_rate = 0.1\n")
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "eata",
-            "--recipe",
-            str(bad),
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"]), "--method", "eata", "--recipe", str(bad))
     fails(result, 3, "no setting 'learning_rate'; a recipe sets optimizer, lr")
     bad.write_text("[eata]\noptions = { margin = 0.1 }\n")
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "eata",
-            "--recipe",
-            str(bad),
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"]), "--method", "eata", "--recipe", str(bad))
     fails(result, 3, "the method eata has no option margin")
     assert f"(in the recipe {bad})" in result.stderr  # the file to fix, not the command line
-    result = runner.invoke(
-        app,
-        [
-            "adapt",
-            "--stats",
-            str(setup["artifact"]),
-            "--model",
-            TINY_NET,
-            "--data",
-            str(setup["test"]),
-            "--method",
-            "tent",
-            "--recipe",
-            str(bad),
-        ],
-    )
+    result = invoke(*adapt_args(setup["test"], stats=setup["artifact"]), "--method", "tent", "--recipe", str(bad))
     fails(result, 2, "has no table for the method tent (it has eata)")
 
 
 def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path):  # noqa: F811
     report = tmp_path / "b.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            "eta,lame,eata",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(setup["weights"]),
-            "--train",
-            str(setup["train"]),
-            "--resize",
-            "none",
-            "--crop",
-            "none",
-            "--mean",
-            "0",
-            "--std",
-            "1",
-            "--channels",
-            "1",
-            "--recipe",
-            "cifar100-c",
-            "--batch-size",
-            "45",
-            "--method-option",
-            "lame.affinity=knn",
-            "--method-option",
-            "entropy_margin=0.5",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--metrics-json",
-            str(report),
-            "--quiet",
-        ],
+    result = bench(
+        setup["test"],
+        methods="eta,lame,eata",
+        weights=setup["weights"],
+        train=setup["train"],
+        recipe="cifar100-c",
+        batch_size=45,
+        method_option=["lame.affinity=knn", "entropy_margin=0.5"],
+        workdir=tmp_path / "w",
+        metrics_json=report,
+        quiet=True,
     )
     assert result.exit_code == 0, result.stderr
     rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
@@ -386,68 +263,44 @@ def test_a_grid_axis_keeps_each_rows_recipe_batch_size(setup, tmp_path, axis):  
     """An order or rate axis is not a batch size: RoTTA's and T3A's recipes run them at 64 beside
     TENT's 200 (every grid row once ran at the bench's --batch-size default)."""
     report = tmp_path / "b.json"
-    args = ["bench", str(setup["test"]), "--methods", "tent,rotta,t3a", "--model", TINY_NET, *PLAIN]
-    args += ["--weights", str(setup["weights"]), "--train", str(setup["train"]), "--recipe", "cifar10-c"]
-    args += ["--workdir", str(tmp_path / "w"), "--metrics-json", str(report), "--quiet", *axis]
-    result = runner.invoke(app, args)
+    args = bench_args(
+        setup["test"],
+        methods="tent,rotta,t3a",
+        weights=setup["weights"],
+        train=setup["train"],
+        recipe="cifar10-c",
+        workdir=tmp_path / "w",
+        metrics_json=report,
+        quiet=True,
+    )
+    result = invoke(*args, *axis)
     assert result.exit_code == 0, result.stderr
     rows = json.loads(report.read_text())["rows"]
     assert {row["label"].partition(",")[0]: row["batch_size"] for row in rows} == {"tent": 200, "rotta": 64, "t3a": 64}
 
 
 def test_a_bench_option_no_row_takes_is_named(setup, tmp_path):  # noqa: F811
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            "tent,bn",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(setup["weights"]),
-            "--method-option",
-            "rho=0.1",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    args = bench_args(setup["test"], preprocessing=(), methods="tent,bn", weights=setup["weights"])
+    result = invoke(*args, "--method-option", "rho=0.1", "--workdir", tmp_path / "w")
     fails(result, 2, "--method-option rho=0.1: no row's method takes the option rho")
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            str(setup["test"]),
-            "--methods",
-            "tent,bn",
-            "--model",
-            TINY_NET,
-            "--weights",
-            str(setup["weights"]),
-            "--method-option",
-            "sar.rho=0.1",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-    )
+    result = invoke(*args, "--method-option", "sar.rho=0.1", "--workdir", tmp_path / "w")
     fails(result, 2, "no row runs the method sar")
 
 
 def test_cafa_methods_lists_every_method_and_prints_a_recipe():
-    listed = runner.invoke(app, ["methods", "--json"])
+    listed = invoke("methods", "--json")
     assert listed.exit_code == 0, listed.stderr
     rows = {row["method"]: row for row in json.loads(listed.stdout)}
     assert list(rows) == list(NAMES)
     assert rows["cafa"]["artifact"] is True and rows["tent"]["artifact"] is False
     assert rows["tent"]["cost"] == 1.0 and "layer4" in rows["sar"]["adapts"]
-    table = runner.invoke(app, ["methods"]).stdout
+    table = invoke("methods").stdout
     assert table.count("\n") == len(NAMES) + 2 and "| cotta |" in table
-    printed = runner.invoke(app, ["methods", "eata", "--recipe", "cifar10-c"]).stdout
+    printed = invoke("methods", "eata", "--recipe", "cifar10-c").stdout
     assert "redundancy_margin = 0.4  # ε: a sample is redundant" in printed and "(default 0.05)" in printed
     assert 'optimizer = "adam"' in printed and "fisher_samples = 2000" in printed
-    fails(runner.invoke(app, ["methods", "nope"]), 2, "no method 'nope'; the methods: source, bn")
-    fails(runner.invoke(app, ["methods", "eata", "--recipe", "auto"]), 2, "name one: imagenet-c, cifar10-c, cifar100-c")
+    fails(invoke("methods", "nope"), 2, "no method 'nope'; the methods: source, bn")
+    fails(invoke("methods", "eata", "--recipe", "auto"), 2, "name one: imagenet-c, cifar10-c, cifar100-c")
 
 
 def test_method_and_recipe_names_complete(tmp_path, monkeypatch):
