@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PLAIN, TINY_NET, invoke
+from conftest import PLAIN, TINY_NET, invoke, write_folder
+from helpers import adapt, fails
 
 from cafa_cli.core.errors import UsageError
-from cafa_cli.engine.options import MOST_COUNT
+from cafa_cli.data.values import parse_order
+from cafa_cli.engine.options import MOST_COUNT, parse_norm
 from cafa_cli.methods import REGISTRY, options_of
 
 COUNTS = [
@@ -72,6 +74,84 @@ def test_nan_outputs_name_the_methods_options_set_away_from_their_defaults():
         _records(domain, batch, nan, create("lame", None, sigma=0.5, bound_lambda=3.0))
     with pytest.raises(InputError, match="NaN or infinite; check `mean` and `std`"):
         _records(domain, batch, nan, create("lame", None))
+
+
+@pytest.mark.parametrize(
+    "typed, named",
+    [
+        ([], None),
+        (["--method-option", "update_every=8"], "(update_every=8)"),
+        (
+            ["--method-option", "update_every=8", "--method-option", "source_pull=0.5"],
+            "(update_every=8, source_pull=0.5)",
+        ),
+        (["--method-option", "cafa-robust.update_every=8", "--method-option", "prior=16"], "(update_every=8)"),
+    ],
+    ids=["none-typed", "one-typed", "two-typed", "scoped-and-at-its-default"],
+)
+def test_nan_outputs_name_only_the_options_the_user_gave_not_the_recipes(setup, tmp_path, typed, named):
+    """cafa-robust's recipe sets six options away from the class defaults: outputs that turned NaN
+    named them all as options "set away from their defaults", though the user set none of them."""
+    data = write_folder(tmp_path / "d", per_class=14)  # 42 images: an update at 32 (the recipe's), or every 8
+    result = adapt(
+        setup, data, "--method", "cafa-robust", "--recipe", "cifar10-c", "--lr", "1e30", "--batch-size", "8", *typed
+    )
+    line = fails(result, 3, "the model's outputs are NaN or infinite; check ")
+    assert "mix_reference" not in line and "memory_expiry" not in line and "restart_weights" not in line
+    if named is None:
+        assert "options" not in line and "check --mean and --std" in line
+    else:
+        assert f"the method's options set away from their defaults {named}, --mean" in line
+
+
+FLOORED = [
+    ("--order", "dirichlet:1e-310"),
+    ("--order", "dirichlet:4.9e-324"),
+    ("--order", "dirichlet:1E-7"),
+    ("--order", "dirichlet:1e7"),
+    ("--order", "label-shift:1e-310"),
+    ("--norm", "ema:1e-310"),
+    ("--norm", " ema:0.0000001 "),
+    ("--norm", "alpha:1e-310"),
+    ("--norm", "alpha:5e-324"),
+    ("--norm", "prior:1e-310"),
+]
+
+
+@pytest.mark.parametrize("flag, text", FLOORED, ids=[text.strip() for _, text in FLOORED])
+def test_a_norm_or_order_number_below_the_floor_is_refused_before_anything_is_written(setup, tmp_path, flag, text):
+    """`dirichlet:1e-310`, `ema:1e-310` and `alpha:1e-310` passed where every other number a user
+    writes is read from 0.000001 (numbers.py): float32 reads 1e-310 as 0, so ema ran as the ema:0
+    its forms refuse while the JSON said 1e-310. A 0 that is a setting of its own (alpha:0 the
+    source's statistics, prior:0 the batch's, label-shift:0 an i.i.d. stream) stays one."""
+    out = tmp_path / "p.csv"
+    result = adapt(setup, setup["train"], "--method", "bn", flag, text, "--predictions", out)
+    fails(result, 2, f"{flag} must be", "from 0.000001", f"not {text!r}")
+    assert result.stdout == "" and not out.exists()
+
+
+def test_the_norm_and_order_floors_take_their_bounds_and_the_zeros_that_are_settings():
+    assert parse_norm("ema:0.000001") == ("ema", 1e-6) and parse_norm("ema:1") == ("ema", 1.0)
+    assert parse_norm("alpha:0") == ("alpha", 0.0) and parse_norm("alpha:1e-6") == ("alpha", 1e-6)
+    assert parse_norm("prior:0") == ("prior", 0.0) and parse_norm("prior:1e9") == ("prior", 1e9)
+    assert parse_order("dirichlet:0.000001") == ("dirichlet", 1e-6) and parse_order("dirichlet:1e6")[1] == 1e6
+    assert parse_order("label-shift:0") == ("label-shift", 0.0)
+    for order in ("dirichlet:1e-310", "label-shift:5e-324"):
+        with pytest.raises(UsageError, match="order"):
+            parse_order(order)
+
+
+def test_a_bench_order_or_recipe_norm_below_the_floor_is_refused_before_statistics(setup, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[bn]\nnorm = "alpha:1e-310"\n')
+    for extra, code in ((["--orders", "iid,dirichlet:1e-310"], 2), (["--recipe", recipe], 3)):
+        work = tmp_path / "work"
+        result = invoke(
+            "bench", setup["train"], "--methods", "bn", "--model", TINY_NET, "--weights", setup["weights"],
+            "--train", setup["train"], *PLAIN, "--workdir", work, "--quiet", *extra,
+        )  # fmt: skip
+        fails(result, code, "from 0.000001", "1e-310")
+        assert not work.exists() and result.stdout == ""
 
 
 @pytest.mark.parametrize("table", ["[cafa]\nbatch_size = 10.5", "[cafa]\nlr = -1", "[cafa.options]\nnot_an_option = 1"])

@@ -630,7 +630,8 @@ def test_orders_by_class_need_labels(setup, tmp_path):
     [
         (
             ["--order", "sorted"],
-            "--order must be iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0), not 'sorted'",
+            "--order must be iid, label-shift:S (S 0 or from 0.000001 to 1) or dirichlet:D (D from 0.000001 to 1,000,000), "
+            "not 'sorted'",
         ),
         (["--order", "label-shift:2"], "--order must be iid, label-shift:S"),
         (["--order", "dirichlet:0.1", "--no-shuffle"], "--order dirichlet:0.1 shuffles in its own way"),

@@ -119,7 +119,8 @@ def test_orders_that_need_labels_say_so_for_unlabelled_images():
 )
 def test_a_malformed_order_is_a_usage_error_naming_the_forms(text):
     with pytest.raises(
-        UsageError, match=r"`order` must be iid, label-shift:S \(S in \[0, 1\]\) or dirichlet:D \(D > 0\)"
+        UsageError,
+        match=r"`order` must be iid, label-shift:S \(S 0 or from 0.000001 to 1\) or dirichlet:D \(D from 0.000001 to 1,000,000\)",
     ):
         parse_order(text)
 

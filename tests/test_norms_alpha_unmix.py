@@ -473,7 +473,9 @@ def test_cotta_takes_alpha_but_not_unmix_whose_components_its_teacher_would_copy
     ["alpha", "alpha:-0.1", "alpha:1.5", "alpha:nan", "unmix", "unmix:0", "unmix:2.5", "unmix:1025", "unmix:inf"],
 )
 def test_wrong_values_are_refused_with_the_forms(text):
-    with pytest.raises(UsageError, match=r"`norm` must be batch, prior:N .* alpha:A \(A in \[0, 1\]\) or unmix:K"):
+    with pytest.raises(
+        UsageError, match=r"`norm` must be batch, prior:N .* alpha:A \(A 0 or from 0.000001 to 1\) or unmix:K"
+    ):
         parse_norm(text)
 
 

@@ -13,6 +13,12 @@ LEAST_POSITIVE, MOST_NUMBER = 1e-6, 1e6
 MOST_DIGITS = 20
 
 
+def sane(value: float, most: float = MOST_NUMBER, zero: bool = False) -> bool:
+    """Whether `value` is a number a user means: from LEAST_POSITIVE to `most`, or 0 itself where
+    0 is a setting of its own (`zero`). A NaN is none; so is 1e-310, which float32 reads as 0."""
+    return (zero and value == 0) or LEAST_POSITIVE <= value <= most
+
+
 def read_whole(text: str, signed: bool = True) -> int | None:
     """The whole number `text` writes in ASCII digits ('12', ' 12 ', with `signed` '+12' or
     '-3'), else None: '1.0', '1e3', '²' (isdigit() passes it, int() does not), '١٢' (int()

@@ -8,7 +8,7 @@ import math
 import os
 
 from cafa_cli.core.errors import UsageError
-from cafa_cli.core.numbers import read_whole
+from cafa_cli.core.numbers import read_whole, sane
 
 MAX_SIDE = 4096  # pixels; a resize to 100000 would ask for 10 GB per image and end out of memory
 # The most pixels a resize may make of one image: Pillow's own decompression-bomb threshold
@@ -86,7 +86,7 @@ def usable_cores() -> int:
 
 
 # --order: how a domain's images follow each other in the stream (data/orders.py builds it)
-ORDER_FORMS = "iid, label-shift:S (S in [0, 1]) or dirichlet:D (D > 0)"
+ORDER_FORMS = "iid, label-shift:S (S 0 or from 0.000001 to 1) or dirichlet:D (D from 0.000001 to 1,000,000)"
 
 
 def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
@@ -98,9 +98,9 @@ def parse_order(text: str, name: str = "order") -> tuple[str, float | None]:
         value = float(value_text) if kind in ("label-shift", "dirichlet") and colon else float("nan")
     except ValueError:
         value = float("nan")
-    if kind == "label-shift" and 0.0 <= value <= 1.0:
+    if kind == "label-shift" and sane(value, 1, zero=True):
         return kind, value
-    if kind == "dirichlet" and 0.0 < value < float("inf"):
+    if kind == "dirichlet" and sane(value):
         return kind, value
     raise UsageError(f"`{name}` must be {ORDER_FORMS}, not {text!r}")
 

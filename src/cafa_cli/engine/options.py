@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from cafa_cli.core.errors import UsageError
-from cafa_cli.core.numbers import LEAST_POSITIVE, MOST_NUMBER, read_whole
+from cafa_cli.core.numbers import LEAST_POSITIVE, MOST_NUMBER, read_whole, sane
 
 PARAM_SETS = ("norm", "all")
 OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
@@ -21,7 +21,8 @@ MAX_PRIOR = 1e9  # prior:N beyond this is the source statistics alone (use `sour
 # the statistics BatchNorms use (norms.py)
 MAX_COMPONENTS = 1024  # unmix:K beyond this holds K·channels statistics a layer for nothing (authors: 16, 128)
 NORM_FORMS = (
-    "batch, prior:N (0 ≤ N ≤ 1e9), source, ema:M (M in (0, 1]), class-balanced, alpha:A (A in [0, 1]) "
+    "batch, prior:N (N 0 or from 0.000001 to 1e9), source, ema:M (M from 0.000001 to 1), class-balanced, "
+    "alpha:A (A 0 or from 0.000001 to 1) "
     f"or unmix:K (K a whole number from 2 to {MAX_COMPONENTS})"
 )
 
@@ -79,9 +80,9 @@ def parse_norm(text: str) -> tuple[str, float | None]:
     except ValueError:
         value = math.nan
     allowed = {
-        "prior": 0 <= value <= MAX_PRIOR,
-        "ema": 0 < value <= 1,
-        "alpha": 0 <= value <= 1,
+        "prior": sane(value, MAX_PRIOR, zero=True),
+        "ema": sane(value, 1),
+        "alpha": sane(value, 1, zero=True),
         "unmix": 1 <= value <= MAX_COMPONENTS and value.is_integer(),
     }
     if allowed.get(kind, False):

@@ -205,6 +205,7 @@ class Adaptation:
             on_first_batch=first_batch,
             on_stream_end=stream_end,
             pace=pace,
+            typed_options=set(s.method_options()),
         )
         for k, result in enumerate(results):
             result.round = k // len(self.domains) + 1 if s.rounds > 1 else None

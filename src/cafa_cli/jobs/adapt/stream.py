@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ def adapt_domains(
     on_first_batch: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
     on_stream_end: Callable[[list[int]], None] = lambda members: None,
     pace: Pace | None = None,
+    typed_options: Collection[str] | None = None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it;
     one result per domain.
@@ -61,6 +62,9 @@ def adapt_domains(
     `on_stream_end` the domains of each stream as it ends (one, or all when mixed).
     `pace`: a stream that does not wait (data/pace.py): the batches that arrive while the
     method is busy are predicted by the model as adapted so far, without adapting.
+    `typed_options`: the method options the user gave, which outputs that turn NaN name as a
+    suspect when away from their defaults (None: every option away from its default, as the
+    caller built the method).
     """
     pace = pace or Pace()
     policy, period = parse_reset(reset)
@@ -93,7 +97,7 @@ def adapt_domains(
                     result.skipped_images.append(ref)
                 on_skip(ref, why)
             adapts = batch.images is None or pace.adapts()
-            records = _step(adapter, domain, preprocess, batch, first, oracle, pace if adapts else None)
+            records = _step(adapter, domain, preprocess, batch, first, oracle, pace if adapts else None, typed_options)
             first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
                 for result in _tallies(results[owner[i]], so_far):
@@ -171,6 +175,7 @@ def _step(
     on_logits: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
     oracle: bool = False,
     pace: Pace | None = None,
+    typed_options: Collection[str] | None = None,
 ) -> list[Record]:
     """The batch's records: from an adaptation step, told to `pace`; without one (the method
     busy), from the model as adapted so far, changing nothing (Adapter.features)."""
@@ -183,7 +188,7 @@ def _step(
         logits = _adapt(adapter, domain, batch, images, oracle, pace)
     if on_logits is not None:
         on_logits(domain, batch.images, logits)
-    return _records(domain, batch, logits, adapter.method)
+    return _records(domain, batch, logits, adapter.method, typed_options)
 
 
 def _adapt(
@@ -225,14 +230,18 @@ def _now(adapter: Adapter) -> float:
     return time.perf_counter()
 
 
-def _records(domain: Domain, batch: Batch, logits: torch.Tensor, method: Method) -> list[Record]:
+def _records(
+    domain: Domain, batch: Batch, logits: torch.Tensor, method: Method, typed_options: Collection[str] | None = None
+) -> list[Record]:
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
-        # -inf alone is a masked class, which some models use
+        # -inf alone is a masked class, which some models use. A recipe's options are its
+        # published values, not a slip to point at: only those the user gave are named
         changed = [
             f"{option.name}={shown(getattr(method, option.name))}"
             for option in method.options
             if getattr(method, option.name, option.default) != option.default
+            and (typed_options is None or option.name in typed_options)
         ]
         raise InputError(
             f"{domain.name}: the model's outputs are NaN or infinite; check "
