@@ -31,7 +31,8 @@ from cafa_cli.artifact.store import read_artifact
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.jobs.shared.inputs import ModelChoice, default_preprocessing
 from cafa_cli.jobs.stats import compute_statistics
 from cafa_cli.methods import create
@@ -123,8 +124,9 @@ def main() -> None:
         if k == 1 or (k and k % 10 == 0):  # after the first domain: the warm-up is over
             report(k)
 
-    results = adapt_domains(adapter, domains, preprocess, args.batch_size, reset="never", shuffle=True, seed=0,
-                            on_records=on_records, on_domain=on_domain)  # fmt: skip
+    settings = StreamSettings(batch_size=args.batch_size, reset="never", shuffle=True, seed=0)
+    results = adapt_domains(adapter, domains, preprocess, settings,
+                            events=StreamEvents(on_records=on_records, on_domain=on_domain))  # fmt: skip
     report(args.domains)
     end_rss = rss_mib()
     weights_finite = all(torch.isfinite(p).all() for p in adapter.model.parameters())

@@ -25,12 +25,12 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_image_ids
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.engine.options import check_precision, parse_norm, resolve_options
+from cafa_cli.engine.options import check_precision, resolve_options
 from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
 from cafa_cli.jobs.adapt.source_images import size_check, source_images
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.jobs.config.settings import recorded_as_given
+from cafa_cli.jobs.config.settings import recorded_values
 from cafa_cli.jobs.shared.clean import clean_error
 from cafa_cli.jobs.shared.inputs import (
     _check_classes,
@@ -119,14 +119,13 @@ def check_model_and_artifact_named(config: AdaptConfig) -> None:
 def needs_artifact(config: AdaptConfig) -> bool:
     """Whether the run must read an artifact: for the method's class Gaussians, or for the
     class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
-    return entry_of(config.method).needs_statistics or parse_norm(config.norm)[0] == "class-balanced"
+    return entry_of(config.method).needs_statistics or config.norm.class_balanced
 
 
 def missing_default_artifact(config: AdaptConfig) -> str:
     """The error for a run that needs an artifact, given none, with no cafa-stats.safetensors
     here: it says what needs one, since with `model` given a user expects none to be read."""
-    balanced = parse_norm(config.norm)[0] == "class-balanced"
-    create = "cafa stats --norm-moments" if balanced else "cafa stats"
+    create = "cafa stats --norm-moments" if config.norm.class_balanced else "cafa stats"
     why = (
         f"`method` {config.method} needs its class statistics"
         if entry_of(config.method).needs_statistics
@@ -251,7 +250,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     # what a method draws as it is built (RMT's and SANTA's projector, AdaContrast's key queue) follows --seed
     torch.manual_seed(config.seed)
     adapter = Adapter(
-        net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset)
+        net, method, device, **config.adapter_settings(), class_moments=norm_moments_of(config, artifact, subset)
     )
     recorded = _recorded_settings(config, device, artifact, spec, preprocess)
     recorded["class_subset"] = (
@@ -400,7 +399,7 @@ def _recorded_settings(
 ) -> dict:
     """Every setting the results depend on, as resolved, for the metrics JSON."""
     return {
-        **{name: getattr(config, name) for name in recorded_as_given(AdaptConfig)},
+        **recorded_values(config),
         "device": str(device),
         "num_workers": loader_processes(config.num_workers, device),
         # which statistics: the path as resolved, and when they were made (a path can be overwritten)
