@@ -9,7 +9,6 @@ cannot show, a GPU must: that the kernels are captured at all (benchmarks/gpu_ch
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import re
 
@@ -315,14 +314,14 @@ def test_the_graph_is_on_by_default_since_it_was_measured_on_a_gpu(trained):
     """Issue 45: opt-in until its first run on a GPU (an H200: steps 1.0-1.6x faster, every
     replayable method captured), on by default since, in the Python API, the settings and
     the command line alike; the CPU runs eagerly and says why."""
-    from cafa_cli.engine.options import check_adapter_options
+    from cafa_cli.engine.options import AdapterSettings
     from cafa_cli.jobs.config import AdaptConfig, BenchConfig
 
     model, _, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create("tent"))
     assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
     assert AdaptConfig().cuda_graph is True and BenchConfig().cuda_graph is True
-    assert inspect.signature(check_adapter_options).parameters["cuda_graph"].default is True
+    assert AdapterSettings().cuda_graph is True and adapter.settings.cuda_graph is True
     off = Adapter(copy.deepcopy(model), create("tent"), cuda_graph=False)
     assert off.step_runner == "eager: cuda_graph is off"
 

@@ -137,9 +137,12 @@ class AdapterSettings:
                 "`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd"
             )
 
-    # a mapping of the Adapter's keywords, so that `**settings` gives them
+    # a mapping of the Adapter's keywords to their values, so that `**settings` gives them
     def keys(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self))
+
+    def __iter__(self):
+        return iter(self.keys())
 
     def __getitem__(self, name: str):
         return getattr(self, name)
