@@ -124,7 +124,7 @@ class Adapter(Deployable):
         # around optimiser steps by design, pytorch/pytorch#104053)
         self.forward = torch.compile(self.model) if settings.compile and not method.trains else self.model
         self._forward_and_loss = torch.compile(self._forward_loss) if settings.compile else self._forward_loss
-        self.graph, self._graph_off = None, self._why_no_graph()
+        self.graph, self._graph_off = None, self._why_no_graph(settings)
         if self._graph_off is None:
             self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
@@ -196,9 +196,9 @@ class Adapter(Deployable):
             return f"eager: {self._graph_off}"
         return self.graph.status
 
-    def _why_no_graph(self) -> str | None:
-        """Why this Adapter's steps cannot be a CUDA graph, or None when they can (module docstring)."""
-        method, settings = self.method.name or type(self.method).__name__, self.settings
+    def _why_no_graph(self, settings: AdapterSettings) -> str | None:
+        """Why this Adapter's steps cannot be a CUDA graph with `settings`, or None when they can (module docstring)."""
+        method = self.method.name or type(self.method).__name__
         reasons = [
             (not settings.cuda_graph, "cuda_graph is off"),
             (self.device.type != "cuda", f"CUDA graphs need CUDA, not {self.device.type}"),
