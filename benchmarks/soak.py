@@ -41,7 +41,8 @@ from cafa_cli.api import (
 # Internal, what this soaks (tests/test_api.py lists these): cafa adapt's stream loop, given
 # domains whose images are corrupted as they are read
 from cafa_cli.data.domain import Domain
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
+from cafa_cli.jobs.config.settings import StreamSettings
 
 
 def rss_mib() -> float:
@@ -130,8 +131,9 @@ def main() -> None:
         if k == 1 or (k and k % 10 == 0):  # after the first domain: the warm-up is over
             report(k)
 
-    results = adapt_domains(adapter, domains, preprocess, args.batch_size, reset="never", shuffle=True, seed=0,
-                            on_records=on_records, on_domain=on_domain)  # fmt: skip
+    settings = StreamSettings(batch_size=args.batch_size, reset="never", shuffle=True, seed=0)
+    results = adapt_domains(adapter, domains, preprocess, settings,
+                            events=StreamEvents(on_records=on_records, on_domain=on_domain))  # fmt: skip
     report(args.domains)
     end_rss = rss_mib()
     weights_finite = all(torch.isfinite(p).all() for p in adapter.model.parameters())

@@ -634,7 +634,7 @@ def test_every_run_gets_its_rows_method_lr_and_params_over_the_shared_options(mo
         ("a", "cafa", 1e-3, "all", 3),
         ("f", "cafa", 1e-3, "norm", 3),
     ]
-    assert all((s.optimizer, s.momentum, s.norm, s.reset) == ("sgd", 0.5, "prior:4", "episodic") for _, s in ran)
+    assert all((s.optimizer, s.momentum, str(s.norm), s.reset) == ("sgd", 0.5, "prior:4", "episodic") for _, s in ran)
 
 
 def test_a_class_folder_whose_name_is_not_utf8_is_named(tmp_path, tiny_weights):

@@ -11,7 +11,7 @@ from helpers import adapt, fails
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import parse_order
-from cafa_cli.engine.options import MOST_COUNT, parse_norm
+from cafa_cli.engine.options import MOST_COUNT, Norm
 from cafa_cli.methods import REGISTRY, options_of
 
 COUNTS = [
@@ -131,9 +131,9 @@ def test_a_norm_or_order_number_below_the_floor_is_refused_before_anything_is_wr
 
 
 def test_the_norm_and_order_floors_take_their_bounds_and_the_zeros_that_are_settings():
-    assert parse_norm("ema:0.000001") == ("ema", 1e-6) and parse_norm("ema:1") == ("ema", 1.0)
-    assert parse_norm("alpha:0") == ("alpha", 0.0) and parse_norm("alpha:1e-6") == ("alpha", 1e-6)
-    assert parse_norm("prior:0") == ("prior", 0.0) and parse_norm("prior:1e9") == ("prior", 1e9)
+    assert Norm.parse("ema:0.000001") == Norm("ema", 1e-6) and Norm.parse("ema:1") == Norm("ema", 1.0)
+    assert Norm.parse("alpha:0") == Norm("alpha", 0.0) and Norm.parse("alpha:1e-6") == Norm("alpha", 1e-6)
+    assert Norm.parse("prior:0") == Norm("prior", 0.0) and Norm.parse("prior:1e9") == Norm("prior", 1e9)
     assert parse_order("dirichlet:0.000001") == ("dirichlet", 1e-6) and parse_order("dirichlet:1e6")[1] == 1e6
     assert parse_order("label-shift:0") == ("label-shift", 0.0)
     for order in ("dirichlet:1e-310", "label-shift:5e-324"):

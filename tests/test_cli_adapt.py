@@ -105,7 +105,7 @@ def test_metrics_json_schema_and_error_agree_with_the_records(setup, tmp_path):
 def test_the_metrics_json_records_every_setting_its_field_says_it_records(setup, tmp_path):
     """An option is its field: a new field is recorded as given unless its metadata says why not."""
     from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.jobs.config.settings import recorded_as_given
+    from cafa_cli.jobs.config.settings import recorded_as_given, recorded_values
 
     metrics = tmp_path / "m.json"
     result = adapt(
@@ -128,8 +128,9 @@ def test_the_metrics_json_records_every_setting_its_field_says_it_records(setup,
     )
     resolved = ("device", "num_workers", "recipe")  # as given, then replaced by what the run resolved
     assert {name: settings[name] for name in recorded_as_given(AdaptConfig) if name not in resolved} == {
-        name: getattr(given, name) for name in recorded_as_given(AdaptConfig) if name not in resolved
+        name: value for name, value in recorded_values(given).items() if name not in resolved
     }, result.stderr
+    assert settings["norm"] == "batch"  # the Norm the settings hold, recorded as its text
     assert settings["recipe"]["requested"] == "auto" and settings["device"] == "cpu"
 
 

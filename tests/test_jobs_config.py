@@ -109,13 +109,21 @@ def test_settings_are_checked_in_library_words_and_named_as_flags_on_the_command
     assert result.exit_code == 2 and result.stderr.strip() == "cafa: error: --lr must be a positive number, not -1.0"
 
 
-def test_adapter_options_are_the_adapters_keywords():
-    import inspect
+def test_the_adaptation_settings_are_the_adapters_one_to_one():
+    """AdaptationOptions' fields are AdapterSettings' with its defaults (written there once), and
+    a config gives the Adapter one AdapterSettings, its `norm` parsed when the config was made."""
+    from dataclasses import fields
 
-    from cafa_cli.engine.adapter import Adapter
+    from cafa_cli.engine.options import AdapterSettings, Norm
+    from cafa_cli.jobs.config.settings import AdaptationOptions
 
-    keywords = set(inspect.signature(Adapter).parameters)
-    assert set(AdaptConfig().adapter_options()) <= keywords
+    assert {f.name: f.default for f in fields(AdaptationOptions)} == {
+        f.name: f.default for f in fields(AdapterSettings)
+    }
+    config = AdaptConfig(norm="prior:16", lr=0.01)
+    assert config.norm == Norm("prior", 16.0) and config.adapter_settings().norm is config.norm
+    assert config.adapter_settings() == AdapterSettings(norm="prior:16", lr=0.01)
+    assert dict(**config.adapter_settings())["lr"] == 0.01  # the Adapter's keywords: Adapter(..., **settings)
 
 
 @pytest.mark.parametrize(

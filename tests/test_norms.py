@@ -27,7 +27,7 @@ from cafa_cli.engine.class_balanced import (
     use_class_balanced_norms,
 )
 from cafa_cli.engine.norms import BatchStatisticsNorm
-from cafa_cli.engine.options import parse_norm
+from cafa_cli.engine.options import AdapterSettings, Norm
 from cafa_cli.methods import create
 from cafa_cli.model.features import FeatureClassifier
 
@@ -342,7 +342,46 @@ def test_class_balanced_needs_the_class_moments_and_cotta_cannot_keep_running_st
 )
 def test_norm_values_are_checked(text):
     with pytest.raises(UsageError, match="`norm` must be batch, prior:N"):
-        parse_norm(text)
+        Norm.parse(text)
+
+
+def test_a_norm_is_parsed_once_into_a_value_that_gives_its_text_back():
+    """Issue 61: `norm` is parsed where its text enters and passed down as a Norm, which says what
+    the code asks of it, and whose text is the canonical one the records keep."""
+    forms = {
+        "batch": ("batch", None),
+        " prior:16 ": ("prior", 16.0),
+        "prior:16.0": ("prior", 16.0),
+        "ema:.05": ("ema", 0.05),
+        "alpha:1": ("alpha", 1.0),
+        "unmix:16": ("unmix", 16.0),
+        "class-balanced": ("class-balanced", None),
+        "source": ("source", None),
+    }
+    for text, (kind, value) in forms.items():
+        norm = Norm.parse(text)
+        assert (norm.kind, norm.value) == (kind, value) and Norm.parse(str(norm)) == norm
+    assert [str(Norm.parse(text)) for text in ("prior:16.0", "ema:.05", "prior:1e9")] == [
+        "prior:16",
+        "ema:0.05",
+        "prior:1000000000",
+    ]
+    running = ["ema:0.1", "class-balanced", "unmix:4"]
+    assert all(Norm.parse(t).running for t in running)
+    assert not any(Norm.parse(t).running for t in ["batch", "prior:4", "alpha:0.5", "source"])
+    alone = ["batch", "class-balanced", "prior:0", "alpha:1"]
+    assert all(Norm.parse(t).batch_alone for t in alone)
+    assert not any(Norm.parse(t).batch_alone for t in ["prior:4", "alpha:0.5", "ema:1", "source", "unmix:2"])
+    assert Norm.parse("class-balanced").class_balanced and not Norm().class_balanced
+    parsed = Norm.parse("prior:4")
+    assert Norm.parse(parsed) is parsed and AdapterSettings(norm=parsed).norm is parsed  # passed down as it is
+
+
+def test_the_adapter_takes_the_norm_as_its_text_or_parsed(trained):
+    """The Python API keeps taking the text; a saved state records the text, as before issue 61."""
+    text, parsed = adapter(trained, "prior:16"), adapter(trained, Norm("prior", 16.0))
+    assert text.settings.norm == parsed.settings.norm == Norm("prior", 16.0)
+    assert text.state_dict()["adaptation"]["norm"] == "prior:16"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from torch import nn
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.norms import UNMIX_SEED, BatchStatisticsNorm, norm_layers, use_test_batch_norm
-from cafa_cli.engine.options import parse_norm
+from cafa_cli.engine.options import Norm
 from cafa_cli.engine.step_graph import WARMUP
 from cafa_cli.methods import create
 from cafa_cli.model.features import FeatureClassifier
@@ -152,7 +152,8 @@ def reference_net(net: nn.Module, norm: str, samples: int = 1) -> nn.Module:
     """A float64 copy of `net` with each BatchNorm2d replaced by the transcription, the unmix
     noise drawn as cafa draws it: one generator, seeded, layer after layer in module order.
     `samples`: what a batch counts as under prior:N (PriorReference)."""
-    kind, value = parse_norm(norm)
+    parsed = Norm.parse(norm)
+    kind, value = parsed.kind, parsed.value
     model = copy.deepcopy(net).double()
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(UNMIX_SEED)
@@ -476,7 +477,7 @@ def test_wrong_values_are_refused_with_the_forms(text):
     with pytest.raises(
         UsageError, match=r"`norm` must be batch, prior:N .* alpha:A \(A 0 or from 0.000001 to 1\) or unmix:K"
     ):
-        parse_norm(text)
+        Norm.parse(text)
 
 
 @pytest.mark.parametrize("text", ["unmix:1", "unmix:1.0", " unmix:01 ", "unmix:1e0"])
@@ -486,9 +487,9 @@ def test_one_unmix_component_is_refused_for_it_is_instance_normalisation(text):
     with pytest.raises(
         UsageError, match=r"one component normalises each image by its own statistics alone .* K from 2"
     ):
-        parse_norm(text)
+        Norm.parse(text)
 
 
 def test_the_values_are_read():
-    assert parse_norm("alpha:0") == ("alpha", 0.0) and parse_norm(" alpha:1 ") == ("alpha", 1.0)
-    assert parse_norm("unmix:16") == ("unmix", 16.0) and parse_norm("unmix:1024") == ("unmix", 1024.0)
+    assert Norm.parse("alpha:0") == Norm("alpha", 0.0) and Norm.parse(" alpha:1 ") == Norm("alpha", 1.0)
+    assert Norm.parse("unmix:16") == Norm("unmix", 16.0) and Norm.parse("unmix:1024") == Norm("unmix", 1024.0)

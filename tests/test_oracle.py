@@ -14,7 +14,8 @@ from helpers import adapt, fails
 from test_stream import PIXELS, domain
 
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.methods import create, method_class
 from cafa_cli.methods.shared import losses
 
@@ -68,10 +69,8 @@ def test_the_stream_gives_the_loss_each_batchs_labels_only_with_the_oracle(train
             adapter,
             stream,
             PIXELS,
-            batch_size=20,
-            seed=3,
-            oracle=oracle,
-            on_records=lambda batch, so_far: records.extend(batch),
+            StreamSettings(batch_size=20, seed=3, oracle=oracle),
+            events=StreamEvents(on_records=lambda batch, so_far: records.extend(batch)),
         )
         seen[oracle], predictions[oracle] = given, records
     assert seen[False] == [None] * 3

@@ -19,7 +19,8 @@ from test_stream import PIXELS, domain
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.pace import Pace, parse_step_cost, parse_stream_rate, rate_label
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.jobs.shared.clean import adapted_error
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.methods import create
@@ -88,10 +89,9 @@ def test_at_rate_1_a_cost_of_3_adapts_every_third_batch_as_a_hand_written_loop(t
         streamed,
         [test],
         PIXELS,
-        batch_size=20,
-        shuffle=False,
+        StreamSettings(batch_size=20, shuffle=False),
+        events=StreamEvents(on_records=lambda records, so_far: seen.extend(r.confidence for r in records)),
         pace=Pace(1.0, 3.0),
-        on_records=lambda records, so_far: seen.extend(r.confidence for r in records),
     )
     by_hand, expected = Adapter(copy.deepcopy(model), create("tent", gaussians), lr=1e-2), []
     images = PIXELS.normalize(torch.stack([torch.as_tensor(np.array(test.read(i)))[None] for i in range(160)]))
@@ -104,7 +104,7 @@ def test_at_rate_1_a_cost_of_3_adapts_every_third_batch_as_a_hand_written_loop(t
     for name, value in streamed.model.state_dict().items():
         assert torch.equal(value, by_hand.model.state_dict()[name]), name
     waiting = Adapter(copy.deepcopy(model), create("tent", gaussians), lr=1e-2)
-    adapt_domains(waiting, [test], PIXELS, batch_size=20, shuffle=False)
+    adapt_domains(waiting, [test], PIXELS, StreamSettings(batch_size=20, shuffle=False))
     assert any(not torch.equal(v, waiting.model.state_dict()[k]) for k, v in streamed.model.state_dict().items())
 
 
@@ -113,7 +113,7 @@ def test_the_clean_domain_of_forgetting_changes_nothing(trained):
     is the model's as adapted so far."""
     model, gaussians, x, y = trained
     adapter = Adapter(copy.deepcopy(model), create("tent", gaussians), lr=1e-2, norm="ema:0.1")
-    adapt_domains(adapter, [domain("a", x[:100], y[:100])], PIXELS, batch_size=25, shuffle=False)
+    adapt_domains(adapter, [domain("a", x[:100], y[:100])], PIXELS, StreamSettings(batch_size=25, shuffle=False))
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
     optimiser = copy.deepcopy(adapter.optimizer.state_dict())
     error = adapted_error(adapter, domain("clean", x[100:], y[100:]), PIXELS, 25, 0, False, Monitor())

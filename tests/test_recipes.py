@@ -4,7 +4,6 @@ and the metrics and bench JSON record what ran; `--method-option`; `cafa methods
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -330,16 +329,20 @@ def test_the_shell_completes_method_and_recipe_names_through_the_commands():
 
 
 def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
-    """`Adapter(model, method, **recipe.adapter_settings())`, as docs/python-api.md says; the
-    settings left out are the stream's batch size and reset schedule, and EATA's Fisher images."""
+    """`Adapter(model, method, **recipe.adapter_settings())`, as docs/python-api.md says: an
+    AdapterSettings, the recipe's values in place of the defaults; the settings left out are the
+    stream's batch size and reset schedule, and EATA's Fisher images."""
+    from dataclasses import fields
+
     import tiny_net
 
     from cafa_cli.engine.adapter import Adapter
+    from cafa_cli.engine.options import AdapterSettings, Norm
     from cafa_cli.methods import create
     from cafa_cli.methods.recipes import ADAPTER_SETTINGS
     from cafa_cli.model.features import FeatureClassifier
 
-    keywords = {name for name, p in inspect.signature(Adapter.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    keywords = {f.name for f in fields(AdapterSettings)}
     assert set(ADAPTER_SETTINGS) == set(SETTINGS) & keywords
     assert set(SETTINGS) - set(ADAPTER_SETTINGS) == {"batch_size", "fisher_samples", "reset"}  # norm is the Adapter's
     recipe = shipped("tent", "cifar10-c")
@@ -347,6 +350,8 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
         Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.settings)
     adapter = Adapter(FeatureClassifier(tiny_net.build()), create("tent"), **recipe.adapter_settings())
     assert adapter.optimizer.param_groups[0]["lr"] == recipe.settings["lr"]
+    assert adapter.settings == recipe.adapter_settings() and recipe.adapter_settings().precision == "fp32"
+    assert shipped("memo", "imagenet-c").adapter_settings().norm == Norm("prior", 16.0)  # its text, parsed
     assert "batch_size" in recipe.settings and "batch_size" not in recipe.adapter_settings()
     for name in NAMES:
         for family in FAMILIES:

@@ -12,6 +12,7 @@ from conftest import TINY_NET, invoke
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import parse_reset
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.methods.recipes import shipped
 
 
@@ -79,10 +80,10 @@ def test_every_n_resets_after_each_nth_batch_across_domains(monkeypatch):
         def __len__(self):
             return len(self.labels)
 
-    stream.adapt_domains(adapter, [Domain(5), Domain(4)], None, batch_size=1, reset="every:3")
+    stream.adapt_domains(adapter, [Domain(5), Domain(4)], None, StreamSettings(batch_size=1, reset="every:3"))
     assert adapter.resets == [3, 6, 9]  # 9 batches, one stream of updates: the domain boundary does not reset
     adapter.batches, adapter.resets = 0, []
-    stream.adapt_domains(adapter, [Domain(5), Domain(4)], None, batch_size=1, reset="domain")
+    stream.adapt_domains(adapter, [Domain(5), Domain(4)], None, StreamSettings(batch_size=1, reset="domain"))
     assert adapter.resets == [5]
 
 

@@ -9,7 +9,6 @@ cannot show, a GPU must: that the kernels are captured at all (benchmarks/gpu_ch
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import re
 
@@ -22,6 +21,7 @@ from cafa_cli.core.errors import UsageError
 from cafa_cli.engine import step_graph
 from cafa_cli.engine.adapter import WRITTEN, Adapter
 from cafa_cli.engine.method import Method
+from cafa_cli.engine.options import AdapterSettings
 from cafa_cli.engine.step_graph import WARMUP, StepGraph, kept_state
 from cafa_cli.methods import REGISTRY, create
 from cafa_cli.methods.tent import Tent
@@ -315,14 +315,13 @@ def test_the_graph_is_on_by_default_since_it_was_measured_on_a_gpu(trained):
     """Issue 45: opt-in until its first run on a GPU (an H200: steps 1.0-1.6x faster, every
     replayable method captured), on by default since, in the Python API, the settings and
     the command line alike; the CPU runs eagerly and says why."""
-    from cafa_cli.engine.options import check_adapter_options
     from cafa_cli.jobs.config import AdaptConfig, BenchConfig
 
     model, _, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create("tent"))
     assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
     assert AdaptConfig().cuda_graph is True and BenchConfig().cuda_graph is True
-    assert inspect.signature(check_adapter_options).parameters["cuda_graph"].default is True
+    assert AdapterSettings().cuda_graph is True and adapter.settings.cuda_graph is True
     off = Adapter(copy.deepcopy(model), create("tent"), cuda_graph=False)
     assert off.step_runner == "eager: cuda_graph is off"
 
@@ -333,13 +332,13 @@ def test_why_a_step_runs_eagerly(trained):
     assert adapter.graph is None and adapter.step_runner == "eager: CUDA graphs need CUDA, not cpu"
     adapter.device = torch.device("cuda")  # what the Adapter would decide on a GPU
     why = adapter._why_no_graph
-    assert why(True, "fp32", False) is None and why(True, "bf16", False) is None
-    assert why(False, "fp32", False) == "cuda_graph is off"
-    assert why(True, "fp16", False) == "fp16's loss scale moves on the host"
-    assert why(True, "fp32", True) == "torch.compile makes its own graphs"
+    assert why(AdapterSettings()) is None and why(AdapterSettings(precision="bf16")) is None
+    assert why(AdapterSettings(cuda_graph=False)) == "cuda_graph is off"
+    assert why(AdapterSettings(precision="fp16")) == "fp16's loss scale moves on the host"
+    assert why(AdapterSettings(compile=True)) == "torch.compile makes its own graphs"
     for name in ("cotta", "rotta", "t3a", "cafa-robust"):
         adapter.method = create(name, gaussians)
-        assert why(True, "fp32", False) == f"{name}'s step is not replayable as a CUDA graph"
+        assert why(AdapterSettings()) == f"{name}'s step is not replayable as a CUDA graph"
 
 
 def test_the_option_must_be_true_or_false(trained):

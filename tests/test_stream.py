@@ -13,7 +13,8 @@ from PIL import Image
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.jobs.shared.report import domain_record, overall
 from cafa_cli.methods import create
 from cafa_cli.statistics import distances
@@ -42,10 +43,10 @@ def confidences(trained, method: str, reset: str, domains: list[Domain]) -> dict
         adapter,
         domains,
         PIXELS,
-        batch_size=50,
-        reset=reset,
-        shuffle=False,
-        on_records=lambda records, so_far: seen.setdefault(so_far.data, []).extend(r.confidence for r in records),
+        StreamSettings(batch_size=50, reset=reset, shuffle=False),
+        events=StreamEvents(
+            on_records=lambda records, so_far: seen.setdefault(so_far.data, []).extend(r.confidence for r in records)
+        ),
     )
     return seen
 
@@ -72,13 +73,18 @@ def test_domain_starts_each_domain_afresh_and_never_carries_the_weights_over(tra
     assert continual["a"] == per_domain["a"] and continual["b"] != alone
 
 
-def run(trained, method: str, domains: list[Domain], **options):
-    """Each domain's result and the records in stream order."""
+def run(trained, method: str, domains: list[Domain], groups: list[int] | None = None, **options):
+    """Each domain's result and the records in stream order; `options` are StreamSettings'."""
     model, gaussians, _, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)
     records = []
     results = adapt_domains(
-        adapter, domains, PIXELS, batch_size=50, on_records=lambda batch, so_far: records.append(batch), **options
+        adapter,
+        domains,
+        PIXELS,
+        StreamSettings(batch_size=50, **options),
+        groups=groups,
+        events=StreamEvents(on_records=lambda batch, so_far: records.append(batch)),
     )
     return results, records
 
@@ -134,9 +140,8 @@ def test_each_domain_reports_its_own_skipped_steps_and_unrefined_batches(trained
         adapter,
         [domain("a", x[:6], y[:6]), domain("b", x[6:12], y[6:12])],
         PIXELS,
-        batch_size=2,
-        shuffle=False,
-        on_domain=nan_in_b,
+        StreamSettings(batch_size=2, shuffle=False),
+        events=StreamEvents(on_domain=nan_in_b),
     )
     assert [(r.skipped_steps, r.unrefined_batches) for r in results] == [(0, 3), (3, 0)]
 
@@ -154,7 +159,9 @@ def test_each_domain_reports_the_changes_of_domain_cafa_robust_detected(trained)
 
     def results(method):
         adapter = Adapter(copy.deepcopy(model), method, lr=1e-3)
-        return adapt_domains(adapter, domains, PIXELS, batch_size=50, reset="never", shuffle=True, seed=0)
+        return adapt_domains(
+            adapter, domains, PIXELS, StreamSettings(batch_size=50, reset="never", shuffle=True, seed=0)
+        )
 
     robust = results(create("cafa-robust", gaussians, update_every=50, change_threshold=0.5))
     assert [r.domain_changes for r in robust] == [0, 1]

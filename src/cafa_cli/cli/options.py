@@ -18,6 +18,7 @@ from cafa_cli.cli.completion import complete_method, complete_methods, complete_
 from cafa_cli.cli.errors import as_flags
 from cafa_cli.cli.renamed import respelled
 from cafa_cli.core.errors import UsageError, printable
+from cafa_cli.engine.options import Norm
 from cafa_cli.jobs.config.settings import PANELS, RecipeOptions
 from cafa_cli.methods.recipes import SETTINGS as RECIPE_SETTINGS
 
@@ -68,7 +69,7 @@ def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.P
             continue
         meta = f.metadata
         names = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
-        hint = hints[f.name]
+        hint = str if hints[f.name] is Norm else hints[f.name]  # typed as its text, which the settings parse
         if f.default is not MISSING:
             default = f.default
         elif f.default_factory is not MISSING:  # a list: repeated on the command line

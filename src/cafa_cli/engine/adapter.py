@@ -26,14 +26,9 @@ import torch
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.class_balanced import balance_histogram, class_balanced_norms, use_class_balanced_norms
 from cafa_cli.engine.method import Method, resolve_device
-from cafa_cli.engine.norms import (
-    RUNNING,
-    BatchStatisticsNorm,
-    norm_layers,
-    use_test_batch_norm,
-)
+from cafa_cli.engine.norms import BatchStatisticsNorm, norm_layers, use_test_batch_norm
 from cafa_cli.engine.optimiser import check_weights_precision, guarded_step, new_optimizer
-from cafa_cli.engine.options import check_adapter_options, check_precision, parse_norm
+from cafa_cli.engine.options import AdapterSettings, check_precision
 from cafa_cli.engine.serving import OWNED, Deployable
 from cafa_cli.engine.state import tensors_sha256
 from cafa_cli.engine.step_graph import StepGraph, kept_state
@@ -43,19 +38,15 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autoca
 WRITTEN = ("model.", "optimizer.")  # _kept_state's tensors that the optimiser's fused kernels write (step_graph.py)
 
 
-def check_settings(device: torch.device = torch.device("cpu"), **options) -> None:
-    """The Adapter's keyword options, and the precision against the device it runs on."""
-    check_adapter_options(**options)
-    check_precision(options.get("precision", "fp32"), device.type)
-
-
 class Adapter(Deployable):
     """A model adapting online with `method` (methods.create(name, ...), or any Method):
     `step(images)` returns the logits of the forward pass that also computed the loss (the
     prediction is made before the update; with `steps` > 1, before the batch's last update).
-    `norm` says which statistics the BatchNorms
-    normalise with (norms.py); `class_moments`, {BatchNorm name: (means, variances) [C,
-    channels]} of the source classes (an artifact's `norm_moments`), is for `class-balanced`."""
+    `settings` are the keywords of AdapterSettings (engine/options.py: params, optimizer, lr,
+    momentum, steps, norm, precision, compile, cuda_graph), each checked, held as `self.settings`;
+    an AdapterSettings unpacks into them (`**settings`). `norm` says which statistics the
+    BatchNorms normalise with (norms.py); `class_moments`, {BatchNorm name: (means, variances)
+    [C, channels]} of the source classes (an artifact's `norm_moments`), is for `class-balanced`."""
 
     def __init__(
         self,
@@ -63,16 +54,8 @@ class Adapter(Deployable):
         method: Method,
         device: torch.device | str | None = None,
         *,
-        params: str = "norm",
-        optimizer: str = "adam",
-        lr: float = 1e-3,
-        momentum: float = 0.9,
-        steps: int = 1,
-        norm: str = "batch",
-        precision: str = "fp32",
-        compile: bool = False,
-        cuda_graph: bool = True,
         class_moments: dict | None = None,
+        **settings,
     ):
         self._one_thread_only()
         if not isinstance(model, FeatureClassifier):
@@ -95,26 +78,16 @@ class Adapter(Deployable):
         if device is None:  # where the model is
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
         device = resolve_device(device)
-        check_settings(
-            device,
-            params=params,
-            optimizer=optimizer,
-            lr=lr,
-            momentum=momentum,
-            steps=steps,
-            norm=norm,
-            precision=precision,
-            compile=compile,
-            cuda_graph=cuda_graph,
-        )
+        self.settings = settings = AdapterSettings(**settings)
+        check_precision(settings.precision, device.type)
         method.check(model, device)
-        self.norm = norm  # the setting in force
-        if parse_norm(norm)[0] in RUNNING and method.running_norms is not True:
+        norm = settings.norm
+        if norm.running and method.running_norms is not True:
             raise UsageError(
                 f"`norm` {norm} keeps statistics from batch to batch, which {method.name or type(method).__name__} "
                 f"cannot ({method.running_norms}); use `norm` batch, prior:N, alpha:A or source"
             )
-        self.model, self.method, self.device, self.steps = model.to(device), method, device, steps
+        self.model, self.method, self.device, self.steps = model.to(device), method, device, settings.steps
         # channels_last lets cuDNN pick its faster NHWC convolution kernels
         self.memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
         self.model.to(memory_format=self.memory_format)
@@ -123,26 +96,25 @@ class Adapter(Deployable):
         self.model.eval()
         if not method.adapts_normalisation:
             self.batch_norms = 0
-        elif parse_norm(norm)[0] == "class-balanced":
+        elif norm.class_balanced:
             self.batch_norms = use_class_balanced_norms(self.model.model, class_moments)
         else:
             self.batch_norms = use_test_batch_norm(self.model.model, norm)
         self.norms = norm_layers(self.model)  # the swapped ones
         self.balanced = class_balanced_norms(self.model)  # None unless `norm` is class-balanced
-        self.params = method.parameters(self.model, params) if method.trains else []
-        check_weights_precision(self.params, optimizer)
+        self.params = method.parameters(self.model, settings.params) if method.trains else []
+        check_weights_precision(self.params, settings.optimizer)
         if not method.trains:
             self.model.requires_grad_(False)
-        self._optimizer_kind, self._lr, self._momentum = optimizer, lr, momentum
         # CUDA: torch's fused optimisers leave out an update on a device flag themselves; on
         # the CPU fused Adam rounds differently from the default one, so the update is undone instead
         self._fused = device.type == "cuda"
         self.optimizer = self._new_optimizer()
         self.source_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)  # skipped updates, counted on the device
-        self.autocast = _autocast(device, precision)
+        self.autocast = _autocast(device, settings.precision)
         # fp16 gradients underflow without loss scaling; bf16 has float32's range
-        self._scaled = precision == "fp16"
+        self._scaled = settings.precision == "fp16"
         self.scaler = self._new_scaler()
         # torch.compile shares the module's parameters, so reset() and the optimiser act on
         # it unchanged; the first batches pay for the compilation. A method that trains has
@@ -150,22 +122,12 @@ class Adapter(Deployable):
         # covers the loss too; the step is then three graphs: forward and loss, backward,
         # and the few kernels of the optimiser's step (torch breaks graphs at backward() and
         # around optimiser steps by design, pytorch/pytorch#104053)
-        self.forward = torch.compile(self.model) if compile and not method.trains else self.model
-        self._forward_and_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
-        self.graph, self._graph_off = None, self._why_no_graph(cuda_graph, precision, compile)
+        self.forward = torch.compile(self.model) if settings.compile and not method.trains else self.model
+        self._forward_and_loss = torch.compile(self._forward_loss) if settings.compile else self._forward_loss
+        self.graph, self._graph_off = None, self._why_no_graph(settings)
         if self._graph_off is None:
             self.graph = StepGraph(self._eager_step, self._kept_state, device, written=WRITTEN)
         setattr(model.model, OWNED, True)  # on the bare net: a second FeatureClassifier of it is the same model
-        # what a saved state must have been made with to be loaded here (load_state_dict)
-        self._settings = {
-            "params": params,
-            "optimizer": optimizer,
-            "lr": lr,
-            "momentum": momentum,
-            "steps": steps,
-            "norm": norm,
-            "precision": precision,
-        }
         self._class_moments_sha256 = "none" if class_moments is None else tensors_sha256(class_moments)
         self._made_from: dict | None = None  # the sha256 of the source weights and inputs (serving.py's adaptation)
 
@@ -234,15 +196,15 @@ class Adapter(Deployable):
             return f"eager: {self._graph_off}"
         return self.graph.status
 
-    def _why_no_graph(self, cuda_graph: bool, precision: str, compile: bool) -> str | None:
-        """Why this Adapter's steps cannot be a CUDA graph, or None when they can (module docstring)."""
+    def _why_no_graph(self, settings: AdapterSettings) -> str | None:
+        """Why this Adapter's steps cannot be a CUDA graph with `settings`, or None when they can (module docstring)."""
         method = self.method.name or type(self.method).__name__
         reasons = [
-            (not cuda_graph, "cuda_graph is off"),
+            (not settings.cuda_graph, "cuda_graph is off"),
             (self.device.type != "cuda", f"CUDA graphs need CUDA, not {self.device.type}"),
             (not self.method.capturable, f"{method}'s step is not replayable as a CUDA graph"),
-            (precision == "fp16", "fp16's loss scale moves on the host"),
-            (compile, "torch.compile makes its own graphs"),
+            (settings.precision == "fp16", "fp16's loss scale moves on the host"),
+            (settings.compile, "torch.compile makes its own graphs"),
         ]
         return next((reason for refused, reason in reasons if refused), None)
 
@@ -264,7 +226,8 @@ class Adapter(Deployable):
         return kept_state(roots, skip=Method.per_batch)
 
     def _new_optimizer(self) -> torch.optim.Optimizer | None:
-        return new_optimizer(self.params, self._optimizer_kind, self._lr, self._momentum, self._fused)
+        settings = self.settings
+        return new_optimizer(self.params, settings.optimizer, settings.lr, settings.momentum, self._fused)
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self.device.type) if self._scaled and self.params else None

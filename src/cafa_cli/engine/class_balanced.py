@@ -14,6 +14,7 @@ from torch import nn
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.norms import BatchStatisticsNorm, finite_or, moved_statistics, swap_batch_norms
+from cafa_cli.engine.options import Norm
 
 BALANCED_MOMENTUM = 0.05  # class-balanced: the momentum once 1/t falls below it (RoTTA's α)
 # class-balanced: how far a batch's class histogram must be from uniform (as a share of the
@@ -215,7 +216,7 @@ def use_class_balanced_norms(model: nn.Module, class_moments: dict | None) -> in
             f"`norm` class-balanced needs the source class moments of every BatchNorm's input, and {lacking} "
             f"given; make the statistics with cafa stats --norm-moments"
         )
-    swapped = swap_batch_norms(model, "class-balanced")
+    swapped = swap_batch_norms(model, Norm("class-balanced"))
     if swapped:
         layers = [layer for _, layer in swapped]
         ClassBalancedNorms(

@@ -59,10 +59,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cafa_cli.core.errors import UsageError
-from cafa_cli.engine.options import parse_norm
+from cafa_cli.engine.options import Norm
 
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
-RUNNING = ("ema", "class-balanced", "unmix")  # the settings that keep statistics from batch to batch
 # the settings whose layers keep an estimate for serving (BatchStatisticsNorm.frozen)
 SERVED = ("batch", "prior", "alpha")
 SERVED_MOMENTUM = 0.1  # that estimate's momentum: BatchNorm's own
@@ -74,15 +73,18 @@ UNMIX_SEED = 0  # the components' starting noise: drawn from this seed, the same
 
 class BatchStatisticsNorm(nn.Module):
     """A BatchNorm (its affine parameters shared) that normalises with the statistics
-    `norm` says (module docstring). Under `class-balanced` it belongs to the net's
-    ClassBalancedNorms (`balanced`: class_balanced.py, which makes it), a group that
+    `norm` says (module docstring; a Norm, or its text). Under `class-balanced` it belongs to the
+    net's ClassBalancedNorms (`balanced`: class_balanced.py, which makes it), a group that
     normalises its layers together."""
 
-    def __init__(self, bn: _BatchNorm, norm: str = "batch", name: str = "", generator: torch.Generator | None = None):
+    def __init__(
+        self, bn: _BatchNorm, norm: Norm | str = Norm(), name: str = "", generator: torch.Generator | None = None
+    ):
         super().__init__()
         self.source_type = type(bn).__name__  # what it replaced (BatchNorm2d), for saying which layers adapt
         self.weight, self.bias, self.eps = bn.weight, bn.bias, bn.eps
-        self.kind, value = parse_norm(norm)
+        norm = Norm.parse(norm)
+        self.kind, value = norm.kind, norm.value
         if bn.running_mean is None and self.kind != "batch":
             raise UsageError(
                 f"`norm` {norm} needs the running statistics of every BatchNorm, and the one at {name or 'the top'} "
@@ -353,11 +355,12 @@ def finite_or(values: list[torch.Tensor], fallback: tuple[torch.Tensor, ...]) ->
     return [torch.where(value.isfinite(), value, old) for value, old in zip(values, fallback)]
 
 
-def use_test_batch_norm(model: nn.Module, norm: str = "batch") -> int:
+def use_test_batch_norm(model: nn.Module, norm: Norm | str = Norm()) -> int:
     """Swap every BatchNorm (found by type, so those inside ResNet `downsample` too) for a
     BatchStatisticsNorm sharing its affine parameters. Returns how many were swapped.
     `class-balanced` layers work as one group: class_balanced.use_class_balanced_norms swaps them."""
-    if parse_norm(norm)[0] == "class-balanced":
+    norm = Norm.parse(norm)
+    if norm.class_balanced:
         raise UsageError(
             "`norm` class-balanced needs the source class moments of every BatchNorm's input; "
             "swap its layers with class_balanced.use_class_balanced_norms(model, class_moments)"
@@ -365,7 +368,7 @@ def use_test_batch_norm(model: nn.Module, norm: str = "batch") -> int:
     return len(swap_batch_norms(model, norm))
 
 
-def swap_batch_norms(model: nn.Module, norm: str) -> list[tuple[str, BatchStatisticsNorm]]:
+def swap_batch_norms(model: nn.Module, norm: Norm) -> list[tuple[str, BatchStatisticsNorm]]:
     """use_test_batch_norm's swap: each swapped layer with its name as the bare net names it."""
     swapped = []
     generator = torch.Generator().manual_seed(UNMIX_SEED)  # unmix: the layers' starting noise, in turn

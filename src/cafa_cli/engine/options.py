@@ -1,11 +1,11 @@
-"""The method's options by name: the Adapter's keywords and their checks, and the
-covariance forms of the statistics. Torch-free: the settings (jobs/config.py) check the
-same values with these, and `--help` lists these choices."""
+"""The Adapter's settings (AdapterSettings, and `norm` parsed as a Norm) and their checks, and
+the options a method declares. Torch-free: the command line's settings (jobs/config/) are
+checked with these, and `--help` lists these choices."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.core.numbers import LEAST_POSITIVE, MOST_NUMBER, read_whole, sane
@@ -25,76 +25,134 @@ NORM_FORMS = (
     "alpha:A (A 0 or from 0.000001 to 1) "
     f"or unmix:K (K a whole number from 2 to {MAX_COMPONENTS})"
 )
+RUNNING = ("ema", "class-balanced", "unmix")  # the settings that keep statistics from batch to batch
+HOW_IT_RUNS = ("compile", "cuda_graph")  # the Adapter's settings that change how a step runs, not what it computes
 
 
-def check_adapter_options(
-    params: str = "norm",
-    optimizer: str = "adam",
-    lr: float = 1e-3,
-    momentum: float = 0.9,
-    steps: int = 1,
-    norm: str = "batch",
-    precision: str = "fp32",
-    compile: bool = False,
-    cuda_graph: bool = True,
-) -> None:
-    """Each of the Adapter's keyword options, checked before it changes anything."""
-    parse_norm(norm)
-    for option, value in {"`compile`": compile, "`cuda_graph`": cuda_graph}.items():
-        if not isinstance(value, bool):
-            raise UsageError(f"{option} must be true or false, not {value!r}")
-    numbers = {"`lr`": lr, "`momentum`": momentum}
-    for option, value in numbers.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{option} must be a number, not {value!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise UsageError(f"`steps` must be a whole number, not {steps!r}")
-    choices = {
-        "`params`": (params, PARAM_SETS),
-        "`optimizer`": (optimizer, OPTIMIZERS),
-        "`precision`": (precision, PRECISIONS),
-    }
-    for option, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
-    if not 1 <= steps <= MAX_STEPS:
-        raise UsageError(f"`steps` must be from 1 to {MAX_STEPS} (gradient steps on each batch), not {steps}")
-    if not 0 < lr < math.inf:
-        raise UsageError(f"`lr` must be a positive number, not {lr}")
-    if not 0 <= momentum < 1:
-        raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
-    if optimizer == "nesterov" and momentum == 0:
-        raise UsageError(
-            "`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd"
-        )
+@dataclass(frozen=True)
+class Norm:
+    """Which statistics the BatchNorms normalise with (`norm`, engine/norms.py): its `kind`
+    and its number (prior's N, ema's M, alpha's A, unmix's K), or None. Parsed once from its
+    text where the text enters (`Norm.parse("prior:16")`: the settings, the Adapter's
+    keywords, a recipe) and passed down as this; `str()` gives the text back, as the records keep it."""
+
+    kind: str = "batch"
+    value: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | Norm) -> Norm:
+        """'batch' -> Norm('batch'); 'prior:16' -> Norm('prior', 16.0); 'ema:0.05', 'alpha:0.1',
+        'unmix:16' likewise; a Norm as it is. A UsageError that lists the forms otherwise."""
+        if isinstance(text, Norm):
+            return text
+        kind, colon, value_text = str(text).strip().partition(":")
+        if kind in ("batch", "source", "class-balanced") and not colon:
+            return cls(kind)
+        try:
+            value = float(value_text) if kind in ("prior", "ema", "alpha", "unmix") and colon else math.nan
+        except ValueError:
+            value = math.nan
+        allowed = {
+            "prior": sane(value, MAX_PRIOR, zero=True),
+            "ema": sane(value, 1),
+            "alpha": sane(value, 1, zero=True),
+            "unmix": 1 <= value <= MAX_COMPONENTS and value.is_integer(),
+        }
+        if allowed.get(kind, False):
+            if kind == "unmix" and value == 1:
+                # the softmax over one component is 1: every sample takes its own statistics alone
+                raise UsageError(
+                    f"`norm` {text}: one component normalises each image by its own statistics alone (instance "
+                    f"normalisation; the authors' code does the same), which loses what sets images apart; give "
+                    f"unmix:K with K from 2 to {MAX_COMPONENTS} (the authors use 16)"
+                )
+            return cls(kind, value)
+        raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return self.kind
+        return f"{self.kind}:{int(self.value) if self.value.is_integer() else self.value}"
+
+    @property
+    def class_balanced(self) -> bool:
+        """It corrects each batch's statistics for its class mix, with the source's class moments."""
+        return self.kind == "class-balanced"
+
+    @property
+    def running(self) -> bool:
+        """It keeps statistics from batch to batch, which a method that resets them cannot take."""
+        return self.kind in RUNNING
+
+    @property
+    def batch_alone(self) -> bool:
+        """Each batch is normalised by its own statistics (class-balanced: corrected, but its own),
+        which a batch of one image cannot give."""
+        return self.kind in ("batch", "class-balanced") or (self.kind, self.value) in (("prior", 0.0), ("alpha", 1.0))
 
 
-def parse_norm(text: str) -> tuple[str, float | None]:
-    """'batch' -> ('batch', None); 'prior:16' -> ('prior', 16.0); 'ema:0.05' -> ('ema', 0.05);
-    'alpha:0.1' -> ('alpha', 0.1); 'unmix:16' -> ('unmix', 16.0)."""
-    kind, colon, value_text = str(text).strip().partition(":")
-    if kind in ("batch", "source", "class-balanced") and not colon:
-        return kind, None
-    try:
-        value = float(value_text) if kind in ("prior", "ema", "alpha", "unmix") and colon else math.nan
-    except ValueError:
-        value = math.nan
-    allowed = {
-        "prior": sane(value, MAX_PRIOR, zero=True),
-        "ema": sane(value, 1),
-        "alpha": sane(value, 1, zero=True),
-        "unmix": 1 <= value <= MAX_COMPONENTS and value.is_integer(),
-    }
-    if allowed.get(kind, False):
-        if kind == "unmix" and value == 1:
-            # the softmax over one component is 1: every sample takes its own statistics alone
+@dataclass(frozen=True, kw_only=True)
+class AdapterSettings:
+    """How an Adapter adapts: its keyword arguments and their defaults, written here once (the
+    command line's settings, the recipes and the Adapter take them from here), each checked
+    when made; `norm` may be given as its text. `Adapter(model, method, lr=1e-3, norm="prior:16")`
+    makes one from its keywords, and one made here unpacks into them: `Adapter(model, method, **settings)`."""
+
+    params: str = "norm"
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    steps: int = 1
+    norm: Norm = Norm()
+    precision: str = "fp32"
+    compile: bool = False
+    cuda_graph: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "norm", Norm.parse(self.norm))
+        for option, value in {"`compile`": self.compile, "`cuda_graph`": self.cuda_graph}.items():
+            if not isinstance(value, bool):
+                raise UsageError(f"{option} must be true or false, not {value!r}")
+        for option, value in {"`lr`": self.lr, "`momentum`": self.momentum}.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{option} must be a number, not {value!r}")
+        steps, lr, momentum = self.steps, self.lr, self.momentum
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise UsageError(f"`steps` must be a whole number, not {steps!r}")
+        choices = {
+            "`params`": (self.params, PARAM_SETS),
+            "`optimizer`": (self.optimizer, OPTIMIZERS),
+            "`precision`": (self.precision, PRECISIONS),
+        }
+        for option, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise UsageError(f"{option} must be one of {', '.join(allowed)}, not {value}")
+        if not 1 <= steps <= MAX_STEPS:
+            raise UsageError(f"`steps` must be from 1 to {MAX_STEPS} (gradient steps on each batch), not {steps}")
+        if not 0 < lr < math.inf:
+            raise UsageError(f"`lr` must be a positive number, not {lr}")
+        if not 0 <= momentum < 1:
+            raise UsageError(f"`momentum` must be in [0, 1), not {momentum}")
+        if self.optimizer == "nesterov" and momentum == 0:
             raise UsageError(
-                f"`norm` {text}: one component normalises each image by its own statistics alone (instance "
-                f"normalisation; the authors' code does the same), which loses what sets images apart; give unmix:K "
-                f"with K from 2 to {MAX_COMPONENTS} (the authors use 16)"
+                "`optimizer` nesterov needs a momentum above 0, not 0 (`momentum`); for plain SGD use `optimizer` sgd"
             )
-        return kind, value
-    raise UsageError(f"`norm` must be {NORM_FORMS}, not {text!r}")
+
+    # a mapping of the Adapter's keywords to their values, so that `**settings` gives them
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+    def record(self) -> dict:
+        """The settings that shape what the adaptation computes (all but HOW_IT_RUNS), as plain
+        data (`norm` as its text): what a saved state must have been made with."""
+        shaping = [name for name in self.keys() if name not in HOW_IT_RUNS]
+        return {name: str(self.norm) if name == "norm" else self[name] for name in shaping}
 
 
 def check_precision(precision: str, device_type: str) -> None:

@@ -107,7 +107,7 @@ def adaptation(adapter: Deployable) -> dict:
         }
     return {
         "method": method.name or type(method).__name__,
-        **adapter._settings,
+        **adapter.settings.record(),  # what a saved state must have been made with
         **{f"option {option.name}": getattr(method, option.name) for option in type(method).options},
         **{f"{name} sha256": value for name, value in adapter._made_from.items()},
     }

@@ -8,7 +8,6 @@ import torch
 from cafa_cli.artifact.store import Artifact
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.subsets import ClassSubset, read_class_subset
-from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.config import AdaptConfig
 
 
@@ -49,7 +48,7 @@ def subset_rows(artifact: Artifact, subset: ClassSubset) -> list[int]:
 def norm_moments_of(config: AdaptConfig, artifact: Artifact | None, subset: ClassSubset | None) -> dict | None:
     """The class moments of the BatchNorms' inputs, of the subset's classes, for `norm`
     class-balanced (None for the other settings)."""
-    if parse_norm(config.norm)[0] != "class-balanced" or artifact is None:
+    if not config.norm.class_balanced or artifact is None:
         return None
     if artifact.norm_moments is None:
         raise InputError(

@@ -14,8 +14,7 @@ from cafa_cli.data.pace import WAITS, Pace, parse_step_cost, parse_stream_rate, 
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.method import Method
-from cafa_cli.engine.options import parse_norm
-from cafa_cli.jobs.adapt.stream import adapt_domains
+from cafa_cli.jobs.adapt.stream import StreamEvents, adapt_domains
 from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.jobs.shared.clean import adapted_error
 from cafa_cli.jobs.shared.inputs import _skip_warning
@@ -72,7 +71,7 @@ class Adaptation:
             notes.append(
                 f"the model has no BatchNorm layers, so `method` {s.method} gives the same predictions as source"
             )
-        if s.norm != "batch" and not self.adapter.batch_norms:
+        if s.norm.kind != "batch" and not self.adapter.batch_norms:
             notes.append(
                 f"`norm` {s.norm} changes nothing here: "
                 + (
@@ -115,9 +114,7 @@ class Adaptation:
 
     def _batch_statistics(self) -> bool:
         """Whether each batch is normalised by its own statistics (class-balanced: corrected, but its own)."""
-        kind, value = parse_norm(self.adapter.norm)
-        own = kind in ("batch", "class-balanced") or (kind, value) in (("prior", 0.0), ("alpha", 1.0))
-        return own and self.adapter.batch_norms > 0
+        return self.adapter.settings.norm.batch_alone and self.adapter.batch_norms > 0
 
     def batch_cautions(self) -> list[str]:
         """The cautions about how the domains' images fall into batches (a last batch of one
@@ -190,20 +187,20 @@ class Adaptation:
                     {"after": after, "round": last // len(self.domains) + 1, **error, "unit": ERROR_FRACTION}
                 )
 
-        results = adapt_domains(
-            self.adapter,
-            domains,
-            self.preprocess,
-            **s.stream_options(),
-            groups=groups,
-            num_workers=s.num_workers,
-            strict=s.strict,
-            oracle=s.oracle,
+        events = StreamEvents(
             on_records=records,
             on_skip=lambda ref, why: monitor.warn(_skip_warning(ref, why)),
             on_domain=lambda domain: monitor.start(short_name(domain.name), len(domain)),
             on_first_batch=first_batch,
             on_stream_end=stream_end,
+        )
+        results = adapt_domains(
+            self.adapter,
+            domains,
+            self.preprocess,
+            s.stream_settings(),
+            groups=groups,
+            events=events,
             pace=pace,
             typed_options=set(s.method_options()),
         )

@@ -5,7 +5,7 @@ Adapter built, and every setting the results depend on recorded for the metrics 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +25,13 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_image_ids
 from cafa_cli.engine.adapter import Adapter
-from cafa_cli.engine.options import check_precision, parse_norm, resolve_options
+from cafa_cli.engine.method import Method
+from cafa_cli.engine.options import check_precision, resolve_options
 from cafa_cli.jobs.adapt.class_subset import class_subset, norm_moments_of, statistics_of
 from cafa_cli.jobs.adapt.job import Adaptation, _geometry
 from cafa_cli.jobs.adapt.source_images import size_check, source_images
 from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.jobs.config.settings import recorded_as_given
+from cafa_cli.jobs.config.settings import recorded_values
 from cafa_cli.jobs.shared.clean import clean_error
 from cafa_cli.jobs.shared.inputs import (
     _check_classes,
@@ -119,14 +120,13 @@ def check_model_and_artifact_named(config: AdaptConfig) -> None:
 def needs_artifact(config: AdaptConfig) -> bool:
     """Whether the run must read an artifact: for the method's class Gaussians, or for the
     class moments of the BatchNorms' inputs that `norm` class-balanced corrects with."""
-    return method_class(config.method).needs_statistics or parse_norm(config.norm)[0] == "class-balanced"
+    return method_class(config.method).needs_statistics or config.norm.class_balanced
 
 
 def missing_default_artifact(config: AdaptConfig) -> str:
     """The error for a run that needs an artifact, given none, with no cafa-stats.safetensors
     here: it says what needs one, since with `model` given a user expects none to be read."""
-    balanced = parse_norm(config.norm)[0] == "class-balanced"
-    create = "cafa stats --norm-moments" if balanced else "cafa stats"
+    create = "cafa stats --norm-moments" if config.norm.class_balanced else "cafa stats"
     why = (
         f"`method` {config.method} needs its class statistics"
         if method_class(config.method).needs_statistics
@@ -161,13 +161,49 @@ FEWER_CLASSES = (
 
 
 def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> Adaptation:
-    """The model, its statistics and the test domains, checked against each other; the
-    monitor shows the progress of the `clean` pass."""
+    """The model, its statistics and the test domains, checked against each other, then the
+    method and its Adapter, and every setting recorded: the steps below, in this order (each
+    error is found at its step, before anything later is read). The monitor shows the
+    progress of the `clean` pass."""
     if not config.data:
         raise UsageError("give at least one `data` PATH")
-    device = pick_device(config.device)
-    check_precision(config.precision, device.type)  # before the model is read
+    device = checked_device(config)
     net, artifact, spec = load_for_adaptation(config)
+    config, recipe = settled_config(config, net, artifact)
+    preprocess = stream_preprocessing(config, artifact, spec)
+    data = open_data(config, net, artifact, spec)
+    clean = clean_error_of(config, net, artifact, preprocess, data, device, monitor)
+    method = build_method(config, recipe, artifact, data, preprocess, device, monitor)
+    adapter = build_adapter(config, net, method, device, artifact, data.subset)
+    return Adaptation(
+        adapter,
+        data.domains,
+        preprocess,
+        data.class_names,
+        config,
+        recorded_settings(config, device, artifact, spec, preprocess, data.subset, recipe, method),
+        statistics_preprocess=artifact.preprocessing if artifact else None,
+        statistics_sampling=artifact.sampling if artifact else None,
+        groups=data.groups,
+        notes=data.notes,
+        clean=clean,
+        recipe=recipe,
+        forgetting=data.forgetting,
+    )
+
+
+def checked_device(config: AdaptConfig) -> torch.device:
+    """The device the run takes, and the precision checked against it, before the model is read."""
+    device = pick_device(config.device)
+    check_precision(config.precision, device.type)
+    return device
+
+
+def settled_config(
+    config: AdaptConfig, net: FeatureClassifier, artifact: Artifact | None
+) -> tuple[AdaptConfig, Recipe | None]:
+    """The settings with the recipe's in place of those the user did not choose (the recipe
+    `auto` picks needs the model's class count), and the checks that wait for them."""
     config, recipe = with_recipe(config, net.num_classes)
     config.check_state_reset(origin_of("reset", config, recipe))
     if artifact and config.classes:
@@ -175,16 +211,47 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             "`classes` names the outputs of a model run without statistics; with an artifact, cafa adapt takes its "
             "class list (cafa stats `classes` sets it): drop `classes`"
         )
+    return config, recipe
+
+
+def stream_preprocessing(config: AdaptConfig, artifact: Artifact | None, spec: ModelSpec) -> Preprocessing:
+    """How the test images are prepared: the artifact's preprocessing (else the model's
+    defaults) with the options given changed."""
     changes = config.preprocessing_changes()  # each checked by itself: no word about where the others came from
     try:
-        preprocess = (
-            artifact.preprocessing.with_changes(changes)
-            if artifact
-            else default_preprocessing(spec.model, spec.weights, config.model_arguments(), changes)
-        )
+        if artifact:
+            return artifact.preprocessing.with_changes(changes)
+        return default_preprocessing(spec.model, spec.weights, config.model_arguments(), changes)
     except UsageError as error:
         source = artifact.path if artifact else f"the defaults of {spec.model}"
         raise UsageError(f"{error} (the options not given come from {source}: give them too)") from None
+
+
+@dataclass
+class OpenedData:
+    """The domains a run reads (open_data), opened against the model's classes."""
+
+    domains: list[Domain]  # the test domains in stream order (`gradual` visits a severity twice)
+    opened: list[Domain]  # each test domain once, as opened
+    class_names: list[str]  # the names of the classes predicted among, in output order
+    model_classes: list[str] | None  # the model's own class names, when known before the data is read
+    subset: ClassSubset | None  # `class_subset`: the model's outputs predicted among
+    ids: tuple[str, set[str]] | None  # `subset`: the file and the image ids kept
+    groups: list[int] | None  # `gradual`: the corruption of each domain
+    notes: list[str]  # what opening the data noticed
+    forgetting: Domain | None = None  # `forgetting`'s clean domain
+    source: Domain | None = None  # `source_data`, for a method that takes source images
+
+    @property
+    def model_class_names(self) -> list[str]:
+        """The model's class names, else those found in the test data."""
+        return self.model_classes or self.class_names
+
+
+def open_data(config: AdaptConfig, net: FeatureClassifier, artifact: Artifact | None, spec: ModelSpec) -> OpenedData:
+    """The test domains, opened against the model's classes (of the `class_subset`, to which the
+    model's outputs are then narrowed) and checked before any prediction is written, then the
+    `forgetting` domain and the `source_data` images."""
     model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config)
     subset = class_subset(config, artifact, model_classes)
     paths, groups, notes = stream_domains(config)
@@ -193,11 +260,37 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         path: open_test_domain(path, config.labels, config.severity, model_classes, subset, ids, notes)
         for path in dict.fromkeys(paths)
     }
-    domains = [opened[path] for path in paths]
-    for domain in opened.values():  # before any prediction is written
+    check_domain_labels(config, list(opened.values()))
+    class_names, domains = settled_class_names(
+        config, net, artifact, spec, model_classes, subset, [opened[path] for path in paths]
+    )
+    if subset:
+        net.restrict_outputs(subset.outputs)
+    data = OpenedData(domains, list(opened.values()), class_names, model_classes, subset, ids, groups, notes)
+    data.forgetting = open_forgetting(config, data)
+    data.source = open_source(config, data)
+    return data
+
+
+def check_domain_labels(config: AdaptConfig, domains: list[Domain]) -> None:
+    """Each domain's labels can be streamed in `order`, and with `oracle` every image has one."""
+    for domain in domains:
         check_labels(domain.labels, config.order, domain.name)
         if config.oracle:
             check_oracle_labels(domain.name, domain.labels)
+
+
+def settled_class_names(
+    config: AdaptConfig,
+    net: FeatureClassifier,
+    artifact: Artifact | None,
+    spec: ModelSpec,
+    model_classes: list[str] | None,
+    subset: ClassSubset | None,
+    domains: list[Domain],
+) -> tuple[list[str], list[Domain]]:
+    """The names of the classes predicted among (the subset's, the model's, else the data's,
+    the domains then labelled by them), checked against the model's outputs; and the domains."""
     class_names = subset.names if subset else model_classes
     if class_names is None:
         class_names = _class_names_of(domains, net)
@@ -209,38 +302,81 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         _check_classes(
             net, model_classes, f"the class list {config.classes}" if config.classes else f"{spec.model}'s class list"
         )
-    if subset:
-        net.restrict_outputs(subset.outputs)
-    forgetting = None
-    if config.forgetting:  # predicted by the adapted model as a test domain is: the test images' preprocessing
-        forgetting = open_test_domain(
-            config.forgetting, None, None, model_classes or class_names, subset, None, notes, option="forgetting"
-        )
-        check_apart("forgetting", config.forgetting, forgetting, list(opened.values()))
-    source = None
-    if method_class(config.method).without_source_images and config.source_data:
-        source = open_domain(config.source_data, option="source_data")
-        check_apart("source_data", config.source_data, source, list(opened.values()))
-    clean = None
-    if config.clean:  # the source model, before the Adapter changes it; prepared as the statistics' training images
-        clean_domain = open_test_domain(
-            config.clean, None, None, model_classes or class_names, subset, ids, notes, clean=True, option="clean"
-        )
-        clean = clean_error(
-            net,
-            clean_domain,
-            artifact.preprocessing if artifact else preprocess,
-            config.batch_size,
-            config.num_workers,
-            device,
-            config.strict,
-            monitor or Monitor(),
-        )
-    gaussians = statistics_of(artifact, subset)
+    return class_names, domains
+
+
+def open_forgetting(config: AdaptConfig, data: OpenedData) -> Domain | None:
+    """`forgetting`'s clean domain, predicted by the adapted model as a test domain is (the test
+    images' preprocessing), apart from the test domains; None without it."""
+    if not config.forgetting:
+        return None
+    forgetting = open_test_domain(
+        config.forgetting,
+        None,
+        None,
+        data.model_class_names,
+        data.subset,
+        None,
+        data.notes,
+        option="forgetting",
+    )
+    check_apart("forgetting", config.forgetting, forgetting, data.opened)
+    return forgetting
+
+
+def open_source(config: AdaptConfig, data: OpenedData) -> Domain | None:
+    """`source_data`, for a method that takes labelled source images, apart from the test domains; else None."""
+    if not (method_class(config.method).without_source_images and config.source_data):
+        return None
+    source = open_domain(config.source_data, option="source_data")
+    check_apart("source_data", config.source_data, source, data.opened)
+    return source
+
+
+def clean_error_of(
+    config: AdaptConfig,
+    net: FeatureClassifier,
+    artifact: Artifact | None,
+    preprocess: Preprocessing,
+    data: OpenedData,
+    device: torch.device,
+    monitor: Monitor | None,
+) -> dict | None:
+    """The source model's error on `clean`, before the Adapter changes it, its images prepared as
+    the statistics' training images were; None without `clean`."""
+    if not config.clean:
+        return None
+    domain = open_test_domain(
+        config.clean, None, None, data.model_class_names, data.subset, data.ids, data.notes, clean=True, option="clean"
+    )
+    return clean_error(
+        net,
+        domain,
+        artifact.preprocessing if artifact else preprocess,
+        config.batch_size,
+        config.num_workers,
+        device,
+        config.strict,
+        monitor or Monitor(),
+    )
+
+
+def build_method(
+    config: AdaptConfig,
+    recipe: Recipe | None,
+    artifact: Artifact | None,
+    data: OpenedData,
+    preprocess: Preprocessing,
+    device: torch.device,
+    monitor: Monitor | None,
+) -> Method:
+    """The method: the statistics of the classes predicted among, the recipe's options with the
+    user's over them, and the source images it takes."""
+    gaussians = statistics_of(artifact, data.subset)
     options = {**(recipe.options if recipe else {}), **config.method_options()}
-    if source is not None:
+    if data.source is not None:
         checked = size_check(config.source_data, artifact, monitor.warn if monitor else None)
-        options.update(source_images(config, source, preprocess, device, model_classes or class_names, checked))
+        options.update(source_images(config, data.source, preprocess, device, data.model_class_names, checked))
     with blamed_on(recipe):  # `method_option` was checked with the settings: a recipe's own option is wrong
         method = create(config.method, gaussians, device, **options)
     if config.oracle and not method.takes_labels:  # a plug-in: known once made
@@ -248,40 +384,23 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
             f"`oracle` gives the true labels to a loss that uses the predicted class; the plug-in {config.method} "
             f"does not say it takes them (a Method's takes_labels, read through class_labels())"
         )
+    return method
+
+
+def build_adapter(
+    config: AdaptConfig,
+    net: FeatureClassifier,
+    method: Method,
+    device: torch.device,
+    artifact: Artifact | None,
+    subset: ClassSubset | None,
+) -> Adapter:
+    """The Adapter of the method on the model, with the settings and, for `norm` class-balanced,
+    the class moments of the classes predicted among."""
     # what a method draws as it is built (RMT's and SANTA's projector, AdaContrast's key queue) follows --seed
     torch.manual_seed(config.seed)
-    adapter = Adapter(
-        net, method, device, **config.adapter_options(), class_moments=norm_moments_of(config, artifact, subset)
-    )
-    recorded = _recorded_settings(config, device, artifact, spec, preprocess)
-    recorded["class_subset"] = (
-        {
-            "file": absolute(config.class_subset),
-            "classes": len(subset.names),
-            "model_outputs": len(subset.model_classes),
-        }
-        if subset
-        else None
-    )
-    recorded["recipe"] = {"requested": config.recipe, **(recipe.record() if recipe else {"name": None})}
-    recorded["method_options"] = {option.name: getattr(method, option.name) for option in method.options} or (
-        config.method_options() if is_plugin(config.method) else {}
-    )
-    return Adaptation(
-        adapter,
-        domains,
-        preprocess,
-        class_names,
-        config,
-        recorded,
-        artifact.preprocessing if artifact else None,
-        artifact.sampling if artifact else None,
-        groups,
-        notes,
-        clean,
-        recipe,
-        forgetting,
-    )
+    moments = norm_moments_of(config, artifact, subset)
+    return Adapter(net, method, device, **config.adapter_settings(), class_moments=moments)
 
 
 def with_recipe(config: AdaptConfig, num_classes: int) -> tuple[AdaptConfig, Recipe | None]:
@@ -395,12 +514,19 @@ def open_test_domain(
     return domain
 
 
-def _recorded_settings(
-    config: AdaptConfig, device: torch.device, artifact: Artifact | None, spec: ModelSpec, preprocess: Preprocessing
+def recorded_settings(
+    config: AdaptConfig,
+    device: torch.device,
+    artifact: Artifact | None,
+    spec: ModelSpec,
+    preprocess: Preprocessing,
+    subset: ClassSubset | None,
+    recipe: Recipe | None,
+    method: Method,
 ) -> dict:
     """Every setting the results depend on, as resolved, for the metrics JSON."""
     return {
-        **{name: getattr(config, name) for name in recorded_as_given(AdaptConfig)},
+        **recorded_values(config),
         "device": str(device),
         "num_workers": loader_processes(config.num_workers, device),
         # which statistics: the path as resolved, and when they were made (a path can be overwritten)
@@ -414,6 +540,18 @@ def _recorded_settings(
         "severity": effective_severity(config),
         "source": source_of(config),
         "preprocessing": asdict(preprocess),
+        "class_subset": (
+            {
+                "file": absolute(config.class_subset),
+                "classes": len(subset.names),
+                "model_outputs": len(subset.model_classes),
+            }
+            if subset
+            else None
+        ),
+        "recipe": {"requested": config.recipe, **(recipe.record() if recipe else {"name": None})},
+        "method_options": {option.name: getattr(method, option.name) for option in method.options}
+        or (config.method_options() if is_plugin(config.method) else {}),
     }
 
 

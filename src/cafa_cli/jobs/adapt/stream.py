@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,61 +21,65 @@ from cafa_cli.data.values import parse_reset
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.method import Method
 from cafa_cli.engine.options import shown
+from cafa_cli.jobs.config.settings import StreamSettings
 from cafa_cli.jobs.shared.results import DomainResult, Record
+
+
+@dataclass(frozen=True)
+class StreamEvents:
+    """What the loop tells its caller as it goes; each does nothing unless given. `on_records`
+    gets each batch's records and the result so far of their domain (of the whole stream when
+    mixed); `on_skip` each unreadable image and why; `on_domain` each stream as it starts (a
+    domain, or the mixed one); `on_first_batch` each stream's first batch of images (uint8
+    pixels) and their logits, before their records are made; `on_stream_end` the domains of each
+    stream as it ends (one, or all when mixed)."""
+
+    on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None
+    on_skip: Callable[[str, str], None] = lambda ref, why: None
+    on_domain: Callable[[Domain], None] = lambda domain: None
+    on_first_batch: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None
+    on_stream_end: Callable[[list[int]], None] = lambda members: None
 
 
 def adapt_domains(
     adapter: Adapter,
     domains: list[Domain],
     preprocess: Preprocessing,
-    batch_size: int = 200,
-    reset: str = "domain",
-    shuffle: bool = True,
-    seed: int = 0,
-    order: str = "iid",
-    mix_domains: bool = False,
+    settings: StreamSettings = StreamSettings(),
+    *,
     groups: Sequence[int] | None = None,
-    num_workers: int | None = None,
-    strict: bool = False,
-    oracle: bool = False,
-    on_records: Callable[[list[Record], DomainResult], None] = lambda records, so_far: None,
-    on_skip: Callable[[str, str], None] = lambda ref, why: None,
-    on_domain: Callable[[Domain], None] = lambda domain: None,
-    on_first_batch: Callable[[Domain, torch.Tensor, torch.Tensor], None] | None = None,
-    on_stream_end: Callable[[list[int]], None] = lambda members: None,
+    events: StreamEvents = StreamEvents(),
     pace: Pace | None = None,
     typed_options: Collection[str] | None = None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it;
     one result per domain.
 
-    reset: `domain` starts each domain from the source weights, `episodic` restores
+    `settings.reset`: `domain` starts each domain from the source weights, `episodic` restores
     them after every batch, `never` adapts continually across domains, `every:N` too but
     restores them after every N batches that updated (RDumb's schedule), counted across
-    domains. With `groups`
-    (a number per domain) `domain` resets only where the number changes: at each
-    corruption of the gradual setting, not at each of its severities. `order` orders each
-    domain's images (data/orders.py). `mix_domains` makes the domains one stream, ordered
-    as one. `oracle` gives the method each batch's true labels for its loss (CAFA-Oracle;
-    every image must be labelled). `on_records` gets each batch's records and the result so far of their
-    domain (of the whole stream when mixed). `on_first_batch` gets each stream's first
-    batch of images (uint8 pixels) and their logits, before their records are made;
-    `on_stream_end` the domains of each stream as it ends (one, or all when mixed).
-    `pace`: a stream that does not wait (data/pace.py): the batches that arrive while the
-    method is busy are predicted by the model as adapted so far, without adapting.
+    domains. With `groups` (a number per domain) `domain` resets only where the number
+    changes: at each corruption of the gradual setting, not at each of its severities.
+    `settings.order` orders each domain's images (data/orders.py). `settings.mix_domains` makes
+    the domains one stream, ordered as one. `settings.oracle` gives the method each batch's true
+    labels for its loss (CAFA-Oracle; every image must be labelled). `events` hears of the
+    records, the skipped images and the streams as they go (StreamEvents). `pace`: a stream
+    that does not wait (data/pace.py): the batches that arrive while the method is busy are
+    predicted by the model as adapted so far, without adapting.
     `typed_options`: the method options the user gave, which outputs that turn NaN name as a
     suspect when away from their defaults (None: every option away from its default, as the
     caller built the method).
     """
     pace = pace or Pace()
-    policy, period = parse_reset(reset)
+    policy, period = parse_reset(settings.reset)
     updates = 0  # batches adapted on since the last reset (`every:N`)
     groups = list(range(len(domains))) if groups is None else list(groups)
     # the stream order has its own generator; this one is for whatever else draws from
     # torch's (a factory model's noise, the loader's worker seeds): --seed repeats a run
-    torch.manual_seed(seed)
+    torch.manual_seed(settings.seed)
     results = [DomainResult(domain.name) for domain in domains]
-    streams = [list(range(len(domains)))] if mix_domains and len(domains) > 1 else [[k] for k in range(len(domains))]
+    one_stream = settings.mix_domains and len(domains) > 1
+    streams = [list(range(len(domains)))] if one_stream else [[k] for k in range(len(domains))]
     for members in streams:
         first = members[0]
         if policy == "domain" and first > 0 and groups[first] != groups[first - 1]:
@@ -85,19 +90,21 @@ def adapt_domains(
         else:
             domain, owner = mixed([domains[k] for k in members])
             so_far = DomainResult(domain.name)
-        on_domain(domain)
+        events.on_domain(domain)
         # the counts live on the device and are read before and after the stream (a read waits
         # for it); a mixed stream reads them after every batch, to give each domain its batches'
         clock, before = time.perf_counter(), _counts(adapter)
-        positions = stream_order(domain.labels, order, shuffle, seed, domain.name)
-        first = on_first_batch
-        for batch in batches(domain, preprocess, batch_size, positions, num_workers, adapter.device):
-            for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, strict)):
+        positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
+        first = events.on_first_batch
+        for batch in batches(domain, preprocess, settings.batch_size, positions, settings.num_workers, adapter.device):
+            for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, settings.strict)):
                 for result in _tallies(results[owner[i]], so_far):
                     result.skipped_images.append(ref)
-                on_skip(ref, why)
+                events.on_skip(ref, why)
             adapts = batch.images is None or pace.adapts()
-            records = _step(adapter, domain, preprocess, batch, first, oracle, pace if adapts else None, typed_options)
+            records = _step(
+                adapter, domain, preprocess, batch, first, settings.oracle, pace if adapts else None, typed_options
+            )
             first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
                 for result in _tallies(results[owner[i]], so_far):
@@ -110,7 +117,7 @@ def adapt_domains(
                     for result in _tallies(results[k], so_far):
                         result.batches += 1
                         result.adapted_batches += adapts
-            on_records(records, so_far)
+            events.on_records(records, so_far)
             if not adapts:  # predicted while the method was busy: nothing changed, nothing to reset or count
                 pass
             elif policy == "episodic":
@@ -139,7 +146,7 @@ def adapt_domains(
                     f"{domains[k].name}: none of its {len(results[k].skipped_images)} image(s) could be read (see the "
                     f"warnings); check the files, or leave the domain out"
                 )
-        on_stream_end(members)
+        events.on_stream_end(members)
     return results
 
 

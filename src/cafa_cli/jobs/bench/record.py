@@ -17,7 +17,7 @@ from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed
 from cafa_cli.jobs.config import BenchConfig
-from cafa_cli.jobs.config.settings import recorded_as_given
+from cafa_cli.jobs.config.settings import recorded_values
 from cafa_cli.jobs.shared import report
 from cafa_cli.jobs.shared.inputs import recipe
 from cafa_cli.model.checkpoints import sha256_of
@@ -59,7 +59,7 @@ def write_json(
     run's seed is under "runs")."""
     labels = tables.domain_labels(config.data)
     shared = {
-        **{name: getattr(config, name) for name in recorded_as_given(BenchConfig)},
+        **recorded_values(config),
         "shuffle": True,
     }  # bench streams are shuffled
     shared["num_workers"] = loader_processes(config.num_workers, pick_device(config.device))

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from cafa_cli.core.errors import UsageError, repeated
-from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import oracle_methods
 from cafa_cli.methods import REGISTRY, is_plugin, method_class
@@ -156,7 +155,7 @@ def with_oracle(config: BenchConfig, rows: list[Row]) -> list[Row]:
 def with_norm_statistics(config: BenchConfig, rows: list[Row]) -> list[Row]:
     """Under `norm` class-balanced every row reads the class moments of the BatchNorms' inputs
     from an artifact: a row without statistics of its own takes the `auto` one."""
-    if parse_norm(config.norm)[0] != "class-balanced":
+    if not config.norm.class_balanced:
         return rows
     return [row if row.covariance else replace(row, covariance="auto") for row in rows]
 

@@ -12,7 +12,6 @@ from cafa_cli.core.errors import InputError, UsageError, listing, repeated
 from cafa_cli.data.domain import Domain
 from cafa_cli.data.pace import parse_step_cost
 from cafa_cli.data.sources import gradual_stages, open_domain
-from cafa_cli.engine.options import parse_norm
 from cafa_cli.jobs.adapt.prepare import check_oracle_labels
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
@@ -111,7 +110,7 @@ def stats_config(
         covariance=covariance,
         out=str(out),
         seed=subset_seed,
-        norm_moments=parse_norm(config.norm)[0] == "class-balanced",
+        norm_moments=config.norm.class_balanced,
         severity=None,
         **({"fraction": fraction} if fraction is not None else {}),
     )

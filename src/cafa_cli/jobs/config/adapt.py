@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from cafa_cli import DEFAULT_ARTIFACT
 from cafa_cli.core.errors import UsageError
@@ -23,6 +23,7 @@ from cafa_cli.jobs.config.settings import (
     RecordFormat,
     RuntimeOptions,
     StreamOptions,
+    StreamSettings,
     check_oracle,
     parse_method_options,
     setting,
@@ -79,9 +80,12 @@ class AdaptConfig(
         command_line_only=True,
     )
     shuffle: bool = setting(
-        True, "Shuffle each domain's stream (seeded).", flags=("--shuffle/--no-shuffle",), panel=STREAM
+        StreamSettings.shuffle,
+        "Shuffle each domain's stream (seeded).",
+        flags=("--shuffle/--no-shuffle",),
+        panel=STREAM,
     )
-    seed: int = setting(0, "Seed of the stream order.", metavar="N", panel=STREAM)
+    seed: int = setting(StreamSettings.seed, "Seed of the stream order.", metavar="N", panel=STREAM)
     format: RecordFormat = setting("csv", "Prediction records as csv or jsonl.", panel=OUTPUT, recorded=OUTPUT_FILE)
     predictions: str | None = setting(
         None, "Write the records to this file instead of stdout.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE
@@ -194,12 +198,6 @@ class AdaptConfig(
             resolve_options(self.method, options_of(self.method), given)
         return given
 
-    def stream_options(self) -> dict:
-        return {
-            "batch_size": self.batch_size,
-            "reset": self.reset,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "order": self.order,
-            "mix_domains": self.mix_domains,
-        }
+    def stream_settings(self) -> StreamSettings:
+        """What the online loop is told (jobs/adapt/stream.adapt_domains)."""
+        return StreamSettings(**{f.name: getattr(self, f.name) for f in fields(StreamSettings)})

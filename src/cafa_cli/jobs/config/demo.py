@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.options import AdapterSettings
 from cafa_cli.jobs.config.checks import parse_severities
 from cafa_cli.jobs.config.settings import ADAPTATION, DATA, DEMO_CORRUPTIONS, METHOD, OUTPUT, setting
 
@@ -54,7 +55,7 @@ class DemoConfig:
         recorded="resolved: the rows, each with its method and settings",
     )
     batch_size: int = setting(200, "Images per adaptation batch.", metavar="N", panel=ADAPTATION)
-    lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
+    lr: float = setting(AdapterSettings.lr, "Learning rate.", metavar="LR", panel=ADAPTATION)
     seed: int = setting(0, "Seed of the data, the subset and the stream.", metavar="N", panel=ADAPTATION)
     data_only: bool = setting(False, "Only build the image folders (e.g. the full set for cafa bench).", panel=OUTPUT)
     fashion_mnist: str | None = setting(

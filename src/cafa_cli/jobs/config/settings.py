@@ -18,7 +18,7 @@ from cafa_cli.data.values import (
     parse_order,
     parse_reset,
 )
-from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, check_adapter_options
+from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, AdapterSettings, Norm
 from cafa_cli.jobs.config.checks import at_least, parse_shrinkage
 from cafa_cli.statistics import COVARIANCE_CHOICES
 
@@ -101,18 +101,45 @@ def recorded_as_given(config_type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(config_type) if f.metadata.get("recorded", True) is True)
 
 
+def recorded_values(config) -> dict:
+    """Those settings of `config` (recorded_as_given) with their values as JSON keeps them: a Norm as its text."""
+    values = {name: getattr(config, name) for name in recorded_as_given(type(config))}
+    return {name: str(value) if isinstance(value, Norm) else value for name, value in values.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamSettings:
+    """What the online loop (jobs/adapt/stream.adapt_domains) is told: how each domain's images are
+    ordered (`order`, `shuffle` and `seed`, data/orders.py), batched and read (`num_workers`,
+    `strict`), whether the domains make one stream (`mix_domains`), when the adaptation starts
+    afresh (`reset`), and whether the loss is given the true labels (`oracle`). The command line's
+    options of the same names take their defaults from here; AdaptConfig.stream_settings() makes one."""
+
+    batch_size: int = 200
+    order: str = "iid"
+    shuffle: bool = True
+    seed: int = 0
+    mix_domains: bool = False
+    reset: str = "domain"
+    oracle: bool = False
+    num_workers: int | None = None
+    strict: bool = False
+
+
 @dataclass(kw_only=True)
 class RuntimeOptions:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N.", metavar="DEVICE", panel=RUNTIME)
     num_workers: int | None = setting(
-        None,
+        StreamSettings.num_workers,
         "Data loading processes. Default: on CUDA the cores this process may use, less one (shared among torchrun's "
         "ranks); on the CPU 0.",
         metavar="N",
         panel=RUNTIME,
         show_default=False,
     )
-    strict: bool = setting(False, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME)
+    strict: bool = setting(
+        StreamSettings.strict, "Fail on the first unreadable image instead of skipping it.", panel=RUNTIME
+    )
 
     def _check_runtime(self) -> None:
         if self.device != "auto" and self.device.partition(":")[0] not in ("cpu", "cuda"):
@@ -122,44 +149,53 @@ class RuntimeOptions:
 
 @dataclass(kw_only=True)
 class AdaptationOptions:
-    """How the model adapts: the Adapter's keyword arguments, one to one."""
+    """How the model adapts: the Adapter's settings (engine/options.AdapterSettings, which holds
+    their defaults), one to one; `norm` given as text is parsed once, when the settings are checked."""
 
     params: ParamSet = setting(
-        "norm", "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION
+        AdapterSettings.params, "norm (normalisation affines) or all (the whole feature extractor).", panel=ADAPTATION
     )
     optimizer: Optimizer = setting(
-        "adam", "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).", panel=ADAPTATION
+        AdapterSettings.optimizer,
+        "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).",
+        panel=ADAPTATION,
     )
-    lr: float = setting(1e-3, "Learning rate.", metavar="LR", panel=ADAPTATION)
-    momentum: float = setting(0.9, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION)
-    steps: int = setting(1, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
-    norm: str = setting(
-        "batch",
+    lr: float = setting(AdapterSettings.lr, "Learning rate.", metavar="LR", panel=ADAPTATION)
+    momentum: float = setting(
+        AdapterSettings.momentum, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION
+    )
+    steps: int = setting(AdapterSettings.steps, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
+    norm: Norm = setting(
+        AdapterSettings.norm,
         "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; "
         "needs cafa stats --norm-moments), alpha:A (α-BN), unmix:K (UnMix-TNS). "
         "docs/usage.md, Normalisation statistics",
         metavar="NORM",
         panel=ADAPTATION,
     )
-    precision: Precision = setting("fp32", "Autocast precision (bf16, fp16: CUDA only).", panel=RUNTIME)
+    precision: Precision = setting(
+        AdapterSettings.precision, "Autocast precision (bf16, fp16: CUDA only).", panel=RUNTIME
+    )
     compile: bool = setting(
-        False,
+        AdapterSettings.compile,
         "torch.compile the model, with the loss of a method that trains (pays a compilation on the first batches).",
         panel=RUNTIME,
     )
     cuda_graph: bool = setting(
-        True,
+        AdapterSettings.cuda_graph,
         "On CUDA, replay each step from a CUDA graph where the method allows it, checked against an eager step once "
         "(1.0-1.6x faster steps on an H200; --no-cuda-graph: every step eager).",
         flags=("--cuda-graph/--no-cuda-graph",),
         panel=RUNTIME,
     )
 
-    def adapter_options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(AdaptationOptions)}
+    def adapter_settings(self) -> AdapterSettings:
+        """The Adapter's settings: `Adapter(model, method, **config.adapter_settings())`."""
+        return AdapterSettings(**{f.name: getattr(self, f.name) for f in fields(AdaptationOptions)})
 
     def _check_adaptation(self) -> None:
-        check_adapter_options(**self.adapter_options())
+        self.norm = Norm.parse(self.norm)  # text from the command line, a cafa.toml or a recipe
+        self.adapter_settings()
 
 
 @dataclass(kw_only=True)
@@ -253,30 +289,30 @@ class MethodDataOptions:
 
 @dataclass(kw_only=True)
 class StreamOptions:
-    """The order and grouping of the test images: adapt_domains' keyword arguments."""
+    """The order and grouping of the test images, and the pace and length of the stream."""
 
     batch_size: int = setting(
-        200,
+        StreamSettings.batch_size,
         "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C).",
         metavar="N",
         panel=STREAM,
     )
     reset: str = setting(
-        "domain",
+        StreamSettings.reset,
         "domain (each domain from the source weights), episodic (every batch), never (continual), every:N "
         "(continual, back to the source weights after every N updates: RDumb's schedule).",
         metavar="RESET",
         panel=STREAM,
     )
     order: str = setting(
-        "iid",
+        StreamSettings.order,
         "Order of each domain's images: iid, label-shift:S (the paper's), or dirichlet:D (NOTE's and RoTTA's; 0.1, "
         "0.01). docs/usage.md, Stream settings",
         metavar="ORDER",
         panel=STREAM,
     )
     mix_domains: bool = setting(
-        False, "All domains interleaved into one stream (errors still per domain).", panel=STREAM
+        StreamSettings.mix_domains, "All domains interleaved into one stream (errors still per domain).", panel=STREAM
     )
     gradual: bool = setting(
         False,
@@ -339,7 +375,7 @@ class OracleOptions:
     """An analysis of labelled streams: the paper's CAFA-Oracle."""
 
     oracle: bool = setting(
-        False,
+        StreamSettings.oracle,
         "CAFA-Oracle: the class-aware loss takes the true labels in place of the predictions; the predictions "
         "reported are still the model's. For cafa, intra, euclidean and cafa-eata; bench adds a NAME-oracle row after "
         "each of theirs.",

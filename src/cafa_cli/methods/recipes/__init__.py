@@ -23,15 +23,14 @@ of the family on it when no `model` is chosen. Torch-free.
 
 from __future__ import annotations
 
-import inspect
 import math
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 
 from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.core.files import read_small_text, reading, toml_problem
-from cafa_cli.engine.options import check_adapter_options
+from cafa_cli.engine.options import AdapterSettings
 
 FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
 NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
@@ -41,9 +40,9 @@ RECIPE_LIMIT = 1 << 20
 # what a recipe may set; `reset` is a method's own only where it is its schedule (rdumb's every:N),
 # `norm` where its authors normalised otherwise than with the test batch (memo's prior, ttaug's α-BN)
 SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "norm", "fisher_samples", "reset")
-# those of SETTINGS that are the Adapter's keyword arguments (the others are the stream's batch_size and
-# EATA's fisher_samples): the keywords check_adapter_options checks, which are the Adapter's
-ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in inspect.signature(check_adapter_options).parameters)
+# those of SETTINGS that are the Adapter's (AdapterSettings' fields; the others are the stream's batch_size
+# and reset, and EATA's fisher_samples)
+ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in {f.name for f in fields(AdapterSettings)})
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
 DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
 # the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
@@ -66,12 +65,12 @@ class Recipe:
     origin: str = "shipped"  # or the user's file
     chosen_by: str = ""  # how `auto` chose the family: "the named benchmark", "the model's 10 classes"
 
-    def adapter_settings(self) -> dict:
-        """The settings that are the Adapter's keyword arguments (optimizer, lr, momentum,
-        steps, params, norm): `Adapter(model, method, **recipe.adapter_settings())`. The others are
-        not the Adapter's: `batch_size` and `reset` are the stream's, `fisher_samples` the number of clean
-        images EATA's Fisher term is computed from."""
-        return {key: value for key, value in self.settings.items() if key in ADAPTER_SETTINGS}
+    def adapter_settings(self) -> AdapterSettings:
+        """The Adapter's settings, those the recipe gives (optimizer, lr, momentum, steps, params,
+        norm) in place of the defaults: `Adapter(model, method, **recipe.adapter_settings())`. The
+        others are not the Adapter's: `batch_size` and `reset` are the stream's, `fisher_samples`
+        the number of clean images EATA's Fisher term is computed from."""
+        return AdapterSettings(**{key: value for key, value in self.settings.items() if key in ADAPTER_SETTINGS})
 
     def record(self) -> dict:
         """What the metrics and bench JSON keep of it."""
