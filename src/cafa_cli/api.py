@@ -15,7 +15,8 @@ The map, in the order a run uses it:
 - Class statistics: `ClassMoments` (accumulated features), `estimate` (moments ->
   `ClassGaussians`), `ClassDistances` (squared Mahalanobis distances to each class);
   `write_artifact` and `read_artifact` (the file `cafa stats` writes).
-- Adaptation: `Adapter` (predict, then update, for any method), `pick_device` (the
+- Adaptation: `Adapter` (predict, then update, for any method), `AdapterSettings` (its
+  settings, checked; they unpack as its keywords), `Norm` (a parsed `norm`), `pick_device` (the
   device `auto` means, checked), `create` (a method by name), `REGISTRY` (the built-in
   methods), `method_class` (a built-in method's class: what it needs and does),
   `options_of` (a method's `Option`s), `shipped` (a method's published recipe), `losses`
@@ -42,7 +43,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import open_domain
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.method import AdapterSurface, Method
-from cafa_cli.engine.options import Option
+from cafa_cli.engine.options import AdapterSettings, Norm, Option
 from cafa_cli.jobs.adapt import run as run_adapt
 from cafa_cli.jobs.bench import run as run_bench
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, DemoConfig, FeaturesPlotConfig, StatsConfig
@@ -63,6 +64,7 @@ __all__ = [
     "FeatureClassifier",
     "model_spec",
     "ModelSpec",
+    "Norm",
     "parameters_sha256",
     # images
     "open_domain",
@@ -79,6 +81,7 @@ __all__ = [
     "read_artifact",
     # adaptation
     "Adapter",
+    "AdapterSettings",
     "pick_device",
     "create",
     "REGISTRY",
