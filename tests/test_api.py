@@ -29,7 +29,11 @@ INTERNALS = {
     "robust_gate_trace.py": {"cafa_cli.methods.cafa_robust"},  # the gate it traces
     "severity_scan.py": {"cafa_cli.data.fmnist_c"},  # how cafa demo corrupts Fashion-MNIST
     "held_out_transforms.py": {"cafa_cli.data.fmnist_c"},
-    "soak.py": {"cafa_cli.data.domain", "cafa_cli.jobs.adapt.stream"},  # the stream loop it soaks
+    "soak.py": {
+        "cafa_cli.data.domain",
+        "cafa_cli.jobs.adapt.stream",
+        "cafa_cli.jobs.config.settings",
+    },  # the stream loop it soaks, and its settings
     "stream_orders.py": {"cafa_cli.data.orders"},  # the orders it times
     "protocols_tables.py": {"cafa_cli.jobs.bench"},  # tables.plot_rounds: bench's figure
     "wide_fmnist.py": {"cafa_cli.model.zoo", "cafa_cli.model.zoo.fmnist_resnet"},  # the model it widens
