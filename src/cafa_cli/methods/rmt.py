@@ -72,13 +72,17 @@ from cafa_cli.engine.method import AdapterSurface, Method, with_classifier
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.augment import augment
-from cafa_cli.methods.shared.prototype_contrast import projector, prototype_contrast
+from cafa_cli.methods.shared.prototype_contrast import (
+    LAMBDA_CONT_OPTION,
+    PROJECTION_OPTION,
+    TEMPERATURE_OPTION,
+    projector,
+    prototype_contrast,
+)
 from cafa_cli.methods.shared.teacher_student import follow, frozen_copy, named, names_of
 from cafa_cli.model.features import FeatureClassifier
 
 TEACHER_MOMENTUM = 0.999  # α
-TEMPERATURE = 0.1  # τ
-PROJECTION_DIM = 128  # p
 WARMUP_SAMPLES = 50_000
 
 
@@ -103,16 +107,10 @@ class Rmt(Method):
     owns_update = True
     options = (
         Option("teacher_momentum", TEACHER_MOMENTUM, "α: the teacher's moving average θ' ← αθ' + (1 − α)θ", "fraction"),
-        Option("temperature", TEMPERATURE, "τ, the contrastive loss's temperature", "positive"),
-        Option(
-            "projection_dim",
-            PROJECTION_DIM,
-            "p, the projector's width (Linear d→p, ReLU, Linear p→p)",
-            "count",
-            most=8192,
-        ),
+        TEMPERATURE_OPTION,
+        PROJECTION_OPTION,
         Option("lambda_ce_trg", 1.0, "λ_trg, the weight of the symmetric cross-entropy to the teacher", "weight"),
-        Option("lambda_cont", 1.0, "λ_cont, the weight of the contrastive loss to the source prototypes", "weight"),
+        LAMBDA_CONT_OPTION,
         Option(
             "lambda_ce_src", 1.0, "λ_src, the weight of the source replay's cross-entropy (source images)", "weight"
         ),

@@ -49,12 +49,16 @@ from torch import nn
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.augment import augment
-from cafa_cli.methods.shared.prototype_contrast import projector, prototype_contrast
+from cafa_cli.methods.shared.prototype_contrast import (
+    LAMBDA_CONT_OPTION,
+    PROJECTION_OPTION,
+    TEMPERATURE_OPTION,
+    projector,
+    prototype_contrast,
+)
 from cafa_cli.methods.shared.teacher_student import frozen_copy
 from cafa_cli.model.features import FeatureClassifier
 
-TEMPERATURE = 0.1  # τ
-PROJECTION_DIM = 128  # p
 VIEW_SHARE = 0.5  # α of the authors' AugCrossEntropy: the view's share of the anchoring term
 
 
@@ -73,16 +77,10 @@ class Santa(Method):
     running_norms = "its anchor is a copy of the model, normalisation layers included"
     owns_update = True  # a second (augmented) pass and the anchor's pass each step
     options = (
-        Option("temperature", TEMPERATURE, "τ, the contrastive loss's temperature", "positive"),
-        Option(
-            "projection_dim",
-            PROJECTION_DIM,
-            "p, the projector's width (Linear d→p, ReLU, Linear p→p)",
-            "count",
-            most=8192,
-        ),
+        TEMPERATURE_OPTION,
+        PROJECTION_OPTION,
         Option("lambda_ce_trg", 1.0, "λ_trg, the weight of the cross-entropy to the source anchor", "weight"),
-        Option("lambda_cont", 1.0, "λ_cont, the weight of the contrastive loss to the source prototypes", "weight"),
+        LAMBDA_CONT_OPTION,
     )
     # what is made once from the inputs: the prototypes, and the anchor (the source model, never changed)
     unsaved = (*Method.unsaved, "prototypes", "anchor")

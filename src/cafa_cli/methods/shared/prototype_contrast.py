@@ -16,6 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cafa_cli.engine.options import Option
+
+# the term's options, as both methods declare them (conf.py's CONTRAST defaults)
+TEMPERATURE_OPTION = Option("temperature", 0.1, "τ, the contrastive loss's temperature", "positive")
+PROJECTION_OPTION = Option(
+    "projection_dim", 128, "p, the projector's width (Linear d→p, ReLU, Linear p→p)", "count", most=8192
+)
+LAMBDA_CONT_OPTION = Option(
+    "lambda_cont", 1.0, "λ_cont, the weight of the contrastive loss to the source prototypes", "weight"
+)
+
 
 def projector(feature_dim: int, width: int, device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """g with torch's default initialisation, from its generator (seed it first to repeat a
