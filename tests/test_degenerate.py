@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PLAIN, TINY_NET, invoke, write_folder
-from helpers import adapt, no_traceback, save, solid
+from conftest import write_folder
+from helpers import adapt, bench, no_traceback, save, solid
 
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.methods import create
@@ -119,30 +119,17 @@ def test_a_failing_bench_row_is_named_and_the_other_rows_are_written(setup, tmp_
     no CSV. The others are now written, and the exit says which failed and why."""
     domain = write_folder(tmp_path / "test", per_class=4, seed=2)
     csv, report = tmp_path / "r.csv", tmp_path / "r.json"
-    result = invoke(
-        "bench",
+    result = bench(
         domain,
-        "--model",
-        TINY_NET,
-        "--weights",
-        setup["weights"],
-        "--train",
-        setup["train"],
-        "--fraction",
-        "1",
-        *PLAIN,
-        "--methods",
-        f"source,{broken_plugin(tmp_path)},bn",
-        "--seeds",
-        "0,1",
-        "--batch-size",
-        "4",
-        "--workdir",
-        tmp_path / "w",
-        "--csv",
-        csv,
-        "--metrics-json",
-        report,
+        weights=setup["weights"],
+        train=setup["train"],
+        fraction=1,
+        methods=f"source,{broken_plugin(tmp_path)},bn",
+        seeds="0,1",
+        batch_size=4,
+        workdir=tmp_path / "w",
+        csv=csv,
+        metrics_json=report,
     )
     assert result.exit_code == 3, result.stderr
     no_traceback(result)
@@ -157,24 +144,14 @@ def test_a_failing_bench_row_is_named_and_the_other_rows_are_written(setup, tmp_
 def test_a_bench_whose_every_row_fails_writes_nothing(setup, tmp_path):
     domain = write_folder(tmp_path / "test", per_class=2, seed=2)
     csv = tmp_path / "r.csv"
-    result = invoke(
-        "bench",
+    result = bench(
         domain,
-        "--model",
-        TINY_NET,
-        "--weights",
-        setup["weights"],
-        *PLAIN,
-        "--methods",
-        broken_plugin(tmp_path),
-        "--train",
-        setup["train"],
-        "--fraction",
-        "1",
-        "--workdir",
-        tmp_path / "w",
-        "--csv",
-        csv,
+        weights=setup["weights"],
+        methods=broken_plugin(tmp_path),
+        train=setup["train"],
+        fraction=1,
+        workdir=tmp_path / "w",
+        csv=csv,
     )
     assert result.exit_code == 3 and result.stdout == ""
     no_traceback(result)
