@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import PLAIN, TINY_NET, invoke, write_folder
-from helpers import adapt, fails
+from helpers import adapt, bench, fails
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import parse_order
@@ -160,25 +160,15 @@ def test_a_bench_recipe_file_is_checked_before_statistics_or_the_workdir_are_mad
     recipe = tmp_path / "r.toml"
     recipe.write_text(table + "\n")
     work = tmp_path / "work"
-    result = invoke(
-        "bench",
+    result = bench(
         setup["train"],
-        "--methods",
-        "cafa",
-        "--model",
-        TINY_NET,
-        "--weights",
-        setup["weights"],
-        "--train",
-        setup["train"],
-        *PLAIN,
-        "--fraction",
-        "1",
-        "--recipe",
-        recipe,
-        "--workdir",
-        work,
-        "--quiet",
+        methods="cafa",
+        weights=setup["weights"],
+        train=setup["train"],
+        fraction=1,
+        recipe=recipe,
+        workdir=work,
+        quiet=True,
     )
     assert result.exit_code == 3 and str(recipe) in result.stderr, result.stderr
     assert not work.exists() and result.stdout == ""
