@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Fashion-MNIST-C benchmark of docs/results.md, end to end, in one go:
+# The Fashion-MNIST-C benchmark of docs/results/index.md, end to end, in one go:
 #   1. build the 15 benchmark and 4 held-out corruptions at severity 3 (10,000 images each)
 #   2. choose each method's learning rate on the 4 held-out corruptions (1 seed)
 #   3. run the reported benchmark with those rates: 15 corruptions x 3 stream seeds

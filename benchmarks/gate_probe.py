@@ -2,8 +2,8 @@
 
 cafa-robust's gate reads a batch's skew (class_balanced.correction_strength) from a pass
 with the global statistics, which start as the source's; on a domain the source model gets
-mostly wrong that pass predicts a few classes even for an i.i.d. batch (docs/design.md,
-"cafa-robust", Limits). This prints, for each domain folder of the bundled Fashion-MNIST
+mostly wrong that pass predicts a few classes even for an i.i.d. batch (docs/design/cafa-robust.md,
+Limits). This prints, for each domain folder of the bundled Fashion-MNIST
 model, the mean skew and error of batches of N images under two passes, the source
 statistics' and the batch's own (BN's), for an i.i.d. stream and a class-sorted one
 (label shift 1.0). A pass that told the two streams apart on the hard domains would be a

@@ -33,7 +33,7 @@
 #            the marginal domain time and the 75-domain estimate, then PIL vs nvjpeg: speed.json
 #   history  (120 s, ~60 s) the methods stage again with --between-rows clean (gc,
 #            empty_cache, cudnn.benchmark off, dynamo reset): history-clean.json. How to read
-#            it beside step and methods: docs/performance.md, "A step cost that does not
+#            it beside step and methods: docs/performance/cuda-graph.md, "A step cost that does not
 #            depend on history"
 #   compile  (180 s, ~90 s) TENT and CAFA low-rank eager and with --compile: compile.json
 #            (last: the issue has its figure already, and compile may yield to CUDA graphs)

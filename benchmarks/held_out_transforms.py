@@ -1,5 +1,5 @@
 """Held-out domains beyond corrupt-tta's: Fashion-MNIST test images under six label-preserving
-image transforms that none of the 15 reported corruptions is (docs/design.md, "The continual
+image transforms that none of the 15 reported corruptions is (docs/design/cafa-robust-sweeps.md, "The continual
 column, fourth session": the four held-out corruptions are too few kinds of change for a
 continual stream). Writes ROOT/NAME/CLASS/INDEX.png for each transform, PER_CLASS images a
 class, the test images `cafa demo --data-only --test-per-class PER_CLASS` corrupts (its rows
@@ -10,14 +10,14 @@ and its folder writer), deterministic:
 `--extreme` writes six harsher ones instead (invert, vertical flip, a quarter turn, solarize
 at 64, one-bit posterize, a quarter of the brightness), looked through for a held-out domain
 the source model gets confidently wrong and batch statistics help, as the 15's motion blur
-(docs/design.md, "A second look at a skewed batch"); none is both. `--filters` writes sixteen
+(docs/design/cafa-robust-skewed-batches.md, "A second look at a skewed batch"); none is both. `--filters` writes sixteen
 image filters and resamplings instead (box, gaussian, median, mode, min and max filters, down-
 and upsampling, a vertical squash, a blur along the columns), blurs of other kinds than
 gaussian blur looked through for the same. `--of CORRUPTION/SEVERITY`
 transforms that corruption's images instead of the clean ones (the bytes `cafa demo
 --data-only` writes for it), a domain of two changes at once, e.g. a rotated gaussian blur
-(looked through for a held-out stand-in of the 15's continual stream into motion blur; design.md,
-"A held-out stand-in for motion blur, sixth session"):
+(looked through for a held-out stand-in of the 15's continual stream into motion blur;
+docs/design/cafa-robust-skewed-batches.md, "A held-out stand-in for motion blur, sixth session"):
 
     PYTHONPATH=src python benchmarks/held_out_transforms.py /tmp/fmnist-gb3 --of gaussian_blur/3
 """
@@ -80,7 +80,7 @@ def _vertical_blur(x: torch.Tensor, radius: int) -> torch.Tensor:
 
 # image filters and resamplings: blurs of other kinds than gaussian blur, looked through for a
 # held-out domain that the source model predicts as one class and batch statistics mend, as the
-# 15's motion blur (design.md, "A held-out stand-in for motion blur"); none is
+# 15's motion blur (docs/design/cafa-robust-skewed-batches.md, "A held-out stand-in for motion blur"); none is
 FILTERS = {
     "box2": _pil(lambda im: im.filter(ImageFilter.BoxBlur(2))),
     "box3": _pil(lambda im: im.filter(ImageFilter.BoxBlur(3))),

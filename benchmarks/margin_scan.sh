@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does CAFA's margin over TENT depend on the number of updates or on the severity?
 # Six Fashion-MNIST-C corruptions (all 10,000 test images), seed 0, the learning rates
-# of docs/results.md (Adam 1e-3 for TENT and CAFA); only the batch size (200 or 64:
+# of docs/results/index.md (Adam 1e-3 for TENT and CAFA); only the batch size (200 or 64:
 # 50 or 157 updates a domain) and the severity (3 or 5) change. One markdown table and
 # one JSON per setting land in $OUT. Needs cafa importable (PYTHONPATH=src) and corrupt-tta.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every method under four stream settings on Fashion-MNIST-C, before the recipes (docs/results.md, "Every method
+# Every method under four stream settings on Fashion-MNIST-C, before the recipes (docs/results/recipes.md, "Every method
 # under four stream settings, before the recipes"), end to end; recipes_table.sh runs the current table:
 #   1. build the 15 benchmark and 4 held-out corruptions at severity 3
 #   2. choose each method's learning rate from {1e-3, 3e-3, 1e-2} on the 4 held-out ones (seed 0)
@@ -10,12 +10,12 @@
 # (since then LAME's default affinity is rbf, that table's was knn, symmetric; CoTTA's views translate 1/8).
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
 # TEST_PER_CLASS=0 gives the full 10,000-image domains (hours on a 2-core CPU; the table in
-# docs/results.md used 300, 3,000 images a domain). Results land in $OUT.
+# docs/results/recipes.md used 300, 3,000 images a domain). Results land in $OUT.
 set -euo pipefail
 OUT=${OUT:-methods-out}; WORK=${WORK:-/tmp/fmnist-c}; WORKERS=${WORKERS:-0}
 TEST_PER_CLASS=${TEST_PER_CLASS:-300}; SEEDS=${SEEDS:-0}
 TUNED=${TUNED:-"tent cafa eta eata cafa-eata sar rotta"}  # rows whose learning rate is chosen
-EXTRA=${EXTRA-cotta@0.001}  # rows at a given rate (EXTRA= for none): CoTTA's step costs 36 TENT steps on a CPU (docs/performance.md)
+EXTRA=${EXTRA-cotta@0.001}  # rows at a given rate (EXTRA= for none): CoTTA's step costs 36 TENT steps on a CPU (docs/performance/methods.md)
 source "$(dirname "$0")/fmnist_c.sh"
 mkdir -p "$OUT"
 start=$(date +%s)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Label-shift-robust normalisation on Fashion-MNIST-C (docs/results.md, "Label-shift-robust
+# Label-shift-robust normalisation on Fashion-MNIST-C (docs/results/label-shift.md, "Label-shift-robust
 # normalisation"): Source, BN, TENT and CAFA with batch statistics and with
 # --norm class-balanced, under iid, label-shift:1.0, label-shift:0.5 and dirichlet:0.01,
 # at the learning rates the methods table chose (TENT 1e-3, CAFA 3e-3).
@@ -8,7 +8,7 @@
 #      computes the artifact with the class moments of the BatchNorms' inputs itself)
 #   3. one table (benchmarks/combine_tables.py)
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
-# TEST_PER_CLASS=0 gives the full 10,000-image domains; the table in docs/results.md used
+# TEST_PER_CLASS=0 gives the full 10,000-image domains; the table in docs/results/label-shift.md used
 # 300 (3,000 images a domain) and SEEDS=0,1,2. Results land in $OUT.
 set -euo pipefail
 OUT=${OUT:-norm-out}; WORK=${WORK:-/tmp/fmnist-c}; WORKERS=${WORKERS:-0}

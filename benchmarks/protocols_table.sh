@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The protocol tables of docs/results.md (issue 42) on Fashion-MNIST-C, every row at its
+# The protocol tables of docs/results/protocols.md (issue 42) on Fashion-MNIST-C, every row at its
 # cifar10-c recipe, as the recipes table:
 #   1. RATE: a stream that does not wait (--stream-rate 1, costs from `cafa methods`), i.i.d.
 #      and dirichlet:0.01, the 15 corruptions at severity 3, TEST_PER_CLASS 300 (the recipes

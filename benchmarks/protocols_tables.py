@@ -1,4 +1,4 @@
-"""The protocol tables of docs/results.md from benchmarks/protocols_table.sh's bench JSON files:
+"""The protocol tables of docs/results/protocols.md from benchmarks/protocols_table.sh's bench JSON files:
 
 1. rate.json: each row's error over the 15 domains (mean ± std over the seeds) under a stream
    that does not wait, per order, with the share of batches it adapted on, beside the

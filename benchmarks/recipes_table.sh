@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The methods table of docs/results.md ("Every method at its published recipe") with every
+# The methods table of docs/results/recipes.md ("Every method at its published recipe") with every
 # row at its published recipe (recipes/*.toml, cifar10-c: the family `auto` picks for the
 # bundled 10-class fmnist-resnet): no learning rate is chosen, the recipe gives it.
 #   1. build the 15 benchmark corruptions at severity 3
@@ -7,7 +7,7 @@
 #      one continual stream (--reset never)
 #   3. print one methods x settings table (benchmarks/combine_tables.py)
 # Needs: cafa importable (PYTHONPATH=src), corrupt-tta, the Fashion-MNIST idx files.
-# TEST_PER_CLASS=300 (3,000 images a domain) is the size of the table in docs/results.md.
+# TEST_PER_CLASS=300 (3,000 images a domain) is the size of the table in docs/results/recipes.md.
 # NORM=SETTING runs every row under `--norm SETTING` (alpha:0.1, unmix:16: the normalisation rows).
 # PARALLEL=1 runs the two benches side by side (two cores). Results land in $OUT.
 set -euo pipefail

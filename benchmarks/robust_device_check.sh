@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # cafa-robust at its recipe on a lent GPU against the CPU: `cafa adapt --reset never` over two
 # domains, i.i.d. and class-sorted (label shift 1.0), on the CPU, then CUDA in fp32 and bf16;
-# prints each run's error and how many predictions differ from the CPU's (docs/design.md,
-# "cafa-robust", Cost, has the last results). Two 300-image Fashion-MNIST-C domains and their
+# prints each run's error and how many predictions differ from the CPU's (docs/design/cafa-robust.md,
+# Cost, has the last results). Two 300-image Fashion-MNIST-C domains and their
 # artifact travel in a few MB (`cafa demo --data-only --test-per-class 30`), so one device call does it:
 #   bash benchmarks/robust_device_check.sh STATS DOMAIN_1 DOMAIN_2      # e.g. in .devdata, carried
 # RECIPE (cifar10-c) and BATCH (the recipe's) choose the setting; PY the interpreter.

@@ -8,7 +8,7 @@ statistics before it, and when each image in the bank after the batch arrived (i
 the stream, sorted), and, per BatchNorm in order, how far the variance of its input in the
 gate's pass jumped from the batch before (the change detector's statistic, mean over channels
 of ln² of the ratio, which the detector reads at the first layer alone). A diagnosis of a
-stream (docs/design.md, "cafa-robust"), not a part of the method.
+stream (docs/design/cafa-robust.md), not a part of the method.
 
     PYTHONPATH=src python benchmarks/robust_gate_trace.py trace.jsonl bench DOMAIN... \
         --methods cafa-robust --recipe cifar10-c --seeds 0 --reset never

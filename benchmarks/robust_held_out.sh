@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # cafa-robust on the four held-out Fashion-MNIST-C corruptions only (the corruptions its
-# options are chosen on; docs/design.md, "cafa-robust"), seed 0 (SEEDS=1,2: others), its cifar10-c recipe with
+# options are chosen on; docs/design/cafa-robust.md), seed 0 (SEEDS=1,2: others), its cifar10-c recipe with
 # each configuration's options on top: i.i.d. and one continual stream at severity 5 (where the
 # source statistics' gate fails on gaussian blur), i.i.d. / label shift 1.0 / Dirichlet 0.01 at
 # severity 3, continual streams at severity 3 (i.i.d., label shift 1.0 and Dirichlet 0.01 within

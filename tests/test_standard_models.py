@@ -61,7 +61,7 @@ def test_the_standard_model_replaces_the_default_only(recipe):
     for model in ("fmnist-resnet", "resnet18"):
         kept, line = with_standard_model(BenchConfig(data=["cifar10-c:d"], model=model, given=("model",)))
         assert kept.model == model and line is None
-    # an explicit recipe on the demo's folders (docs/results.md's methods table) keeps fmnist-resnet
+    # an explicit recipe on the demo's folders (docs/results/recipes.md's methods table) keeps fmnist-resnet
     demo, line = with_standard_model(
         BenchConfig(data=["fm/fashion-mnist-c-100/fog/3"], recipe="cifar10-c", given=("recipe",))
     )

@@ -3,7 +3,7 @@ PNG ImageFolders in the ImageNet-C layout (`<corruption>/<severity>/<class>/*.pn
 
 Corruptions come from the maintained `corrupt-tta` package (the ImageNet-C
 corruptions, offline). Its severities are calibrated for 224-px images; see
-docs/results.md for which severity gives a meaningful benchmark at 28 px.
+docs/results/setup.md for which severity gives a meaningful benchmark at 28 px.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ replayed (step_graph.py) where that is safe: a method that says its step is repl
 (`Method.capturable`; every `norm` keeps its statistics in place), fp32 or bf16, not
 `compile` (torch.compile has graphs of its own), no oracle labels. It is on by default since
 its first measurement on a GPU: steps 1.0-1.6x faster on an H200, every replayable method
-captured there (issue 45; docs/performance.md)."""
+captured there (issue 45; docs/performance/cuda-graph.md)."""
 
 from __future__ import annotations
 

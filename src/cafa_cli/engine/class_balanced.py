@@ -1,6 +1,6 @@
 """`norm` class-balanced (norms.py's module docstring): the batch's own statistics corrected
 for the batch's class mix, computed for all the BatchNorms at once (ClassBalancedNorms),
-and the corrections' arithmetic. docs/design.md, "Class-balanced normalisation", says why.
+and the corrections' arithmetic. docs/design/class-balanced.md says why.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cafa_cli.engine.options import Norm
 BALANCED_MOMENTUM = 0.05  # class-balanced: the momentum once 1/t falls below it (RoTTA's α)
 # class-balanced: how far a batch's class histogram must be from uniform (as a share of the
 # way from what an i.i.d. batch of its size shows to one class alone) before its correction
-# starts, and where it is whole; chosen on the held-out corruptions (docs/design.md)
+# starts, and where it is whole; chosen on the held-out corruptions (docs/design/class-balanced.md)
 SKEW_START, SKEW_FULL = 0.25, 0.65
 
 
@@ -240,7 +240,7 @@ def balanced_statistics(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's statistics (mean, var [channels]) as a class-balanced batch under the same
-    covariate shift would have them (docs/design.md). The source's moments of a batch of
+    covariate shift would have them (docs/design/class-balanced.md). The source's moments of a batch of
     its class mix are m_h and v_h (class_mix_moments); read the batch's as an affine change
     of those, a = √((σ²_B + ε)/(v_h + ε)) and μ_B − a·m_h, and apply the change to the
     balanced source moments μ̄, σ̄²:

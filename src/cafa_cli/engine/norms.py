@@ -14,7 +14,7 @@
   the gradient flows through the batch's part (RoTTA's robust BN, Yuan et al. 2023);
 - `class-balanced`: the batch's own statistics, corrected for the batch's class mix so
   that a batch of one class is normalised as a balanced batch under the same shift would
-  be (docs/design.md, "Class-balanced normalisation"). The class mix is the mean
+  be (docs/design/class-balanced.md). The class mix is the mean
   prediction of one extra forward pass a batch (no gradient) with running statistics:
   the corrected statistics of the batches so far, averaged (momentum max(0.05, 1/t) at
   the t-th batch), from the source's. It needs each class's moments of every BatchNorm's

@@ -1,6 +1,6 @@
 """CAFA-robust (`cafa-robust`): CAFA's class-aware alignment made safe for the streams a
 deployment meets: i.i.d., class-sorted (label shift), Dirichlet-correlated, continual, and
-batches of any size down to one image. docs/design.md ("cafa-robust") gives every choice
+batches of any size down to one image. docs/design/cafa-robust.md (and the pages it links) gives every choice
 and the measurement that chose it; reference_robust.py spells the step out in float64.
 
 Normalisation. Every BatchNorm keeps global statistics (μ_g, σ²_g), starting from the
@@ -18,7 +18,8 @@ With `mix_reference` B > 0 (off by default; issue 43) s measures the distance fr
 stream's typical class mix m_t instead of from uniform: m_0 uniform, then after each batch
 m_t = m_{t−1} + (h_t − m_{t−1}) / min(t + B, W), h_t the batch's mean softmax of that pass
 and W `mix_window`; a domain the source statistics predict as a few classes for every
-batch then stops reading as label shift (docs/design.md). With `entropy_rise` a > 0 (issue 43),
+batch then stops reading as label shift (docs/design/cafa-robust-second-design.md). With
+`entropy_rise` a > 0 (issue 43),
 a batch read as skewed (s > 0) is predicted once more, normalised with its own statistics
 alone, and its skew is scaled by clamp((ΔH − a)/a, 0, 1), ΔH the rise in its predictions'
 mean entropy from the first pass to this one. Centred on its own mean, a batch of few classes
@@ -48,11 +49,12 @@ of `update_every` images: when its per-channel variance jumps between two window
 channels of ln²(σ²_now / σ²_before) > τ (`change_threshold`), the global statistics return to
 the source's and the bank empties, before the batch that completed the window is predicted:
 the last domain's statistics and images would otherwise linger. A corruption changes that
-variance (noise raises it, blur lowers it) far more than a change of class does (docs/design.md).
+variance (noise raises it, blur lowers it) far more than a change of class does
+(docs/design/cafa-robust-second-design.md).
 The trained parameters then follow `restart_weights`: carried on (the class default), back to
 the source's with a new optimiser state, or (`fitter`) whichever of the two gives the batch the
 lower CAFA loss, normalised with its own statistics alone: the affines one corruption taught
-help some next corruptions and harm others (docs/design.md).
+help some next corruptions and harm others (docs/design/cafa-robust-restarts.md).
 
 Predictions of a skewed batch (issue 43). A batch whose class mix the gate reads as skewed
 by s > 0 is reported with LAME's Laplacian correction (methods/shared/laplacian.py, LAME's defaults: rbf
@@ -60,7 +62,7 @@ affinity of the features, k = 5) at λ = λ₀·s^q (`laplacian_weight`, `laplac
 batch holds few classes, so neighbours in feature space should share one; an i.i.d. batch
 (s = 0) is reported as it is.
 
-Defaults (chosen on the four held-out corruptions, docs/design.md): K = 64 (`memory_size`),
+Defaults (chosen on the four held-out corruptions, docs/design/cafa-robust.md): K = 64 (`memory_size`),
 a step every 64 images (`update_every`), α = 0.05 (`statistics_momentum`), N₀ = 16 (`prior`),
 p = 8 (`gate_power`), β = 0.01 (`source_pull`), τ = 1 (`change_threshold`), λ₀ = 1
 (`laplacian_weight`), q = 4 (`laplacian_power`), λ_t = λ_u = 1 (the bank's); β = τ = λ₀ = 0

@@ -1,4 +1,4 @@
-"""cafa-robust as docs/design.md writes it: dense, float64, read top to bottom.
+"""cafa-robust as docs/design/cafa-robust.md writes it: dense, float64, read top to bottom.
 
 This is the definition of what methods/cafa_robust.py computes in float32 over a whole
 network (tests/test_cafa_robust.py checks one against the other). The class distances D

@@ -1,6 +1,6 @@
 """Class-conditional Gaussians of the features: streaming moments, shrinkage, factors.
 
-Numerics (docs/design.md): moments are accumulated and covariances formed and factored
+Numerics (docs/design/decisions.md): moments are accumulated and covariances formed and factored
 in float64; only the final factors are stored in float32.
 
 Covariance modes: `full` (a precision Cholesky factor per class), `tied`, `diag`, and

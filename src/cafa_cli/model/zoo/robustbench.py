@@ -3,7 +3,7 @@
 The architectures are defined here, with the parameter names and shapes of RobustBench's
 checkpoints (robustbench/model_zoo/architectures/wide_resnet.py and resnext.py, and
 torchvision's ResNet-50 for ImageNet), so that its `.pt` files load key for key without
-the robustbench package (docs/design.md says why). Checkpoints are read from `--weights`
+the robustbench package (docs/design/decisions.md says why). Checkpoints are read from `--weights`
 or from the folder RobustBench's `load_model` saves them in, `models/<dataset>/corruptions/
 <name>.pt` under the working directory; nothing is downloaded.
 
