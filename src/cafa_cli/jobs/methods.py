@@ -215,9 +215,9 @@ def method_page(name: str) -> str:
             "Sources:\n\n"
             + "\n".join(f"- **{family}**: {_escaped(recipe.source)}" for family, recipe in recipes.items())
         )
-    for key, title in (("notes", "Notes"), ("deviations", "Deviations from the authors' code")):
-        if about.get(key):
-            parts += [f"## {title}", about[key].strip()]
+    if about["notes"]:
+        parts += ["## Notes", about["notes"].strip()]
+    parts += ["## Deviations from the authors' code", (about["deviations"] or "None recorded.").strip()]
     return "\n\n".join(parts) + "\n"
 
 
