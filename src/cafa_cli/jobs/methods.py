@@ -201,20 +201,17 @@ def method_page(name: str) -> str:
         parts.append("\n".join(lines))
     else:
         parts.append("None of its own.")
-    recipes = {family: shipped(name, family) for family in FAMILIES}
-    recipes = {family: recipe for family, recipe in recipes.items() if recipe}
-    values = {family: recipe_values(name, recipe) for family, recipe in recipes.items()}
-    lines = [_row(["", *recipes]), _row(["---"] * (len(recipes) + 1))]
-    for key in values[next(iter(values))][0] if values else ():
-        lines.append(_row([key, *(_code(settings[key]) for settings, _ in values.values())]))
-    for option in method.options:
-        lines.append(_row([f"`{option.name}`", *(_code(options[option.name]) for _, options in values.values())]))
-    parts += ["## Recipes", "\n".join(lines) if recipes else "None shipped."]
+    recipes = {family: recipe for family in FAMILIES if (recipe := shipped(name, family))}
+    parts.append("## Recipes")
     if recipes:
-        parts.append(
-            "Sources:\n\n"
-            + "\n".join(f"- **{family}**: {_escaped(recipe.source)}" for family, recipe in recipes.items())
-        )
+        values = [recipe_values(name, recipe) for recipe in recipes.values()]
+        lines = [_row(["", *recipes]), _row(["---"] * (len(recipes) + 1))]
+        lines += [_row([key, *(_code(settings[key]) for settings, _ in values)]) for key in values[0][0]]
+        lines += [_row([f"`{o.name}`", *(_code(options[o.name]) for _, options in values)]) for o in method.options]
+        sources = [f"- **{family}**: {_escaped(recipe.source)}" for family, recipe in recipes.items()]
+        parts += ["\n".join(lines), "Sources:\n\n" + "\n".join(sources)]
+    else:
+        parts.append("None shipped.")
     if about["notes"]:
         parts += ["## Notes", about["notes"].strip()]
     parts += ["## Deviations from the authors' code", (about["deviations"] or "None recorded.").strip()]
