@@ -1,7 +1,8 @@
 """Recipes: each method's published setting for a benchmark family, as data.
 
 One TOML file per method (recipes/<method>.toml): a `[method]` table that describes it
-(summary, paper, what it adapts, its step cost ÷ TENT's on the CPU from benchmarks/perf.py),
+(summary, paper, what it adapts, its step cost ÷ TENT's on the CPU from benchmarks/perf.py,
+and, in markdown, `notes` on how it is run and its `deviations` from its authors' code),
 then one table per family (imagenet-c, cifar10-c, cifar100-c) holding `source` (where the
 values come from), the settings the method was run with (SETTINGS: optimiser, learning
 rate, momentum, batch size, steps, which parameters adapt, the normalisation, EATA's Fisher
@@ -44,7 +45,8 @@ SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "nor
 # and reset, and EATA's fisher_samples)
 ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in {f.name for f in fields(AdapterSettings)})
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
-DESCRIPTION = ("summary", "paper", "adapts", "cost")  # the [method] table
+# the [method] table; notes and deviations are markdown, for the site's methods reference alone
+DESCRIPTION = ("summary", "paper", "adapts", "cost", "notes", "deviations")
 # the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
 STANDARD_MODELS = {
     "imagenet-c": "robustbench:imagenet/Standard_R50",
@@ -85,7 +87,7 @@ class Recipe:
 
 
 def description(method: str) -> dict:
-    """A built-in method's [method] table: summary, paper, adapts, cost (absent keys: None)."""
+    """A built-in method's [method] table: DESCRIPTION's keys (absent ones: None)."""
     table = _shipped_file(method).get("method", {})
     return {key: table.get(key) for key in DESCRIPTION}
 
