@@ -51,7 +51,7 @@ class PanelledCommand(TyperCommand):
     def get_help_option(self, ctx):
         option = super().get_help_option(ctx)
         if option is not None:
-            option.help = "Show the options decided first (-h), or every option (--help), and exit."
+            option.help = "Show the options decided first (-h) or all (--help)."
         return option
 
     def format_options(self, ctx, formatter) -> None:
