@@ -63,10 +63,11 @@ def test_choices_are_the_librarys():
     assert hints  # the Literal types, as typer lists them in --help
     command = typer.main.get_command(app).commands["adapt"]
     choices = _choices(command)
-    assert (
-        "method" not in choices
-    )  # a name or a plug-in (module:factory): the settings check it, the help lists the names
-    assert all(name in command.params[[p.name for p in command.params].index("method")].help for name in NAMES)
+    assert "method" not in choices  # a name or a plug-in (module:factory): the settings check it
+    method_help = command.params[[p.name for p in command.params].index("method")].help
+    # cafa methods lists the names, with what each does: the help points there rather than repeat 27 of them
+    assert "cafa methods" in method_help and f"the {len(NAMES)} " in method_help
+    assert not [name for name in NAMES if f" {name}," in method_help], method_help
     assert choices["optimizer"] == options.OPTIMIZERS and choices["params"] == options.PARAM_SETS
     assert (
         choices["precision"] == options.PRECISIONS == tuple(adapter.DTYPES) and "reset" not in choices
@@ -131,7 +132,28 @@ def test_the_adaptation_settings_are_the_adapters_one_to_one():
 )
 def test_dash_h_is_help_on_every_command(command):
     short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
-    assert short.exit_code == long.exit_code == 0 and short.stdout == long.stdout and "Usage: cafa" in short.stdout
+    assert short.exit_code == long.exit_code == 0 and "Usage: cafa" in short.stdout
+    # git's and ripgrep's way: -h fits a screen, --help is the whole of it
+    assert len(short.stdout.splitlines()) <= 60 and len(short.stdout.splitlines()) <= len(long.stdout.splitlines())
+    assert short.stdout.splitlines()[0] == long.stdout.splitlines()[0]
+    if short.stdout != long.stdout:  # what -h leaves out: it says so last, and where the rest is
+        assert f"cafa {' '.join(command)} --help, docs/reference/cli.md" in short.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["stats", "adapt", "bench", "demo", "plot features"])
+def test_the_short_help_shows_the_settings_marked_brief_and_the_long_every_option(command):
+    from cafa_cli.cli.options import brief_parameters
+
+    click_command = typer.main.get_command(app)
+    for name in command.split():
+        click_command = click_command.commands[name]
+    short = runner.invoke(app, [*command.split(), "-h"], terminal_width=80).stdout.partition("Examples:")[0].split()
+    long = runner.invoke(app, [*command.split(), "--help"], terminal_width=80).stdout.split()
+    brief = brief_parameters(click_command)
+    flags = {p.name: max(p.opts, key=len) for p in click_command.params if p.param_type_name == "option"}
+    assert all(flag in long for flag in flags.values())
+    assert [name for name, flag in flags.items() if flag in short] == [name for name in flags if name in brief]
+    assert {"data", "model", "method", "methods", "out", "workdir"} & brief and "device" not in brief
 
 
 def test_a_list_setting_given_one_path_or_string_is_its_one_item_list():

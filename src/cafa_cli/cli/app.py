@@ -54,6 +54,27 @@ EXAMPLES = {
 }
 
 
+# the page of the docs that explains each command (docs/reference/cli.md lists every option)
+GUIDES = {
+    "cafa": "docs/getting-started.md",
+    "stats": "docs/guides/adapt.md",
+    "adapt": "docs/guides/adapt.md",
+    "inspect": "docs/reference/artifact-format.md",
+    "demo": "docs/getting-started.md",
+    "bench": "docs/guides/bench.md",
+    "methods": "docs/reference/methods/index.md",
+    "plot": "docs/guides/plot.md",
+    "plot features": "docs/guides/plot.md",
+}
+
+
+def _epilog(name: str) -> str:
+    """The help's last lines: the command's examples (after \b, click keeps their lines), then its guide."""
+    lines = [f"  {line}" for line in EXAMPLES.get(name, [])]
+    examples = "\b\nExamples:\n" + "\n".join(lines) + "\n\n" if lines else ""
+    return f"{examples}Guide: {GUIDES[name]}"
+
+
 HELP = {"help_option_names": ["-h", "--help"]}  # every command's, the subcommands' too
 
 
@@ -71,6 +92,7 @@ app = typer.Typer(
     cls=_Group,
     name="cafa",
     help="Test-time adaptation of image classifiers with Class-Aware Feature Alignment (CAFA, ICCV 2023).",
+    epilog=_epilog("cafa") + "; reference: docs/reference/cli.md",
     no_args_is_help=True,
     add_completion=True,  # --install-completion: method and recipe names complete (cli/completion.py)
     pretty_exceptions_enable=False,
@@ -96,11 +118,6 @@ def root(
     debug["on"] = debug_
 
 
-def _examples(name: str) -> str:
-    # \b keeps click from re-wrapping the lines
-    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
-
-
 for _name, _command, _summary in [
     ("stats", commands.stats, "Per-class feature Gaussians of training images → an artifact."),
     ("adapt", commands.adapt, "Adapt a model online over test images; one prediction per image."),
@@ -109,12 +126,13 @@ for _name, _command, _summary in [
     ("bench", commands.bench, "Methods × domains × seeds → a paper-style error table."),
     ("methods", commands.methods, "The methods, their options and their published recipes."),
 ]:
-    app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_examples(_name))(reports_errors(_command))
+    app.command(_name, cls=PanelledCommand, short_help=_summary, epilog=_epilog(_name))(reports_errors(_command))
 
 plot = typer.Typer(
     cls=_Group,
     name="plot",
     help="Figures of what adaptation does.",
+    epilog=_epilog("plot"),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -124,7 +142,7 @@ plot.command(
     "features",
     cls=PanelledCommand,
     short_help="A domain's features before and after adaptation, in 2-D (t-SNE).",
-    epilog=_examples("plot features"),
+    epilog=_epilog("plot features"),
 )(reports_errors(commands.plot_features))
 app.add_typer(plot, short_help="Figures: plot features (t-SNE of features before and after adaptation).")
 

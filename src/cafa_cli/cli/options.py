@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -26,35 +27,89 @@ COMPLETIONS = {"method": complete_method, "methods": complete_methods, "recipe":
 OTHER = "Other options"
 
 
+SHORT_HELP = "-h"
+BRIEF = "cafa.brief"  # in ctx.meta: -h asked for the short help
+
+
 class PanelledCommand(TyperCommand):
     """Plain click help (rich's boxes cut option names short at 80 columns), with the
     options grouped under the panel their settings name; old spellings of renamed options
-    (renamed.py) still taken, and an option typed twice taken last, each with a warning."""
+    (renamed.py) still taken, and an option typed twice taken last, each with a warning.
+
+    As git and ripgrep do, `-h` is the short help (what a user decides first: the options
+    the command declares itself and the settings marked `brief`, each with its help's first
+    sentence) and `--help` the whole; the short one ends saying so."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         args = respelled(ctx.command_path.partition(" ")[2], args)
+        # -h and --help are one option to click, whose callback cannot tell them apart
+        ctx.meta[BRIEF] = SHORT_HELP in args and "--help" not in args
         rest = super().parse_args(ctx, list(args))
         _warn_given_twice(self.make_parser(ctx).parse_args(list(args)))
         return rest
 
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.help = "Show the options decided first (-h) or all (--help)."
+        return option
+
     def format_options(self, ctx, formatter) -> None:
-        arguments, panels = [], {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is None:
-                continue
-            if param.param_type_name == "argument":
-                # typer writes an argument's Python type beside it (DOMAIN <list[str]>): its name says enough
-                arguments.append((param.display_name_raw + ("..." if param.nargs != 1 else ""), record[1]))
-            else:
-                panels.setdefault(getattr(param, "rich_help_panel", None) or OTHER, []).append(record)
-        if arguments:
-            with formatter.section("Arguments"):
-                formatter.write_dl(arguments)
-        for panel in [*PANELS, *sorted(set(panels) - set(PANELS) - {OTHER}), OTHER]:
-            if panel in panels:
-                with formatter.section(panel):
-                    formatter.write_dl(panels[panel])
+        for title, rows in help_sections(self, ctx, brief=ctx.meta.get(BRIEF, False)):
+            with formatter.section(title):
+                formatter.write_dl(rows)
+
+    def format_epilog(self, ctx, formatter) -> None:
+        super().format_epilog(ctx, formatter)
+        options = [p for p in self.params if p.param_type_name == "option"]
+        shown = sum(p.name in (brief_parameters(self) or {p.name}) for p in options)
+        if ctx.meta.get(BRIEF) and shown < len(options):
+            with formatter.indentation():  # under the epilog's guide
+                formatter.write_text(
+                    f"{shown} of {len(options)} options shown; all: {ctx.command_path} --help, docs/reference/cli.md"
+                )
+
+
+def brief_parameters(command) -> frozenset[str] | None:
+    """The parameters the short help shows (with_settings names them), or None: all of them."""
+    return getattr(command.callback, "brief_parameters", None)
+
+
+def help_sections(command, ctx, brief: bool = False) -> list[tuple[str, list]]:
+    """The command's help as (title, [(names and metavar, help)]) sections: its arguments, then
+    its options by panel in PANELS' order. `brief`: those of the short help, each help cut
+    to its first sentence (a default in brackets kept). --help and the CLI reference show these."""
+    shown = brief_parameters(command) if brief else None
+    arguments, panels = [], {}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None or (shown is not None and param.name not in shown):
+            continue
+        names, help = record
+        if brief:
+            help = first_sentence(help)
+        if param.param_type_name == "argument":
+            # typer writes an argument's Python type beside it (DOMAIN <list[str]>): its name says enough
+            arguments.append((param.display_name_raw + ("..." if param.nargs != 1 else ""), help))
+        else:
+            panels.setdefault(getattr(param, "rich_help_panel", None) or OTHER, []).append((names, help))
+    order = [*PANELS, *sorted(set(panels) - set(PANELS) - {OTHER}), OTHER]
+    return [("Arguments", arguments)] * bool(arguments) + [(panel, panels[panel]) for panel in order if panel in panels]
+
+
+def split_extra(help: str) -> tuple[str, str]:
+    """An option's help and the bracket click and typer append ("[default: 200]", "[required]")."""
+    if help.startswith("[") and help.endswith("]"):
+        return "", help
+    text, sep, extra = help.rpartition("  [")
+    return (text, sep.strip() + extra) if sep and help.endswith("]") else (help, "")
+
+
+def first_sentence(help: str) -> str:
+    """The help up to its first full stop before a capital, with its bracket."""
+    text, extra = split_extra(help)
+    match = re.match(r".*?(?<!e\.g|i\.e)\.(?= [A-Z(])", text)
+    return "  ".join(part for part in ((match.group() if match else text), extra) if part)
 
 
 def option_parameters(config_type, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
@@ -115,6 +170,9 @@ def with_settings(config_type, skip: tuple[str, ...] = ()):
 
         wrapper.__signature__ = inspect.Signature([*own, *generated])
         wrapper.__annotations__ = {p.name: p.annotation for p in [*own, *generated]}
+        # the short help's: what the command declares itself (its data, --quiet), and the settings marked brief
+        brief = {f.name for f in fields(config_type) if f.metadata.get("brief")}
+        wrapper.brief_parameters = frozenset(p.name for p in [*own, *generated] if p in own or p.name in brief)
         return wrapper
 
     return decorate

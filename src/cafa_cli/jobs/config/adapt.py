@@ -49,11 +49,12 @@ class AdaptConfig(
 
     data: list[str] = setting(
         help="A test domain (repeatable): image folder, unlabelled folder, .npy array, - (paths on stdin), or a "
-        "benchmark such as imagenet-c:ROOT. docs/usage.md, Data",
+        "benchmark such as imagenet-c:ROOT (docs/guides/adapt.md).",
         factory=list,
         flags=("--data", "-d"),
         metavar="PATH",
         panel=DATA,
+        brief=True,
         recorded="resolved: the domains as opened, each with its error",
     )
     stats: str | None = setting(
@@ -63,14 +64,16 @@ class AdaptConfig(
         flags=("--stats", "-s"),
         metavar="PATH",
         panel=MODEL,
+        brief=True,
         recorded="resolved: the artifact's absolute path, creation time and form",
     )
     method: str = setting(
         "cafa",
-        f"The method: {', '.join(REGISTRY)} (cafa methods describes each); or a plug-in, package.module:factory or "
-        f"file.py:factory (its code runs; the command line only).",
+        f"The method, one of the {len(REGISTRY)} that cafa methods lists and describes; or a plug-in, "
+        f"package.module:factory or file.py:factory (its code runs; the command line only).",
         metavar="NAME",
         panel=METHOD,
+        brief=True,
         names_code=True,
     )
     allow_weights_mismatch: bool = setting(
@@ -86,12 +89,19 @@ class AdaptConfig(
         panel=STREAM,
     )
     seed: int = setting(StreamSettings.seed, "Seed of the stream order.", metavar="N", panel=STREAM)
-    format: RecordFormat = setting("csv", "Prediction records as csv or jsonl.", panel=OUTPUT, recorded=OUTPUT_FILE)
+    format: RecordFormat = setting(
+        "csv", "Prediction records as csv or jsonl.", panel=OUTPUT, recorded=OUTPUT_FILE, brief=True
+    )
     predictions: str | None = setting(
-        None, "Write the records to this file instead of stdout.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE
+        None,
+        "Write the records to this file instead of stdout.",
+        metavar="PATH",
+        panel=OUTPUT,
+        brief=True,
+        recorded=OUTPUT_FILE,
     )
     metrics_json: str | None = setting(
-        None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE
+        None, "Write errors and settings as JSON.", metavar="PATH", panel=OUTPUT, brief=True, recorded=OUTPUT_FILE
     )
     max_error: float | None = setting(
         None,
@@ -103,9 +113,10 @@ class AdaptConfig(
     export: str | None = setting(
         None,
         "Write the adapted network for serving, at the end of the stream: a safetensors state dict of the model's "
-        "own architecture, its BatchNorms holding the statistics the stream arrived at (docs/python-api.md, Serving).",
+        "own architecture, its BatchNorms holding the statistics the stream arrived at (docs/guides/deploy.md).",
         metavar="PATH",
         panel=OUTPUT,
+        brief=True,
         recorded=OUTPUT_FILE,
     )
     state: str | None = setting(

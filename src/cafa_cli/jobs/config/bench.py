@@ -60,11 +60,12 @@ class BenchConfig(
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
 
     data: list[str] = setting(
-        help="A labelled test domain (repeatable), or a benchmark such as imagenet-c:ROOT. docs/usage.md, Data",
+        help="A labelled test domain (repeatable), or a benchmark such as imagenet-c:ROOT (docs/guides/bench.md).",
         factory=list,
         flags=("--data", "-d"),
         metavar="PATH",
         panel=DATA,
+        brief=True,
         recorded="resolved: the domains as opened, each with its error",
     )
     train: str | None = setting(
@@ -73,6 +74,7 @@ class BenchConfig(
         "beside a RobustBench CIFAR benchmark.",
         metavar="PATH",
         panel=DATA,
+        brief=True,
         recorded=AS_PATH,
     )
     model: str | None = setting(
@@ -84,6 +86,7 @@ class BenchConfig(
         flags=("--model", "-m"),
         metavar="NAME",
         panel=MODEL,
+        brief=True,
         names_code=True,
         recorded=AS_BUILT,
     )
@@ -107,6 +110,7 @@ class BenchConfig(
         "plug-in; NAME@LR gives a row its own learning rate.",
         metavar="M[@LR],...",
         panel=METHOD,
+        brief=True,
         names_code=True,
         recorded="resolved: the rows, each with its method and settings",
     )
@@ -115,6 +119,7 @@ class BenchConfig(
         "Stream-order seeds, comma-separated; mean ± std over them.",
         metavar="N,...",
         panel=STREAM,
+        brief=True,
         recorded="resolved: each run's seed",
     )
     orders: str | None = setting(
@@ -167,12 +172,15 @@ class BenchConfig(
         panel=OUTPUT,
         recorded="where the statistics are kept, by content",
     )
-    csv: str | None = setting(None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE)
+    csv: str | None = setting(
+        None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE, brief=True
+    )
     metrics_json: str | None = setting(
         None,
         "Write the table, every run's errors and the settings as JSON.",
         metavar="PATH",
         panel=OUTPUT,
+        brief=True,
         recorded=OUTPUT_FILE,
     )
     plot: str | None = setting(

@@ -29,10 +29,11 @@ class ModelOptions:
     model: str | None = setting(
         None,
         "torchvision architecture (resnet50), bundled model (fmnist-resnet), timm:NAME, robustbench:DATASET/NAME, or "
-        "a factory file.py:function (its code runs; command line only). docs/usage.md, Models",
+        "a factory file.py:function (its code runs; command line only); docs/guides/adapt.md.",
         flags=("--model", "-m"),
         metavar="NAME",
         panel=MODEL,
+        brief=True,
         names_code=True,
         recorded=AS_BUILT,
     )
@@ -43,6 +44,7 @@ class ModelOptions:
         flags=("--weights", "-w"),
         metavar="PATH|NAME",
         panel=MODEL,
+        brief=True,
         recorded=AS_BUILT,
     )
     model_args: list[str] = setting(
@@ -98,7 +100,7 @@ class InputOptions:
     )
     class_subset: str | None = setting(
         None,
-        "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/usage.md, Benchmarks.",
+        "File of the classes to predict among, one name a line (ImageNet-R's 200 of 1000): docs/guides/benchmarks.md.",
         metavar="PATH",
         panel=DATA,
         recorded=AS_PATH,

@@ -21,6 +21,7 @@ class DemoConfig:
         "Where the data and artifacts go (re-used on a second run).",
         metavar="DIR",
         panel=OUTPUT,
+        brief=True,
         recorded="where the statistics are kept, by content",
     )
     corruptions: str = setting(
@@ -28,12 +29,14 @@ class DemoConfig:
         "Comma-separated corrupt-tta corruptions, or 'all' (the 15 of ImageNet-C).",
         metavar="NAME,...",
         panel=DATA,
+        brief=True,
     )
     severity: int = setting(
         3,
         "Corruption severity 1-5.",
         metavar="N",
         panel=DATA,
+        brief=True,
         recorded="resolved: with the named benchmarks' default filled in",
     )
     severities: str | None = setting(
@@ -51,13 +54,16 @@ class DemoConfig:
         "Methods to compare.",
         metavar="M,...",
         panel=METHOD,
+        brief=True,
         names_code=True,
         recorded="resolved: the rows, each with its method and settings",
     )
     batch_size: int = setting(200, "Images per adaptation batch.", metavar="N", panel=ADAPTATION)
     lr: float = setting(AdapterSettings.lr, "Learning rate.", metavar="LR", panel=ADAPTATION)
     seed: int = setting(0, "Seed of the data, the subset and the stream.", metavar="N", panel=ADAPTATION)
-    data_only: bool = setting(False, "Only build the image folders (e.g. the full set for cafa bench).", panel=OUTPUT)
+    data_only: bool = setting(
+        False, "Only build the image folders (e.g. the full set for cafa bench).", panel=OUTPUT, brief=True
+    )
     fashion_mnist: str | None = setting(
         None,
         "Folder with the Fashion-MNIST idx files (default: $CAFA_FASHION_MNIST, "

@@ -45,6 +45,7 @@ class FeaturesPlotConfig(
         flags=("--data", "-d"),
         metavar="PATH",
         panel=DATA,
+        brief=True,
         recorded="resolved: the domains as opened, each with its error",
     )
     stats: str | None = setting(
@@ -54,6 +55,7 @@ class FeaturesPlotConfig(
         flags=("--stats", "-s"),
         metavar="PATH",
         panel=MODEL,
+        brief=True,
         recorded="resolved: the artifact's absolute path, creation time and form",
     )
     allow_weights_mismatch: bool = setting(
@@ -68,6 +70,7 @@ class FeaturesPlotConfig(
         "adapt --method would; source is the model before adaptation.",
         metavar="M,...",
         panel=METHOD,
+        brief=True,
         names_code=True,
         recorded="resolved: the rows, each with its method and settings",
     )
@@ -77,6 +80,7 @@ class FeaturesPlotConfig(
         flags=("--out", "-o"),
         metavar="FILE",
         panel=OUTPUT,
+        brief=True,
         recorded=OUTPUT_FILE,
     )
     seed: int = setting(
@@ -99,6 +103,7 @@ class FeaturesPlotConfig(
         False,
         "Print each panel's numbers (error, feature scatter, Mahalanobis distance) as JSON on stdout.",
         panel=OUTPUT,
+        brief=True,
         recorded=OUTPUT_FILE,
     )
 

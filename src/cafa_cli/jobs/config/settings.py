@@ -34,7 +34,7 @@ BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa
 DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
 
 # help panels, in the order --help shows them: as a user decides, what to adapt with first,
-# and last the settings a recipe gives (docs/usage.md explains each at length)
+# and last the settings a recipe gives (docs/reference/cli.md lists each option, the guides explain them)
 METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION = (
     "Method",
     "Data",
@@ -66,6 +66,7 @@ def setting(
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
     panel: str | None = None,
+    brief: bool = False,
     show_default: bool = True,
     command_line_only: bool = False,
     names_code: bool = False,
@@ -73,7 +74,8 @@ def setting(
     recorded: bool | str = True,
 ):
     """A config field with what its command-line option needs. `flags` replaces the
-    generated `--name` (e.g. a short form, or `--x/--no-x`); `command_line_only` marks a
+    generated `--name` (e.g. a short form, or `--x/--no-x`); `brief` one a user decides first,
+    which the short help (-h) shows too (--help shows every one); `command_line_only` marks a
     setting that lets code run or lifts a safety check, which no config file may set;
     `names_code` one whose value may name code to import (module:function), which a config
     file may set to a plain name only; `option` False, a field the command fills itself.
@@ -84,6 +86,7 @@ def setting(
         "flags": flags,
         "metavar": metavar,
         "panel": panel,
+        "brief": brief,
         "show_default": show_default,
         "command_line_only": command_line_only,
         "names_code": names_code,
@@ -168,8 +171,7 @@ class AdaptationOptions:
     norm: Norm = setting(
         AdapterSettings.norm,
         "What BatchNorms normalise with: batch, prior:N (small batches), source, ema:M, class-balanced (label shift; "
-        "needs cafa stats --norm-moments), alpha:A (α-BN), unmix:K (UnMix-TNS). "
-        "docs/usage.md, Normalisation statistics",
+        "needs cafa stats --norm-moments), alpha:A (α-BN), unmix:K (UnMix-TNS); docs/guides/streams.md.",
         metavar="NORM",
         panel=ADAPTATION,
     )
@@ -208,6 +210,7 @@ class RecipeOptions:
         "cifar100-c, none, or a .toml file (cafa methods NAME --recipe R prints one).",
         metavar="NAME|FILE",
         panel=METHOD,
+        brief=True,
     )
     method_option: list[str] = setting(
         help="A method's own option NAME=VALUE (repeatable), e.g. redundancy_margin=0.4; METHOD.NAME=VALUE for one "
@@ -307,7 +310,7 @@ class StreamOptions:
     order: str = setting(
         StreamSettings.order,
         "Order of each domain's images: iid, label-shift:S (the paper's), or dirichlet:D (NOTE's and RoTTA's; 0.1, "
-        "0.01). docs/usage.md, Stream settings",
+        "0.01); docs/guides/streams.md.",
         metavar="ORDER",
         panel=STREAM,
     )
@@ -411,6 +414,7 @@ class SamplingOptions:
         f"Stratified fraction of each class's training images, in (0, 1]; default {DEFAULT_FRACTION}.",
         metavar="F",
         panel=STATISTICS,
+        brief=True,
         show_default=False,
         recorded=AS_SAMPLE,
     )

@@ -35,6 +35,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         flags=("--data", "-d"),
         metavar="PATH",
         panel=DATA,
+        brief=True,
         recorded="resolved: the domains as opened, each with its error",
     )
     model: str | None = setting(
@@ -43,6 +44,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         flags=("--model", "-m"),
         metavar="NAME",
         panel=MODEL,
+        brief=True,
         names_code=True,
         recorded=AS_BUILT,
     )
@@ -53,6 +55,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         "else full), full (per class), lowrank (exact, a·I + low rank per class), tied "
         "(one pooled), or diag.",
         panel=STATISTICS,
+        brief=True,
         recorded="resolved: the form the artifact holds",
     )
     norm_moments: bool = setting(
@@ -74,6 +77,7 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         flags=("--out", "-o"),
         metavar="PATH",
         panel=OUTPUT,
+        brief=True,
         recorded=OUTPUT_FILE,
     )
 
