@@ -1,4 +1,4 @@
-"""cafa_cli.api is the Python API that docs/python-api.md documents, no more and no less, and
+"""cafa_cli.api is the Python API that docs/reference/python-api.md documents, no more and no less, and
 the docs and benchmarks/ reach cafa through it alone (but for the internals listed below,
 which benchmarks measure). Adding a name to the API is its import and `__all__` entry (and its
 word in the module docstring's map) in api.py, and its mention in python-api.md's "The names"."""
@@ -9,10 +9,13 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from cafa_cli import api
 
 ROOT = Path(__file__).parents[1]
-API_DOC = ROOT / "docs" / "python-api.md"
+API_DOC = ROOT / "docs" / "reference" / "python-api.md"
+PLUGIN_GUIDE = ROOT / "docs" / "guides" / "plugins.md"
 
 # What benchmarks measure of cafa's insides, which no user needs (each import says why, beside it):
 # {file: the cafa_cli modules it imports other than cafa_cli.api}
@@ -78,7 +81,7 @@ def test_every_exported_name_is_on_the_module_docstrings_map():
 
 def test_the_docs_code_imports_cafa_only_from_the_api_and_only_what_it_exports():
     wrong = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for block in python_blocks(path):
             tree = ast.parse(block, str(path))  # every block at least compiles
             for module, names in cafa_imports(tree):
@@ -88,9 +91,22 @@ def test_the_docs_code_imports_cafa_only_from_the_api_and_only_what_it_exports()
 
 
 def test_python_api_md_names_no_module_but_the_api():
-    """Its prose too: `cafa_cli.jobs.adapt.run` became `run_adapt`; files (cafa_cli/methods/tent.py) may be named."""
-    named = re.findall(r"cafa_cli\.(?!api\b)[\w.]+", API_DOC.read_text())
-    assert not named, f"python-api.md names internal modules: {named}"
+    """Its prose too, and the plug-in guide's: `cafa_cli.jobs.adapt.run` became `run_adapt`; files
+    (cafa_cli/methods/tent.py) may be named."""
+    for doc in (API_DOC, PLUGIN_GUIDE):
+        named = re.findall(r"cafa_cli\.(?!api\b)[\w.]+", doc.read_text())
+        assert not named, f"{doc.name} names internal modules: {named}"
+
+
+def test_the_generated_reference_renders_every_exported_name():
+    """mkdocstrings renders `::: cafa_cli.api` with `filters: public` (the names in `__all__`) and,
+    by default, leaves out an object without a docstring: a new name without one would be missing
+    from the site. griffe reads what mkdocstrings reads, attribute docstrings included."""
+    griffe = pytest.importorskip("griffe")
+    directive = API_DOC.read_text().split("::: cafa_cli.api\n")[1]
+    assert "filters: public" in directive.split("\n\n")[0]
+    module = griffe.load("cafa_cli.api", search_paths=[str(ROOT / "src")])
+    assert not [name for name in api.__all__ if not module[name].docstring]
 
 
 def test_benchmarks_import_cafa_through_the_api_but_for_the_internals_they_measure():

@@ -99,7 +99,7 @@ def test_one_image_touched_is_enough(tmp_path, tiny_weights):
 
 
 def test_an_image_replaced_with_its_size_and_time_kept_is_not_noticed_as_documented(tmp_path, tiny_weights):
-    """The limit of a key by size and time (docs/artifact-format.md, file_stamps):
+    """The limit of a key by size and time (docs/reference/artifact-format.md, file_stamps):
     other bytes of the same size, with the old modification time set back, are not read, so
     not noticed. Uncompressed PNGs of one shape all have one size."""
     train = write_folder(tmp_path / "train", per_class=6)

@@ -1,4 +1,4 @@
-"""The CLI's error reporting end to end (docs/errors.md): one `cafa: error:` or `warning:` line, the documented exit code, no traceback."""
+"""The CLI's error reporting end to end (docs/reference/errors.md): one `cafa: error:` or `warning:` line, the documented exit code, no traceback."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from cafa_cli.methods import REGISTRY
 
 NAMES = tuple(REGISTRY)
 
-DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
+PLUGIN_GUIDE = Path(__file__).parents[1] / "docs" / "guides" / "plugins.md"
 
 
 def adapt(setup, *args, quiet: bool = True):  # noqa: F811
@@ -122,9 +122,11 @@ def test_fisher_data_that_is_not_there_is_an_input_error(setup, tmp_path):
 
 
 def plugin_file(tmp_path: Path) -> Path:
-    """The plug-in of docs/python-api.md, as a file."""
+    """The plug-in of docs/guides/plugins.md, as a file."""
     block = next(
-        b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if b.startswith("# my_method.py")
+        b
+        for b in re.findall(r"```python\n(.*?)```", PLUGIN_GUIDE.read_text(), flags=re.S)
+        if b.startswith("# my_method.py")
     )
     path = tmp_path / "my_method.py"
     path.write_text(block)

@@ -363,7 +363,7 @@ def test_torchrun_adapt_spreads_the_domains_and_rank_0_prints_every_record_in_or
     ],
 )
 def test_adapt_under_torchrun_is_refused_instead_of_printing_every_record_twice(tmp_path, monkeypatch, option, needle):
-    """Refused where the domains depend on each other (docs/errors.md, 66, cites this name)."""
+    """Refused where the domains depend on each other (docs/reference/errors.md, 66, cites this name)."""
     from typer.testing import CliRunner
 
     from cafa_cli.cli.app import app

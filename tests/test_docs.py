@@ -37,8 +37,8 @@ def test_the_docs_cite_tests_by_node_id_only():
 
 
 def _inventory_rows() -> tuple[list[str], list[str]]:
-    """(numbered rows, other rows) of the tables in docs/errors.md's Inventory."""
-    text = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    """(numbered rows, other rows) of the tables in docs/reference/errors.md's Inventory."""
+    text = (ROOT / "docs" / "reference" / "errors.md").read_text(encoding="utf-8")
     inventory = text[text.index("## Inventory") : text.index("\n## ", text.index("## Inventory") + 1)]
     lines = inventory.splitlines()
     rows = [
@@ -58,7 +58,7 @@ def test_the_error_inventory_states_its_own_count_and_numbers_each_case_once():
     assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
     stated = re.search(
         r"\*\*(\d+) documented cases\*\*, (\d+) numbered\s+bad inputs and (\d+) other",
-        (ROOT / "docs" / "errors.md").read_text(encoding="utf-8"),
+        (ROOT / "docs" / "reference" / "errors.md").read_text(encoding="utf-8"),
     )
     assert stated and tuple(map(int, stated.groups())) == (len(numbered) + len(other), len(numbered), len(other))
 

@@ -5,7 +5,7 @@ number of examples per test with an environment variable:
 
     CAFA_FUZZ_EXAMPLES=4000 .venv/bin/python -m pytest -q tests/test_fuzz.py
 
-(docs/errors.md records the last long run.)
+(docs/reference/security.md records the last long run.)
 """
 
 from __future__ import annotations

@@ -358,7 +358,7 @@ class _WithExtraState(nn.Module):
 
 
 def test_the_parameter_fingerprint_is_the_documented_digest():
-    """docs/artifact-format.md, written out independently: name order, the header line, little-endian bytes."""
+    """docs/reference/artifact-format.md, written out independently: name order, the header line, little-endian bytes."""
     from cafa_cli.model.loading import parameters_sha256
 
     module = _WithExtraState()

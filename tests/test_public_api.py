@@ -1,4 +1,4 @@
-"""The public loader of docs/python-api.md: `load_model` gives the model the command line
+"""The public loader of docs/reference/python-api.md: `load_model` gives the model the command line
 runs, already wrapped, and `model_spec` records it as `cafa stats` does."""
 
 from __future__ import annotations

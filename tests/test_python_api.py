@@ -1,4 +1,4 @@
-"""docs/python-api.md runs as written, and agrees with the CLI on the same data."""
+"""docs/reference/python-api.md runs as written, and agrees with the CLI on the same data."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from cafa_cli.cli.app import app
 from cafa_cli.engine.norms import BatchStatisticsNorm
 from cafa_cli.statistics.distances import ClassDistances
 
-DOC = Path(__file__).parents[1] / "docs" / "python-api.md"
+DOC = Path(__file__).parents[1] / "docs" / "reference" / "python-api.md"
 
 
 def doc_blocks() -> list[str]:
@@ -87,7 +87,7 @@ def api_run(tmp_path, tiny_weights, monkeypatch):
 
 
 def test_the_doc_has_the_blocks_this_test_expects():
-    assert len(doc_blocks()) == 8
+    assert len(doc_blocks()) == 7
 
 
 def test_statistics_from_the_api_equal_the_cli_artifact(api_run):
@@ -163,7 +163,7 @@ def test_an_artifact_written_the_documented_way_records_the_classifier_as_cafa_s
 
 
 def test_a_folder_read_through_the_api_gives_the_images_and_labels_the_command_line_reads(api_run):
-    """Section 6's `test_loader`: the folder's images as `cafa --resize none --crop none --mean 0
+    """Section 5's `test_loader`: the folder's images as `cafa --resize none --crop none --mean 0
     --std 1 --channels 1` reads them (the artifact's preprocessing), labelled by class name."""
     _, _, scope = api_run
     expected = loader(Path(scope["image_folder"]), 36)

@@ -329,7 +329,7 @@ def test_the_shell_completes_method_and_recipe_names_through_the_commands():
 
 
 def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
-    """`Adapter(model, method, **recipe.adapter_settings())`, as docs/python-api.md says: an
+    """`Adapter(model, method, **recipe.adapter_settings())`, as docs/reference/python-api.md says: an
     AdapterSettings, the recipe's values in place of the defaults; the settings left out are the
     stream's batch size and reset schedule, and EATA's Fisher images."""
     from dataclasses import fields

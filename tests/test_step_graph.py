@@ -286,16 +286,12 @@ def test_oracle_labels_turn_the_graph_off(trained):
 def test_the_replayable_methods_are_the_ones_tested_here(trained):
     _, gaussians, _, _ = trained
     assert sorted(name for name in NAMES if create(name, gaussians).capturable) == sorted(CAPTURABLE)
-    # and the ones usage.md's --cuda-graph row names, each list in full
+    # and the ones the adapt guide's --cuda-graph paragraph names, each list in full
     from pathlib import Path
 
-    row = next(
-        line
-        for line in (Path(__file__).parents[1] / "docs" / "usage.md").read_text().splitlines()
-        if line.startswith("| `--cuda-graph/")
-    )
-    replayed = row.split("the steady-state step of ")[1].split(" is captured")[0]
-    eager = row.split("the other methods (")[1].split(")")[0]
+    guide = " ".join((Path(__file__).parents[1] / "docs" / "guides" / "adapt.md").read_text().split())
+    replayed = guide.split("the steady-state step of ")[1].split(" is captured")[0]
+    eager = guide.split("the other methods (")[1].split(")")[0]
     assert sorted(set(re.findall(r"[a-z][a-z0-9-]*", replayed)) & set(NAMES)) == sorted(CAPTURABLE), replayed
     assert sorted(eager.split(", ")) == sorted(set(NAMES) - set(CAPTURABLE)), eager
 

@@ -1,4 +1,4 @@
-"""Messages a new user met walking through the README and docs/usage.md on the demo data:
+"""Messages a new user met walking through the README and the usage guide (then docs/usage.md) on the demo data:
 each names the mistake and the way out."""
 
 from __future__ import annotations

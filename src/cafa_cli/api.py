@@ -1,4 +1,4 @@
-"""cafa's Python API: every name here is supported (docs/python-api.md documents each);
+"""cafa's Python API: every name here is supported (docs/reference/python-api.md documents each);
 anything else in `cafa_cli` is internal and may change.
 
     from cafa_cli.api import Adapter, create, load_model, read_artifact

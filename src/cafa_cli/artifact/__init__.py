@@ -1,3 +1,3 @@
 """The class-statistics artifact `cafa stats` writes: the format and its checks
-(format.py, docs/artifact-format.md), writing and reading it (store.py), and whether it
+(format.py, docs/reference/artifact-format.md), writing and reading it (store.py), and whether it
 belongs to a model (provenance.py)."""

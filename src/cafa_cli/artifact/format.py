@@ -1,4 +1,4 @@
-"""What a valid artifact holds (docs/artifact-format.md): the format's name and version,
+"""What a valid artifact holds (docs/reference/artifact-format.md): the format's name and version,
 and the checks of a file's metadata and tensors that reading applies, the factors a slice
 at a time through the file mapping."""
 

@@ -1,6 +1,6 @@
 """The class-statistics artifact: a self-describing safetensors file.
 
-The format is specified in docs/artifact-format.md. Reading validates every field
+The format is specified in docs/reference/artifact-format.md. Reading validates every field
 and checks the tensors a slice at a time, so a multi-gigabyte artifact is never
 copied whole into memory just to be checked.
 """

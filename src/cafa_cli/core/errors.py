@@ -14,10 +14,14 @@ EXIT_INPUT = 3  # a file or folder given to the tool is missing or unreadable
 
 
 class CafaError(Exception):
+    """An error the command line reports as one line, without a traceback (exit 1; its subclasses 2 and 3)."""
+
     exit_code = EXIT_RUNTIME
 
 
 class UsageError(CafaError):
+    """A bad argument or option value (exit 2); the message names the setting as its keyword is called."""
+
     exit_code = EXIT_USAGE
 
 
@@ -27,6 +31,8 @@ class WouldOverwrite(UsageError):
 
 
 class InputError(CafaError):
+    """A file or input that cannot be used: an artifact, weights, images, a model that does not fit them (exit 3)."""
+
     exit_code = EXIT_INPUT
 
 

@@ -36,6 +36,7 @@ FASHION_MNIST_CLASSES = (
     "bag",
     "ankle_boot",
 )
+"""Fashion-MNIST's ten class names, in the order of its labels (and of `fmnist-resnet`'s outputs)."""
 
 
 SPLIT_PREFIXES = {"train": "train", "test": "t10k"}

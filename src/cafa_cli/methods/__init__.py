@@ -70,6 +70,7 @@ REGISTRY: dict[str, Entry] = {
     "santa": Entry("santa", "Santa"),
     "cafa-robust": Entry("cafa_robust", "CafaRobust"),
 }
+"""The built-in methods by name (`cafa adapt --method NAME`): where each one's class and recipe are."""
 
 
 def create(name: str, gaussians: ClassGaussians | None = None, device="cpu", **options) -> Method:

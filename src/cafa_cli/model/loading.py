@@ -4,7 +4,7 @@
 its keyword arguments, loaded with its weights and wrapped so that it returns its
 features too; and the fingerprints an artifact records of it.
 
-Public (docs/python-api.md): `load_model`, which loads a model as `--model`/`--weights` do,
+Public (docs/reference/python-api.md): `load_model`, which loads a model as `--model`/`--weights` do,
 `model_spec`, what an artifact records of it, `ModelSpec` and `parameters_sha256`."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _from_factory(spec: str, kwargs: dict) -> nn.Module:
 
 def parameters_sha256(module: nn.Module) -> str:
     """A fingerprint of the values the features depend on, whatever file they came from;
-    docs/artifact-format.md specifies it byte for byte."""
+    docs/reference/artifact-format.md specifies it byte for byte."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         if not isinstance(tensor, torch.Tensor) or is_step_counter(name):  # extra state of a module is not a tensor

@@ -6,7 +6,7 @@ in float64; only the final factors are stored in float32.
 Covariance modes: `full` (a precision Cholesky factor per class), `tied`, `diag`, and
 `lowrank` — the exact structured form of the same shrunk covariance when a class has
 fewer samples than dimensions: Σ_c = a_c·I + Q_cᵀ diag(e_c) Q_c with Q_c the k×d
-orthonormal basis of the class's centred rows (docs/artifact-format.md).
+orthonormal basis of the class's centred rows (docs/reference/artifact-format.md).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def unread_default_artifact(config: AdaptConfig, preprocess: Preprocessing) -> s
 FIX_CLASSES = "check `num_classes`, or give the class list in output order with `classes`"
 FEWER_CLASSES = (
     f"{FIX_CLASSES}; for a test set of some of the model's classes (ImageNet-R's or ImageNet-A's 200 of 1,000) "
-    f"give `classes` and the test set's classes as `class_subset` (docs/guides/benchmarks.md)"
+    f"give `classes` and the test set's classes as `class_subset` (docs/guides/benchmarks.md, ImageNet-R)"
 )
 
 

@@ -206,7 +206,7 @@ def summary(config: FeaturesPlotConfig, panels: list[Panel], class_names: list[s
             {
                 "method": p.method,
                 "error": p.error,
-                "unit": ERROR_FRACTION,  # as every JSON's `error` (docs/usage.md, Units of the errors)
+                "unit": ERROR_FRACTION,  # as every JSON's `error` (docs/guides/adapt.md, Units of the errors)
                 "within_between": p.within_between,
                 "mahalanobis_per_dimension": p.mahalanobis,
             }

@@ -27,7 +27,7 @@ FIELDS = ("path", "prediction", "label", "confidence")
 # The units of the errors in the JSON outputs, named by a `unit` key in each object that
 # holds errors: every `error` is a fraction of the labelled images (as it has always been,
 # so readers that multiply by 100 stay right); bench's `table` holds the percentages its
-# markdown table shows (docs/usage.md, Units of the errors)
+# markdown table shows (docs/guides/adapt.md, Units of the errors)
 ERROR_FRACTION = "error fraction"
 ERROR_PERCENT = "error %"
 
