@@ -1,6 +1,6 @@
 """Serving an adapted model one image at a time: the error of a batch and of single images,
-through the Adapter and through Adapter.export(), for each `norm` (docs/python-api.md,
-"Serving").
+through the Adapter and through Adapter.export(), for each `norm` (docs/guides/deploy.md,
+"Serve one image at a time").
 
     python benchmarks/serving.py cafa-demo/fashion-mnist-c-300/contrast/3 --images 300
 
