@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_class_subset import subset_setup  # noqa: F401  (a 4-output net, an artifact of 2 of its classes)
 from test_cli_adapt import setup  # noqa: F401  (its trained net, artifact and shifted test folder)
 
 from cafa_cli.core.errors import CafaError, UsageError
@@ -21,8 +22,8 @@ from cafa_cli.model.features import FeatureClassifier
 ort = pytest.importorskip("onnxruntime", reason="the `onnx` extra (pip install 'cafa-cli[onnx]') is not installed")
 
 # float32 on the CPU: the graph's kernels are ONNX Runtime's, not torch's, and sum in another
-# order (the BatchNorm folded into the convolution before it); measured at most 3e-8 (CNN) and
-# 2e-7 (ViT) on these nets
+# order (each BatchNorm folded into the convolution before it); measured at most 3.8e-6 (the
+# CNN, logits up to 10.4) and 2.1e-7 (the ViT, logits up to 0.34) at batches of 1, 7 and all
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -192,3 +193,25 @@ def test_weights_over_protobufs_two_gib_are_refused_before_any_record(setup, tmp
     result = adapt(setup, setup["test"], "--method", "tent", "--export", path)
     fails(result, 2, f"--export {path}: the network's 0.0 GiB of weights do not fit one ONNX file (2 GiB at most)")
     assert result.stdout == "" and not path.exists()
+
+
+def test_with_a_class_subset_the_metadata_names_the_outputs_predicted_among(subset_setup, tmp_path):
+    """The graph gives all the model's outputs; `class_subset` says which of them cafa predicted
+    among: the source model's records are those of the graph's logits narrowed to them."""
+    from helpers import rows
+    from PIL import Image
+    from test_class_subset import adapt
+
+    path = tmp_path / "net.onnx"
+    result = adapt(subset_setup, subset_setup["sub"], "--method", "source", "--export", path)
+    assert result.exit_code == 0, result.stderr
+    metadata = metadata_of(path)
+    subset = json.loads(metadata["class_subset"])
+    assert subset == {"outputs": [0, 2], "class_names": ["apple", "cherry"]} and "class_names" not in metadata
+    preprocessing = Preprocessing.from_dict(json.loads(metadata["preprocessing"]))
+    records = rows(result)
+    images = torch.stack([preprocessing.normalize(preprocessing.pixels(Image.open(r["path"]))) for r in records])
+    logits = run_onnx(path, images)
+    assert logits.shape == (len(records), 4)
+    served = [subset["class_names"][i] for i in logits[:, subset["outputs"]].argmax(1)]
+    assert served == [r["prediction"] for r in records]
