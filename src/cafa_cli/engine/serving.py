@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cafa_cli.core.errors import CafaError, InputError, UsageError
+from cafa_cli.core.errors import CafaError, InputError, UsageError, out_of_memory
 from cafa_cli.core.files import atomic_write
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.method import Method
@@ -150,8 +150,8 @@ def example_input(
     network: torch.nn.Module, example: torch.Tensor | None, preprocessing: Preprocessing | None
 ) -> torch.Tensor:
     """A batch of two of the network's input, on the CPU, of the image size the ONNX graph takes:
-    `example`'s, else the preprocessing's crop. Two: a batch of one lets the exporter fix the
-    batch size at 1."""
+    `example`'s, else the preprocessing's crop. Two: torch.export may specialise a dimension of
+    size 1 to a constant, and the batch size must stay free."""
     if example is None:
         if preprocessing is None or preprocessing.crop is None:
             raise UsageError(
@@ -182,6 +182,8 @@ def write_onnx(network: torch.nn.Module, path: str | Path, example: torch.Tensor
                 verbose=False,
             )
     except Exception as error:  # an operation or a control flow torch.export cannot trace
+        if out_of_memory(error):
+            raise
         while error.__cause__ is not None:  # the exporter's own error wraps torch.export's, which says why
             error = error.__cause__
         first = (str(error).strip().splitlines() or [""])[0]
