@@ -169,13 +169,19 @@ def _public_calls() -> list[str]:
     ]
 
 
-def test_every_public_call_is_one_thread_at_a_time(trained):
+def test_every_public_call_is_one_thread_at_a_time(trained, tmp_path):
     """reset() was not guarded (issue 60): each public call, while another thread is in one,
     is a one-line error that changes nothing; apply() inside a method's own step is the same thread."""
     _, _, x, _ = trained
     adapter = adapter_of(trained, "tent")
     state, before = adapter.state_dict(), copy.deepcopy(adapter.model.state_dict())
-    arguments = {"step": (x[:4],), "features": (x[:4],), "load_state_dict": (state,), "apply": (torch.ones(()),)}
+    arguments = {
+        "step": (x[:4],),
+        "features": (x[:4],),
+        "load_state_dict": (state,),
+        "apply": (torch.ones(()),),
+        "export_onnx": (tmp_path / "net.onnx", x[:1]),
+    }
     inside, leave = threading.Event(), threading.Event()
 
     def in_a_call():
@@ -187,7 +193,7 @@ def test_every_public_call_is_one_thread_at_a_time(trained):
     holder.start()
     inside.wait(60)
     try:
-        assert set(_public_calls()) >= {"reset", "step", "features", "export", "state_dict", "load_state_dict"}
+        assert set(_public_calls()) >= {"reset", "step", "features", "export", "export_onnx", "state_dict"}
         for name in _public_calls():
             with pytest.raises(UsageError, match="already in a call from another thread"):
                 getattr(adapter, name)(*arguments.get(name, ()))

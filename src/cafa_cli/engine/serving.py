@@ -1,13 +1,22 @@
-"""What the Adapter gives for deployment (Adapter.export, state_dict, load_state_dict):
-the adapted network for serving, and the whole adaptation state as plain data."""
+"""What the Adapter gives for deployment (Adapter.export, export_onnx, state_dict,
+load_state_dict): the adapted network for serving, as torch modules or an ONNX file, and the
+whole adaptation state as plain data."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from cafa_cli.core.errors import InputError, UsageError
+from cafa_cli.core.errors import CafaError, InputError, UsageError, out_of_memory
+from cafa_cli.core.files import atomic_write
+from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.method import Method
 from cafa_cli.engine.norms import replace_submodule
 from cafa_cli.engine.state import check_tensors, kind_of, load_module, refused, restore, snapshot, tensors_sha256
@@ -35,6 +44,31 @@ class Deployable(OneThreadAtATime):
         nothing to export."""
         with self._one_thread():
             return export(self)
+
+    def export_onnx(
+        self,
+        path: str | Path,
+        example: torch.Tensor | None = None,
+        *,
+        preprocessing: Preprocessing | None = None,
+        class_names: Sequence[str] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """export()'s network written to `path` as ONNX (atomically), through torch's exporter
+        (torch.export, `dynamo=True`): one input `images` [batch, channels, height, width], the
+        model's input (the pixels already normalised), and one output `logits` [batch, classes];
+        the batch size is free, the image size that of `example` (a batch of the network's
+        input), else the `crop` of `preprocessing`. The graph computes what export()'s network
+        computes: its BatchNorms normalise with the statistics the stream arrived at, never the
+        batch's. The model's metadata (metadata_props) holds `preprocessing` (JSON: resize,
+        crop, interpolation, channels, and mean and std one value a channel) and `class_names`
+        (JSON), when given, for a serving stack to prepare images as cafa did, and `metadata`'s
+        entries. Needs the `onnx` extra (onnx, onnxscript)."""
+        with self._one_thread():
+            network = export(self)
+            check_onnx_writer("Adapter.export_onnx", network)
+            metadata = {**serving_metadata(preprocessing, class_names), **(metadata or {})}
+            write_onnx(network, path, example_input(network, example, preprocessing), metadata)
 
     def state_dict(self) -> dict:
         """Everything the adaptation has arrived at, as tensors and plain data that
@@ -75,6 +109,90 @@ def export(adapter: Deployable) -> torch.nn.Module:
     if hasattr(net, OWNED):
         delattr(net, OWNED)
     return net.eval().requires_grad_(False)
+
+
+ONNX_EXTRA = "pip install 'cafa-cli[onnx]'"
+ONNX_MAX_BYTES = 2 << 30  # protobuf's limit on one message: an ONNX file holding its weights
+
+
+def check_onnx_writer(what: str, network: torch.nn.Module | None = None) -> None:
+    """A UsageError unless torch's ONNX exporter can write `network` as one file: its packages
+    (the `onnx` extra) are installed, and its weights are under protobuf's 2 GiB. Checked before
+    a stream, so that `cafa adapt --export net.onnx` refuses before any work."""
+    for package in ("onnx", "onnxscript"):
+        try:
+            __import__(package)
+        except ImportError:
+            raise UsageError(f"{what} needs onnx and onnxscript ({package} is not installed): {ONNX_EXTRA}") from None
+    if network is not None:
+        size = sum(t.numel() * t.element_size() for t in (*network.parameters(), *network.buffers()))
+        if size >= ONNX_MAX_BYTES:
+            raise UsageError(
+                f"{what}: the network's {size / 2**30:.1f} GiB of weights do not fit one ONNX file (2 GiB at "
+                f"most); export it as .safetensors"
+            )
+
+
+def serving_metadata(preprocessing: Preprocessing | None, class_names: Sequence[str] | None) -> dict[str, str]:
+    """What a serving stack needs beside the graph to predict as cafa did, as ONNX metadata:
+    how the images were prepared (mean and std one value a channel, whatever was given) and the
+    names of the outputs."""
+    metadata = {}
+    if preprocessing is not None:
+        mean, std = preprocessing.per_channel()
+        metadata["preprocessing"] = json.dumps({**asdict(preprocessing), "mean": mean, "std": std})
+    if class_names is not None:
+        metadata["class_names"] = json.dumps(list(class_names))
+    return metadata
+
+
+def example_input(
+    network: torch.nn.Module, example: torch.Tensor | None, preprocessing: Preprocessing | None
+) -> torch.Tensor:
+    """A batch of two of the network's input, on the CPU, of the image size the ONNX graph takes:
+    `example`'s, else the preprocessing's crop. Two: torch.export may specialise a dimension of
+    size 1 to a constant, and the batch size must stay free."""
+    if example is None:
+        if preprocessing is None or preprocessing.crop is None:
+            raise UsageError(
+                "the ONNX graph takes images of one size: give an `example` batch of the network's input, or a "
+                "`preprocessing` with a `crop`"
+            )
+        example = torch.zeros(1, preprocessing.channels, preprocessing.crop, preprocessing.crop)
+    if not isinstance(example, torch.Tensor) or example.dim() < 2 or example.shape[0] == 0:
+        raise UsageError(f"`example` must be a batch of the network's input, not {kind_of(example)}")
+    dtype = next((p.dtype for p in network.parameters()), torch.float32)
+    return example[:1].to("cpu", dtype).repeat(2, *[1] * (example.dim() - 1))
+
+
+def write_onnx(network: torch.nn.Module, path: str | Path, example: torch.Tensor, metadata: dict[str, str]) -> None:
+    """`network` traced on `example` by torch's exporter and written to `path` as one ONNX file,
+    atomically, the batch size free (export_onnx)."""
+    network = network.cpu()  # the graph is the same on any device; the trace need not hold GPU memory
+    said = io.StringIO()  # torch's exporter prints each try and failure: not among the records on stdout
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            program = torch.onnx.export(
+                network,
+                (example,),
+                dynamo=True,
+                dynamic_shapes=({0: torch.export.Dim("batch")},),
+                input_names=["images"],
+                output_names=["logits"],
+                verbose=False,
+            )
+    except Exception as error:  # an operation or a control flow torch.export cannot trace
+        if out_of_memory(error):
+            raise
+        while error.__cause__ is not None:  # the exporter's own error wraps torch.export's, which says why
+            error = error.__cause__
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise CafaError(
+            f"cannot write {path}: torch's ONNX exporter cannot trace this network ({type(error).__name__}: "
+            f"{first}); export it as .safetensors"
+        ) from None
+    program.model.metadata_props.update(metadata)
+    atomic_write(path, lambda tmp: program.save(tmp, external_data=False))
 
 
 def state_of(adapter: Deployable) -> dict:

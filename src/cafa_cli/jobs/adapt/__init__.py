@@ -8,8 +8,7 @@ from dataclasses import replace
 from cafa_cli.core.devices import pick_device
 from cafa_cli.core.errors import UsageError, listing
 from cafa_cli.data.domain import UNLABELLED, Domain
-from cafa_cli.engine.serving import check_exportable
-from cafa_cli.jobs.adapt.deployment import holding_state, load_state, save_state, write_export
+from cafa_cli.jobs.adapt.deployment import check_export, holding_state, load_state, save_state, write_export
 from cafa_cli.jobs.adapt.job import part_of, short_name, stream_units
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation, unread_default_artifact
 from cafa_cli.jobs.config import AdaptConfig
@@ -53,7 +52,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
         job = prepare_adaptation(config if rank == 0 else replace(config, clean=None), said)
         check_gate_has_labels(config, job.domains)
         if config.export:
-            check_exportable(job.adapter.method)  # before any record is written, not after the stream
+            check_export(job.adapter, config.export)  # before any record is written, not after the stream
         # known only now: the paths stdin listed, and the model files an artifact named
         recorded = job.recorded_settings
         check_outputs(
@@ -102,7 +101,7 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             if config.state:
                 save_state(job.adapter, config.state)
             if config.export:
-                write_export(job.adapter, config.export, job.recorded_settings)
+                write_export(job, config.export)
             others = gather_on_root(([], results, said.said()), rank, world)[1:]
             for kept, _, _ in others:
                 for records in kept:

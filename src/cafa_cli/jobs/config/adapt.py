@@ -112,8 +112,9 @@ class AdaptConfig(
     )
     export: str | None = setting(
         None,
-        "Write the adapted network for serving, at the end of the stream: a safetensors state dict of the model's "
-        "own architecture, its BatchNorms holding the statistics the stream arrived at (docs/guides/deploy.md).",
+        "Write the adapted network for serving, at the end of the stream, its BatchNorms holding the statistics the "
+        "stream arrived at; the suffix says the format: .safetensors, a state dict of the model's own architecture, "
+        "or .onnx, an ONNX graph with the preprocessing in its metadata (docs/guides/deploy.md).",
         metavar="PATH",
         panel=OUTPUT,
         brief=True,
