@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -409,6 +411,28 @@ def test_inspect_json(artifact_path, setup):
     _, _, _, features, labels = setup
     expected = sorted(np.linalg.cond(shrunk(features[labels == c], 0.1)) for c in range(3))
     np.testing.assert_allclose([cond["min"], cond["median"], cond["max"]], expected, rtol=1e-3)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_does_not_import_torch(artifact_path, as_json):
+    """Importing torch would be most of its time: the checks and the conditioning run on numpy's arrays."""
+    code = (
+        "import sys\n"
+        "from cafa_cli.cli.app import main\n"
+        "sys.argv = ['cafa', 'inspect', *sys.argv[1:]]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as done:\n"
+        "    assert not done.code, done.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code, str(artifact_path), *(["--json"] if as_json else [])],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "conditioning" in shown.stdout
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "html", "missing", "not-an-artifact", "metadata"])

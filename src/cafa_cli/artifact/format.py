@@ -1,20 +1,23 @@
 """What a valid artifact holds (docs/reference/artifact-format.md): the format's name and version,
 and the checks of a file's metadata and tensors that reading applies, the factors a slice
-at a time through the file mapping."""
+at a time through the file mapping. The checks take numpy arrays (safetensors' numpy
+reader): `cafa inspect` runs them without importing torch, and `read_artifact` runs the
+same ones before it hands the arrays to torch."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import fields
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from cafa_cli import __version__
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.model.loading import ModelSpec
+from cafa_cli.model.spec import ModelSpec
 from cafa_cli.statistics import COVARIANCE_MODES
 
 FORMAT = "cafa-stats"
@@ -145,7 +148,7 @@ def _check_class_subset(subset, class_names: list[str], path: Path) -> None:
 
 
 def expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path):
-    """(factor tensor name, its shape, {name: (shape, dtype)} of every tensor) the metadata implies."""
+    """(factor tensor name, its shape, {name: (shape, safetensors dtype)} of every tensor) the metadata implies."""
     if covariance == "lowrank":
         try:
             k = int(metadata["rank"])
@@ -155,26 +158,26 @@ def expected_tensors(metadata: dict, covariance: str, C: int, d: int, path: Path
             raise bad(path, f"metadata 'rank' is {k}; it must be in [1, feature_dim = {d}]")
         factor_name, factor_shape = "lowrank_basis", (C, k, d)
         factors = {
-            "lowrank_basis": ((C, k, d), torch.float32),
-            "lowrank_isotropic": ((C,), torch.float32),
-            "lowrank_spectrum": ((C, k), torch.float32),
+            "lowrank_basis": ((C, k, d), "F32"),
+            "lowrank_isotropic": ((C,), "F32"),
+            "lowrank_spectrum": ((C, k), "F32"),
         }
     else:
         factor_name, factor_shape = (
             "precision_cholesky",
             {"full": (C, d, d), "tied": (1, d, d), "diag": (C, d)}[covariance],
         )
-        factors = {"precision_cholesky": (factor_shape, torch.float32)}
+        factors = {"precision_cholesky": (factor_shape, "F32")}
     expected = {
-        "means": ((C, d), torch.float32),
+        "means": ((C, d), "F32"),
         **factors,
-        "counts": ((C,), torch.int64),
-        "shrinkage": ((1 if covariance == "tied" else C,), torch.float64),
-        "global_mean": ((d,), torch.float32),
-        "global_covariance": ((d, d), torch.float32),
+        "counts": ((C,), "I64"),
+        "shrinkage": ((1 if covariance == "tied" else C,), "F64"),
+        "global_mean": ((d,), "F32"),
+        "global_covariance": ((d, d), "F32"),
     }
     for name, channels in norm_layers(metadata, path).items():
-        expected[f"norm.{name}.mean"] = expected[f"norm.{name}.var"] = ((C, channels), torch.float32)
+        expected[f"norm.{name}.mean"] = expected[f"norm.{name}.var"] = ((C, channels), "F32")
     return factor_name, factor_shape, expected
 
 
@@ -206,15 +209,14 @@ def check_layout(f, expected: dict, path: Path) -> None:
         actual_dtype = piece.get_dtype()
         if actual_shape != shape:
             raise bad(path, f"tensor '{name}' has shape {actual_shape}, metadata implies {shape}")
-        wanted = {torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}[dtype]
-        if actual_dtype != wanted:
-            raise bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {wanted}")
+        if actual_dtype != dtype:
+            raise bad(path, f"tensor '{name}' has dtype {actual_dtype}, expected {dtype}")
 
 
 def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path) -> None:
     """The values of everything but the factors: finite, counts ≥ 2 adding up, λ in [0, 1]."""
     for name, tensor in small.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.dtype.kind == "f" and not np.isfinite(tensor).all():
             raise bad(path, f"tensor '{name}' holds NaN or inf values")
     if (small["counts"] < 2).any():
         raise bad(path, "tensor 'counts' has classes with fewer than 2 samples")
@@ -247,18 +249,22 @@ _ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank bas
 _SYMMETRY_TOLERANCE = 1e-5  # |Σ − Σᵀ| allowed, relative to the largest |Σ| (float32 rounding)
 
 
-def _check_covariance(sigma: torch.Tensor, path) -> None:
+def _check_covariance(sigma: np.ndarray, path) -> None:
     """Global FA's covariance: symmetric and positive semi-definite, as the factors are checked
     (a Cholesky factorisation with a jitter of d·1e-7 of its largest entry, the most that
     float32 rounding of a singular covariance can push an eigenvalue below 0: a valid one
     passes, one with an eigenvalue of the order of -max|Σ| fails)."""
-    scale = float(sigma.abs().amax()) or 1.0
-    if float((sigma - sigma.T).abs().amax()) > _SYMMETRY_TOLERANCE * scale:
+    scale = float(np.abs(sigma).max()) or 1.0
+    if float(np.abs(sigma - sigma.T).max()) > _SYMMETRY_TOLERANCE * scale:
         raise bad(path, "tensor 'global_covariance' is not symmetric; re-create the artifact with cafa stats")
-    sigma64 = sigma.double()
+    sigma64 = sigma.astype(np.float64)
     jitter = len(sigma64) * 1e-7 * scale
-    _, info = torch.linalg.cholesky_ex(sigma64 + jitter * torch.eye(len(sigma64), dtype=torch.float64))
-    if int(info) != 0 or (sigma64.diagonal() < 0).any():
+    try:
+        np.linalg.cholesky(sigma64 + jitter * np.eye(len(sigma64)))
+        factorised = True
+    except np.linalg.LinAlgError:
+        factorised = False
+    if not factorised or (sigma64.diagonal() < 0).any():
         raise bad(
             path,
             "tensor 'global_covariance' is not positive semi-definite (a covariance never is otherwise); "
@@ -277,37 +283,37 @@ def _valid_spec(m: ModelSpec) -> bool:
     return isinstance(m.model, str) and bool(m.model) and strings and count and arguments
 
 
-def checked_factors(f, path, covariance: str, name: str, shape: tuple, keep: bool) -> torch.Tensor | None:
+def checked_factors(f, path, covariance: str, name: str, shape: tuple, keep: bool) -> np.ndarray | None:
     """Check the factors slice by slice: finite, lower-triangular, positive diagonal;
     a low-rank basis: finite, each row unit-length and orthogonal to the others or all zero.
-    Kept slices are copied into one preallocated tensor (no second full-size copy)."""
+    Kept slices are copied into one preallocated array (no second full-size copy)."""
     piece = f.get_slice(name)
-    per_class_bytes = 4 * max(1, int(torch.tensor(shape[1:]).prod()))
+    per_class_bytes = 4 * max(1, math.prod(shape[1:]))
     step = max(1, _SLICE_BYTES // per_class_bytes)
-    kept = torch.empty(shape, dtype=torch.float32) if keep else None
+    kept = np.empty(shape, dtype=np.float32) if keep else None
     for start in range(0, shape[0], step):
-        block = piece[start : start + step]
+        block = piece[start : min(start + step, shape[0])]  # numpy's reader refuses a slice past the end
         if covariance == "lowrank":
             _check_basis(path, block)
         else:
-            if not torch.isfinite(block).all():
+            if not np.isfinite(block).all():
                 raise bad(path, "precision factors hold NaN or inf values")
-            diagonal = block if covariance == "diag" else block.diagonal(dim1=-2, dim2=-1)
+            diagonal = block if covariance == "diag" else block.diagonal(axis1=-2, axis2=-1)
             if (diagonal <= 0).any():
                 raise bad(path, "precision factors have a non-positive diagonal; not a valid Cholesky factor")
-            if covariance != "diag" and torch.triu(block, diagonal=1).any():
+            if covariance != "diag" and np.triu(block, k=1).any():
                 raise bad(path, "precision factors are not lower-triangular")
         if keep:
             kept[start : start + len(block)] = block
     return kept
 
 
-def _check_basis(path, block: torch.Tensor) -> None:
-    if not torch.isfinite(block).all():
+def _check_basis(path, block: np.ndarray) -> None:
+    if not np.isfinite(block).all():
         raise bad(path, "tensor 'lowrank_basis' holds NaN or inf values")
-    gram = torch.bmm(block, block.transpose(1, 2))  # [c, k, k]: identity on the used rows
-    used = (gram.diagonal(dim1=1, dim2=2) > 0.5).float()
-    if (gram - torch.diag_embed(used)).abs().amax() > _ORTHONORMAL_TOLERANCE:
+    gram = block @ block.transpose(0, 2, 1)  # [c, k, k]: identity on the used rows
+    used = gram.diagonal(axis1=1, axis2=2) > 0.5
+    if np.abs(gram - used[:, :, None] * np.eye(gram.shape[-1], dtype=gram.dtype)).max() > _ORTHONORMAL_TOLERANCE:
         raise bad(
             path,
             "tensor 'lowrank_basis' is not orthonormal (each row must be a unit vector orthogonal to the others, or "

@@ -101,11 +101,11 @@ def inspect(
     """Summarise and validate an artifact: classes, counts, dimensions, shrinkage, model, conditioning."""
     from rich.console import Console
 
-    from cafa_cli.artifact.store import read_artifact
+    from cafa_cli.artifact.reading import read_arrays
     from cafa_cli.jobs.inspect import describe, render
     from cafa_cli.jobs.shared.report import to_json
 
-    summary = describe(read_artifact(artifact))
+    summary = describe(read_arrays(artifact))  # numpy's arrays: inspect never imports torch
     if as_json:
         print(to_json(summary, indent=2))
     else:

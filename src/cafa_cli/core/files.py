@@ -341,18 +341,19 @@ def _new_file_mode(target: Path) -> int:
 
 
 @contextlib.contextmanager
-def open_safetensors(path: str | Path):
+def open_safetensors(path: str | Path, framework: str = "pt"):
     """safetensors' safe_open, also for a file name that is not UTF-8: safetensors takes the
-    name as a Rust string, so such a file is opened here and read through its /dev/fd link."""
+    name as a Rust string, so such a file is opened here and read through its /dev/fd link.
+    `framework` "numpy" reads numpy arrays, without importing torch."""
     from safetensors import safe_open
 
     try:
         os.fsencode(path).decode("utf-8")
     except UnicodeDecodeError:
-        with open(path, "rb") as file, safe_open(f"/dev/fd/{file.fileno()}", framework="pt") as f:
+        with open(path, "rb") as file, safe_open(f"/dev/fd/{file.fileno()}", framework=framework) as f:
             yield f
         return
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework=framework) as f:
         yield f
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import MAX_PIXELS, check_preprocessing
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -136,6 +139,8 @@ class Preprocessing:
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 pixels, one image or a batch, on any device -> the model's float input."""
+        import torch  # deferred: an artifact's preprocessing is read (`cafa inspect`) without torch
+
         mean, std = (torch.tensor(values, device=pixels.device).reshape(-1, 1, 1) for values in self.per_channel())
         return pixels.float().div_(255).sub_(mean).div_(std)
 

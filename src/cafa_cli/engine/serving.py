@@ -21,7 +21,7 @@ from cafa_cli.engine.method import Method
 from cafa_cli.engine.norms import replace_submodule
 from cafa_cli.engine.state import check_tensors, kind_of, load_module, refused, restore, snapshot, tensors_sha256
 from cafa_cli.engine.threads import OneThreadAtATime
-from cafa_cli.model.checkpoints import ADAPTER_STATE_FAMILY
+from cafa_cli.model.file_kinds import ADAPTER_STATE_FAMILY
 
 # Adapter.state_dict()'s, checked by load_state_dict; 2 records what made the adaptation
 # (weights, statistics, options) and leaves the options out of the method's state

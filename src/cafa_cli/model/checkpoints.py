@@ -14,53 +14,21 @@ from torch import nn
 
 from cafa_cli.core.errors import InputError, listing, out_of_memory
 from cafa_cli.core.files import open_safetensors, reading
-
-# the "format" of an Adapter state (engine/serving.py), in every version: such a file is no weights file
-ADAPTER_STATE_FAMILY = "cafa-adapter-state-"
+from cafa_cli.model.file_kinds import (
+    ADAPTER_STATE_FAMILY,
+    ADAPTER_STATE_HINT,
+    HTML_MARKERS,
+    LFS_POINTER,
+    PLAIN_PICKLE,
+    SMALL_FILE,
+    TORCH_SAVE_MARKERS,
+)
 
 
 def is_step_counter(name: str) -> bool:
     """BatchNorm's num_batches_tracked: it counts training steps and changes nothing the
     model computes; old torchvision and converted checkpoints lack it."""
     return name.endswith("num_batches_tracked")
-
-
-HTML_MARKERS = (b"<!doctype", b"<html", b"<?xml", b"<head")
-
-
-# what a clone without git-lfs leaves in place of a large file: a few lines of text
-LFS_POINTER = b"version https://git-lfs.github.com/spec/"
-
-
-# torch.save writes a zip archive, or (legacy format) a pickle of protocol 2 or later
-TORCH_SAVE_MARKERS = (b"PK", b"\x80")
-
-
-PLAIN_PICKLE = (b"\x80\x04", b"\x80\x05")  # pickle protocol 4/5: pickle.dump's, never torch.save's
-
-
-# running out of memory reading a file this small comes from a garbage length field, not from the weights
-SMALL_FILE = 1 << 20
-
-
-# what a user gave where an adaptation state cannot go: the options that take one
-ADAPTER_STATE_HINT = (
-    "give it as `state` to go on adapting (with `reset` never), or serve the adapted network from the file `export` "
-    "writes"
-)
-
-
-def is_adapter_state(path: Path) -> bool:
-    """Whether `path` is torch.save's archive of an Adapter.state_dict(): its pickle (stored,
-    not compressed) holds the format's name. Read without unpickling anything."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-            if len(pickles) != 1 or archive.getinfo(pickles[0]).file_size > SMALL_FILE:
-                return False
-            return ADAPTER_STATE_FAMILY.encode() in archive.read(pickles[0])
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
 
 
 # torch.save stores a checkpoint's entries uncompressed, and float weights barely compress;

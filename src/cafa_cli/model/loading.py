@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,21 +23,8 @@ from cafa_cli.core.files import absolute
 from cafa_cli.model import hub
 from cafa_cli.model.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
 from cafa_cli.model.features import FeatureClassifier
-from cafa_cli.model.zoo import robustbench
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the artifact records so that `adapt` can rebuild the exact model."""
-
-    model: str
-    weights: str | None = (
-        None  # absolute path, or pretrained weights by name (ResNet50_Weights.IMAGENET1K_V2, a timm tag)
-    )
-    weights_sha256: str | None = None
-    num_classes: int | None = None
-    classifier: str | None = None
-    model_args: dict[str, str] | None = None  # the constructor's or factory's keyword arguments: name -> repr(value)
+from cafa_cli.model.spec import ModelSpec
+from cafa_cli.model.zoo import bundled_model, robustbench
 
 
 def build_model(
@@ -268,14 +254,6 @@ def weights_sha256(model: str, weights: str | None) -> str | None:
         return sha256_of(weights)
     bundled = bundled_model(model)
     return sha256_of(bundled.weights) if bundled is not None else None
-
-
-def bundled_model(model: str | None):
-    """The bundled model of this name (its weights, class names, preprocessing and training
-    data), else None."""
-    from cafa_cli.model.zoo import BUNDLED
-
-    return BUNDLED.get(model)
 
 
 def checked_model(

@@ -5,14 +5,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from cafa_cli.core.errors import CafaError, UsageError
 from cafa_cli.data.fashion_mnist import FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
-from cafa_cli.model.zoo.fmnist_resnet import FmnistResNet
+
+if TYPE_CHECKING:
+    from torch import nn
 
 ZOO_DIR = Path(__file__).resolve().parent
+
+
+def _fmnist_resnet() -> nn.Module:
+    # deferred: the architecture imports torch, which naming the bundled models
+    # (`cafa inspect`) does not need
+    from cafa_cli.model.zoo.fmnist_resnet import FmnistResNet
+
+    return FmnistResNet()
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ BUNDLED: dict[str, BundledModel] = {
     # a small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST's 28×28 grey images;
     # retrain it with python -m cafa_cli.model.zoo.train_fmnist
     "fmnist-resnet": BundledModel(
-        build=FmnistResNet,
+        build=_fmnist_resnet,
         weights=ZOO_DIR / "fmnist_resnet.safetensors",
         class_names=tuple(FASHION_MNIST_CLASSES),
         preprocessing={
@@ -41,6 +50,12 @@ BUNDLED: dict[str, BundledModel] = {
         training_data="fashion-mnist",
     ),
 }
+
+
+def bundled_model(model: str | None) -> BundledModel | None:
+    """The bundled model of this name (its weights, class names, preprocessing and training
+    data), else None."""
+    return BUNDLED.get(model)
 
 
 def load_bundled(name: str) -> nn.Module:
