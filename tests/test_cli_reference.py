@@ -1,4 +1,4 @@
-"""cli/reference.py: the command-line reference the docs site generates (reference/cli.md)
+"""cli/reference.py: the command-line reference the docs site generates (reference/cli/)
 names every command and every option of each, walked here from click's command tree rather
 than through the renderer, so a command or option the renderer skipped fails."""
 
@@ -22,9 +22,9 @@ def _every_command(command, path="cafa"):
         yield from _every_command(sub, f"{path} {name}")
 
 
-def _sections(page: str) -> dict[str, str]:
-    """The page's text under each `## cafa ...` heading."""
-    parts = re.split(r"^## (cafa.*)$", page, flags=re.M)
+def _sections(pages: dict[str, str]) -> dict[str, str]:
+    """The pages' text under each `# cafa ...` (or `## cafa ...`) heading."""
+    parts = re.split(r"^#+ (cafa.*)$", "\n".join(pages.values()), flags=re.M)
     return dict(zip(parts[1::2], parts[2::2]))
 
 
@@ -63,13 +63,28 @@ def test_every_command_shows_its_examples():
         assert "\n".join(lines) in sections[f"cafa {name}"], name
 
 
-def test_the_docs_hook_adds_the_generated_page():
-    """As mkdocs runs it: mkdocs.yml names the hook, which adds the page to the site's files."""
+def test_a_page_a_command_and_the_index_links_each():
+    pages = cli_reference()
+    commands = typer.main.get_command(app).commands
+    assert set(pages) == {"index.md", *(f"{name}.md" for name in commands)}
+    for name in commands:
+        assert pages[f"{name}.md"].startswith(f"# cafa {name}\n")
+        assert f"[`cafa {name}`]({name}.md)" in pages["index.md"]
+    assert "[`cafa plot features`](#cafa-plot-features)" in pages["plot.md"]  # a subcommand on its group's page
+
+
+def test_the_docs_hook_adds_the_generated_pages_and_their_nav_section():
+    """As mkdocs runs it: mkdocs.yml names the hook, which adds the pages to the site's files
+    and makes the nav's entry for the index a section of every page."""
     pytest.importorskip("mkdocs")
     from mkdocs.config import load_config
     from mkdocs.structure.files import Files
 
     config = load_config(str(ROOT / "mkdocs.yml"))
+    config = config.plugins.on_config(config)
     files = config.plugins.on_files(Files([]), config=config)
-    page = files.get_file_from_path("reference/cli.md")
-    assert page is not None and page.content_string == cli_reference()
+    for name, page in cli_reference().items():
+        assert files.get_file_from_path(f"reference/cli/{name}").content_string == page
+    reference = next(entry["Reference"] for entry in config["nav"] if "Reference" in entry)
+    section = next(entry["Command line"] for entry in reference if "Command line" in entry)
+    assert section == [f"reference/cli/{name}" for name in cli_reference()]

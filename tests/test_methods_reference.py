@@ -54,9 +54,12 @@ def test_a_methods_page_has_each_option_each_recipe_family_and_its_notes(name):
 
 
 def test_the_hook_makes_the_methods_nav_section_from_the_registry():
+    from mkdocs.exceptions import PluginError
+
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
-    assert hook().expand_nav(nav)
+    hook().on_config({"nav": nav})
     reference = next(entry["Reference"] for entry in nav if "Reference" in entry)
     section = next(entry["Methods"] for entry in reference if "Methods" in entry)
     assert section == ["reference/methods/index.md", *(f"reference/methods/{name}.md" for name in REGISTRY)]
-    assert not hook().expand_nav([{"Home": "index.md"}])  # on_config refuses a nav without the entry
+    with pytest.raises(PluginError, match="no entry for reference/methods/index.md"):
+        hook().on_config({"nav": [{"Home": "index.md"}]})  # the pages would be left out of the site

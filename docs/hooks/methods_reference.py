@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "src"))  # this checkout's package, whichever one is installed
+sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE)]  # this checkout's package, whichever one is installed
+
+from navigation import expand_section  # noqa: E402
 
 from cafa_cli.jobs.methods import reference_pages  # noqa: E402
 from cafa_cli.methods import REGISTRY  # noqa: E402
@@ -23,8 +24,7 @@ INDEX = f"{FOLDER}/index.md"
 
 
 def on_config(config):
-    if not expand_nav(config["nav"] or []):
-        raise PluginError(f"methods_reference: the nav has no entry for {INDEX}, where the methods' pages go")
+    expand_section(config, INDEX, [INDEX, *(f"{FOLDER}/{name}.md" for name in REGISTRY)], "methods_reference")
     return config
 
 
@@ -33,16 +33,3 @@ def on_files(files, config):
     for name, page in reference_pages(intro).items():
         files.append(File.generated(config, f"{FOLDER}/{name}", content=page))
     return files
-
-
-def expand_nav(nav: list) -> bool:
-    """Make the entry `Title: INDEX` a section of the index and each method's page (titled by
-    its heading, the method's name); False when `nav` has no such entry."""
-    for entry in nav:
-        for title, value in entry.items() if isinstance(entry, dict) else ():
-            if value == INDEX:
-                entry[title] = [INDEX, *(f"{FOLDER}/{name}.md" for name in REGISTRY)]
-                return True
-            if isinstance(value, list) and expand_nav(value):
-                return True
-    return False

@@ -54,7 +54,7 @@ EXAMPLES = {
 }
 
 
-# the page of the docs that explains each command (docs/reference/cli.md lists every option)
+# the page of the docs that explains each command (docs/reference/cli/index.md lists every option)
 GUIDES = {
     "cafa": "docs/getting-started.md",
     "stats": "docs/guides/adapt.md",
@@ -92,7 +92,7 @@ app = typer.Typer(
     cls=_Group,
     name="cafa",
     help="Test-time adaptation of image classifiers with Class-Aware Feature Alignment (CAFA, ICCV 2023).",
-    epilog=_epilog("cafa") + "; reference: docs/reference/cli.md",
+    epilog=_epilog("cafa") + "; reference: docs/reference/cli/index.md",
     no_args_is_help=True,
     add_completion=True,  # --install-completion: method and recipe names complete (cli/completion.py)
     pretty_exceptions_enable=False,

@@ -65,9 +65,15 @@ class PanelledCommand(TyperCommand):
         shown = sum(p.name in (brief_parameters(self) or {p.name}) for p in options)
         if ctx.meta.get(BRIEF) and shown < len(options):
             with formatter.indentation():  # under the epilog's guide
-                formatter.write_text(
-                    f"{shown} of {len(options)} options shown; all: {ctx.command_path} --help, docs/reference/cli.md"
-                )
+                formatter.write_text(f"{shown} of {len(options)} options shown; all: {ctx.command_path} --help")
+                formatter.write_text(f"Reference: {reference_page(ctx)}")
+
+
+def reference_page(ctx) -> str:
+    """The page of the docs' CLI reference that lists every option of the command (a subcommand
+    is on its group's page)."""
+    command = ctx.command_path.split()[1:2]
+    return f"docs/reference/cli/{command[0] if command else 'index'}.md"
 
 
 def brief_parameters(command) -> frozenset[str] | None:

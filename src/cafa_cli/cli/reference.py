@@ -1,7 +1,8 @@
 """The command-line reference as markdown, generated from the typer app: every command and
 subcommand with its usage, summary, arguments, every option by help panel (flags and
 metavar, default, help) and its examples. The docs' hook (docs/hooks/cli_reference.py) makes
-it the page reference/cli.md at each build, so the page cannot drift from the options."""
+it the pages reference/cli/ at each build, so they cannot drift from the options: an index
+with the root command, and a page a command (a group's subcommands on the group's page)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,35 @@ import typer
 from cafa_cli.cli.app import EXAMPLES, GUIDES, app
 from cafa_cli.cli.options import help_sections, split_extra
 
+FOLDER = "reference/cli"
+
 INTRO = """\
 Every command and option of `cafa`, generated from the command line itself when the site is
 built. On a terminal, `cafa COMMAND -h` shows the options a user decides first and
-`cafa COMMAND --help` all of them, as listed here; an option typed on the command line wins
-over [cafa.toml](../guides/configuration.md), which wins over the default shown here."""
+`cafa COMMAND --help` all of them, as listed on each command's page; an option typed on the
+command line wins over [cafa.toml](../../guides/configuration.md), which wins over the
+default shown there."""
 
 
-def cli_reference() -> str:
-    """The page: a section per command, the root first, each subcommand after its group."""
+def cli_reference() -> dict[str, str]:
+    """The pages by file name: index.md, the root command with a link to each command's
+    page; then NAME.md a command, its subcommands (`plot features`) on its page."""
     root = typer.main.get_command(app)
-    sections = [_command_section(command, ctx) for command, ctx in _commands(root, _context(root, "cafa"))]
-    return "\n\n".join(["# Command line", INTRO, *sections]) + "\n"
+    root_ctx = _context(root, "cafa")
+    pages = {"index.md": _page("Command line", INTRO, _command_section(root, root_ctx, 2, lambda sub: f"{sub}.md"))}
+    for name in _subcommands(root, root_ctx):
+        command = root.get_command(root_ctx, name)
+        ctx = _context(command, name, root_ctx)
+        sections = [
+            _command_section(sub, sub_ctx, 1 if sub is command else 2, lambda sub: f"#{_anchor(f'cafa {name} {sub}')}")
+            for sub, sub_ctx in _commands(command, ctx)
+        ]
+        pages[f"{name}.md"] = "\n\n".join(sections) + "\n"
+    return pages
+
+
+def _page(title: str, *parts: str) -> str:
+    return "\n\n".join([f"# {title}", *parts]) + "\n"
 
 
 def _context(command, name: str, parent=None):
@@ -43,17 +61,18 @@ def _subcommands(command, ctx) -> list[str]:
     return command.list_commands(ctx) if hasattr(command, "list_commands") else []
 
 
-def _command_section(command, ctx) -> str:
+def _command_section(command, ctx, level: int, link) -> str:
+    """A command's section under a heading of `level`; `link(sub)` is where a subcommand's row points."""
     path = ctx.command_path
     name = path.partition(" ")[2] or "cafa"
     parts = [
-        f"## {path}",
+        f"{'#' * level} {path}",
         _text(command.help or ""),
         f"```text\n{path} {' '.join(command.collect_usage_pieces(ctx))}\n```",
     ]
     if _subcommands(command, ctx):
         rows = [
-            (f"[`{path} {sub}`](#{_anchor(f'{path} {sub}')})", command.get_command(ctx, sub).get_short_help_str(200))
+            (f"[`{path} {sub}`]({link(sub)})", command.get_command(ctx, sub).get_short_help_str(200))
             for sub in _subcommands(command, ctx)
         ]
         parts.append(_table(("Command", "What it does"), [(link, _text(help)) for link, help in rows], "Commands"))
@@ -66,7 +85,7 @@ def _command_section(command, ctx) -> str:
         parts.append("**Examples**\n\n```sh\n" + "\n".join(EXAMPLES[name]) + "\n```")
     if name in GUIDES:
         page = GUIDES[name].removeprefix("docs/")
-        parts.append(f"Guide: [{page}]({posixpath.relpath(page, 'reference')})")  # a link from reference/cli.md
+        parts.append(f"Guide: [{page}]({posixpath.relpath(page, FOLDER)})")  # a link from a page of reference/cli/
     return "\n\n".join(part for part in parts if part)
 
 

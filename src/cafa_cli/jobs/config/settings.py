@@ -34,7 +34,7 @@ BENCH_METHODS = "source,bn,pl,tent,cafa,global-fa,intra,euclidean,cafa-tied,cafa
 DEMO_CORRUPTIONS = "gaussian_noise,defocus_blur,frost,contrast"  # one of each ImageNet-C family
 
 # help panels, in the order --help shows them: as a user decides, what to adapt with first,
-# and last the settings a recipe gives (docs/reference/cli.md lists each option, the guides explain them)
+# and last the settings a recipe gives (docs/reference/cli/index.md lists each option, the guides explain them)
 METHOD, DATA, MODEL, STREAM, STATISTICS, OUTPUT, RUNTIME, ADAPTATION = (
     "Method",
     "Data",
