@@ -146,6 +146,7 @@ TESTED_ELSEWHERE = (
     *("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust", "rdumb"),
     # issue 41's, each in tests/test_fidelity_NAME.py
     *("cmf", "roid", "deyo", "rmt", "adacontrast", "santa", "rpl", "memo", "ttaug"),
+    *("shot-im", "shot"),  # issue 63's, in tests/test_fidelity_shot.py
 )
 
 

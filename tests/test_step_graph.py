@@ -44,6 +44,8 @@ CAPTURABLE = [
     "sar",
     "rdumb",
     "rpl",
+    "shot-im",
+    "shot",
 ]
 
 

@@ -57,6 +57,8 @@ REGISTRY: dict[str, Entry] = {
     "deyo": Entry("deyo", "DeYO"),
     "rdumb": Entry("rdumb", "RDumb"),
     "rpl": Entry("rpl", "Rpl"),
+    "shot-im": Entry("shot", "ShotIM"),
+    "shot": Entry("shot", "Shot"),
     "memo": Entry("memo", "Memo"),
     "ttaug": Entry("ttaug", "TTAug"),
     "t3a": Entry("t3a", "T3A"),
