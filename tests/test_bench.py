@@ -23,6 +23,16 @@ from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.model.checkpoints import sha256_of
 
+# the calibration's columns that follow the error's in a bench CSV
+CALIBRATION_COLUMNS = [
+    "ece_mean_percent",
+    "ece_std_percent",
+    "nll_mean_nats",
+    "nll_std_nats",
+    "brier_mean",
+    "brier_std",
+]
+
 needs_fashion_mnist = pytest.mark.skipif(
     not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"
 )
@@ -859,7 +869,15 @@ def test_bench_axes_make_the_papers_condition_table_with_csv_json_and_plot(tmp_p
         "| label-shift:1.0, batch 3",
     ]
     rows = list(csv.DictReader(out["csv"].open()))
-    assert list(rows[0]) == ["method", "order", "batch_size", "domain", "error_mean_percent", "error_std_percent"]
+    assert list(rows[0]) == [
+        "method",
+        "order",
+        "batch_size",
+        "domain",
+        "error_mean_percent",
+        "error_std_percent",
+        *CALIBRATION_COLUMNS,
+    ]
     means = {
         (r["method"], r["order"], r["batch_size"]): float(r["error_mean_percent"])
         for r in rows

@@ -132,7 +132,7 @@ def test_the_fraction_table_is_methods_by_fractions_with_a_flat_row_for_source()
 
 def test_the_csv_gives_each_row_its_fraction(tmp_path):
     table, rows = sweep_table()
-    tables.write_csv(tmp_path / "r.csv", table, ["a", "b"], rows)
+    tables.write_csv(tmp_path / "r.csv", {"error": table}, ["a", "b"], rows)
     lines = list(csv.DictReader((tmp_path / "r.csv").open()))
     assert list(lines[0]) == ["method", "fraction", "domain", "error_mean_percent", "error_std_percent"]
     means = {

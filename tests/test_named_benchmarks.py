@@ -303,6 +303,12 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
         "domain",
         "error_mean_percent",
         "error_std_percent",
+        "ece_mean_percent",
+        "ece_std_percent",
+        "nll_mean_nats",
+        "nll_std_nats",
+        "brier_mean",
+        "brier_std",
     ]
     errors = {(r["method"], r["severity"], r["domain"]): r["error_mean_percent"] for r in table}
     # the severity folders hold other images (the fixture's seeds and shifts differ): so do the errors

@@ -112,6 +112,7 @@ def adapt_domains(
                     if record.label != UNLABELLED:
                         result.labelled += 1
                         result.errors += record.prediction != record.label
+                        result.calibration.add(record)
             if batch.images is not None:
                 for k in np.unique(owner[batch.indices]):
                     for result in _tallies(results[k], so_far):
@@ -258,10 +259,27 @@ def _records(
         )
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)
-    return [
-        Record(domain.refs[i], int(p), int(domain.labels[i]), float(c))
-        for i, p, c in zip(batch.indices, prediction.tolist(), confidence.tolist())
-    ]
+    labels = domain.labels[batch.indices]
+    nll, brier = calibration_terms(logits, labels)
+    records = []
+    for i, p, label, c, n, b in zip(
+        batch.indices, prediction.tolist(), labels.tolist(), confidence.tolist(), nll.tolist(), brier.tolist()
+    ):
+        labelled = label != UNLABELLED
+        records.append(Record(domain.refs[i], p, label, c, n if labelled else None, b if labelled else None))
+    return records
+
+
+def calibration_terms(logits: torch.Tensor, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's −log of its label's probability (nats) and its Brier score Σ_k (p_k − y_k)²,
+    of the probabilities the method reports (the softmax of its outputs), in float64 so that a
+    confident right answer's NLL is not rounded to 0; an unlabelled image's are meaningless."""
+    log_probabilities = logits.double().log_softmax(1)
+    target = torch.as_tensor(labels, dtype=torch.int64).clamp_min(0).to(logits.device)
+    one_hot = torch.nn.functional.one_hot(target, logits.shape[1])
+    nll = -log_probabilities.gather(1, target[:, None]).squeeze(1)
+    brier = (log_probabilities.exp() - one_hot).square().sum(1)
+    return nll.cpu(), brier.cpu()
 
 
 # the Adapter's counts a DomainResult sums

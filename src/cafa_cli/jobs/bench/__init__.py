@@ -94,27 +94,30 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
         return None
     total = len(rows)
     rows = [row for row in rows if not any(label == row.label for label, _ in failed)]
-    table = tables.summarise(results, rows, config.data, seeds)
+    by_metric = {metric: tables.summarise(results, rows, config.data, seeds, metric) for metric in tables.METRICS}
+    table, shown, metric = by_metric["error"], by_metric[config.metric], config.metric
     axes, sweep = config.grid_axes(), config.fractions is not None
     if config.csv:
-        tables.write_csv(config.csv, table, config.data, rows if axes or sweep else None)
+        tables.write_csv(config.csv, by_metric, config.data, rows if axes or sweep else None)
     if config.metrics_json:
-        write_json(config.metrics_json, config, rows, seeds, table, results, clean or None, settings, protocols)
+        write_json(config.metrics_json, config, rows, seeds, by_metric, results, clean or None, settings, protocols)
     rounds = tables.by_round(protocols, rows, seeds) if config.rounds > 1 else None
     if config.plot:
         if rounds:
             tables.plot_rounds(config.plot, rounds)
         elif sweep:
-            tables.plot_fractions(config.plot, table, rows)
+            tables.plot_fractions(config.plot, shown, rows, metric)
         else:
-            (tables.plot_conditions if axes else tables.plot)(config.plot, table, rows if axes else config.data)
-    text = tables.markdown(table, config.data, seeds)
+            (tables.plot_conditions if axes else tables.plot)(config.plot, shown, rows if axes else config.data, metric)
+    text = tables.markdown(shown, config.data, seeds, metric)
+    if metric != "error":  # the error's table is the one a reader expects unnamed
+        text = f"{tables.METRICS[metric].unit}, of the labelled images' predictions\n\n{text}"
     if config.source:  # the columns are the targets; the model and its statistics are the source's
         text = f"source: {source_of(config)}\n\n{text}"
     if sweep:
-        text = f"{text}\n\n{tables.markdown_by_fraction(table, rows, seeds)}"
+        text = f"{text}\n\n{tables.markdown_by_fraction(shown, rows, seeds, metric)}"
     elif axes:
-        text = f"{text}\n\n{tables.markdown_by_condition(table, rows, seeds)}"
+        text = f"{text}\n\n{tables.markdown_by_condition(shown, rows, seeds, metric)}"
     if rounds:
         text = f"{text}\n\n{tables.markdown_by_round(rounds, seeds)}"
     shares = tables.adapted_shares(protocols, rows, seeds)
@@ -387,6 +390,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
             whole.labelled + result.labelled,
             whole.errors + result.errors,
         )
+        whole.calibration.merge(result.calibration)
         whole.skipped_images += result.skipped_images
         whole.skipped_steps += result.skipped_steps
         whole.undefined_batches += result.undefined_batches

@@ -20,6 +20,7 @@ from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.config.settings import recorded_values
 from cafa_cli.jobs.shared import report
 from cafa_cli.jobs.shared.inputs import recipe
+from cafa_cli.jobs.shared.results import CALIBRATION_BINS
 from cafa_cli.model.checkpoints import sha256_of
 from cafa_cli.model.loading import weights_record
 
@@ -47,7 +48,7 @@ def write_json(
     config: BenchConfig,
     rows: list[Row],
     seeds: list[int],
-    table: list[dict],
+    tables_by_metric: dict[str, list[dict]],
     results: dict,
     clean: dict | None = None,
     settings: dict | None = None,
@@ -74,10 +75,16 @@ def write_json(
         "unit": report.ERROR_PERCENT,  # the table's; each run's and the clean set's `error` is a fraction, named there
         "seeds": seeds,
         "domains": [{"data": d, "label": labels[d]} for d in config.data],
-        "table": [
-            {"method": r["method"], **{labels[k]: {"mean": m, "std": s} for k, (m, s) in r["cells"].items()}}
-            for r in table
-        ],
+        "table": _table_record(tables_by_metric["error"], labels),
+        # the same for the calibration of the labelled images' predictions, each in its unit
+        "calibration": {
+            "bins": CALIBRATION_BINS,
+            **{
+                metric: {"unit": tables.METRICS[metric].unit, "table": _table_record(table, labels)}
+                for metric, table in tables_by_metric.items()
+                if metric != "error"
+            },
+        },
         "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
         "rows": [
             {
@@ -128,6 +135,13 @@ def write_json(
         },
     }
     report.write_json(path, payload)
+
+
+def _table_record(table: list[dict], labels: dict[str, str]) -> list[dict]:
+    """tables.summarise's table as the JSON keeps it: per row, each column's mean and std."""
+    return [
+        {"method": r["method"], **{labels[k]: {"mean": m, "std": s} for k, (m, s) in r["cells"].items()}} for r in table
+    ]
 
 
 def artifact_key(covariance: str, fraction: float | None) -> str:

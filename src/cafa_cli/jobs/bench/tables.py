@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.core.files import atomic_write
+from cafa_cli.jobs.shared.results import METRICS
 
 
 def domain_label(path: str) -> str:
@@ -35,22 +36,26 @@ def domain_labels(domains: list[str]) -> dict[str, str]:
     return {**labels, "mean": "mean"}
 
 
-def summarise(results: dict, rows: list, domains: list[str], seeds: list[int]) -> list[dict]:
-    """Per row: mean and std (over seeds) of the error in % per domain, and of the mean over domains."""
-    errors = {key: result.error for key, result in results.items()}
+def summarise(results: dict, rows: list, domains: list[str], seeds: list[int], metric: str = "error") -> list[dict]:
+    """Per row: mean and std (over seeds) of the metric (METRICS: the error in %, by default)
+    per domain, and of the mean over domains."""
+    scale = METRICS[metric].scale
+    values = {key: scale * getattr(result, metric) for key, result in results.items()}
     table = []
     for row in rows:
         cells = {}
         for domain in domains:
-            values = [100 * errors[(row.label, domain, s)] for s in seeds]
-            cells[domain] = (stats_lib.mean(values), stats_lib.stdev(values) if len(values) > 1 else 0.0)
-        per_seed_means = [stats_lib.mean(100 * errors[(row.label, d, s)] for d in domains) for s in seeds]
-        cells["mean"] = (stats_lib.mean(per_seed_means), stats_lib.stdev(per_seed_means) if len(seeds) > 1 else 0.0)
+            cells[domain] = _mean_std([values[(row.label, domain, s)] for s in seeds])
+        cells["mean"] = _mean_std([stats_lib.mean(values[(row.label, d, s)] for d in domains) for s in seeds])
         table.append({"method": row.label, "cells": cells})
     return table
 
 
-def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
+def _cell(mean: float, std: float, seeds: list[int], digits: int = 2) -> str:
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(seeds) > 1 else "")
+
+
+def markdown(table: list[dict], domains: list[str], seeds: list[int], metric: str = "error") -> str:
     keys = domains + ["mean"]
     labels = domain_labels(domains)
     names = [labels[k] for k in keys]
@@ -60,13 +65,13 @@ def markdown(table: list[dict], domains: list[str], seeds: list[int]) -> str:
         cells = []
         for key in keys:
             mean, std = row["cells"][key]
-            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            text = _cell(mean, std, seeds, METRICS[metric].digits)
             cells.append(f"**{text}**" if key == "mean" and mean == best else text)
         lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def markdown_by_condition(table: list[dict], rows: list, seeds: list[int]) -> str:
+def markdown_by_condition(table: list[dict], rows: list, seeds: list[int], metric: str = "error") -> str:
     """The paper's layout for a grid with an order or batch-size axis: a line per
     condition, a column per method, each cell the error over all domains (mean ± std over
     seeds), the best of each line in bold."""
@@ -78,7 +83,7 @@ def markdown_by_condition(table: list[dict], rows: list, seeds: list[int]) -> st
         cells = []
         for name in names:
             mean, std = means[(condition, name)]
-            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            text = _cell(mean, std, seeds, METRICS[metric].digits)
             cells.append(f"**{text}**" if mean == best else text)
         lines.append(f"| {condition} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -104,7 +109,7 @@ def _fraction_sweep(table: list[dict], rows: list) -> tuple[list[float], list[st
     return fractions, names, {(row.name, row.fraction): entry["cells"]["mean"] for row, entry in zip(rows, table)}
 
 
-def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str:
+def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int], metric: str = "error") -> str:
     """The paper's figure as a table: a line per method, a column per training fraction,
     each cell the error over all domains (mean ± std over seeds), the best of each column
     in bold. A method without statistics ran once: its error stands in every column, as
@@ -121,32 +126,37 @@ def markdown_by_fraction(table: list[dict], rows: list, seeds: list[int]) -> str
         texts = []
         for f in fractions:
             mean, std = cell[(name, f)]
-            text = f"{mean:.2f}" + (f" ± {std:.2f}" if len(seeds) > 1 else "")
+            text = _cell(mean, std, seeds, METRICS[metric].digits)
             texts.append(f"**{text}**" if mean == best[f] else text)
         lines.append(f"| {name} | " + " | ".join(texts) + " |")
     if flat:
         lines += [
             "",
-            f"({', '.join(flat)}: no statistics, so not run per fraction; the same error stands under every fraction.)",
+            f"({', '.join(flat)}: no statistics, so not run per fraction; the same {metric} stands under every "
+            f"fraction.)",
         ]
     return "\n".join(lines)
 
 
-def write_csv(path: str, table: list[dict], domains: list[str], rows: list | None = None) -> None:
-    """A line per row and domain (and the mean); on a grid with axes or a fraction sweep
-    (`rows` given) the method and its conditions in columns of their own (_condition_columns)."""
+def write_csv(path: str, tables: dict[str, list[dict]], domains: list[str], rows: list | None = None) -> None:
+    """A line per row and domain (and the mean), with the mean and std of every metric of
+    `tables` (summarise's, by metric: METRICS, in their order); on a grid with axes or a
+    fraction sweep (`rows` given) the method and its conditions in columns of their own
+    (_condition_columns)."""
     labels = domain_labels(domains)
     conditions = _condition_columns(rows)
+    metrics = [METRICS[name] for name in METRICS if name in tables]
+    columns = [f"{m.name}_{part}{m.csv_unit}" for m in metrics for part in ("mean", "std")]
 
     def write(tmp):
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
-            out.writerow(["method", *conditions, "domain", "error_mean_percent", "error_std_percent"])
-            for k, row in enumerate(table):
+            out.writerow(["method", *conditions, "domain", *columns])
+            for k, row in enumerate(tables["error"]):
                 named = [rows[k].name, *[getattr(rows[k], name) for name in conditions]] if rows else [row["method"]]
                 for key in domains + ["mean"]:
-                    mean, std = row["cells"][key]
-                    out.writerow([*named, labels[key], f"{mean:.4f}", f"{std:.4f}"])
+                    cells = [tables[m.name][k]["cells"][key] for m in metrics]
+                    out.writerow([*named, labels[key], *(f"{value:.4f}" for cell in cells for value in cell)])
 
     atomic_write(path, write)
 
@@ -210,7 +220,7 @@ def _save(plt, fig, path: str) -> None:
     plt.close(fig)
 
 
-def plot_conditions(path: str, table: list[dict], rows: list) -> None:
+def plot_conditions(path: str, table: list[dict], rows: list, metric: str = "error") -> None:
     """A grid with axes: the error over all domains per condition, a line per method."""
     plt = _pyplot()
     conditions, names = list(dict.fromkeys(r.condition for r in rows)), list(dict.fromkeys(r.name for r in rows))
@@ -230,14 +240,14 @@ def plot_conditions(path: str, table: list[dict], rows: list) -> None:
         )
     ax.set_xticks(range(len(conditions)))
     ax.set_xticklabels(conditions, rotation=45, ha="right")
-    ax.set_ylabel("error % (mean over domains)")
+    ax.set_ylabel(f"{METRICS[metric].unit} (mean over domains)")
     ax.grid(axis="y", alpha=0.3)
     _legend_outside(ax)
     fig.tight_layout()
     _save(plt, fig, path)
 
 
-def plot(path: str, table: list[dict], domains: list[str]) -> None:
+def plot(path: str, table: list[dict], domains: list[str], metric: str = "error") -> None:
     """Grouped bars: one group per domain (and the mean), one bar per method; mean ± std
     over the seeds as black error bars, the legend outside the axes."""
     plt = _pyplot()
@@ -259,7 +269,7 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
     labels = domain_labels(domains)
     ax.set_xticklabels([labels[k] for k in keys], rotation=45, ha="right")
-    ax.set_ylabel("error % (mean ± std over seeds)")
+    ax.set_ylabel(f"{METRICS[metric].unit} (mean ± std over seeds)")
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     _legend_outside(ax)
@@ -267,7 +277,7 @@ def plot(path: str, table: list[dict], domains: list[str]) -> None:
     _save(plt, fig, path)
 
 
-def plot_fractions(path: str, table: list[dict], rows: list) -> None:
+def plot_fractions(path: str, table: list[dict], rows: list, metric: str = "error") -> None:
     """A fraction sweep: the error over all domains against the training fraction (log
     axis), a line per method, its CAFA-Oracle twin dashed in the same colour, and a
     dotted flat line for a method without statistics (run once); mean ± std over seeds
@@ -304,7 +314,7 @@ def plot_fractions(path: str, table: list[dict], rows: list) -> None:
     ax.set_xticks(fractions, labels=[str(f) for f in fractions])
     ax.minorticks_off()  # the fractions are the ticks; the log axis's minor ticks would be unlabelled clutter
     ax.set_xlabel("fraction of each class's training images (log scale)")
-    ax.set_ylabel("error % (mean over domains)")
+    ax.set_ylabel(f"{METRICS[metric].unit} (mean over domains)")
     ax.grid(alpha=0.3)
     _legend_outside(ax, handles)  # in the table's order, lines and flat lines mixed
     fig.tight_layout()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from cafa_cli.core.errors import UsageError, repeated
 from cafa_cli.data.pace import parse_stream_rates
@@ -39,7 +40,10 @@ from cafa_cli.jobs.config.settings import (
     StreamOptions,
     setting,
 )
+from cafa_cli.jobs.shared.results import METRICS
 from cafa_cli.methods.recipes import STANDARD_MODELS
+
+TableMetric = Literal[tuple(METRICS)]  # type: ignore[valid-type]
 
 # why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
 
@@ -172,6 +176,13 @@ class BenchConfig(
         panel=OUTPUT,
         recorded="where the statistics are kept, by content",
     )
+    metric: TableMetric = setting(
+        "error",
+        "What the table shows of the labelled images' predictions: error (%), ece (expected calibration error, %, "
+        "15 bins), nll (nats) or brier; the CSV and JSON hold all four.",
+        panel=OUTPUT,
+        recorded="a view of the results, which changes none",
+    )
     csv: str | None = setting(
         None, "Write the table as CSV.", metavar="PATH", panel=OUTPUT, recorded=OUTPUT_FILE, brief=True
     )
@@ -202,6 +213,8 @@ class BenchConfig(
     def __post_init__(self):
         check(self)
         check_max_error(self.max_error)
+        if self.metric not in METRICS:  # the command line checks its choices; a config built in Python too
+            raise UsageError(f"`metric` must be one of {', '.join(METRICS)}, not {self.metric}")
         check_gradual_severity(self)
         self.seed_list()
         self.order_list()

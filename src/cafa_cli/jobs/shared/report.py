@@ -21,7 +21,7 @@ from cafa_cli.core.environment import environment
 from cafa_cli.core.errors import UsageError, printable, undecodable
 from cafa_cli.core.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.jobs.config.settings import RECORD_FORMATS
-from cafa_cli.jobs.shared.results import DomainResult, Record
+from cafa_cli.jobs.shared.results import CALIBRATION_BINS, Calibration, DomainResult, Record
 
 FIELDS = ("path", "prediction", "label", "confidence")
 # The units of the errors in the JSON outputs, named by a `unit` key in each object that
@@ -30,6 +30,12 @@ FIELDS = ("path", "prediction", "label", "confidence")
 # markdown table shows (docs/guides/adapt.md, Units of the errors)
 ERROR_FRACTION = "error fraction"
 ERROR_PERCENT = "error %"
+# the units of a `calibration` object's values (docs/guides/adapt.md, Calibration)
+CALIBRATION_UNITS = {
+    "ece": "fraction",
+    "nll": "nats per image",
+    "brier": "sum over the classes per image, from 0 to 2",
+}
 
 
 def check_format(fmt: str) -> None:
@@ -158,6 +164,7 @@ def overall(results: Sequence[DomainResult]) -> dict:
         "labelled": labelled,
         "error": errors / labelled if labelled else None,
         "unit": ERROR_FRACTION,
+        "calibration": calibration_record(Calibration.of(results)),
         "skipped_images": sum(len(r.skipped_images) for r in results),
         "skipped_steps": sum(r.skipped_steps for r in results),
         **_total("domain_changes", results),
@@ -202,6 +209,7 @@ def domain_record(r: DomainResult) -> dict:
         "labelled": r.labelled,
         "error": r.error,
         "unit": ERROR_FRACTION,
+        "calibration": calibration_record(r.calibration),
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
         **({"undefined_batches": r.undefined_batches} if r.undefined_batches else {}),
@@ -209,6 +217,20 @@ def domain_record(r: DomainResult) -> dict:
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),
         "images_per_second": round(r.n / r.seconds, 1) if r.seconds else None,
+    }
+
+
+def calibration_record(calibration: Calibration) -> dict | None:
+    """The calibration of a domain's (or a run's) labelled images, each value with its unit;
+    None without a labelled image, as its `error` is."""
+    if not calibration.n:
+        return None
+    return {
+        "ece": calibration.ece,
+        "nll": calibration.nll,
+        "brier": calibration.brier,
+        "bins": CALIBRATION_BINS,
+        "units": CALIBRATION_UNITS,
     }
 
 
@@ -281,21 +303,42 @@ def summary_table(method: str, results: Sequence[DomainResult], source: str | No
     table = Table(title=title, title_justify="left")
     table.add_column("data", overflow="fold")  # a long path folds onto more lines rather than losing its end
     paced = any(r.paced for r in results)  # a stream that does not wait: the share of batches adapted on
-    for column in ("images", "error %", *(["adapted %"] * paced), "skipped", "img/s"):
+    labelled = any(r.labelled for r in results)  # the calibration's columns, where there are labels
+    columns = ("images", "error %", *(CALIBRATION_COLUMNS * labelled), *(["adapted %"] * paced), "skipped", "img/s")
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
         name = printable(r.data) + (f" (round {r.round})" if r.round is not None else "")
         shares = [adapted_percent(r.adapted_batches, r.batches)] * paced
-        table.add_row(Text(name), str(r.n), percent(r.error), *shares, str(len(r.skipped_images)), rate)
+        calibration = calibration_cells(r.calibration) * labelled
+        table.add_row(Text(name), str(r.n), percent(r.error), *calibration, *shares, str(len(r.skipped_images)), rate)
     if len(results) > 1:
         total = overall(results)
         rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
         shares = [adapted_percent(sum(r.adapted_batches for r in results), sum(r.batches for r in results))] * paced
+        calibration = calibration_cells(Calibration.of(results)) * labelled
         table.add_row(
-            "all", str(total["n"]), percent(total["error"]), *shares, str(total["skipped_images"]), rate, style="bold"
+            "all",
+            str(total["n"]),
+            percent(total["error"]),
+            *calibration,
+            *shares,
+            str(total["skipped_images"]),
+            rate,
+            style="bold",
         )
     return table
+
+
+CALIBRATION_COLUMNS = ("ECE %", "NLL", "Brier")
+
+
+def calibration_cells(calibration: Calibration) -> list[str]:
+    """The summary's ECE (%), NLL (nats) and Brier score of a domain's labelled images."""
+    if not calibration.n:
+        return ["n/a"] * 3
+    return [percent(calibration.ece), f"{calibration.nll:.3f}", f"{calibration.brier:.3f}"]
 
 
 def adapted_percent(adapted: int, batches: int) -> str:
