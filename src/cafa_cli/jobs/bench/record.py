@@ -38,6 +38,7 @@ ROW_SETTINGS = (
     "reset",
     "stream_rate",
     "step_cost",
+    "outliers",  # the images from outside the label set and their share: the bench's, or the row's on an axis
     "method_options",
 )
 
