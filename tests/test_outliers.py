@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_NET, invoke, write_folder
+from conftest import invoke, write_folder
 from helpers import adapt, bench_args, fails, rows
 from safetensors.numpy import load_file
 from sklearn.metrics import roc_auc_score
@@ -105,7 +105,11 @@ def test_a_share_of_0_is_byte_identical_to_a_run_without(setup, test_set, tmp_pa
     """Records and JSON as without `outliers`, but for the setting recorded (and the times)."""
     data, outliers = test_set
     runs = {}
-    for name, extra in {"none": [], "noise": ["--outliers", "noise:gaussian:0"], "array": ["--outliers", f"{outliers}:0"]}.items():
+    for name, extra in {
+        "none": [],
+        "noise": ["--outliers", "noise:gaussian:0"],
+        "array": ["--outliers", f"{outliers}:0"],
+    }.items():
         out = tmp_path / f"{name}.json"
         result = adapt(setup, data, "--method", "tent", "--seed", "3", "--metrics-json", out, *extra)
         assert result.exit_code == 0, result.stderr
@@ -290,7 +294,9 @@ def test_jsonl_records_mark_outliers_too(setup, test_set):
     result = adapt(setup, data, "--method", "bn", "--format", "jsonl", "--outliers", "noise:gaussian")
     assert result.exit_code == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert sum(line["outlier"] for line in lines) == 8 and all(line["label"] is None for line in lines if line["outlier"])
+    assert sum(line["outlier"] for line in lines) == 8 and all(
+        line["label"] is None for line in lines if line["outlier"]
+    )
     assert list(lines[0]) == ["path", "prediction", "label", "confidence", "outlier", "id_score"]
 
 
