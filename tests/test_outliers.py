@@ -256,6 +256,13 @@ def test_outlier_share_axis_values_are_checked_with_the_settings():
     assert BenchConfig(data=["x"], outliers="noise:gaussian", outlier_shares="0,0.5").outlier_share_list() == [0, 0.5]
 
 
+def test_the_oracle_is_refused_with_outliers_which_have_no_label(setup, test_set):
+    data, _ = test_set
+    fails(adapt(setup, data, "--method", "cafa", "--oracle", "--outliers", "noise:gaussian"), 2, "--oracle")
+    with pytest.raises(UsageError, match="oracle"):
+        BenchConfig(data=["x"], oracle=True, outliers="noise:gaussian", outlier_shares="0,0.2")
+
+
 @pytest.mark.parametrize("share", ["1", "1.5", "-0.1", "nan", "inf"])
 def test_a_share_outside_0_to_1_is_a_usage_error(setup, test_set, share):
     data, _ = test_set

@@ -400,7 +400,11 @@ class OutlierOptions:
         return {"`outliers`": source[0] if source and source[0] not in GENERATED_OUTLIERS else None}
 
     def _check_outliers(self) -> None:
-        self.outlier_source()
+        if self.outlier_source() is not None and getattr(self, "oracle", False):
+            raise UsageError(
+                "`oracle` gives the loss each image's true label, and the images of `outliers` have none; give one "
+                "of them"
+            )
 
 
 @dataclass(kw_only=True)
