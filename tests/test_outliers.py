@@ -29,7 +29,7 @@ from cafa_cli.methods import create
 
 
 @pytest.fixture(scope="module")
-def test_set(tmp_path_factory):
+def domain_and_outliers(tmp_path_factory):
     """A labelled test domain of 30 images, and 40 grey 12x12 outliers of another size in an array."""
     root = tmp_path_factory.mktemp("outliers")
     outliers = root / "outliers.npy"
@@ -80,8 +80,8 @@ def test_the_share_is_the_share_of_the_streams_images():
     assert Outliers("x", 0.0).count(10_000) == 0
 
 
-def test_outliers_never_count_in_the_error_and_the_records_mark_them(setup, test_set, tmp_path):
-    data, outliers = test_set
+def test_outliers_never_count_in_the_error_and_the_records_mark_them(setup, domain_and_outliers, tmp_path):
+    data, outliers = domain_and_outliers
     out = tmp_path / "m.json"
     result = adapt(setup, data, "--method", "tent", "--outliers", f"{outliers}:0.25", "--metrics-json", out)
     assert result.exit_code == 0, result.stderr
@@ -101,9 +101,9 @@ def test_outliers_never_count_in_the_error_and_the_records_mark_them(setup, test
     assert "outliers" in result.stderr and "AUROC %" in result.stderr  # the summary's columns
 
 
-def test_a_share_of_0_is_byte_identical_to_a_run_without(setup, test_set, tmp_path):
+def test_a_share_of_0_is_byte_identical_to_a_run_without(setup, domain_and_outliers, tmp_path):
     """Records and JSON as without `outliers`, but for the setting recorded (and the times)."""
-    data, outliers = test_set
+    data, outliers = domain_and_outliers
     runs = {}
     for name, extra in {
         "none": [],
@@ -131,8 +131,8 @@ def without_times(m: dict) -> dict:
     }
 
 
-def test_one_seed_gives_one_stream_and_the_domains_images_keep_their_order(setup, test_set):
-    data, _ = test_set
+def test_one_seed_gives_one_stream_and_the_domains_images_keep_their_order(setup, domain_and_outliers):
+    data, _ = domain_and_outliers
 
     def stream(seed, *extra):
         result = adapt(setup, data, "--method", "bn", "--seed", seed, *extra)
@@ -152,8 +152,8 @@ def parsed(text: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text)))
 
 
-def test_outlier_images_are_the_same_for_a_seed_and_drawn_without_repeats(setup, test_set):
-    data, outliers = test_set
+def test_outlier_images_are_the_same_for_a_seed_and_drawn_without_repeats(setup, domain_and_outliers):
+    data, outliers = domain_and_outliers
     taken = []
     for seed in (0, 0, 5):
         result = adapt(setup, data, "--method", "source", "--seed", seed, "--outliers", f"{outliers}:0.5")
@@ -196,10 +196,10 @@ def test_mixed_domains_each_bring_their_share(trained):
     assert [(r.n, r.labelled, r.outliers) for r in results] == [(80, 40, 40), (120, 60, 60)]
 
 
-def test_the_statistics_never_see_outliers(setup, test_set, tmp_path):
+def test_the_statistics_never_see_outliers(setup, domain_and_outliers, tmp_path):
     """`cafa stats` has no such option, and a bench's statistics from --train are the same file
     with outliers as without."""
-    data, outliers = test_set
+    data, outliers = domain_and_outliers
     assert "outliers" not in StatsConfig.__dataclass_fields__
     fails(invoke("stats", "--data", setup["train"], "--outliers", outliers), 2, "--outliers")
     made = {}
@@ -222,8 +222,8 @@ def test_the_statistics_never_see_outliers(setup, test_set, tmp_path):
         assert np.array_equal(made["with"][key], tensor), key
 
 
-def test_bench_takes_the_share_as_a_grid_axis(setup, test_set, tmp_path):
-    data, outliers = test_set
+def test_bench_takes_the_share_as_a_grid_axis(setup, domain_and_outliers, tmp_path):
+    data, outliers = domain_and_outliers
     out = tmp_path / "b.json"
     common = dict(weights=setup["weights"], methods="source,tent", batch_size=10, workdir=tmp_path / "w")
     result = invoke(*bench_args(data, **common, outliers=outliers, outlier_shares="0,0.5", metrics_json=out))
@@ -256,21 +256,21 @@ def test_outlier_share_axis_values_are_checked_with_the_settings():
     assert BenchConfig(data=["x"], outliers="noise:gaussian", outlier_shares="0,0.5").outlier_share_list() == [0, 0.5]
 
 
-def test_the_oracle_is_refused_with_outliers_which_have_no_label(setup, test_set):
-    data, _ = test_set
+def test_the_oracle_is_refused_with_outliers_which_have_no_label(setup, domain_and_outliers):
+    data, _ = domain_and_outliers
     fails(adapt(setup, data, "--method", "cafa", "--oracle", "--outliers", "noise:gaussian"), 2, "--oracle")
     with pytest.raises(UsageError, match="oracle"):
         BenchConfig(data=["x"], oracle=True, outliers="noise:gaussian", outlier_shares="0,0.2")
 
 
 @pytest.mark.parametrize("share", ["1", "1.5", "-0.1", "nan", "inf"])
-def test_a_share_outside_0_to_1_is_a_usage_error(setup, test_set, share):
-    data, _ = test_set
+def test_a_share_outside_0_to_1_is_a_usage_error(setup, domain_and_outliers, share):
+    data, _ = domain_and_outliers
     fails(adapt(setup, data, "--outliers", f"noise:gaussian:{share}"), 2, "--outliers", "[0, 1)")
 
 
-def test_bad_outlier_sources_are_one_line_each(setup, test_set, tmp_path):
-    data, outliers = test_set
+def test_bad_outlier_sources_are_one_line_each(setup, domain_and_outliers, tmp_path):
+    data, outliers = domain_and_outliers
     fails(adapt(setup, data, "--outliers", "noise:pink"), 2, "noise:gaussian and noise:uniform")
     fails(adapt(setup, data, "--outliers", "-"), 2, "--outliers")
     fails(adapt(setup, data, "--outliers", tmp_path / "missing"), 3, "--outliers", "no such file or folder")
@@ -281,8 +281,10 @@ def test_bad_outlier_sources_are_one_line_each(setup, test_set, tmp_path):
     fails(adapt(setup, data, "--outliers", data), 2, "--outliers", "images of the test domain")
 
 
-def test_bench_refuses_too_few_outliers_for_its_largest_share_before_any_statistics(setup, test_set, tmp_path):
-    data, outliers = test_set
+def test_bench_refuses_too_few_outliers_for_its_largest_share_before_any_statistics(
+    setup, domain_and_outliers, tmp_path
+):
+    data, outliers = domain_and_outliers
     args = bench_args(
         data,
         weights=setup["weights"],
@@ -296,8 +298,8 @@ def test_bench_refuses_too_few_outliers_for_its_largest_share_before_any_statist
     assert not (tmp_path / "w").exists()
 
 
-def test_jsonl_records_mark_outliers_too(setup, test_set):
-    data, _ = test_set
+def test_jsonl_records_mark_outliers_too(setup, domain_and_outliers):
+    data, _ = domain_and_outliers
     result = adapt(setup, data, "--method", "bn", "--format", "jsonl", "--outliers", "noise:gaussian")
     assert result.exit_code == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
