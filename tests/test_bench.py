@@ -551,6 +551,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "reset": "episodic",
             "stream_rate": "inf",
             "step_cost": "table",
+            "outliers": None,
             "method_options": {},
         }
     ]

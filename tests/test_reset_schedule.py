@@ -59,7 +59,7 @@ def test_every_n_resets_after_each_nth_batch_across_domains(monkeypatch):
 
     adapter = Counting()
 
-    def step(adapter, domain, preprocess, batch, first, oracle, pace, typed_options):
+    def step(adapter, domain, preprocess, batch, first, oracle, pace, typed_options, outliers_from):
         adapter.batches += 1
         return []
 

@@ -30,7 +30,12 @@ def open_domain(
     sorted folder names become the class list. None of its images may be one of the
     command's outputs, however they are reached (files.reading_images).
     """
-    domain = _open(spec, class_names, labels, severity, stdin, option)
+    try:
+        domain = _open(spec, class_names, labels, severity, stdin, option)
+    except InputError as error:  # what the folder and array readers find, named by the option that gave them
+        if option == "data" or not str(error).startswith("`data` "):
+            raise
+        raise InputError(f"`{option}` {str(error).removeprefix('`data` ')}") from None
     reading_images(domain.refs, f"`{option}` {spec}")
     return domain
 

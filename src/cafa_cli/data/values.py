@@ -175,3 +175,43 @@ def decode_budget() -> int:
             f"{DEFAULT_BUDGET_MB})"
         )
     return int(megabytes * 2**20)
+
+
+# --outliers PATH[:SHARE]: images from outside the label set mixed into each stream (data/outliers.py mixes them)
+DEFAULT_OUTLIER_SHARE = 0.2  # STAMP's: 2,500 outliers beside CIFAR-C's 10,000 images
+GENERATED_OUTLIERS = ("noise:gaussian", "noise:uniform")  # made on the fly, as STAMP's data/Gaussian.py makes them
+
+
+def parse_outliers(text: str, name: str = "outliers") -> tuple[str, float]:
+    """'svhn/' -> ('svhn/', 0.2); 'noise:gaussian:0.5' -> ('noise:gaussian', 0.5): the text after the last
+    colon is the share when it reads as a number, else part of the path (fashion-mnist:ROOT)."""
+    text = str(text).strip()
+    source, colon, tail = text.rpartition(":")
+    try:
+        share = float(tail) if colon else None
+    except ValueError:
+        share = None
+    if share is None:
+        source, share = text, DEFAULT_OUTLIER_SHARE
+    check_outlier_share(share, name)
+    if not source or source == "-":
+        raise UsageError(
+            f"`{name}` {text!r}: give the outlier images as PATH[:SHARE], a folder, an array or a data set, or "
+            f"noise:gaussian:0.2"
+        )
+    if source.startswith("noise:") and source not in GENERATED_OUTLIERS:
+        raise UsageError(
+            f"`{name}` {source}: the generated outliers are {' and '.join(GENERATED_OUTLIERS)}; give one of them, "
+            f"or a folder or array of images"
+        )
+    return source, share
+
+
+def check_outlier_share(share: float, name: str = "outliers") -> None:
+    """The share of a stream's images that are outliers: [0, 1), 0 mixing none (a share of 1 would be a
+    stream of outliers alone, and the count share / (1 - share) of in-distribution images infinite)."""
+    if not 0 <= share < 1:  # NaN fails both
+        raise UsageError(
+            f"`{name}`: the share of the stream's images that are outliers is in [0, 1) (0.2: one image in five), "
+            f"not {share:g}"
+        )

@@ -13,7 +13,7 @@ which)`. For each test batch:
 
 and `method.reset()` whenever the model goes back to the source weights. A method whose
 reported predictions come from another network than the one adapted (a teacher) returns it
-from `reporting_network(adapter)`, which `Adapter.features` reads the features of. Three hooks let
+from `reporting_network(adapter)`, which `Adapter.features` reads the features of. Four hooks let
 a method do more than a loss and a plain step (each defaults to doing nothing new):
 
 - `output(logits, features)`: the logits reported for the batch, from the forward pass's
@@ -23,6 +23,10 @@ a method do more than a loss and a plain step (each defaults to doing nothing ne
   must be left out (EATA when its filters kept no sample): the optimiser state then stays
   as it was, as for a non-finite loss, but the step is not counted as skipped. Sample
   weighting and filtering themselves belong in `loss` (masks and weights on the device).
+- `id_score(logits)`: each image's in-distribution score (higher: in-distribution) from the
+  logits reported, which the records and the AUROC of a stream with `outliers` use. The
+  default is the maximum softmax probability; a method with a score of its own (STAMP's)
+  returns it, from the logits or from what its last step kept.
 - `owns_update = True` with `update(adapter, images, skipped) -> (logits, features, flag)`:
   the method runs its own forward passes and steps (SAR's two-pass SAM step and recovery,
   CoTTA's teacher and student), once for each of the Adapter's `steps`, through the
@@ -271,6 +275,12 @@ class Method:
         """The logits reported for the batch, from the forward pass's logits [N, C] and
         features [N, d] (float32, detached, under no_grad). Default: the logits as they are."""
         return logits
+
+    def id_score(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each image's in-distribution score [N] from the batch's reported logits [N, C] (after
+        `output`), higher for an image of the label set: what tells outliers apart (`outliers`).
+        Default: the maximum softmax probability, the confidence of the reported prediction."""
+        return logits.softmax(1).amax(1)
 
     def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         """For a method with `owns_update`: one update on `images` through the Adapter's

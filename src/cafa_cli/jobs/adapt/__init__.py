@@ -73,7 +73,8 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             kept = []  # this rank's records, batch by batch, for rank 0 to write after its own
             gather_on_root((kept, part.run(kept.append, said), said.said()), rank, world)
             return None
-        with prediction_records(config.predictions, config.format, job.class_names) as writer:
+        scored = job.outliers is not None and job.outliers.share > 0
+        with prediction_records(config.predictions, config.format, job.class_names, scored) as writer:
             unread = unread_default_artifact(config, job.preprocess)
             for caution in [*job.cautions(), *([unread] if unread else [])]:
                 said.warn(caution)

@@ -10,6 +10,7 @@ import numpy as np
 from cafa_cli.core.errors import UsageError, listing
 from cafa_cli.data.benchmarks import benchmark_of
 from cafa_cli.data.domain import Domain, padding_note
+from cafa_cli.data.outliers import Outliers
 from cafa_cli.data.pace import WAITS, Pace, parse_step_cost, parse_stream_rate, rate_label
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.engine.adapter import Adapter
@@ -45,6 +46,7 @@ class Adaptation:
     clean: dict | None = None  # the source model's error on `clean`, when given
     recipe: Recipe | None = None  # the published setting the run took what the user did not choose from
     forgetting: Domain | None = None  # the clean domain predicted after each test domain (`forgetting`)
+    outliers: Outliers | None = None  # the images from outside the label set mixed into each stream (`outliers`)
     # what the last run() found beyond the domains' errors: the stream's pace, the forgetting errors
     protocol: dict = field(default_factory=dict)
 
@@ -203,6 +205,7 @@ class Adaptation:
             events=events,
             pace=pace,
             typed_options=set(s.method_options()),
+            outliers=self.outliers,
         )
         for k, result in enumerate(results):
             result.round = k // len(self.domains) + 1 if s.rounds > 1 else None

@@ -21,9 +21,11 @@ from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_se
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.orders import check_labels
+from cafa_cli.data.outliers import Outliers
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import gradual_stages, open_domain
 from cafa_cli.data.subsets import ClassSubset, keep_listed, narrow, read_image_ids
+from cafa_cli.data.values import GENERATED_OUTLIERS
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.method import Method
 from cafa_cli.engine.options import check_precision, resolve_options
@@ -39,6 +41,7 @@ from cafa_cli.jobs.shared.inputs import (
     check_apart,
     default_class_names,
     default_preprocessing,
+    open_outliers,
     recorded_data,
     resolve_model,
 )
@@ -189,6 +192,7 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
         clean=clean,
         recipe=recipe,
         forgetting=data.forgetting,
+        outliers=data.outliers,
     )
 
 
@@ -241,6 +245,7 @@ class OpenedData:
     notes: list[str]  # what opening the data noticed
     forgetting: Domain | None = None  # `forgetting`'s clean domain
     source: Domain | None = None  # `source_data`, for a method that takes source images
+    outliers: Outliers | None = None  # `outliers`: the images from outside the label set mixed in
 
     @property
     def model_class_names(self) -> list[str]:
@@ -269,6 +274,9 @@ def open_data(config: AdaptConfig, net: FeatureClassifier, artifact: Artifact | 
     data = OpenedData(domains, list(opened.values()), class_names, model_classes, subset, ids, groups, notes)
     data.forgetting = open_forgetting(config, data)
     data.source = open_source(config, data)
+    if config.outliers is not None:
+        together = config.rounds if config.mix_domains and len(paths) * config.rounds > 1 else 0
+        data.outliers = open_outliers(*config.outlier_source(), data.opened, together)
     return data
 
 
@@ -537,6 +545,7 @@ def recorded_settings(
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
         "source_data": recorded_data(config.source_data) if config.source_data else None,
+        "outliers": recorded_outliers(config),
         "severity": effective_severity(config),
         "source": source_of(config),
         "preprocessing": asdict(preprocess),
@@ -553,6 +562,17 @@ def recorded_settings(
         "method_options": {option.name: getattr(method, option.name) for option in method.options}
         or (config.method_options() if is_plugin(config.method) else {}),
     }
+
+
+def recorded_outliers(config, axis: str | None = None) -> dict | None:
+    """`outliers` as the JSON records it: the images (a path made absolute) and their share (None
+    where a grid `axis` gives each row its own)."""
+    source = config.outlier_source()
+    if source is None:
+        return None
+    images, share = source
+    data = images if images in GENERATED_OUTLIERS else recorded_data(images)
+    return {"data": data, "share": None if axis else share}
 
 
 def effective_severity(config) -> int | None:

@@ -15,6 +15,7 @@ from cafa_cli.core.interrupts import whole
 from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.loading import Batch, batches, unreadable
 from cafa_cli.data.orders import stream_order
+from cafa_cli.data.outliers import Outliers, with_outliers
 from cafa_cli.data.pace import Pace
 from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.values import parse_reset
@@ -51,6 +52,7 @@ def adapt_domains(
     events: StreamEvents = StreamEvents(),
     pace: Pace | None = None,
     typed_options: Collection[str] | None = None,
+    outliers: Outliers | None = None,
 ) -> list[DomainResult]:
     """Adapt over the domains in order, predicting each batch before updating on it;
     one result per domain.
@@ -68,7 +70,9 @@ def adapt_domains(
     predicted by the model as adapted so far, without adapting.
     `typed_options`: the method options the user gave, which outputs that turn NaN name as a
     suspect when away from their defaults (None: every option away from its default, as the
-    caller built the method).
+    caller built the method). `outliers`: images from outside the label set mixed into each
+    stream (data/outliers.py), unlabelled, adapted on as the others, and marked in the records
+    with their in-distribution score (Method.id_score); the results keep every image's score.
     """
     pace = pace or Pace()
     policy, period = parse_reset(settings.reset)
@@ -77,7 +81,8 @@ def adapt_domains(
     # the stream order has its own generator; this one is for whatever else draws from
     # torch's (a factory model's noise, the loader's worker seeds): --seed repeats a run
     torch.manual_seed(settings.seed)
-    results = [DomainResult(domain.name) for domain in domains]
+    open_world = outliers is not None and outliers.share > 0
+    results = [_result(domain.name, open_world) for domain in domains]
     one_stream = settings.mix_domains and len(domains) > 1
     streams = [list(range(len(domains)))] if one_stream else [[k] for k in range(len(domains))]
     for members in streams:
@@ -89,12 +94,19 @@ def adapt_domains(
             domain, owner, so_far = domains[first], np.full(len(domains[first]), first), results[first]
         else:
             domain, owner = mixed([domains[k] for k in members])
-            so_far = DomainResult(domain.name)
+            so_far = _result(domain.name, open_world)
+        positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
+        inliers = len(domain)  # the positions from here on are outliers'
+        if open_world:
+            counts = [outliers.count(len(domains[k])) for k in members]  # each domain its share
+            domain, positions = with_outliers(
+                domain, positions, outliers, sum(counts), settings.seed, preprocess.channels
+            )
+            owner = np.concatenate([owner, np.repeat(members, counts)])
         events.on_domain(domain)
         # the counts live on the device and are read before and after the stream (a read waits
         # for it); a mixed stream reads them after every batch, to give each domain its batches'
         clock, before = time.perf_counter(), _counts(adapter)
-        positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
         first = events.on_first_batch
         for batch in batches(domain, preprocess, settings.batch_size, positions, settings.num_workers, adapter.device):
             for (i, _), (ref, why) in zip(batch.failures, unreadable(domain, batch, settings.strict)):
@@ -103,7 +115,15 @@ def adapt_domains(
                 events.on_skip(ref, why)
             adapts = batch.images is None or pace.adapts()
             records = _step(
-                adapter, domain, preprocess, batch, first, settings.oracle, pace if adapts else None, typed_options
+                adapter,
+                domain,
+                preprocess,
+                batch,
+                first,
+                settings.oracle,
+                pace if adapts else None,
+                typed_options,
+                inliers if open_world else None,
             )
             first = first if batch.images is None else None
             for i, record in zip(batch.indices, records):
@@ -113,6 +133,8 @@ def adapt_domains(
                         result.labelled += 1
                         result.errors += record.prediction != record.label
                         result.calibration.add(record)
+                    if open_world:
+                        (result.outlier_scores if record.outlier else result.inlier_scores).append(record.id_score)
             if batch.images is not None:
                 for k in np.unique(owner[batch.indices]):
                     for result in _tallies(results[k], so_far):
@@ -142,13 +164,18 @@ def adapt_domains(
             so_far.seconds = time.perf_counter() - clock
             _add_counts(so_far, _counts(adapter), before)
         for k in members:
-            if results[k].n == 0 and results[k].skipped_images:
+            if results[k].n == results[k].outliers and results[k].skipped_images:
                 raise InputError(
                     f"{domains[k].name}: none of its {len(results[k].skipped_images)} image(s) could be read (see the "
                     f"warnings); check the files, or leave the domain out"
                 )
         events.on_stream_end(members)
     return results
+
+
+def _result(name: str, open_world: bool) -> DomainResult:
+    """A domain's result to tally into; with outliers in the stream, with its images' scores."""
+    return DomainResult(name, inlier_scores=[], outlier_scores=[]) if open_world else DomainResult(name)
 
 
 def _tallies(result: DomainResult, stream: DomainResult) -> tuple[DomainResult, ...]:
@@ -184,9 +211,12 @@ def _step(
     oracle: bool = False,
     pace: Pace | None = None,
     typed_options: Collection[str] | None = None,
+    outliers_from: int | None = None,
 ) -> list[Record]:
     """The batch's records: from an adaptation step, told to `pace`; without one (the method
-    busy), from the model as adapted so far, changing nothing (Adapter.features)."""
+    busy), from the model as adapted so far, changing nothing (Adapter.features). With
+    `outliers_from`, the domain's positions from it on are outliers, and each record says
+    whether it is one, with its in-distribution score."""
     if batch.images is None:
         return []
     images = preprocess.normalize(batch.images.to(adapter.device, non_blocking=True))
@@ -196,7 +226,7 @@ def _step(
         logits = _adapt(adapter, domain, batch, images, oracle, pace)
     if on_logits is not None:
         on_logits(domain, batch.images, logits)
-    return _records(domain, batch, logits, adapter.method, typed_options)
+    return _records(domain, batch, logits, adapter.method, typed_options, outliers_from)
 
 
 def _adapt(
@@ -239,7 +269,12 @@ def _now(adapter: Adapter) -> float:
 
 
 def _records(
-    domain: Domain, batch: Batch, logits: torch.Tensor, method: Method, typed_options: Collection[str] | None = None
+    domain: Domain,
+    batch: Batch,
+    logits: torch.Tensor,
+    method: Method,
+    typed_options: Collection[str] | None = None,
+    outliers_from: int | None = None,
 ) -> list[Record]:
     if bool(logits.isnan().any() | logits.isposinf().any() | (logits.amax(1) == float("-inf")).any()):
         # every prediction would be class 0 with confidence NaN, and the error a number;
@@ -267,6 +302,9 @@ def _records(
     ):
         labelled = label != UNLABELLED
         records.append(Record(domain.refs[i], p, label, c, n if labelled else None, b if labelled else None))
+    if outliers_from is not None:
+        for record, i, score in zip(records, batch.indices, method.id_score(logits).tolist()):
+            record.outlier, record.id_score = i >= outliers_from, float(score)
     return records
 
 

@@ -30,6 +30,7 @@ from cafa_cli.jobs.bench.runs import (
     check_apart_from_tests,
     check_domains,
     check_method_options,
+    check_outliers,
     row_config,
     training_data,
     with_standard_model,
@@ -96,11 +97,14 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     rows = [row for row in rows if not any(label == row.label for label, _ in failed)]
     by_metric = {metric: tables.summarise(results, rows, config.data, seeds, metric) for metric in tables.METRICS}
     table, shown, metric = by_metric["error"], by_metric[config.metric], config.metric
+    scored = tables.open_world(results, rows, config.data, seeds)
     axes, sweep = config.grid_axes(), config.fractions is not None
     if config.csv:
         tables.write_csv(config.csv, by_metric, config.data, rows if axes or sweep else None)
     if config.metrics_json:
-        write_json(config.metrics_json, config, rows, seeds, by_metric, results, clean or None, settings, protocols)
+        write_json(
+            config.metrics_json, config, rows, seeds, by_metric, results, clean or None, settings, protocols, scored
+        )
     rounds = tables.by_round(protocols, rows, seeds) if config.rounds > 1 else None
     if config.plot:
         if rounds:
@@ -120,6 +124,8 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
         text = f"{text}\n\n{tables.markdown_by_condition(shown, rows, seeds, metric)}"
     if rounds:
         text = f"{text}\n\n{tables.markdown_by_round(rounds, seeds)}"
+    if scored:
+        text = f"{text}\n\n{tables.markdown_open_world(table, scored, seeds)}"
     shares = tables.adapted_shares(protocols, rows, seeds)
     if shares:
         text = f"{text}\n\n{tables.markdown_shares(shares)}"
@@ -197,6 +203,7 @@ def run_bench(
         if given and given not in TRAINING_SETS and given != "-" and not Path(on_disk(given)).exists():
             raise InputError(f"`{option}` {given}: no such file or folder")
     check_apart_from_tests(config, rows, tests)
+    check_outliers(config, tests)
     for method, reset in dict.fromkeys((row.method, row_reset(config, row)) for row in rows):
         if reset != config.reset:  # a per-domain column is then one stream through the domains
             monitor.info(
@@ -398,4 +405,7 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
         whole.batches += result.batches
         whole.adapted_batches += result.adapted_batches
         whole.paced = result.paced
+        if result.outlier_scores is not None:
+            whole.inlier_scores = [*(whole.inlier_scores or []), *result.inlier_scores]
+            whole.outlier_scores = [*(whole.outlier_scores or []), *result.outlier_scores]
     return merged

@@ -12,7 +12,7 @@ from cafa_cli.core.environment import environment
 from cafa_cli.core.files import absolute, open_safetensors
 from cafa_cli.data.benchmarks import source_of
 from cafa_cli.data.loading import loader_processes
-from cafa_cli.jobs.adapt.prepare import effective_severity
+from cafa_cli.jobs.adapt.prepare import effective_severity, recorded_outliers
 from cafa_cli.jobs.bench import tables
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.statistics import artifact_path, statistics_needed
@@ -39,6 +39,7 @@ ROW_SETTINGS = (
     "reset",
     "stream_rate",
     "step_cost",
+    "outliers",  # the images from outside the label set and their share: the bench's, or the row's on an axis
     "method_options",
 )
 
@@ -53,6 +54,7 @@ def write_json(
     clean: dict | None = None,
     settings: dict | None = None,
     protocols: dict | None = None,
+    scored: dict | None = None,
 ) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
@@ -95,6 +97,7 @@ def write_json(
                 "order": r.order_of(config),
                 # on a severity axis or with the oracle twins, each row's own
                 **({"severity": r.severity} if config.severities else {}),
+                **({"outlier_share": r.outlier_share} if config.outlier_shares else {}),
                 **({"oracle": r.oracle} if config.oracle else {}),
                 **({"fraction": r.fraction} if config.fractions else {}),
                 **(settings or {}).get(
@@ -112,6 +115,17 @@ def write_json(
             else {}
         ),
         **({"clean": report.with_unit(clean)} if clean else {}),
+        # with outliers: each row's AUROC and H in % (tables.open_world); each run's, fractions, under "runs"
+        **(
+            {
+                "open_world": [
+                    {"method": label, **{name: {"mean": m, "std": s} for name, (m, s) in values.items()}, "unit": "%"}
+                    for label, values in scored.items()
+                ]
+            }
+            if scored
+            else {}
+        ),
         "settings": {
             **shared,
             "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)),
@@ -122,6 +136,7 @@ def write_json(
             "classes": absolute(config.classes),
             "labels": absolute(config.labels),
             "severity": None if config.severities else effective_severity(config),  # else each row's
+            "outliers": recorded_outliers(config, "outlier_shares" if config.outlier_shares else None),
             "source": source_of(config),
             **({"class_subset": absolute(config.class_subset)} if config.class_subset else {}),
             **({"subset": absolute(config.subset)} if config.subset else {}),

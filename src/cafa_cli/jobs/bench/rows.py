@@ -37,6 +37,7 @@ class Row:
     stream_rate: str | None = None  # this row's --stream-rate, on a grid with a stream-rate axis
     batch_size: int | None = None  # this row's --batch-size, on a grid with a batch-size axis
     severity: int | None = None  # this row's --severity, on a grid with a severity axis
+    outlier_share: float | None = None  # this row's share of --outliers, on a grid with an outlier-share axis
     condition: str = (
         ""  # its order, batch size and severity as the table names them ("label-shift:0.5, batch 8"), on such a grid
     )
@@ -61,6 +62,12 @@ class Row:
     def severity_of(self, config: BenchConfig) -> int | None:
         return self.severity or config.severity
 
+    def outliers_of(self, config: BenchConfig) -> str | None:
+        """Its `outliers`: the bench's, at this row's share on an outlier-share axis."""
+        if self.outlier_share is None:
+            return config.outliers
+        return f"{config.outlier_source()[0]}:{self.outlier_share!r}"
+
     @property
     def statistics(self) -> tuple[str, float | None] | None:
         """The artifact it reads, as (covariance, training fraction on a sweep); None: none."""
@@ -73,18 +80,24 @@ class Row:
 
 
 def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
-    """Every method row under every (order, stream rate, batch size, severity) of the grid's
-    axes, condition by condition: `tent, batch 8`, `tent, rate 1/2`. Without axes, the rows as they are."""
+    """Every method row under every (order, stream rate, batch size, outlier share, severity) of the
+    grid's axes, condition by condition: `tent, batch 8`, `tent, rate 1/2`, `tent, outliers 0.2`.
+    Without axes, the rows as they are."""
     if not config.grid_axes():
         return rows
     grid = []
-    for order, rate, batch_size, severity in product(
-        config.order_list(), config.stream_rate_list(), config.batch_size_list(), config.severity_list()
+    for order, rate, batch_size, share, severity in product(
+        config.order_list(),
+        config.stream_rate_list(),
+        config.batch_size_list(),
+        config.outlier_share_list(),
+        config.severity_list(),
     ):
         named = (
             [order] * (config.orders is not None)
             + [f"rate {rate}"] * (config.stream_rates is not None)
             + [f"batch {batch_size}"] * (config.batch_sizes is not None)
+            + [f"outliers {share}"] * (config.outlier_shares is not None)
             + [f"severity {severity}"] * (config.severities is not None)
         )
         condition = ", ".join(named)
@@ -96,6 +109,7 @@ def grid_rows(config: BenchConfig, rows: list[Row]) -> list[Row]:
                 stream_rate=rate if config.stream_rates is not None else None,
                 # only an axis is the row's own choice: else the row's recipe sizes its batches
                 batch_size=batch_size if config.batch_sizes is not None else None,
+                outlier_share=share if config.outlier_shares is not None else None,
                 severity=severity if config.severities is not None else None,
                 condition=condition,
             )

@@ -17,7 +17,7 @@ from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.config import AdaptConfig, BenchConfig, StatsConfig
 from cafa_cli.jobs.config.data import InputOptions
 from cafa_cli.jobs.config.settings import parse_method_options
-from cafa_cli.jobs.shared.inputs import check_apart, recorded_data
+from cafa_cli.jobs.shared.inputs import check_apart, open_outliers, recorded_data
 from cafa_cli.methods import method_class
 from cafa_cli.methods.recipes import standard_model
 from cafa_cli.model.loading import bundled_model
@@ -75,6 +75,16 @@ def check_apart_from_tests(config: BenchConfig, rows: list[Row], tests: list[Dom
         check_apart(option, given, open_domain(given, option=option), tests, fix)
 
 
+def check_outliers(config: BenchConfig, tests: list[Domain]) -> None:
+    """`outliers`' images readable, none a test image, and enough of them at the grid's largest
+    share, before any statistics (each run opens them again)."""
+    source = config.outlier_source()
+    if source is None:
+        return
+    together = config.rounds if config.mix_domains and len(config.data) * config.rounds > 1 else 0
+    open_outliers(source[0], max(config.outlier_share_list()), tests, together)
+
+
 def same_shrinkage(shrinkage: float | str, metadata: str | None, covariance: str) -> bool:
     """Whether an artifact's `shrinkage` metadata (JSON) is this setting's: the automatic
     estimate of that covariance mode, or one fixed λ (stored as the float it was given);
@@ -129,6 +139,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         "stream_rate": row.stream_rate,
         "batch_size": row.batch_size,
         "severity": row.severity,
+        "outliers": row.outlier_share,
     }
     return shared(
         config,
@@ -141,6 +152,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         stream_rate=row.stream_rate_of(config),
         batch_size=row.batch_size_of(config),
         severity=row.severity_of(config),
+        outliers=row.outliers_of(config),
         oracle=row.oracle,
         stats=stats,
         classes=None if stats else classes,

@@ -55,6 +55,35 @@ def _cell(mean: float, std: float, seeds: list[int], digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(seeds) > 1 else "")
 
 
+def open_world(results: dict, rows: list, domains: list[str], seeds: list[int]) -> dict[str, dict] | None:
+    """With outliers in the streams: per row that had any, the AUROC and H in %, each the mean over
+    the domains, then mean and std over the seeds; None when no run had outliers."""
+    scored = {}
+    for row in rows:
+        runs = [[results[(row.label, d, s)] for d in domains] for s in seeds]
+        if runs[0][0].outlier_scores is None:
+            continue
+        scored[row.label] = {
+            name: _mean_std([stats_lib.mean(100 * getattr(r, name) for r in run) for run in runs])
+            for name in ("auroc", "h_score")
+            if all(getattr(r, name) is not None for run in runs for r in run)
+        }
+    return scored or None
+
+
+def markdown_open_world(table: list[dict], scored: dict[str, dict], seeds: list[int]) -> str:
+    """The open-world papers' table: a line per row with outliers, its error on the domains' own
+    images, the AUROC of telling the outliers apart and their harmonic mean H (% , means over the
+    domains)."""
+    errors = {row["method"]: row["cells"]["mean"] for row in table}
+    lines = ["| method | error % | AUROC % | H % |", "|---|---:|---:|---:|"]
+    for label, values in scored.items():
+        cells = [errors[label], values.get("auroc"), values.get("h_score")]
+        texts = ["-" if cell is None else _cell(*cell, seeds) for cell in cells]
+        lines.append(f"| {label} | " + " | ".join(texts) + " |")
+    return "\n".join(lines)
+
+
 def markdown(table: list[dict], domains: list[str], seeds: list[int], metric: str = "error") -> str:
     keys = domains + ["mean"]
     labels = domain_labels(domains)
@@ -98,7 +127,8 @@ def _condition_columns(rows: list | None) -> list[str]:
     if any(row.fraction is not None for row in rows):
         return ["fraction"]
     rates = ["stream_rate"] * any(row.stream_rate is not None for row in rows)
-    return ["order", *rates, "batch_size", *["severity"] * any(row.severity is not None for row in rows)]
+    shares = ["outlier_share"] * any(row.outlier_share is not None for row in rows)
+    return ["order", *rates, "batch_size", *shares, *["severity"] * any(row.severity is not None for row in rows)]
 
 
 def _fraction_sweep(table: list[dict], rows: list) -> tuple[list[float], list[str], dict]:

@@ -19,6 +19,7 @@ from cafa_cli.jobs.config.settings import (
     AdaptationOptions,
     MethodDataOptions,
     OracleOptions,
+    OutlierOptions,
     RecipeOptions,
     RecordFormat,
     RuntimeOptions,
@@ -43,6 +44,7 @@ class AdaptConfig(
     MethodDataOptions,
     OracleOptions,
     StreamOptions,
+    OutlierOptions,
     RuntimeOptions,
 ):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
@@ -175,6 +177,7 @@ class AdaptConfig(
             "`recipe`": self.recipe_file(),
             "`method`": factory_file(self.method),
             "`source_data`": self.source_data,
+            **self.outlier_inputs(),
         }
 
     def check_state_reset(self, origin: str = "") -> None:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from cafa_cli.core.errors import UsageError, repeated
 from cafa_cli.data.pace import parse_stream_rates
-from cafa_cli.data.values import check_batch_size, parse_order
+from cafa_cli.data.values import check_batch_size, check_outlier_share, parse_order
 from cafa_cli.jobs.config.checks import (
     _axis,
     check,
@@ -34,6 +34,7 @@ from cafa_cli.jobs.config.settings import (
     AdaptationOptions,
     MethodDataOptions,
     OracleOptions,
+    OutlierOptions,
     RecipeOptions,
     RuntimeOptions,
     SamplingOptions,
@@ -59,6 +60,7 @@ class BenchConfig(
     MethodDataOptions,
     OracleOptions,
     StreamOptions,
+    OutlierOptions,
     RuntimeOptions,
 ):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
@@ -147,6 +149,14 @@ class BenchConfig(
         panel=STREAM,
         show_default=False,
     )
+    outlier_shares: str | None = setting(
+        None,
+        "Grid axis: shares of outliers (as --outliers PATH:SHARE), comma-separated, e.g. 0,0.2,0.5; every row runs "
+        "with each, the outliers from --outliers PATH.",
+        metavar="S,...",
+        panel=STREAM,
+        show_default=False,
+    )
     severities: str | None = setting(
         None,
         "Grid axis: severities 1-5, comma-separated; every row runs at each.",
@@ -220,6 +230,7 @@ class BenchConfig(
         self.order_list()
         self.stream_rate_list()
         self.batch_size_list()
+        self.outlier_share_list()
         self.severity_list()
         self.fraction_list()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
@@ -241,6 +252,7 @@ class BenchConfig(
             "`workdir`": self.workdir,
             "`recipe`": self.recipe_file(),
             "`source_data`": self.source_data,
+            **self.outlier_inputs(),
             "`methods`": [
                 file
                 for file in (
@@ -293,6 +305,35 @@ class BenchConfig(
             raise UsageError(f"`batch_sizes` names a batch size twice: {self.batch_sizes}")
         return sizes
 
+    def outlier_share_list(self) -> list[float | None]:
+        """The shares of outliers the grid runs: `outlier_shares` (of `outliers`' images), else
+        `outliers`' own share alone (None: no outliers)."""
+        source = self.outlier_source()
+        if self.outlier_shares is None:
+            return [source[1] if source else None]
+        if source is None:
+            raise UsageError(
+                f"`outlier_shares` {self.outlier_shares} mixes outliers in at each share, and `outliers` names none; "
+                f"give `outliers` PATH (or noise:gaussian)"
+            )
+        if self.outliers.strip() != source[0]:
+            raise UsageError(
+                f"`outliers` {self.outliers} and `outlier_shares` {self.outlier_shares} both say how many outliers "
+                f"a stream holds; give `outliers` {source[0]} without its share"
+            )
+        try:
+            shares = [float(share) for share in _axis(self.outlier_shares, "outlier_shares", "a share")]
+        except ValueError:
+            raise UsageError(
+                f"`outlier_shares` takes comma-separated numbers in [0, 1), not {self.outlier_shares!r}"
+            ) from None
+        for share in shares:
+            check_outlier_share(share, "outlier_shares")
+        twice = repeated(shares)
+        if twice:
+            raise UsageError(f"`outlier_shares` names {twice[0]:g} twice ({self.outlier_shares}); give each once")
+        return shares
+
     def severity_list(self) -> list[int | None]:
         """The severities the grid runs: `severities`, else `severity` alone (None: the data's own)."""
         if self.severities is None:
@@ -320,7 +361,7 @@ class BenchConfig(
                     f"`{name}` {getattr(self, name)} and `fractions` {self.fractions} both say how many training "
                     f"images the statistics take; give one of them"
                 )
-        for name in ("orders", "batch_sizes", "severities"):
+        for name in ("orders", "batch_sizes", "severities", "outlier_shares"):
             if getattr(self, name) is not None:
                 raise UsageError(
                     f"`fractions` makes a table of its own (methods × fractions), and so does `{name}`; run "
@@ -339,8 +380,9 @@ class BenchConfig(
         return fractions
 
     def grid_axes(self) -> bool:
-        """Whether the grid has an order, stream-rate, batch-size or severity axis (else the table is the plain one)."""
-        axes = (self.orders, self.stream_rates, self.batch_sizes, self.severities)
+        """Whether the grid has an order, stream-rate, batch-size, outlier-share or severity axis (else the table
+        is the plain one)."""
+        axes = (self.orders, self.stream_rates, self.batch_sizes, self.outlier_shares, self.severities)
         return any(axis is not None for axis in axes)
 
     def seed_list(self) -> list[int]:

@@ -12,10 +12,12 @@ from typing import Literal
 from cafa_cli.core.errors import UsageError
 from cafa_cli.data.pace import parse_step_cost, parse_stream_rate
 from cafa_cli.data.values import (
+    GENERATED_OUTLIERS,
     check_batch_size,
     check_num_workers,
     check_rounds,
     parse_order,
+    parse_outliers,
     parse_reset,
 )
 from cafa_cli.engine.options import OPTIMIZERS, PARAM_SETS, PRECISIONS, AdapterSettings, Norm
@@ -370,6 +372,38 @@ def check_step_cost_names(step_cost: str) -> None:
             raise UsageError(
                 f"`step_cost` {step_cost}: {name!r} is no method; a METHOD=K pair names one of {', '.join(REGISTRY)}, "
                 f"or a plug-in module:factory"
+            )
+
+
+@dataclass(kw_only=True)
+class OutlierOptions:
+    """Images from outside the label set in each stream (data/outliers.py), for `adapt` and `bench`
+    alone: the statistics (`cafa stats`, a bench's `train`) never see them."""
+
+    outliers: str | None = setting(
+        None,
+        "Images from outside the label set mixed into each domain's stream, SHARE of its images (default 0.2; "
+        "[0, 1)): any data cafa reads, or generated noise:gaussian or noise:uniform; unlabelled, adapted on, kept "
+        "out of the error and scored (AUROC); docs/guides/streams.md.",
+        metavar="PATH[:SHARE]",
+        panel=STREAM,
+        recorded="resolved: the images' absolute path and their share",
+    )
+
+    def outlier_source(self) -> tuple[str, float] | None:
+        """`outliers` as (its images, their share), None without it."""
+        return None if self.outliers is None else parse_outliers(self.outliers)
+
+    def outlier_inputs(self) -> dict[str, str | None]:
+        """The outlier images' file or folder, which no output may replace; none when generated."""
+        source = self.outlier_source()
+        return {"`outliers`": source[0] if source and source[0] not in GENERATED_OUTLIERS else None}
+
+    def _check_outliers(self) -> None:
+        if self.outlier_source() is not None and getattr(self, "oracle", False):
+            raise UsageError(
+                "`oracle` gives the loss each image's true label, and the images of `outliers` have none; give one "
+                "of them"
             )
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.core.files import image_identity
 from cafa_cli.data.domain import Domain, read_class_list
+from cafa_cli.data.outliers import Outliers
 from cafa_cli.data.preprocessing import Preprocessing
-from cafa_cli.data.sources import on_disk
+from cafa_cli.data.sources import on_disk, open_domain
+from cafa_cli.data.values import GENERATED_OUTLIERS
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.model import hub
 from cafa_cli.model.features import FeatureClassifier
@@ -100,7 +102,33 @@ def recorded_data(data: str) -> str:
 APART_FIXES = {
     "forgetting": "give a clean domain the stream does not adapt on (e.g. the benchmark's clean test set)",
     "source_data": "give labelled source images none of which is a test image (e.g. the training set)",
+    "outliers": "give images from outside the label set, none of which is a test image (another data set, or "
+    "noise:gaussian)",
 }
+
+
+def open_outliers(images: str, share: float, tests: list[Domain], together: int = 0) -> Outliers:
+    """`outliers`' images (`images`, a share of each stream), opened and checked against the test
+    domains (`tests`, each once, as opened): none of them a test image, and enough of them for
+    each stream to draw its share without drawing one twice. `together`: how many times every
+    test domain goes into one stream (`mix_domains`, with its rounds); 0, each its own."""
+    if images in GENERATED_OUTLIERS:
+        return Outliers(images, share, noise=images.partition(":")[2])
+    source = open_domain(images, option="outliers")
+    check_apart("outliers", images, source, tests)
+    outliers = Outliers(images, share, source=source)
+    counts = {test.name: outliers.count(len(test)) for test in tests}
+    if together:
+        stream, needed = f"the one stream of {len(tests)} domains", together * sum(counts.values())
+    else:
+        name = max(counts, key=counts.get, default="")
+        stream, needed = f"the stream of {name}", counts.get(name, 0)
+    if needed > len(source):
+        raise InputError(
+            f"`outliers` {images}: {len(source):,} images, and a share of {share:g} mixes {needed:,} into {stream}, "
+            f"each image once; give more outlier images, or a lower share"
+        )
+    return outliers
 
 
 def check_apart(option: str, spec: str, domain: Domain, tests: list[Domain], fix: str | None = None) -> None:

@@ -21,9 +21,10 @@ from cafa_cli.core.environment import environment
 from cafa_cli.core.errors import UsageError, printable, undecodable
 from cafa_cli.core.files import atomic_write, is_device, naming_failures, replacing
 from cafa_cli.jobs.config.settings import RECORD_FORMATS
-from cafa_cli.jobs.shared.results import CALIBRATION_BINS, Calibration, DomainResult, Record
+from cafa_cli.jobs.shared.results import CALIBRATION_BINS, Calibration, DomainResult, Record, auroc, h_score
 
 FIELDS = ("path", "prediction", "label", "confidence")
+OUTLIER_FIELDS = ("outlier", "id_score")  # with `outliers` in the stream: whether the image is one, and its score
 # The units of the errors in the JSON outputs, named by a `unit` key in each object that
 # holds errors: every `error` is a fraction of the labelled images (as it has always been,
 # so readers that multiply by 100 stay right); bench's `table` holds the percentages its
@@ -45,17 +46,18 @@ def check_format(fmt: str) -> None:
 
 class RecordWriter:
     """One line per image, in stream order, flushed after every batch so that a
-    pipeline (or an interrupted run) sees every line already promised."""
+    pipeline (or an interrupted run) sees every line already promised. With `outliers`,
+    two fields more: whether the image is an outlier, and its in-distribution score."""
 
-    def __init__(self, stream: IO[str], fmt: str, class_names: Sequence[str]):
+    def __init__(self, stream: IO[str], fmt: str, class_names: Sequence[str], outliers: bool = False):
         check_format(fmt)
-        self.stream, self.fmt, self.class_names = stream, fmt, list(class_names)
+        self.stream, self.fmt, self.class_names, self.outliers = stream, fmt, list(class_names), outliers
         self._csv = csv.writer(stream, lineterminator="\n") if fmt == "csv" else None
         self._started = False  # the CSV header waits for the first records: a run that fails first writes nothing
 
     def _start(self) -> None:
         if not self._started and self._csv is not None:
-            self._csv.writerow(FIELDS)
+            self._csv.writerow(FIELDS + OUTLIER_FIELDS * self.outliers)
         self._started = True
 
     def finish(self) -> None:
@@ -73,9 +75,11 @@ class RecordWriter:
         for r in records:
             row = (r.ref, self._name(r.prediction), self._name(r.label), f"{r.confidence:.6f}")
             if self._csv is not None:
-                self._csv.writerow(row)
+                self._csv.writerow(row + ((int(r.outlier), f"{r.id_score:.6f}") if self.outliers else ()))
             else:
                 record = dict(zip(FIELDS, row[:3]), confidence=round(r.confidence, 6))
+                if self.outliers:
+                    record.update(outlier=r.outlier, id_score=round(r.id_score, 6))
                 self.stream.write(to_json({**record, "label": record["label"] or None}) + "\n")
         self.stream.flush()
 
@@ -146,11 +150,13 @@ def _records_output(path: str | None) -> Iterator[IO[str]]:
 
 
 @contextmanager
-def prediction_records(path: str | None, fmt: str, class_names: Sequence[str]) -> Iterator[RecordWriter]:
+def prediction_records(
+    path: str | None, fmt: str, class_names: Sequence[str], outliers: bool = False
+) -> Iterator[RecordWriter]:
     """The records' writer, on stdout or into `path`: finished (a CSV gets its header even
-    with no record) when the run completes."""
+    with no record) when the run completes; with `outliers`, the fields that mark them."""
     with _records_output(path) as output:
-        writer = RecordWriter(output, fmt, class_names)
+        writer = RecordWriter(output, fmt, class_names, outliers)
         yield writer
         writer.finish()
 
@@ -169,8 +175,21 @@ def overall(results: Sequence[DomainResult]) -> dict:
         "skipped_steps": sum(r.skipped_steps for r in results),
         **_total("domain_changes", results),
         **_total("source_restarts", results),
+        **open_world(results),
         "seconds": round(sum(r.seconds for r in results), 3),
     }
+
+
+def open_world(results: Sequence[DomainResult]) -> dict:
+    """With outliers in the streams: how many, the AUROC of telling them from the domains' own images by
+    their scores, over every image of `results` together, and its harmonic mean with the accuracy
+    (fractions); nothing without."""
+    if not results or results[0].outlier_scores is None:
+        return {}
+    area = auroc([s for r in results for s in r.inlier_scores], [s for r in results for s in r.outlier_scores])
+    labelled = sum(r.labelled for r in results)
+    error = sum(r.errors for r in results) / labelled if labelled else None
+    return {"outliers": sum(r.outliers for r in results), "auroc": area, "h_score": h_score(error, area)}
 
 
 def _present(result: DomainResult, *fields: str) -> dict:
@@ -213,6 +232,7 @@ def domain_record(r: DomainResult) -> dict:
         "skipped_images": len(r.skipped_images),
         "skipped_steps": r.skipped_steps,
         **({"undefined_batches": r.undefined_batches} if r.undefined_batches else {}),
+        **open_world([r]),
         **_present(r, "kept_samples", "domain_changes", "source_restarts", "round"),
         **({"adapted_share": r.adapted_batches / r.batches if r.batches else None} if r.paced else {}),
         "seconds": round(r.seconds, 3),
@@ -304,25 +324,48 @@ def summary_table(method: str, results: Sequence[DomainResult], source: str | No
     table.add_column("data", overflow="fold")  # a long path folds onto more lines rather than losing its end
     paced = any(r.paced for r in results)  # a stream that does not wait: the share of batches adapted on
     labelled = any(r.labelled for r in results)  # the calibration's columns, where there are labels
-    columns = ("images", "error %", *(CALIBRATION_COLUMNS * labelled), *(["adapted %"] * paced), "skipped", "img/s")
-    for column in columns:
+    scored = bool(open_world(results))  # outliers in the streams: their count, the AUROC and H
+    for column in (
+        "images",
+        *(["outliers"] * scored),
+        "error %",
+        *(CALIBRATION_COLUMNS * labelled),
+        *(["AUROC %", "H %"] * scored),
+        *(["adapted %"] * paced),
+        "skipped",
+        "img/s",
+    ):
         table.add_column(column, justify="right")
     for r in results:
         rate = f"{r.n / r.seconds:.0f}" if r.seconds else "-"
         name = printable(r.data) + (f" (round {r.round})" if r.round is not None else "")
         shares = [adapted_percent(r.adapted_batches, r.batches)] * paced
         calibration = calibration_cells(r.calibration) * labelled
-        table.add_row(Text(name), str(r.n), percent(r.error), *calibration, *shares, str(len(r.skipped_images)), rate)
+        outliers, scores = _scored_cells(open_world([r]))
+        table.add_row(
+            Text(name),
+            str(r.n),
+            *outliers,
+            percent(r.error),
+            *calibration,
+            *scores,
+            *shares,
+            str(len(r.skipped_images)),
+            rate,
+        )
     if len(results) > 1:
         total = overall(results)
         rate = f"{total['n'] / total['seconds']:.0f}" if total["seconds"] else "-"
         shares = [adapted_percent(sum(r.adapted_batches for r in results), sum(r.batches for r in results))] * paced
         calibration = calibration_cells(Calibration.of(results)) * labelled
+        outliers, scores = _scored_cells(total)
         table.add_row(
             "all",
             str(total["n"]),
+            *outliers,
             percent(total["error"]),
             *calibration,
+            *scores,
             *shares,
             str(total["skipped_images"]),
             rate,
@@ -339,6 +382,13 @@ def calibration_cells(calibration: Calibration) -> list[str]:
     if not calibration.n:
         return ["n/a"] * 3
     return [percent(calibration.ece), f"{calibration.nll:.3f}", f"{calibration.brier:.3f}"]
+
+
+def _scored_cells(record: dict) -> tuple[list[str], list[str]]:
+    """The summary's outlier count, and its AUROC and H in %, of an `open_world` record (none without)."""
+    if "auroc" not in record:
+        return [], []
+    return [str(record["outliers"])], [percent(record["auroc"]), percent(record["h_score"])]
 
 
 def adapted_percent(adapted: int, batches: int) -> str:

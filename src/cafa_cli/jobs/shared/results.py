@@ -6,6 +6,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 # equal-width confidence bins of the expected calibration error, as Guo et al. (2017) and the
 # test-time adaptation papers after them (FOA, TTA-VLM) count it
 CALIBRATION_BINS = 15
@@ -23,6 +25,8 @@ class Record:
     # its Brier score Σ_k (p_k − y_k)² with y the label one-hot; None when unlabelled
     nll: float | None = None
     brier: float | None = None
+    outlier: bool | None = None  # with `outliers`: whether the image is one of them; None without
+    id_score: float | None = None  # with `outliers`: the method's in-distribution score (Method.id_score)
 
 
 @dataclass
@@ -104,6 +108,10 @@ class DomainResult:
     round: int | None = None  # with `rounds` > 1, which pass over the domains (from 1)
     paced: bool = False  # streamed without waiting for the method (`stream_rate`): its adapted share is reported
     calibration: Calibration = field(default_factory=Calibration)  # of the labelled images
+    # with `outliers` (a share above 0): the in-distribution scores of the domain's own images and of the
+    # outliers (of `n`, the images read, these are the outliers); None without
+    inlier_scores: list[float] | None = None
+    outlier_scores: list[float] | None = None
 
     @property
     def error(self) -> float | None:
@@ -121,6 +129,18 @@ class DomainResult:
     @property
     def brier(self) -> float | None:
         return self.calibration.brier
+
+    @property
+    def outliers(self) -> int:
+        return len(self.outlier_scores or ())
+
+    @property
+    def auroc(self) -> float | None:
+        return None if self.outlier_scores is None else auroc(self.inlier_scores, self.outlier_scores)
+
+    @property
+    def h_score(self) -> float | None:
+        return h_score(self.error, self.auroc)
 
 
 class Metric(NamedTuple):
@@ -145,3 +165,24 @@ METRICS = {
         Metric("brier", 1, "Brier score", 3, ""),
     )
 }
+
+
+def auroc(inliers, outliers) -> float | None:
+    """The area under the ROC curve of telling `inliers` from `outliers` by their scores (higher:
+    in-distribution): the Mann-Whitney U statistic over the pairs, a tie counting one half,
+    U / (n_in · n_out) from the inliers' mean ranks; None without images of both kinds."""
+    inside, outside = np.asarray(inliers, dtype=np.float64), np.asarray(outliers, dtype=np.float64)
+    if not len(inside) or not len(outside):
+        return None
+    _, where, counts = np.unique(np.concatenate([inside, outside]), return_inverse=True, return_counts=True)
+    mean_ranks = np.cumsum(counts) - (counts - 1) / 2  # of each distinct score, from 1: ties share their mean
+    u = mean_ranks[where[: len(inside)]].sum() - len(inside) * (len(inside) + 1) / 2
+    return float(u / (len(inside) * len(outside)))
+
+
+def h_score(error: float | None, area: float | None) -> float | None:
+    """The harmonic mean of the in-distribution accuracy (1 − error) and the AUROC: both high, or it is low."""
+    if error is None or area is None:
+        return None
+    accuracy = 1 - error
+    return 2 * accuracy * area / (accuracy + area) if accuracy + area else 0.0
