@@ -44,6 +44,7 @@ CAPTURABLE = [
     "sar",
     "rdumb",
     "rpl",
+    "neo",
 ]
 
 
@@ -225,6 +226,7 @@ class Counting(Tent):
     capturable = True  # said, wrongly
 
     def __init__(self, keep: str):
+        super().__init__()
         self.keep, self.count, self.total = keep, 0, torch.zeros(())
 
     def loss(self, logits, features):
