@@ -146,6 +146,8 @@ TESTED_ELSEWHERE = (
     *("eta", "eata", "cafa-eata", "sar", "t3a", "lame", "cotta", "rotta", "cafa-robust", "rdumb"),
     # issue 41's, each in tests/test_fidelity_NAME.py
     *("cmf", "roid", "deyo", "rmt", "adacontrast", "santa", "rpl", "memo", "ttaug"),
+    # issue 63's, in tests/test_fidelity_neo_come.py
+    "neo",
 )
 
 
