@@ -50,7 +50,7 @@ def come_entropies(logits: torch.Tensor) -> torch.Tensor:
     return -(opinion * opinion.log()).sum(1)
 
 
-# TENT, ETA, EATA and SAR minimise (and EATA and SAR select by) one of these; COME is the same
+# TENT, ETA, EATA and SAR minimise (and ETA, EATA and SAR select by) one of these; COME is the same
 # methods with its entropy in place of Shannon's, as its authors run them
 ENTROPIES = {"shannon": entropies, "come": come_entropies}
 ENTROPY = Option(
