@@ -28,6 +28,9 @@
 # Issue 60 replaced the metrics' `versions` by `environment` (the commit, torch's build, the
 # threads, the device), which `steady` leaves out: the metrics sums are the earlier ones'
 # files less `versions` (checked when they were renewed: with it put back, each gave its old sum).
+# Issue 63 gave tent, eta, eata and sar the option `entropy` (shannon, their own): their metrics
+# gained it under `method_options`, and nothing else moved (every prediction file and every other
+# metrics file byte for byte those of 903cb4c on the same VM, compared in the session that added it).
 set -euo pipefail
 expected=$(cd "$(dirname "$0")" && pwd)/checksums.expected
 work=${1:?give a work folder}

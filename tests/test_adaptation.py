@@ -183,7 +183,7 @@ def test_every_method_runs_and_keeps_weights_finite(trained, method):
     assert logits.shape == (50, 3) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p).all() for p in adapter.model.parameters())
     moved = any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))
-    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame", "ttaug"))
+    assert moved == adapter.method.trains == (method not in ("source", "bn", "t3a", "lame", "ttaug", "neo"))
 
 
 def test_non_finite_loss_skips_the_step_and_is_counted(trained):
@@ -472,7 +472,7 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
         assert method.needs_statistics == (
             name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust", "rmt", "santa")
         )
-        output_only = ("source", "t3a", "lame")  # the source model's BatchNorm statistics, no gradient
+        output_only = ("source", "t3a", "lame", "neo")  # the source model's BatchNorm statistics, no gradient
         own_normalisation = ("rotta", "cafa-robust")  # BatchNorms of their own, swapped in by the method itself
         assert method.trains == (name not in ("bn", "ttaug", *output_only))  # ttaug: views, no training
         assert method.adapts_normalisation == (name not in (*output_only, *own_normalisation))

@@ -552,7 +552,7 @@ def test_bench_passes_the_adapt_options_to_every_row_and_records_what_ran(tmp_pa
             "stream_rate": "inf",
             "step_cost": "table",
             "outliers": None,
-            "method_options": {},
+            "method_options": {"entropy": "shannon"},
         }
     ]
     assert [saved["rows"][0][k] for k in ("optimizer", "lr", "momentum", "batch_size", "params")] == [

@@ -76,7 +76,7 @@ def test_a_teacher_serves_for_a_teacher_student_method_and_batch_methods_refuse(
     with torch.no_grad():
         served = rotta.export()(x[:5])
     assert served.shape == (5, 3) and torch.isfinite(served).all()
-    for name in ("t3a", "lame"):
+    for name in ("t3a", "lame", "neo"):
         with pytest.raises(UsageError, match=f"{name} predicts with more than its network"):
             adapter_of(trained, name).export()
 

@@ -90,6 +90,7 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
         "redundancy_margin": 0.4,
         "fisher_alpha": 1.0,
         "keep_mean_on_reset": False,
+        "entropy": "shannon",
     }
     assert settings["recipe"]["requested"] == "cifar10-c" and settings["recipe"]["name"] == "cifar10-c"
     assert "cifar10_c/eata.yaml" in settings["recipe"]["source"]
@@ -118,6 +119,7 @@ def test_a_recipe_sets_what_the_user_did_not_and_the_metrics_record_it(setup):  
         "redundancy_margin": 0.3,
         "fisher_alpha": 2000.0,
         "keep_mean_on_reset": True,  # the authors' reset()
+        "entropy": "shannon",
     }
 
 
@@ -140,7 +142,7 @@ def test_the_recipe_line_marks_the_users_values_with_the_recipes(setup):  # noqa
     assert line == (
         "recipe cifar10-c for eata: optimizer sgd (yours; the recipe's adam), lr 0.001, momentum 0.9, "
         "batch_size 200, params norm, fisher_samples 2000; entropy_margin 0.4, redundancy_margin 0.3 (yours; the "
-        "recipe's 0.4), fisher_alpha 1.0, keep_mean_on_reset false"
+        "recipe's 0.4), fisher_alpha 1.0, keep_mean_on_reset false, entropy shannon"
     )  # lr typed as published: no mark
     # a setting only some recipes set is shown where one does, and marked when typed over it
     result = invoke(
@@ -191,7 +193,7 @@ def test_without_a_family_the_defaults_run_and_the_line_says_so(setup):  # noqa:
         (
             ["--method", "eata", "--method-option", "epsilon=0.4"],
             "the method eata has no option epsilon (its options: entropy_margin, redundancy_margin, fisher_alpha, "
-            "keep_mean_on_reset)",
+            "keep_mean_on_reset, entropy)",
         ),
         (
             ["--method", "eata", "--method-option", "redundancy_margin=lots"],
@@ -249,6 +251,7 @@ def test_bench_rows_take_their_own_recipes_and_scoped_options(setup, tmp_path): 
         "entropy_margin": 0.5,
         "redundancy_margin": 0.1,
         "keep_mean_on_reset": False,
+        "entropy": "shannon",
     }
     assert rows["lame"]["method_options"]["affinity"] == "knn" and rows["lame"]["recipe"]["name"] == "cifar100-c"
     # EATA's Fisher images are the training data unless given; the JSON says which (ETA takes none)

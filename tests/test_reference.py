@@ -147,6 +147,8 @@ TESTED_ELSEWHERE = (
     # issue 41's, each in tests/test_fidelity_NAME.py
     *("cmf", "roid", "deyo", "rmt", "adacontrast", "santa", "rpl", "memo", "ttaug"),
     *("shot-im", "shot"),  # issue 63's, in tests/test_fidelity_shot.py
+    # issue 63's, in tests/test_fidelity_neo_come.py
+    "neo",
 )
 
 

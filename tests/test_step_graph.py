@@ -46,6 +46,7 @@ CAPTURABLE = [
     "rpl",
     "shot-im",
     "shot",
+    "neo",
 ]
 
 
@@ -227,6 +228,7 @@ class Counting(Tent):
     capturable = True  # said, wrongly
 
     def __init__(self, keep: str):
+        super().__init__()
         self.keep, self.count, self.total = keep, 0, torch.zeros(())
 
     def loss(self, logits, features):

@@ -238,10 +238,13 @@ def load_state(adapter: Deployable, state) -> None:
     back as it was before the call."""
     check_format(state)
     ours = adaptation(adapter)
+    # an option the method gained after the state was saved is absent from it: the state was
+    # made as that option's default makes it
+    defaults = {f"option {option.name}": option.default for option in type(adapter.method).options}
     differ = [
-        f"{key} {shown(state['adaptation'].get(key))} (here {shown(value)})"
+        f"{key} {shown(state['adaptation'].get(key, defaults.get(key)))} (here {shown(value)})"
         for key, value in ours.items()
-        if state["adaptation"].get(key) != value
+        if state["adaptation"].get(key, defaults.get(key)) != value
     ]
     differ += [f"{key} {shown(value)} (not here)" for key, value in state["adaptation"].items() if key not in ours]
     if differ:

@@ -63,6 +63,7 @@ REGISTRY: dict[str, Entry] = {
     "ttaug": Entry("ttaug", "TTAug"),
     "t3a": Entry("t3a", "T3A"),
     "lame": Entry("lame", "Lame"),
+    "neo": Entry("neo", "Neo"),
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
     "rmt": Entry("rmt", "Rmt"),

@@ -25,7 +25,9 @@ e = 0.4, `redundancy_margin` ε = 0.05, `fisher_alpha` β = 2000 (Fisher images:
 `fisher_samples` setting, 2000, in a random order as the authors' loader gives them);
 and `keep_mean_on_reset`, whether a reset (`--reset domain`) keeps m, as the authors'
 reset() does (their ImageNet recipe: true), or clears it, as the benchmark collection does
-(the default, false). With C = 10 an ε of 0.05 keeps almost nothing after the first batch
+(the default, false); `entropy`, shannon, or come: COME's entropy of opinion
+(shared/losses.py) in place of E in the filter, the weights and the loss, as COME's
+authors run EATA. With C = 10 an ε of 0.05 keeps almost nothing after the first batch
 (the cosine between a softmax and a near-uniform mean is at least about 0.3),
 which is why the CIFAR recipes (recipes/eata.toml) use ε = 0.4 and 0.1. The recipes hold
 the optimiser, rate and batch size. Everything stays on the device: the filters are
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 
 from cafa_cli.engine.method import Method
 from cafa_cli.engine.options import Option
+from cafa_cli.methods.shared import losses
 from cafa_cli.methods.shared.selection import SELECTION_OPTIONS, Selection
 from cafa_cli.model.features import FeatureClassifier
 
@@ -79,7 +82,7 @@ class Eta(Method):
     name = "eta"
     capturable = True  # a CUDA graph may replay its step (base.py)
     predicts_before_update = True
-    options = (*SELECTION_OPTIONS, KEEP_MEAN)
+    options = (*SELECTION_OPTIONS, KEEP_MEAN, losses.ENTROPY)
     filters_samples = True
     fingerprinted = (*Method.fingerprinted, "fisher")  # EATA's, from clean images: made once
 
@@ -88,7 +91,7 @@ class Eta(Method):
         self.fisher: list[torch.Tensor] | None = None
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        entropy, weights, kept = self.selection.select(logits)
+        entropy, weights, kept = self.selection.select(logits, losses.ENTROPIES[self.entropy])
         self.leave_out = kept == 0
         self.count_kept(kept)
         return (entropy * weights).sum() / kept.clamp_min(1)
@@ -108,6 +111,7 @@ class Eata(Eta):
         *SELECTION_OPTIONS,
         Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher anti-forgetting term", "weight"),
         KEEP_MEAN,
+        losses.ENTROPY,
     )
     inputs = ("fisher_batches",)  # normalised clean source images, an iterable of batches
     without_source_images = "runs as eta: its Fisher anti-forgetting term needs clean source images"

@@ -22,7 +22,9 @@ ViT-Base's last three blocks and final norm, as the official code skips them by 
 (base.in_frozen; a model with none of those names adapts every normalisation layer, as
 the official code does with a WideResNet). The optimiser SAM steps with is the
 Adapter's: the recipes (recipes/sar.toml) give the official SGD with momentum 0.9.
-Recovery is made on the device with torch.where, so no step reads a device value.
+Recovery is made on the device with torch.where, so no step reads a device value. Option
+`entropy`: shannon, or come, COME's entropy of opinion (shared/losses.py) in place of E in
+both filters, both losses and the recovery's moving average, as COME's authors run SAR.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ FROZEN = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm")
 
 
 def reliable_entropy(
-    logits: torch.Tensor, keep: torch.Tensor | None = None, margin: float = MARGIN
+    logits: torch.Tensor, keep: torch.Tensor | None = None, margin: float = MARGIN, entropies=losses.entropies
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean entropy of the samples below E0 = margin·ln C (and in `keep`), and that mask; 0 when none."""
-    entropy = losses.entropies(logits)
+    """The mean entropy (Shannon's, or that `entropies` computes) of the samples below E0 =
+    margin·ln C (and in `keep`), and that mask; 0 when none."""
+    entropy = entropies(logits)
     below = entropy.detach() < margin * math.log(logits.shape[1])
     mask = below if keep is None else below & keep
     return (entropy * mask).sum() / mask.sum().clamp_min(1), mask
@@ -82,6 +85,7 @@ class Sar(Method):
         Option(
             "frozen", FROZEN, "modules left out of the update, by name (whole dotted components); empty: none", "names"
         ),
+        losses.ENTROPY,
     )
 
     def setup(self) -> None:
@@ -101,7 +105,8 @@ class Sar(Method):
     def update(self, adapter: AdapterSurface, images: torch.Tensor, skipped: torch.Tensor | None):
         with adapter.autocast:
             logits, features = adapter.forward(images)
-        first, keep = reliable_entropy(logits.float(), margin=self.entropy_margin)
+        entropies = losses.ENTROPIES[self.entropy]
+        first, keep = reliable_entropy(logits.float(), margin=self.entropy_margin, entropies=entropies)
         # fp16: scaled as the Adapter scales its losses, or small gradients flush to zero;
         # ε = ρ·g/‖g‖ is the same for any scale of g
         scaled = first if adapter.scaler is None else adapter.scaler.scale(first)
@@ -115,7 +120,7 @@ class Sar(Method):
             torch._foreach_add_(self.params, torch._foreach_mul(grads, scale))
         with adapter.autocast:
             perturbed, _ = adapter.forward(images)
-        second, kept = reliable_entropy(perturbed.float(), keep, self.entropy_margin)
+        second, kept = reliable_entropy(perturbed.float(), keep, self.entropy_margin, entropies)
         self.count_kept(kept.sum())
 
         def restore():  # the step is taken from θ with the gradient at θ + ε

@@ -9,6 +9,9 @@ Defaults, as the CAFA paper's CIFAR runs: Adam, lr 1e-3, batch 200 (ImageNet-C: 
 lr 0.00025, batch 64; TENT's own code takes Nesterov momentum 0.9, `optimizer` nesterov).
 TENT is known to collapse over long continual streams: reset to the source weights
 between domains.
+
+Option `entropy`: shannon (TENT's), or come, COME's entropy of opinion in place of it
+(shared/losses.py: come_entropies), which ETA, EATA and SAR take too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Tent(Method):
     name = "tent"
     capturable = True  # a CUDA graph may replay its step (base.py)
     predicts_before_update = True
+    options = (losses.ENTROPY,)
 
     def loss(self, logits: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return losses.entropy(logits)
+        return losses.ENTROPIES[self.entropy](logits).mean()

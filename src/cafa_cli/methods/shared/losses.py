@@ -1,12 +1,17 @@
 """Test-time objectives as plain tensor functions -> scalar loss: entropy and pseudo-label take
 logits, global alignment takes features, cafa and intra take class distances and pseudo-labels.
-The per-sample terms ROID, CMF and RMT share (soft likelihood ratio, symmetric cross-entropy)
-and ROID's batch prior are here too, so that no method imports another's."""
+The per-sample terms ROID, CMF and RMT share (soft likelihood ratio, symmetric cross-entropy),
+COME's entropy of opinion (and the option by which the entropy methods take it) and ROID's
+batch prior are here too, so that no method imports another's."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from cafa_cli.engine.options import Option
 
 # Distances are clamped into this range before the log: a sample sitting exactly on
 # a class mean (D = 0) or absurdly far from all (D overflowing) must give a finite loss.
@@ -25,6 +30,36 @@ def entropies(logits: torch.Tensor) -> torch.Tensor:
     """Each prediction's Shannon entropy, [N] (EATA and SAR select and weight by it)."""
     log_p = logits.log_softmax(1)
     return -(log_p.exp() * log_p).sum(1)
+
+
+COME_EPS = 1e-7  # added to each mass of the opinion before its logarithm, as the authors
+
+
+def come_entropies(logits: torch.Tensor) -> torch.Tensor:
+    """COME's entropy of opinion (Zhang et al., ICLR 2025), each sample's, [N]: the Shannon
+    entropy of the subjective-logic opinion whose evidence is e = exp(logits), over the C class
+    beliefs b_c = e_c/S and the uncertainty u = C/S, S = Σ_c e_c + C, each mass plus 1e-7.
+    Those C + 1 masses are the softmax of the logits with one more logit, ln C, so they are
+    computed as that softmax (finite where exp(logits) would overflow). The logits enter as
+    x/‖x‖·‖x‖ with the second norm detached: the same value, but a gradient that cannot change
+    their norm (the authors' stand-in for bounding it)."""
+    norm = logits.norm(dim=1, keepdim=True)
+    bounded = logits / norm * norm.detach()
+    uncertain = bounded.new_full((len(bounded), 1), math.log(bounded.shape[1]))
+    opinion = torch.cat([bounded, uncertain], 1).softmax(1) + COME_EPS
+    return -(opinion * opinion.log()).sum(1)
+
+
+# TENT, ETA, EATA and SAR minimise (and ETA, EATA and SAR select by) one of these; COME is the same
+# methods with its entropy in place of Shannon's, as its authors run them
+ENTROPIES = {"shannon": entropies, "come": come_entropies}
+ENTROPY = Option(
+    "entropy",
+    "shannon",
+    "the entropy minimised (and selected by): shannon, or come (COME's entropy of opinion, Zhang et al. ICLR 2025)",
+    "choice",
+    tuple(ENTROPIES),
+)
 
 
 def pseudo_label(logits: torch.Tensor) -> torch.Tensor:

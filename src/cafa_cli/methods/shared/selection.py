@@ -31,8 +31,9 @@ SELECTION_OPTIONS = (
 
 class Selection:
     """EATA's sample selection and weighting, kept on the device: `select(logits)` gives
-    each sample's entropy (with its gradient), its weight 1/exp(E − E0) where kept and 0
-    where not (no gradient), and how many were kept (a device scalar)."""
+    each sample's entropy (with its gradient; Shannon's, or that `entropies` computes: COME's),
+    its weight 1/exp(E − E0) where kept and 0 where not (no gradient), and how many were kept
+    (a device scalar). The redundancy filter compares softmax probabilities whatever the entropy."""
 
     def __init__(self, margin: float = MARGIN, redundancy: float = REDUNDANCY):
         self.margin, self.redundancy = margin, redundancy
@@ -42,9 +43,11 @@ class Selection:
         self.mean_probs: torch.Tensor | None = None  # m, made on the first batch's device
         self.started: torch.Tensor | None = None  # whether m holds a mean yet
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select(
+        self, logits: torch.Tensor, entropies=losses.entropies
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         e0 = self.margin * math.log(logits.shape[1])
-        entropy = losses.entropies(logits)
+        entropy = entropies(logits)
         with torch.no_grad():
             probs = logits.detach().softmax(1)
             if self.mean_probs is None:
