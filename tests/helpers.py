@@ -273,3 +273,14 @@ def check_environment(recorded: dict, device: str = "cpu") -> None:
     assert commit.removesuffix("-dirty").endswith(head), (commit, head)
     changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     assert commit.endswith("-dirty") == bool(changed), (commit, changed)
+
+
+# the calibration's columns that follow the error's in a bench CSV
+CALIBRATION_COLUMNS = [
+    "ece_mean_percent",
+    "ece_std_percent",
+    "nll_mean_nats",
+    "nll_std_nats",
+    "brier_mean",
+    "brier_std",
+]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import invoke, write_folder
-from helpers import adapt_args, bench, bench_args, unless_given
+from helpers import CALIBRATION_COLUMNS, adapt_args, bench, bench_args, unless_given
 
 from cafa_cli.artifact.store import read_artifact
 from cafa_cli.core.errors import UsageError
@@ -22,16 +22,6 @@ from cafa_cli.jobs.bench.tables import domain_label, domain_labels, markdown, su
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.results import DomainResult
 from cafa_cli.model.checkpoints import sha256_of
-
-# the calibration's columns that follow the error's in a bench CSV
-CALIBRATION_COLUMNS = [
-    "ece_mean_percent",
-    "ece_std_percent",
-    "nll_mean_nats",
-    "nll_std_nats",
-    "brier_mean",
-    "brier_std",
-]
 
 needs_fashion_mnist = pytest.mark.skipif(
     not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"

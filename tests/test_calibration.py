@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import adapt, bench, fails, rows
+from helpers import CALIBRATION_COLUMNS, adapt, bench, fails, rows
 
 from cafa_cli.jobs.adapt.stream import calibration_terms
 from cafa_cli.jobs.bench import per_domain
@@ -182,12 +182,7 @@ def test_bench_metric_chooses_the_table_and_the_csv_and_json_hold_every_metric(s
         "domain",
         "error_mean_percent",
         "error_std_percent",
-        "ece_mean_percent",
-        "ece_std_percent",
-        "nll_mean_nats",
-        "nll_std_nats",
-        "brier_mean",
-        "brier_std",
+        *CALIBRATION_COLUMNS,
     ]
     assert float(lines[0]["ece_mean_percent"]) == pytest.approx(ece["source"], abs=1e-4)
     default = bench(setup["train"], **common)  # the error's table, as ever, with the statistics re-used

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PLAIN, TINY_NET, class_images, invoke, write_folder
-from helpers import adapt, fails, make_cifar10, rows
+from helpers import CALIBRATION_COLUMNS, adapt, fails, make_cifar10, rows
 
 from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.benchmarks import CORRUPTIONS, expand_benchmarks
@@ -303,12 +303,7 @@ def test_bench_severities_make_a_row_per_severity_as_each_severity_alone(setup, 
         "domain",
         "error_mean_percent",
         "error_std_percent",
-        "ece_mean_percent",
-        "ece_std_percent",
-        "nll_mean_nats",
-        "nll_std_nats",
-        "brier_mean",
-        "brier_std",
+        *CALIBRATION_COLUMNS,
     ]
     errors = {(r["method"], r["severity"], r["domain"]): r["error_mean_percent"] for r in table}
     # the severity folders hold other images (the fixture's seeds and shifts differ): so do the errors
