@@ -101,6 +101,15 @@ def test_outliers_never_count_in_the_error_and_the_records_mark_them(setup, doma
     assert "outliers" in result.stderr and "AUROC %" in result.stderr  # the summary's columns
 
 
+def test_the_batch_cautions_count_the_outliers_in_the_stream(setup, domain_and_outliers):
+    """30 images fit in one batch of 32, but not beside their 10 outliers: no caution then."""
+    data, outliers = domain_and_outliers
+    alone = adapt(setup, data, "--method", "tent", "--batch-size", "32")
+    mixed = adapt(setup, data, "--method", "tent", "--batch-size", "32", "--outliers", f"{outliers}:0.25")
+    assert alone.exit_code == mixed.exit_code == 0, mixed.stderr
+    assert "fits in one batch" in alone.stderr and "fits in one batch" not in mixed.stderr
+
+
 def test_a_share_of_0_is_byte_identical_to_a_run_without(setup, domain_and_outliers, tmp_path):
     """Records and JSON as without `outliers`, but for the setting recorded (and the times)."""
     data, outliers = domain_and_outliers

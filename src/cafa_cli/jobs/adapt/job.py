@@ -124,10 +124,14 @@ class Adaptation:
         of whose images can be read gets its error alone."""
         s, notes = self.config, []
         domains = list({id(domain): domain for domain in self.domains}.values())
+
+        def streamed(domain) -> int:  # its images, and the outliers mixed in beside them
+            return len(domain) + (self.outliers.count(len(domain)) if self.outliers else 0)
+
         streams = (
-            {f"{len(self.domains)} domains mixed": sum(map(len, self.domains))}
+            {f"{len(self.domains)} domains mixed": sum(map(streamed, self.domains))}
             if s.mix_domains
-            else {short_name(d.name): len(d) for d in domains}
+            else {short_name(d.name): streamed(d) for d in domains}
         )
         alone = [name for name, n in streams.items() if n % s.batch_size == 1]
         if s.batch_size > 1 and self._batch_statistics() and alone:
