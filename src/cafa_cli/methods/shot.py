@@ -83,7 +83,7 @@ class ShotIM(Method):
 
 class Shot(ShotIM):
     name = "shot"
-    capturable = True
+    capturable = True  # said again: a loss of its own is not replayed unless it says so (engine/method.py)
     options = (
         Option("beta", BETA, "β, the weight of the cross-entropy against the centroid pseudo-labels", "positive"),
     )

@@ -321,18 +321,13 @@ class BenchConfig(
                 f"`outliers` {self.outliers} and `outlier_shares` {self.outlier_shares} both say how many outliers "
                 f"a stream holds; give `outliers` {source[0]} without its share"
             )
-        try:
-            shares = [float(share) for share in _axis(self.outlier_shares, "outlier_shares", "a share")]
-        except ValueError:
-            raise UsageError(
-                f"`outlier_shares` takes comma-separated numbers in [0, 1), not {self.outlier_shares!r}"
-            ) from None
-        for share in shares:
-            check_outlier_share(share, "outlier_shares")
-        twice = repeated(shares)
-        if twice:
-            raise UsageError(f"`outlier_shares` names {twice[0]:g} twice ({self.outlier_shares}); give each once")
-        return shares
+        return _number_axis(
+            self.outlier_shares,
+            "outlier_shares",
+            "a share",
+            "[0, 1)",
+            lambda share: check_outlier_share(share, "outlier_shares"),
+        )
 
     def severity_list(self) -> list[int | None]:
         """The severities the grid runs: `severities`, else `severity` alone (None: the data's own)."""
@@ -367,17 +362,7 @@ class BenchConfig(
                     f"`fractions` makes a table of its own (methods × fractions), and so does `{name}`; run "
                     f"them in two benches"
                 )
-        try:
-            fractions = [float(value) for value in _axis(self.fractions, "fractions", "a fraction")]
-        except ValueError:
-            raise UsageError(f"`fractions` takes comma-separated numbers in (0, 1], not {self.fractions!r}") from None
-        wrong = [f for f in fractions if not 0 < f <= 1]
-        if wrong:
-            raise UsageError(f"`fractions`: a fraction is in (0, 1], not {wrong[0]:g}")
-        twice = repeated(fractions)
-        if twice:
-            raise UsageError(f"`fractions` names {twice[0]:g} twice ({self.fractions}); give each once")
-        return fractions
+        return _number_axis(self.fractions, "fractions", "a fraction", "(0, 1]", _check_fraction)
 
     def grid_axes(self) -> bool:
         """Whether the grid has an order, stream-rate, batch-size, outlier-share or severity axis (else the table
@@ -402,3 +387,23 @@ class BenchConfig(
         """The test domains' preprocessing: the shared options, then --test-resize / --test-crop."""
         test = InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
         return {**self.preprocessing_changes(), **test}
+
+
+def _number_axis(text: str, name: str, what: str, interval: str, check) -> list[float]:
+    """A grid axis of numbers: each parsed, checked by `check` (which raises), and each once as a
+    number (0.2 and 0.20 are one value)."""
+    try:
+        values = [float(value) for value in _axis(text, name, what)]
+    except ValueError:
+        raise UsageError(f"`{name}` takes comma-separated numbers in {interval}, not {text!r}") from None
+    for value in values:
+        check(value)
+    twice = repeated(values)
+    if twice:
+        raise UsageError(f"`{name}` names {twice[0]:g} twice ({text}); give each once")
+    return values
+
+
+def _check_fraction(fraction: float) -> None:
+    if not 0 < fraction <= 1:
+        raise UsageError(f"`fractions`: a fraction is in (0, 1], not {fraction:g}")
