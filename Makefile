@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.14.1 / torchvision 0.29.1 are the tested pins (any torch >= 2.2 works)
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[demo,test,timm,plot,docs,onnx]'
+	$(PY) -m pip install -q -e '.[demo,test,timm,plot,docs,onnx,clip]'
 	touch $@
 
 setup: $(VENV)/.installed $(FASHION_MNIST)

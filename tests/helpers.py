@@ -284,3 +284,20 @@ CALIBRATION_COLUMNS = [
     "brier_mean",
     "brier_std",
 ]
+
+
+# --- tiny CLIP models (open_clip with random weights: no download) -----------------
+
+
+def tiny_clip(seed: int = 0, image_size: int = 16, embed_dim: int = 16):
+    """An open_clip CLIP small enough for a test: a 2-layer ViT (patch 8) and a 2-layer text
+    transformer, random weights from `seed`; with the tokenizer open_clip's models use."""
+    import open_clip
+
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(
+        embed_dim=embed_dim,
+        vision_cfg=dict(image_size=image_size, layers=2, width=32, patch_size=8, head_width=16),
+        text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=2),
+    ).eval()
+    return model, open_clip.get_tokenizer("ViT-B-32", context_length=16)
