@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -147,7 +148,11 @@ def within_budget(image: Image.Image, budget: int) -> Image.Image:
 
 
 def read_image(path: str) -> Image.Image:
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or a device would block or never end
+    try:
+        kind = os.stat(path).st_mode
+    except OSError:  # missing or unreachable: Image.open says which, as for any file it cannot open
+        kind = stat.S_IFREG
+    if not stat.S_ISREG(kind):  # a FIFO or a device would block or never end
         raise UnidentifiedImageError("not a regular file")
     budget = decode_budget()
     try:

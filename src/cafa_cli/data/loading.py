@@ -27,14 +27,21 @@ class _DomainImages(Dataset):
         return len(self.indices)
 
     def __getitem__(self, position: int):
-        i = int(self.indices[position])
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                image = self.preprocess.pixels(self.domain.read(i))
-        except UNREADABLE as error:
-            return None, i, f"{type(error).__name__}: {error}"
-        return image, i, None
+        return self.__getitems__([position])[0]
+
+    def __getitems__(self, positions: list[int]) -> list:
+        """A batch's (pixels, index, None) or (None, index, why); the DataLoader asks for a
+        batch at once, so Pillow's warnings are silenced once a batch, not once an image."""
+        items = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for position in positions:
+                i = int(self.indices[position])
+                try:
+                    items.append((self.preprocess.pixels(self.domain.read(i)), i, None))
+                except UNREADABLE as error:
+                    items.append((None, i, f"{type(error).__name__}: {error}"))
+        return items
 
 
 @dataclass

@@ -85,17 +85,22 @@ class Preprocessing:
 
     def pixels(self, image: Image.Image) -> torch.Tensor:
         """The image resized and cropped: uint8, [channels, height, width]."""
-        # deferred: importing torchvision takes seconds, which commands that read no image
-        # (inspect, --help, a mistyped option) should not pay
-        from torchvision.transforms import functional as TF
+        import torch  # deferred: an artifact's preprocessing is read (`cafa inspect`) without torch
 
         self.check_size(image)
         image = to_mode(image, "L" if self.channels == 1 else "RGB")
-        if self.resize is not None:
-            image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode(self.interpolation))
-        if self.crop is not None:
-            image = TF.center_crop(image, self.crop)
-        return TF.pil_to_tensor(image)
+        if self.resize is not None or self.crop is not None:
+            # deferred: importing torchvision takes a tenth of a second, which a model that
+            # takes its images as they are (the bundled ones) should not pay
+            from torchvision.transforms import functional as TF
+
+            if self.resize is not None:
+                image = TF.resize(image, self.resize, interpolation=TF.InterpolationMode(self.interpolation))
+            if self.crop is not None:
+                image = TF.center_crop(image, self.crop)
+        # torchvision's pil_to_tensor, without its import: the same values and strides
+        width, height = image.size
+        return torch.from_numpy(np.array(image)).view(height, width, self.channels).permute(2, 0, 1)
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after `resize`, as torchvision's resize sizes it."""
@@ -169,7 +174,7 @@ def to_mode(image: Image.Image, mode: str) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
-    return image.convert(mode)
+    return image if image.mode == mode else image.convert(mode)  # a converted copy is the same pixels
 
 
 INTEGER_RANGES = (255, 65535, 2**31 - 1)  # the largest value of 8 and 16 bits, and of mode I (signed 32 bits)
