@@ -308,7 +308,7 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, not rmsprop"),
+        ({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, adamw, not rmsprop"),
         ({"steps": 0}, "`steps`"),
         ({"lr": 0}, "`lr` must be a positive number, not 0"),
         ({"params": "some"}, "`params`"),
