@@ -123,7 +123,7 @@ def crop_and_flip(images: torch.Tensor, copies: int, generator: torch.Generator 
     n, c, h, w = images.shape
     views = n * copies
     x = images.float().unsqueeze(1).expand(n, copies, c, h, w).reshape(views, c, h, w)
-    u = torch.rand(views, 4 * TRIES + 1, generator=generator, device=x.device)
+    u = torch.rand(views, 4 * TRIES + 1, generator=generator, device=x.device, dtype=torch.float32)
     theta = _resized(u[:, : 4 * TRIES], h, w)
     theta[:, :, 0] *= torch.where(u[:, 4 * TRIES] < 0.5, -1.0, 1.0).unsqueeze(1)
     out = _warp(x, theta, torch.zeros((), device=x.device))  # inside the image: no fill is seen
