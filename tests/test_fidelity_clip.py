@@ -193,26 +193,33 @@ def greedy_break(ties, logits):  # utils/tools.py, as the authors meant its fall
     return ties[logits[0, ties].argmax()]
 
 
+def zero(logits, temp, gamma):  # ttas/zero.py's zero(), from the views' unscaled logits
+    p = (logits / temp).softmax(1)
+    batch_entropy = -(p * p.log()).sum(1)  # confidence_filter
+    sorted_idx = torch.argsort(batch_entropy, descending=False)
+    l_filt = logits[sorted_idx[: int(batch_entropy.size()[0] * gamma)]]
+    p_bar = (l_filt / torch.finfo(l_filt.dtype).eps).softmax(1).sum(0)
+    max_counts, scalar_pred = torch.max(p_bar, dim=-1)
+    ties = [scalar_pred] + [i for i in range(len(p_bar)) if i != scalar_pred and p_bar[i] == max_counts]
+    if len(ties) > 1:
+        k = int(logits.size(0) * gamma)
+        scalar_pred = greedy_break(torch.tensor(ties), logits[sorted_idx][k:])
+        p_bar[scalar_pred] += 1
+    return p_bar
+
+
 def zero_reference(stream, text, scale, gamma=0.3, count=15):
     clip, _ = clip_model()
-    temp = 1 / scale
-    out = []
-    for inputs in viewed(stream, count):
-        z_img = encode(clip, inputs)
-        logits = z_img @ text.t()
-        p = (logits / temp).softmax(1)
-        batch_entropy = -(p * p.log()).sum(1)  # confidence_filter
-        sorted_idx = torch.argsort(batch_entropy, descending=False)
-        l_filt = logits[sorted_idx[: int(batch_entropy.size()[0] * gamma)]]
-        p_bar = (l_filt / torch.finfo(l_filt.dtype).eps).softmax(1).sum(0)
-        max_counts, scalar_pred = torch.max(p_bar, dim=-1)
-        ties = [scalar_pred] + [i for i in range(len(p_bar)) if i != scalar_pred and p_bar[i] == max_counts]
-        if len(ties) > 1:
-            k = int(inputs.size(0) * gamma)
-            scalar_pred = greedy_break(torch.tensor(ties), logits[sorted_idx][k:])
-            p_bar[scalar_pred] += 1
-        out.append(p_bar)
-    return torch.stack(out)
+    return torch.stack([zero(encode(clip, inputs) @ text.t(), 1 / scale, gamma) for inputs in viewed(stream, count)])
+
+
+def test_zero_breaks_a_tie_as_its_authors(float64):
+    """Four confident views voting 2-2: the next most confident view whose class is tied wins."""
+    from cafa_cli.methods.zero import votes
+
+    logits = torch.tensor([[3.0, 0, 0], [0, 2.9, 0], [2.8, 0, 0], [0, 2.7, 0], [0, 0, 0.5], [0, 0.4, 0], [0.3, 0, 0]])
+    ours, theirs = votes(logits, 1.0, 0.6), zero(logits, 1.0, 0.6)
+    assert theirs.tolist() == [2, 3, 0] and torch.equal(ours, theirs)
 
 
 def test_zero_is_its_authors_vote_of_confident_views(float64):
@@ -336,10 +343,12 @@ def test_tda_is_its_authors_positive_and_negative_caches(float64, count):
 
 def test_boostadapter_is_its_authors_boosted_caches(float64):
     stream = [images(5), images(5, seed=2)]
-    options = {"views": 19, "entropy_lower": 0.05, "entropy_upper": 0.95}
+    # one boosting sample a class beyond the positive cache's 3, so that the samples compete by entropy
+    options = {"views": 19, "entropy_lower": 0.05, "entropy_upper": 0.95, "boost_shots": 1}
     ours, _, classifier = run("boostadapter", stream, options=options)
-    theirs, _ = tda_reference(stream, classifier.head.weight, 19, boost=True, neg=WIDE)
+    theirs, _ = tda_reference(stream, classifier.head.weight, 19, boost=True, delta=1, neg=WIDE)
     torch.testing.assert_close(torch.cat(ours), theirs.float(), rtol=0, atol=2e-5)
+    options.pop("boost_shots")
     tda, _, _ = run("tda", stream, options={**options, "augment": "crop"})
     assert (torch.cat(tda) - theirs.float()).abs().max() > 1e-2  # the boosting samples count
 
