@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident_count, widened, with_views, zero_shot_head
 from cafa_cli.model.features import FeatureClassifier
 
 
@@ -91,7 +91,7 @@ class DmnZs(Method):
     def predict(self, logits: torch.Tensor, features: torch.Tensor, text: torch.Tensor, scale: float) -> torch.Tensor:
         classes, f = len(text), features[0]
         p = logits.softmax(1)
-        chosen = torch.argsort(-(p * torch.log(p + 1e-6)).sum(1), descending=False)[: int(len(p) * self.share)]
+        chosen = torch.argsort(-(p * torch.log(p + 1e-6)).sum(1), descending=False)[: confident_count(len(p), self.share)]
         mean = p[chosen].mean(0)
         self.remember(int(mean.argmax()), f, -(mean * torch.log(mean + 1e-8)).sum(), classes)
         memory = torch.cat([self.features, text.unsqueeze(1)], 1)  # [C, L + 1, d]

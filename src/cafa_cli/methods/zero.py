@@ -26,7 +26,7 @@ import torch
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident_count, widened, with_views, zero_shot_head
 from cafa_cli.model.features import FeatureClassifier
 
 
@@ -35,13 +35,13 @@ def votes(logits: torch.Tensor, scale: float, share: float) -> torch.Tensor:
     p = (logits * scale).softmax(1)
     entropy = -(p * (logits * scale).log_softmax(1)).sum(1)  # the authors' p·log p, without its 0·(−∞)
     order = torch.argsort(entropy, descending=False)
-    k = int(len(logits) * share)
+    k = confident_count(len(logits), share)
     vote = (logits[order[:k]] / torch.finfo(logits.dtype).eps).softmax(1).sum(0)
     tied = (vote == vote.max()).nonzero().flatten()
     if len(tied) > 1:  # ties are rare: this reads the vote back to the host, once an image
         rest = logits[order[k:]].argmax(1)
         among = rest[torch.isin(rest, tied)]
-        winner = among[0] if len(among) else tied[logits[order[k], tied].argmax()]
+        winner = among[0] if len(among) else tied[logits[order[min(k, len(order) - 1)], tied].argmax()]
         vote[winner] += 1
     return vote
 

@@ -57,7 +57,13 @@ def with_views(images: torch.Tensor, views: int, augment: str, generator: torch.
 def confident(logits: torch.Tensor, share: float) -> torch.Tensor:
     """The rows of the int(rows·share) lowest entropies, lowest first (TPT's select_confident_samples)."""
     entropy = -(logits.softmax(1) * logits.log_softmax(1)).sum(1)
-    return torch.argsort(entropy, descending=False)[: int(len(logits) * share)]
+    return torch.argsort(entropy, descending=False)[: confident_count(len(logits), share)]
+
+
+def confident_count(rows: int, share: float) -> int:
+    """int(rows·share), the authors' count of confident views, but at least one: where it rounds
+    down to none (few views, a small share) theirs selects nothing and predicts NaN."""
+    return max(1, int(rows * share))
 
 
 def widened(x: torch.Tensor) -> torch.Tensor:
