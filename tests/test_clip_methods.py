@@ -97,3 +97,22 @@ def test_the_python_api_runs_them_and_reset_empties_what_they_keep():
         adapter.reset()
         method.generator = torch.Generator().manual_seed(0)
         assert torch.equal(adapter.step(images), first), name  # nothing kept past reset
+
+
+@pytest.mark.parametrize("name", CLIP_METHODS)
+def test_what_their_classes_say_is_observed_on_a_clip_model(name):
+    """As tests/test_registry.py observes it of the others: whether it draws from torch's
+    generator, needs no statistics, and predicts otherwise than the zero-shot model on a first batch."""
+    clip, tokenizer = tiny_clip()
+    images = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    model = FeatureClassifier(zero_shot_classifier(clip, ClassTexts(clip, tokenizer, ("a", "b", "c"))))
+    kind = method_class(name)
+    assert not kind.needs_statistics and not kind.predicts_before_update
+    method = create(name, views=3, share=0.5)
+    adapter = Adapter(model, method, **({"optimizer": "adamw", "lr": 5e-2} if name == "tpt" else {}))
+    before = torch.get_rng_state()
+    predicted = adapter.step(images)
+    assert (not torch.equal(before, torch.get_rng_state())) == kind.draws_random_numbers
+    with torch.no_grad():
+        zero_shot, _ = model(images)
+    assert not torch.equal(predicted, zero_shot)

@@ -91,7 +91,8 @@ class DmnZs(Method):
     def predict(self, logits: torch.Tensor, features: torch.Tensor, text: torch.Tensor, scale: float) -> torch.Tensor:
         classes, f = len(text), features[0]
         p = logits.softmax(1)
-        chosen = torch.argsort(-(p * torch.log(p + 1e-6)).sum(1), descending=False)[: confident_count(len(p), self.share)]
+        entropy = -(p * torch.log(p + 1e-6)).sum(1)  # DMN's select_confident_samples
+        chosen = torch.argsort(entropy, descending=False)[: confident_count(len(p), self.share)]
         mean = p[chosen].mean(0)
         self.remember(int(mean.argmax()), f, -(mean * torch.log(mean + 1e-8)).sum(), classes)
         memory = torch.cat([self.features, text.unsqueeze(1)], 1)  # [C, L + 1, d]
