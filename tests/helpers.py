@@ -301,3 +301,11 @@ def tiny_clip(seed: int = 0, image_size: int = 16, embed_dim: int = 16):
         text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=2),
     ).eval()
     return model, open_clip.get_tokenizer("ViT-B-32", context_length=16)
+
+
+def classifier_methods() -> tuple[str, ...]:
+    """The registered methods that run on any classifier: all but the CLIP methods (`needs_clip`),
+    which run on a CLIP model's zero-shot classifier alone (tests/test_clip_methods.py)."""
+    from cafa_cli.methods import REGISTRY, method_class
+
+    return tuple(name for name in REGISTRY if not method_class(name).needs_clip)

@@ -10,6 +10,7 @@ import pytest
 import tiny_net
 import torch
 import torchvision
+from helpers import classifier_methods
 
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.adapter import Adapter
@@ -171,7 +172,7 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
     assert all(torch.equal(v, adapter.model.state_dict()[k]) for k, v in source.items())
 
 
-@pytest.mark.parametrize("method", NAMES)
+@pytest.mark.parametrize("method", classifier_methods())
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
     """Gradient methods move the weights (finitely); source, bn and the output-only ones (t3a, lame) never touch them."""
     model, gaussians, x, _ = trained
@@ -308,7 +309,7 @@ def test_statistics_of_another_shape_than_the_model_are_a_usage_error():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, not rmsprop"),
+        ({"optimizer": "rmsprop"}, "`optimizer` must be one of adam, sgd, nesterov, adamw, not rmsprop"),
         ({"steps": 0}, "`steps`"),
         ({"lr": 0}, "`lr` must be a positive number, not 0"),
         ({"params": "some"}, "`params`"),
@@ -466,7 +467,7 @@ def test_a_method_of_ones_own_runs_through_the_protocol_like_a_registered_one(tr
 
 def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(trained):
     _, gaussians, _, _ = trained
-    for name in NAMES:
+    for name in classifier_methods():
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
         assert method.needs_statistics == (

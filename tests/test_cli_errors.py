@@ -371,7 +371,10 @@ def test_adapt_option_values_checked_before_any_output(setup, args, needle):
     "args,needle",
     [
         (["--format", "xml"], "Invalid value for '--format': 'xml' is not one of 'csv', 'jsonl'"),
-        (["--optimizer", "lbfgs"], "Invalid value for '--optimizer': 'lbfgs' is not one of 'adam', 'sgd', 'nesterov'"),
+        (
+            ["--optimizer", "lbfgs"],
+            "Invalid value for '--optimizer': 'lbfgs' is not one of 'adam', 'sgd', 'nesterov', 'adamw'",
+        ),
         (["--params", "some"], "Invalid value for '--params': 'some' is not one of 'norm', 'all'"),
         (["--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
         (["--steps", "0"], "--steps must be from 1 to 1000 (gradient steps on each batch), not 0"),
@@ -406,7 +409,7 @@ def test_bench_checks_adapt_options_before_computing_statistics(setup, tmp_path)
         "--workdir",
         workdir,
     )
-    fails(result, 2, "Invalid value for '--optimizer'", "'lbfgs' is not one of 'adam', 'sgd', 'nesterov'")
+    fails(result, 2, "Invalid value for '--optimizer'", "'lbfgs' is not one of 'adam', 'sgd', 'nesterov', 'adamw'")
     assert not list(workdir.glob("*.safetensors"))
 
 

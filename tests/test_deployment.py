@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from helpers import classifier_methods
 from test_cli_adapt import setup  # noqa: F401  (its trained net, artifact and shifted test folder)
 
 from cafa_cli.core.errors import CafaError, UsageError
@@ -89,7 +90,7 @@ def saved_and_loaded(state: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", classifier_methods())
 def test_a_saved_state_goes_on_in_a_new_adapter_bit_for_bit(trained, name):
     """N batches, save, load into a fresh Adapter: its next M batches are those of N + M in one go."""
     _, _, x, _ = trained

@@ -16,6 +16,7 @@ import traceback
 
 import pytest
 import torch
+from helpers import classifier_methods
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cafa_cli.engine.adapter import Adapter
@@ -164,7 +165,7 @@ CAFA_ROBUST_READS = [
 ]
 
 
-@pytest.mark.parametrize("method", NAMES)
+@pytest.mark.parametrize("method", classifier_methods())
 def test_no_step_of_any_method_reads_a_device_value(trained, method):
     model, gaussians, x, _ = trained
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians), lr=1e-2)

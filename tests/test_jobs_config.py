@@ -79,7 +79,7 @@ def test_choices_are_the_librarys():
 
 def test_help_lists_choices_conventional_metavars_and_panels():
     text = runner.invoke(app, ["adapt", "--help"], terminal_width=200).stdout
-    assert "--optimizer [adam|sgd|nesterov]" in text or "--optimizer <adam|sgd|nesterov>" in text
+    assert "--optimizer [adam|sgd|nesterov|adamw]" in text or "--optimizer <adam|sgd|nesterov|adamw>" in text
     assert "--lr LR" in text and "--batch-size N" in text and "--stats PATH" in text
     panels = ("Method:", "Data:", "Model:", "Stream:", "Output:", "Runtime:", "Adaptation (a recipe sets", "Examples:")
     assert [text.index(panel) for panel in panels] == sorted(text.index(panel) for panel in panels)  # as a user decides

@@ -22,7 +22,17 @@ from cafa_cli.cli.defaults import read_defaults
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.options import resolve_options
 from cafa_cli.methods import REGISTRY, method_class
-from cafa_cli.methods.recipes import FAMILIES, SETTINGS, description, family_for, read_file, recipe_for, shipped
+from cafa_cli.methods.recipes import (
+    BENCHMARK_FAMILIES,
+    CLIP_FAMILY,
+    SETTINGS,
+    description,
+    family_for,
+    read_file,
+    recipe_for,
+    shipped,
+    shipped_families,
+)
 
 NAMES = tuple(REGISTRY)
 
@@ -32,7 +42,9 @@ def test_every_method_ships_a_valid_recipe_for_every_family(name):
     method = method_class(name)
     about = description(name)
     assert about["summary"] and about["paper"] and about["adapts"]
-    for family in FAMILIES:
+    # a CLIP method ships the `clip` family alone, every other method each benchmark family
+    assert shipped_families(name) == ((CLIP_FAMILY,) if method.needs_clip else BENCHMARK_FAMILIES)
+    for family in shipped_families(name):
         recipe = shipped(name, family)
         assert recipe is not None and recipe.source, (name, family)
         assert set(recipe.settings) <= set(SETTINGS)
@@ -357,7 +369,7 @@ def test_a_recipes_adapter_settings_are_the_adapters_keywords_and_build_one():
     assert shipped("memo", "imagenet-c").adapter_settings().norm == Norm("prior", 16.0)  # its text, parsed
     assert "batch_size" in recipe.settings and "batch_size" not in recipe.adapter_settings()
     for name in NAMES:
-        for family in FAMILIES:
+        for family in shipped_families(name):
             settings = shipped(name, family).adapter_settings()
             assert set(settings) <= keywords, (name, family)
             # the keywords are the method's whatever it is; tent takes every optimiser and parameter set

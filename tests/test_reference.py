@@ -149,6 +149,8 @@ TESTED_ELSEWHERE = (
     *("shot-im", "shot"),  # issue 63's, in tests/test_fidelity_shot.py
     # issue 63's, in tests/test_fidelity_neo_come.py
     "neo",
+    # issue 66's CLIP methods, in tests/test_fidelity_clip.py
+    *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
 )
 
 

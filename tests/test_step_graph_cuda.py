@@ -14,12 +14,13 @@ import copy
 
 import pytest
 import torch
+from helpers import classifier_methods
 from test_norms import class_moments_of
 from test_step_graph import CAPTURABLE, stream_of
 
 from cafa_cli.engine.adapter import Adapter
 from cafa_cli.engine.step_graph import TOLERANCE, WARMUP
-from cafa_cli.methods import REGISTRY, create
+from cafa_cli.methods import create
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,7 +57,7 @@ def test_a_replayable_step_is_captured_on_the_gpu_and_replays_what_the_eager_ste
         assert close(value, eager.model.state_dict()[name]), name
 
 
-@pytest.mark.parametrize("method", sorted(set(REGISTRY) - set(CAPTURABLE)))
+@pytest.mark.parametrize("method", sorted(set(classifier_methods()) - set(CAPTURABLE)))
 def test_a_step_that_cannot_be_replayed_runs_eagerly_on_the_gpu_and_says_why(trained, method):
     graphed, _ = pair(trained, method)  # cotta's augmentations draw random numbers: no eager twin to match
     for images in stream_of(trained[2]):

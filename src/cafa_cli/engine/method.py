@@ -69,7 +69,7 @@ and counts them in `kept`, a device scalar the Adapter reads once a domain.
 
 What the rest of the tool must know of a method is a class attribute, read before it is
 made: `needs_statistics`, `draws_random_numbers`, `capturable`, `predicts_before_update`,
-`without_source_images`, `takes_labels` (tests/test_registry.py observes each of them).
+`without_source_images`, `takes_labels`, `needs_clip` (tests/test_registry.py observes each of them).
 A new method is a subclass in its own file, its recipe (recipes/NAME.toml) and one
 entry in methods/__init__.py's REGISTRY (or an object given to the Adapter: the
 registry is only for names).
@@ -167,6 +167,9 @@ class Method:
     takes_labels: bool = False
     oracle_labels: torch.Tensor | None = None
     capturable: bool = False  # its step may be replayed from a CUDA graph (module docstring)
+    # it adapts a CLIP model's zero-shot classifier (model/clip.py: its text embeddings; TPT its text
+    # tower) and refuses any other model: the CLIP test-time methods (methods/shared/zero_shot.py)
+    needs_clip: bool = False
     # its steps draw from torch's generator (augmented views, masks, restores), so a domain's
     # predictions depend on the draws of the domains before it (torchrun keeps them in one process)
     draws_random_numbers: bool = False

@@ -13,12 +13,14 @@ from cafa_cli.core.errors import UsageError
 def new_optimizer(
     params: list[torch.nn.Parameter], kind: str, lr: float, momentum: float, fused: bool
 ) -> torch.optim.Optimizer | None:
-    """`kind` (adam, sgd, nesterov) over `params`, its state made (start_state); None without params."""
+    """`kind` (adam, sgd, nesterov, adamw) over `params`, its state made (start_state); None without params."""
     if not params:
         return None
     options = {"fused": True} if fused else {}
     if kind in ("sgd", "nesterov"):
         optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=kind == "nesterov", **options)
+    elif kind == "adamw":  # torch's default weight decay, 0.01, as TPT's authors take it
+        optimizer = torch.optim.AdamW(params, lr=lr, **options)
     else:
         optimizer = torch.optim.Adam(params, lr=lr, **options)
     with torch.inference_mode(False):  # reset() may be called under inference_mode; the steps change this state
@@ -60,7 +62,7 @@ def guarded_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> torch.
 def check_weights_precision(params: list[torch.nn.Parameter], optimizer: str) -> None:
     """Adam on float16 weights writes NaN: its ε (1e-8) is 0 in float16, and its second
     moment underflows, so an update divides by zero. Refused (bf16 has float32's range)."""
-    if optimizer == "adam" and any(p.dtype == torch.float16 for p in params):
+    if optimizer in ("adam", "adamw") and any(p.dtype == torch.float16 for p in params):
         raise UsageError(
             "the weights to adapt are float16, and Adam's update underflows there and writes NaN; keep the model in "
             "float32 and give `precision` fp16 (autocast: fp16 speed, float32 weights), or use `optimizer` sgd"

@@ -11,7 +11,8 @@ from cafa_cli.core.errors import UsageError
 from cafa_cli.core.numbers import LEAST_POSITIVE, MOST_NUMBER, read_whole, sane
 
 PARAM_SETS = ("norm", "all")
-OPTIMIZERS = ("adam", "sgd", "nesterov")  # nesterov: SGD with Nesterov momentum, as TENT's reference code
+OPTIMIZERS = ("adam", "sgd", "nesterov", "adamw")  # nesterov: SGD with Nesterov momentum, as TENT's reference code;
+# adamw: torch's AdamW and its weight decay 0.01, as TPT's prompt tuning
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Gradient steps on each batch. TENT and CAFA take 1, and the methods that take more take a
 # handful; past 1000 a batch is only overfit, and a mistyped 1000000000 would run for ever on

@@ -72,6 +72,12 @@ REGISTRY: dict[str, Entry] = {
     "adacontrast": Entry("adacontrast", "AdaContrast"),
     "santa": Entry("santa", "Santa"),
     "cafa-robust": Entry("cafa_robust", "CafaRobust"),
+    # the CLIP test-time methods (needs_clip): a CLIP model's zero-shot classifier only
+    "tpt": Entry("tpt", "Tpt"),
+    "zero": Entry("zero", "Zero"),
+    "tda": Entry("tda", "Tda"),
+    "dmn-zs": Entry("dmn", "DmnZs"),
+    "boostadapter": Entry("boostadapter", "BoostAdapter"),
 }
 """The built-in methods by name (`cafa adapt --method NAME`): where each one's class and recipe are."""
 

@@ -37,7 +37,6 @@ ImageNet). recipes/memo.toml holds each family's.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
@@ -48,16 +47,10 @@ from cafa_cli.engine.norms import BatchStatisticsNorm
 from cafa_cli.engine.optimiser import restart_state
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.augmix import CROPS, augmix
+from cafa_cli.methods.shared.losses import marginal_entropy
 from cafa_cli.model.features import FeatureClassifier
 
 COPIES = 32
-
-
-def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The entropy of the mean of softmax(logits) over the rows (the views of one image)."""
-    mean = torch.logsumexp(logits.log_softmax(1), 0) - math.log(len(logits))  # log p̄
-    mean = mean.clamp_min(torch.finfo(mean.dtype).min)
-    return -(mean.exp() * mean).sum()
 
 
 @contextmanager

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cafa_cli.core.errors import UsageError
+
 
 @dataclass(frozen=True)
 class ClassTexts:
@@ -89,3 +91,64 @@ def zero_shot_classifier(clip_model: nn.Module, texts: ClassTexts) -> ZeroShotCl
     return ZeroShotClassifier(
         clip_model.visual, class_embeddings(texts, device), float(clip_model.logit_scale.detach().exp()), texts
     )
+
+
+class PromptedTexts(nn.Module):
+    """The class embeddings of CoOp's prompts, [SOS] + context + class name + "." + [EOS],
+    whose context token embeddings `ctx` [n, width] are learnable (TPT's PromptLearner and
+    TextEncoder, azshue/TPT clip/custom_clip.py): open_clip's text transformer run on token
+    embeddings rather than tokens. `ctx` starts as the embeddings of `context`'s tokens, so
+    that, untrained, the embeddings are class_embeddings' of the one template "`context` {}.".
+    The text tower's modules are shared with `texts.model`, not copied (moving this module
+    moves them), and only `ctx` takes gradients. Needs open_clip's own text tower
+    (`open_clip.CLIP`: token_embedding, transformer, ln_final, text_projection)."""
+
+    def __init__(self, texts: ClassTexts, context: str = "a photo of a"):
+        super().__init__()
+        model = texts.model
+        missing = [
+            a for a in ("token_embedding", "positional_embedding", "transformer", "ln_final") if not hasattr(model, a)
+        ]
+        if missing:
+            raise UsageError(
+                f"prompt tuning runs open_clip's own text transformer, which this dual encoder "
+                f"({type(model).__name__}) has not ({', '.join(missing)} missing); use an open_clip CLIP model"
+            )
+        device = model.positional_embedding.device
+        count = int((texts.tokenizer([context])[0] != 0).sum()) - 2  # its tokens, less [SOS] and [EOS]
+        tokens = texts.tokenizer([f"{context} {name}." for name in texts.class_names]).to(device)
+        with torch.no_grad():
+            context_tokens = texts.tokenizer([context]).to(device)
+            ctx = model.token_embedding(context_tokens)[0, 1 : 1 + count].clone()
+            embedded = model.token_embedding(tokens)
+        self.transformer, self.ln_final = model.transformer, model.ln_final
+        self.positional_embedding, self.text_projection = model.positional_embedding, model.text_projection
+        self.register_buffer("attn_mask", getattr(model, "attn_mask", None), persistent=False)
+        self.pool_type, self.eos_id = getattr(model, "text_pool_type", "argmax"), getattr(model, "text_eos_id", None)
+        self.register_buffer("tokens", tokens, persistent=False)
+        self.register_buffer("prefix", embedded[:, :1].clone(), persistent=False)  # [SOS]
+        self.register_buffer("suffix", embedded[:, 1 + count :].clone(), persistent=False)  # name, ".", [EOS], padding
+        self.register_buffer("ctx_init", ctx.clone(), persistent=False)
+        self.requires_grad_(False)
+        self.ctx = nn.Parameter(ctx)
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            self.ctx.copy_(self.ctx_init)
+
+    def forward(self) -> torch.Tensor:
+        """[classes, dim] unit-norm class embeddings of the prompts with the current context (the text
+        tower's dtype)."""
+        from open_clip.transformer import text_global_pool
+
+        cast = self.transformer.get_cast_dtype()
+        ctx = self.ctx.unsqueeze(0).expand(len(self.prefix), -1, -1)
+        x = torch.cat([self.prefix, ctx, self.suffix], dim=1).to(cast)
+        x = x + self.positional_embedding.to(cast)
+        x = self.ln_final(self.transformer(x, attn_mask=self.attn_mask))
+        x = text_global_pool(x, self.tokens, self.pool_type, eos_token_id=self.eos_id)
+        if isinstance(self.text_projection, nn.Linear):
+            x = self.text_projection(x)
+        elif self.text_projection is not None:
+            x = x @ self.text_projection
+        return F.normalize(x, dim=-1)

@@ -162,12 +162,15 @@ class AdaptationOptions:
     )
     optimizer: Optimizer = setting(
         AdapterSettings.optimizer,
-        "adam, sgd, or nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code).",
+        "adam, sgd, nesterov (SGD with Nesterov momentum, as TENT's ImageNet-C code), or adamw (TPT's).",
         panel=ADAPTATION,
     )
     lr: float = setting(AdapterSettings.lr, "Learning rate.", metavar="LR", panel=ADAPTATION)
     momentum: float = setting(
-        AdapterSettings.momentum, "Momentum of sgd and nesterov (adam ignores it).", metavar="M", panel=ADAPTATION
+        AdapterSettings.momentum,
+        "Momentum of sgd and nesterov (adam and adamw ignore it).",
+        metavar="M",
+        panel=ADAPTATION,
     )
     steps: int = setting(AdapterSettings.steps, "Gradient steps per batch.", metavar="N", panel=ADAPTATION)
     norm: Norm = setting(

@@ -13,8 +13,9 @@ A user's recipe file (`--recipe my.toml`) has one table per method, named by the
 with the same keys; `cafa methods NAME --recipe R` prints one to start from.
 
 `auto` picks the family from a named benchmark among the test domains (imagenet-c:ROOT),
-else from the model's class count (10, 100, 1000); `none` uses no recipe (the settings'
-own defaults). Settings the user chose (on the command line or in cafa.toml) win over a
+else from the model's class count (10, 100, 1000), and `clip` for a method that ships no
+other (the CLIP methods, whose authors' settings do not depend on the benchmark); `none`
+uses no recipe (the settings' own defaults). Settings the user chose (on the command line or in cafa.toml) win over a
 recipe's, one by one.
 
 Each family also names the model its published tables were made with (STANDARD_MODELS,
@@ -33,7 +34,13 @@ from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.core.files import read_small_text, reading, toml_problem
 from cafa_cli.engine.options import AdapterSettings
 
-FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
+# the corruption benchmarks' families, which `auto` takes from a named benchmark or a class count
+BENCHMARK_FAMILIES = ("imagenet-c", "cifar10-c", "cifar100-c")
+# `clip`: the CLIP test-time methods' (TPT, ZERO, TDA, DMN-ZS, BoostAdapter), their authors' settings
+# for ImageNet and its variants on CLIP, whatever the benchmark; the only family those methods ship,
+# so `auto` takes it for them (recipe_for)
+CLIP_FAMILY = "clip"
+FAMILIES = (*BENCHMARK_FAMILIES, CLIP_FAMILY)
 NAMES = ("auto", "none", *FAMILIES)  # or a .toml file
 # The most a user's recipe file may hold: every shipped recipe together is under 20 KB, so a
 # file over 1 MiB is no recipe (a link to /dev/zero, a sparse file), and is refused unread.
@@ -139,13 +146,18 @@ def read_file(path: str) -> dict[str, Recipe]:
 
 
 def family_for(data: list[str], num_classes: int | None) -> str | None:
-    """`auto`'s family: that of the named benchmarks among `data` (one kind), else the class count's."""
+    """`auto`'s family for a method of the benchmark families: that of the named benchmarks among
+    `data` (one kind), else the class count's."""
     return benchmark_family(data) or FAMILY_BY_CLASSES.get(num_classes)
 
 
 def benchmark_family(data: list[str]) -> str | None:
     """The family of the named benchmarks among `data` (cifar10-c:ROOT), when they are of one kind."""
-    kinds = {spec.partition(":")[0] for spec in data if spec.partition(":")[0] in FAMILIES and spec.partition(":")[2]}
+    kinds = {
+        spec.partition(":")[0]
+        for spec in data
+        if spec.partition(":")[0] in BENCHMARK_FAMILIES and spec.partition(":")[2]
+    }
     return kinds.pop() if len(kinds) == 1 else None
 
 
@@ -171,7 +183,8 @@ def recipe_for(name: str, method: str, data: list[str], num_classes: int | None)
                 f"[{method}], or choose another `recipe`"
             )
         return recipes[method]
-    family = family_for(data, num_classes) if name == "auto" else name
+    only_clip = name == "auto" and shipped_families(method) == (CLIP_FAMILY,)
+    family = (CLIP_FAMILY if only_clip else family_for(data, num_classes)) if name == "auto" else name
     if family is None or ":" in method:  # a plug-in brings no shipped recipe
         if ":" in method and name != "auto":
             raise UsageError(
@@ -183,7 +196,13 @@ def recipe_for(name: str, method: str, data: list[str], num_classes: int | None)
     if recipe is None:
         raise UsageError(f"the method {method} has no recipe for {family}; choose `recipe` none")
     if name == "auto":
-        by = "the named benchmark" if benchmark_family(data) else f"the model's {num_classes} classes"
+        by = (
+            "the CLIP method's one family"
+            if only_clip
+            else "the named benchmark"
+            if benchmark_family(data)
+            else f"the model's {num_classes} classes"
+        )
         recipe = replace(recipe, chosen_by=by)
     return recipe
 
@@ -226,6 +245,12 @@ def _recipe(
         raise InputError(f"recipe {where}: options must be a table (options = {{ name = value }}), not {options!r}")
     settings = {key: table[key] for key in SETTINGS if key in table}
     return Recipe(method, family, str(table.get("source", "")), settings, dict(options), origin)
+
+
+def shipped_families(method: str) -> tuple[str, ...]:
+    """The families a built-in method ships recipes for, in FAMILIES' order."""
+    file = _shipped_file(method)
+    return tuple(family for family in FAMILIES if family in file)
 
 
 def _shipped_file(method: str) -> dict:

@@ -115,6 +115,21 @@ def augmix(
     return out.to(images.dtype).contiguous(memory_format=_memory_format(images))
 
 
+def crop_and_flip(images: torch.Tensor, copies: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`copies` views of each image of `images` ([N, C, H, W]) made by the first step above
+    alone, `resized`: RandomResizedCrop to the image's size and a horizontal flip (p = 0.5),
+    the views TPT, ZERO and DMN take on ImageNet and its variants (their AugMixAugmenter with
+    augmix False). [N·copies, C, H, W], each image's views together; one torch.rand draw a call."""
+    n, c, h, w = images.shape
+    views = n * copies
+    x = images.float().unsqueeze(1).expand(n, copies, c, h, w).reshape(views, c, h, w)
+    u = torch.rand(views, 4 * TRIES + 1, generator=generator, device=x.device, dtype=torch.float32)
+    theta = _resized(u[:, : 4 * TRIES], h, w)
+    theta[:, :, 0] *= torch.where(u[:, 4 * TRIES] < 0.5, -1.0, 1.0).unsqueeze(1)
+    out = _warp(x, theta, torch.zeros((), device=x.device))  # inside the image: no fill is seen
+    return out.to(images.dtype).contiguous(memory_format=_memory_format(images))
+
+
 def _step(x, operation, level, sign, lo, hi, span) -> torch.Tensor:
     """One chain step: each view's operation (-1: none) on it."""
     views, _, h, w = x.shape

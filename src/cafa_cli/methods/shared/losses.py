@@ -32,6 +32,14 @@ def entropies(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(1)
 
 
+def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of the mean of softmax(logits) over the rows (the views of one image):
+    MEMO's and TPT's objective, log p̄ in log space and clamped to the dtype's lowest value."""
+    mean = torch.logsumexp(logits.log_softmax(1), 0) - math.log(len(logits))  # log p̄
+    mean = mean.clamp_min(torch.finfo(mean.dtype).min)
+    return -(mean.exp() * mean).sum()
+
+
 COME_EPS = 1e-7  # added to each mass of the opinion before its logarithm, as the authors
 
 
