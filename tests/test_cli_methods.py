@@ -25,7 +25,7 @@ from test_cli_adapt import setup  # noqa: F401  (the module's trained net and ar
 
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
-from cafa_cli.methods import REGISTRY
+from cafa_cli.methods import REGISTRY, method_class
 
 NAMES = tuple(REGISTRY)
 
@@ -202,9 +202,10 @@ def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
     assert read_defaults(tmp_path, command_options()) == {"adapt": {"method": "tent"}}
 
 
-def test_bench_methods_all_is_every_method_and_variant():
+def test_bench_methods_all_is_every_method_and_variant_but_the_clip_methods():
     labels = [row.label for row in parse_methods("all")]
-    assert labels == list(NAMES) + list(VARIANTS)
+    assert labels == [name for name in NAMES if not method_class(name).needs_clip] + list(VARIANTS)
+    assert "tda" not in labels and [row.label for row in parse_methods("all,tda")][-1] == "tda"
     assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata", "cotta", "rotta"} <= set(labels)
     mixed = [row.label for row in parse_methods("tent@0.01,all")]
     assert mixed[0] == "tent@0.01" and "tent" not in mixed and len(mixed) == len(labels)
