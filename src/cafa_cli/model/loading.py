@@ -46,11 +46,6 @@ def build_model(
     kwargs = {**(model_args or {}), **({"num_classes": num_classes} if num_classes is not None else {})}
     library, name = hub.library_of(model)
     if library == "openclip":
-        if prompting is None or not prompting.class_names:
-            raise UsageError(
-                f"`model` {model} is a CLIP model, which classifies among the classes it is told the names of; "
-                f"give them with `classes` FILE (one name a line, in output order)"
-            )
         return openclip.build(name, model_args or {}, weights, prompting)  # its outputs are the classes named
     if model in BUNDLED:
         if model_args:

@@ -157,11 +157,17 @@ def weights_file(path: str) -> CachedWeights:
     return CachedWeights(str(Path(path).resolve()), Path(path), sha256_of(path))
 
 
-def build(name: str, kwargs: dict, weights: CachedWeights | None, prompting: Prompting) -> ZeroShotClassifier:
+def build(name: str, kwargs: dict, weights: CachedWeights | None, prompting: Prompting | None) -> ZeroShotClassifier:
     """The zero-shot classifier of open_clip's `name` (with `kwargs` over its config, as
-    create_model's model keywords), its weights read by cafa's safe reader."""
+    create_model's model keywords) for the classes `prompting` names, its weights read by
+    cafa's safe reader."""
     open_clip = import_open_clip(PREFIX + name)
     known = architecture(name)
+    if prompting is None or not prompting.class_names:
+        raise UsageError(
+            f"`model` {PREFIX}{name} is a CLIP model, which classifies among the classes it is told the names of; "
+            f"give them with `classes` FILE (one name a line, in output order)"
+        )
     config = {**deepcopy(known.config), **kwargs}
     custom_text = bool(config.pop("custom_text", False)) or "hf_model_name" in config["text_cfg"]
     # no tower's pretrained weights: they would be downloaded, and the checkpoint replaces them
