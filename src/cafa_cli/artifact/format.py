@@ -274,7 +274,10 @@ def _check_covariance(sigma: np.ndarray, path) -> None:
 
 def _valid_spec(m: ModelSpec) -> bool:
     """A model name, optional strings, and an optional positive class count (JSON can hold anything)."""
-    strings = all(v is None or isinstance(v, str) for v in (m.weights, m.weights_sha256, m.classifier))
+    strings = all(
+        v is None or isinstance(v, str)
+        for v in (m.weights, m.weights_sha256, m.classifier, m.templates, m.prompts_sha256)
+    )
     count = m.num_classes is None or (type(m.num_classes) is int and m.num_classes >= 1)
     arguments = m.model_args is None or (
         isinstance(m.model_args, dict)

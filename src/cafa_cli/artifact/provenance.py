@@ -41,6 +41,7 @@ def recorded_model(artifact: Artifact, given):
         num_classes=num_classes,
         classifier=given.classifier or recorded.classifier,
         model_args=given.model_args or [f"{key}={value}" for key, value in (recorded.model_args or {}).items()],
+        templates=given.templates or recorded.templates,
     )
 
 
@@ -64,6 +65,12 @@ def model_mismatch(artifact: Artifact, spec: ModelSpec, net: FeatureClassifier) 
         return (
             f"{artifact.path} holds statistics of {recorded.model} with `model_arg` {_args(recorded.model_args)}, "
             f"not {_args(spec.model_args)}"
+        )
+    if spec.prompts_sha256 != recorded.prompts_sha256:
+        # a CLIP model's text head: the same weights with other class names or templates are another classifier
+        return (
+            f"{artifact.path} holds statistics of {recorded.model} with the prompts of `templates` "
+            f"{recorded.templates} for its class list, not with those of {spec.templates}"
         )
     if artifact.factory_sha256 is not None and not same_code:
         # the same parameters through edited code can give other features

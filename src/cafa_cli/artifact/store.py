@@ -9,7 +9,7 @@ artifact is never copied whole into memory just to be checked.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def write_artifact(
                 "mean": float(lambdas.mean()),
             }
         ),
-        "model": json.dumps(asdict(model)),
+        "model": json.dumps(model.recorded()),
         "parameters_sha256": parameters_sha256,
         **({"factory_sha256": factory_sha256} if factory_sha256 else {}),
         "preprocessing": preprocessing.to_json(),

@@ -58,10 +58,16 @@ def listing(items, limit: int = 5) -> str:
 def _close_names(name: str, names: list[str]) -> list[str]:
     """Names a mistyped one may mean: those that contain it, or spell it nearly alike,
     ignoring case, `-` and `_` (resnet-50, ResNet50, resnt50 → resnet50)."""
-    plain = {n.replace("_", ""): n for n in names}
-    wanted = name.lower().replace("-", "").replace("_", "")
+
+    def plain_of(text: str) -> str:
+        return text.lower().replace("-", "").replace("_", "")
+
+    plain = {plain_of(n): n for n in names}  # the names spelt as `wanted` is (ViT-B-32 as vitb32)
+    wanted = plain_of(name)
+    exact = [n for key, n in plain.items() if key == wanted]
     containing = [n for key, n in plain.items() if wanted in key]
-    return (containing or [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)])[:5]
+    close = [plain[key] for key in difflib.get_close_matches(wanted, plain, n=5, cutoff=0.8)]
+    return (exact or containing or close)[:5]
 
 
 def did_you_mean(name: str, names: list[str]) -> str:

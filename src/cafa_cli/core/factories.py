@@ -15,9 +15,9 @@ from pathlib import Path
 from cafa_cli.core.errors import InputError, UsageError, repeated
 from cafa_cli.core.files import reading
 
-# `--model timm:NAME` / `torchvision:NAME` / `robustbench:DATASET/NAME`: a model built by
-# name, not code to import
-HUB_PREFIXES = ("timm:", "torchvision:", "robustbench:")
+# `--model timm:NAME` / `torchvision:NAME` / `robustbench:DATASET/NAME` / `openclip:ARCH`: a model
+# built by name (an open_clip config file is data), not code to import
+HUB_PREFIXES = ("timm:", "torchvision:", "robustbench:", "openclip:")
 
 
 def is_factory(model: str | None) -> bool:

@@ -5,6 +5,7 @@ of whatever folders a test set happens to have."""
 from __future__ import annotations
 
 import difflib
+import json
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -145,12 +146,26 @@ def read_class_list(path: str, setting: str = "classes") -> list[str]:
     text = read_small_text(path, f"`{setting}`", CLASS_LIST_LIMIT, fix)
     if "\0" in text:  # valid UTF-8 can still be binary: a safetensors header starts with NUL bytes
         raise InputError(f"`{setting}` {path}: not a UTF-8 text file; {fix}")
-    names = [line.strip() for line in text.splitlines() if line.strip()]
+    names = _json_names(path, text, setting) if file.suffix.lower() == ".json" else text.splitlines()
+    names = [name.strip() for name in names if name.strip()]
     if not names:
         raise InputError(f"`{setting}` {path}: the file lists no class names")
     duplicates = sorted(repeated(names))
     if duplicates:
         raise InputError(f"`{setting}` {path}: class names repeat: {', '.join(duplicates[:5])}")
+    return names
+
+
+def _json_names(path: str, text: str, setting: str) -> list[str]:
+    """A .json class list: a list of names (CLIP's class name files are often so)."""
+    try:
+        names = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f"`{setting}` {path}: not JSON ({error.msg}, line {error.lineno}); give a list of names"
+        ) from None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise InputError(f'`{setting}` {path}: not a JSON list of names; give ["name", ...], in output order')
     return names
 
 

@@ -63,7 +63,7 @@ def describe(artifact: Artifact) -> dict:
         "model_outputs": len(artifact.model_class_names),  # more than num_classes for a class subset
         "num_images": int(counts.sum()),
         "shrinkage": json.loads(artifact.metadata["shrinkage"]),
-        "model": vars(artifact.model),
+        "model": artifact.model.recorded(),
         "parameters_sha256": artifact.parameters_sha256,
         "preprocessing": json.loads(artifact.preprocessing.to_json()),
         "sampling": artifact.sampling,

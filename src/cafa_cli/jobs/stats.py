@@ -52,7 +52,7 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     check_outputs(config.outputs(), config.inputs())
     target = pick_device(config.device)
     preprocess = recipe(config, config.model)
-    net, spec = resolve_model(config)
+    net, spec = resolve_model(config, default_class_names(config.model, config))
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
     domain, class_names, subset = _training_domain(config, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
@@ -129,7 +129,7 @@ def sample_keys(config: StatsConfig) -> Sample:
     this config, found without the feature pass (one stat a file, nothing read): whether an
     artifact holds this sample of the data as it is now."""
     fraction, per_class = config.training_sample()
-    net, _ = resolve_model(config)
+    net, _ = resolve_model(config, default_class_names(config.model, config))
     domain, class_names, _ = _training_domain(config, net, recipe(config, config.model), Monitor())
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
     files = source_files(domain, indices, config.data)

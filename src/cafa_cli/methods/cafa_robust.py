@@ -335,6 +335,11 @@ class CafaRobust(Cafa):
         for name, module in [(name, module) for name, module in net.named_modules() if isinstance(module, _BatchNorm)]:
             replace_submodule(net, name, SharedStatisticsNorm(module, name))
         self.layers = [m for m in net.modules() if isinstance(m, SharedStatisticsNorm)]
+        if not self.layers:  # its gate and its restarts read the global statistics of BatchNorms
+            raise InputError(
+                "cafa-robust shares BatchNorm statistics between the batch and a global estimate, and the model has "
+                "no BatchNorm layers (a ViT or CLIP's LayerNorms); use `method` cafa"
+            )
         self.model = model
         self.bank = MemoryBank(model.num_classes, self.memory_size, self.lambda_t, self.lambda_u, self.memory_expiry)
         self.watch = VarianceWatch(self.layers[0].eps) if self.change_threshold and self.layers else None

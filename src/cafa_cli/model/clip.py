@@ -7,18 +7,33 @@ model unchanged, with the text head fixed.
 The text tower stays outside the module tree (`ZeroShotClassifier.text`): the methods that
 adapt normalisation layers must find the image encoder's alone, and the weights' fingerprint
 is that of the classifier the methods adapt. The CLIP methods that tune prompts (TPT) reach
-it through `text`."""
+it through `text`.
+
+How the classes are put into words (`Prompting`): their names (an ImageNet wnid prompts with
+CLIP's own cleaned name of its class, clip_data/imagenet_classes.tsv, the CLIP repository's
+notebook list) and the templates, `single`, `imagenet80` (the CLIP paper's 80, in
+clip_data/imagenet80.txt) or a file."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cafa_cli.core.errors import UsageError
+from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
+from cafa_cli.core.files import absolute, read_small_text
+
+CLIP_DATA = Path(__file__).with_name("clip_data")
+TEMPLATE_SETS = ("single", "imagenet80")
+SINGLE_TEMPLATE = "a photo of a {}."
+TEMPLATES_LIMIT = 64 << 20  # CuPL's ImageNet descriptions are 5 MB; a file over this is no such list
 
 
 @dataclass(frozen=True)
@@ -54,7 +69,8 @@ def class_embeddings(texts: ClassTexts, device: torch.device | str = "cpu") -> t
 class ZeroShotClassifier(nn.Module):
     """logits = logit_scale · normalize(image_encoder(x)) · class_embedding; the head is an
     nn.Linear without bias whose rows are logit_scale · class embedding (unit-norm), so
-    `head.weight.norm(dim=1)` is the temperature and its direction the text embedding."""
+    `head.weight.norm(dim=1)` is the temperature and its direction the text embedding. The
+    weight is a buffer, so the text head stays fixed whatever a method trains."""
 
     def __init__(
         self,
@@ -67,9 +83,10 @@ class ZeroShotClassifier(nn.Module):
         classes, dim = class_embedding.shape
         self.image_encoder = image_encoder
         self.head = nn.Linear(dim, classes, bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(float(logit_scale) * F.normalize(class_embedding.float(), dim=-1))
-        self.head.requires_grad_(False)
+        # a buffer, not a parameter: no method's choice of parameters (`params` all trains a
+        # classifier with the rest) can train the text head; the state dict is the same
+        del self.head.weight
+        self.head.register_buffer("weight", float(logit_scale) * F.normalize(class_embedding.float().detach(), dim=-1))
         self.text = texts  # a plain attribute, not a submodule (see the module's docstring)
 
     @property
@@ -152,3 +169,97 @@ class PromptedTexts(nn.Module):
         elif self.text_projection is not None:
             x = x @ self.text_projection
         return F.normalize(x, dim=-1)
+
+
+def template_set(name: str) -> tuple[str, ...]:
+    """The templates a set names: `single`, or `imagenet80`."""
+    if name == "single":
+        return (SINGLE_TEMPLATE,)
+    return tuple((CLIP_DATA / f"{name}.txt").read_text(encoding="utf-8").splitlines())
+
+
+@cache
+def imagenet_names() -> dict[str, str]:
+    """ImageNet's wnids -> CLIP's cleaned class names, in output order."""
+    rows = (CLIP_DATA / "imagenet_classes.tsv").read_text(encoding="utf-8").splitlines()
+    return dict(row.split("\t") for row in rows)
+
+
+def prompt_name(class_name: str) -> str:
+    """The words a class is prompted with: CLIP's name of an ImageNet wnid, else the name itself
+    (so that a class list of wnids, as cafa takes ImageNet's, names ImageNet's classes as CLIP does)."""
+    return imagenet_names().get(class_name, class_name)
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a CLIP model's classes are put into words: their names, in output order, and the
+    `templates` option (a set's name or a file; None: single)."""
+
+    class_names: tuple[str, ...]
+    templates: str | None = None
+
+    @property
+    def recorded_templates(self) -> str:
+        """As an artifact records it: a set's name, or the file's absolute path."""
+        name = self.templates or "single"
+        return name if name in TEMPLATE_SETS else absolute(name)
+
+    def texts(self, model: nn.Module, tokenizer) -> ClassTexts:
+        """The ClassTexts of `model`'s text tower for these classes."""
+        names = tuple(prompt_name(name) for name in self.class_names)
+        templates, described = self._read()
+        if described is None:
+            return ClassTexts(model, tokenizer, names, templates)
+        return ClassTexts(model, tokenizer, names, templates, self._descriptions(described, names))
+
+    def _read(self) -> tuple[tuple[str, ...], dict | None]:
+        """(templates, CuPL descriptions by class name or None)."""
+        name = self.templates or "single"
+        if name in TEMPLATE_SETS:
+            return template_set(name), None
+        if not Path(name).exists():
+            raise UsageError(
+                f"`templates` {name}: no such file, nor a template set{did_you_mean(name, list(TEMPLATE_SETS))}; "
+                f"give {' or '.join(TEMPLATE_SETS)}, or a file of templates"
+            )
+        fix = "give one template with {} a line, a JSON list of them, or CuPL's JSON {class name: [descriptions]}"
+        text = read_small_text(name, "`templates`", TEMPLATES_LIMIT, fix)
+        if name.lower().endswith(".json"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise InputError(f"`templates` {name}: not JSON ({error.msg}, line {error.lineno}); {fix}") from None
+            if isinstance(value, dict) and all(
+                isinstance(v, list) and v and all(isinstance(d, str) and d.strip() for d in v) for v in value.values()
+            ):
+                return (SINGLE_TEMPLATE,), value
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise InputError(f"`templates` {name}: neither a list of templates nor a dict of descriptions; {fix}")
+            lines = value
+        else:
+            lines = text.splitlines()
+        templates = tuple(line.strip() for line in lines if line.strip())
+        broken = [t for t in templates if t.count("{}") != 1]
+        if not templates or broken:
+            what = f"{broken[0]!r} has {broken[0].count('{}')} {{}}" if broken else "no templates"
+            raise InputError(f"`templates` {name}: {what}, where the class name goes once in each; {fix}")
+        return templates, None
+
+    def _descriptions(self, described: dict, names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        """Each class's descriptions, found by the name it is prompted with, else by its own."""
+        found = [described.get(name, described.get(own)) for name, own in zip(names, self.class_names)]
+        missing = [own for own, prompts in zip(self.class_names, found) if prompts is None]
+        if missing:
+            raise InputError(
+                f"`templates` {self.templates}: no descriptions of {listing(missing)}; the file must describe every "
+                f"class, by its name (or CLIP's name of an ImageNet wnid){did_you_mean(missing[0], list(described))}"
+            )
+        return tuple(tuple(prompts) for prompts in found)
+
+
+def prompts_sha256(texts: ClassTexts) -> str:
+    """A fingerprint of every class's prompts, in output order: the class names and the
+    templates (or descriptions) the zero-shot head is made of."""
+    prompts = [list(texts.class_prompts(i)) for i in range(len(texts.class_names))]
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()

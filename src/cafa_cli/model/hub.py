@@ -1,6 +1,6 @@
-"""Models that a library builds by name (`torchvision:NAME`, `timm:NAME`), their
-pretrained weights found in the local cache (never downloaded), and the preprocessing
-those weights declare.
+"""Models that a library builds by name (`torchvision:NAME`, `timm:NAME`; `openclip:NAME` in
+model/openclip.py), their pretrained weights found in the local cache (never downloaded), and
+the preprocessing those weights declare.
 
 torchvision keeps its weights in `$TORCH_HOME/hub/checkpoints` under the file name of
 the weights' URL, whose `-<hex>.` part is the start of the file's sha256; timm keeps
@@ -44,8 +44,9 @@ class CachedWeights:
 
 
 def library_of(model: str) -> tuple[str | None, str]:
-    """('timm' or 'torchvision', NAME) for `timm:NAME` / `torchvision:NAME`, else (None, model)."""
-    for library in ("timm", "torchvision"):
+    """('timm', 'torchvision' or 'openclip', NAME) for `timm:NAME` / `torchvision:NAME` /
+    `openclip:NAME` (model/openclip.py), else (None, model)."""
+    for library in ("timm", "torchvision", "openclip"):
         if model.startswith(f"{library}:"):
             return library, model[len(library) + 1 :]
     return None, model
@@ -103,7 +104,7 @@ def cached_torchvision_weights(member) -> CachedWeights:
     return CachedWeights(
         name,
         path,
-        _checked_file(
+        checked_file(
             path,
             name,
             f"torch's hub cache {path.parent} ($TORCH_HOME/hub/checkpoints)",
@@ -112,7 +113,7 @@ def cached_torchvision_weights(member) -> CachedWeights:
     )
 
 
-def _checked_file(path: Path, name: str, cache: str, fetch: str) -> str:
+def checked_file(path: Path, name: str, cache: str, fetch: str) -> str:
     """The sha256 of a cached weights file, checked against the hash torch.hub puts in the name."""
     if not path.is_file():
         raise InputError(
@@ -140,13 +141,13 @@ def build_torchvision(name: str, kwargs: dict, weights: CachedWeights | None = N
             f"model{did_you_mean(name, torchvision_names())}"
         )
     if weights is None:
-        return _built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
+        return built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
     member = torchvision.models.get_weight(weights.name)
     state = read_state_dict(weights.path)
     # the builder reads the weights through this method (torch.hub, which would download
     # a missing file and unpickles without weights_only): it gets the state read above
     with mock.patch.object(type(member), "get_state_dict", lambda self, *args, **options: state):
-        return _built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=member, **kwargs))
+        return built(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=member, **kwargs))
 
 
 def torchvision_preprocessing(member) -> dict:
@@ -217,7 +218,7 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
         for file in files:
             found = try_to_load_from_cache(config.hf_hub_id, file, cache_dir=constants.HF_HUB_CACHE)
             if isinstance(found, str):
-                return CachedWeights(recorded, Path(found), _checked_blob(Path(found), recorded))
+                return CachedWeights(recorded, Path(found), checked_blob(Path(found), recorded))
         folder = Path(constants.HF_HUB_CACHE) / f"models--{config.hf_hub_id.replace('/', '--')}"
         raise InputError(
             f"`weights` {recorded}: timm's {config.hf_hub_id} ({' or '.join(files)}) is not in the Hugging Face "
@@ -230,7 +231,7 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
         return CachedWeights(
             recorded,
             path,
-            _checked_file(
+            checked_file(
                 path,
                 recorded,
                 f"torch's hub cache {path.parent}",
@@ -242,7 +243,7 @@ def cached_timm_weights(name: str, tag: str | None) -> CachedWeights:
     )
 
 
-def _checked_blob(path: Path, name: str) -> str:
+def checked_blob(path: Path, name: str) -> str:
     """The sha256 of a Hugging Face cache file, checked against its blob's name: the hub
     stores a large (LFS) file under its sha256 and links the snapshot's name to it."""
     digest, blob = sha256_of(path), path.resolve()
@@ -261,7 +262,7 @@ def build_timm(name: str, kwargs: dict, weights: CachedWeights | None = None) ->
     config = timm_config(name, weights.name if weights else None)
     full = f"{config.architecture}.{config.tag}" if config.tag else config.architecture
     if weights is None:
-        return _built(f"timm:{name}", lambda: timm.create_model(full, pretrained=False, **kwargs))
+        return built(f"timm:{name}", lambda: timm.create_model(full, pretrained=False, **kwargs))
     outputs = kwargs.get("num_classes")
     if outputs is not None and config.num_classes and outputs != config.num_classes:
         # timm would load the rest and leave a fresh random head: predictions would be noise,
@@ -272,7 +273,7 @@ def build_timm(name: str, kwargs: dict, weights: CachedWeights | None = None) ->
             f"`weights` a state dict file trained for {outputs} classes"
         )
     state = read_state_dict(weights.path)
-    net = _built(
+    net = built(
         f"timm:{name}",
         lambda: timm.create_model(full, pretrained=True, pretrained_cfg_overlay={"state_dict": state}, **kwargs),
     )
@@ -306,30 +307,39 @@ def timm_preprocessing(name: str, tag: str | None, kwargs: dict) -> dict:
 
 
 def cached_weights(model: str, weights: str) -> CachedWeights:
-    """`weights` by name for `model` (timm:NAME, torchvision:NAME or a torchvision name),
-    from the local cache."""
+    """`weights` by name for `model` (timm:NAME, openclip:NAME, torchvision:NAME or a
+    torchvision name), from the local cache."""
+    from cafa_cli.model import openclip  # it builds on this module
+
     library, name = library_of(model)
     if library == "timm":
         return cached_timm_weights(name, weights)
+    if library == "openclip":
+        return openclip.cached_weights(name, weights)
     return cached_torchvision_weights(torchvision_weights(name, weights))
 
 
 def declared_preprocessing(model: str | None, weights: str | None, kwargs: dict) -> dict | None:
     """The preprocessing the model declares: a timm model's pretrained config (with or
-    without weights: it is the architecture's), torchvision weights named by enum, a
-    `robustbench:` model's own (model/zoo/robustbench.py); else None."""
+    without weights: it is the architecture's), an open_clip model's (its config's, its
+    pretrained tag's), torchvision weights named by enum, a `robustbench:` model's own
+    (model/zoo/robustbench.py); else None."""
+    from cafa_cli.model import openclip  # it builds on this module
+
     if robustbench.is_robustbench(model):
         return dict(robustbench.lookup(model).preprocessing)
     library, name = library_of(model or "")
     named = weights is not None and is_weights_name(weights)
     if library == "timm":
         return timm_preprocessing(name, weights if named else None, kwargs)
+    if library == "openclip":
+        return openclip.preprocessing(name, weights if named else None, kwargs)
     if named and model and (library == "torchvision" or (":" not in model and name in torchvision_names())):
         return torchvision_preprocessing(torchvision_weights(name, weights))
     return None
 
 
-def _built(model: str, build):
+def built(model: str, build):
     """The library's model, or its failure in one line (a keyword it does not take, weights
     that do not fit it)."""
     try:

@@ -1,5 +1,6 @@
 """A model by name: a torchvision architecture, a bundled model, `timm:NAME` /
-`torchvision:NAME` (model/hub.py), `robustbench:DATASET/NAME` (model/zoo/robustbench.py), or a factory
+`torchvision:NAME` (model/hub.py), `openclip:ARCH` (model/openclip.py: the zero-shot classifier of
+the classes named), `robustbench:DATASET/NAME` (model/zoo/robustbench.py), or a factory
 (`file.py:fn`, `package.module:fn`), built with
 its keyword arguments, loaded with its weights and wrapped so that it returns its
 features too; and the fingerprints an artifact records of it.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,24 +22,31 @@ from torch import nn
 from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.core.factories import import_factory, is_factory, parse_model_args
 from cafa_cli.core.files import absolute
-from cafa_cli.model import hub
-from cafa_cli.model.checkpoints import is_step_counter, load_weights, read_state_dict, sha256_of
+from cafa_cli.model import hub, openclip
+from cafa_cli.model.checkpoints import check_weights_file, is_step_counter, load_weights, read_state_dict, sha256_of
+from cafa_cli.model.clip import Prompting, ZeroShotClassifier, prompts_sha256
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.model.spec import ModelSpec
 from cafa_cli.model.zoo import bundled_model, robustbench
 
 
 def build_model(
-    model: str, num_classes: int | None = None, model_args: dict | None = None, weights: hub.CachedWeights | None = None
+    model: str,
+    num_classes: int | None = None,
+    model_args: dict | None = None,
+    weights: hub.CachedWeights | None = None,
+    prompting: Prompting | None = None,
 ) -> nn.Module:
     """A torchvision architecture name, a bundled model name, `timm:NAME`, `torchvision:NAME`,
-    `robustbench:DATASET/NAME`, or `file.py:fn` / `pkg.mod:fn`, called with `model_args`
-    (and `num_classes`); `weights` are pretrained weights by name, which the library's
-    builder loads."""
+    `openclip:ARCH`, `robustbench:DATASET/NAME`, or `file.py:fn` / `pkg.mod:fn`, called with
+    `model_args` (and `num_classes`); `weights` are pretrained weights by name, which the
+    library's builder loads (an open_clip model's file too); `prompting` names a CLIP model's classes."""
     from cafa_cli.model.zoo import BUNDLED, load_bundled
 
     kwargs = {**(model_args or {}), **({"num_classes": num_classes} if num_classes is not None else {})}
     library, name = hub.library_of(model)
+    if library == "openclip":
+        return openclip.build(name, model_args or {}, weights, prompting)  # its outputs are the classes named
     if model in BUNDLED:
         if model_args:
             raise UsageError(f"`model` {model} is a bundled model, built as it was trained; it takes no `model_arg`")
@@ -86,7 +95,10 @@ def parameters_sha256(module: nn.Module) -> str:
 
 def canonical_model(model: str) -> str:
     """`--model` as an artifact records it: a factory file by its absolute path (as the
-    weights), so that adapt works from any folder and `net.py:build` names the same model."""
+    weights), so that adapt works from any folder and `net.py:build` names the same model; so
+    is an open_clip model config file (`openclip:tiny.json`)."""
+    if openclip.is_openclip(model) and model.lower().endswith(".json"):
+        return openclip.PREFIX + str(Path(model.removeprefix(openclip.PREFIX)).resolve())
     location, _, function = model.rpartition(":")
     if location.endswith(".py"):
         return f"{Path(location).resolve()}:{function}"
@@ -100,9 +112,13 @@ def resolve(
     classifier: str | None = None,
     trust_checkpoint: bool = False,
     model_args: dict | None = None,
+    prompting: Prompting | None = None,
 ) -> tuple[FeatureClassifier, ModelSpec]:
     """Build, load and wrap a model; return it (eval mode, CPU) with its reproducible spec.
-    `model_args` are the keyword arguments of its constructor or factory (parsed values)."""
+    `model_args` are the keyword arguments of its constructor or factory (parsed values);
+    `prompting` names the classes of a CLIP model (its `templates` are for no other)."""
+    if prompting is not None and prompting.templates is not None and not openclip.is_openclip(model):
+        raise UsageError(f"`templates` words a CLIP model's classes, and `model` {model} is none (openclip:ARCH)")
     model_args = dict(model_args or {})
     if "num_classes" in model_args:  # --model-arg num_classes=10 is --num-classes 10, recorded as such
         given = model_args.pop("num_classes")
@@ -117,7 +133,9 @@ def resolve(
         raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
     weights = model_weights(model, weights)
     cached = hub.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
-    net = build_model(model, num_classes, model_args, cached)
+    if openclip.is_openclip(model) and weights is not None and cached is None:
+        cached = openclip.weights_file(check_weights_file(weights))  # the CLIP model, before its text head is made
+    net = build_model(model, num_classes, model_args, cached, prompting)
     if weights is not None and cached is None:
         state = read_state_dict(weights, trust_checkpoint)
         if robustbench.is_robustbench(model):
@@ -127,7 +145,7 @@ def resolve(
     if num_classes is not None and wrapped.num_classes != num_classes:
         raise UsageError(f"`num_classes` {num_classes} but the model's classifier has {wrapped.num_classes} outputs")
     recorded_weights = (cached.name, cached.sha256) if cached else weights_record(model, weights)
-    return wrapped, _spec(wrapped, model, recorded_weights, num_classes, model_args)
+    return wrapped, _spec(wrapped, model, recorded_weights, num_classes, model_args, prompting)
 
 
 def load_model(
@@ -138,6 +156,8 @@ def load_model(
     classifier: str | None = None,
     model_args: dict | None = None,
     trust_checkpoint: bool = False,
+    class_names: list[str] | None = None,
+    templates: str | None = None,
 ) -> FeatureClassifier:
     """The model `cafa adapt --model MODEL --weights WEIGHTS` runs, wrapped as the Adapter
     takes it (FeatureClassifier), in eval mode on the CPU: a bundled model with its packaged
@@ -147,14 +167,17 @@ def load_model(
     same names (`model_args`: {name: value}, Python literals as --model-arg takes them).
     Resolved as the command line resolves it (checked_model), its
     checks included: an architecture without weights (random, different in every run) and
-    weights that are not float32 or not finite are refused. Errors are CafaErrors."""
+    weights that are not float32 or not finite are refused. An `openclip:ARCH` model needs
+    `class_names` (in output order) and takes `templates` (single, imagenet80 or a file).
+    Errors are CafaErrors."""
     if num_classes is not None and (
         isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
     ):
         raise UsageError(f"`num_classes` must be a whole number of at least 1, not {num_classes!r}")
     arguments = parse_model_args(_model_arg_texts(model_args), "`model_args`")
     weights = None if weights is None else os.fspath(weights)  # a Path as well as a str, as read_artifact takes
-    return checked_model(model, weights, num_classes, classifier, trust_checkpoint, arguments)[0]
+    prompting = Prompting(tuple(class_names), templates) if class_names is not None else None
+    return checked_model(model, weights, num_classes, classifier, trust_checkpoint, arguments, prompting)[0]
 
 
 def model_spec(
@@ -164,12 +187,14 @@ def model_spec(
     *,
     num_classes: int | None = None,
     model_args: dict | None = None,
+    templates: str | None = None,
 ) -> ModelSpec:
     """What an artifact records of `model` (the FeatureClassifier of the network that `name`,
     `weights`, `num_classes` and `model_args` build, as load_model takes them), as `cafa stats`
     records it: a factory file and a weights file by their absolute paths, the weights' sha256
     (or pretrained weights' full name), and the classifier layer the FeatureClassifier uses,
-    so that `cafa adapt` and `cafa inspect` find what the statistics were made with."""
+    so that `cafa adapt` and `cafa inspect` find what the statistics were made with; of a CLIP
+    model, its `templates` as load_model took them and its prompts' fingerprint."""
     if not isinstance(model, FeatureClassifier):
         raise UsageError(
             f"model_spec takes the FeatureClassifier the statistics were made with, not {type(model).__name__}: "
@@ -179,7 +204,9 @@ def model_spec(
     weights = None if weights is None else os.fspath(weights)
     if weights is not None and not pretrained_by_name(name, weights) and not Path(weights).is_file():
         raise InputError(f"`weights` {weights}: no such file (model_spec records the file the weights came from)")
-    return _spec(model, name, weights_record(name, weights), num_classes, model_args or {})
+    texts = model.model.text if isinstance(model.model, ZeroShotClassifier) else None
+    prompting = Prompting(tuple(texts.class_names), templates) if texts is not None else None
+    return _spec(model, name, weights_record(name, weights), num_classes, model_args or {}, prompting)
 
 
 def _spec(
@@ -188,10 +215,15 @@ def _spec(
     recorded_weights: tuple[str | None, str | None],
     num_classes: int | None,
     model_args: dict,
+    prompting: Prompting | None = None,
 ) -> ModelSpec:
     weights, sha256 = recorded_weights
     recorded_args = {key: repr(value) for key, value in model_args.items()} or None  # texts parse_model_args reads back
-    return ModelSpec(canonical_model(model), weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
+    spec = ModelSpec(canonical_model(model), weights, sha256, num_classes, wrapped.classifier_name, recorded_args)
+    texts = wrapped.model.text if isinstance(wrapped.model, ZeroShotClassifier) else None
+    if texts is None or prompting is None:
+        return spec
+    return replace(spec, templates=prompting.recorded_templates, prompts_sha256=prompts_sha256(texts))
 
 
 def _model_arg_texts(model_args: dict | None) -> list[str]:
@@ -263,10 +295,11 @@ def checked_model(
     classifier: str | None,
     trust_checkpoint: bool,
     model_args: dict,
+    prompting: Prompting | None = None,
 ) -> tuple[FeatureClassifier, ModelSpec]:
     """resolve()'s model and spec, refused when it could not give reproducible results: an
     architecture without weights, weights that are not float32 or not finite."""
-    net, spec = resolve(model, weights, num_classes, classifier, trust_checkpoint, model_args)
+    net, spec = resolve(model, weights, num_classes, classifier, trust_checkpoint, model_args, prompting)
     if spec.weights is None and not is_factory(spec.model) and bundled_model(spec.model) is None:
         # torchvision's and timm's own initialisation is random: statistics and adaptation
         # would each see another network, and no result could be reproduced

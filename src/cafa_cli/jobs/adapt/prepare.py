@@ -67,8 +67,9 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
+    class_names = artifact.model_class_names if artifact else default_class_names(model.model, config)
     try:
-        net, spec = resolve_model(model)
+        net, spec = resolve_model(model, class_names)
     except UntrustedCheckpoint:
         if config.weights is not None or config.trust_checkpoint:
             raise
@@ -541,7 +542,7 @@ def recorded_settings(
         "stats": absolute(artifact.path) if artifact else None,
         "stats_created": artifact.metadata.get("created") if artifact else None,
         "covariance": artifact.covariance if artifact else None,
-        **asdict(spec),  # model, weights and their sha256, num_classes, classifier: as resolved
+        **spec.recorded(),  # model, weights and their sha256, num_classes, classifier: as resolved
         "classes": absolute(config.classes),
         "labels": absolute(config.labels),
         "source_data": recorded_data(config.source_data) if config.source_data else None,

@@ -19,7 +19,7 @@ from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import same_shrinkage, stats_config
 from cafa_cli.jobs.config import BenchConfig, StatsConfig
 from cafa_cli.jobs.shared.distributed import wait_for_all
-from cafa_cli.jobs.shared.inputs import recipe, recorded_data, resolve_model
+from cafa_cli.jobs.shared.inputs import default_class_names, recipe, recorded_data, resolve_model
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.stats import Sample, compute_statistics, sample_keys
 from cafa_cli.model.loading import bundled_model
@@ -169,7 +169,7 @@ def _mismatch(artifact, stats: StatsConfig) -> tuple[str | None, Sample | None]:
     why = _other_settings(artifact, stats)
     if why is not None:
         return why, None
-    net, spec = resolve_model(stats)
+    net, spec = resolve_model(stats, default_class_names(stats.model, stats))
     why = model_mismatch(artifact, spec, net)
     if why is not None:
         return why, None

@@ -62,6 +62,15 @@ class ModelOptions:
     classifier: str | None = setting(
         None, "Name of the final nn.Linear (default: the last one).", metavar="NAME", panel=MODEL, recorded=AS_BUILT
     )
+    templates: str | None = setting(
+        None,
+        "A CLIP model's prompts: single ('a photo of a {}.'), imagenet80 (the CLIP paper's 80), or a file of "
+        "templates with {} (one a line, or a JSON list), or CuPL's JSON {class: [descriptions]} (default: the "
+        "artifact's, else single); docs/guides/clip.md.",
+        metavar="NAME|PATH",
+        panel=MODEL,
+        recorded=AS_BUILT,
+    )
     trust_checkpoint: bool = setting(
         False,
         "Allow .pt/.pth files that hold Python objects. Unpickling them can run "
@@ -92,8 +101,8 @@ class InputOptions:
 
     classes: str | None = setting(
         None,
-        "File with one class name per line, in the model's output order (default: the artifact's with cafa adapt, "
-        "a bundled model's list, else the sorted folder names).",
+        "File with one class name per line (or a .json list), in the model's output order (default: the artifact's "
+        "with cafa adapt, a bundled model's list, else the sorted folder names; a CLIP model needs it).",
         metavar="PATH",
         panel=DATA,
         recorded=AS_PATH,

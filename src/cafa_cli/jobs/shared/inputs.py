@@ -14,6 +14,7 @@ from cafa_cli.data.sources import on_disk, open_domain
 from cafa_cli.data.values import GENERATED_OUTLIERS
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
 from cafa_cli.model import hub
+from cafa_cli.model.clip import Prompting
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.model.loading import ModelSpec, bundled_model, checked_model
 
@@ -55,10 +56,20 @@ def default_class_names(model: str | None, options: InputOptions) -> list[str] |
     return list(bundled.class_names) if bundled else None
 
 
-def resolve_model(model: ModelOptions) -> tuple[FeatureClassifier, ModelSpec]:
-    """The model the options name, built, its weights loaded and checked (models.checked_model)."""
+def resolve_model(model: ModelOptions, class_names: list[str] | None = None) -> tuple[FeatureClassifier, ModelSpec]:
+    """The model the options name, built, its weights loaded and checked (models.checked_model);
+    `class_names`, in output order, are what a CLIP model's zero-shot head is made of."""
+    prompting = None
+    if class_names is not None or model.templates is not None:
+        prompting = Prompting(tuple(class_names or ()), model.templates)
     return checked_model(
-        model.model, model.weights, model.num_classes, model.classifier, model.trust_checkpoint, model.model_arguments()
+        model.model,
+        model.weights,
+        model.num_classes,
+        model.classifier,
+        model.trust_checkpoint,
+        model.model_arguments(),
+        prompting,
     )
 
 
