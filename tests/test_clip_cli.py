@@ -128,6 +128,22 @@ def test_a_clip_model_without_class_names_is_refused(clip, tmp_path):
     assert not (tmp_path / "s.safetensors").exists()
 
 
+def test_on_an_imagenet_benchmark_a_clip_model_prompts_imagenets_classes(clip, tmp_path):
+    from PIL import Image
+
+    from cafa_cli.data.benchmarks import imagenet_classes
+
+    wnids = list(imagenet_classes())
+    for wnid in (wnids[1], wnids[2]):
+        (tmp_path / wnid).mkdir()
+        Image.new("RGB", (16, 16), 7).save(tmp_path / wnid / "a.JPEG")
+    data = f"imagenet-sketch:{tmp_path}"
+    result = invoke("adapt", *_model(clip, classes=False), "--method", "source", "--data", data)
+    assert result.exit_code == 0, result.stderr
+    assert {row["label"] for row in rows(result)} == {wnids[1], wnids[2]}
+    assert {row["prediction"] for row in rows(result)} <= set(wnids)
+
+
 def test_an_artifact_of_other_prompts_is_refused(clip):
     fails(_adapt(clip, "--method", "cafa", "--templates", "imagenet80"), 3, "prompts", "imagenet80")
 

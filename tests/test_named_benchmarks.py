@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import PLAIN, TINY_NET, class_images, invoke, write_folder
 from helpers import CALIBRATION_COLUMNS, adapt, fails, make_cifar10, rows
+from PIL import Image
 
 from cafa_cli.core.errors import InputError, UsageError
 from cafa_cli.data.benchmarks import CORRUPTIONS, expand_benchmarks
@@ -379,3 +380,57 @@ def test_a_severity_axis_needs_data_with_severities(setup, imagenet_c, tmp_path)
         "--severity 3 and --severities 3,5 both say which severities to run",
     )
     assert not (tmp_path / "w").exists()  # refused before any statistics
+
+
+# --- ImageNet's natural-shift sets: one domain each, labelled as ImageNet's 1,000 classes ----------
+
+
+def _png(path: Path, value: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(path)
+
+
+def test_imagenet_v2_folders_are_output_indices_and_sketch_folders_wnids(tmp_path):
+    from cafa_cli.data.benchmarks import expand_benchmarks, imagenet_classes, open_benchmark
+
+    wnids = list(imagenet_classes())
+    assert len(wnids) == 1000 and wnids == sorted(wnids)
+    for folder, value in (("0", 10), ("999", 20), ("10", 30)):  # "10" sorts before "999" and after "0"
+        _png(tmp_path / "v2" / folder / "a.jpeg", value)
+    v2 = open_benchmark(f"imagenet-v2:{tmp_path / 'v2'}", None, None)
+    assert v2.class_names == wnids
+    by_file = {Path(ref).parent.name: wnids[label] for ref, label in zip(v2.refs, v2.labels)}
+    assert by_file == {"0": wnids[0], "10": wnids[10], "999": wnids[999]}
+    for wnid in (wnids[3], wnids[7]):
+        _png(tmp_path / "sketch" / wnid / "a.JPEG", 5)
+    sketch = open_benchmark(f"imagenet-sketch:{tmp_path / 'sketch'}", None, None)
+    assert [sketch.class_names[label] for label in sketch.labels] == [wnids[3], wnids[7]]
+    assert expand_benchmarks([f"imagenet-sketch:{tmp_path / 'sketch'}"]) == (
+        [f"imagenet-sketch:{tmp_path / 'sketch'}"],
+        [],
+    )
+
+
+def test_imagenet_v2_refuses_a_folder_that_is_no_output_index_and_a_severity(tmp_path):
+    _png(tmp_path / "v2" / "cat" / "a.jpeg", 1)
+    fails(
+        invoke("adapt", "--model", "fmnist-resnet", "--method", "source", "--data", f"imagenet-v2:{tmp_path / 'v2'}"),
+        3,
+        "'cat' is not an ImageNet output index",
+    )
+    _png(tmp_path / "ok" / "5" / "a.jpeg", 1)
+    fails(
+        invoke(
+            "adapt",
+            "--model",
+            "fmnist-resnet",
+            "--method",
+            "source",
+            "--data",
+            f"imagenet-v2:{tmp_path / 'ok'}",
+            "--severity",
+            "3",
+        ),
+        2,
+        "--severity is not for imagenet-v2",
+    )

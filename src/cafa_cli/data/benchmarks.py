@@ -13,15 +13,26 @@ benchmark's order; `KIND:ROOT/fog` (`fog.npy`) for one of them. `severity` picks
 
 The domain-adaptation benchmarks (`office-home:ROOT`, `domainnet:ROOT`, `domainnet126:ROOT`,
 data/domain_sets.py) go the same way: a ROOT stands for its domains, `KIND:ROOT/Art` for one;
-they have no severities, and `source` leaves their source domain out."""
+they have no severities, and `source` leaves their source domain out.
+
+ImageNet's natural-shift test sets are one domain each, labelled as ImageNet's 1,000 classes:
+- `imagenet-v2:ROOT`: ImageNet-V2 (Recht et al., ICML 2019), any of its three sets,
+  ROOT/<0..999>/*.jpeg, a folder named by its class's ImageNet output index;
+- `imagenet-sketch:ROOT`: ImageNet-Sketch (Wang et al., NeurIPS 2019), ROOT/<wnid>/*.JPEG.
+A model's class list for them (and a CLIP model's prompts) is ImageNet's wnids in output
+order, `imagenet_classes()`; `recipe` auto takes the imagenet-c family from the 1,000 classes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import cache
 from pathlib import Path
+
+import numpy as np
 
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.arrays import _array_domain
-from cafa_cli.data.domain import Domain
+from cafa_cli.data.domain import UNLABELLED, Domain
 from cafa_cli.data.domain_sets import DOMAIN_SETS, domains_in, is_one_domain, open_member, source_domain, targets
 from cafa_cli.data.fmnist_c import BENCHMARK_CORRUPTIONS
 from cafa_cli.data.folders import _folder_domain
@@ -29,15 +40,32 @@ from cafa_cli.data.folders import _folder_domain
 # the 15 corruptions of ImageNet-C (Hendrycks & Dietterich, ICLR 2019), in its tables' order;
 # the 4 held out for choosing hyper-parameters are named one by one (`imagenet-c:ROOT/spatter`)
 CORRUPTIONS = BENCHMARK_CORRUPTIONS
-FOLDERS, ARRAYS, DOMAINS = "folders", "arrays", "domains"  # corruption/severity folders, stacked arrays, domain folders
+# corruption/severity folders, stacked arrays, domain folders, one folder of class folders
+FOLDERS, ARRAYS, DOMAINS, ONE = "folders", "arrays", "domains", "one"
 BENCHMARKS = {
     "imagenet-c": FOLDERS,
     "fashion-mnist-c": FOLDERS,
     "cifar10-c": ARRAYS,
     "cifar100-c": ARRAYS,
     **{kind: DOMAINS for kind in DOMAIN_SETS},
+    "imagenet-v2": ONE,
+    "imagenet-sketch": ONE,
 }
+IMAGENET_FAMILY = ("imagenet-c", "imagenet-v2", "imagenet-sketch")  # labelled as ImageNet's 1,000 classes
 DEFAULT_SEVERITY = 5
+
+
+@cache
+def imagenet_classes() -> dict[str, str]:
+    """ImageNet's wnids, in output order (sorted, as torchvision's ImageNet models number them),
+    each with CLIP's cleaned name of its class (the CLIP repository's list)."""
+    rows = (Path(__file__).with_name("imagenet_classes.tsv")).read_text(encoding="utf-8").splitlines()
+    return dict(row.split("\t") for row in rows)
+
+
+def imagenet_family(data: list[str]) -> bool:
+    """Every `data` value is a benchmark labelled as ImageNet's 1,000 classes."""
+    return bool(data) and all((benchmark_of(spec) or ("",))[0] in IMAGENET_FAMILY for spec in data)
 
 
 def benchmark_of(spec: str) -> tuple[str, Path] | None:
@@ -96,6 +124,10 @@ def _members_of(spec: str) -> tuple[list[str], list[str]]:
             f"`data` {spec}: {root} is a file; {kind} is folders, ROOT/<domain>/<class>/<images>: give ROOT "
             f"or one domain's folder ({kind}:ROOT/{DOMAIN_SETS[kind][0]})"
         )
+    if BENCHMARKS[kind] == ONE:
+        if not root.is_dir():
+            raise InputError(f"`data` {spec}: {root} is a file; {kind} is one folder, ROOT/<class>/<images>")
+        return [spec], []
     if _one_corruption(kind, root):
         return [spec], []
     if BENCHMARKS[kind] == DOMAINS:
@@ -127,6 +159,11 @@ def open_benchmark(spec: str, labels: str | None, severity: int | None) -> Domai
     kind, path = benchmark_of(spec)
     if BENCHMARKS[kind] == DOMAINS:
         return open_member(spec, kind, path, labels, severity)
+    if BENCHMARKS[kind] == ONE:
+        if labels is not None or severity is not None:
+            given = "`labels`" if labels is not None else "`severity`"
+            raise UsageError(f"{given} is not for {kind}, one folder labelled by its class folders: drop it")
+        return _imagenet_v2(spec, path) if kind == "imagenet-v2" else _folder_domain(path)
     if labels is not None:
         raise UsageError(f"`labels` is for a plain .npy array; {kind} takes its labels from {kind}'s own labels.npy")
     severity = DEFAULT_SEVERITY if severity is None else severity
@@ -156,6 +193,21 @@ def open_benchmark(spec: str, labels: str | None, severity: int | None) -> Domai
     return _array_domain(path, str(label_file), severity)
 
 
+def _imagenet_v2(spec: str, path: Path) -> Domain:
+    """ImageNet-V2's folders are ImageNet output indices (0 ... 999): labelled by wnid, so that
+    labels go through class names as every other folder's do."""
+    domain = _folder_domain(path)
+    wnids = list(imagenet_classes())
+    strays = [name for name in domain.class_names if not (name.isdigit() and int(name) < len(wnids))]
+    if strays:
+        raise InputError(
+            f"`data` {spec}: the class folder {strays[0]!r} is not an ImageNet output index (0 ... 999), as "
+            f"ImageNet-V2's are; give its folder as released, or the folder as plain data"
+        )
+    index = np.asarray([int(name) for name in domain.class_names] + [UNLABELLED], dtype=np.int64)
+    return replace(domain, labels=index[domain.labels], class_names=wnids)
+
+
 def on_disk_benchmark(spec: str) -> str | None:
     """Where a benchmark value lies in the file system (its ROOT or corruption), else None."""
     named = benchmark_of(spec)
@@ -165,7 +217,7 @@ def on_disk_benchmark(spec: str) -> str | None:
 def has_severities(spec: str) -> bool:
     """A corruption benchmark's value (its severity defaults to 5), not a domain-adaptation one's."""
     named = benchmark_of(spec)
-    return named is not None and BENCHMARKS[named[0]] != DOMAINS
+    return named is not None and BENCHMARKS[named[0]] in (FOLDERS, ARRAYS)
 
 
 def stages_of(spec: str) -> str:
@@ -175,8 +227,8 @@ def stages_of(spec: str) -> str:
     if named is None:
         return spec
     kind, path = named
-    if BENCHMARKS[kind] == DOMAINS:
-        raise UsageError(f"`gradual` visits the severities of a corruption; {kind}'s domains have none: drop `gradual`")
+    if BENCHMARKS[kind] in (DOMAINS, ONE):
+        raise UsageError(f"`gradual` visits the severities of a corruption; {kind} has none: drop `gradual`")
     if BENCHMARKS[kind] == ARRAYS:
         raise UsageError(
             f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "

@@ -10,7 +10,7 @@ is that of the classifier the methods adapt. The CLIP methods that tune prompts 
 it through `text`.
 
 How the classes are put into words (`Prompting`): their names (an ImageNet wnid prompts with
-CLIP's own cleaned name of its class, clip_data/imagenet_classes.tsv, the CLIP repository's
+CLIP's own cleaned name of its class, data/imagenet_classes.tsv, the CLIP repository's
 notebook list) and the templates, `single`, `imagenet80` (the CLIP paper's 80, in
 clip_data/imagenet80.txt) or a file."""
 
@@ -20,7 +20,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -29,10 +28,12 @@ from torch import nn
 
 from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.core.files import absolute, read_small_text
+from cafa_cli.data.benchmarks import imagenet_classes
 
 CLIP_DATA = Path(__file__).with_name("clip_data")
 TEMPLATE_SETS = ("single", "imagenet80")
 SINGLE_TEMPLATE = "a photo of a {}."
+PROMPT_BATCH = 256  # prompts through the text tower at once
 TEMPLATES_LIMIT = 64 << 20  # CuPL's ImageNet descriptions are 5 MB; a file over this is no such list
 
 
@@ -58,12 +59,20 @@ class ClassTexts:
 def class_embeddings(texts: ClassTexts, device: torch.device | str = "cpu") -> torch.Tensor:
     """[classes, dim] unit-norm: per class, the mean of its prompts' unit-norm text embeddings,
     normalised again (the CLIP paper's prompt ensemble)."""
-    rows = []
-    for index in range(len(texts.class_names)):
-        tokens = texts.tokenizer(list(texts.class_prompts(index))).to(device)
-        embedded = F.normalize(texts.model.encode_text(tokens).float(), dim=-1)
-        rows.append(F.normalize(embedded.mean(0), dim=-1))
-    return torch.stack(rows)
+    prompts = [texts.class_prompts(index) for index in range(len(texts.class_names))]
+    flat = [prompt for own in prompts for prompt in own]
+    # the text tower runs on batches of prompts, not a class at a time: ImageNet's 1,000
+    # classes x 80 templates are 80,000 prompts
+    embedded = torch.cat(
+        [
+            F.normalize(
+                texts.model.encode_text(texts.tokenizer(flat[start : start + PROMPT_BATCH]).to(device)).float(), dim=-1
+            )
+            for start in range(0, len(flat), PROMPT_BATCH)
+        ]
+    )
+    means = [part.mean(0) for part in embedded.split([len(own) for own in prompts])]
+    return F.normalize(torch.stack(means), dim=-1)
 
 
 class ZeroShotClassifier(nn.Module):
@@ -178,17 +187,10 @@ def template_set(name: str) -> tuple[str, ...]:
     return tuple((CLIP_DATA / f"{name}.txt").read_text(encoding="utf-8").splitlines())
 
 
-@cache
-def imagenet_names() -> dict[str, str]:
-    """ImageNet's wnids -> CLIP's cleaned class names, in output order."""
-    rows = (CLIP_DATA / "imagenet_classes.tsv").read_text(encoding="utf-8").splitlines()
-    return dict(row.split("\t") for row in rows)
-
-
 def prompt_name(class_name: str) -> str:
     """The words a class is prompted with: CLIP's name of an ImageNet wnid, else the name itself
     (so that a class list of wnids, as cafa takes ImageNet's, names ImageNet's classes as CLIP does)."""
-    return imagenet_names().get(class_name, class_name)
+    return imagenet_classes().get(class_name, class_name)
 
 
 @dataclass(frozen=True)

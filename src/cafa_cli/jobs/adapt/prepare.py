@@ -67,7 +67,7 @@ def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifac
     named_by_artifact = model.model is None
     if artifact is not None and (named_by_artifact or canonical_model(model.model) == artifact.model.model):
         model = recorded_model(artifact, model)
-    class_names = artifact.model_class_names if artifact else default_class_names(model.model, config)
+    class_names = artifact.model_class_names if artifact else default_class_names(model.model, config, config.data)
     try:
         net, spec = resolve_model(model, class_names)
     except UntrustedCheckpoint:
@@ -258,7 +258,7 @@ def open_data(config: AdaptConfig, net: FeatureClassifier, artifact: Artifact | 
     """The test domains, opened against the model's classes (of the `class_subset`, to which the
     model's outputs are then narrowed) and checked before any prediction is written, then the
     `forgetting` domain and the `source_data` images."""
-    model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config)
+    model_classes = artifact.model_class_names if artifact else default_class_names(spec.model, config, config.data)
     subset = class_subset(config, artifact, model_classes)
     paths, groups, notes = stream_domains(config)
     ids = (config.subset, read_image_ids(config.subset)) if config.subset else None

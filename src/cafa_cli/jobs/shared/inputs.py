@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.core.files import image_identity
+from cafa_cli.data.benchmarks import imagenet_classes, imagenet_family
 from cafa_cli.data.domain import Domain, read_class_list
 from cafa_cli.data.outliers import Outliers
 from cafa_cli.data.preprocessing import Preprocessing
@@ -42,7 +43,9 @@ def default_preprocessing(
     return Preprocessing(**{**(declared or {}), **changes})
 
 
-def default_class_names(model: str | None, options: InputOptions) -> list[str] | None:
+def default_class_names(model: str | None, options: InputOptions, data: list[str] = ()) -> list[str] | None:
+    """`classes`, the bundled model's list, or for a CLIP model on benchmarks labelled as ImageNet's
+    classes (imagenet-c, -v2, -sketch) ImageNet's wnids, which its prompts name; else None."""
     bundled = bundled_model(model)
     if options.classes:
         names = read_class_list(options.classes)
@@ -53,7 +56,11 @@ def default_class_names(model: str | None, options: InputOptions) -> list[str] |
                 f"are {listing(bundled.class_names, 3)}, in that order: give them so, or leave out `classes`"
             )
         return names
-    return list(bundled.class_names) if bundled else None
+    if bundled:
+        return list(bundled.class_names)
+    if model is not None and hub.library_of(model)[0] == "openclip" and imagenet_family(list(data)):
+        return list(imagenet_classes())
+    return None
 
 
 def resolve_model(model: ModelOptions, class_names: list[str] | None = None) -> tuple[FeatureClassifier, ModelSpec]:
