@@ -305,7 +305,8 @@ def tiny_clip(seed: int = 0, image_size: int = 16, embed_dim: int = 16):
 
 def classifier_methods() -> tuple[str, ...]:
     """The registered methods that run on any classifier: all but the CLIP methods (`needs_clip`),
-    which run on a CLIP model's zero-shot classifier alone (tests/test_clip_methods.py)."""
+    which run on a CLIP model's zero-shot classifier alone (tests/test_clip_methods.py), and those that
+    need a vision transformer's tokens (`needs_tokens`: tests/test_fidelity_foa.py)."""
     from cafa_cli.methods import REGISTRY, method_class
 
-    return tuple(name for name in REGISTRY if not method_class(name).needs_clip)
+    return tuple(name for name in REGISTRY if method_class(name).on_any_classifier())

@@ -204,7 +204,7 @@ def test_a_config_file_may_name_a_method_but_not_a_plugin(tmp_path):
 
 def test_bench_methods_all_is_every_method_and_variant_but_the_clip_methods():
     labels = [row.label for row in parse_methods("all")]
-    assert labels == [name for name in NAMES if not method_class(name).needs_clip] + list(VARIANTS)
+    assert labels == [name for name in NAMES if method_class(name).on_any_classifier()] + list(VARIANTS)
     assert "tda" not in labels and [row.label for row in parse_methods("all,tda")][-1] == "tda"
     assert {"eata", "eta", "sar", "t3a", "lame", "cafa-eata", "cotta", "rotta"} <= set(labels)
     mixed = [row.label for row in parse_methods("tent@0.01,all")]

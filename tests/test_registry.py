@@ -171,8 +171,9 @@ def test_the_surface_is_what_the_adapter_has():
     assert all(hasattr(adapter, name) for name in surface())
 
 
-# a CLIP method runs on a CLIP model alone: tests/test_clip_methods.py observes its attributes there
-ON_ANY_CLASSIFIER = [name for name in REGISTRY if not method_class(name).needs_clip]
+# a CLIP method runs on a CLIP model alone (tests/test_clip_methods.py observes its attributes there), a
+# method that needs tokens on a ViT alone (tests/test_fidelity_foa.py)
+ON_ANY_CLASSIFIER = [name for name in REGISTRY if method_class(name).on_any_classifier()]
 
 
 @pytest.mark.parametrize("name", ON_ANY_CLASSIFIER)

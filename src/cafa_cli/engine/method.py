@@ -69,7 +69,8 @@ and counts them in `kept`, a device scalar the Adapter reads once a domain.
 
 What the rest of the tool must know of a method is a class attribute, read before it is
 made: `needs_statistics`, `draws_random_numbers`, `capturable`, `predicts_before_update`,
-`without_source_images`, `takes_labels`, `needs_clip` (tests/test_registry.py observes each of them).
+`without_source_images`, `takes_labels`, `needs_clip`, `needs_tokens` (tests/test_registry.py observes each
+of them).
 A new method is a subclass in its own file, its recipe (recipes/NAME.toml) and one
 entry in methods/__init__.py's REGISTRY (or an object given to the Adapter: the
 registry is only for names).
@@ -170,6 +171,9 @@ class Method:
     # it adapts a CLIP model's zero-shot classifier (model/clip.py: its text embeddings; TPT its text
     # tower) and refuses any other model: the CLIP test-time methods (methods/shared/zero_shot.py)
     needs_clip: bool = False
+    # it inserts tokens into a vision transformer's token sequence (FOA's prompts, model/prompts.py) and
+    # refuses a model without them, a CNN's in one line
+    needs_tokens: bool = False
     # its steps draw from torch's generator (augmented views, masks, restores), so a domain's
     # predictions depend on the draws of the domains before it (torchrun keeps them in one process)
     draws_random_numbers: bool = False
@@ -191,6 +195,12 @@ class Method:
         # does is replayed only once it says so again (its state checked to change in place)
         if any(hook in vars(cls) for hook in STEP_HOOKS) and "capturable" not in vars(cls):
             cls.capturable = False
+
+    @classmethod
+    def on_any_classifier(cls) -> bool:
+        """Whether it adapts any classifier: neither a CLIP method (`needs_clip`) nor one that
+        needs a vision transformer's tokens (`needs_tokens`)."""
+        return not (cls.needs_clip or cls.needs_tokens)
 
     def class_labels(self, logits: torch.Tensor) -> torch.Tensor:
         """The class of each sample that the loss aligns it with: the model's prediction (no

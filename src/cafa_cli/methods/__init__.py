@@ -64,6 +64,7 @@ REGISTRY: dict[str, Entry] = {
     "t3a": Entry("t3a", "T3A"),
     "lame": Entry("lame", "Lame"),
     "neo": Entry("neo", "Neo"),
+    "foa": Entry("foa", "Foa"),  # needs_tokens: a ViT's
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
     "rmt": Entry("rmt", "Rmt"),

@@ -1,5 +1,6 @@
 """The labelled source images some methods take beside the test stream (`source_data`):
-EATA's images for its Fisher information, RMT's batches replayed with every step."""
+EATA's images for its Fisher information, FOA's for its source statistics, RMT's batches
+replayed with every step."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ def source_images(
     first_batch: FirstBatch | None = None,
 ) -> dict:
     """`source_data` (opened as `domain`) as the input the method takes: eata's `fisher_batches`
-    (images), rmt's `source_batches` (images and their labels as model outputs, a new shuffled
-    pass each time). `first_batch` is told the first images read (once), to check their size as
-    a test domain's."""
+    and foa's `statistics_batches` (images, the same draw), rmt's `source_batches` (images and their
+    labels as model outputs, a new shuffled pass each time). `first_batch` is told the first images
+    read (once), to check their size as a test domain's."""
     inputs = method_class(config.method).inputs
-    if "fisher_batches" in inputs:
-        return {"fisher_batches": fisher_batches(config, domain, preprocess, device, first_batch)}
+    for images in ("fisher_batches", "statistics_batches"):
+        if images in inputs:
+            return {images: fisher_batches(config, domain, preprocess, device, first_batch)}
     if "source_batches" in inputs:
         labelled = relabel(domain, list(class_names)) if class_names is not None else domain
         return {
@@ -130,7 +132,7 @@ def fisher_batches(
     device: torch.device,
     first_batch: FirstBatch | None = None,
 ):
-    """EATA's source images: `fisher_samples` of `source_data` at random (seed 0), in that
+    """EATA's and FOA's source images: `fisher_samples` of `source_data` at random (seed 0), in that
     random order, as the authors' shuffling loader gives them (in file order, each batch of a
     class-folder set was nearly one class, and the Fisher about 12 times the authors'), prepared
     as the test images, in batches of `batch_size` (read once, when the Adapter is built)."""

@@ -178,13 +178,14 @@ def parse_methods(text: str) -> list[Row]:
     """`tent,cafa-tied,cafa@0.01`: a method, a covariance variant or a plug-in
     (`file.py:factory`, given the statistics as `cafa adapt` gives them), optionally `@lr`;
     `all`: every method that runs on any classifier, and every variant (those also named, e.g.
-    `all,tent@0.01`, keep their place); the CLIP methods, which refuse other models, by name."""
+    `all,tent@0.01`, keep their place); the CLIP methods and those that need a ViT's tokens (foa),
+    which refuse other models, by name."""
     rows = []
     labels = [m.strip() for m in text.split(",") if m.strip()]
     if "all" in labels:  # every method, then every variant, in place of `all`
         at = labels.index("all")
         named = {label.partition("@")[0] for label in labels}
-        everything = [name for name in REGISTRY if not method_class(name).needs_clip] + list(VARIANTS)
+        everything = [name for name in REGISTRY if method_class(name).on_any_classifier()] + list(VARIANTS)
         labels[at : at + 1] = [name for name in everything if name not in named]
     for label in labels:
         name, at, lr_text = label.rpartition("@") if "@" in label else (label, "", "")  # a plug-in's path may hold an @

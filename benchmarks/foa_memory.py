@@ -1,0 +1,109 @@
+"""FOA's step beside TENT's on a small timm ViT: time and peak memory, each method in a process
+of its own (so that one's allocations never count toward the other's peak).
+
+Peak memory is taken over a warm-up step (FOA's first step also makes its source
+statistics) and --steps steps, from the Adapter as built: on the CPU the peak RSS (VmHWM,
+reset through /proc/self/clear_refs as perf.py does) minus the RSS before the first step
+(memory a step frees stays in the process, so a peak reset after a warm-up step misses
+it); on CUDA torch.cuda.max_memory_allocated minus the memory allocated then. Time is over
+the --steps steps after the warm-up. Random weights and
+synthetic images (memory and time do not depend on them).
+
+    python benchmarks/foa_memory.py --batch 64 --json foa-memory.json
+    python benchmarks/foa_memory.py --img 224 --patch 16 --depth 12 --dim 192 --heads 3 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from perf import peak_bytes, reset_peak, sync  # noqa: E402
+
+from cafa_cli.core.devices import pick_device  # noqa: E402
+from cafa_cli.engine.adapter import Adapter  # noqa: E402
+from cafa_cli.methods import create  # noqa: E402
+from cafa_cli.model.features import FeatureClassifier  # noqa: E402
+
+
+def current_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(args, method: str) -> dict:
+    import timm
+
+    device = pick_device(args.device)
+    torch.manual_seed(0)
+    shape = dict(img_size=args.img, patch_size=args.patch, depth=args.depth, embed_dim=args.dim, num_heads=args.heads)
+    vit = timm.create_model("vit_tiny_patch16_224", num_classes=args.classes, **shape).eval()
+    images = torch.randn(args.batch, 3, args.img, args.img, device=device)
+    options = {}
+    if method == "foa":
+        source = [torch.randn(args.batch, 3, args.img, args.img, device=device) for _ in range(2)]
+        options = {"statistics_batches": source, "population": args.population}
+    adapter = Adapter(FeatureClassifier(vit), create(method, None, device, **options), device, lr=0.001)
+    sync(device)
+    reset_peak(device)
+    before = current_bytes(device)
+    adapter.step(images)  # warm-up (FOA: its source statistics too), in the peak: memory freed after a
+    # step stays in the process (the allocator keeps it), so a peak taken after it would miss it
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        adapter.step(images)
+    sync(device)
+    seconds = (time.perf_counter() - start) / args.steps
+    return {"method": method, "ms": 1000 * seconds, "peak_delta_bytes": peak_bytes(device) - before, "base": before}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--img", type=int, default=32)
+    parser.add_argument("--patch", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--population", type=int, default=27, help="FOA's K (the authors' 27)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--methods", default="tent,foa")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args, args.child)))
+        return
+    passed = [a for a in sys.argv[1:] if a != "--json" and not a.endswith(".json")]
+    rows = []
+    for method in args.methods.split(","):
+        out = subprocess.run([sys.executable, __file__, *passed, "--child", method], capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{method}: {out.stderr.strip().splitlines()[-1]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    tent = next((row for row in rows if row["method"] == "tent"), None)
+    for row in rows:
+        ratio = f"{row['ms'] / tent['ms']:.2f}x TENT" if tent else ""
+        print(
+            f"{row['method']:6s} {row['ms']:9.1f} ms/step {ratio:>12s}  peak +{row['peak_delta_bytes'] / 2**20:8.1f} MiB"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
