@@ -232,3 +232,12 @@ def test_foa_refuses_the_bundled_cnn_and_a_vit_without_source_images(vit_run):
     fails(refused, 2, "TinyNet has no tokens")
     without = invoke("adapt", *vit_run["model"], "--data", vit_run["data"], "--method", "foa")
     fails(without, 2, "give --source-data")
+
+
+def test_foa_with_a_state_file_refuses_before_the_first_prediction(vit_run, tmp_path):
+    result = invoke(
+        "adapt", *vit_run["model"], "--data", vit_run["data"], "--method", "foa", "--source-data", vit_run["source"],
+        "--batch-size", "3", "--reset", "never", "--state", tmp_path / "state.safetensors",
+    )  # fmt: skip
+    fails(result, 2, "foa's CMA-ES search cannot be saved")
+    assert result.stdout.count("\n") <= 1 and not (tmp_path / "state.safetensors").exists()
