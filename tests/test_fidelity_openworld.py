@@ -17,6 +17,8 @@ import math
 
 import pytest
 import torch
+from conftest import write_folder
+from helpers import adapt, rows
 from test_fidelity import C, authors_model, batches, entropy, tiny
 from torch import nn
 
@@ -229,12 +231,8 @@ def test_stamp_under_its_recipes_matches_the_authors_update(monkeypatch, recipe)
     draws = fixed_draws(monkeypatch, xs)
     monkeypatch.setattr(stamp_module, "views", view_sequence())
     lr = 0.05
-    adapter = Adapter(
-        FeatureClassifier(copy.deepcopy(net)), create("stamp", **o), optimizer="sgd", lr=lr, momentum=0.0
-    )
-    expected = stamp_reference(
-        net, xs, draws, lr, o["alpha"], 3, 8, o["cosine_steps"], o["consistency"], o["rho"]
-    )
+    adapter = Adapter(FeatureClassifier(copy.deepcopy(net)), create("stamp", **o), optimizer="sgd", lr=lr, momentum=0.0)
+    expected = stamp_reference(net, xs, draws, lr, o["alpha"], 3, 8, o["cosine_steps"], o["consistency"], o["rho"])
     for x, (output, score, params) in zip(xs, expected):
         logits = adapter.step(x)
         torch.testing.assert_close(logits.softmax(1).double(), output, rtol=1e-4, atol=1e-6)
@@ -257,3 +255,28 @@ def test_stamps_recipes_hold_the_authors_rates_and_schedules():
         "cifar10-c": (0.0001, 150, "cotta", 0.5),
         "cifar100-c": (0.01, 150, "crop", 0.5),
     }
+
+
+# --- through the command line -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [("--order", "label-shift:1.0"), ("--reset", "never"), ("--outliers", "noise:gaussian:0.2")],
+    ids=lambda s: s[1],
+)
+@pytest.mark.parametrize("name", ["sotta", "stamp"])
+def test_each_runs_through_cafa_adapt(setup, tmp_path, name, stream):
+    """Two domains of 18 images, batches of 6 (with outliers: 4 more a domain, scored by its id_score)."""
+    shifted = write_folder(tmp_path / "shifted", per_class=6, seed=1, shift=0.3)
+    small = ["--method-option", "augmentations=2"] if name == "stamp" else ["--method-option", "threshold=0.5"]
+    result = adapt(
+        setup, setup["train"], "--data", shifted, "--method", name, "--batch-size", "6", "--quiet", *small, *stream
+    )
+    assert result.exit_code == 0, result.stderr
+    predictions = rows(result)
+    outliers = stream[0] == "--outliers"
+    assert len(predictions) == (36 + 2 * 4 if outliers else 36)
+    assert {row["prediction"] for row in predictions} <= {"a", "b", "c"}
+    if outliers:
+        assert sum(row["outlier"] == "1" for row in predictions) == 8
