@@ -176,8 +176,10 @@ def test_reset_restores_the_source_weights_bit_for_bit(trained):
 def test_every_method_runs_and_keeps_weights_finite(trained, method):
     """Gradient methods move the weights (finitely); source, bn and the output-only ones (t3a, lame) never touch them."""
     model, gaussians, x, _ = trained
-    # rotta and cafa-robust step on their bank every 64 samples by default
-    options = {"update_every": 50} if method in ("rotta", "cafa-robust") else {}
+    # rotta, cafa-robust and sotta step on their memory every 64 samples by default (sotta's stores p̂ ≥ 0.99 alone)
+    options = {"update_every": 50} if method in ("rotta", "cafa-robust", "sotta") else {}
+    if method == "sotta":
+        options["threshold"] = 0.5
     adapter = Adapter(copy.deepcopy(model), create(method, gaussians, **options), lr=1e-2, steps=2)
     before = [p.detach().clone() for p in adapter.model.parameters()]
     logits = adapter.step(x[:50])

@@ -26,6 +26,8 @@ OPTIONS = {
     "cafa-robust": {"memory_size": 12, "update_every": 12},
     "lame": {},
     "t3a": {"filter_k": 5},
+    "sotta": {"memory_size": 12, "update_every": 12, "threshold": 0.5},
+    "stamp": {"augmentations": 2, "memory_size": 12},
 }
 
 

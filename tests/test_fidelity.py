@@ -374,7 +374,7 @@ def test_sars_frozen_modules_are_the_authors_on_resnet_vit_and_convnext_trees():
     """Issue 40 §7: matching whole components froze ConvNeXt's `stages.1.blocks.0.norm` and
     `head.norm`, which the authors' substring rule (`'norm.' in nm or nm in ['norm']`) adapts."""
     from cafa_cli.engine.method import in_frozen
-    from cafa_cli.methods.sar import FROZEN
+    from cafa_cli.methods.shared.sam import FROZEN
 
     def authors(nm: str) -> bool:
         skipped = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm.")

@@ -151,6 +151,9 @@ ONE_READ_A_BATCH = {
     "cmf": "aten.nonzero.default at cmf.py",
     "deyo": "aten.nonzero.default at deyo.py",  # the entropy-kept samples, whose shuffled pass takes their statistics
     "roid": "aten.nonzero.default at roid.py",  # the kept samples, whose views take their own batch statistics
+    # SoTTA's and STAMP's memories decide likewise, from one transfer of the confidences (or filter) and classes
+    "sotta": "Tensor.tolist at sotta.py",
+    "stamp": "Tensor.tolist at stamp.py",
 }
 
 

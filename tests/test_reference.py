@@ -149,6 +149,7 @@ TESTED_ELSEWHERE = (
     *("shot-im", "shot"),  # issue 63's, in tests/test_fidelity_shot.py
     # issue 63's, in tests/test_fidelity_neo_come.py
     "neo",
+    *("sotta", "stamp"),  # issue 63's outlier-aware methods, in tests/test_fidelity_openworld.py
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
 )

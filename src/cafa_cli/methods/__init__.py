@@ -73,6 +73,9 @@ REGISTRY: dict[str, Entry] = {
     "adacontrast": Entry("adacontrast", "AdaContrast"),
     "santa": Entry("santa", "Santa"),
     "cafa-robust": Entry("cafa_robust", "CafaRobust"),
+    # for streams with outliers (images from outside the label set)
+    "sotta": Entry("sotta", "SoTTA"),
+    "stamp": Entry("stamp", "Stamp"),
     # the CLIP test-time methods (needs_clip): a CLIP model's zero-shot classifier only
     "tpt": Entry("tpt", "Tpt"),
     "zero": Entry("zero", "Zero"),

@@ -33,22 +33,16 @@ import math
 
 import torch
 
-from cafa_cli.engine.method import (
-    AdapterSurface,
-    Method,
-    check_module_names,
-    select_parameters,
-)
+from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
+from cafa_cli.methods.shared.sam import FROZEN_OPTION, ascend, descend_from, unfrozen_parameters
 from cafa_cli.model.features import FeatureClassifier
 
 MARGIN = 0.4  # E0 = MARGIN · ln C
 RHO = 0.05
 RESET_BELOW = 0.2
 EMA_MOMENTUM = 0.9
-# the official code's skipped modules: ResNet's layer4, ViT-Base's blocks 9-11 and final norm
-FROZEN = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm")
 
 
 def reliable_entropy(
@@ -82,9 +76,7 @@ class Sar(Method):
             "recover the source model when the loss's moving average falls below this",
             "weight",
         ),
-        Option(
-            "frozen", FROZEN, "modules left out of the update, by name (whole dotted components); empty: none", "names"
-        ),
+        FROZEN_OPTION,
         losses.ENTROPY,
     )
 
@@ -92,9 +84,7 @@ class Sar(Method):
         self.reset()
 
     def choose_parameters(self, model: FeatureClassifier, which: str = "norm") -> list[torch.nn.Parameter]:
-        if tuple(self.frozen) != FROZEN:  # the defaults name ResNets' and ViTs' modules: a model has some
-            check_module_names(model, self.frozen, "sar's option frozen")
-        return select_parameters(model, which, self.frozen)
+        return unfrozen_parameters(model, which, self.frozen, "sar")
 
     def reset(self) -> None:
         self.ema: torch.Tensor | None = None  # the moving average of the loss, on the device
@@ -110,24 +100,15 @@ class Sar(Method):
         # fp16: scaled as the Adapter scales its losses, or small gradients flush to zero;
         # ε = ρ·g/‖g‖ is the same for any scale of g
         scaled = first if adapter.scaler is None else adapter.scaler.scale(first)
-        grads = torch.autograd.grad(scaled, self.params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
-        with torch.no_grad():
-            if self.saved is None:
-                self.saved = [torch.empty_like(p) for p in self.params]
-            torch._foreach_copy_(self.saved, self.params)
-            scale = self.rho / (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) + 1e-12)
-            torch._foreach_add_(self.params, torch._foreach_mul(grads, scale))
+        if self.saved is None:
+            self.saved = [torch.empty_like(p) for p in self.params]
+        ascend(self.params, scaled, self.rho, self.saved)
         with adapter.autocast:
             perturbed, _ = adapter.forward(images)
         second, kept = reliable_entropy(perturbed.float(), keep, self.entropy_margin, entropies)
         self.count_kept(kept.sum())
-
-        def restore():  # the step is taken from θ with the gradient at θ + ε
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.saved)
-
-        flag = adapter.apply(second, skipped, after_backward=restore)
+        # the step is taken from θ with the gradient at θ + ε
+        flag = adapter.apply(second, skipped, after_backward=descend_from(self.params, self.saved))
         with torch.no_grad():
             self._recover(adapter, second.detach(), kept.any())
         return logits, features, flag

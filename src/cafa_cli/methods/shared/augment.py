@@ -119,3 +119,19 @@ def _memory_format(images: torch.Tensor) -> torch.memory_format:
     if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
         return torch.channels_last
     return torch.contiguous_format
+
+
+def padded_crop_and_flip(images: torch.Tensor, padding: int = 4) -> torch.Tensor:
+    """torchvision's RandomCrop(size, padding) and RandomHorizontalFlip() of each image of
+    `images` ([N, C, H, W]): a shift of up to `padding` pixels each way over zero padding, which
+    on normalised images is the mean colour (on the authors' [0, 1] pixels, black), then a flip
+    with p = 0.5. One torch.randint and one torch.rand draw a call."""
+    n, _, h, w = images.shape
+    offsets = torch.randint(0, 2 * padding + 1, (2, n), device=images.device)
+    flip = torch.rand(n, device=images.device) < FLIP
+    padded = F.pad(images, (padding,) * 4)
+    rows = (offsets[0, :, None] + torch.arange(h, device=images.device))[:, :, None]  # [N, H, 1]
+    cols = (offsets[1, :, None] + torch.arange(w, device=images.device))[:, None, :]  # [N, 1, W]
+    cols = torch.where(flip[:, None, None], cols.flip(2), cols)
+    out = padded[torch.arange(n, device=images.device)[:, None, None], :, rows, cols]  # [N, H, W, C]
+    return out.permute(0, 3, 1, 2).contiguous(memory_format=_memory_format(images))
