@@ -84,7 +84,8 @@ def run(config: AdaptConfig, monitor: Monitor) -> list[DomainResult] | None:
             if job.clean:
                 said.info(clean_summary(job.clean))
             if config.state:
-                job.adapter.method.state_dict()  # a method whose state cannot be saved (foa's) says so before the first image
+                # a method whose state cannot be saved (foa's) says so before the first image, not after the last
+                job.adapter.method.state_dict()
                 went_on = load_state(job.adapter, config.state)
                 said.info(
                     f"going on from the state in {config.state}"
