@@ -27,10 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from perf import peak_bytes, reset_peak, sync  # noqa: E402
 
-from cafa_cli.core.devices import pick_device  # noqa: E402
-from cafa_cli.engine.adapter import Adapter  # noqa: E402
-from cafa_cli.methods import create  # noqa: E402
-from cafa_cli.model.features import FeatureClassifier  # noqa: E402
+from cafa_cli.api import Adapter, FeatureClassifier, create, pick_device  # noqa: E402
 
 
 def current_bytes(device: torch.device) -> int:

@@ -40,6 +40,7 @@ INTERNALS = {
     "stream_orders.py": {"cafa_cli.data.orders"},  # the orders it times
     "protocols_tables.py": {"cafa_cli.jobs.bench"},  # tables.plot_rounds: bench's figure
     "wide_fmnist.py": {"cafa_cli.model.zoo", "cafa_cli.model.zoo.fmnist_resnet"},  # the model it widens
+    "bare_loop.py": {"cafa_cli.model.zoo.fmnist_resnet"},  # the bundled architecture, without cafa's loading
 }
 
 

@@ -152,6 +152,7 @@ TESTED_ELSEWHERE = (
     *("sotta", "stamp"),  # issue 63's outlier-aware methods, in tests/test_fidelity_openworld.py
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
+    "foa",  # issue 63's forward-only ViT method, in tests/test_fidelity_foa.py
 )
 
 
