@@ -59,13 +59,15 @@ def hloss(logits: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def training_norms(model: nn.Module, momentum: float, on: bool = True):
-    """The model's BatchNorms in train mode with `momentum` (nothing else: dropout stays off)."""
+def training_norms(model: nn.Module, momentum: float | None = None, on: bool = True):
+    """The model's BatchNorms in train mode with `momentum` (None: each keeps its own), nothing
+    else: dropout stays off."""
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)] if on else []
     before = [(m.training, m.momentum) for m in layers]
     for m in layers:
         m.train()
-        m.momentum = momentum
+        if momentum is not None:
+            m.momentum = momentum
     try:
         yield
     finally:
