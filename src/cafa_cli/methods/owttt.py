@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.sotta import training_norms
+from cafa_cli.methods.shared.running_norms import training_norms
 
 DELTA = 0.1
 CE_SCALE = 0.2  # the authors' CIFAR scripts
