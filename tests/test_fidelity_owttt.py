@@ -12,16 +12,20 @@ themselves, ours from the class Gaussians estimated from the same features and l
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import write_folder
-from helpers import adapt, rows
+from helpers import adapt, invoke, rows
 from test_fidelity import C, tiny
 
+from cafa_cli.data.fashion_mnist import DEFAULT_ROOT
+from cafa_cli.data.fmnist_c import build_corrupted, build_training_subset
 from cafa_cli.engine.adapter import Adapter
+from cafa_cli.jobs.shared.results import auroc
 from cafa_cli.methods import create
 from cafa_cli.methods.recipes import shipped
 from cafa_cli.model.features import FeatureClassifier
@@ -261,17 +265,25 @@ def test_the_symmetric_kl_is_torchs():
 # --- through the command line -------------------------------------------------------------
 
 
+def outlier_scores(records: list[dict]) -> tuple[list[float], list[float]]:
+    inside = [float(r["id_score"]) for r in records if r["outlier"] == "0"]
+    return inside, [float(r["id_score"]) for r in records if r["outlier"] == "1"]
+
+
 @pytest.mark.parametrize(
     "stream",
     [("--outliers", "noise:gaussian:0.2"), ("--order", "label-shift:1.0"), ("--reset", "never")],
     ids=lambda s: s[1],
 )
 def test_owttt_runs_through_cafa_adapt(setup, tmp_path, stream):
-    """Two domains of 18 images, batches of 6 (with outliers: 4 more a domain, scored by its id_score)."""
+    """Two domains of 18 images, batches of 6 (with outliers: 4 more a domain, scored by its id_score,
+    which the AUROC takes, not the softmax's maximum)."""
     shifted = write_folder(tmp_path / "shifted", per_class=6, seed=1, shift=0.3)
+    out = tmp_path / "m.json"
     result = adapt(
-        setup, setup["train"], "--data", shifted, "--method", "owttt", "--batch-size", "6", "--quiet", *stream
-    )
+        setup, setup["train"], "--data", shifted, "--method", "owttt", "--batch-size", "6", "--quiet", *stream,
+        "--metrics-json", out,
+    )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     predictions = rows(result)
     outliers = stream[0] == "--outliers"
@@ -279,5 +291,30 @@ def test_owttt_runs_through_cafa_adapt(setup, tmp_path, stream):
     assert {row["prediction"] for row in predictions} <= {"a", "b", "c"}
     if outliers:
         assert sum(row["outlier"] == "1" for row in predictions) == 8
-        scores = [float(row["id_score"]) for row in predictions]
-        assert all(-1 <= score <= 1 for score in scores)  # the largest cosine to a class mean
+        inside, outside = outlier_scores(predictions)
+        assert all(-1 <= score <= 1 for score in inside + outside)  # the largest cosine to a class mean
+        assert any(float(r["id_score"]) != float(r["confidence"]) for r in predictions)
+        assert json.loads(out.read_text())["auroc"] == pytest.approx(auroc(inside, outside), abs=1e-6)
+
+
+@pytest.mark.skipif(not DEFAULT_ROOT.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_owttt_on_the_bundled_model_with_an_artifact_of_its_own(tmp_path):
+    """fmnist-resnet, an artifact of 10 training images a class (as the demo's, smaller), and
+    Fashion-MNIST-C gaussian_noise with Gaussian-noise outliers."""
+    train = build_training_subset(tmp_path, 10)
+    (domain,) = build_corrupted(tmp_path, ["gaussian_noise"], 3, 3)
+    artifact = tmp_path / "fmnist.safetensors"
+    made = invoke(
+        "stats", "--model", "fmnist-resnet", "--data", train, "--per-class", "10", "--out", artifact, "--quiet"
+    )
+    assert made.exit_code == 0, made.stderr
+    out = tmp_path / "m.json"
+    result = invoke(
+        "adapt", "--stats", artifact, "--model", "fmnist-resnet", "--data", domain, "--method", "owttt",
+        "--outliers", "noise:gaussian:0.2", "--batch-size", "16", "--metrics-json", out, "--quiet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    records = rows(result)
+    inside, outside = outlier_scores(records)
+    assert len(inside) == 30 and len(outside) > 0
+    assert json.loads(out.read_text())["auroc"] == pytest.approx(auroc(inside, outside), abs=1e-6)
