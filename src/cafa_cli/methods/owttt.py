@@ -164,15 +164,16 @@ class Owttt(Method):
         to_outliers = unit @ self.outliers.T  # [N, P]
         detached = unit.detach()
         nearest = cosines.detach().amax(1, keepdim=True)
-        host = torch.cat([nearest, to_outliers.detach(), detached @ detached.T], 1).double().tolist()  # one transfer
+        # one transfer: [N, 1 + P + N], the nearest class's cosine, those to the prototypes and within the batch
+        host = np.array(torch.cat([nearest, to_outliers.detach(), detached @ detached.T], 1).double().tolist())
         had_outliers = len(self.outliers) > 0
-        scores = np.array([1 - row[0] for row in host])
+        scores = 1 - host[:, 0]
         self.queue = (self.queue + scores.tolist())[-self.queue_length :]
         threshold = otsu_threshold(np.array(self.queue))
         seen = np.flatnonzero(scores < threshold)
         unseen = np.flatnonzero(scores >= threshold)
         if len(unseen):
-            self._expand(host, scores, threshold, unseen, detached)
+            self._expand(host, threshold, unseen, detached)
 
         loss = None
         if len(seen):
@@ -194,13 +195,11 @@ class Owttt(Method):
         self.reported = (F.normalize(features, dim=1) @ self.prototypes.T / self.delta, features)
         return self.reported + (flag,)
 
-    def _expand(self, host: list, scores: np.ndarray, threshold: float, unseen: np.ndarray, unit: torch.Tensor) -> None:
+    def _expand(self, host: np.ndarray, threshold: float, unseen: np.ndarray, unit: torch.Tensor) -> None:
         """append_prototypes: the batch's strong outliers, the farthest first, each joining the
         prototypes when far enough from the source's and the strong outliers' so far."""
-        n, old = len(scores), len(self.outliers)
-        nearest_source = np.array([row[0] for row in host])
-        to_old = np.array([row[1 : 1 + old] for row in host]).reshape(n, old)
-        between = np.array([row[1 + old :] for row in host])
+        old = len(self.outliers)
+        nearest_source, to_old, between = host[:, 0], host[:, 1 : 1 + old], host[:, 1 + old :]
         nearest_any = np.maximum(nearest_source, to_old.max(1, initial=-np.inf))
         expansion = otsu_threshold(1 - nearest_any[unseen])
         pool = list(range(old))  # rows of cat([outliers, unit]): the old prototypes, then the batch's
