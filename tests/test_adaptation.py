@@ -473,10 +473,11 @@ def test_the_registry_builds_each_method_with_the_attributes_the_adapter_reads(t
         method = create(name, gaussians)
         assert isinstance(method, Method) and method.name == name
         assert method.needs_statistics == (
-            name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust", "rmt", "santa")
+            name in ("cafa", "global-fa", "intra", "euclidean", "cafa-eata", "cafa-robust", "rmt", "santa", "owttt")
         )
         output_only = ("source", "t3a", "lame", "neo")  # the source model's BatchNorm statistics, no gradient
-        own_normalisation = ("rotta", "cafa-robust", "sotta")  # BatchNorms of their own, or moved by their own steps
+        # BatchNorms of their own, or moved by their own steps
+        own_normalisation = ("rotta", "cafa-robust", "sotta", "owttt")
         assert method.trains == (name not in ("bn", "ttaug", *output_only))  # ttaug: views, no training
         assert method.adapts_normalisation == (name not in (*output_only, *own_normalisation))
 

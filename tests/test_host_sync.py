@@ -154,6 +154,8 @@ ONE_READ_A_BATCH = {
     # SoTTA's and STAMP's memories decide likewise, from one transfer of the confidences (or filter) and classes
     "sotta": "Tensor.tolist at sotta.py",
     "stamp": "Tensor.tolist at stamp.py",
+    # OWTTT's threshold, prototype expansion and filter, from one transfer of the scores and cosines
+    "owttt": "Tensor.tolist at owttt.py",
 }
 
 

@@ -150,6 +150,7 @@ TESTED_ELSEWHERE = (
     # issue 63's, in tests/test_fidelity_neo_come.py
     "neo",
     *("sotta", "stamp"),  # issue 63's outlier-aware methods, in tests/test_fidelity_openworld.py
+    "owttt",  # and in tests/test_fidelity_owttt.py
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
     "foa",  # issue 63's forward-only ViT method, in tests/test_fidelity_foa.py

@@ -76,6 +76,7 @@ REGISTRY: dict[str, Entry] = {
     # for streams with outliers (images from outside the label set)
     "sotta": Entry("sotta", "SoTTA"),
     "stamp": Entry("stamp", "Stamp"),
+    "owttt": Entry("owttt", "Owttt"),
     # the CLIP test-time methods (needs_clip): a CLIP model's zero-shot classifier only
     "tpt": Entry("tpt", "Tpt"),
     "zero": Entry("zero", "Zero"),

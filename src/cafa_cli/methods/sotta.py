@@ -32,8 +32,6 @@ sample offered (shared/class_memory.py), used when a removal needs them.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -44,6 +42,7 @@ from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import class_memory
 from cafa_cli.methods.shared.class_memory import ClassMemory, pick
 from cafa_cli.methods.shared.memory_bank import CAPACITY, UPDATE_EVERY
+from cafa_cli.methods.shared.running_norms import training_norms
 from cafa_cli.methods.shared.sam import FROZEN_OPTION, ascend, descend_from, unfrozen_parameters
 from cafa_cli.model.features import FeatureClassifier
 
@@ -56,22 +55,6 @@ def hloss(logits: torch.Tensor) -> torch.Tensor:
     """The authors' HLoss: −p log(p + 1e-6) averaged over samples and classes."""
     p = logits.softmax(1)
     return -(p * torch.log(p + 1e-6)).mean()
-
-
-@contextmanager
-def training_norms(model: nn.Module, momentum: float, on: bool = True):
-    """The model's BatchNorms in train mode with `momentum` (nothing else: dropout stays off)."""
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm)] if on else []
-    before = [(m.training, m.momentum) for m in layers]
-    for m in layers:
-        m.train()
-        m.momentum = momentum
-    try:
-        yield
-    finally:
-        for m, (training, old) in zip(layers, before):
-            m.train(training)
-            m.momentum = old
 
 
 class SoTTA(Method):
