@@ -224,7 +224,14 @@ def test_too_few_confident_source_images_is_one_line():
 
 def test_the_recipes_are_the_authors_values():
     recipe = shipped("dpcore", "imagenet-c")
-    assert recipe.settings == {"optimizer": "adamw", "lr": 0.1, "steps": 50, "batch_size": 64, "fisher_samples": 50000}
+    assert recipe.settings == {
+        "optimizer": "adamw",
+        "lr": 0.1,
+        "steps": 50,
+        "batch_size": 64,
+        "fisher_samples": 50000,
+        "params": "norm",
+    }
     options = {"prompts": 8, "temperature": 3.0, "threshold": 0.8, "update_rate": 0.999, "source_samples": 300}
     assert recipe.options == options and "zybeich/DPCore" in recipe.source
 

@@ -50,7 +50,7 @@ import torch
 from cafa_cli.core.errors import UsageError
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.optimiser import restart_state
-from cafa_cli.engine.options import Option
+from cafa_cli.engine.options import MOST_COUNT, Option
 from cafa_cli.methods.shared.losses import entropies
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.model.prompts import PromptTokens, token_vit
@@ -102,7 +102,7 @@ class DPCore(Method):
             "a source image is confident when its entropy is below this share of ln C (1: every image)",
             "fraction",
         ),
-        Option("seed", SEED, "the first prompts' seed", "count0", most=2**32 - 1),
+        Option("seed", SEED, "the first prompts' seed", "count0", most=MOST_COUNT),
     )
     # made once from the seed, the inputs and the model, never changed by a step
     unsaved = (*Method.unsaved, "first_prompts", "source_std", "source_mean")
