@@ -94,7 +94,7 @@ class DPCore(Method):
             SOURCE_SAMPLES,
             "the confident source images the source statistics take",
             "count",
-            most=10**7,
+            most=MOST_COUNT,
         ),
         Option(
             "source_margin",
