@@ -150,6 +150,7 @@ TESTED_ELSEWHERE = (
     # issue 63's, in tests/test_fidelity_neo_come.py
     "neo",
     *("sotta", "stamp"),  # issue 63's outlier-aware methods, in tests/test_fidelity_openworld.py
+    *("foa", "dpcore"),  # issue 63's ViT prompt methods, in tests/test_fidelity_foa.py and test_fidelity_dpcore.py
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
 )
