@@ -153,7 +153,7 @@ TESTED_ELSEWHERE = (
     "owttt",  # and in tests/test_fidelity_owttt.py
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
-    "foa",  # issue 63's forward-only ViT method, in tests/test_fidelity_foa.py
+    *("foa", "dpcore"),  # issue 63's ViT prompt methods, in tests/test_fidelity_foa.py and test_fidelity_dpcore.py
 )
 
 

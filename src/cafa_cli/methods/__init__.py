@@ -65,6 +65,7 @@ REGISTRY: dict[str, Entry] = {
     "lame": Entry("lame", "Lame"),
     "neo": Entry("neo", "Neo"),
     "foa": Entry("foa", "Foa"),  # needs_tokens: a ViT's
+    "dpcore": Entry("dpcore", "DPCore"),  # needs_tokens: a ViT's
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
     "rmt": Entry("rmt", "Rmt"),

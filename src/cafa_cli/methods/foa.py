@@ -71,7 +71,7 @@ class Foa(Method):
         Option("sigma", 1.0, "CMA-ES's initial step size", "positive"),
         Option("shift", 1.0, "γ, the activation shift's step toward the source mean (0: none)", "weight"),
         Option("momentum", MOMENTUM, "α, the weight of each batch in the test features' moving mean", "fraction"),
-        Option("seed", SEED, "CMA-ES's seed and the first prompts'", "count0", most=2**32 - 1),
+        Option("seed", SEED, "CMA-ES's seed and the first prompts'", "count0"),
     )
     # made once from its inputs, or from the model (tokens: hooks on it), never changed by a step
     unsaved = (*Method.unsaved, "tokens", "source_std", "source_mean")

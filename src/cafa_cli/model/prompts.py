@@ -9,7 +9,9 @@ and the Adapter's view of it stay as they are:
   patch dropout, an Identity in most ViTs) inserts the tokens at position 1, so the blocks
   see [class, prompts, (registers), patches], the authors' order; while they are inserted
   the ViT's `num_prefix_tokens` counts them, so that average pooling leaves them out as it
-  leaves out the class token (a class-token ViT reads token 0 and is unchanged);
+  leaves out the class token (a class-token ViT reads token 0 and is unchanged); but not
+  from `patch_embed` to the insertion (a pre-hook there), where a ViT of dynamic image size
+  resamples its position embeddings, which hold none of the prompts;
 - a hook on each block keeps its output's class token, from which `layer_features()`
   gives the authors' per-layer CLS features: block i's through block i+1's `norm1`, the
   last block's as the classifier takes it (the FeatureClassifier's features: the final
@@ -62,8 +64,10 @@ class PromptTokens(nn.Module):
         self.patch_area = math.prod(vit.patch_embed.patch_size)
         self.initialise(generator)
         self._vit = [vit]  # a list: the ViT is not a submodule of its prompts
+        self._own_prefix = vit.num_prefix_tokens  # the class token and registers, which the positions count
         self._classes: list[torch.Tensor | None] = [None] * len(vit.blocks)
-        self._hooks = [vit.norm_pre.register_forward_pre_hook(self._insert)]
+        self._hooks = [vit.patch_embed.register_forward_pre_hook(self._before_positions)]
+        self._hooks += [vit.norm_pre.register_forward_pre_hook(self._insert)]
         self._hooks += [block.register_forward_hook(self._keeper(i)) for i, block in enumerate(vit.blocks)]
         self.enabled = True
 
@@ -74,9 +78,8 @@ class PromptTokens(nn.Module):
     @enabled.setter
     def enabled(self, on: bool) -> None:
         """Inserted or not; while inserted, the ViT's prefix tokens count them (module docstring)."""
-        if on != self._enabled:
-            self.vit.num_prefix_tokens += self.count if on else -self.count
         self._enabled = on
+        self.vit.num_prefix_tokens = self._own_prefix + (self.count if on else 0)
 
     def initialise(self, generator: torch.Generator | None = None) -> None:
         """VPT's Xavier-uniform draw, U(−v, v) with v = √(6 / (3·patch area + width)), as the
@@ -91,7 +94,11 @@ class PromptTokens(nn.Module):
     def vit(self) -> nn.Module:
         return self._vit[0]
 
+    def _before_positions(self, module, inputs):
+        self.vit.num_prefix_tokens = self._own_prefix
+
     def _insert(self, module, inputs):
+        self.enabled = self._enabled  # the prompts counted again (_before_positions left them out)
         if not self._enabled or self.count == 0:
             return None
         x = inputs[0]

@@ -277,8 +277,8 @@ class MethodDataOptions:
     source_data: str | None = setting(
         None,
         "Clean labelled source images (as --data), for the methods that use them: eata's Fisher anti-forgetting term "
-        "(without them eata runs as eta), foa's source statistics (it needs them), rmt's warm-up and source replay "
-        "(without them it runs source-free). "
+        "(without them eata runs as eta), foa's and dpcore's source statistics (they need them), rmt's warm-up and "
+        "source replay (without them it runs source-free). "
         "--fisher-data is another name for it.",
         metavar="PATH",
         flags=("--source-data", "--fisher-data"),
@@ -287,8 +287,8 @@ class MethodDataOptions:
     )
     fisher_samples: int = setting(
         2000,
-        "eata and foa: how many --source-data images (at random, seed 0) the Fisher term (eata) or the source "
-        "statistics (foa) use.",
+        "eata, foa and dpcore: how many --source-data images (at random, seed 0) the Fisher term (eata) or the "
+        "source statistics (foa; dpcore's confident ones among them) use.",
         metavar="N",
         panel=ADAPTATION,
     )
