@@ -250,10 +250,10 @@ def test_the_users_preprocessing_replaces_the_models_before_anything_is_checked(
     """§6: a timm model made with in_chans=1 declares its three-channel mean; with the user's
     --channels 1 --mean 0.5 --std 0.5 the declared values were checked first, and refused."""
     from cafa_cli.jobs.shared import inputs
-    from cafa_cli.model import hub
+    from cafa_cli.model import libraries
 
     declared = {"resize": 248, "crop": 224, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
-    monkeypatch.setattr(hub, "declared_preprocessing", lambda model, weights, args: {**declared, "channels": 1})
+    monkeypatch.setattr(libraries, "declared_preprocessing", lambda model, weights, args: {**declared, "channels": 1})
     ours = {"channels": 1, "mean": (0.5,), "std": (0.5,)}
     made = inputs.default_preprocessing("timm:vit_tiny_patch16_224", None, {"in_chans": 1}, ours)
     assert (made.channels, made.mean, made.std, made.resize, made.crop) == (1, (0.5,), (0.5,), 248, 224)

@@ -228,7 +228,8 @@ def stages_of(spec: str) -> str:
         return spec
     kind, path = named
     if BENCHMARKS[kind] in (DOMAINS, ONE):
-        raise UsageError(f"`gradual` visits the severities of a corruption; {kind} has none: drop `gradual`")
+        which = f"{kind}'s domains have" if BENCHMARKS[kind] == DOMAINS else f"{kind} has"
+        raise UsageError(f"`gradual` visits the severities of a corruption; {which} none: drop `gradual`")
     if BENCHMARKS[kind] == ARRAYS:
         raise UsageError(
             f"`gradual` visits the severity folders of image folders; {kind} stacks its severities in one .npy "

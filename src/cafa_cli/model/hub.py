@@ -26,7 +26,6 @@ from torch import nn
 from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.data.values import INTERPOLATIONS
 from cafa_cli.model.checkpoints import read_state_dict, sha256_of
-from cafa_cli.model.zoo import robustbench
 
 # what a weights *file* is called; anything else without a folder in it may be a name
 WEIGHT_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt", ".tar", ".pkl")
@@ -301,42 +300,6 @@ def timm_preprocessing(name: str, tag: str | None, kwargs: dict) -> dict:
         "channels": int(kwargs.get("in_chans", channels)),
         "interpolation": interpolation,
     }
-
-
-# --- both ------------------------------------------------------------------------
-
-
-def cached_weights(model: str, weights: str) -> CachedWeights:
-    """`weights` by name for `model` (timm:NAME, openclip:NAME, torchvision:NAME or a
-    torchvision name), from the local cache."""
-    from cafa_cli.model import openclip  # it builds on this module
-
-    library, name = library_of(model)
-    if library == "timm":
-        return cached_timm_weights(name, weights)
-    if library == "openclip":
-        return openclip.cached_weights(name, weights)
-    return cached_torchvision_weights(torchvision_weights(name, weights))
-
-
-def declared_preprocessing(model: str | None, weights: str | None, kwargs: dict) -> dict | None:
-    """The preprocessing the model declares: a timm model's pretrained config (with or
-    without weights: it is the architecture's), an open_clip model's (its config's, its
-    pretrained tag's), torchvision weights named by enum, a `robustbench:` model's own
-    (model/zoo/robustbench.py); else None."""
-    from cafa_cli.model import openclip  # it builds on this module
-
-    if robustbench.is_robustbench(model):
-        return dict(robustbench.lookup(model).preprocessing)
-    library, name = library_of(model or "")
-    named = weights is not None and is_weights_name(weights)
-    if library == "timm":
-        return timm_preprocessing(name, weights if named else None, kwargs)
-    if library == "openclip":
-        return openclip.preprocessing(name, weights if named else None, kwargs)
-    if named and model and (library == "torchvision" or (":" not in model and name in torchvision_names())):
-        return torchvision_preprocessing(torchvision_weights(name, weights))
-    return None
 
 
 def built(model: str, build):

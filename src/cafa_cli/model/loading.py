@@ -22,7 +22,7 @@ from torch import nn
 from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.core.factories import import_factory, is_factory, parse_model_args
 from cafa_cli.core.files import absolute
-from cafa_cli.model import hub, openclip
+from cafa_cli.model import hub, libraries, openclip
 from cafa_cli.model.checkpoints import check_weights_file, is_step_counter, load_weights, read_state_dict, sha256_of
 from cafa_cli.model.clip import Prompting, ZeroShotClassifier, prompts_sha256
 from cafa_cli.model.features import FeatureClassifier
@@ -132,7 +132,7 @@ def resolve(
     if num_classes is not None and num_classes < 1:
         raise UsageError(f"`num_classes` must be at least 1, not {num_classes}")
     weights = model_weights(model, weights)
-    cached = hub.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
+    cached = libraries.cached_weights(model, weights) if pretrained_by_name(model, weights) else None
     if openclip.is_openclip(model) and weights is not None and cached is None:
         cached = openclip.weights_file(check_weights_file(weights))  # the CLIP model, before its text head is made
     net = build_model(model, num_classes, model_args, cached, prompting)
@@ -271,7 +271,7 @@ def weights_record(model: str, weights: str | None) -> tuple[str | None, str | N
     its absolute path, pretrained weights by their full name (ResNet50_Weights.IMAGENET1K_V2)."""
     weights = model_weights(model, weights)
     if pretrained_by_name(model, weights):
-        cached = hub.cached_weights(model, weights)
+        cached = libraries.cached_weights(model, weights)
         return cached.name, cached.sha256
     return absolute(weights), weights_sha256(model, weights)
 
@@ -281,7 +281,7 @@ def weights_sha256(model: str, weights: str | None) -> str | None:
     or of a bundled model's packaged weights (a newer cafa may retrain them); else None."""
     weights = model_weights(model, weights)
     if pretrained_by_name(model, weights):
-        return hub.cached_weights(model, weights).sha256
+        return libraries.cached_weights(model, weights).sha256
     if weights is not None:
         return sha256_of(weights)
     bundled = bundled_model(model)

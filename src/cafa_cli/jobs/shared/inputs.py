@@ -14,7 +14,7 @@ from cafa_cli.data.preprocessing import Preprocessing
 from cafa_cli.data.sources import on_disk, open_domain
 from cafa_cli.data.values import GENERATED_OUTLIERS
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
-from cafa_cli.model import hub
+from cafa_cli.model import hub, libraries
 from cafa_cli.model.clip import Prompting
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.model.loading import ModelSpec, bundled_model, checked_model
@@ -39,7 +39,7 @@ def default_preprocessing(
     bundled = bundled_model(model)
     if bundled:
         return Preprocessing.from_dict(bundled.preprocessing).with_changes(changes)
-    declared = hub.declared_preprocessing(model, weights, model_args or {}) if model else None
+    declared = libraries.declared_preprocessing(model, weights, model_args or {}) if model else None
     return Preprocessing(**{**(declared or {}), **changes})
 
 
