@@ -214,5 +214,8 @@ class AdaptConfig(
         return given
 
     def stream_settings(self) -> StreamSettings:
-        """What the online loop is told (jobs/adapt/stream.adapt_domains)."""
-        return StreamSettings(**{f.name: getattr(self, f.name) for f in fields(StreamSettings)})
+        """What the online loop is told (jobs/adapt/stream.adapt_domains); `consistency` is no option of
+        adapt's but what a bench asks of its runs (Adaptation.consistency)."""
+        return StreamSettings(
+            **{f.name: getattr(self, f.name) for f in fields(StreamSettings) if f.name != "consistency"}
+        )

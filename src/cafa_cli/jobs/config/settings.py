@@ -115,10 +115,11 @@ def recorded_values(config) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class StreamSettings:
     """What the online loop (jobs/adapt/stream.adapt_domains) is told: how each domain's images are
-    ordered (`order`, `shuffle` and `seed`, data/orders.py), batched and read (`num_workers`,
-    `strict`), whether the domains make one stream (`mix_domains`), when the adaptation starts
-    afresh (`reset`), and whether the loss is given the true labels (`oracle`). The command line's
-    options of the same names take their defaults from here; AdaptConfig.stream_settings() makes one."""
+        ordered (`order`, `shuffle` and `seed`, data/orders.py), batched and read (`num_workers`,
+        `strict`), whether the domains make one stream (`mix_domains`), when the adaptation starts
+        afresh (`reset`), whether the loss is given the true labels (`oracle`), and whether the consistency
+    under a flip is measured (`consistency`, which `cafa bench --by consistency` asks for). The command line's
+        options of the same names take their defaults from here; AdaptConfig.stream_settings() makes one."""
 
     batch_size: int = 200
     order: str = "iid"
@@ -129,6 +130,8 @@ class StreamSettings:
     oracle: bool = False
     num_workers: int | None = None
     strict: bool = False
+    # each batch also predicted flipped left-right, the agreement counted (DomainResult.consistent)
+    consistency: bool = False
 
 
 @dataclass(kw_only=True)
