@@ -18,6 +18,7 @@ from cafa_cli.core.devices import pick_device
 from cafa_cli.core.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.core.files import absolute
 from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
+from cafa_cli.data.ccc import ccc_domain
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.orders import check_labels
@@ -176,6 +177,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     preprocess = stream_preprocessing(config, artifact, spec)
     data = open_data(config, net, artifact, spec)
     clean = clean_error_of(config, net, artifact, preprocess, data, device, monitor)
+    if config.ccc:
+        data.domains = ccc_streams(config, net, preprocess, data.domains, device)
     method = build_method(config, recipe, artifact, data, preprocess, device, monitor)
     adapter = build_adapter(config, net, method, device, artifact, data.subset)
     return Adaptation(
@@ -367,6 +370,27 @@ def clean_error_of(
         config.strict,
         monitor or Monitor(),
     )
+
+
+def ccc_streams(
+    config: AdaptConfig, net: FeatureClassifier, preprocess: Preprocessing, domains: list[Domain], device: torch.device
+) -> list[Domain]:
+    """Each domain as the CCC stream of `ccc` images made from its clean images, the walks measured on
+    the source model (eval mode, before the Adapter changes it) as the stream's images are prepared."""
+
+    def accuracy(domain: Domain) -> float:
+        measured = clean_error(
+            net, domain, preprocess, config.batch_size, config.num_workers, device, config.strict, Monitor()
+        )
+        return 1 - measured["error"]
+
+    made = {}  # a domain visited twice (`rounds`) is one stream
+    for domain in domains:
+        if id(domain) not in made:
+            made[id(domain)] = ccc_domain(
+                domain, config.ccc, config.ccc_speed, config.ccc_accuracy / 100, config.seed, accuracy
+            )
+    return [made[id(domain)] for domain in domains]
 
 
 def build_method(

@@ -95,7 +95,10 @@ def adapt_domains(
         else:
             domain, owner = mixed([domains[k] for k in members])
             so_far = _result(domain.name, open_world)
-        positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
+        if domain.ordered:
+            positions = np.arange(len(domain))
+        else:
+            positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
         inliers = len(domain)  # the positions from here on are outliers'
         if open_world:
             counts = [outliers.count(len(domains[k])) for k in members]  # each domain its share

@@ -17,6 +17,7 @@ from cafa_cli.jobs.config.settings import (
     OUTPUT_FILE,
     STREAM,
     AdaptationOptions,
+    CccOptions,
     MethodDataOptions,
     OracleOptions,
     OutlierOptions,
@@ -45,6 +46,7 @@ class AdaptConfig(
     OracleOptions,
     StreamOptions,
     OutlierOptions,
+    CccOptions,
     RuntimeOptions,
 ):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""

@@ -32,6 +32,7 @@ from cafa_cli.jobs.config.settings import (
     STATISTICS,
     STREAM,
     AdaptationOptions,
+    CccOptions,
     MethodDataOptions,
     OracleOptions,
     OutlierOptions,
@@ -64,6 +65,7 @@ class BenchConfig(
     OracleOptions,
     StreamOptions,
     OutlierOptions,
+    CccOptions,
     RuntimeOptions,
 ):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
