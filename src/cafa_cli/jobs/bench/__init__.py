@@ -372,8 +372,7 @@ def run_once(
     whole = domains == [None] or len(domains) == len(config.data)
     data = config.data if whole else [config.data[domain] for domain in domains]
     monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
-    selecting = config.selection()
-    job.consistency = selecting is not None and selecting[2] == "consistency"
+    job.consistency = config.select is not None  # one more forward pass a batch: every rule scored at once
     part = job if whole else part_of(job, domains)
     visits = across_rounds(part.run(monitor=monitor, warned=warned), run.rounds)
     results = {}

@@ -24,6 +24,7 @@ from cafa_cli.core.errors import UsageError
 from cafa_cli.jobs.bench.rows import Row
 from cafa_cli.jobs.bench.runs import _options_taken
 from cafa_cli.jobs.config import BenchConfig
+from cafa_cli.jobs.config.bench import SELECTION_RULES
 from cafa_cli.methods import is_plugin, method_class
 
 
@@ -84,33 +85,47 @@ def select(
     held_out: list[dict] | None = None,
 ) -> list[dict]:
     """Per row of `methods` (and grid condition): the value `by` picks, the oracle's, their errors
-    (%, the table's mean column) and the gap between them, with every value's score. `table` is
+    (%, the table's mean column) and the gap between them, with every value's score; and under
+    `by_rule` the same of every rule the runs can score (all but source-accuracy without
+    `forgetting`, and held-out without its domains), so that one bench compares them. `table` is
     tables.summarise's error table; `held_out` the same on the held-out domains under held-out."""
     name, _, rule, _ = config.selection()
     errors = {row["method"]: row["cells"]["mean"][0] for row in table}
     on_held_out = {row["method"]: row["cells"]["mean"][0] for row in held_out or []}
+    scored = [
+        each
+        for each in SELECTION_RULES
+        if (each != "source-accuracy" or config.forgetting) and (each != "held-out" or held_out)
+    ]
     groups: dict[tuple[str, str], list[Row]] = {}
     for row in rows:
         groups.setdefault((row.candidate_of, row.condition), []).append(row)
     picked = []
     for (label, condition), candidates in groups.items():
         values = {row.label: row.candidate for row in candidates}
-        scores = {
-            row.label: _score(rule, row, results, protocols, config.data, seeds, errors, on_held_out)
-            for row in candidates
-        }
-        chosen, oracle = best(scores), best({row.label: errors[row.label] for row in candidates})
+        oracle = best({row.label: errors[row.label] for row in candidates})
+        by_rule = {}
+        for each in scored:
+            scores = {
+                row.label: _score(each, row, results, protocols, config.data, seeds, errors, on_held_out)
+                for row in candidates
+            }
+            chosen = best(scores)
+            by_rule[each] = {
+                "picked": values[chosen],
+                "picked_error": errors[chosen],
+                "gap": errors[chosen] - errors[oracle],
+                "scores": {str(values[key]): score for key, score in scores.items()},
+            }
         picked.append(
             {
                 "method": f"{label}, {condition}" if condition else label,
                 "setting": name,
                 "by": config.by,
-                "picked": values[chosen],
-                "picked_error": errors[chosen],
+                **by_rule[rule],
                 "oracle": values[oracle],
                 "oracle_error": errors[oracle],
-                "gap": errors[chosen] - errors[oracle],
-                "scores": {str(values[key]): score for key, score in scores.items()},
+                "by_rule": by_rule,
             }
         )
     return picked
@@ -147,7 +162,8 @@ SHOWN = {
 
 def markdown(picked: list[dict]) -> str:
     """Cygert et al.'s table: a line per row, the value picked and its error, the oracle's value
-    and error, and the gap; then each value's score."""
+    and error, and the gap; then each value's score; then, where the runs scored other rules
+    too, the value each rule picks and its gap."""
     rule = picked[0]["by"].partition(":")[0]
     what, sign = SHOWN[rule]
     name = picked[0]["setting"]
@@ -157,12 +173,23 @@ def markdown(picked: list[dict]) -> str:
         f"| method | picked {name} | error | oracle {name} | error | gap | {what} by value |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
+    digits = 3 if rule == "entropy" else 2
     for row in picked:
-        scores = ", ".join(
-            f"{value}: {sign * score:.{3 if rule == 'entropy' else 2}f}" for value, score in row["scores"].items()
-        )
+        scores = ", ".join(f"{value}: {sign * score:.{digits}f}" for value, score in row["scores"].items())
         lines.append(
             f"| {row['method']} | {row['picked']:g} | {row['picked_error']:.2f} | {row['oracle']:g} | "
             f"{row['oracle_error']:.2f} | {row['gap']:.2f} | {scores} |"
         )
+    rules = list(picked[0]["by_rule"])
+    if len(rules) > 2:  # besides `by` and the oracle
+        lines += [
+            "",
+            f"every rule the runs scored: the {name} it picks (the gap to the oracle's error, points)",
+            "",
+            "| method | " + " | ".join(rules) + " |",
+            "|---|" + "---:|" * len(rules),
+        ]
+        for row in picked:
+            cells = [f"{each['picked']:g} ({each['gap']:.2f})" for each in row["by_rule"].values()]
+            lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
