@@ -69,9 +69,12 @@ def test_consistency_and_held_out_and_source_accuracy_score_from_the_run(weights
     m, _ = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by=f"held-out:{domains[2]}")
     (picked,) = m["selection"]
     assert set(picked["scores"]) == {"0.0001", "1.0"} and picked["picked"] == float(best(picked["scores"]))
-    m, _ = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by="source-accuracy", forgetting=domains[2])
+    m, text = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by="source-accuracy", forgetting=domains[2])
     (picked,) = m["selection"]
     assert all(-1 <= score <= 0 for score in picked["scores"].values())
+    # one bench scores every rule its runs allow, each pick beside the oracle's
+    assert list(picked["by_rule"]) == ["entropy", "consistency", "source-accuracy", "oracle"]
+    assert picked["by_rule"]["oracle"]["gap"] == 0 and "every rule the runs scored" in text
 
 
 def test_a_method_option_is_selected_like_lr(weights, domains, tmp_path):
