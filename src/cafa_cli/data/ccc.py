@@ -22,7 +22,8 @@ Where this differs from CCC (docs/guides/streams.md says it too):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,13 +107,44 @@ def schedule(
     return steps
 
 
+class _FrostImages:
+    """corrupt-tta's cv2, but each frost texture read once: its frost() reads one from disk at every
+    call (0.1.7), which costs more than the corruption of a small image. The textures are only read
+    from (cropped, scaled into a new array), so one copy serves every call."""
+
+    def __init__(self, cv2):
+        self._cv2, self._read = cv2, {}
+
+    def __getattr__(self, name):
+        return getattr(self._cv2, name)
+
+    def imread(self, path, *args):
+        if (path, args) not in self._read:
+            self._read[path, args] = self._cv2.imread(path, *args)
+        return self._read[path, args]
+
+
+@contextmanager
+def _frost_read_once(library) -> Iterator[None]:
+    module = library.corruptions
+    cv2 = module.cv2
+    module.cv2 = _FROST.setdefault(id(cv2), _FrostImages(cv2))
+    try:
+        yield
+    finally:
+        module.cv2 = cv2
+
+
+_FROST: dict[int, _FrostImages] = {}
+
+
 def corrupt(image: Image.Image, corruptions: list[tuple[str, int]], seed: int) -> Image.Image:
     """`image` through each (corruption, severity) in turn, severity 0 leaving it be; rounded to
     8 bits between them, as CCC does; a grey image stays grey (the mean of the channels, as
     Fashion-MNIST-C is built). The same image, corruptions and seed give the same bytes."""
     library = _corruptions()
     pixels = np.asarray(image.convert("RGB"))
-    with _seeded_corruptions(library, seed), warnings.catch_warnings():
+    with _seeded_corruptions(library, seed), _frost_read_once(library), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, severity in corruptions:
             if severity:
@@ -157,13 +189,16 @@ def ccc_domain(
     seed: int,
     accuracy: Callable[[Domain], float],
     calibration: int | None = None,
+    grids: dict[tuple[str, str], np.ndarray] | None = None,
 ) -> Domain:
     """The CCC stream of `images` images from the labelled images of `clean`, at `speed` images a
     step, its walks keeping the source accuracy (`accuracy` of a domain, a fraction) near `target`
     (a fraction). Image k is drawn and corrupted from the seed and k alone: the stream is the same
-    for a seed, read in any order, by any process. Streamed in its own order (Domain.ordered)."""
+    for a seed, read in any order, by any process. Streamed in its own order (Domain.ordered).
+    `grids` keeps each pair's grid once measured, for the next stream of the same model, images and
+    seed (a bench's rows)."""
     probe = calibration_images(clean, seed, calibration)
-    grids: dict[tuple[str, str], np.ndarray] = {}
+    grids = {} if grids is None else grids
 
     def accuracy_of(first: str, second: str) -> np.ndarray:
         if (first, second) not in grids:

@@ -17,8 +17,8 @@ from cafa_cli.artifact.store import Artifact, read_artifact
 from cafa_cli.core.devices import pick_device
 from cafa_cli.core.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.core.files import absolute
+from cafa_cli.data import ccc
 from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
-from cafa_cli.data.ccc import ccc_domain
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import loader_processes
 from cafa_cli.data.orders import check_labels
@@ -51,7 +51,7 @@ from cafa_cli.methods import create, is_plugin, method_class, options_of
 from cafa_cli.methods.recipes import Recipe, recipe_for, standard_model
 from cafa_cli.model.checkpoints import UntrustedCheckpoint
 from cafa_cli.model.features import FeatureClassifier
-from cafa_cli.model.loading import ModelSpec, canonical_model
+from cafa_cli.model.loading import ModelSpec, canonical_model, parameters_sha256
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -372,6 +372,11 @@ def clean_error_of(
     )
 
 
+# each CCC pair's grid of source accuracies, measured once a process (a bench's rows share them), by what
+# they depend on (ccc_streams)
+_CCC_GRIDS: dict[tuple, dict] = {}
+
+
 def ccc_streams(
     config: AdaptConfig, net: FeatureClassifier, preprocess: Preprocessing, domains: list[Domain], device: torch.device
 ) -> list[Domain]:
@@ -385,10 +390,19 @@ def ccc_streams(
         return 1 - measured["error"]
 
     made = {}  # a domain visited twice (`rounds`) is one stream
+    weights = parameters_sha256(net)
     for domain in domains:
         if id(domain) not in made:
-            made[id(domain)] = ccc_domain(
-                domain, config.ccc, config.ccc_speed, config.ccc_accuracy / 100, config.seed, accuracy
+            # the grids depend on the model's values, how its images are prepared, the clean images and the seed
+            measured = (weights, repr(preprocess), domain.name, tuple(domain.refs), config.seed, ccc.CALIBRATION_IMAGES)
+            made[id(domain)] = ccc.ccc_domain(
+                domain,
+                config.ccc,
+                config.ccc_speed,
+                config.ccc_accuracy / 100,
+                config.seed,
+                accuracy,
+                grids=_CCC_GRIDS.setdefault(measured, {}),
             )
     return [made[id(domain)] for domain in domains]
 
