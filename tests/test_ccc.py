@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from conftest import invoke, write_folder
-from helpers import adapt_args, fails
+from helpers import adapt_args, fails, rows
 
 from cafa_cli.data import ccc
 from cafa_cli.data.sources import open_domain
@@ -75,3 +75,14 @@ def test_source_accuracy_on_the_bundled_model_stays_near_the_target(monkeypatch,
 def test_bad_settings_are_one_line_errors(setup, given, needle):
     args = adapt_args(setup["train"], model="fmnist-resnet", preprocessing=())
     fails(invoke(*args, *(("--ccc", "10") if "--ccc" not in given else ()), *given), 2, needle)
+
+
+def test_rounds_run_the_same_stream_again_and_a_paced_stream_reads_it(setup, monkeypatch):
+    """`rounds` visits the stream twice, image for image; `stream_rate` paces it as any stream."""
+    monkeypatch.setattr(ccc, "CALIBRATION_IMAGES", 4)
+    args = adapt_args(setup["train"], stats=setup["artifact"], ccc=24, ccc_speed=6, batch_size=6)
+    result = invoke(*args, "--rounds", "2", "--stream-rate", "1")
+    assert result.exit_code == 0, result.stderr
+    paths = [row["path"] for row in rows(result)]
+    assert len(paths) == 48 and paths[:24] == paths[24:]
+    assert len({path.partition("/")[0] for path in paths[:24]}) >= 2  # the walk moved
