@@ -1,5 +1,6 @@
 """Label-free selection of a hyperparameter (`cafa bench --select NAME=V,... --by RULE`), as
-Cygert et al. ("Realistic evaluation of test-time adaptation", 2024) evaluate it: every row runs at
+Cygert et al. ("Realistic evaluation of test-time adaptation algorithms: unsupervised
+hyperparameter selection", 2024) evaluate it: every row runs at
 each value, a rule picks one value per row from the runs themselves, and the table says how far the
 picked value's error is from the best one's (the oracle, which reads the test labels).
 
