@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cafa_cli.api import AdaptConfig, method_class
 from cafa_cli.jobs.adapt.prepare import prepare_adaptation
-from cafa_cli.jobs.config import AdaptConfig
-from cafa_cli.methods import method_class
 
 CHUNK = 1000
 

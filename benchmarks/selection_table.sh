@@ -18,7 +18,7 @@ held_out=$(domains "$HELD_OUT" | paste -sd,)
 import sys
 from pathlib import Path
 import numpy as np
-from cafa_cli.data.fashion_mnist import load_fashion_mnist
+from cafa_cli.api import load_fashion_mnist
 from cafa_cli.data.fmnist_c import stratified_rows, write_image_folder
 images, labels = load_fashion_mnist(None, "test")
 used = set(stratified_rows(labels, int(sys.argv[2]), 0).tolist())
