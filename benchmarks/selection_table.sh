@@ -8,6 +8,7 @@
 set -euo pipefail
 OUT=${OUT:-docs/results/selection}; WORK=${WORK:-/tmp/select-work}; TEST_PER_CLASS=${TEST_PER_CLASS:-30}
 METHODS=${METHODS:-tent,eata,sar,cotta,rotta,cafa}; GRID=${GRID:-1e-4,1e-3,1e-2}; BATCH=${BATCH:-50}
+NAME=${NAME:-selection}; EXTRA=${EXTRA:-}  # e.g. NAME=continual EXTRA="--reset never": one stream through the domains
 source "$(dirname "$0")/fmnist_c.sh"
 mkdir -p "$OUT"
 cafa demo --workdir "$WORK" --data-only --corruptions "$(echo $REPORTED $HELD_OUT | tr ' ' ,)" --severity "$SEVERITY" \
@@ -27,5 +28,5 @@ rows = np.sort(np.concatenate([free[labels[free] == c][:20] for c in range(10)])
 write_image_folder(Path(sys.argv[1]), images[rows], labels[rows])
 PY
 cafa bench $(domains "$REPORTED") --methods "$METHODS" --select "lr=$GRID" --by "held-out:$held_out" \
-  --forgetting "$WORK/clean-source" --batch-size "$BATCH" --seeds 0 --workdir "$WORK/artifacts" \
-  --metrics-json "$OUT/selection.json" --quiet > "$OUT/selection.md"
+  --forgetting "$WORK/clean-source" --batch-size "$BATCH" --seeds 0 --workdir "$WORK/artifacts" $EXTRA \
+  --metrics-json "$OUT/$NAME.json" --quiet > "$OUT/$NAME.md"
