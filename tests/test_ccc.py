@@ -49,16 +49,16 @@ def test_the_walk_fades_one_corruption_out_as_the_next_comes_in():
 
 
 def test_source_accuracy_on_the_bundled_model_stays_near_the_target(monkeypatch, tmp_path):
-    """A short stream (160 images, 20 a step) from Fashion-MNIST's test images, the grids measured on 15."""
+    """A short stream (120 images, 30 a step) from Fashion-MNIST's test images, the grids measured on 15."""
     monkeypatch.setattr(ccc, "CALIBRATION_IMAGES", 15)
     out = tmp_path / "m.json"
     args = adapt_args(
-        "fashion-mnist-test", model="fmnist-resnet", preprocessing=(), method="source", ccc=160, ccc_speed=20
+        "fashion-mnist-test", model="fmnist-resnet", preprocessing=(), method="source", ccc=120, ccc_speed=30
     )
     result = invoke(*args, "--ccc-accuracy", "50", "--batch-size", "40", "--metrics-json", out, "--quiet")
     assert result.exit_code == 0, result.stderr
     (domain,) = json.loads(out.read_text())["domains"]
-    assert domain["n"] == 160
+    assert domain["n"] == 120
     assert 0.35 <= 1 - domain["error"] <= 0.65  # the target 50 %, ± 15 points
 
 
@@ -79,10 +79,10 @@ def test_bad_settings_are_one_line_errors(setup, given, needle):
 
 def test_rounds_run_the_same_stream_again_and_a_paced_stream_reads_it(setup, monkeypatch):
     """`rounds` visits the stream twice, image for image; `stream_rate` paces it as any stream."""
-    monkeypatch.setattr(ccc, "CALIBRATION_IMAGES", 4)
-    args = adapt_args(setup["train"], stats=setup["artifact"], ccc=24, ccc_speed=6, batch_size=6)
+    monkeypatch.setattr(ccc, "CALIBRATION_IMAGES", 2)
+    args = adapt_args(setup["train"], stats=setup["artifact"], ccc=12, ccc_speed=4, batch_size=4)
     result = invoke(*args, "--rounds", "2", "--stream-rate", "1")
     assert result.exit_code == 0, result.stderr
     paths = [row["path"] for row in rows(result)]
-    assert len(paths) == 48 and paths[:24] == paths[24:]
-    assert len({path.partition("/")[0] for path in paths[:24]}) >= 2  # the walk moved
+    assert len(paths) == 24 and paths[:12] == paths[12:]
+    assert len({path.partition("/")[0] for path in paths[:12]}) >= 2  # the walk moved

@@ -4,8 +4,7 @@ every row at each value, one value picked per row by a rule read off the run, be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ def run(weights, tmp_path, domains, **given) -> tuple[dict, str]:
     return json.loads(out.read_text()), result.stdout
 
 
-def test_oracle_picks_the_lowest_error_value_and_entropy_its_lowest_entropy(weights, domains, tmp_path):
+def test_oracle_picks_the_lowest_error_value(weights, domains, tmp_path):
     m, text = run(weights, tmp_path, domains[:1], select="lr=1e-4,0.1,3", by="oracle")
     errors = {row["method"]: row["mean"]["mean"] for row in m["table"]}
     assert list(errors) == ["tent lr=0.0001", "tent lr=0.1", "tent lr=3"]
@@ -51,30 +50,26 @@ def test_oracle_picks_the_lowest_error_value_and_entropy_its_lowest_entropy(weig
     assert picked["picked"] == picked["oracle"] == float(lowest.rpartition("=")[2])
     assert picked["picked_error"] == errors[lowest] and picked["gap"] == 0
     assert "selection of lr by oracle" in text and "| tent |" in text
-    m, _ = run(weights, tmp_path, domains[:1], select="lr=1e-4,0.1,3", by="entropy")
-    (picked,) = m["selection"]
-    assert picked["oracle_error"] == min(errors.values())
-    assert picked["gap"] == pytest.approx(picked["picked_error"] - picked["oracle_error"])
-    # the score is each run's mean prediction entropy over its images, and the lowest is picked
-    entropies = {run["method"].rpartition("=")[2]: run["entropy"] for run in m["runs"]}
-    assert picked["scores"] == pytest.approx({str(float(lr)): h for lr, h in entropies.items()})
-    assert picked["picked"] == float(min(entropies, key=entropies.get)) and min(entropies.values()) >= 0
 
 
-def test_consistency_and_held_out_and_source_accuracy_score_from_the_run(weights, domains, tmp_path):
-    m, _ = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by="consistency")
+def test_one_bench_scores_every_rule_from_its_runs(weights, domains, tmp_path):
+    """Entropy and consistency from each run's images, source accuracy from `forgetting`, held-out
+    from the held-out domains' runs; each picks its lowest score, beside the oracle's value."""
+    m, text = run(
+        weights, tmp_path, domains[:1], select="lr=1e-4,1", by=f"held-out:{domains[2]}", forgetting=domains[1]
+    )
     (picked,) = m["selection"]
-    kept = {run["method"].rpartition("=")[2]: run["consistency"] for run in m["runs"]}
-    assert picked["scores"] == pytest.approx({str(float(lr)): -share for lr, share in kept.items()})
-    m, _ = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by=f"held-out:{domains[2]}")
-    (picked,) = m["selection"]
-    assert set(picked["scores"]) == {"0.0001", "1.0"} and picked["picked"] == float(best(picked["scores"]))
-    m, text = run(weights, tmp_path, domains[:1], select="lr=1e-4,1", by="source-accuracy", forgetting=domains[2])
-    (picked,) = m["selection"]
-    assert all(-1 <= score <= 0 for score in picked["scores"].values())
-    # one bench scores every rule its runs allow, each pick beside the oracle's
-    assert list(picked["by_rule"]) == ["entropy", "consistency", "source-accuracy", "oracle"]
-    assert picked["by_rule"]["oracle"]["gap"] == 0 and "every rule the runs scored" in text
+    rules = picked["by_rule"]
+    assert list(rules) == ["entropy", "consistency", "source-accuracy", "oracle", "held-out"]
+    runs = {str(float(run["method"].rpartition("=")[2])): run for run in m["runs"]}
+    assert rules["entropy"]["scores"] == pytest.approx({lr: run["entropy"] for lr, run in runs.items()})
+    assert rules["consistency"]["scores"] == pytest.approx({lr: -run["consistency"] for lr, run in runs.items()})
+    assert all(-1 <= score <= 0 for score in rules["source-accuracy"]["scores"].values())
+    for rule in rules.values():
+        assert rule["picked"] == float(best(rule["scores"]))
+        assert rule["gap"] == pytest.approx(rule["picked_error"] - picked["oracle_error"]) and rule["gap"] >= 0
+    assert picked["picked"] == rules["held-out"]["picked"] and rules["oracle"]["gap"] == 0
+    assert "every rule the runs scored" in text
 
 
 def test_a_method_option_is_selected_like_lr(weights, domains, tmp_path):
@@ -110,7 +105,7 @@ def test_held_out_domains_must_not_be_test_domains(weights, domains, tmp_path):
     fails(invoke(*bench_args(domains[0], **given, by=f"held-out:{domains[0]}")), 2, "also a test domain")
 
 
-def test_choose_lr_picks_as_held_out_does(tmp_path):
+def test_choose_lr_picks_as_held_out_does():
     """benchmarks/choose_lr.py keeps its output: each method at its lowest held-out mean error, the first on a tie."""
     report = {
         "table": [
@@ -121,13 +116,5 @@ def test_choose_lr_picks_as_held_out_does(tmp_path):
             {"method": "cafa@0.001", "mean": {"mean": 18.0}},
         ]
     }
-    path = tmp_path / "heldout.json"
-    path.write_text(json.dumps(report))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "choose_lr.py"), str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"PYTHONPATH": str(ROOT / "src")},
-    )
-    assert out.stdout.strip() == "source,tent@0.003,cafa@0.001"
+    choose_lr = runpy.run_path(str(ROOT / "benchmarks" / "choose_lr.py"))
+    assert ",".join(choose_lr["choose"](report)) == "source,tent@0.003,cafa@0.001"
