@@ -41,6 +41,8 @@ INTERNALS = {
     "protocols_tables.py": {"cafa_cli.jobs.bench"},  # tables.plot_rounds: bench's figure
     "wide_fmnist.py": {"cafa_cli.model.zoo", "cafa_cli.model.zoo.fmnist_resnet"},  # the model it widens
     "bare_loop.py": {"cafa_cli.model.zoo.fmnist_resnet"},  # the bundled architecture, without cafa's loading
+    "ccc_table.py": {"cafa_cli.jobs.adapt.prepare"},  # prepare_adaptation: each image's record as the stream goes
+    "choose_lr.py": {"cafa_cli.jobs.bench.selection"},  # best: the pick `cafa bench --by held-out` makes
 }
 
 

@@ -501,10 +501,12 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
         stream_rate="1/2",
         step_cost="measured",
     )
+    # a CCC stream, whose walk is its order (no --order, --gradual or --mix-domains beside it)
+    ccc = AdaptConfig(data=["x"], method="tent", ccc=100, ccc_speed=10, ccc_accuracy=30.0)
     defaults = AdaptConfig()
     written_apart = ("method", "recipe", "method_option")  # adapt_words writes them first, in their own way
     assert all(
-        getattr(wanted, name) != getattr(defaults, name) or getattr(streams, name) != getattr(defaults, name)
+        any(getattr(config, name) != getattr(defaults, name) for config in (wanted, streams, ccc))
         for name in recorded_as_given(AdaptConfig)
         if name not in written_apart
     )  # every option is exercised
@@ -519,7 +521,8 @@ def test_the_demos_adapt_words_are_the_adapt_command_line_that_gives_them(monkey
     invoke("adapt", "--data", "x", *adapt_words(wanted))
     invoke("adapt", "--data", "x", *adapt_words(streams))
     invoke("adapt", "--data", "x", *adapt_words(recipe))
-    assert [replace(config, given=None) for config in seen] == [wanted, streams, recipe]  # `given`: the options typed
+    invoke("adapt", "--data", "x", *adapt_words(ccc))
+    assert [replace(config, given=None) for config in seen] == [wanted, streams, recipe, ccc]  # `given`: typed
     assert adapt_words(AdaptConfig()) == ["--method", "cafa"]
 
 

@@ -74,6 +74,8 @@ def test_every_n_resets_after_each_nth_batch_across_domains(monkeypatch):
     monkeypatch.setattr(stream, "batches", lambda domain, preprocess, size, positions, *args: [Batch] * len(positions))
 
     class Domain:
+        ordered = False  # streamed in `order`, as a data set is
+
         def __init__(self, n):
             self.name, self.labels = f"d{n}", [0] * n
 

@@ -38,6 +38,7 @@ class Domain:
     class_names: list[str]
     read: Callable[[int], Image.Image]
     indexed_labels: bool = False  # labels are output indices (arrays), not names
+    ordered: bool = False  # a stream in time (data/ccc.py): read in its own order, whatever `order` says
     # what opening it noticed but let pass (one line each); the caller shows them as warnings
     notes: list[str] = field(default_factory=list)
 

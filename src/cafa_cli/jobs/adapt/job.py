@@ -49,6 +49,7 @@ class Adaptation:
     outliers: Outliers | None = None  # the images from outside the label set mixed into each stream (`outliers`)
     # what the last run() found beyond the domains' errors: the stream's pace, the forgetting errors
     protocol: dict = field(default_factory=dict)
+    consistency: bool = False  # measure each batch's agreement with its flip (StreamSettings.consistency)
 
     def cautions(self) -> list[str]:
         """What the data or settings do that runs but quietly hurts the results, worth a warning."""
@@ -204,7 +205,7 @@ class Adaptation:
             self.adapter,
             domains,
             self.preprocess,
-            s.stream_settings(),
+            replace(s.stream_settings(), consistency=self.consistency),
             groups=groups,
             events=events,
             pace=pace,

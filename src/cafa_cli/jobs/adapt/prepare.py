@@ -17,6 +17,7 @@ from cafa_cli.artifact.store import Artifact, read_artifact
 from cafa_cli.core.devices import pick_device
 from cafa_cli.core.errors import InputError, UsageError, WouldOverwrite, repeated
 from cafa_cli.core.files import absolute
+from cafa_cli.data import ccc
 from cafa_cli.data.benchmarks import DEFAULT_SEVERITY, expand_benchmarks, has_severities, source_of
 from cafa_cli.data.domain import Domain, relabel
 from cafa_cli.data.loading import loader_processes
@@ -50,7 +51,7 @@ from cafa_cli.methods import create, is_plugin, method_class, options_of
 from cafa_cli.methods.recipes import Recipe, recipe_for, standard_model
 from cafa_cli.model.checkpoints import UntrustedCheckpoint
 from cafa_cli.model.features import FeatureClassifier
-from cafa_cli.model.loading import ModelSpec, canonical_model
+from cafa_cli.model.loading import ModelSpec, canonical_model, parameters_sha256
 
 
 def load_for_adaptation(config: AdaptConfig) -> tuple[FeatureClassifier, Artifact | None, ModelSpec]:
@@ -177,6 +178,8 @@ def prepare_adaptation(config: AdaptConfig, monitor: Monitor | None = None) -> A
     preprocess = stream_preprocessing(config, artifact, spec)
     data = open_data(config, net, artifact, spec)
     clean = clean_error_of(config, net, artifact, preprocess, data, device, monitor)
+    if config.ccc:
+        data.domains = ccc_streams(config, net, preprocess, data.domains, device)
     method = build_method(config, recipe, artifact, data, preprocess, device, monitor)
     adapter = build_adapter(config, net, method, device, artifact, data.subset)
     return Adaptation(
@@ -368,6 +371,41 @@ def clean_error_of(
         config.strict,
         monitor or Monitor(),
     )
+
+
+# each CCC pair's grid of source accuracies, measured once a process (a bench's rows share them), by what
+# they depend on (ccc_streams)
+_CCC_GRIDS: dict[tuple, dict] = {}
+
+
+def ccc_streams(
+    config: AdaptConfig, net: FeatureClassifier, preprocess: Preprocessing, domains: list[Domain], device: torch.device
+) -> list[Domain]:
+    """Each domain as the CCC stream of `ccc` images made from its clean images, the walks measured on
+    the source model (eval mode, before the Adapter changes it) as the stream's images are prepared."""
+
+    def accuracy(domain: Domain) -> float:
+        measured = clean_error(
+            net, domain, preprocess, config.batch_size, config.num_workers, device, config.strict, Monitor()
+        )
+        return 1 - measured["error"]
+
+    made = {}  # a domain visited twice (`rounds`) is one stream
+    weights = parameters_sha256(net)
+    for domain in domains:
+        if id(domain) not in made:
+            # the grids depend on the model's values, how its images are prepared, the clean images and the seed
+            measured = (weights, repr(preprocess), domain.name, tuple(domain.refs), config.seed, ccc.CALIBRATION_IMAGES)
+            made[id(domain)] = ccc.ccc_domain(
+                domain,
+                config.ccc,
+                config.ccc_speed,
+                config.ccc_accuracy / 100,
+                config.seed,
+                accuracy,
+                grids=_CCC_GRIDS.setdefault(measured, {}),
+            )
+    return [made[id(domain)] for domain in domains]
 
 
 def build_method(

@@ -95,7 +95,10 @@ def adapt_domains(
         else:
             domain, owner = mixed([domains[k] for k in members])
             so_far = _result(domain.name, open_world)
-        positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
+        if domain.ordered:
+            positions = np.arange(len(domain))
+        else:
+            positions = stream_order(domain.labels, settings.order, settings.shuffle, settings.seed, domain.name)
         inliers = len(domain)  # the positions from here on are outliers'
         if open_world:
             counts = [outliers.count(len(domains[k])) for k in members]  # each domain its share
@@ -114,6 +117,7 @@ def adapt_domains(
                     result.skipped_images.append(ref)
                 events.on_skip(ref, why)
             adapts = batch.images is None or pace.adapts()
+            flipped = _flipped_predictions(adapter, preprocess, batch) if settings.consistency else None
             records = _step(
                 adapter,
                 domain,
@@ -126,9 +130,12 @@ def adapt_domains(
                 inliers if open_world else None,
             )
             first = first if batch.images is None else None
-            for i, record in zip(batch.indices, records):
+            for k, (i, record) in enumerate(zip(batch.indices, records)):
                 for result in _tallies(results[owner[i]], so_far):
                     result.n += 1
+                    result.entropy_sum += record.entropy
+                    if flipped is not None:
+                        result.consistent = (result.consistent or 0) + (record.prediction == flipped[k])
                     if record.label != UNLABELLED:
                         result.labelled += 1
                         result.errors += record.prediction != record.label
@@ -229,6 +236,16 @@ def _step(
     return _records(domain, batch, logits, adapter.method, typed_options, outliers_from)
 
 
+def _flipped_predictions(adapter: Adapter, preprocess: Preprocessing, batch: Batch) -> list[int] | None:
+    """The batch's predictions by the model as the step will find it, each image flipped left to
+    right, changing nothing (Adapter.features): the consistency surrogate of Cygert et al. (2024)
+    under the one augmentation every image keeps its class through."""
+    if batch.images is None:
+        return None
+    images = preprocess.normalize(batch.images.to(adapter.device, non_blocking=True))
+    return adapter.features(images.flip(-1))[0].argmax(1).tolist()
+
+
 def _adapt(
     adapter: Adapter, domain: Domain, batch: Batch, images: torch.Tensor, oracle: bool, pace: Pace
 ) -> torch.Tensor:
@@ -294,14 +311,21 @@ def _records(
         )
     probabilities = logits.softmax(1)
     confidence, prediction = probabilities.max(1)
+    entropy = torch.special.entr(probabilities).sum(1)  # 0 log 0 = 0: a masked class adds nothing
     labels = domain.labels[batch.indices]
     nll, brier = calibration_terms(logits, labels)
     records = []
-    for i, p, label, c, n, b in zip(
-        batch.indices, prediction.tolist(), labels.tolist(), confidence.tolist(), nll.tolist(), brier.tolist()
+    for i, p, label, c, n, b, h in zip(
+        batch.indices,
+        prediction.tolist(),
+        labels.tolist(),
+        confidence.tolist(),
+        nll.tolist(),
+        brier.tolist(),
+        entropy.tolist(),
     ):
         labelled = label != UNLABELLED
-        records.append(Record(domain.refs[i], p, label, c, n if labelled else None, b if labelled else None))
+        records.append(Record(domain.refs[i], p, label, c, n if labelled else None, b if labelled else None, entropy=h))
     if outliers_from is not None:
         for record, i, score in zip(records, batch.indices, method.id_score(logits).tolist()):
             record.outlier, record.id_score = i >= outliers_from, float(score)

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cafa_cli.core.devices import pick_device
-from cafa_cli.core.errors import CafaError, InputError, listing
+from cafa_cli.core.errors import CafaError, InputError, UsageError, listing
 from cafa_cli.core.files import make_workdir
 from cafa_cli.data.arrays import TRAINING_SETS
 from cafa_cli.data.benchmarks import expand_benchmarks, source_of
 from cafa_cli.data.sources import on_disk
 from cafa_cli.jobs.adapt.job import part_of
 from cafa_cli.jobs.adapt.prepare import check_recipe_file, prepare_adaptation
-from cafa_cli.jobs.bench import tables
+from cafa_cli.jobs.bench import selection, tables
 from cafa_cli.jobs.bench.record import ROW_SETTINGS, write_json
 from cafa_cli.jobs.bench.rows import Row, grid_rows, parse_methods, with_fractions, with_norm_statistics, with_oracle
 from cafa_cli.jobs.bench.runs import (
@@ -35,6 +35,7 @@ from cafa_cli.jobs.bench.runs import (
     training_data,
     with_standard_model,
 )
+from cafa_cli.jobs.bench.selection import with_selection
 from cafa_cli.jobs.bench.statistics import covariances_needed, ensure_statistics, shared_class_list, statistics_needed
 from cafa_cli.jobs.config import BenchConfig
 from cafa_cli.jobs.shared.clean import clean_summary
@@ -70,9 +71,9 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     table) and as the CSV, JSON and plot files the config names; None on a torchrun rank
     other than 0."""
     config, model_line = with_standard_model(config)
-    rows = with_fractions(
-        config, with_norm_statistics(config, grid_rows(config, with_oracle(config, parse_methods(config.methods))))
-    )
+    methods = with_selection(config, parse_methods(config.methods))
+    rows = with_fractions(config, with_norm_statistics(config, grid_rows(config, with_oracle(config, methods))))
+    chosen = config.selection()
     seeds = config.seed_list()
     check_outputs(config.outputs(), config.inputs())
     if config.plot:
@@ -81,15 +82,22 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     domains, notes = expand_benchmarks(
         config.data, config.source
     )  # a benchmark's ROOT: a column per corruption or domain
+    held_out = held_out_domains(chosen, config)
     train, train_line = training_data(config.train, config.model, config.data, rows)
     config = replace(config, device=str(target), train=train, data=domains)
     clean, settings, protocols, failed = {}, {}, {}, {}
+    held_out_results = {}
     with process_group(target) as (rank, world):
         for line in [model_line, train_line] if rank == 0 else []:
             if line:
                 monitor.info(line)
         for note in notes if rank == 0 else []:
             monitor.warn(note)
+        if held_out:  # first: a mistake in them is found before the test domains' runs
+            monitor.info(f"held out for `by`: {', '.join(tables.domain_labels(held_out).values())}")
+            held_out_results = run_bench(
+                replace(config, data=held_out), rows, seeds, monitor, rank, world, failed=failed
+            )
         results = run_bench(config, rows, seeds, monitor, rank, world, clean, settings, protocols, failed)
     if results is None:
         return None
@@ -98,12 +106,26 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     by_metric = {metric: tables.summarise(results, rows, config.data, seeds, metric) for metric in tables.METRICS}
     table, shown, metric = by_metric["error"], by_metric[config.metric], config.metric
     scored = tables.open_world(results, rows, config.data, seeds)
+    picked = None
+    if chosen:
+        held_table = tables.summarise(held_out_results, rows, held_out, seeds) if held_out else None
+        picked = selection.select(config, rows, table, results, protocols, seeds, held_table)
     axes, sweep = config.grid_axes(), config.fractions is not None
     if config.csv:
         tables.write_csv(config.csv, by_metric, config.data, rows if axes or sweep else None)
     if config.metrics_json:
         write_json(
-            config.metrics_json, config, rows, seeds, by_metric, results, clean or None, settings, protocols, scored
+            config.metrics_json,
+            config,
+            rows,
+            seeds,
+            by_metric,
+            results,
+            clean or None,
+            settings,
+            protocols,
+            scored,
+            picked,
         )
     rounds = tables.by_round(protocols, rows, seeds) if config.rounds > 1 else None
     if config.plot:
@@ -126,6 +148,8 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
         text = f"{text}\n\n{tables.markdown_by_round(rounds, seeds)}"
     if scored:
         text = f"{text}\n\n{tables.markdown_open_world(table, scored, seeds)}"
+    if picked:
+        text = f"{text}\n\n{selection.markdown(picked)}"
     shares = tables.adapted_shares(protocols, rows, seeds)
     if shares:
         text = f"{text}\n\n{tables.markdown_shares(shares)}"
@@ -133,6 +157,21 @@ def run(config: BenchConfig, monitor: Monitor) -> BenchReport | None:
     if differing:
         text = f"{text}\n\n{differing}"
     return BenchReport(text, table, failed_rows(failed, total))
+
+
+def held_out_domains(chosen: tuple | None, config: BenchConfig) -> list[str]:
+    """`by` held-out:DOMAINS's domains (a benchmark's ROOT: its corruptions), none of them a test
+    domain; [] under another rule."""
+    if not chosen or chosen[2] != "held-out":
+        return []
+    domains, _ = expand_benchmarks(chosen[3], config.source)
+    tests, _ = expand_benchmarks(config.data, config.source)
+    shared = [domain for domain in domains if domain in tests]
+    if shared:
+        raise UsageError(
+            f"`by` {config.by}: {shared[0]} is also a test domain; hold out domains the table does not report"
+        )
+    return domains
 
 
 def failed_rows(failed: dict[tuple[str, int], CafaError], rows: int) -> CafaError | None:
@@ -333,6 +372,7 @@ def run_once(
     whole = domains == [None] or len(domains) == len(config.data)
     data = config.data if whole else [config.data[domain] for domain in domains]
     monitor.info(f"{row.label} seed {seed}" + ("" if whole else f": {', '.join(labels[name] for name in data)}"))
+    job.consistency = config.select is not None  # one more forward pass a batch: every rule scored at once
     part = job if whole else part_of(job, domains)
     visits = across_rounds(part.run(monitor=monitor, warned=warned), run.rounds)
     results = {}
@@ -398,6 +438,9 @@ def per_domain(results: list[DomainResult], groups: list[int] | None, domains: l
             whole.errors + result.errors,
         )
         whole.calibration.merge(result.calibration)
+        whole.entropy_sum += result.entropy_sum
+        if result.consistent is not None:
+            whole.consistent = (whole.consistent or 0) + result.consistent
         whole.skipped_images += result.skipped_images
         whole.skipped_steps += result.skipped_steps
         whole.undefined_batches += result.undefined_batches

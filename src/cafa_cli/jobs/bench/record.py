@@ -55,6 +55,7 @@ def write_json(
     settings: dict | None = None,
     protocols: dict | None = None,
     scored: dict | None = None,
+    selection: list[dict] | None = None,
 ) -> None:
     """The table, every run (its error, images, skips and time), what each row ran with
     (its method, params, lr, the covariance it asked for and the form its artifact holds:
@@ -87,7 +88,10 @@ def write_json(
                 if metric != "error"
             },
         },
-        "runs": [{"method": m, "seed": s, **report.domain_record(result)} for (m, _, s), result in results.items()],
+        "runs": [
+            {"method": m, "seed": s, **report.domain_record(result), **(surrogates(result) if selection else {})}
+            for (m, _, s), result in results.items()
+        ],
         "rows": [
             {
                 "label": r.label,
@@ -126,9 +130,11 @@ def write_json(
             if scored
             else {}
         ),
+        # with `select`: each row's picked value and the oracle's, errors in % (bench/selection.py)
+        **({"selection": selection} if selection else {}),
         "settings": {
             **shared,
-            "methods": ",".join(dict.fromkeys(r.name for r in rows if not r.oracle)),
+            "methods": ",".join(dict.fromkeys(r.candidate_of or r.name for r in rows if not r.oracle)),
             "train": config.train,
             "model": config.model,
             **dict(zip(("weights", "weights_sha256"), weights_record(config.model, config.weights))),
@@ -150,6 +156,15 @@ def write_json(
         },
     }
     report.write_json(path, payload)
+
+
+def surrogates(result) -> dict:
+    """A run's label-free surrogates of its error (`select`), over every image read: the mean
+    prediction entropy (nats) and, where measured, the share of predictions a flip keeps."""
+    return {
+        "entropy": result.entropy_sum / result.n if result.n else None,
+        **({"consistency": result.consistent / result.n} if result.consistent is not None and result.n else {}),
+    }
 
 
 def _table_record(table: list[dict], labels: dict[str, str]) -> list[dict]:

@@ -43,6 +43,9 @@ class Row:
     )
     oracle: bool = False  # CAFA-Oracle: the true labels in the class-aware loss
     fraction: float | None = None  # the training fraction of its statistics, on a fraction sweep
+    option: str | None = None  # a method option of its own, NAME=VALUE, under `select` of a method option
+    candidate_of: str | None = None  # under `select`: the row it is a candidate value of (`tent`)
+    candidate: float | None = None  # and the value it runs at
 
     def lr_of(self, config: BenchConfig) -> float:
         return self.lr or config.lr

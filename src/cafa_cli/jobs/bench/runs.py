@@ -140,6 +140,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         "batch_size": row.batch_size,
         "severity": row.severity,
         "outliers": row.outlier_share,
+        "method_option": row.option,
     }
     return shared(
         config,
@@ -159,7 +160,7 @@ def row_config(config: BenchConfig, row: Row, seed: int, stats: str | None, clas
         source_data=source_data(config, row),
         resize=config.resize if config.test_resize is None else config.test_resize,
         crop=config.crop if config.test_crop is None else config.test_crop,
-        method_option=row_method_options(config, row.method),
+        method_option=row_method_options(config, row.method) + [row.option] * (row.option is not None),
         given=tuple(sorted(config.chosen() | {name for name, value in own.items() if value is not None})),
     )
 

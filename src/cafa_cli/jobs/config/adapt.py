@@ -17,6 +17,7 @@ from cafa_cli.jobs.config.settings import (
     OUTPUT_FILE,
     STREAM,
     AdaptationOptions,
+    CccOptions,
     MethodDataOptions,
     OracleOptions,
     OutlierOptions,
@@ -45,6 +46,7 @@ class AdaptConfig(
     OracleOptions,
     StreamOptions,
     OutlierOptions,
+    CccOptions,
     RuntimeOptions,
 ):
     """`cafa adapt`: adapt online over test domains, one prediction per image."""
@@ -214,5 +216,8 @@ class AdaptConfig(
         return given
 
     def stream_settings(self) -> StreamSettings:
-        """What the online loop is told (jobs/adapt/stream.adapt_domains)."""
-        return StreamSettings(**{f.name: getattr(self, f.name) for f in fields(StreamSettings)})
+        """What the online loop is told (jobs/adapt/stream.adapt_domains); `consistency` is no option of
+        adapt's but what a bench asks of its runs (Adaptation.consistency)."""
+        return StreamSettings(
+            **{f.name: getattr(self, f.name) for f in fields(StreamSettings) if f.name != "consistency"}
+        )

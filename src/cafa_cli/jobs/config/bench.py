@@ -32,6 +32,7 @@ from cafa_cli.jobs.config.settings import (
     STATISTICS,
     STREAM,
     AdaptationOptions,
+    CccOptions,
     MethodDataOptions,
     OracleOptions,
     OutlierOptions,
@@ -45,6 +46,9 @@ from cafa_cli.jobs.shared.results import METRICS
 from cafa_cli.methods.recipes import STANDARD_MODELS
 
 TableMetric = Literal[tuple(METRICS)]  # type: ignore[valid-type]
+
+# how `cafa bench --by` picks a value of `select` (bench/selection.py), held-out taking its domains after a colon
+SELECTION_RULES = ("entropy", "consistency", "source-accuracy", "oracle", "held-out")
 
 # why the run's JSON does not keep `max_error` (the exit code, 4, is cli/errors.EXIT_ABOVE_MAX_ERROR)
 
@@ -61,6 +65,7 @@ class BenchConfig(
     OracleOptions,
     StreamOptions,
     OutlierOptions,
+    CccOptions,
     RuntimeOptions,
 ):
     """`cafa bench`: methods × domains × seeds → a paper-style table of errors."""
@@ -172,6 +177,25 @@ class BenchConfig(
         panel=STATISTICS,
         show_default=False,
     )
+    select: str | None = setting(
+        None,
+        "Label-free selection: NAME=V,... runs every row at each value of `lr` (or of an option of the rows' "
+        "method), and `by` picks each row's value from the run itself; a table gives the picked value, the "
+        "oracle's and the error between them.",
+        metavar="NAME=V,...",
+        panel=METHOD,
+        show_default=False,
+    )
+    by: str | None = setting(
+        None,
+        "How `select` picks: entropy (lowest mean prediction entropy over the stream), consistency (most "
+        "predictions kept when the image is flipped), source-accuracy (highest accuracy on `forgetting`'s "
+        "labelled source images after each domain), oracle (lowest error: the test labels), or held-out:DOMAINS "
+        "(lowest error on those labelled domains, comma-separated, run apart).",
+        metavar="RULE",
+        panel=METHOD,
+        show_default=False,
+    )
     batch_size: int = setting(
         200,
         "Images per batch: one forward pass and one adaptation step each (paper: 200; 64 on ImageNet-C); the "
@@ -233,6 +257,7 @@ class BenchConfig(
         self.outlier_share_list()
         self.severity_list()
         self.fraction_list()
+        self.selection()
         InputOptions(resize=self.test_resize, crop=self.test_crop).preprocessing_changes(prefix="test_")
 
     def outputs(self) -> dict[str, str | None]:
@@ -364,6 +389,45 @@ class BenchConfig(
                 )
         return _number_axis(self.fractions, "fractions", "a fraction", "(0, 1]", _check_fraction)
 
+    def selection(self) -> tuple[str, list[float], str, list[str]] | None:
+        """`select` and `by` as (the setting, its values, the rule, the held-out domains); None without
+        `select`. Whether the rows' method takes the setting is checked with the rows (bench/selection.py)."""
+        if self.select is None and self.by is None:
+            return None
+        if self.select is None:
+            raise UsageError(
+                f"`by` {self.by} picks among the values of `select`, and none is given; give `select` "
+                f"NAME=V,... (e.g. lr=1e-4,3e-4,1e-3)"
+            )
+        if self.by is None:
+            raise UsageError(
+                f"`select` {self.select} needs a rule to pick by; give `by` ({', '.join(SELECTION_RULES)}:DOMAINS)"
+            )
+        name, equals, values = self.select.partition("=")
+        name = name.strip()
+        if not equals or not name:
+            raise UsageError(f"`select` takes NAME=V,... (e.g. lr=1e-4,3e-4,1e-3), not {self.select!r}")
+        grid = _number_axis(values, "select", f"values of {name} (e.g. {name}=1e-4,1e-3)", "its range", _finite)
+        if name == "lr" and not all(value > 0 for value in grid):
+            raise UsageError(f"`select` {self.select}: a learning rate is a positive number")
+        rule, colon, held_out = self.by.partition(":")
+        if rule not in SELECTION_RULES or (rule == "held-out") != bool(colon):
+            raise UsageError(
+                f"`by` {self.by}: unknown rule; choose from {', '.join(SELECTION_RULES[:-1])} or held-out:DOMAINS"
+            )
+        domains = [domain.strip() for domain in held_out.split(",") if domain.strip()]
+        if rule == "held-out" and not domains:
+            raise UsageError(f"`by` {self.by} names no held-out domain; give held-out:PATH,PATH")
+        if rule == "source-accuracy" and not self.forgetting:
+            raise UsageError(
+                "`by` source-accuracy measures the accuracy on held-out labelled source images, and none is given; "
+                "give them as `forgetting` (e.g. clean test images the stream does not hold)"
+            )
+        for option in ("fractions", "oracle"):
+            if getattr(self, option):
+                raise UsageError(f"`select` and `{option}` each add rows of their own; run them in two benches")
+        return name, grid, rule, domains
+
     def grid_axes(self) -> bool:
         """Whether the grid has an order, stream-rate, batch-size, outlier-share or severity axis (else the table
         is the plain one)."""
@@ -402,6 +466,11 @@ def _number_axis(text: str, name: str, what: str, interval: str, check) -> list[
     if twice:
         raise UsageError(f"`{name}` names {twice[0]:g} twice ({text}); give each once")
     return values
+
+
+def _finite(value: float) -> None:
+    if not abs(value) < float("inf"):
+        raise UsageError(f"`select`: a value is a finite number, not {value:g}")
 
 
 def _check_fraction(fraction: float) -> None:

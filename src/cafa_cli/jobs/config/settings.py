@@ -115,10 +115,11 @@ def recorded_values(config) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class StreamSettings:
     """What the online loop (jobs/adapt/stream.adapt_domains) is told: how each domain's images are
-    ordered (`order`, `shuffle` and `seed`, data/orders.py), batched and read (`num_workers`,
-    `strict`), whether the domains make one stream (`mix_domains`), when the adaptation starts
-    afresh (`reset`), and whether the loss is given the true labels (`oracle`). The command line's
-    options of the same names take their defaults from here; AdaptConfig.stream_settings() makes one."""
+        ordered (`order`, `shuffle` and `seed`, data/orders.py), batched and read (`num_workers`,
+        `strict`), whether the domains make one stream (`mix_domains`), when the adaptation starts
+        afresh (`reset`), whether the loss is given the true labels (`oracle`), and whether the consistency
+    under a flip is measured (`consistency`, which `cafa bench --by consistency` asks for). The command line's
+        options of the same names take their defaults from here; AdaptConfig.stream_settings() makes one."""
 
     batch_size: int = 200
     order: str = "iid"
@@ -129,6 +130,8 @@ class StreamSettings:
     oracle: bool = False
     num_workers: int | None = None
     strict: bool = False
+    # each batch also predicted flipped left-right, the agreement counted (DomainResult.consistent)
+    consistency: bool = False
 
 
 @dataclass(kw_only=True)
@@ -410,6 +413,55 @@ class OutlierOptions:
                 "`oracle` gives the loss each image's true label, and the images of `outliers` have none; give one "
                 "of them"
             )
+
+
+@dataclass(kw_only=True)
+class CccOptions:
+    """A continuously changing corruption stream made from each domain's clean images (data/ccc.py)."""
+
+    ccc: int | None = setting(
+        None,
+        "Make each domain a CCC stream of N images (Press et al., NeurIPS 2023): its clean images corrupted on "
+        "the fly by two corruptions at once, their severities walked so the source model's accuracy stays near "
+        "`ccc_accuracy`; needs corrupt-tta; docs/guides/streams.md.",
+        metavar="N",
+        panel=STREAM,
+        show_default=False,
+    )
+    ccc_speed: int = setting(
+        1000, "Under `ccc`, images per step of the walk (CCC: 1000, 2000, 5000).", metavar="N", panel=STREAM
+    )
+    ccc_accuracy: float = setting(
+        40.0,
+        "Under `ccc`, the source model's accuracy (%) the walks keep near (CCC-Easy 40, Medium 20, Hard 1).",
+        metavar="PCT",
+        panel=STREAM,
+    )
+
+    def _check_ccc(self) -> None:
+        if self.ccc_speed < 1:
+            raise UsageError(f"`ccc_speed` {self.ccc_speed}: a walk of no image a step never moves; give 1 or more")
+        if not 0 < self.ccc_accuracy < 100:
+            raise UsageError(f"`ccc_accuracy` is a percentage in (0, 100), not {self.ccc_accuracy:g}")
+        if self.ccc is None:
+            return
+        if self.ccc < 1:
+            raise UsageError(f"`ccc` {self.ccc}: a stream holds 1 image or more")
+        for name, why in (
+            ("gradual", "walks the severities of one corruption"),
+            ("mix_domains", "interleaves the domains' images"),
+        ):
+            if getattr(self, name, False):
+                raise UsageError(f"`ccc` streams its images in the order of its walk, and `{name}` {why}; give one")
+        if getattr(self, "orders", None) is not None:
+            raise UsageError("`ccc` streams its images in the order of its walk; leave `orders` out")
+        if getattr(self, "order", "iid") != "iid":
+            raise UsageError(
+                f"`ccc` draws each step's images at random, in the order of its walk, and `order` {self.order} "
+                f"orders them otherwise; leave `order` out"
+            )
+        if getattr(self, "severity", None) is not None:
+            raise UsageError("`ccc` walks the severities itself; give the clean images as `data`, without `severity`")
 
 
 @dataclass(kw_only=True)

@@ -27,6 +27,7 @@ class Record:
     brier: float | None = None
     outlier: bool | None = None  # with `outliers`: whether the image is one of them; None without
     id_score: float | None = None  # with `outliers`: the method's in-distribution score (Method.id_score)
+    entropy: float = 0.0  # of the reported probabilities, in nats: a label-free surrogate of the error
 
 
 @dataclass
@@ -112,6 +113,10 @@ class DomainResult:
     # outliers (of `n`, the images read, these are the outliers); None without
     inlier_scores: list[float] | None = None
     outlier_scores: list[float] | None = None
+    # label-free surrogates of the error (`cafa bench --select`), over every image read: the sum of the
+    # prediction entropies (nats), and with StreamSettings.consistency the images predicted alike when flipped
+    entropy_sum: float = 0.0
+    consistent: int | None = None
 
     @property
     def error(self) -> float | None:
