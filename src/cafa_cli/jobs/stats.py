@@ -120,7 +120,8 @@ def _statistics_from_text(config: StatsConfig, net: FeatureClassifier, spec, pre
             f"a CLIP model; give training images with `data`"
         )
     class_names = default_class_names(config.model, config) or list(net.model.class_names or [])
-    _check_classes(net, class_names, f"the class list {config.classes}", "give a name a line for every output")
+    if config.classes:
+        _check_classes(net, class_names, f"the class list {config.classes}", "give a name a line for every output")
     texts = net.model.text
     sampling = {
         "from_text": {
