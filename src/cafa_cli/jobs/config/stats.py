@@ -96,11 +96,11 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         check_covariance(self.covariance, self.shrinkage_value())
 
     def _check_statistics_source(self) -> None:
-        if self.from_text and self.data:
+        if self.from_text and self.data is not None:
             raise UsageError("`from_text` and `data` are two sources of the statistics; give one of them")
         if self.from_text and self.class_subset:
             raise UsageError("`from_text` takes every class the model names; leave out `class_subset`")
-        if not self.from_text and not self.data:
+        if not self.from_text and self.data is None:
             raise UsageError("`data` is missing: give the training images (or `from_text` for a CLIP model)")
 
     def outputs(self) -> dict[str, str | None]:
