@@ -54,7 +54,7 @@ def test_each_option_is_one_row_with_its_metavar_default_and_help_under_its_pane
     assert "| `--format <csv|jsonl>` | `csv` |" in adapt  # a pipe in a code span stays in its cell
     assert r"ImageNet-C/\*/5" in adapt  # help text is text, not emphasis
     stats = _sections(cli_reference())["cafa stats"]
-    assert "| `-d, --data PATH` | required |" in stats
+    assert "| `-d, --data PATH` |  | Training images: " in stats  # required unless --from-text: the job says so
 
 
 def test_every_command_shows_its_examples():

@@ -218,7 +218,7 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
     for name, tensor in small.items():
         if tensor.dtype.kind == "f" and not np.isfinite(tensor).all():
             raise bad(path, f"tensor '{name}' holds NaN or inf values")
-    if (small["counts"] < 2).any():
+    if (small["counts"] < 2).any() and not _from_text(small, metadata, path):
         raise bad(path, "tensor 'counts' has classes with fewer than 2 samples")
     if metadata.get("num_images") != str(int(small["counts"].sum())):
         raise bad(
@@ -243,6 +243,12 @@ def check_small_tensors(small: dict, metadata: dict, covariance: str, path: Path
             )
         if (small["lowrank_spectrum"] < 0).any():
             raise bad(path, "tensor 'lowrank_spectrum' has negative values")
+
+
+def _from_text(small: dict, metadata: dict, path: Path) -> bool:
+    """Statistics from a CLIP model's text embeddings (`cafa stats --from-text`): no image counted."""
+    sampling = read_json(metadata, "sampling", path)
+    return isinstance(sampling, dict) and "from_text" in sampling and not small["counts"].any()
 
 
 _ORTHONORMAL_TOLERANCE = 1e-3  # |Q Qᵀ − I| allowed in a stored low-rank basis

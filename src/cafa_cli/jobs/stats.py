@@ -12,7 +12,7 @@ from cafa_cli.artifact.format import unusable_class_names
 from cafa_cli.artifact.store import Artifact, write_artifact
 from cafa_cli.core.devices import pick_device
 from cafa_cli.core.environment import environment
-from cafa_cli.core.errors import InputError, listing
+from cafa_cli.core.errors import InputError, UsageError, listing
 from cafa_cli.data.domain import Domain, padding_note, relabel
 from cafa_cli.data.loading import batches, unreadable
 from cafa_cli.data.preprocessing import Preprocessing
@@ -32,9 +32,10 @@ from cafa_cli.jobs.shared.inputs import (
 )
 from cafa_cli.jobs.shared.monitor import Monitor
 from cafa_cli.jobs.shared.outputs import check_outputs, guards_outputs
+from cafa_cli.model.clip import ZeroShotClassifier
 from cafa_cli.model.features import FeatureClassifier
 from cafa_cli.model.loading import factory_sha256, parameters_sha256
-from cafa_cli.statistics.gaussians import estimate
+from cafa_cli.statistics.gaussians import estimate, text_gaussians
 from cafa_cli.statistics.moments import NormInputMoments, accumulate_features
 
 
@@ -54,6 +55,8 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
     preprocess = recipe(config, config.model)
     net, spec = resolve_model(config, default_class_names(config.model, config))
     fingerprint = parameters_sha256(net.model)  # before the data, which can take hours
+    if config.from_text:
+        return _statistics_from_text(config, net, spec, preprocess, fingerprint, target)
     domain, class_names, subset = _training_domain(config, net, preprocess, monitor)
     indices = stratified_subset(domain.labels, class_names, fraction, per_class, config.seed)
     # taken before the images are read: one edited while they are is then edited since
@@ -105,6 +108,37 @@ def compute_statistics(config: StatsConfig, monitor: Monitor | None = None) -> A
         subset.outputs if subset else None,
         norm_moments or None,
         environment(target),
+    )
+
+
+def _statistics_from_text(config: StatsConfig, net: FeatureClassifier, spec, preprocess, fingerprint, target):
+    """The artifact of text_gaussians: the class embeddings are the directions of the zero-shot
+    head's rows (model/clip.py), so no text is encoded again here."""
+    if not isinstance(net.model, ZeroShotClassifier):
+        raise UsageError(
+            f"`from_text` takes the class means from a CLIP model's text embeddings, and {config.model} is not "
+            f"a CLIP model; give training images with `data`"
+        )
+    class_names = default_class_names(config.model, config) or list(net.model.class_names or [])
+    if config.classes:
+        _check_classes(net, class_names, f"the class list {config.classes}", "give a name a line for every output")
+    texts = net.model.text
+    sampling = {
+        "from_text": {
+            "class_names": list(texts.class_names) if texts else None,
+            "templates": list(texts.templates) if texts else None,
+        }
+    }
+    return write_artifact(
+        config.out,
+        text_gaussians(net.class_weights().detach()),
+        class_names,
+        spec,
+        preprocess,
+        sampling,
+        fingerprint,
+        factory_sha256(spec.model),
+        environment=environment(target),
     )
 
 

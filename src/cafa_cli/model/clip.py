@@ -55,6 +55,18 @@ class ClassTexts:
         return tuple(template.format(self.class_names[index]) for template in self.templates)
 
 
+OPENCLIP_MISSING = "needs open_clip, which is not installed: pip install 'cafa-cli[clip]'"
+
+
+def import_open_clip(model: str):
+    """open_clip, or one line naming the extra that installs it (`model`: the model that needs it)."""
+    try:
+        import open_clip
+    except ImportError:
+        raise UsageError(f"`model` {model} {OPENCLIP_MISSING}") from None
+    return open_clip
+
+
 @torch.no_grad()
 def class_embeddings(texts: ClassTexts, device: torch.device | str = "cpu") -> torch.Tensor:
     """[classes, dim] unit-norm: per class, the mean of its prompts' unit-norm text embeddings,

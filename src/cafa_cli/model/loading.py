@@ -223,7 +223,9 @@ def _spec(
     texts = wrapped.model.text if isinstance(wrapped.model, ZeroShotClassifier) else None
     if texts is None or prompting is None:
         return spec
-    return replace(spec, templates=prompting.recorded_templates, prompts_sha256=prompts_sha256(texts))
+    # a bundled CLIP model's prompts are its own (fmnist-clip's): their fingerprint, and no `templates` to give back
+    templates = prompting.recorded_templates if openclip.is_openclip(model) else None
+    return replace(spec, templates=templates, prompts_sha256=prompts_sha256(texts))
 
 
 def _model_arg_texts(model_args: dict | None) -> list[str]:

@@ -22,24 +22,15 @@ from cafa_cli.core.errors import InputError, UsageError, did_you_mean, listing
 from cafa_cli.core.files import read_small_text
 from cafa_cli.data.values import INTERPOLATIONS
 from cafa_cli.model.checkpoints import read_state_dict, sha256_of
-from cafa_cli.model.clip import Prompting, ZeroShotClassifier, zero_shot_classifier
+from cafa_cli.model.clip import Prompting, ZeroShotClassifier, import_open_clip, zero_shot_classifier
 from cafa_cli.model.hub import CachedWeights, built, checked_blob, checked_file
 
 PREFIX = "openclip:"
-OPENCLIP_MISSING = "needs open_clip, which is not installed: pip install 'cafa-cli[clip]'"
 CONFIG_LIMIT = 1 << 20
 
 
 def is_openclip(model: str | None) -> bool:
     return bool(model) and model.startswith(PREFIX)
-
-
-def import_open_clip(model: str):
-    try:
-        import open_clip
-    except ImportError:
-        raise UsageError(f"`model` {model} {OPENCLIP_MISSING}") from None
-    return open_clip
 
 
 @dataclass(frozen=True)

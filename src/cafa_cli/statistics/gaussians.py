@@ -154,6 +154,30 @@ def choose_covariance(moments: ClassMoments, shrinkage: float | str) -> str:
     return "lowrank" if lowrank_numbers < d * d else "full"
 
 
+def text_gaussians(class_embeddings: torch.Tensor) -> ClassGaussians:
+    """Class Gaussians without a source image, for a CLIP model's unit-norm image features:
+    class c's mean is its unit text embedding (the direction its zero-shot logit measures),
+    and the covariance, shared, is I/d, that of features spread evenly over the unit sphere:
+    nothing is known of their spread. Tied and isotropic, the Mahalanobis distance is then
+    d·‖z − t_c‖² = 2d·(1 − cos(z, t_c)), so CAFA's ratio of distances is one of the very
+    cosines the zero-shot head compares (the scale cancels). Stored as shrinkage λ = 1,
+    the isotropic target alone, with no images counted."""
+    means = torch.nn.functional.normalize(class_embeddings.double(), dim=-1)
+    C, d = means.shape
+    global_mean = means.mean(0)
+    between = (means - global_mean).T @ (means - global_mean) / C
+    return ClassGaussians(
+        means=means.float(),
+        factors=(d**0.5 * torch.eye(d)).unsqueeze(0),  # L with L Lᵀ = (I/d)⁻¹
+        counts=torch.zeros(C, dtype=torch.int64),
+        shrinkage=torch.ones(1, dtype=torch.float64),
+        covariance="tied",
+        global_mean=global_mean.float(),
+        global_covariance=(between + torch.eye(d, dtype=torch.float64) / d).float(),
+        shrinkage_method="text",
+    )
+
+
 def estimate(
     moments: ClassMoments,
     covariance: str = "auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cafa_cli import DEFAULT_ARTIFACT
+from cafa_cli.core.errors import UsageError
 from cafa_cli.data.values import check_batch_size
 from cafa_cli.jobs.config.checks import check, check_covariance, check_seed
 from cafa_cli.jobs.config.data import InputOptions, ModelOptions
@@ -29,9 +30,10 @@ from cafa_cli.jobs.config.settings import (
 class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
     """`cafa stats`: per-class feature Gaussians of training images, into an artifact."""
 
-    data: str = setting(
-        help="Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT "
-        "/ fashion-mnist:ROOT.",
+    data: str | None = setting(
+        None,
+        "Training images: an ImageFolder, a .npy array (--labels), or cifar10:ROOT / cifar100:ROOT "
+        "/ fashion-mnist:ROOT. Required, unless --from-text.",
         flags=("--data", "-d"),
         metavar="PATH",
         panel=DATA,
@@ -57,6 +59,12 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         panel=STATISTICS,
         brief=True,
         recorded="resolved: the form the artifact holds",
+    )
+    from_text: bool = setting(
+        False,
+        "No images: a CLIP model's class Gaussians from its text embeddings (each class's mean its unit "
+        "text embedding, one isotropic covariance I/d), for CAFA where no source images exist.",
+        panel=STATISTICS,
     )
     norm_moments: bool = setting(
         False,
@@ -86,6 +94,14 @@ class StatsConfig(ModelOptions, InputOptions, SamplingOptions, RuntimeOptions):
         check_seed("seed", self.seed)
         check_batch_size(self.batch_size)
         check_covariance(self.covariance, self.shrinkage_value())
+
+    def _check_statistics_source(self) -> None:
+        if self.from_text and self.data is not None:
+            raise UsageError("`from_text` and `data` are two sources of the statistics; give one of them")
+        if self.from_text and self.class_subset:
+            raise UsageError("`from_text` takes every class the model names; leave out `class_subset`")
+        if not self.from_text and self.data is None:
+            raise UsageError("`data` is missing: give the training images (or `from_text` for a CLIP model)")
 
     def outputs(self) -> dict[str, str | None]:
         return {"`out`": self.out}

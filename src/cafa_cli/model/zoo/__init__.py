@@ -16,18 +16,31 @@ if TYPE_CHECKING:
 ZOO_DIR = Path(__file__).resolve().parent
 
 
-def _fmnist_resnet() -> nn.Module:
-    # deferred: the architecture imports torch, which naming the bundled models
-    # (`cafa inspect`) does not need
+# The loaders defer their imports: the architectures import torch (and open_clip), which naming
+# the bundled models (`cafa inspect`) does not need.
+
+
+def _fmnist_resnet(weights: Path) -> nn.Module:
+    from safetensors.torch import load_file
+
     from cafa_cli.model.zoo.fmnist_resnet import FmnistResNet
 
-    return FmnistResNet()
+    model = FmnistResNet()
+    model.load_state_dict(load_file(str(weights)), strict=True)
+    return model
+
+
+def _fmnist_clip(weights: Path) -> nn.Module:
+    from cafa_cli.model.zoo.fmnist_clip import load_fmnist_clip
+
+    return load_fmnist_clip(weights)
 
 
 @dataclass(frozen=True)
 class BundledModel:
-    build: Callable[[], nn.Module]  # the architecture with random weights
+    load: Callable[[Path], nn.Module]  # the model with these weights, loaded strictly
     weights: Path  # safetensors file inside the package
+    retrain: str  # the module that reproduces the weights
     class_names: tuple[str, ...]
     preprocessing: dict  # keyword arguments of cafa_cli.preprocessing.Preprocessing
     training_data: str  # what cafa bench computes its statistics from when no --train is given
@@ -37,8 +50,9 @@ BUNDLED: dict[str, BundledModel] = {
     # a small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST's 28×28 grey images;
     # retrain it with python -m cafa_cli.model.zoo.train_fmnist
     "fmnist-resnet": BundledModel(
-        build=_fmnist_resnet,
+        load=_fmnist_resnet,
         weights=ZOO_DIR / "fmnist_resnet.safetensors",
+        retrain="cafa_cli.model.zoo.train_fmnist",
         class_names=tuple(FASHION_MNIST_CLASSES),
         preprocessing={
             "resize": None,
@@ -46,6 +60,24 @@ BUNDLED: dict[str, BundledModel] = {
             "mean": [FASHION_MNIST_MEAN],
             "std": [FASHION_MNIST_STD],
             "channels": 1,
+        },
+        training_data="fashion-mnist",
+    ),
+    # a small CLIP-style dual encoder (open_clip, the `clip` extra): a 4-layer ViT on the same
+    # images, 3 equal channels as open_clip's ViT takes RGB, and a 2-layer text tower trained
+    # on prompts of the class names; the model is its zero-shot classifier (model/clip.py).
+    # Retrain it with python -m cafa_cli.model.zoo.train_fmnist_clip
+    "fmnist-clip": BundledModel(
+        load=_fmnist_clip,
+        weights=ZOO_DIR / "fmnist_clip.safetensors",
+        retrain="cafa_cli.model.zoo.train_fmnist_clip",
+        class_names=tuple(FASHION_MNIST_CLASSES),
+        preprocessing={
+            "resize": None,
+            "crop": None,
+            "mean": [FASHION_MNIST_MEAN],
+            "std": [FASHION_MNIST_STD],
+            "channels": 3,
         },
         training_data="fashion-mnist",
     ),
@@ -59,17 +91,13 @@ def bundled_model(model: str | None) -> BundledModel | None:
 
 
 def load_bundled(name: str) -> nn.Module:
-    """Build a bundled model, load its packaged weights strictly and put it in eval mode."""
-    from safetensors.torch import load_file  # deferred: only needed when a model is loaded
-
+    """A bundled model with its packaged weights, loaded strictly, in eval mode."""
     if name not in BUNDLED:
         raise UsageError(f"no bundled model {name!r}; choose one of: {', '.join(sorted(BUNDLED))}")
     entry = BUNDLED[name]
     if not entry.weights.is_file():
         raise CafaError(
             f"weights of bundled model {name!r} are missing ({entry.weights}): reinstall "
-            f"cafa-cli or run python -m cafa_cli.model.zoo.train_fmnist"
+            f"cafa-cli or run python -m {entry.retrain}"
         )
-    model = entry.build()
-    model.load_state_dict(load_file(str(entry.weights)), strict=True)
-    return model.eval()
+    return entry.load(entry.weights).eval()
