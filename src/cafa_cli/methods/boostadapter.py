@@ -27,7 +27,7 @@ import torch
 
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.feature_cache import CACHE_OPTIONS, CacheMethod
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident
+from cafa_cli.methods.shared.zero_shot import AUGMENT, confident
 
 
 class BoostAdapter(CacheMethod):
@@ -40,13 +40,7 @@ class BoostAdapter(CacheMethod):
             "ρ, the share of the views, lowest entropy first, that stand for the image and boost",
             "fraction",
         ),
-        Option(
-            "augment",
-            "crop",
-            "the views: crop (resized crop and flip) or augmix (and AugMix's operations)",
-            "choice",
-            AUGMENTS,
-        ),
+        AUGMENT,
         Option(
             "boost_shots",
             3,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident_count, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENT, confident_count, widened, with_views, zero_shot_head
 from cafa_cli.model.features import FeatureClassifier
 
 
@@ -50,13 +50,7 @@ class DmnZs(Method):
     options = (
         Option("views", 31, "B, the augmented views of each image besides itself", "count0", most=1024),
         Option("share", 0.1, "ρ, the share of the views, lowest entropy first, whose mean gives the class", "fraction"),
-        Option(
-            "augment",
-            "crop",
-            "the views: crop (resized crop and flip) or augmix (and AugMix's operations)",
-            "choice",
-            AUGMENTS,
-        ),
+        AUGMENT,
         Option("memory", 50, "L, the test features the memory holds a class", "count", most=10_000),
         Option("beta", 5.5, "β, the sharpness of the memory's affinities", "weight"),
         Option("weight", 1.0, "w, the weight of the memory's prediction beside the zero-shot one", "weight"),

@@ -33,7 +33,7 @@ from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.optimiser import restart_state
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.losses import marginal_entropy
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENT, confident, widened, with_views, zero_shot_head
 from cafa_cli.model.clip import PromptedTexts
 from cafa_cli.model.features import FeatureClassifier
 
@@ -59,13 +59,7 @@ class Tpt(Method):
             "ρ, the share of the views, lowest entropy first, whose mean prediction it sharpens",
             "fraction",
         ),
-        Option(
-            "augment",
-            "crop",
-            "the views: crop (resized crop and flip) or augmix (and AugMix's operations)",
-            "choice",
-            AUGMENTS,
-        ),
+        AUGMENT,
     )
 
     def setup(self) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident_count, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENT, confident_count, widened, with_views, zero_shot_head
 from cafa_cli.model.features import FeatureClassifier
 
 
@@ -59,13 +59,7 @@ class Zero(Method):
     options = (
         Option("views", 63, "B, the augmented views of each image besides itself", "count", most=1024),
         Option("share", 0.3, "γ, the share of the views, lowest entropy first, that vote", "fraction"),
-        Option(
-            "augment",
-            "crop",
-            "the views: crop (resized crop and flip) or augmix (and AugMix's operations)",
-            "choice",
-            AUGMENTS,
-        ),
+        AUGMENT,
     )
 
     def check(self, model: FeatureClassifier, device: torch.device) -> None:

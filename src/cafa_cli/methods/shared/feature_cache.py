@@ -16,13 +16,14 @@ whose probability lies in (lower, upper)), summed, times α.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from cafa_cli.engine.method import AdapterSurface, Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.losses import marginal_entropy
-from cafa_cli.methods.shared.zero_shot import AUGMENTS, confident, widened, with_views, zero_shot_head
+from cafa_cli.methods.shared.zero_shot import AUGMENT, confident, widened, with_views, zero_shot_head
 from cafa_cli.model.features import FeatureClassifier
 
 
@@ -91,13 +92,7 @@ class FeatureCache:
 VIEW_OPTIONS = (
     Option("views", 0, "B, the augmented views of each image besides itself (0: the image alone)", "count0", most=1024),
     Option("share", 0.1, "ρ, the share of the views, lowest entropy first, that stand for the image", "fraction"),
-    Option(
-        "augment",
-        "augmix",
-        "the views: crop (resized crop and flip) or augmix (and AugMix's operations)",
-        "choice",
-        AUGMENTS,
-    ),
+    replace(AUGMENT, default="augmix"),
 )
 CACHE_OPTIONS = (
     Option("positive_shots", 3, "entries a class of the positive cache", "count", most=10_000),

@@ -16,11 +16,16 @@ from __future__ import annotations
 import torch
 
 from cafa_cli.core.errors import UsageError
+from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared.augmix import augmix, crop_and_flip
 from cafa_cli.model.clip import ZeroShotClassifier
 from cafa_cli.model.features import FeatureClassifier
 
 AUGMENTS = ("crop", "augmix")
+# the views' option, as every CLIP method that makes views declares it
+AUGMENT = Option(
+    "augment", "crop", "the views: crop (resized crop and flip) or augmix (and AugMix's operations)", "choice", AUGMENTS
+)
 
 
 def zero_shot_head(model: FeatureClassifier, method: str, text_tower: bool = False) -> ZeroShotClassifier:

@@ -76,20 +76,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m cafa_cli.model.zoo.train_fmnist",
-        description="Train the bundled Fashion-MNIST ResNet from scratch on the CPU.",
+    return training_arguments(
+        argv,
+        "train_fmnist",
+        "Train the bundled Fashion-MNIST ResNet from scratch on the CPU.",
+        DEFAULT_OUT,
+        DEFAULT_EPOCHS,
     )
+
+
+def training_arguments(
+    argv: list[str] | None, module: str, description: str, default_out: Path, default_epochs: int
+) -> argparse.Namespace:
+    """The options of a bundled model's training script (`python -m cafa_cli.model.zoo.MODULE`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m cafa_cli.model.zoo.{module}", description=description)
     parser.add_argument(
         "--data-root",
         type=Path,
         default=None,
         help="folder with the idx files (default: $CAFA_FASHION_MNIST or /usr/share/datasets/fashion-mnist)",
     )
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    parser.add_argument("--epochs", type=int, default=default_epochs)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="safetensors file to write (default: the packaged weights)"
+        "--out", type=Path, default=default_out, help="safetensors file to write (default: the packaged weights)"
     )
     parser.add_argument(
         "--threads",

@@ -40,7 +40,14 @@ from cafa_cli.model.zoo.fmnist_clip import (
     clip_config,
     training_captions,
 )
-from cafa_cli.model.zoo.train_fmnist import augment, evaluate, normalize, save_weights_atomically, to_unit_tensor
+from cafa_cli.model.zoo.train_fmnist import (
+    augment,
+    evaluate,
+    normalize,
+    save_weights_atomically,
+    to_unit_tensor,
+    training_arguments,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().with_name("fmnist_clip.safetensors")
 DEFAULT_EPOCHS = 4
@@ -95,33 +102,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m cafa_cli.model.zoo.train_fmnist_clip",
-        description="Train the bundled Fashion-MNIST dual encoder (fmnist-clip) from scratch on the CPU.",
+    return training_arguments(
+        argv,
+        "train_fmnist_clip",
+        "Train the bundled Fashion-MNIST dual encoder (fmnist-clip) from scratch on the CPU.",
+        DEFAULT_OUT,
+        DEFAULT_EPOCHS,
     )
-    parser.add_argument(
-        "--data-root",
-        type=Path,
-        default=None,
-        help="folder with the idx files (default: $CAFA_FASHION_MNIST or /usr/share/datasets/fashion-mnist)",
-    )
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="safetensors file to write (default: the packaged weights)"
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: 2, the budget the weights were made with)",
-    )
-    args = parser.parse_args(argv)
-    if args.epochs < 1:
-        parser.error("--epochs must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be at least 1")
-    return args
 
 
 def grey_to_rgb(images: torch.Tensor) -> torch.Tensor:
