@@ -176,14 +176,14 @@ def test_file_defaults_apply_and_flags_win(tmp_path, tiny_weights):
 
 
 def test_the_real_entry_point_reports_a_bad_config_in_one_line(tmp_path):
-    (tmp_path / "cafa.toml").write_text("[adapt]\nspeed = 3\n")
+    (tmp_path / "cafa.toml").write_text("[adapt]\nseeds = 3\n")
     done = subprocess.run(
         [sys.executable, "-m", "cafa_cli", "adapt", "--data", "x"], cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 2
     assert (
         done.stderr.strip()
-        == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'speed' (did you mean seed?)"
+        == f"cafa: error: {tmp_path / 'cafa.toml'}: [adapt] has no option 'seeds' (did you mean seed?)"
     )
 
 
