@@ -154,3 +154,19 @@ def mixed_folder(tmp_path) -> Path:
     save(root / ".cache" / "hidden.png", solid(60))
     save(root / "top-level.png", solid(70))  # ignored, with a note: the folder has class folders
     return root
+
+
+@pytest.fixture(scope="session")
+def vit_run(tmp_path_factory):
+    """A tiny timm ViT saved as a file (the options naming it), a test folder and a source folder:
+    the prompt-token methods (foa, dpcore) through the command line."""
+    timm = pytest.importorskip("timm")
+    root = tmp_path_factory.mktemp("vit")
+    torch.manual_seed(0)
+    weights = root / "vit.pt"
+    torch.save(timm.create_model("test_vit", img_size=32, num_classes=3).state_dict(), weights)
+    return {
+        "model": ["--model", "timm:test_vit", "--model-arg", "img_size=32", "--num-classes", "3", "--weights", weights],
+        "data": write_folder(root / "test", per_class=3, seed=1, shift=0.3),
+        "source": write_folder(root / "train", per_class=4),
+    }

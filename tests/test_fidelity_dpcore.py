@@ -239,19 +239,6 @@ def test_the_recipes_are_the_authors_values():
 # --- through the command line -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vit_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpcore")
-    torch.manual_seed(0)
-    weights = root / "vit.pt"
-    torch.save(timm.create_model("test_vit", img_size=32, num_classes=3).state_dict(), weights)
-    return {
-        "model": ["--model", "timm:test_vit", "--model-arg", "img_size=32", "--num-classes", "3", "--weights", weights],
-        "data": write_folder(root / "test", per_class=3, seed=1, shift=0.3),
-        "source": write_folder(root / "train", per_class=4),
-    }
-
-
 @pytest.mark.parametrize("stream", [[], ["--order", "label-shift:1.0", "--reset", "never"]])
 def test_dpcore_adapts_a_timm_vit_from_the_command_line(vit_run, stream):
     result = invoke(

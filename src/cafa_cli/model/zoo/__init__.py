@@ -46,6 +46,12 @@ class BundledModel:
     training_data: str  # what cafa bench computes its statistics from when no --train is given
 
 
+def _fashion_mnist_preprocessing(channels: int) -> dict:
+    """Fashion-MNIST's 28×28 images as they are, with its pixel mean and std, in `channels`."""
+    mean, std = [FASHION_MNIST_MEAN], [FASHION_MNIST_STD]
+    return {"resize": None, "crop": None, "mean": mean, "std": std, "channels": channels}
+
+
 BUNDLED: dict[str, BundledModel] = {
     # a small ResNet (BatchNorm, 64 features) trained on Fashion-MNIST's 28×28 grey images;
     # retrain it with python -m cafa_cli.model.zoo.train_fmnist
@@ -54,13 +60,7 @@ BUNDLED: dict[str, BundledModel] = {
         weights=ZOO_DIR / "fmnist_resnet.safetensors",
         retrain="cafa_cli.model.zoo.train_fmnist",
         class_names=tuple(FASHION_MNIST_CLASSES),
-        preprocessing={
-            "resize": None,
-            "crop": None,
-            "mean": [FASHION_MNIST_MEAN],
-            "std": [FASHION_MNIST_STD],
-            "channels": 1,
-        },
+        preprocessing=_fashion_mnist_preprocessing(channels=1),
         training_data="fashion-mnist",
     ),
     # a small CLIP-style dual encoder (open_clip, the `clip` extra): a 4-layer ViT on the same
@@ -72,13 +72,7 @@ BUNDLED: dict[str, BundledModel] = {
         weights=ZOO_DIR / "fmnist_clip.safetensors",
         retrain="cafa_cli.model.zoo.train_fmnist_clip",
         class_names=tuple(FASHION_MNIST_CLASSES),
-        preprocessing={
-            "resize": None,
-            "crop": None,
-            "mean": [FASHION_MNIST_MEAN],
-            "std": [FASHION_MNIST_STD],
-            "channels": 3,
-        },
+        preprocessing=_fashion_mnist_preprocessing(channels=3),
         training_data="fashion-mnist",
     ),
 }
