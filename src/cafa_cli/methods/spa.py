@@ -29,9 +29,9 @@ no sample is NaN and their step goes on with zero gradients), and one optimiser 
     L = L_F + L_N + 0.1 · L_base,
 
 L_base by `base`: none (the authors' `spa`), tent (the mean entropy of s), eta (ETA's
-selected and weighted entropy, methods/eata.py, its moving mean cleared at each reset as the
-authors' SPA does) or eata (ETA's loss and EATA's Fisher term, both inside the 0.1, from
-`fisher_batches`; without them eata runs as eta). The predictor steps at `predictor_rate` times
+selected and weighted entropy, shared/selection.py, its moving mean cleared at each reset as
+the authors' SPA does) or eata (ETA's loss and EATA's Fisher term, shared/fisher.py, both
+inside the 0.1, from `fisher_batches`; without them eata runs as eta). The predictor steps at `predictor_rate` times
 the rate (the authors' second parameter group: 0.05 against 0.01 on ViT-B/16, 0.025 against
 0.0025 on ResNet-50-GN), by its gradient scaled so before the optimiser's step: the same step
 under sgd and nesterov (linear in the gradient), none under adam and adamw (which divide the
@@ -129,7 +129,9 @@ class Spa(Method):
     predicts_before_update = True
     running_norms = "its two views pass through the BatchNorms each step, which would move their running statistics"
     options = (
-        Option("base", "none", "the loss added at weight 0.1: none, tent, eta, or eata", "choice", BASES),
+        Option(
+            "base", "none", "another method's loss added at weight 0.1 (the authors' spa+tent, ...)", "choice", BASES
+        ),
         Option("noise", NOISE, "the mean share α² of noise in the noisy view", "fraction"),
         Option("frequency_mask", FREQUENCY_MASK, "the share of the low-frequency amplitudes masked", "fraction"),
         Option(
@@ -138,7 +140,13 @@ class Spa(Method):
             "the predictor's learning rate as a multiple of `lr` (sgd and nesterov; adam divides it out)",
             "positive",
         ),
-        Option("patch_size", PATCH_SIZE, "the side in pixels of the squares whose noise strength is learnt", "count"),
+        Option(
+            "patch_size",
+            PATCH_SIZE,
+            "the side in pixels of the squares whose noise strength is learnt",
+            "count",
+            most=4096,
+        ),
         *SELECTION_OPTIONS,
         Option("fisher_alpha", FISHER_ALPHA, "β, the weight of the Fisher term (base eata)", "weight"),
     )
