@@ -154,6 +154,7 @@ TESTED_ELSEWHERE = (
     # issue 66's CLIP methods, in tests/test_fidelity_clip.py
     *("tpt", "zero", "tda", "dmn-zs", "boostadapter"),
     *("foa", "dpcore"),  # issue 63's ViT prompt methods, in tests/test_fidelity_foa.py and test_fidelity_dpcore.py
+    "spa",  # issue 63's, in tests/test_fidelity_spa.py
 )
 
 

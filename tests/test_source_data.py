@@ -95,7 +95,7 @@ def test_eatas_fisher_from_a_class_folder_set_is_that_of_shuffled_batches(traine
     from cafa_cli.engine.method import select_parameters
     from cafa_cli.jobs.adapt.source_images import fisher_batches
     from cafa_cli.jobs.config import AdaptConfig
-    from cafa_cli.methods.eata import fisher_information
+    from cafa_cli.methods.shared.fisher import fisher_information
 
     model = copy.deepcopy(trained[0])
     params, cpu = select_parameters(model), torch.device("cpu")

@@ -66,6 +66,7 @@ REGISTRY: dict[str, Entry] = {
     "neo": Entry("neo", "Neo"),
     "foa": Entry("foa", "Foa"),  # needs_tokens: a ViT's
     "dpcore": Entry("dpcore", "DPCore"),  # needs_tokens: a ViT's
+    "spa": Entry("spa", "Spa"),
     "cotta": Entry("cotta", "CoTTA"),
     "rotta": Entry("rotta", "RoTTA"),
     "rmt": Entry("rmt", "Rmt"),

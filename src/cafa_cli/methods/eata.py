@@ -37,36 +37,14 @@ step out through `leave_out` (base.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.nn.functional as F
 
 from cafa_cli.engine.method import Method
 from cafa_cli.engine.options import Option
 from cafa_cli.methods.shared import losses
+from cafa_cli.methods.shared.fisher import FISHER_ALPHA, fisher_information, fisher_penalty
 from cafa_cli.methods.shared.selection import SELECTION_OPTIONS, Selection
 from cafa_cli.model.features import FeatureClassifier
-
-FISHER_ALPHA = 2000.0  # β
-
-
-def fisher_information(
-    model: FeatureClassifier, params: list[torch.nn.Parameter], batches: Iterable[torch.Tensor], device: torch.device
-) -> list[torch.Tensor]:
-    """Each parameter's diagonal Fisher information: the mean over `batches` of the squared
-    gradient of the batch's cross-entropy against the model's own predictions."""
-    fisher = [torch.zeros_like(p) for p in params]
-    count = 0
-    with torch.inference_mode(False), torch.enable_grad():
-        for images in batches:
-            logits, _ = model(images.to(device))
-            loss = F.cross_entropy(logits, logits.detach().argmax(1))
-            for total, grad in zip(fisher, torch.autograd.grad(loss, params)):
-                total += grad.square()
-            count += 1
-    return [total / max(count, 1) for total in fisher]
-
 
 # The authors' reset() (mr-eggplant/EATA eata.py) puts back the weights and the optimiser and keeps
 # the redundancy filter's moving mean across corruptions; the benchmark collection clears it.
@@ -131,5 +109,4 @@ class Eata(Eta):
         loss = super().loss(logits, features)
         if self.fisher is None:
             return loss
-        penalty = sum((f * (p - p0).square()).sum() for f, p, p0 in zip(self.fisher, self.params, self.anchor))
-        return loss + self.fisher_alpha * penalty
+        return loss + self.fisher_alpha * fisher_penalty(self.fisher, self.params, self.anchor)
