@@ -7,7 +7,7 @@ optimiser state) through a warm-up step and --steps steps, over the memory just 
 build. Before it, the model and the batch (and the method's data: synthetic class statistics, as
 perf.py's, for a method that needs them; FOA's and DPCore's source images) are made, and a
 throwaway Adapter of the same method on a copy of the model takes one step, so that the imports
-a first step makes (torch._dynamo's, about 165 MiB, at an optimiser's first step; cma's), the
+a first step makes (torch._dynamo's, about 120 MiB, at an optimiser's first step; cma's), the
 libraries' first-call allocations and autograd's threads count toward no method. On the CPU the
 heap's free pages are then handed back (malloc_trim), so that a step cannot hide in pages the
 throwaway left resident. CPU: peak RSS (VmHWM, reset through /proc/self/clear_refs, perf.py's)
