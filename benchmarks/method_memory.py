@@ -139,6 +139,8 @@ def main() -> None:
     for name in args.methods.split(","):
         methods += [m for m in REGISTRY if measured_here(args.model, m)] if name == "all" else [name]
     passed = [a for a in sys.argv[1:] if a != "--json" and not a.endswith(".json")]
+    here = Path(__file__).parent
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
     rows = {}
     for method in dict.fromkeys(methods):
         runs = []
@@ -153,7 +155,8 @@ def main() -> None:
         print(f"{method:14s} {rows[method]['mib']:8.1f} MiB   runs {', '.join(f'{r:.1f}' for r in runs)}", flush=True)
         if args.json:  # after every method: a run cut off keeps what it measured
             settings = {k: v for k, v in vars(args).items() if k not in ("child", "json")}
-            record = {"settings": settings, "torch": torch.__version__, "threads": torch.get_num_threads()}
+            record = {"settings": settings, "commit": commit, "torch": torch.__version__}
+            record["threads"] = torch.get_num_threads()
             Path(args.json).write_text(json.dumps({**record, "methods": rows}, indent=2) + "\n")
 
 
