@@ -45,24 +45,35 @@ def current_bytes(device: torch.device) -> int:
     return 0
 
 
-def measure(args, method: str) -> dict:
+def vit(args) -> torch.nn.Module:
+    """The ViT of these figures (by default the tiny one of FOA's and DPCore's fidelity tests), random weights."""
     import timm
 
-    device = pick_device(args.device)
-    torch.manual_seed(0)
     shape = dict(img_size=args.img, patch_size=args.patch, depth=args.depth, embed_dim=args.dim, num_heads=args.heads)
-    vit = timm.create_model("vit_tiny_patch16_224", num_classes=args.classes, **shape).eval()
-    # shifted from the source images, so that DPCore's prompts close a gap and its later steps are a known domain's
-    images = torch.randn(args.batch, 3, args.img, args.img, device=device) * 1.5 + 0.3
-    options, settings = {}, {"lr": 0.001}
+    return timm.create_model("vit_tiny_patch16_224", num_classes=args.classes, **shape).eval()
+
+
+def vit_setting(args, method: str, device: torch.device) -> tuple[dict, dict]:
+    """The method's options and Adapter settings here: FOA's and DPCore's source images (two
+    batches of the source's noise) and DPCore's recipe optimiser; every other method lr 0.001."""
     source = [torch.randn(args.batch, 3, args.img, args.img, device=device) for _ in range(2)]
     if method == "foa":
-        options = {"statistics_batches": source, "population": args.population}
+        return {"statistics_batches": source, "population": args.population}, {"lr": 0.001}
     if method == "dpcore":  # random weights: every source image counts as confident
-        options = {"statistics_batches": source, "source_margin": 1.0}
         settings = {"optimizer": "adamw", "lr": 0.1, "steps": args.dpcore_steps}
+        return {"statistics_batches": source, "source_margin": 1.0}, settings
+    return {}, {"lr": 0.001}
+
+
+def measure(args, method: str) -> dict:
+    device = pick_device(args.device)
+    torch.manual_seed(0)
+    model = vit(args)
+    # shifted from the source images, so that DPCore's prompts close a gap and its later steps are a known domain's
+    images = torch.randn(args.batch, 3, args.img, args.img, device=device) * 1.5 + 0.3
+    options, settings = vit_setting(args, method, device)
     made = create(method, None, device, **options)
-    adapter = Adapter(FeatureClassifier(vit), made, device, **settings)
+    adapter = Adapter(FeatureClassifier(model), made, device, **settings)
     sync(device)
     reset_peak(device)
     before = current_bytes(device)
@@ -83,17 +94,22 @@ def measure(args, method: str) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def vit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ViT's shape and FOA's and DPCore's settings (method_memory.py takes them too)."""
     parser.add_argument("--img", type=int, default=32)
     parser.add_argument("--patch", type=int, default=8)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--population", type=int, default=27, help="FOA's K (the authors' 27)")
     parser.add_argument("--dpcore-steps", type=int, default=50, help="DPCore's steps on a new domain (recipe: 50)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    vit_arguments(parser)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--methods", default="tent,foa")

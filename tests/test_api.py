@@ -43,6 +43,7 @@ INTERNALS = {
     "bare_loop.py": {"cafa_cli.model.zoo.fmnist_resnet"},  # the bundled architecture, without cafa's loading
     "ccc_table.py": {"cafa_cli.jobs.adapt.prepare"},  # prepare_adaptation: each image's record as the stream goes
     "choose_lr.py": {"cafa_cli.jobs.bench.selection"},  # best: the pick `cafa bench --by held-out` makes
+    "method_memory.py": {"cafa_cli.model.clip"},  # the zero-shot head, on a tiny CLIP made without a checkpoint
 }
 
 

@@ -26,6 +26,7 @@ from test_cli_adapt import setup  # noqa: F401  (the module's trained net and ar
 from cafa_cli.jobs.bench.rows import VARIANTS, parse_methods
 from cafa_cli.jobs.methods import markdown, methods_table, terminal_table
 from cafa_cli.methods import REGISTRY, method_class
+from cafa_cli.methods.recipes import description
 
 NAMES = tuple(REGISTRY)
 
@@ -259,7 +260,8 @@ def test_methods_into_a_pipe_is_todays_markdown_and_format_chooses(monkeypatch):
     piped = invoke("methods")  # the runner's stdout is no terminal
     assert piped.exit_code == 0, piped.stderr
     assert piped.stdout == markdown(methods_table()) + "\n"
-    assert piped.stdout.startswith("| method | summary | paper | adapts | artifact | step ÷ TENT (CPU) |\n|---|")
+    header = "| method | summary | paper | adapts | artifact | step ÷ TENT (CPU) | peak MiB (CPU) |\n|---|"
+    assert piped.stdout.startswith(header)
     assert invoke("methods", "--format", "markdown").stdout == piped.stdout
     monkeypatch.setenv("COLUMNS", "64")  # the width rich takes where stdout is no terminal
     table = invoke("methods", "--format", "table")
@@ -275,6 +277,29 @@ def test_methods_format_json_is_json():
     fails(invoke("methods", "--json", "--format", "markdown"), 2, "--json is --format json")
     for flag in (["--json"], ["--format", "json"]):  # one method's recipe is TOML: not silently what was asked
         fails(invoke("methods", "eata", *flag), 2, f"{flag[0]} is for the table of methods", "as TOML")
+
+
+def test_peak_memory_is_shown_beside_the_cost_in_every_form():
+    listed = {row["method"]: row for row in json.loads(invoke("methods", "--json").stdout)}
+    assert list(listed["tent"]) == ["method", "summary", "paper", "adapts", "artifact", "cost", "memory_mib"]
+    assert listed["tent"]["memory_mib"] > listed["source"]["memory_mib"]  # a backward pass keeps activations
+    out = io.StringIO()
+    Console(file=out, width=160).print(terminal_table(methods_table(), 160))
+    assert "peak MiB" in out.getvalue() and "above the loaded model" in out.getvalue()
+    out = io.StringIO()
+    Console(file=out, width=40).print(terminal_table(methods_table(), 40))  # stacked: each fact named
+    words = " ".join(re.sub(r"[│┃─┼━╇]", " ", out.getvalue()).split())
+    assert re.search(r"source the source model .* peak MiB \(CPU\): \d+ bn ", words)
+
+
+def test_every_method_has_a_memory_figure_or_an_explicit_dash():
+    """Not silently missing: a new method's recipe file names its figure (benchmarks/method_memory.py
+    measures every registered method) or says "—" (its notes then say why)."""
+    figures = {name: description(name)["memory_mib"] for name in NAMES}
+    wrong = {name: value for name, value in figures.items() if not (value == "—" or type(value) is int and value >= 0)}
+    assert not wrong, f"memory_mib must be whole MiB or '—' in recipes/NAME.toml's [method] table: {wrong}"
+    shown = {row["method"]: row["memory_mib"] for row in methods_table()}  # "—" is None, shown as —
+    assert shown == {name: None if value == "—" else value for name, value in figures.items()}
 
 
 def test_methods_usage_shows_its_optional_method_once_bracketed():

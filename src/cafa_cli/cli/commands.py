@@ -144,7 +144,8 @@ def methods(
     as_json: Annotated[bool, typer.Option("--json", help="Without METHOD: the table as JSON (--format json).")] = False,
 ):
     """List the methods (what each does, its paper, what it adapts, whether it needs an
-    artifact, its step cost); with METHOD, its options and a recipe as TOML for --recipe."""
+    artifact, its step cost and peak memory); with METHOD, its options and a recipe as TOML
+    for --recipe."""
     from rich.console import Console
 
     from cafa_cli.core.errors import UsageError

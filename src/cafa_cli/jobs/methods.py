@@ -1,5 +1,5 @@
 """`cafa methods`: every method with what it does, its paper, what it adapts, whether it
-needs an artifact and its step cost; one method's options and a recipe as TOML."""
+needs an artifact, its step cost and its peak memory; one method's options and a recipe as TOML."""
 
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ from cafa_cli.jobs.config import AdaptConfig
 from cafa_cli.methods import REGISTRY, method_class
 from cafa_cli.methods.recipes import FAMILIES, SETTINGS, Recipe, description, recipe_for, shipped, to_toml
 
-COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "cost")  # the keys of a row, and of --json's
-HEADERS = {"cost": "step ÷ TENT (CPU)"}  # a table's words for a key, where they differ from it
+COLUMNS = ("method", "summary", "paper", "adapts", "artifact", "cost", "memory_mib")  # a row's keys, and --json's
+HEADERS = {"cost": "step ÷ TENT (CPU)", "memory_mib": "peak MiB (CPU)"}  # a table's words for a key, where not it
 FACTS = {"artifact": "needs an artifact (cafa stats)"}  # a method's page's words for a key, where a table's are terse
 COST_MEANS = "step ÷ TENT: the time of one step over TENT's, on the CPU"
-_STACKED_BELOW = 72  # terminal columns; narrower, each method's facts stack in one cell
+MEMORY_MEANS = (
+    "peak MiB: the most memory the method's Adapter takes above the loaded model (its build and four steps, "
+    "peak RSS), on the CPU, on the bundled fmnist-resnet at batch 64; the ViT methods' on a tiny ViT, the CLIP "
+    "methods' on a tiny CLIP (source's and tent's on each: docs/performance/methods.md)"
+)
+_STACKED_BELOW = 80  # terminal columns; narrower, each method's facts stack in one cell
+NOT_MEASURED = "—"  # a recipe file's `memory_mib` for a method without a figure (its notes say why)
 TRAINING_SETTINGS = ("optimizer", "lr", "momentum", "steps", "params")  # meaningless for a method that does not train
 
 
@@ -32,7 +38,7 @@ def method_row(name: str) -> dict:
     """A built-in method's row: the [method] table of its recipe file, and whether it needs an
     artifact (cafa stats)."""
     about = description(name)
-    cost = about["cost"]
+    cost, memory = about["cost"], about["memory_mib"]
     return {
         "method": name,
         "summary": about["summary"],
@@ -40,6 +46,7 @@ def method_row(name: str) -> dict:
         "adapts": about["adapts"],
         "artifact": method_class(name).needs_statistics,
         "cost": None if cost is None else float(cost),
+        "memory_mib": None if memory in (None, NOT_MEASURED) else memory,  # whole MiB
     }
 
 
@@ -61,7 +68,7 @@ def markdown(rows: list[dict]) -> str:
 
 def terminal_table(rows: list[dict], width: int) -> Table:
     """The table for a terminal `width` columns wide: each cell wraps inside its column, where
-    a markdown line of ~300 characters wraps across the whole screen. Below 72 columns six
+    a markdown line of ~300 characters wraps across the whole screen. Below 80 columns seven
     columns would leave a few letters a line: each method's facts stack in one cell."""
     if width < _STACKED_BELOW:
         table = Table(Column("method", no_wrap=True), "about", show_lines=True, show_edge=False)
@@ -70,7 +77,8 @@ def terminal_table(rows: list[dict], width: int) -> Table:
                 cell(row["summary"]),
                 f"paper: {cell(row['paper'])}",
                 f"adapts: {cell(row['adapts'])}",
-                f"artifact: {cell(row['artifact'])}; {HEADERS['cost']}: {cell(row['cost'])}",
+                f"artifact: {cell(row['artifact'])}; {HEADERS['cost']}: {cell(row['cost'])}; "
+                f"{HEADERS['memory_mib']}: {cell(row['memory_mib'])}",
             ]
             table.add_row(Text(printable(row["method"])), Text("\n".join(map(printable, about)), overflow="fold"))
         return table
@@ -81,9 +89,10 @@ def terminal_table(rows: list[dict], width: int) -> Table:
         Column("adapts", max_width=24),
         "artifact",
         Column("step ÷ TENT", justify="right", max_width=6),
+        Column("peak MiB", justify="right", max_width=6),
         show_lines=True,
         show_edge=False,
-        caption=COST_MEANS,
+        caption=f"{COST_MEANS}; {MEMORY_MEANS}",
         caption_justify="left",
     )
     for row in rows:
@@ -165,7 +174,7 @@ def index_page(intro: str = "") -> str:
         | {"method": f"[{row['method']}]({row['method']}.md)"}
         for row in methods_table()
     ]
-    parts = ["# Methods", markdown(rows), f"*{COST_MEANS}.*", intro.strip(), "## Recipes by family"]
+    parts = ["# Methods", markdown(rows), f"*{COST_MEANS}; {MEMORY_MEANS}.*", intro.strip(), "## Recipes by family"]
     for family in FAMILIES:
         recipes = {name: shipped(name, family) for name in REGISTRY}
         keys = [key for key in SETTINGS if any(recipe and key in recipe.settings for recipe in recipes.values())]
@@ -191,7 +200,8 @@ def method_page(name: str) -> str:
     row, about, method = method_row(name), description(name), method_class(name)
     facts = "\n".join(f"- **{FACTS.get(c, HEADERS.get(c, c))}**: {_escaped(cell(row[c]))}" for c in COLUMNS[2:])
     summary = _escaped(cell(row["summary"]))
-    parts = [f"# {name}", summary[:1].upper() + summary[1:] + ".", facts, f"*{COST_MEANS}.*", "## Options"]
+    parts = [f"# {name}", summary[:1].upper() + summary[1:] + ".", facts, f"*{COST_MEANS}; {MEMORY_MEANS}.*"]
+    parts.append("## Options")
     if method.options:
         lines = [_row(["option", "default", "accepts", "what it does"]), _row(["---"] * 4)]
         lines += [

@@ -2,7 +2,8 @@
 
 One TOML file per method (recipes/<method>.toml): a `[method]` table that describes it
 (summary, paper, what it adapts, its step cost ÷ TENT's on the CPU from benchmarks/perf.py,
-and, in markdown, `notes` on how it is run and its `deviations` from its authors' code),
+its peak memory in MiB above the loaded model on the CPU from benchmarks/method_memory.py, or
+"—" where it is not measured, and, in markdown, `notes` on how it is run and its `deviations` from its authors' code),
 then one table per family (imagenet-c, cifar10-c, cifar100-c) holding `source` (where the
 values come from), the settings the method was run with (SETTINGS: optimiser, learning
 rate, momentum, batch size, steps, which parameters adapt, the normalisation, EATA's Fisher
@@ -53,7 +54,7 @@ SETTINGS = ("optimizer", "lr", "momentum", "batch_size", "steps", "params", "nor
 ADAPTER_SETTINGS = tuple(key for key in SETTINGS if key in {f.name for f in fields(AdapterSettings)})
 FAMILY_BY_CLASSES = {10: "cifar10-c", 100: "cifar100-c", 1000: "imagenet-c"}
 # the [method] table; notes and deviations are markdown, for the site's methods reference alone
-DESCRIPTION = ("summary", "paper", "adapts", "cost", "notes", "deviations")
+DESCRIPTION = ("summary", "paper", "adapts", "cost", "memory_mib", "notes", "deviations")
 # the model of each family's tables in the papers (TENT's, CoTTA's and those after them)
 STANDARD_MODELS = {
     "imagenet-c": "robustbench:imagenet/Standard_R50",
