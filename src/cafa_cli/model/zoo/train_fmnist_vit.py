@@ -38,7 +38,7 @@ from cafa_cli.model.zoo.train_fmnist import (
 )
 
 DEFAULT_OUT = Path(__file__).resolve().with_name("fmnist_vit.safetensors")
-DEFAULT_EPOCHS = 5
+DEFAULT_EPOCHS = 10
 PEAK_LR = 1e-3
 WARMUP_FRACTION = 0.05
 WEIGHT_DECAY = 0.05
