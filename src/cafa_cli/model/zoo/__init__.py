@@ -36,6 +36,12 @@ def _fmnist_clip(weights: Path) -> nn.Module:
     return load_fmnist_clip(weights)
 
 
+def _fmnist_vit(weights: Path) -> nn.Module:
+    from cafa_cli.model.zoo.fmnist_vit import load_fmnist_vit
+
+    return load_fmnist_vit(weights)
+
+
 @dataclass(frozen=True)
 class BundledModel:
     load: Callable[[Path], nn.Module]  # the model with these weights, loaded strictly
@@ -73,6 +79,17 @@ BUNDLED: dict[str, BundledModel] = {
         retrain="cafa_cli.model.zoo.train_fmnist_clip",
         class_names=tuple(FASHION_MNIST_CLASSES),
         preprocessing=_fashion_mnist_preprocessing(channels=3),
+        training_data="fashion-mnist",
+    ),
+    # a small timm VisionTransformer (the `timm` extra: 4 blocks of width 96, 7×7 patches, a
+    # class token) on the same grey images, for the methods that prompt a ViT's tokens (FOA,
+    # DPCore), which the ResNet has none of; retrain it with python -m cafa_cli.model.zoo.train_fmnist_vit
+    "fmnist-vit": BundledModel(
+        load=_fmnist_vit,
+        weights=ZOO_DIR / "fmnist_vit.safetensors",
+        retrain="cafa_cli.model.zoo.train_fmnist_vit",
+        class_names=tuple(FASHION_MNIST_CLASSES),
+        preprocessing=_fashion_mnist_preprocessing(channels=1),
         training_data="fashion-mnist",
     ),
 }

@@ -162,7 +162,6 @@ def random_contrast_brightness(images: torch.Tensor, generator: torch.Generator)
 
 
 def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = math.ceil(len(images) / BATCH_SIZE)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=PEAK_LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
@@ -170,6 +169,40 @@ def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: 
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=PEAK_LR, epochs=epochs, steps_per_epoch=steps_per_epoch
     )
+    fit(model, images, labels, epochs, seed, optimizer, schedule)
+
+
+def adamw_warmup_cosine(
+    parameters: list[nn.Parameter], peak_lr: float, weight_decay: float, steps: int, warmup_fraction: float
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with weight decay on matrices only (not on gains, biases, embeddings' scale), its
+    rate rising linearly to `peak_lr` over the first `warmup_fraction` of the steps, then a cosine to 0."""
+    decay = [p for p in parameters if p.ndim >= 2]
+    no_decay = [p for p in parameters if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=peak_lr
+    )
+    warmup = max(1, int(warmup_fraction * steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+        ),
+    )
+    return optimizer, schedule
+
+
+def fit(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    epochs: int,
+    seed: int,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Cross-entropy on augmented batches of BATCH_SIZE, in an order and with augmentations drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
     model.train()
     for epoch in range(1, epochs + 1):
         epoch_started = time.perf_counter()

@@ -41,6 +41,7 @@ from cafa_cli.model.zoo.fmnist_clip import (
     training_captions,
 )
 from cafa_cli.model.zoo.train_fmnist import (
+    adamw_warmup_cosine,
     augment,
     evaluate,
     normalize,
@@ -54,7 +55,7 @@ DEFAULT_EPOCHS = 4
 BATCH_SIZE = 256
 PEAK_LR = 2e-3
 WARMUP_FRACTION = 0.05
-WEIGHT_DECAY = 0.05  # on matrices only, as CLIP: not on gains, biases, embeddings' scale
+WEIGHT_DECAY = 0.05  # on matrices only, as CLIP
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,19 +153,8 @@ def train(clip, tokenizer, captions, images, labels, args) -> None:
     counts = torch.bincount(caption_labels, minlength=len(CLASS_NAMES))
     offsets = torch.cumsum(counts, 0) - counts  # captions are grouped by class
 
-    decay = [p for p in clip.parameters() if p.ndim >= 2]
-    no_decay = [p for p in clip.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}], lr=PEAK_LR
-    )
     steps = args.epochs * math.ceil(len(images) / BATCH_SIZE)
-    warmup = max(1, int(WARMUP_FRACTION * steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
-        ),
-    )
+    optimizer, schedule = adamw_warmup_cosine(list(clip.parameters()), PEAK_LR, WEIGHT_DECAY, steps, WARMUP_FRACTION)
     clip.train()
     for epoch in range(1, args.epochs + 1):
         epoch_started = time.perf_counter()
