@@ -47,7 +47,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from foa_memory import current_bytes, vit, vit_arguments, vit_setting  # noqa: E402
-from perf import model_arguments, peak_bytes, reset_peak, sync, synthetic_gaussians, timing_model, whole_cycles  # noqa: E402
+from perf import (  # noqa: E402
+    model_arguments,
+    peak_bytes,
+    reset_peak,
+    sync,
+    synthetic_gaussians,
+    timing_model,
+    whole_cycles,
+    with_gate_open,
+)
 
 from cafa_cli.api import REGISTRY, Adapter, FeatureClassifier, create, method_class, pick_device  # noqa: E402
 
@@ -104,7 +113,9 @@ def measure(args, method: str) -> int:
     gaussians = synthetic_gaussians(model.num_classes, model.feature_dim, "full") if needs else None
     # a throwaway Adapter of the method on a copy, one step: the imports it makes (cma, augmentations),
     # the libraries' first-call allocations and autograd's threads, which count toward no figure
-    warm = Adapter(copy.deepcopy(model), create(method, gaussians, device, **options), device, **settings)
+    warm = Adapter(
+        copy.deepcopy(model), create(method, gaussians, device, **with_gate_open(method, options)), device, **settings
+    )
     warm.step(images)
     del warm
     gc.collect()
@@ -114,7 +125,7 @@ def measure(args, method: str) -> int:
         torch.cuda.empty_cache()
     reset_peak(device)
     before = current_bytes(device)
-    adapter = Adapter(model, create(method, gaussians, device, **options), device, **settings)
+    adapter = Adapter(model, create(method, gaussians, device, **with_gate_open(method, options)), device, **settings)
     for _ in range(1 + whole_cycles(adapter, args.steps, args.batch)):  # a warm-up step, then --steps
         adapter.step(images)
     sync(device)
