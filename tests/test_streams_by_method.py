@@ -1,4 +1,4 @@
-"""Issue 63's methods through `cafa adapt` under every --order and every --reset, on the tiny
+"""Issue 63's methods (SPA included) through `cafa adapt` under every --order and every --reset, on the tiny
 CNN and on a tiny timm ViT: each setting once a method, paired so that four runs cover the
 three orders and the four resets (a full product would be twelve runs a method for what the
 pairs already reach)."""
@@ -16,7 +16,7 @@ STREAMS = (
     ("dirichlet:0.01", "never"),
     ("iid", "every:2"),
 )
-ON_ANY_MODEL = ("shot-im", "shot", "neo", "sotta", "stamp", "owttt", "tent:entropy=come")
+ON_ANY_MODEL = ("shot-im", "shot", "neo", "sotta", "stamp", "owttt", "spa", "tent:entropy=come")
 ON_A_VIT = ("foa:population=2", "dpcore:source_margin=1")  # small enough for a 12-image source
 
 
