@@ -1,7 +1,7 @@
-"""Issue 63's methods (SPA included) through `cafa adapt` under every --order and every --reset, on the tiny
-CNN and on a tiny timm ViT: each setting once a method, paired so that four runs cover the
-three orders and the four resets (a full product would be twelve runs a method for what the
-pairs already reach)."""
+"""Issue 63's methods (SPA included) through `cafa adapt` under every --order and every
+--reset, on the tiny CNN and on a tiny timm ViT: each setting once a method, paired so that
+four runs cover the three orders and the four resets (a full product would be twelve runs a
+method for what the pairs already reach)."""
 
 from __future__ import annotations
 
